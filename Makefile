@@ -1,0 +1,26 @@
+# Two entry points, each self-contained on a fresh machine: `make run` and `make test`.
+# The venv is built with Python 3.12 (pyenv's 3.12.1 where pyenv is present).
+VENV   ?= .venv
+PY312  ?= python3.12
+export PYENV_VERSION ?= 3.12.1
+PY      = $(VENV)/bin/python
+ARGS   ?=
+
+.PHONY: venv run test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PY312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: venv
+	$(PY) -m experiments.decode $(ARGS)
+
+test: venv
+	$(PY) -m pytest -q -n 2 tests
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,255 @@
+"""CSA2 attention: window ring + compressed entries selected by the sparse indexer, one sink softmax.
+
+One code path serves prefill, chunked prefill and decode: a forward processes T new tokens per
+sequence on top of what the cache already holds (`Step.lengths`), `Step.n_new[b]` of them real (the
+rest is right padding). A decode step is T == 1; it reads the packed cache through the decode-form
+ops (what the Pallas kernels replace). For T > 1 the compressed entries are attended densely under
+the top-k mask, which is the same set of keys (tests check that the two paths agree).
+
+Quantize-dequantize happens where the release does it: window KV after norm + RoPE (FP8), compressed
+latent after pooling + norm + RoPE (FP4/E4M3), indexer q and k after RoPE (FP4/E8M0). What attention
+reads is always what the cache stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax import kernels, ops
+from dsv41_jax.cache import SourceCache
+from dsv41_jax.layers import Linear, RMSNorm, normal_init
+from dsv41_jax.plan import LayerPlan, Mode
+from dsv41_jax.quant import CacheFormats, fake_quant
+from dsv41_jax.rope import apply_rope, inv_frequencies
+
+
+@dataclass
+class Step:
+    """Trace-time state of one forward chunk, shared by the layers in order (sources publish first)."""
+
+    pos: jax.Array  # int32 [B, T] absolute positions of the chunk's tokens
+    lengths: jax.Array  # int32 [B] tokens in the cache before this chunk
+    n_new: jax.Array  # int32 [B] real tokens in this chunk
+    fmt: CacheFormats
+    window: dict  # window ring records [L, B, W, ...], updated layer by layer
+    sources: list  # SourceCache per kv source, updated by the source layers
+    decode: bool  # T == 1: read packed records through the decode-form ops
+    topk: jax.Array | None = None  # int32 [B, T, K] from the latest index source
+    pool: jax.Array | None = None  # bool [B, T, N] candidate pool of the candidate source
+    kernel_backend: str = "jnp"
+    extras: dict = field(default_factory=dict)
+
+
+def _scatter_rows(arr: jax.Array, j_bg: jax.Array, rows: jax.Array) -> jax.Array:
+    """arr[b, j[b, g]] = rows[b, g]; rows past the end of arr are dropped."""
+    b = jnp.arange(arr.shape[0])[:, None]
+    return arr.at[b, j_bg].set(rows.astype(arr.dtype), mode="drop")
+
+
+def _ring_positions(length_b: jax.Array, w: int) -> jax.Array:
+    """int32 [B, W]: the newest position p < length with p % W == slot (negative: empty slot)."""
+    r = jnp.arange(w)
+    last = length_b[:, None] - 1
+    return last - jnp.mod(last - r, w)
+
+
+class Compressor(nnx.Module):
+    """m == 1: entry = RMSNorm(wkv x). m > 1: entry = RMSNorm(sum over the group of
+    softmax_over_tokens(wgate x) * wkv x), non-overlapping groups of m tokens."""
+
+    def __init__(self, cfg, ratio: int, *, rngs: nnx.Rngs):
+        self.ratio = ratio
+        self.wkv = Linear(cfg.dim, cfg.head_dim, rngs=rngs, dtype=cfg.param_dtype)
+        if ratio > 1:
+            self.wgate = Linear(cfg.dim, cfg.head_dim, rngs=rngs, dtype=cfg.param_dtype)
+        self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+
+    def __call__(self, x_btd: jax.Array, step: Step, src: SourceCache):
+        """Returns (latent [B, G, hd] before RoPE, entry index j [B, G], pend_kv, pend_score)."""
+        m = self.ratio
+        b, t, _ = x_btd.shape
+        if m == 1:
+            j = step.lengths[:, None] + jnp.arange(t)
+            return self.norm(self.wkv(x_btd)), j, src.pend_kv, src.pend_score
+        # the pooling runs in f32 (the release promotes these weights to f32)
+        xf = x_btd.astype(jnp.float32)
+        kv_ext = jnp.concatenate([src.pend_kv, self.wkv(xf)], axis=1)  # [B, m + T, hd]
+        sc_ext = jnp.concatenate([src.pend_score, self.wgate(xf)], axis=1)
+        held = (step.lengths % m)[:, None]  # pending tokens carried in from earlier chunks
+
+        def ext_index(v):  # virtual token v of (pending ++ chunk) -> row of kv_ext
+            return jnp.clip(jnp.where(v < held, v, m + v - held), 0, m + t - 1)
+
+        g = (m - 1 + t) // m
+        rows = ext_index(jnp.arange(g * m)[None, :])  # [B, G*m]
+        take = lambda a, idx: jnp.take_along_axis(a, idx[..., None], axis=1)
+        kv = take(kv_ext, rows).reshape(b, g, m, -1)
+        sc = take(sc_ext, rows).reshape(b, g, m, -1)
+        pooled = jnp.sum(jax.nn.softmax(sc, axis=2) * kv, axis=2)
+        j = (step.lengths // m)[:, None] + jnp.arange(g)
+        total = held[:, 0] + step.n_new
+        start = (total - total % m)[:, None]
+        prow = ext_index(start + jnp.arange(m)[None, :])
+        return self.norm(pooled.astype(x_btd.dtype)), j, take(kv_ext, prow), take(sc_ext, prow)
+
+
+class Indexer(nnx.Module):
+    """Scores compressed positions for each query: sum_h w_h * ReLU(q_h . k), keeps the top `index_topk`.
+
+    A kv source also owns the key projection (wk, k_norm) applied to its compressed latent.
+    """
+
+    def __init__(self, cfg, owns_keys: bool, *, rngs: nnx.Rngs):
+        hi, di = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = Linear(cfg.q_lora_rank, hi * di, rngs=rngs, dtype=cfg.param_dtype)
+        self.weights_proj = Linear(cfg.dim, hi, rngs=rngs, dtype=cfg.param_dtype)
+        if owns_keys:
+            self.wk = Linear(cfg.head_dim, di, rngs=rngs, dtype=cfg.param_dtype)
+            self.k_norm = RMSNorm(di, cfg.norm_eps)
+        self.n_heads, self.head_dim = hi, di
+        self.weight_scale = di ** -0.5 * hi ** -0.5
+
+    def keys(self, latent_bgd: jax.Array, gpos_bg: jax.Array, inv_freq) -> jax.Array:
+        return apply_rope(self.k_norm(self.wk(latent_bgd)), gpos_bg, inv_freq)
+
+    def query(self, x_btd, qr_btr, pos_bt, inv_freq, fmt: CacheFormats):
+        b, t, _ = x_btd.shape
+        q = self.wq_b(qr_btr).reshape(b, t, self.n_heads, self.head_dim)
+        q = fake_quant(fmt.index_key, apply_rope(q, pos_bt, inv_freq))
+        w = self.weights_proj(x_btd, jnp.float32) * self.weight_scale
+        return q, w
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg, plan: LayerPlan, *, rngs: nnx.Rngs):
+        dt = cfg.param_dtype
+        self.plan = plan
+        self.cfg = cfg
+        h, hd = cfg.n_heads, cfg.head_dim
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, rngs=rngs, dtype=dt)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, h * hd, rngs=rngs, dtype=dt)
+        self.wkv = Linear(cfg.dim, hd, rngs=rngs, dtype=dt)
+        self.kv_norm = RMSNorm(hd, cfg.norm_eps)
+        # grouped low-rank output: group g projects its own heads [h/G * hd] -> o_lora, then wo_b
+        self.wo_a = Linear(h * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, rngs=rngs, dtype=dt)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, rngs=rngs, dtype=dt)
+        self.attn_sink = nnx.Param(jnp.zeros((h,), jnp.float32))
+        if plan.compresses:
+            self.compressor = Compressor(cfg, plan.ratio, rngs=rngs)
+        if plan.has_indexer:
+            self.indexer = Indexer(cfg, owns_keys=plan.compresses, rngs=rngs)
+        self.scale = hd ** -0.5
+
+    @property
+    def inv_freq(self):
+        c, p = self.cfg, self.plan
+        return inv_frequencies(c.rope_head_dim, p.rope_theta, p.yarn, c.original_seq_len, c.rope_factor,
+                               c.beta_fast, c.beta_slow)
+
+    # ------------------------------------------------------------------ pieces
+    def _publish_source(self, x_btd: jax.Array, step: Step) -> None:
+        """Kv source: compress this chunk, write main KV and indexer keys into its cache slot."""
+        slot, m = self.plan.source_slot, self.plan.ratio
+        src: SourceCache = step.sources[slot]
+        latent, j, pend_kv, pend_score = self.compressor(x_btd, step, src)
+        gpos = j * m  # an entry is rotated at its group's first position
+        keys = self.indexer.keys(latent, gpos, self.inv_freq)
+        main = apply_rope(latent, gpos, self.inv_freq)
+        enc_k, enc_m = step.fmt.index_key.encode(keys), step.fmt.main_kv.encode(main)
+        step.sources[slot] = SourceCache(
+            entries=jax.tree.map(lambda a, r: _scatter_rows(a, j, r), src.entries, enc_m),
+            index_keys=jax.tree.map(lambda a, r: _scatter_rows(a, j, r), src.index_keys, enc_k),
+            pend_kv=pend_kv, pend_score=pend_score,
+        )
+
+    def _select(self, x_btd, qr_btr, step: Step) -> jax.Array:
+        """Indexer + top-k for this layer (FULL / REINDEX); publishes the candidate pool if asked."""
+        cfg, p = self.cfg, self.plan
+        src: SourceCache = step.sources[p.source_slot]
+        q, w = self.indexer.query(x_btd, qr_btr, step.pos, self.inv_freq, step.fmt)
+        reach = (step.pos + 1) // p.ratio  # [B, T] entries whose group the query has completed
+        if step.decode:
+            scores = kernels.indexer_scores_decode(q[:, 0], w[:, 0], src.index_keys, reach[:, 0],
+                                                   step.fmt.index_key, backend=step.kernel_backend)[:, None]
+        else:
+            keys = step.fmt.index_key.decode(src.index_keys)
+            scores = ops.mask_unreachable(ops.indexer_scores(q, w, keys), reach)
+        if p.uses_candidates:
+            scores = jnp.where(step.pool, scores, ops.NEG_INF)
+        if p.is_candidate_source:
+            blocks = kernels.candidate_blocks(scores, reach, cfg.candidate_topk_blocks, cfg.candidate_block_size,
+                                              backend=step.kernel_backend)
+            step.pool = ops.blocks_to_mask(blocks, scores.shape[-1], cfg.candidate_block_size)
+        return kernels.select_topk(scores, cfg.index_topk, backend=step.kernel_backend)
+
+    def _window(self, kv_btd: jax.Array, step: Step):
+        """Write this chunk's window rows into the ring; return (ring records, old ring records)."""
+        l, w = self.plan.layer, self.cfg.window_size
+        rec = step.fmt.window_kv.encode(kv_btd)
+        old = jax.tree.map(lambda a: a[l], step.window)
+        ring_pos = _ring_positions(step.lengths + step.n_new, w)  # [B, W] after this chunk
+        from_chunk = ring_pos >= step.lengths[:, None]
+        t_idx = jnp.clip(ring_pos - step.lengths[:, None], 0, kv_btd.shape[1] - 1)
+
+        def upd(o, c):
+            picked = jnp.take_along_axis(c, t_idx.reshape(*t_idx.shape, *([1] * (c.ndim - 2))), axis=1)
+            sel = from_chunk.reshape(*from_chunk.shape, *([1] * (c.ndim - 2)))
+            return jnp.where(sel, picked, o)
+
+        new = jax.tree.map(upd, old, rec)
+        step.window = jax.tree.map(lambda a, n: a.at[l].set(n), step.window, new)
+        return rec, old, new
+
+    # ------------------------------------------------------------------ forward
+    def __call__(self, x_btd: jax.Array, step: Step) -> jax.Array:
+        cfg, p = self.cfg, self.plan
+        b, t, _ = x_btd.shape
+        h, hd, w = cfg.n_heads, cfg.head_dim, cfg.window_size
+        qr = self.q_norm(self.wq_a(x_btd))
+        q = apply_rope(self.wq_b(qr).reshape(b, t, h, hd), step.pos, self.inv_freq)
+        kv = apply_rope(self.kv_norm(self.wkv(x_btd)), step.pos, self.inv_freq)
+        chunk_rec, old_ring, new_ring = self._window(kv, step)
+
+        idx = None
+        if p.compresses:
+            self._publish_source(x_btd, step)
+        if p.has_indexer:
+            idx = self._select(x_btd, qr, step)
+            step.topk = idx
+        elif p.mode is Mode.REUSE:
+            idx = step.topk
+        fmt = step.fmt
+        src = step.sources[p.source_slot] if p.mode is not Mode.WINDOW else None
+
+        if step.decode:
+            valid = _ring_positions(step.lengths + step.n_new, w) >= 0
+            if src is None:
+                ring = fmt.window_kv.decode(new_ring)
+                o = ops.attend(q, ring, valid[:, None], self.attn_sink[...], self.scale)
+            else:
+                o = kernels.sparse_attention_decode(
+                    q[:, 0], new_ring, valid, fmt.window_kv, src.entries, idx[:, 0], fmt.main_kv,
+                    self.attn_sink[...], self.scale, backend=step.kernel_backend)[:, None]
+        else:
+            old_pos = _ring_positions(step.lengths, w)  # [B, W]
+            kpos = jnp.concatenate([old_pos, step.pos], axis=1)  # [B, W + T]
+            qp = step.pos[:, :, None]
+            mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= qp) & (kpos[:, None, :] > qp - w)
+            keys = jnp.concatenate([fmt.window_kv.decode(old_ring), fmt.window_kv.decode(chunk_rec)], axis=1)
+            if src is not None:
+                entries = fmt.main_kv.decode(src.entries)
+                keys = jnp.concatenate([keys, entries], axis=1)
+                mask = jnp.concatenate([mask, ops.topk_to_mask(idx, entries.shape[1])], axis=2)
+            o = ops.attend(q, keys, mask, self.attn_sink[...], self.scale)
+
+        o = apply_rope(o, step.pos, self.inv_freq, inverse=True).astype(x_btd.dtype)
+        g = cfg.o_groups
+        o = o.reshape(b, t, g, h * hd // g)
+        wo_a = self.wo_a.weight[...].reshape(g, cfg.o_lora_rank, -1).astype(o.dtype)
+        o = jnp.einsum("btgd,grd->btgr", o, wo_a, preferred_element_type=jnp.float32).astype(o.dtype)
+        return self.wo_b(o.reshape(b, t, g * cfg.o_lora_rank))

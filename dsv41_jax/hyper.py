@@ -1,0 +1,58 @@
+"""Manifold-constrained hyper-connections (mHC): the residual stream is `hc` parallel copies.
+
+Each sub-layer (attention, FFN) derives three coefficient sets from its normalized input stream:
+`pre` [hc] (how to collapse the copies into one input), `post` [hc] (how to spread the output back),
+`comb` [hc, hc] (how copies mix into each other: made doubly stochastic by Sinkhorn iterations).
+As in the release, the `pre` a sub-layer computes is used by the *next* sub-layer: attention of layer
+l collapses with the FFN-`pre` of layer l-1 (one-hot for layer 0), the FFN with attention's `pre`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax.layers import normal_init
+
+
+def sinkhorn_split(mixes: jax.Array, scale: jax.Array, base: jax.Array, hc: int, iters: int, eps: float):
+    """mixes [..., (2+hc)*hc] f32 -> pre [..., hc], post [..., hc], comb [..., hc, hc] (rows -> cols)."""
+    pre = jax.nn.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * jax.nn.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*mixes.shape[:-1], hc, hc)
+    comb = jax.nn.softmax(comb, axis=-1) + eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    return pre, post, comb
+
+
+class HyperMix(nnx.Module):
+    """Coefficient projection of one sub-layer: fn [(2+hc)*hc, hc*dim], base [(2+hc)*hc], scale [3]."""
+
+    def __init__(self, dim: int, hc: int, iters: int, eps: float, norm_eps: float, *, rngs: nnx.Rngs):
+        mix = (2 + hc) * hc
+        self.fn = nnx.Param(normal_init(rngs, (mix, hc * dim), jnp.float32))
+        self.base = nnx.Param(jnp.zeros((mix,), jnp.float32))
+        self.scale = nnx.Param(jnp.full((3,), 0.1, jnp.float32))
+        self.hc, self.iters, self.eps, self.norm_eps = hc, iters, eps, norm_eps
+
+    def __call__(self, x_bthd: jax.Array):
+        x = x_bthd.reshape(*x_bthd.shape[:-2], -1).astype(jnp.float32)
+        rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.norm_eps)
+        mixes = jnp.einsum("...i,mi->...m", x, self.fn[...]) * rstd
+        return sinkhorn_split(mixes, self.scale[...], self.base[...], self.hc, self.iters, self.eps)
+
+
+def collapse(x_bthd: jax.Array, pre_bth: jax.Array) -> jax.Array:
+    """[B, T, hc, D] x [B, T, hc] -> [B, T, D]."""
+    return jnp.einsum("bthd,bth->btd", x_bthd.astype(jnp.float32), pre_bth).astype(x_bthd.dtype)
+
+
+def expand(y_btd: jax.Array, residual_bthd: jax.Array, post_bth: jax.Array, comb_bthk: jax.Array) -> jax.Array:
+    """out[j] = post[j] * y + sum_i comb[i, j] * residual[i]."""
+    out = post_bth[..., None] * y_btd[:, :, None, :].astype(jnp.float32)
+    out = out + jnp.einsum("btij,btid->btjd", comb_bthk, residual_bthd.astype(jnp.float32))
+    return out.astype(y_btd.dtype)

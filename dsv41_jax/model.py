@@ -1,0 +1,93 @@
+"""The DeepSeek-V4.1 text backbone as Flax NNX modules, and its chunk forward over the cache.
+
+embed -> hc copies -> [Engram] -> blocks (mHC around CSA2 attention and MoE) -> collapse -> norm -> head.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax.attention import Attention, Step
+from dsv41_jax.cache import Cache, formats_of
+from dsv41_jax.engram import Engram
+from dsv41_jax.engram_hash import EngramHashLayout, ngram_hash_ids, ngram_windows
+from dsv41_jax.hyper import HyperMix, collapse, expand
+from dsv41_jax.layers import Buffer, Embedding, Linear, RMSNorm
+from dsv41_jax.moe import MoE
+from dsv41_jax.plan import build_plan
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg, plan, engram_rows: int | None, *, rngs: nnx.Rngs):
+        self.attn = Attention(cfg, plan, rngs=rngs)
+        self.ffn = MoE(cfg, rngs=rngs)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        mix = lambda: HyperMix(cfg.dim, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, rngs=rngs)
+        self.hc_attn, self.hc_ffn = mix(), mix()
+        self.engram = Engram(cfg, engram_rows, rngs=rngs) if engram_rows else None
+
+    def __call__(self, h, pre_mix, step: Step, engram_ids=None):
+        """h: [B, T, hc, dim]; pre_mix: [B, T, hc] from the previous block. Returns (h, next pre_mix)."""
+        if self.engram is not None:
+            h = self.engram(h, engram_ids)
+        attn_pre, post, comb = self.hc_attn(h)
+        x = self.attn(self.attn_norm(collapse(h, pre_mix)), step)
+        h = expand(x, h, post, comb)
+        ffn_pre, post, comb = self.hc_ffn(h)
+        x = self.ffn(self.ffn_norm(collapse(h, attn_pre)))
+        return expand(x, h, post, comb), ffn_pre
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        plan = build_plan(cfg)
+        rows = dict(zip(cfg.engram_layer_ids, cfg.engram_num_embeddings))
+        self.embed = Embedding(cfg.vocab_size, cfg.dim, rngs=rngs, dtype=cfg.param_dtype)
+        self.layers = nnx.List([Block(cfg, p, rows.get(p.layer), rngs=rngs) for p in plan])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = Linear(cfg.dim, cfg.vocab_size, rngs=rngs, dtype=cfg.param_dtype)
+        if cfg.engram_layer_ids:
+            # tokenizer-derived compressed vocabulary for the n-gram hashes (identity for random presets)
+            self.engram_token_map = Buffer(jnp.arange(cfg.vocab_size, dtype=jnp.int32) % cfg.engram_compressed_vocab_size)
+
+    def forward(self, cache: Cache, tokens_bt: jax.Array, n_new_b: jax.Array, *, all_logits: bool,
+                kernel_backend: str = "jnp") -> tuple[jax.Array, Cache]:
+        """Process T new tokens per sequence on top of `cache`; n_new_b[b] of them are real.
+
+        Returns logits f32 ([B, T, V] if all_logits else [B, V] at each sequence's last real token)
+        and the updated cache.
+        """
+        cfg = self.cfg
+        b, t = tokens_bt.shape
+        dt = jnp.dtype(cfg.dtype)
+        step = Step(pos=cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32), lengths=cache.lengths,
+                    n_new=n_new_b, fmt=formats_of(cfg), window=cache.window, sources=list(cache.sources),
+                    decode=(t == 1), kernel_backend=kernel_backend)
+        history = cache.ngram_history
+        engram_ids = None
+        if cfg.engram_layer_ids:
+            comp = self.engram_token_map[...][tokens_bt]
+            pad = self.engram_token_map[...][cfg.engram_pad_id]
+            win = ngram_windows(comp, history, pad, cfg.engram_max_ngram_size)
+            engram_ids = ngram_hash_ids(EngramHashLayout.from_config(cfg), win)  # [B, T, L_e, cols]
+            full = jnp.concatenate([history, comp], axis=1)
+            keep = n_new_b[:, None] + jnp.arange(history.shape[1])
+            history = jnp.take_along_axis(full, keep, axis=1)
+        h = jnp.broadcast_to(self.embed(tokens_bt).astype(dt)[:, :, None, :], (b, t, cfg.hc_mult, cfg.dim))
+        pre = jnp.zeros((b, t, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
+        e_slot = {l: i for i, l in enumerate(cfg.engram_layer_ids)}
+        for layer, block in enumerate(self.layers):
+            ids = engram_ids[:, :, e_slot[layer]] if layer in e_slot else None
+            h, pre = block(h, pre, step, ids)
+        x = collapse(h, pre)
+        if not all_logits:
+            last = jnp.clip(n_new_b - 1, 0, t - 1)
+            x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+        logits = self.head(self.norm(x).astype(jnp.float32), jnp.float32)
+        new_cache = Cache(lengths=cache.lengths + n_new_b, window=step.window, sources=tuple(step.sources),
+                          ngram_history=history)
+        return logits, new_cache

@@ -1,0 +1,135 @@
+"""Plain-jnp reference implementations of the CSA2 hot spots.
+
+These are the semantics the Pallas kernels (kernels_pallas/) must reproduce, and what runs on CPU.
+Shapes: B batch, T query tokens, N compressed entries, S attended keys, H heads, D channels.
+
+- `indexer_scores`: score[b,t,n] = sum_h w[b,t,h] * relu(q[b,t,h] . k[b,n])
+- `select_topk`: the k best positions per row, sorted by position, -1 for empty slots; ties go to the
+  lowest position; -inf scores are never selected.
+- `candidate_blocks`: blocks of `block` positions scored by their max, the newest reachable block
+  pinned, the best `n_blocks` kept (sorted, -1 padded).
+- `attend`: one softmax over the keys a mask allows, with a per-head sink in the denominator only.
+- `*_decode`: the decode-step forms that read the packed cache records (what the kernels replace).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+
+
+def indexer_scores(q_bthd: jax.Array, w_bth: jax.Array, k_bnd: jax.Array) -> jax.Array:
+    """ReLU-weighted head sum of the indexer. Returns f32 [B, T, N]."""
+    logits = jnp.einsum("bthd,bnd->bthn", q_bthd.astype(jnp.float32), k_bnd.astype(jnp.float32))
+    return jnp.einsum("bthn,bth->btn", jax.nn.relu(logits), w_bth.astype(jnp.float32))
+
+
+def mask_unreachable(scores_btn: jax.Array, reachable_bt: jax.Array) -> jax.Array:
+    """-inf at positions n >= reachable[b, t] (entries whose group the query has not completed)."""
+    n = jnp.arange(scores_btn.shape[-1])
+    return jnp.where(n < reachable_bt[..., None], scores_btn, NEG_INF)
+
+
+def select_topk(scores: jax.Array, k: int) -> jax.Array:
+    """int32 [..., k]: the k highest-scoring positions of each row, ascending; -1 fills empty slots.
+
+    Exact top set; ties broken towards the lowest position (`lax.top_k` is stable).
+    """
+    n = scores.shape[-1]
+    kk = min(k, n)
+    vals, idx = jax.lax.top_k(scores, kk)
+    idx = jnp.where(vals > NEG_INF, idx, n)  # empty -> sorts last
+    idx = jnp.sort(idx, axis=-1)
+    idx = jnp.where(idx < n, idx, -1).astype(jnp.int32)
+    if kk < k:
+        idx = jnp.concatenate([idx, jnp.full((*idx.shape[:-1], k - kk), -1, jnp.int32)], axis=-1)
+    return idx
+
+
+def candidate_blocks(scores_btn: jax.Array, reachable_bt: jax.Array, n_blocks: int, block: int) -> jax.Array:
+    """Level one of the hierarchical top-k. int32 [B, T, n_blocks] block ids (ascending, -1 padded).
+
+    `scores_btn` must already be -inf at unreachable positions. The block holding the newest reachable
+    position is always kept (it may be only partly filled and would otherwise lose to older blocks).
+    """
+    b, t, n = scores_btn.shape
+    nb = -(-n // block)
+    padded = jnp.pad(scores_btn, ((0, 0), (0, 0), (0, nb * block - n)), constant_values=NEG_INF)
+    bscore = padded.reshape(b, t, nb, block).max(axis=-1)
+    newest = (reachable_bt - 1) // block  # -1 when nothing is reachable
+    pin = (jnp.arange(nb) == newest[..., None]) & (reachable_bt[..., None] > 0)
+    bscore = jnp.where(pin, jnp.inf, bscore)
+    return select_topk(bscore, n_blocks)
+
+
+def blocks_to_mask(blocks_btk: jax.Array, n: int, block: int) -> jax.Array:
+    """bool [B, T, n]: True at positions inside the listed blocks."""
+    nb = -(-n // block)
+    hit = jnp.zeros((*blocks_btk.shape[:-1], nb + 1), bool)
+    hit = jnp.put_along_axis(hit, jnp.where(blocks_btk >= 0, blocks_btk, nb), True, axis=-1, inplace=False)
+    return jnp.repeat(hit[..., :nb], block, axis=-1)[..., :n]
+
+
+def topk_to_mask(idx_btk: jax.Array, n: int) -> jax.Array:
+    """bool [B, T, n]: True at the selected positions."""
+    hit = jnp.zeros((*idx_btk.shape[:-1], n + 1), bool)
+    hit = jnp.put_along_axis(hit, jnp.where(idx_btk >= 0, idx_btk, n), True, axis=-1, inplace=False)
+    return hit[..., :n]
+
+
+def attend(q_bthd: jax.Array, kv: jax.Array, mask: jax.Array, sink_h: jax.Array, scale: float) -> jax.Array:
+    """Sink softmax attention with K = V (one shared latent head). f32 out [B, T, H, D].
+
+    kv: [B, S, D] (shared by all queries) or [B, T, S, D] (per query); mask: [B, T, S] bool.
+    A query with no allowed key returns zeros (its whole mass goes to the sink).
+    """
+    q = q_bthd.astype(jnp.float32)
+    kv = kv.astype(jnp.float32)
+    if kv.ndim == 3:
+        s = jnp.einsum("bthd,bsd->bths", q, kv)
+    else:
+        s = jnp.einsum("bthd,btsd->bths", q, kv)
+    s = jnp.where(mask[:, :, None, :], s * scale, NEG_INF)
+    sink = sink_h.astype(jnp.float32)[None, None, :]
+    m = jnp.maximum(jnp.max(s, axis=-1), sink)  # [B, T, H], finite thanks to the sink
+    p = jnp.exp(s - m[..., None])
+    denom = jnp.sum(p, axis=-1) + jnp.exp(sink - m)
+    if kv.ndim == 3:
+        o = jnp.einsum("bths,bsd->bthd", p, kv)
+    else:
+        o = jnp.einsum("bths,btsd->bthd", p, kv)
+    return o / denom[..., None]
+
+
+# ----------------------------------------------------------------------------- decode forms
+# These read cache records ({"values", "scales"} arrays in the layout of dsv41_jax.quant) and are the
+# exact contracts of the Pallas decode kernels.
+def gather_rows(x_bn: jax.Array, idx_bk: jax.Array) -> jax.Array:
+    """x[b, idx[b, k], ...] with -1 mapped to row 0 (callers mask those rows)."""
+    idx = jnp.maximum(idx_bk, 0).reshape(*idx_bk.shape, *([1] * (x_bn.ndim - 2)))
+    return jnp.take_along_axis(x_bn, idx, axis=1)
+
+
+def indexer_scores_decode(q_bhd: jax.Array, w_bh: jax.Array, key_rec: dict, reachable_b: jax.Array,
+                          codec) -> jax.Array:
+    """Decode-step indexer scan over the packed keys [B, N, ...]: f32 [B, N], -inf past `reachable_b`."""
+    keys = codec.decode(key_rec)
+    s = indexer_scores(q_bhd[:, None], w_bh[:, None], keys)[:, 0]
+    return mask_unreachable(s, reachable_b)
+
+
+def sparse_attention_decode(q_bhd: jax.Array, window_rec: dict, window_valid_bw: jax.Array, window_codec,
+                            entry_rec: dict, idx_bk: jax.Array, entry_codec, sink_h: jax.Array,
+                            scale: float) -> jax.Array:
+    """One decode query per sequence over its window ring and its selected compressed entries.
+
+    window_rec: ring records [B, W, ...] with validity [B, W]; entry_rec: compressed entries [B, N, ...],
+    of which only the rows named by idx_bk [B, K] (-1 = empty) are read. Returns f32 [B, H, D].
+    """
+    window = window_codec.decode(window_rec)
+    sel = entry_codec.decode(jax.tree.map(lambda a: gather_rows(a, idx_bk), entry_rec))
+    kv = jnp.concatenate([window, sel], axis=1)
+    mask = jnp.concatenate([window_valid_bw, idx_bk >= 0], axis=1)
+    return attend(q_bhd[:, None], kv, mask[:, None], sink_h, scale)[:, 0]
