@@ -23,9 +23,13 @@ def sinkhorn_split(mixes: jax.Array, scale: jax.Array, base: jax.Array, hc: int,
     comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*mixes.shape[:-1], hc, hc)
     comb = jax.nn.softmax(comb, axis=-1) + eps
     comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
-        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+
+    def body(_, c):
+        c = c / (c.sum(axis=-1, keepdims=True) + eps)
+        return c / (c.sum(axis=-2, keepdims=True) + eps)
+
+    # a rolled loop: 20 unrolled iterations per sub-layer dominate compile time otherwise
+    comb = jax.lax.fori_loop(0, iters - 1, body, comb)
     return pre, post, comb
 
 
