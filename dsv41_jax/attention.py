@@ -9,11 +9,26 @@ the top-k mask, which is the same set of keys (tests check that the two paths ag
 Quantize-dequantize happens where the release does it: window KV after norm + RoPE (FP8), compressed
 latent after pooling + norm + RoPE (FP4/E4M3), indexer q and k after RoPE (FP4/E8M0). What attention
 reads is always what the cache stores.
+
+Index-key semantics (`ModelConfig.index_keys`), which differ only in decode steps:
+
+- "consistent": every layer scores against its own kv source's keys, as in prefill.
+- "released": what the released code does. A kv source republishes its keys into one shared slot only
+  when a group completes, so at a decode step where a ratio-2 group is still filling, its layers score
+  against the keys that were published last, whatever source published them (in the release: layer
+  20's ratio-1 keys, read as if they were ratio-2 entries). The top-k indices found there still pick
+  entries of the layer's own source. Chunked prefill keeps the consistent semantics (the release has
+  no chunked prefill). The publisher before a decode step is derived from the position: a ratio-m
+  source publishes at position q when (q + 1) % m == 0. The release's single-shot prefill also
+  publishes a source whose last group is partial, which differs from that rule only when the
+  highest kv source has a ratio above 1 (not the case in the release).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +36,7 @@ from flax import nnx
 
 from dsv41_jax import kernels, ops
 from dsv41_jax.cache import SourceCache
-from dsv41_jax.layers import Linear, RMSNorm, normal_init
+from dsv41_jax.layers import Linear, RMSNorm, normal_init, released_fp8_linear
 from dsv41_jax.plan import LayerPlan, Mode
 from dsv41_jax.quant import CacheFormats, fake_quant
 from dsv41_jax.rope import apply_rope, inv_frequencies
@@ -41,7 +56,32 @@ class Step:
     topk: jax.Array | None = None  # int32 [B, T, K] from the latest index source
     pool: jax.Array | None = None  # bool [B, T, N] candidate pool of the candidate source
     kernel_backend: str = "jnp"
+    key_owner: jax.Array | None = None  # int32 [B]: "released" decode, slot whose index keys are read
     extras: dict = field(default_factory=dict)
+
+
+def released_key_owner(source_ratios: tuple[int, ...], lengths_b: jax.Array) -> jax.Array:
+    """int32 [B]: the kv-source slot that published index keys last before position lengths[b].
+
+    Source s (ratio m_s) publishes at position q when (q + 1) % m_s == 0; sources publish in layer
+    (slot) order, so the newest position with a publisher wins and within it the highest slot.
+    -1 when nothing was published (an empty cache).
+    """
+    owner = jnp.full_like(lengths_b, -1)
+    for back in range(math.lcm(*source_ratios), 0, -1):  # oldest first: newer positions overwrite
+        q = lengths_b - back
+        for slot, m in enumerate(source_ratios):
+            owner = jnp.where((q >= 0) & ((q + 1) % m == 0), slot, owner)
+    return owner.astype(jnp.int32)
+
+
+def _resize_rows(rec: dict, n: int) -> dict:
+    """Records [B, N', ...] cut or zero-padded to [B, n, ...] (rows past n are never reachable)."""
+    def fit(a):
+        if a.shape[1] >= n:
+            return a[:, :n]
+        return jnp.pad(a, [(0, 0), (0, n - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+    return jax.tree.map(fit, rec)
 
 
 def _scatter_rows(arr: jax.Array, j_bg: jax.Array, rows: jax.Array) -> jax.Array:
@@ -105,7 +145,7 @@ class Indexer(nnx.Module):
 
     def __init__(self, cfg, owns_keys: bool, *, rngs: nnx.Rngs):
         hi, di = cfg.index_n_heads, cfg.index_head_dim
-        self.wq_b = Linear(cfg.q_lora_rank, hi * di, rngs=rngs, dtype=cfg.param_dtype)
+        self.wq_b = released_fp8_linear(cfg, cfg.q_lora_rank, hi * di, rngs=rngs)
         self.weights_proj = Linear(cfg.dim, hi, rngs=rngs, dtype=cfg.param_dtype)
         if owns_keys:
             self.wk = Linear(cfg.head_dim, di, rngs=rngs, dtype=cfg.param_dtype)
@@ -130,14 +170,15 @@ class Attention(nnx.Module):
         self.plan = plan
         self.cfg = cfg
         h, hd = cfg.n_heads, cfg.head_dim
-        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, rngs=rngs, dtype=dt)
+        self.wq_a = released_fp8_linear(cfg, cfg.dim, cfg.q_lora_rank, rngs=rngs)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-        self.wq_b = Linear(cfg.q_lora_rank, h * hd, rngs=rngs, dtype=dt)
-        self.wkv = Linear(cfg.dim, hd, rngs=rngs, dtype=dt)
+        self.wq_b = released_fp8_linear(cfg, cfg.q_lora_rank, h * hd, rngs=rngs)
+        self.wkv = released_fp8_linear(cfg, cfg.dim, hd, rngs=rngs)
         self.kv_norm = RMSNorm(hd, cfg.norm_eps)
-        # grouped low-rank output: group g projects its own heads [h/G * hd] -> o_lora, then wo_b
+        # grouped low-rank output: group g projects its own heads [h/G * hd] -> o_lora, then wo_b.
+        # wo_a ships in FP8 but the release dequantizes it at conversion and runs it unquantized.
         self.wo_a = Linear(h * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, rngs=rngs, dtype=dt)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, rngs=rngs, dtype=dt)
+        self.wo_b = released_fp8_linear(cfg, cfg.o_groups * cfg.o_lora_rank, cfg.dim, rngs=rngs)
         self.attn_sink = nnx.Param(jnp.zeros((h,), jnp.float32))
         if plan.compresses:
             self.compressor = Compressor(cfg, plan.ratio, rngs=rngs)
@@ -166,6 +207,9 @@ class Attention(nnx.Module):
             index_keys=jax.tree.map(lambda a, r: _scatter_rows(a, j, r), src.index_keys, enc_k),
             pend_kv=pend_kv, pend_score=pend_score,
         )
+        if step.key_owner is not None:  # "released": republished only when this step completes a group
+            completes = (step.pos[:, 0] + 1) % m == 0
+            step.key_owner = jnp.where(completes, slot, step.key_owner)
 
     def _select(self, x_btd, qr_btr, step: Step) -> jax.Array:
         """Indexer + top-k for this layer (FULL / REINDEX); publishes the candidate pool if asked."""
@@ -174,7 +218,8 @@ class Attention(nnx.Module):
         q, w = self.indexer.query(x_btd, qr_btr, step.pos, self.inv_freq, step.fmt)
         reach = (step.pos + 1) // p.ratio  # [B, T] entries whose group the query has completed
         if step.decode:
-            scores = kernels.indexer_scores_decode(q[:, 0], w[:, 0], src.index_keys, reach[:, 0],
+            key_rec = src.index_keys if step.key_owner is None else self._released_keys(step)
+            scores = kernels.indexer_scores_decode(q[:, 0], w[:, 0], key_rec, reach[:, 0],
                                                    step.fmt.index_key, backend=step.kernel_backend)[:, None]
         else:
             keys = step.fmt.index_key.decode(src.index_keys)
@@ -186,6 +231,18 @@ class Attention(nnx.Module):
                                               backend=step.kernel_backend)
             step.pool = ops.blocks_to_mask(blocks, scores.shape[-1], cfg.candidate_block_size)
         return kernels.select_topk(scores, cfg.index_topk, backend=step.kernel_backend)
+
+    def _released_keys(self, step: Step) -> dict:
+        """Index-key records [B, N, ...] of the slot each sequence's released decode reads (see the
+        module docstring), sized like this layer's own source."""
+        own = step.sources[self.plan.source_slot].index_keys
+        n = jax.tree.leaves(own)[0].shape[1]
+        out = own
+        for slot, src in enumerate(step.sources):
+            pick = step.key_owner == slot
+            out = jax.tree.map(lambda o, a: jnp.where(pick.reshape(-1, *([1] * (a.ndim - 1))), a, o),
+                               out, _resize_rows(src.index_keys, n))
+        return out
 
     def _window(self, kv_btd: jax.Array, step: Step):
         """Write this chunk's window rows into the ring; return (ring records, old ring records)."""

@@ -1,10 +1,47 @@
-"""Small building blocks: Linear (weights stored [out, in] as in the checkpoint), RMSNorm, Embedding."""
+"""Small building blocks: Linear (weights stored [out, in] as in the checkpoint), RMSNorm, Embedding,
+and the released weight formats.
+
+Weight formats (what `ModelConfig.weight_format` selects; "float" is the default):
+
+- "float": every weight a float array in `param_dtype`.
+- "fp8": the projections the release ships in FP8 keep its format in the params: E4M3 values [out, in]
+  plus one E8M0 scale per 32x32 block [ceil(out/32), ceil(in/32)] (uint8 biased exponents, as in
+  dsv41_jax.quant), dequantized inside the computation. Routed experts (moe.py) and Engram tables
+  (engram.py) keep their FP4 / FP8 formats the same way.
+
+`ModelConfig.activation_quant` reproduces the release's `fp8` inference mode: the input of every
+projection it ships in FP8/FP4 is rounded to FP8 E4M3 in groups of 32 with power-of-two scales
+before the matmul. With exact dequantized weights this is the same product as its block-scaled GEMM,
+up to f32 summation order. Both switches are read with getattr so that a config without them keeps
+the original behaviour.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from dsv41_jax import quant
+
+FP8_BLOCK = 32  # dense FP8 weights: one scale per 32x32 block; activations: one per 32 inputs
+ACT_FP8 = quant.Fp8Codec(block=FP8_BLOCK)  # the release's act_quant: E4M3, power-of-two scale, amax >= 1e-4
+EXPERT_FP4 = quant.Fp4Codec(block=32, scale_format="e8m0")  # routed experts: one E8M0 scale per 32 inputs
+
+
+def weights_fp8(cfg) -> bool:
+    """True when params keep the release's FP8 / FP4 weight formats (config switch `weight_format`)."""
+    return getattr(cfg, "weight_format", "float") == "fp8"
+
+
+def activation_quant(cfg) -> bool:
+    """True when FP8/FP4 projections round their inputs to FP8 first (the release's `fp8` mode)."""
+    return bool(getattr(cfg, "activation_quant", False))
+
+
+def quantize_activation(x: jax.Array) -> jax.Array:
+    """x [..., K] rounded to FP8 E4M3 with one power-of-two scale per 32 values along K (K % 32 == 0)."""
+    return quant.fake_quant_ste(ACT_FP8, x)
 
 
 class Buffer(nnx.Variable):
@@ -17,16 +54,67 @@ def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float | None
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
-class Linear(nnx.Module):
-    """y = x @ W.T with W [out, in]; computes in x's dtype with f32 accumulation."""
+# ----------------------------------------------------------------------------- dense FP8 blocks
+def quantize_fp8_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """f32 [out, in] -> (E4M3 [out, in], E8M0 exponents uint8 [ceil(out/32), ceil(in/32)]).
 
-    def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype="float32"):
-        self.weight = nnx.Param(normal_init(rngs, (d_out, d_in), dtype))
+    One power-of-two scale 2^ceil(log2(amax/448)) per 32x32 block (amax >= 1e-4), values rounded to
+    nearest even and saturated at +-448: the released checkpoint's dense format.
+    """
+    o, i = w.shape
+    po, pi = -o % FP8_BLOCK, -i % FP8_BLOCK
+    tiles = jnp.pad(w.astype(jnp.float32), ((0, po), (0, pi)))
+    tiles = tiles.reshape((o + po) // FP8_BLOCK, FP8_BLOCK, (i + pi) // FP8_BLOCK, FP8_BLOCK)
+    amax = jnp.maximum(jnp.max(jnp.abs(tiles), axis=(1, 3)), 1e-4)
+    scale, exp = quant.e8m0_scale(amax, quant.FP8_MAX)
+    q = jnp.clip(tiles / scale[:, None, :, None], -quant.FP8_MAX, quant.FP8_MAX).astype(jnp.float8_e4m3fn)
+    return q.reshape(o + po, i + pi)[:o, :i], exp
+
+
+def dequantize_fp8_blocks(q_oi: jax.Array, exp: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """E4M3 [out, in] x E8M0 [ceil(out/32), ceil(in/32)] -> `dtype` [out, in] (exact in bf16 and f32)."""
+    o, i = q_oi.shape
+    s = quant.e8m0_decode(exp)
+    s = jnp.repeat(jnp.repeat(s, FP8_BLOCK, axis=0)[:o], FP8_BLOCK, axis=1)[:, :i]
+    return (q_oi.astype(jnp.float32) * s).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ W.T with W [out, in]; computes in x's dtype with f32 accumulation.
+
+    fp8=True stores W in the released FP8 block format (`weight` E4M3 + `scale`), dequantized here;
+    act_quant=True rounds x to FP8 groups of 32 first (see the module docstring).
+    """
+
+    def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype="float32", fp8: bool = False,
+                 act_quant: bool = False):
+        w = normal_init(rngs, (d_out, d_in), jnp.float32 if fp8 else dtype)
+        if fp8:
+            q, s = quantize_fp8_blocks(w)
+            self.weight = nnx.Param(q)
+            self.scale = nnx.Param(s)
+        else:
+            self.weight = nnx.Param(w)
+        self.fp8 = fp8
+        self.act_quant = act_quant
+
+    def dense_weight(self, dtype) -> jax.Array:
+        """W [out, in] in `dtype`, dequantized when stored in FP8."""
+        if self.fp8:
+            return dequantize_fp8_blocks(self.weight[...], self.scale[...], dtype)
+        return self.weight[...].astype(dtype)
 
     def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
-        w = self.weight[...].astype(x.dtype)
-        y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
+        if self.act_quant:
+            x = quantize_activation(x)
+        y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype), preferred_element_type=jnp.float32)
         return y.astype(out_dtype or x.dtype)
+
+
+def released_fp8_linear(cfg, d_in: int, d_out: int, *, rngs: nnx.Rngs) -> Linear:
+    """A projection the release ships in FP8 (and runs W8A8 in its fp8 mode), formatted per `cfg`."""
+    return Linear(d_in, d_out, rngs=rngs, dtype=cfg.param_dtype, fp8=weights_fp8(cfg),
+                  act_quant=activation_quant(cfg))
 
 
 class RMSNorm(nnx.Module):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax.attention import Attention, Step
+from dsv41_jax.attention import Attention, Step, released_key_owner
 from dsv41_jax.cache import Cache, formats_of
 from dsv41_jax.engram import Engram
 from dsv41_jax.engram_hash import EngramHashLayout, ngram_hash_ids, ngram_windows
@@ -67,6 +67,9 @@ class Transformer(nnx.Module):
         step = Step(pos=cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32), lengths=cache.lengths,
                     n_new=n_new_b, fmt=formats_of(cfg), window=cache.window, sources=list(cache.sources),
                     decode=(t == 1), kernel_backend=kernel_backend)
+        if cfg.index_keys == "released" and t == 1 and step.sources:
+            ratios = tuple(p.ratio for p in build_plan(cfg) if p.compresses)
+            step.key_owner = released_key_owner(ratios, cache.lengths)
         history = cache.ngram_history
         engram_ids = None
         if cfg.engram_layer_ids:

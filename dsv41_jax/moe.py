@@ -1,6 +1,13 @@
 """Mixture of experts: sqrtsoftplus router with a selection-only bias, top-k routed experts through
 `jax.lax.ragged_dot` (tokens sorted by expert, one grouped matmul per projection), one shared expert,
-SwiGLU with the release's clamps (up branch to +-limit, gate branch from above)."""
+SwiGLU with the release's clamps (up branch to +-limit, gate branch from above).
+
+With `weight_format="fp8"` the routed experts keep the released FP4 format: E2M1 codes packed two per
+byte along the input axis (even element in the low nibble) in the checkpoint's output-major
+orientation, w1/w3 [E, inter, dim/2] and w2 [E, dim, inter/2], plus one E8M0 scale per 32 inputs
+(`w*_scale`, uint8 exponents); they are dequantized to the input-major form inside the computation.
+With `activation_quant` the expert and shared-expert inputs are rounded to FP8 first (W4A8 / W8A8).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax.layers import Buffer, Linear, normal_init
+from dsv41_jax.layers import (EXPERT_FP4, Buffer, activation_quant, normal_init, quantize_activation,
+                              released_fp8_linear, weights_fp8)
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -43,19 +51,35 @@ class Router(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """Routed experts stored stacked and input-major: w1/w3 [E, dim, inter], w2 [E, inter, dim]."""
+    """Routed experts stored stacked and input-major: w1/w3 [E, dim, inter], w2 [E, inter, dim]
+    (or packed FP4, output-major, with `weight_format="fp8"`: see the module docstring)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         e, d, f, dt = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, cfg.param_dtype
         self.router = Router(cfg, rngs=rngs)
-        self.w1 = nnx.Param(normal_init(rngs, (e, f, d), dt).transpose(0, 2, 1))
-        self.w3 = nnx.Param(normal_init(rngs, (e, f, d), dt).transpose(0, 2, 1))
-        self.w2 = nnx.Param(normal_init(rngs, (e, d, f), dt).transpose(0, 2, 1))
-        self.shared_w1 = Linear(d, f, rngs=rngs, dtype=dt)
-        self.shared_w3 = Linear(d, f, rngs=rngs, dtype=dt)
-        self.shared_w2 = Linear(f, d, rngs=rngs, dtype=dt)
+        self.fp4 = weights_fp8(cfg)
+        self.act_quant = activation_quant(cfg)
+        for name, (d_out, d_in) in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f))):
+            w = normal_init(rngs, (e, d_out, d_in), jnp.float32 if self.fp4 else dt)
+            if self.fp4:
+                rec = EXPERT_FP4.encode(w)
+                setattr(self, name, nnx.Param(rec["values"]))
+                setattr(self, name + "_scale", nnx.Param(rec["scales"]))
+            else:
+                setattr(self, name, nnx.Param(w.transpose(0, 2, 1)))
+        self.shared_w1 = released_fp8_linear(cfg, d, f, rngs=rngs)
+        self.shared_w3 = released_fp8_linear(cfg, d, f, rngs=rngs)
+        self.shared_w2 = released_fp8_linear(cfg, f, d, rngs=rngs)
         self.limit = cfg.swiglu_limit
         self.n_experts = e
+
+    def expert_weight(self, name: str, dtype) -> jax.Array:
+        """Stacked input-major expert weight [E, in, out] in `dtype` (dequantized from FP4 if stored so)."""
+        w = getattr(self, name)[...]
+        if not self.fp4:
+            return w.astype(dtype)
+        dense = EXPERT_FP4.decode({"values": w, "scales": getattr(self, name + "_scale")[...]})
+        return dense.transpose(0, 2, 1).astype(dtype)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         b, t, d = x_btd.shape
@@ -66,12 +90,15 @@ class MoE(nnx.Module):
         order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
         token_of = order // k
         sizes = jnp.bincount(flat, length=self.n_experts).astype(jnp.int32)
-        xs = x[token_of]
         dt = x.dtype
-        h1 = jax.lax.ragged_dot(xs, self.w1[...].astype(dt), sizes, preferred_element_type=jnp.float32)
-        h3 = jax.lax.ragged_dot(xs, self.w3[...].astype(dt), sizes, preferred_element_type=jnp.float32)
-        act = swiglu(h1, h3, self.limit) * w.reshape(-1)[order][:, None]
-        ys = jax.lax.ragged_dot(act.astype(dt), self.w2[...].astype(dt), sizes, preferred_element_type=jnp.float32)
+        xq = quantize_activation(x) if self.act_quant else x  # per token, so before the gather
+        xs = xq[token_of]
+        h1 = jax.lax.ragged_dot(xs, self.expert_weight("w1", dt), sizes, preferred_element_type=jnp.float32)
+        h3 = jax.lax.ragged_dot(xs, self.expert_weight("w3", dt), sizes, preferred_element_type=jnp.float32)
+        act = (swiglu(h1, h3, self.limit) * w.reshape(-1)[order][:, None]).astype(dt)
+        if self.act_quant:  # the release weights the activation before quantizing it for w2
+            act = quantize_activation(act)
+        ys = jax.lax.ragged_dot(act, self.expert_weight("w2", dt), sizes, preferred_element_type=jnp.float32)
         y = jnp.zeros((b * t, d), jnp.float32).at[token_of].add(ys)
         shared = self.shared_w2(swiglu(self.shared_w1(x, jnp.float32), self.shared_w3(x, jnp.float32),
                                        self.limit).astype(dt), jnp.float32)
