@@ -224,20 +224,21 @@ def tiny() -> ModelConfig:
 
 
 def small() -> ModelConfig:
-    """A few hundred million parameters for one GPU, same structure as the release (scaled down)."""
-    n_layers = 16
-    ratios = (0, 0) + (2,) * 6 + (1,) * 8
+    """About 0.6B parameters for one GPU: the released structure, scaled down.
+
+    12 layers: 0-1 window-only; 2, 5 Full (m=2); 7 Full (m=1, candidate source); 9, 11 Reindex.
+    """
     return ModelConfig(
-        vocab_size=129280, dim=1024, n_layers=n_layers, n_mtp_layers=0,
+        vocab_size=129280, dim=1024, n_layers=12, n_mtp_layers=0,
         n_heads=16, head_dim=256, rope_head_dim=64, q_lora_rank=384, o_groups=4, o_lora_rank=256,
         window_size=128,
-        n_routed_experts=32, n_activated_experts=4, moe_inter_dim=512,
-        compress_ratios=ratios,
-        kv_source_layers=(2, 5, 8), index_source_layers=(2, 5, 8, 11, 14),
+        n_routed_experts=16, n_activated_experts=2, moe_inter_dim=384,
+        compress_ratios=(0, 0) + (2,) * 5 + (1,) * 5,
+        kv_source_layers=(2, 5, 7), index_source_layers=(2, 5, 7, 9, 11),
         index_n_heads=16, index_head_dim=128, index_topk=512,
-        candidate_source_layer=8, candidate_topk_blocks=512, candidate_block_size=8,
+        candidate_source_layer=7, candidate_topk_blocks=512, candidate_block_size=8,
         engram_layer_ids=(1, 5), engram_max_ngram_size=3, engram_n_heads=4, engram_head_dim=128,
-        engram_vocab_size=65536, engram_num_embeddings=(), engram_compressed_vocab_size=129280,
+        engram_vocab_size=16384, engram_num_embeddings=(), engram_compressed_vocab_size=129280,
         max_seq_len=262144,
         dtype="bfloat16", param_dtype="bfloat16",
     ).with_derived_engram()

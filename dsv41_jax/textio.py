@@ -1,0 +1,50 @@
+"""Text <-> token ids for the experiments: a byte-level tokenizer for random-weight presets, or a
+`tokenizer.json` through the `tokenizers` package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted past three specials: 0 <pad>, 1 <bos>, 2 <eos>. Needs vocab_size >= 259."""
+
+    pad_id, bos_id, eos_id = 0, 1, 2
+    offset = 3
+    size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos_id] + [b + self.offset for b in text.encode("utf-8")]
+
+    def decode(self, ids) -> str:
+        data = bytes(int(i) - self.offset for i in ids if self.offset <= int(i) < self.size)
+        return data.decode("utf-8", errors="replace")
+
+
+class FileTokenizer:
+    """A HuggingFace `tokenizer.json`."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {path}")
+        self.tok = Tokenizer.from_file(str(path))
+        self.size = self.tok.get_vocab_size()
+        self.eos_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+def load_tokenizer(path: str | None, vocab_size: int):
+    tok = FileTokenizer(path) if path else ByteTokenizer()
+    if tok.size > vocab_size:
+        raise ValueError(f"tokenizer has {tok.size} ids but the model's vocab_size is {vocab_size}")
+    return tok
