@@ -1,0 +1,57 @@
+"""In-kernel decoders for the packed cache bytes of `dsv41_jax.quant` (shared by GPU and TPU kernels).
+
+Everything here is plain jnp on uint8/int32 values, so it lowers through Triton and Mosaic alike and
+runs in interpret mode. None of it casts to fp4 (Hopper cannot; GPU_NOTES).
+
+The FP4 trick: an E2M1 code `c` (bit 3 sign, bits 2..0 magnitude) placed as `sign << 15 | mag << 9`
+is the float16 bit pattern of `E2M1(c) * 2**-14`, subnormal 0.5 included (the two formats' exponent
+fields line up and both have a subnormal step of half the smallest normal). Two integer ops per
+value instead of a 16-entry table, and exact.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FP4_F16_SHIFT = 2.0 ** 14  # fp4_as_f16 returns the E2M1 value times 2**-14
+
+
+def nibbles(packed_u8: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 bytes -> (low nibble = even element, high nibble = odd element) as int32 codes."""
+    b = packed_u8.astype(jnp.int32)
+    return b & 0xF, (b >> 4) & 0xF
+
+
+def fp4_as_f16(code_i32: jax.Array) -> jax.Array:
+    """E2M1 codes (int32 0..15) -> float16 holding E2M1(code) * 2**-14, exactly."""
+    bits = ((code_i32 & 0x8) << 12) | ((code_i32 & 0x7) << 9)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+
+
+def fp4_f32(code_i32: jax.Array) -> jax.Array:
+    """E2M1 codes -> float32 values (exact)."""
+    return fp4_as_f16(code_i32).astype(jnp.float32) * FP4_F16_SHIFT
+
+
+def e8m0_f32(exp_u8: jax.Array) -> jax.Array:
+    """Biased exponent bytes -> float32 2**(byte - 127) (bytes 1..254; the codecs never write 0/255)."""
+    return jax.lax.bitcast_convert_type(exp_u8.astype(jnp.int32) << 23, jnp.float32)
+
+
+def e4m3_f32(byte_u8: jax.Array) -> jax.Array:
+    """E4M3 bit patterns -> float32 (exact; 0x7f/0xff are NaN as in the codec's table)."""
+    return jax.lax.bitcast_convert_type(byte_u8.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def ordered_key(x_f32: jax.Array) -> jax.Array:
+    """float32 -> int32 whose signed order is the float total order (-inf lowest, -0 < +0).
+
+    That is the order `lax.top_k` uses, so ties and signed zeros resolve the same way.
+    """
+    bits = jax.lax.bitcast_convert_type(x_f32, jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+NEG_INF_KEY = -0x7F800000 - 1  # ordered_key(-inf) = 0x807fffff as int32
+EMPTY_KEY = -(2 ** 31)  # below every float: padding that is never selected
