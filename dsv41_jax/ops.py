@@ -79,12 +79,28 @@ def topk_to_mask(idx_btk: jax.Array, n: int) -> jax.Array:
     return hit[..., :n]
 
 
-def attend(q_bthd: jax.Array, kv: jax.Array, mask: jax.Array, sink_h: jax.Array, scale: float) -> jax.Array:
+def attend(q_bthd: jax.Array, kv: jax.Array, mask: jax.Array, sink_h: jax.Array, scale: float,
+           q_chunk: int = 256) -> jax.Array:
     """Sink softmax attention with K = V (one shared latent head). f32 out [B, T, H, D].
 
     kv: [B, S, D] (shared by all queries) or [B, T, S, D] (per query); mask: [B, T, S] bool.
     A query with no allowed key returns zeros (its whole mass goes to the sink).
+    Shared keys are processed `q_chunk` queries at a time so the [B, T, H, S] scores never exist whole.
     """
+    t = q_bthd.shape[1]
+    if kv.ndim == 3 and t > q_chunk:
+        n = -(-t // q_chunk)
+        pad = n * q_chunk - t
+        qc = jnp.pad(q_bthd, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        mc = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
+        qc = qc.reshape(qc.shape[0], n, q_chunk, *qc.shape[2:]).swapaxes(0, 1)
+        mc = mc.reshape(mc.shape[0], n, q_chunk, mc.shape[-1]).swapaxes(0, 1)
+        out = jax.lax.map(lambda a: _attend(a[0], kv, a[1], sink_h, scale), (qc, mc))
+        return out.swapaxes(0, 1).reshape(q_bthd.shape[0], n * q_chunk, *out.shape[3:])[:, :t]
+    return _attend(q_bthd, kv, mask, sink_h, scale)
+
+
+def _attend(q_bthd, kv, mask, sink_h, scale):
     q = q_bthd.astype(jnp.float32)
     kv = kv.astype(jnp.float32)
     if kv.ndim == 3:

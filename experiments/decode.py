@@ -130,7 +130,9 @@ def main(argv=None) -> dict:
         window_bytes_per_sequence=live["window"] / b, cache_bytes_total=sum(live.values()),
         peak_memory_bytes=peak, peak_memory_kind=peak_kind,
     )
-    print(f"\n--- sequence 0 ---\n{tok.decode(ids)}\u2192{tok.decode(gen[0])!r}\n")
+    shown = tok.decode(ids)
+    print(f"\n--- sequence 0 ---\nprompt (last 120 chars): {shown[-120:]!r}\ngenerated ids: {gen[0, :16].tolist()}"
+          f"{' ...' if gen.shape[1] > 16 else ''}\ngenerated text: {tok.decode(gen[0])!r}\n")
     print(f"time to first token   {ttft:8.3f} s   (prefill incl. compile)")
     print(f"decode                {metrics['decode_step_ms']:8.2f} ms/step, {tps:8.1f} tokens/s "
           f"over {timed} steps x {b} sequences (first step incl. compile: {t_first:.2f} s)")

@@ -95,3 +95,14 @@ def test_engram_hash_matches_int64_arithmetic(preset):
     ref = reference_hash_ids_np(layout, win)
     np.testing.assert_array_equal(ours, ref)
     assert ours.max() < max(cfg.engram_num_embeddings)
+
+
+def test_query_chunked_attention_equals_whole():
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.normal(size=(2, 37, 4, 16)).astype(np.float32))  # 37: not a multiple of the chunk
+    kv = jnp.asarray(rng.normal(size=(2, 50, 16)).astype(np.float32))
+    mask = jnp.asarray(rng.random((2, 37, 50)) > 0.6)
+    sink = jnp.asarray(rng.normal(size=(4,)).astype(np.float32))
+    whole = ops.attend(q, kv, mask, sink, 0.25, q_chunk=64)
+    chunked = ops.attend(q, kv, mask, sink, 0.25, q_chunk=8)
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-6, atol=1e-6)
