@@ -1,0 +1,159 @@
+"""Which checkpoint tensor fills which param, derived from the config (never hard-coded per layer).
+
+Two naming schemes are accepted:
+
+- "released": what DeepSeek published, no prefix: `embed.weight`, `layers.{L}.attn.wq_a.weight` (+
+  `.scale`), `layers.{L}.ffn.experts.{E}.w1.weight`, `layers.{L}.hc_attn_fn`, `head.weight`, ...
+- "hf": HF transformers' names for the same modules: `model.` + the released name, and
+  `lm_head.weight` for `head.weight`.
+
+Two storage forms: "quantized" (the release: dense projections FP8 E4M3 with one E8M0 scale per 32x32
+block, routed experts FP4 packed two per byte in I8 with one E8M0 scale per 32 inputs, Engram tables
+FP8 with one E8M0 scale per 32 channels) or "float" (every weight a plain float, e.g. an HF export).
+
+The draft layers (`mtp.*`), the vision tower (`vision.*`, `aligner.*`, `image_*`) and the routing
+bias for image tokens (`ffn.gate.bias_vl`) are recognised and skipped: the text backbone has no use
+for them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dsv41_jax.plan import build_plan
+
+FLOATS = ("F32", "BF16", "F16", "F64")
+SKIPPED = {
+    r"mtp\.": "DSpark draft layers (speculative decoding; not part of the backbone)",
+    r"(vision|aligner)\.|image_(start|end|newline)$": "vision tower (the backbone is text-only)",
+    r"layers\.\d+\.ffn\.gate\.bias_vl$": "MoE routing bias for image tokens (text-only backbone)",
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One param (or stacked param group) and the checkpoint tensors that fill it.
+
+    kind: "plain" (a float tensor -> `param`), "dense" (a projection the release ships in FP8:
+    `<param>/weight` [+ `<param>/scale`]), "dense_dequant" (shipped in FP8 but always run dequantized:
+    wo_a), "experts" (one [out, in] tensor per routed expert, stacked into `param` [+ `param`_scale]),
+    "table" (an Engram table -> `param` [+ `param`_scale]).
+    """
+
+    param: str
+    names: tuple[str, ...]  # released base names (without .weight / .scale for dense kinds)
+    kind: str
+    shape: tuple[int, ...]  # logical float shape of each tensor ([out, in] for projections)
+
+
+def _ceil32(n: int) -> int:
+    return -(-n // 32)
+
+
+def entries(cfg) -> list[Entry]:
+    """Every param of the text backbone (except the tokenizer-derived engram_token_map)."""
+    c = cfg
+    out = [Entry("embed/weight", ("embed.weight",), "plain", (c.vocab_size, c.dim)),
+           Entry("head/weight", ("head.weight",), "plain", (c.vocab_size, c.dim)),
+           Entry("norm/weight", ("norm.weight",), "plain", (c.dim,))]
+    mix, hc_dim = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.dim
+    rows = dict(zip(c.engram_layer_ids, c.engram_num_embeddings))
+    hd, h = c.head_dim, c.n_heads
+    for p in build_plan(c):
+        L, r = p.layer, f"layers.{p.layer}."
+        P = f"layers/{L}/"
+
+        def plain(param, name, shape):
+            out.append(Entry(P + param, (r + name,), "plain", shape))
+
+        def dense(param, name, d_out, d_in, kind="dense"):
+            out.append(Entry(P + param, (r + name,), kind, (d_out, d_in)))
+
+        plain("attn_norm/weight", "attn_norm.weight", (c.dim,))
+        plain("ffn_norm/weight", "ffn_norm.weight", (c.dim,))
+        for site in ("attn", "ffn"):
+            plain(f"hc_{site}/fn", f"hc_{site}_fn", (mix, hc_dim))
+            plain(f"hc_{site}/base", f"hc_{site}_base", (mix,))
+            plain(f"hc_{site}/scale", f"hc_{site}_scale", (3,))
+        dense("attn/wq_a", "attn.wq_a", c.q_lora_rank, c.dim)
+        plain("attn/q_norm/weight", "attn.q_norm.weight", (c.q_lora_rank,))
+        dense("attn/wq_b", "attn.wq_b", h * hd, c.q_lora_rank)
+        dense("attn/wkv", "attn.wkv", hd, c.dim)
+        plain("attn/kv_norm/weight", "attn.kv_norm.weight", (hd,))
+        dense("attn/wo_a", "attn.wo_a", c.o_groups * c.o_lora_rank, h * hd // c.o_groups, "dense_dequant")
+        dense("attn/wo_b", "attn.wo_b", c.dim, c.o_groups * c.o_lora_rank)
+        plain("attn/attn_sink", "attn.attn_sink", (h,))
+        if p.compresses:
+            plain("attn/compressor/wkv/weight", "attn.compressor.wkv.weight", (hd, c.dim))
+            if p.ratio > 1:
+                plain("attn/compressor/wgate/weight", "attn.compressor.wgate.weight", (hd, c.dim))
+            plain("attn/compressor/norm/weight", "attn.compressor.norm.weight", (hd,))
+        if p.has_indexer:
+            dense("attn/indexer/wq_b", "attn.indexer.wq_b", c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+            plain("attn/indexer/weights_proj/weight", "attn.indexer.weights_proj.weight", (c.index_n_heads, c.dim))
+            if p.compresses:
+                plain("attn/indexer/wk/weight", "attn.indexer.wk.weight", (c.index_head_dim, hd))
+                plain("attn/indexer/k_norm/weight", "attn.indexer.k_norm.weight", (c.index_head_dim,))
+        plain("ffn/router/weight", "ffn.gate.weight", (c.n_routed_experts, c.dim))
+        plain("ffn/router/bias", "ffn.gate.bias", (c.n_routed_experts,))
+        for w, (d_out, d_in) in (("w1", (c.moe_inter_dim, c.dim)), ("w3", (c.moe_inter_dim, c.dim)),
+                                 ("w2", (c.dim, c.moe_inter_dim))):
+            names = tuple(f"{r}ffn.experts.{e}.{w}" for e in range(c.n_routed_experts))
+            out.append(Entry(P + f"ffn/{w}", names, "experts", (d_out, d_in)))
+            dense(f"ffn/shared_{w}", f"ffn.shared_experts.{w}", d_out, d_in)
+        if L in rows:
+            n_cols = (c.engram_max_ngram_size - 1) * c.engram_n_heads
+            out.append(Entry(P + "engram/table", (r + "engram.embed",), "table", (rows[L], c.engram_head_dim)))
+            dense("engram/wkv", "engram.wkv", c.dim * (c.hc_mult + 1), n_cols * c.engram_head_dim)
+            plain("engram/q_weight", "engram.q_weight", (c.hc_mult, c.dim))
+            plain("engram/k_weight", "engram.k_weight", (c.hc_mult, c.dim))
+    return out
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a checkpoint must hold under one name: its shape and the dtypes accepted."""
+
+    shape: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    optional: bool = False
+
+
+def expected_tensors(cfg, quantized: bool) -> dict[str, Expect]:
+    """Released name -> Expect, for a quantized (as released) or all-float checkpoint."""
+    out: dict[str, Expect] = {}
+    for e in entries(cfg):
+        for name in e.names:
+            if e.kind == "plain":
+                out[name] = Expect(e.shape, FLOATS)
+            elif not quantized:
+                out[name + ".weight"] = Expect(e.shape, FLOATS)
+                if e.kind == "table":  # HF keeps a (unused) scale next to a float table
+                    out[name + ".scale"] = Expect((e.shape[0], e.shape[1] // 32), FLOATS + ("F8_E8M0",), True)
+            elif e.kind in ("dense", "dense_dequant"):
+                out[name + ".weight"] = Expect(e.shape, ("F8_E4M3",))
+                out[name + ".scale"] = Expect((_ceil32(e.shape[0]), _ceil32(e.shape[1])), ("F8_E8M0",))
+            elif e.kind == "experts":
+                out[name + ".weight"] = Expect((e.shape[0], e.shape[1] // 2), ("I8", "U8"))
+                out[name + ".scale"] = Expect((e.shape[0], e.shape[1] // 32), ("F8_E8M0",))
+            else:  # table
+                out[name + ".weight"] = Expect(e.shape, ("F8_E4M3",))
+                out[name + ".scale"] = Expect((e.shape[0], e.shape[1] // 32), ("F8_E8M0",))
+    return out
+
+
+def to_released_name(name: str) -> tuple[str, str]:
+    """(released name, scheme) of a checkpoint name in either scheme."""
+    if name == "lm_head.weight":
+        return "head.weight", "hf"
+    if name.startswith("model."):
+        return name[len("model."):], "hf"
+    return name, "released"
+
+
+def skip_reason(released_name: str) -> str | None:
+    for pattern, why in SKIPPED.items():
+        if re.match(pattern, released_name):
+            return why
+    return None

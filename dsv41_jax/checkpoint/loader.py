@@ -1,0 +1,319 @@
+"""Load a DeepSeek-V4.1 checkpoint directory (as released, or an HF float export) into our params.
+
+    loaded = load_checkpoint("DeepSeek-V4.1-Flash/")           # FP8/FP4 kept, dequantized in compute
+    logits, cache = prefill(loaded.cfg, loaded.params, init_cache(loaded.cfg, 1, 4096), ids, lens)
+
+Order of work: read config.json and every safetensors header; check every tensor the model needs
+against what is there (missing, unexpected, wrong shape, wrong dtype, all reported together in one
+CheckpointError before a payload byte is read); then stream shard by shard, tensor by tensor, each
+one converted on the host and handed to the device on its own. Routed experts are stacked per layer
+in a host buffer that is released as soon as its last expert arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dsv41_jax import quant
+from dsv41_jax.api import abstract_params
+from dsv41_jax.checkpoint.config import CheckpointConfig, as_checkpoint_config
+from dsv41_jax.checkpoint.layout import Entry, entries, expected_tensors, skip_reason, to_released_name
+from dsv41_jax.checkpoint.safetensors_io import TensorInfo, list_checkpoint, read_tensor
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.tokenizer import engram_token_map
+
+Shardings = Mapping[str, jax.sharding.Sharding] | Callable[[str, tuple], jax.sharding.Sharding] | None
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the config; `problems` lists every mismatch by tensor name."""
+
+    def __init__(self, directory, problems: list[str]):
+        self.problems = problems
+        shown = "\n  ".join(problems[:200])
+        more = f"\n  ... and {len(problems) - 200} more" if len(problems) > 200 else ""
+        super().__init__(f"{directory}: {len(problems)} problem(s), nothing was loaded:\n  {shown}{more}\n"
+                         "Check that config.json belongs to these weights and that every shard downloaded "
+                         "completely.")
+
+
+@dataclass
+class Inventory:
+    """The outcome of checking a tensor listing against the config (no payload read)."""
+
+    scheme: str  # "released" | "hf"
+    quantized: bool
+    problems: list[str]
+    notes: list[str]
+    names: dict[str, str] = field(default_factory=dict)  # released name -> name in the checkpoint
+
+
+def check_tensors(cfg: ModelConfig, listing: Mapping[str, tuple[str, tuple[int, ...]]]) -> Inventory:
+    """Check a checkpoint's tensor listing {name: (safetensors dtype, shape)} against `cfg`.
+
+    Accepts both naming schemes and both storage forms (see layout.py); reports every missing,
+    unexpected, mis-shaped and mis-typed tensor.
+    """
+    names, schemes, problems, skipped = {}, set(), [], defaultdict(int)
+    for name in listing:
+        released, scheme = to_released_name(name)
+        schemes.add(scheme)
+        names[released] = name
+    scheme = "hf" if schemes == {"hf"} else "released"
+    if len(schemes) > 1:
+        problems.append("names mix the released scheme and HF's `model.` prefix; use one scheme throughout")
+    quantized = any(dt in ("F8_E4M3", "I8") for dt, _ in listing.values())
+    expected = expected_tensors(cfg, quantized)
+    for released, ckpt_name in sorted(names.items()):
+        want = expected.get(released)
+        dtype, shape = listing[ckpt_name]
+        if want is None:
+            why = skip_reason(released)
+            if why is None:
+                problems.append(f"{ckpt_name}: unexpected tensor {dtype}{list(shape)} (the config has no place for it)")
+            else:
+                skipped[why] += 1
+            continue
+        if tuple(shape) != want.shape:
+            problems.append(f"{ckpt_name}: shape {list(shape)}, expected {list(want.shape)}")
+        if dtype not in want.dtypes:
+            form = "quantized (FP8/FP4 as released)" if quantized else "all-float"
+            problems.append(f"{ckpt_name}: dtype {dtype}, expected one of {list(want.dtypes)} in a {form} checkpoint")
+    for released, want in expected.items():
+        if released not in names and not want.optional:
+            prefix = "model." if scheme == "hf" else ""
+            shown = "lm_head.weight" if scheme == "hf" and released == "head.weight" else prefix + released
+            problems.append(f"{shown}: missing ({'/'.join(want.dtypes)}{list(want.shape)})")
+    notes = [f"skipped {n} tensor(s): {why}" for why, n in skipped.items()]
+    return Inventory(scheme, quantized, problems, notes, names)
+
+
+# ----------------------------------------------------------------------------- conversions (host)
+def _e8m0(exp: np.ndarray) -> np.ndarray:
+    return np.ldexp(np.float32(1), exp.astype(np.int32) - 127).astype(np.float32)
+
+
+def _dequant_dense(w: np.ndarray, s: np.ndarray) -> np.ndarray:
+    o, i = w.shape
+    scale = np.repeat(np.repeat(_e8m0(s), 32, axis=0)[:o], 32, axis=1)[:, :i]
+    return w.astype(np.float32) * scale
+
+
+def _dequant_fp4(packed: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """I8/U8 [out, in/2] (even element in the low nibble) x E8M0 [out, in/32] -> f32 [out, in]."""
+    b = packed.view(np.uint8)
+    codes = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(b.shape[0], -1)
+    vals = quant.FP4_VALUES[codes]
+    return vals * np.repeat(_e8m0(s), 32, axis=1)
+
+
+def _dequant_rows(w: np.ndarray, s: np.ndarray) -> np.ndarray:
+    return w.astype(np.float32) * np.repeat(_e8m0(s), 32, axis=1)
+
+
+class _Sink:
+    """Receives converted host arrays by param path and puts them on the device, one at a time."""
+
+    def __init__(self, abstract: dict[str, jax.ShapeDtypeStruct], shardings: Shardings):
+        self.abstract, self.shardings, self.values = abstract, shardings, {}
+        self.stacks: dict[str, tuple[np.ndarray, set]] = {}
+
+    def _sharding(self, path, shape):
+        if self.shardings is None:
+            return None
+        if callable(self.shardings):
+            return self.shardings(path, shape)
+        return self.shardings.get(path)
+
+    def put(self, path: str, arr: np.ndarray) -> None:
+        want = self.abstract[path]
+        if tuple(arr.shape) != tuple(want.shape):
+            raise AssertionError(f"internal: {path} converted to {arr.shape}, param is {want.shape}")
+        arr = np.asarray(arr).astype(want.dtype, copy=False)
+        s = self._sharding(path, want.shape)
+        self.values[path] = jax.device_put(arr, s) if s is not None else jax.device_put(arr)
+
+    def put_slice(self, path: str, index: int, n: int, arr: np.ndarray) -> None:
+        """Stacked params: slice `index` of `n`; the stack goes to the device when complete."""
+        want = self.abstract[path]
+        buf, seen = self.stacks.setdefault(path, (np.empty(want.shape, want.dtype), set()))
+        buf[index] = arr
+        seen.add(index)
+        if len(seen) == n:
+            del self.stacks[path]
+            self.put(path, buf)
+
+
+def _param_paths(state) -> dict[str, jax.ShapeDtypeStruct]:
+    out = {}
+
+    def visit(path, leaf):
+        out["/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))] = leaf
+        return leaf
+
+    jax.tree_util.tree_map_with_path(visit, state)
+    return out
+
+
+def _fill(state, values: dict[str, jax.Array]):
+    def pick(path, leaf):
+        return values["/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))]
+
+    return jax.tree_util.tree_map_with_path(pick, state)
+
+
+@dataclass
+class Loaded:
+    cfg: CheckpointConfig
+    params: nnx.State
+    notes: list[str]
+    bytes_read: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_read / max(self.seconds, 1e-9) / 1e9
+
+
+def read_config(directory: str | Path, **runtime) -> CheckpointConfig:
+    """config.json of a checkpoint directory (HF `text_config` or inference key style) + runtime fields."""
+    path = Path(directory) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: a checkpoint directory needs its config.json")
+    return as_checkpoint_config(ModelConfig.from_dict(json.loads(path.read_text())).with_derived_engram(), **runtime)
+
+
+def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: str = "bfloat16",
+                    param_dtype: str | None = None, activation_quant: bool | None = None,
+                    index_keys: str = "consistent", quantize_cache: bool = True, shardings: Shardings = None,
+                    tokenizer: str | Path | None = None, progress: bool = True) -> Loaded:
+    """Load `directory` (config.json, safetensors single file or index + shards, tokenizer.json).
+
+    dequantize: turn FP8/FP4 weights into `param_dtype` floats (default: keep them, `weight_format="fp8"`).
+    activation_quant: the release's fp8 mode (inputs of FP8/FP4 projections rounded to FP8); defaults to
+    on for a quantized checkpoint, off for a float one.
+    shardings: param path -> Sharding (a mapping or a callable(path, shape)); default device otherwise.
+    Raises CheckpointError listing every problem before any payload is read.
+    """
+    directory = Path(directory)
+    cfg = read_config(directory)
+    tensors, problems = list_checkpoint(directory)
+    inv = check_tensors(cfg, {n: (t.dtype, t.shape) for n, t in tensors.items()})
+    problems = problems + inv.problems
+    token_map = None
+    if cfg.engram_layer_ids:
+        tok_path = Path(tokenizer) if tokenizer else directory / "tokenizer.json"
+        if not tok_path.exists():
+            problems.append(f"{tok_path}: missing; Engram hashes token ids through the compressed vocabulary "
+                            "derived from the tokenizer, so tokenizer.json must sit next to the weights")
+        else:
+            try:
+                token_map = engram_token_map(tok_path, cfg.vocab_size, cfg.engram_compressed_vocab_size)
+            except ValueError as e:
+                problems.append(str(e))
+    if problems:
+        raise CheckpointError(directory, problems)
+
+    fp8 = inv.quantized and not dequantize
+    if param_dtype is None:
+        param_dtype = "float32" if tensors[inv.names["embed.weight"]].dtype == "F32" else "bfloat16"
+    cfg = as_checkpoint_config(cfg, dtype=dtype, param_dtype=param_dtype, index_keys=index_keys,
+                               quantize_cache=quantize_cache, weight_format="fp8" if fp8 else "float",
+                               activation_quant=inv.quantized if activation_quant is None else activation_quant)
+    state = abstract_params(cfg)
+    abstract = _param_paths(state)
+    sink = _Sink(abstract, shardings)
+
+    # one job per checkpoint tensor: (TensorInfo, handler(array)); scales travel with their weights
+    jobs: list[tuple[TensorInfo, Callable]] = []
+    pending: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
+
+    def tensor(released: str) -> TensorInfo:
+        return tensors[inv.names[released]]
+
+    def want_pair(key: str, done: Callable):
+        """Collect `key`.weight and `key`.scale (quantized form) before converting them together."""
+        def got(part):
+            def handle(arr):
+                pending[key][part] = arr
+                if len(pending[key]) == 2:
+                    parts = pending.pop(key)
+                    done(parts["weight"], parts["scale"])
+            return handle
+        jobs.append((tensor(key + ".weight"), got("weight")))
+        jobs.append((tensor(key + ".scale"), got("scale")))
+
+    for e in entries(cfg):
+        _plan_entry(e, inv.quantized, fp8, sink, tensor, want_pair, jobs)
+    if token_map is not None:
+        sink.put("engram_token_map", token_map)
+
+    total = sum(info.nbytes for info, _ in jobs)
+    jobs.sort(key=lambda j: (str(j[0].file), j[0].begin))  # shard by shard, sequential reads
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"loading {directory.name}")
+    t0 = time.perf_counter()
+    for info, handle in jobs:
+        handle(read_tensor(info))
+        if bar is not None:
+            bar.update(info.nbytes)
+    jax.block_until_ready(list(sink.values.values()))
+    seconds = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    missing = sorted(set(abstract) - set(sink.values))
+    if missing:
+        raise AssertionError(f"internal: the layout left params unfilled: {missing[:10]}")
+    return Loaded(cfg, _fill(state, sink.values), inv.notes, total, seconds)
+
+
+def _plan_entry(e: Entry, quantized: bool, fp8: bool, sink: _Sink, tensor, want_pair, jobs) -> None:
+    """Queue the reads that fill the params of one layout entry."""
+    if e.kind == "plain":
+        jobs.append((tensor(e.names[0]), lambda arr, p=e.param: sink.put(p, arr)))
+    elif e.kind in ("dense", "dense_dequant"):
+        key = e.names[0]
+        if not quantized:
+            jobs.append((tensor(key + ".weight"), lambda arr, p=e.param: sink.put(p + "/weight", arr)))
+        elif fp8 and e.kind == "dense":
+            def keep(w, s, p=e.param):
+                sink.put(p + "/weight", w)
+                sink.put(p + "/scale", s)
+            want_pair(key, keep)
+        else:
+            want_pair(key, lambda w, s, p=e.param: sink.put(p + "/weight", _dequant_dense(w, s)))
+    elif e.kind == "experts":
+        n = len(e.names)
+        for i, key in enumerate(e.names):
+            if not quantized:
+                jobs.append((tensor(key + ".weight"),
+                             lambda arr, i=i, p=e.param: sink.put_slice(p, i, n, arr.T)))
+            elif fp8:
+                def keep(w, s, i=i, p=e.param):
+                    sink.put_slice(p, i, n, w.view(np.uint8))
+                    sink.put_slice(p + "_scale", i, n, s)
+                want_pair(key, keep)
+            else:
+                want_pair(key, lambda w, s, i=i, p=e.param: sink.put_slice(p, i, n, _dequant_fp4(w, s).T))
+    else:  # table
+        key = e.names[0]
+        if not quantized:
+            jobs.append((tensor(key + ".weight"), lambda arr, p=e.param: sink.put(p, arr)))
+        elif fp8:
+            def keep(w, s, p=e.param):
+                sink.put(p, w)
+                sink.put(p + "_scale", s)
+            want_pair(key, keep)
+        else:
+            want_pair(key, lambda w, s, p=e.param: sink.put(p, _dequant_rows(w, s)))

@@ -1,0 +1,74 @@
+"""Logits of a released checkpoint for given token ids: one prefill, or a prefill then decode steps.
+
+    python -m experiments.logits --checkpoint DIR --input-ids IDS.npy --out OUT.npz \
+        [--decode-from N] [--index-keys released|consistent] [--dtype float32|bfloat16] [--no-activation-quant]
+
+IDS.npy holds int token ids [batch, tokens] (or [tokens]). Writes OUT.npz with `logits` float32
+[batch, tokens, vocab]: position t holds the logits after token t. Without --decode-from every position
+comes from one prefill; with it, positions < N come from a prefill of the first N tokens and each later
+position from a one-token decode step fed the given ids (teacher forcing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+
+def run(args) -> np.ndarray:
+    import dsv41_jax as d
+    from dsv41_jax.checkpoint import load_checkpoint
+
+    ids = np.load(args.input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise SystemExit(f"{args.input_ids}: expected integer token ids [batch, tokens], got {ids.dtype}{list(ids.shape)}")
+    b, t = ids.shape
+    n = t if args.decode_from is None else args.decode_from
+    if not 1 <= n <= t:
+        raise SystemExit(f"--decode-from {n} must be in 1..{t} (the number of tokens given)")
+    loaded = load_checkpoint(args.checkpoint, dtype=args.dtype, index_keys=args.index_keys,
+                             activation_quant=None if args.activation_quant else False, progress=not args.quiet)
+    cfg, params = loaded.cfg, loaded.params
+    for note in loaded.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise SystemExit(f"{args.input_ids}: ids must be in [0, {cfg.vocab_size}), got {ids.min()}..{ids.max()}")
+    t0 = time.perf_counter()
+    cache = d.init_cache(cfg, b, t)
+    logits, cache = d.prefill(cfg, params, cache, ids[:, :n], np.full(b, n), all_logits=True)
+    out = [np.asarray(logits, np.float32)]
+    for pos in range(n, t):
+        step, cache = d.decode_step(cfg, params, cache, ids[:, pos])
+        out.append(np.asarray(step, np.float32)[:, None])
+    logits = np.concatenate(out, axis=1)
+    print(f"{b}x{t} tokens ({'prefill' if n == t else f'prefill {n} + {t - n} decode steps'}), "
+          f"weights {cfg.weight_format}, activation quant {'on' if cfg.activation_quant else 'off'}, "
+          f"index keys {cfg.index_keys}, {cfg.dtype}: load {loaded.seconds:.1f} s ({loaded.gbps:.2f} GB/s), "
+          f"forward {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return logits
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", required=True, help="directory with config.json, safetensors, tokenizer.json")
+    ap.add_argument("--input-ids", required=True, help=".npy of int token ids [batch, tokens]")
+    ap.add_argument("--out", required=True, help="output .npz (array `logits` [batch, tokens, vocab] float32)")
+    ap.add_argument("--decode-from", type=int, default=None, help="prefill this many tokens, decode the rest")
+    ap.add_argument("--index-keys", choices=("released", "consistent"), default="consistent")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    ap.add_argument("--no-activation-quant", dest="activation_quant", action="store_false",
+                    help="skip the release's FP8 rounding of projection inputs (what HF transformers does)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    logits = run(args)
+    np.savez(args.out, logits=logits)
+    print(f"wrote {args.out}: logits {list(logits.shape)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
