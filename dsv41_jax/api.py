@@ -100,17 +100,23 @@ def prefill(cfg: ModelConfig, params, cache: Cache, tokens_bt, lengths_b, *, all
                         all_logits=all_logits, kernels=resolve(kernels))
 
 
-def decode_step(cfg: ModelConfig, params, cache: Cache, tokens_b, active_b=None, *, kernels: str = "jnp"):
+def decode_step(cfg: ModelConfig, params, cache: Cache, tokens_b, active_b=None, *, kernels: str = "jnp",
+                validate: bool = True):
     """Append one token per sequence; returns (logits f32 [B, V], cache).
 
     active_b: optional bool [B]; inactive sequences are left untouched (their logits are garbage).
+    validate=False skips the value checks (ids in range, room in the cache), which read device arrays
+    back to the host: a generation loop that feeds sampled ids and tracks lengths itself can skip them.
     """
     tokens_b = jnp.asarray(tokens_b)
     if tokens_b.shape != (cache.batch,):
         raise ValueError(f"decode tokens must have shape ({cache.batch},), got {tokens_b.shape}")
-    _check_tokens(cfg, tokens_b, "tokens")
     n_new = jnp.ones_like(cache.lengths) if active_b is None else jnp.asarray(active_b).astype(jnp.int32)
-    if _concrete(cache.lengths) and _concrete(n_new):
+    if not jnp.issubdtype(tokens_b.dtype, jnp.integer):
+        raise TypeError(f"tokens must be an integer array of token ids, got dtype {tokens_b.dtype}")
+    if validate:
+        _check_tokens(cfg, tokens_b, "tokens")
+    if validate and _concrete(cache.lengths) and _concrete(n_new):
         cap = cache_capacity(cache, cfg)
         full = np.asarray(cache.lengths + n_new) > cap
         if full.any():
