@@ -1,0 +1,282 @@
+"""Benchmark of the decode kernels against the XLA jnp reference and cuDNN dense attention.
+
+    python -m experiments.bench_kernels [--contexts 8192,131072,1048576] [--batches 1,8,64] [--out FILE.json]
+
+Per (context, batch): the indexer scan over `context` compressed positions (a ratio-1 source, the
+largest), the selection (top-512 positions + top-2048 candidate blocks of 8), and the sparse attention
+(64 heads x 512, 512 selected entries + 128-entry window). Every timing is the median over several
+runs of a jitted loop that calls the op many times on random data (an input is perturbed by the loop
+counter so nothing is hoisted); bytes are counted from the arrays before timing. Peak bandwidth is a
+device copy measured in the same run. Dense reference: `jax.nn.dot_product_attention` (cuDNN) over the
+uncompressed context, 64 heads x 128 dims MQA, bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax import ops, quant
+from kernels_pallas import gpu_attention, gpu_indexer, gpu_select
+
+H_IDX, D_IDX, TOPK, N_BLOCKS, BLOCK = 32, 128, 512, 2048, 8
+H_ATT, D_ATT, WINDOW = 64, 512, 128
+DENSE_HEADS, DENSE_DIM = 64, 128
+KW = {}  # {"interpret": True} for the CPU smoke run (--smoke)
+
+
+# ----------------------------------------------------------------------------- timing
+def time_op(fn, args, perturb: int = 0, runs: int = 5, budget_s: float = 0.4):
+    """Median seconds per call of fn(*args): a jitted loop of many calls, timed `runs` times.
+
+    The loop carries args[perturb] and the whole output: each call's input gets one element rewritten
+    from the previous output, so no call can be hoisted or skipped, and every output is materialized
+    (the loop returns it). Pick a small args[perturb]: it is copied once per run, not per call.
+    """
+    out_struct = jax.eval_shape(fn, *args)
+
+    def loop(n, *a):
+        def body(i, carry):
+            x, out = carry
+            dep = (jax.tree.leaves(out)[0].reshape(-1)[0] * 0).astype(x.dtype)
+            x = jax.lax.dynamic_update_slice(x, x[(slice(0, 1),) * x.ndim] + dep, (0,) * x.ndim)
+            return x, fn(*a[:perturb], x, *a[perturb + 1:])
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_struct)
+        return jax.lax.fori_loop(0, n, body, (a[perturb], zeros))
+
+    f = jax.jit(loop)
+    jax.block_until_ready(f(1, *args))  # compile + warm-up
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(2, *args))
+    one = max((time.perf_counter() - t0) / 2, 1e-6)
+    iters = int(min(max(budget_s / runs / one, 3), 2000))
+    jax.block_until_ready(f(iters, *args))
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(iters, *args))
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def copy_bandwidth(gib: float = 2.0) -> float:
+    """Bytes/s of a device copy (read + write) through XLA."""
+    n = int(gib * 2**30 // 4)
+    x = jax.random.bits(jax.random.key(0), (n,), jnp.uint32)
+    t = time_op(lambda x: x ^ jnp.uint32(0x5A5A5A5A), (x,), perturb=0, runs=7)
+    del x
+    return 2 * n * 4 / t
+
+
+# ----------------------------------------------------------------------------- data
+def index_data(key, b, n):
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    q = quant.fake_quant(quant.INDEX_KEY, jax.random.normal(k1, (b, H_IDX, D_IDX)))
+    w = jax.random.normal(k2, (b, H_IDX)) * H_IDX ** -0.5
+    values = jax.random.bits(k3, (b, n, D_IDX // 2), jnp.uint8)
+    scales = jax.random.randint(k4, (b, n, D_IDX // 32), 124, 130).astype(jnp.uint8)
+    return q, w, {"values": values, "scales": scales}
+
+
+def attention_data(key, b, n):
+    ks = jax.random.split(key, 7)
+    q = jax.random.normal(ks[0], (b, H_ATT, D_ATT))
+    window = {"values": jax.random.bits(ks[1], (b, WINDOW, D_ATT), jnp.uint8) & 0x77 | 0x30,  # no NaN bytes
+              "scales": jax.random.randint(ks[2], (b, WINDOW, D_ATT // 32), 118, 124).astype(jnp.uint8)}
+    entries = {"values": jax.random.bits(ks[3], (b, n, D_ATT // 2), jnp.uint8),
+               "scales": jax.random.randint(ks[4], (b, n, D_ATT // 16), 0x28, 0x40).astype(jnp.uint8)}
+    idx = jnp.sort(jax.random.randint(ks[5], (b, TOPK), 0, n), axis=-1)
+    sink = jax.random.normal(ks[6], (H_ATT,))
+    return q, window, jnp.ones((b, WINDOW), bool), entries, idx.astype(jnp.int32), sink
+
+
+def nbytes(*trees) -> int:
+    return sum(int(x.size) * x.dtype.itemsize for t in trees for x in jax.tree.leaves(t))
+
+
+# ----------------------------------------------------------------------------- one configuration
+class Rows:
+    """Collects result rows of one (context, batch) and prints each as it comes."""
+
+    def __init__(self, ctx, b, peak):
+        self.ctx, self.b, self.peak, self.rows = ctx, b, peak, []
+
+    def add(self, piece, impl, t, moved, **extra):
+        self.rows.append({"context": self.ctx, "batch": self.b, "piece": piece, "impl": impl, "us": t * 1e6,
+                          "bytes": moved, "GBps": moved / t / 1e9, "frac_peak": moved / t / self.peak, **extra})
+        print(f"  {piece:10s} {impl:24s} {t * 1e6:10.1f} us  {moved / 1e6:9.1f} MB  {moved / t / 1e9:7.0f} GB/s"
+              f"  {100 * moved / t / self.peak:5.1f}% peak  {extra if extra else ''}", flush=True)
+        return t
+
+    def note(self, piece, impl, **extra):
+        self.rows.append({"context": self.ctx, "batch": self.b, "piece": piece, "impl": impl, **extra})
+        print(f"  {piece:10s} {impl:24s} {extra}", flush=True)
+
+
+def bench_scan_and_select(rec_rows: Rows, key, args):
+    ctx, b = rec_rows.ctx, rec_rows.b
+    reach = jnp.full((b,), ctx, jnp.int32)
+    q, w, rec = index_data(key, b, ctx)
+    scan = lambda q, w, v, s, r: gpu_indexer.indexer_scores(q, w, v, s, r, block=BLOCK, block_n=args.block_n,
+                                                             num_warps=args.warps, **KW)
+    scan_args = (q, w, rec["values"], rec["scales"], reach)
+    scores, bmax = scan(*scan_args)
+    moved = nbytes(rec) + b * ctx * 4 + b * (ctx // BLOCK) * 4 + nbytes(q, w)
+    t_scan = rec_rows.add("indexer", "pallas", time_op(scan, scan_args), moved)
+    if b * ctx * (D_IDX * 4 + H_IDX * 4) < args.ref_limit_gb * 1e9:
+        ref_fn = lambda q, w, v, s, r: ops.indexer_scores_decode(q, w, {"values": v, "scales": s}, r,
+                                                                 quant.INDEX_KEY)
+        ref = ref_fn(*scan_args)
+        err = float(jnp.max(jnp.abs(ref - scores)) / jnp.max(jnp.abs(ref)))
+        del ref
+        t_ref = time_op(ref_fn, scan_args)
+        rec_rows.add("indexer", "xla-ref", t_ref, moved, speedup=t_ref / t_scan, max_rel_err=err)
+    else:
+        rec_rows.note("indexer", "xla-ref", skipped=f"jnp temporaries over {args.ref_limit_gb} GB")
+    del rec, scan_args
+    gc.collect()
+    if "select" not in args.only:
+        return
+
+    def select_both(scores, bmax, r):
+        lv = gpu_select.build_levels(scores, TOPK, first=bmax)
+        top = gpu_select.topk_from_levels(lv, TOPK, **KW)
+        blocks = gpu_select.candidate_blocks(scores[:, None], r[:, None], N_BLOCKS, BLOCK, bmax=bmax[:, None], **KW)
+        return top, blocks
+
+    def select_ref(scores, r):
+        return ops.select_topk(scores, TOPK), ops.candidate_blocks(scores[:, None], r[:, None], N_BLOCKS, BLOCK)
+
+    got, ref = select_both(scores, bmax, reach), select_ref(scores, reach)
+    exact = bool(jnp.array_equal(got[0], ref[0]) and jnp.array_equal(got[1][:, 0], ref[1][:, 0]))
+    del got, ref
+    moved = b * ctx * 4 + b * (ctx // BLOCK) * 4 + b * (TOPK + N_BLOCKS) * 4
+    t_sel = time_op(select_both, (scores, bmax, reach))
+    rec_rows.add("select", "pallas (512 + blocks)", t_sel, moved, frac_of_scan=t_sel / t_scan, exact=exact)
+    t_one = time_op(lambda s: gpu_select.select_topk(s, TOPK, **KW), (scores,))
+    rec_rows.add("select", "pallas top-512 alone", t_one, b * ctx * 4 + b * TOPK * 4, frac_of_scan=t_one / t_scan)
+    t_ref = time_op(select_ref, (scores, reach), runs=3)
+    rec_rows.add("select", "xla-ref (lax.top_k)", t_ref, moved, speedup=t_ref / t_sel)
+
+
+def bench_attention(rec_rows: Rows, key, args):
+    ctx, b = rec_rows.ctx, rec_rows.b
+    q, window, wvalid, entries, idx, sink = attention_data(key, b, ctx)
+    scale = D_ATT ** -0.5
+    rows_read = {"values": entries["values"][:, :TOPK], "scales": entries["scales"][:, :TOPK]}
+    moved = nbytes(q, window, wvalid, rows_read, idx) + b * H_ATT * D_ATT * 4
+    splits = args.splits or max(1, min(8, -(-132 // b)))
+
+    def attn(q, wv, ws, ok, ev, es, idx, sink):
+        return gpu_attention.sparse_attention(q, wv, ws, ok, ev, es, idx, sink, scale, splits=splits,
+                                              block_k=args.block_k, num_warps=args.att_warps, **KW)
+
+    def attn_ref(q, wv, ws, ok, ev, es, idx, sink):
+        return ops.sparse_attention_decode(q, {"values": wv, "scales": ws}, ok, quant.WINDOW_KV,
+                                           {"values": ev, "scales": es}, idx, quant.MAIN_KV, sink, scale)
+
+    a_args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
+    got, ref = attn(*a_args), attn_ref(*a_args)
+    err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+    del got, ref
+    t_att = rec_rows.add("attention", f"pallas (splits={splits})", time_op(attn, a_args), moved, rel_err=err)
+    t_ref = time_op(attn_ref, a_args)
+    rec_rows.add("attention", "xla-ref", t_ref, moved, speedup=t_ref / t_att)
+    del a_args, q, window, entries
+    gc.collect()
+
+    dense_bytes = 2 * b * ctx * DENSE_DIM * 2
+    if dense_bytes > args.dense_limit_gb * 1e9:
+        rec_rows.note("dense", "skipped", reason=f"K+V {dense_bytes / 1e9:.0f} GB over --dense-limit-gb")
+        return
+    kk = jax.random.split(key, 3)
+    dq = jax.random.normal(kk[0], (b, 1, DENSE_HEADS, DENSE_DIM), jnp.bfloat16)
+    dk = jax.random.normal(kk[1], (b, ctx, 1, DENSE_DIM), jnp.bfloat16)
+    dv = jax.random.normal(kk[2], (b, ctx, 1, DENSE_DIM), jnp.bfloat16)
+    for impl in ("xla",) if args.smoke else ("cudnn", "xla"):
+        try:
+            dense = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=impl)
+            t_dense = time_op(dense, (dq, dk, dv), runs=3)
+            rec_rows.add("dense", impl, t_dense, dense_bytes + nbytes(dq) * 2, sparse_speedup=t_dense / t_att)
+            break
+        except Exception as e:  # cuDNN refuses some shapes: record it and time XLA's instead
+            rec_rows.note("dense", impl, error=str(e)[:200])
+
+
+def bench_config(ctx: int, b: int, peak: float, args) -> list[dict]:
+    rows = Rows(ctx, b, peak)
+    key = jax.random.key(ctx + b)
+    if "indexer" in args.only or "select" in args.only:
+        bench_scan_and_select(rows, key, args)
+        gc.collect()
+    if "attention" in args.only:
+        bench_attention(rows, key, args)
+        gc.collect()
+    return rows.rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="8192,131072,1048576")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--out", default=None, help="save every row as JSON")
+    p.add_argument("--block-n", type=int, default=256)
+    p.add_argument("--warps", type=int, default=8)
+    p.add_argument("--block-k", type=int, default=32)
+    p.add_argument("--att-warps", type=int, default=8)
+    p.add_argument("--splits", type=int, default=0, help="attention splits (0: fill the GPU)")
+    p.add_argument("--ref-limit-gb", type=float, default=40.0, help="skip the jnp indexer above this temp size")
+    p.add_argument("--dense-limit-gb", type=float, default=40.0)
+    p.add_argument("--only", default="indexer,select,attention", help="pieces to time")
+    p.add_argument("--smoke", action="store_true", help="CPU check of this script (interpret mode, tiny)")
+    args = p.parse_args()
+    if args.smoke:
+        KW["interpret"] = True
+    elif jax.default_backend() != "gpu":
+        raise SystemExit("bench_kernels times the Triton kernels: run it on a GPU machine (or --smoke)")
+    dev = jax.devices()[0]
+    peak = copy_bandwidth(0.05 if args.smoke else 2.0)
+    print(f"device {dev.device_kind}; copy bandwidth {peak / 1e9:.0f} GB/s (read + write), used as peak")
+    rows = [{"piece": "copy", "GBps": peak / 1e9, "device": dev.device_kind}]
+    for ctx in [int(c) for c in args.contexts.split(",")]:
+        for b in [int(x) for x in args.batches.split(",")]:
+            print(f"context {ctx}, batch {b}", flush=True)
+            try:
+                rows += bench_config(ctx, b, peak, args)
+            except Exception as e:  # e.g. out of memory: record and go on
+                rows.append({"context": ctx, "batch": b, "error": str(e)[:300]})
+                print(f"  failed: {str(e)[:300]}")
+            gc.collect()
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(rows, f, indent=1)
+    print_table(rows, peak)
+
+
+def print_table(rows, peak):
+    print(f"\nsummary (peak = copy {peak / 1e9:.0f} GB/s)")
+    print(f"{'ctx':>8} {'B':>3} | {'scan us':>8} {'%pk':>5} {'x ref':>6} | {'sel us':>7} {'sel/scan':>8} "
+          f"{'x ref':>6} | {'attn us':>7} {'%pk':>5} {'x ref':>6} {'x dense':>7}")
+    key = lambda r: (r.get("context"), r.get("batch"))
+    for ck in sorted({key(r) for r in rows if "context" in r}):
+        rs = [r for r in rows if key(r) == ck]
+        get = lambda piece, impl: next((r for r in rs if r.get("piece") == piece and
+                                        str(r.get("impl", "")).startswith(impl)), {})
+        sc, sl, at, dn = get("indexer", "pallas"), get("select", "pallas ("), get("attention", "pallas"), \
+            next((r for r in rs if r.get("piece") == "dense" and "us" in r), {})
+        f = lambda r, k, fmt: format(r[k], fmt) if k in r and r[k] is not None else "-"
+        print(f"{ck[0]:>8} {ck[1]:>3} | {f(sc, 'us', '8.1f')} {f(sc, 'frac_peak', '5.2f')} "
+              f"{f(get('indexer', 'xla'), 'speedup', '6.1f')} | {f(sl, 'us', '7.1f')} {f(sl, 'frac_of_scan', '8.2f')} "
+              f"{f(get('select', 'xla'), 'speedup', '6.1f')} | {f(at, 'us', '7.1f')} {f(at, 'frac_peak', '5.2f')} "
+              f"{f(get('attention', 'xla'), 'speedup', '6.1f')} {f(dn, 'sparse_speedup', '7.1f')}")
+
+
+if __name__ == "__main__":
+    main()

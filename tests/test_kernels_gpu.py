@@ -1,0 +1,141 @@
+"""GPU (Triton-lowered) kernels against the jnp reference: interpret mode on CPU, compiled on a GPU.
+
+Shapes cover lengths that are not multiples of the block sizes, empty and one-entry sequences,
+batches of unequal lengths, ties, -inf rows and signed zeros. Tolerances:
+- indexer: q and k on the FP4 grid make every product exact; only the f32 summation order differs,
+  so |err| <= 1e-5 * max|score|.
+- selection: exact equality (same top set, same tie order, same -1 padding).
+- attention: float16 tensor-core operands (q rounded to 2**-11 after a per-head power of two, p to
+  2**-11; keys exact), so <= 5e-3 relative (norm per sequence); measured ~4e-4.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax import ops, quant
+from kernels_pallas import gpu_attention, gpu_indexer, gpu_select
+
+INTERPRET = jax.default_backend() == "cpu"
+
+
+def _index_case(seed, b, h, d, n):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    q = quant.fake_quant(quant.INDEX_KEY, jax.random.normal(k1, (b, h, d)) * 2)
+    w = jax.random.normal(k2, (b, h))
+    rec = quant.INDEX_KEY.encode(jax.random.normal(k3, (b, n, d)))
+    return q, w, rec
+
+
+@pytest.mark.parametrize("b,h,d,n,reach,block", [
+    (3, 4, 32, 37, [37, 5, 0], 4),  # tiny-config heads/dims, N not a multiple of the tile, empty row
+    (2, 32, 128, 1000, [1000, 517], 8),  # released heads/dims, unequal lengths
+    (1, 16, 128, 1, [1], None),  # one entry
+])
+def test_indexer_scores(b, h, d, n, reach, block):
+    q, w, rec = _index_case(n + h, b, h, d, n)
+    reach = jnp.array(reach, jnp.int32)
+    ref = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
+    out = gpu_indexer.indexer_scores(q, w, rec["values"], rec["scales"], reach, block=block, block_n=64,
+                                     interpret=INTERPRET)
+    s = out[0] if block else out
+    np.testing.assert_array_equal(np.isfinite(s), np.isfinite(ref))
+    fin = np.isfinite(np.asarray(ref))
+    scale = float(jnp.max(jnp.abs(jnp.where(fin, ref, 0)))) or 1.0
+    np.testing.assert_allclose(np.asarray(s)[fin], np.asarray(ref)[fin], atol=1e-5 * scale, rtol=0)
+    if block:
+        nb = -(-n // block)
+        want = jnp.pad(s, ((0, 0), (0, nb * block - n)), constant_values=-jnp.inf).reshape(b, nb, block).max(-1)
+        np.testing.assert_array_equal(out[1], want)
+
+
+def _rows(name, rng):
+    n = 3000
+    if name == "normal":
+        return rng.normal(size=(3, 1000))
+    if name == "two_levels":
+        return rng.normal(size=(2, 5000))
+    if name == "three_levels":
+        return rng.normal(size=(1, 30000))
+    if name == "rounded_ties":
+        return np.round(rng.normal(size=(2, 5000)) * 2) / 2
+    if name == "all_equal":
+        return np.zeros((2, 700))
+    if name == "block_ties":  # every block of 8 ties at the top: forces the in-order rescan
+        x = np.ones((2, n))
+        x[:, ::7] = 2.0
+        return x
+    if name == "neg_inf":
+        x = rng.normal(size=(3, n))
+        x[0, 5:] = -np.inf
+        x[1] = -np.inf
+        x[2, 100:2900] = -np.inf
+        return x
+    if name == "signed_zero":
+        return np.where(rng.random((2, n)) < 0.5, 0.0, -0.0)
+    if name == "short":
+        return rng.normal(size=(2, 5))
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", ["normal", "two_levels", "three_levels", "rounded_ties", "all_equal",
+                                  "block_ties", "neg_inf", "signed_zero", "short"])
+@pytest.mark.parametrize("k", [8, 64])
+def test_select_topk(name, k):
+    s = jnp.asarray(_rows(name, np.random.default_rng(k)), jnp.float32)
+    np.testing.assert_array_equal(gpu_select.select_topk(s, k, interpret=INTERPRET), ops.select_topk(s, k))
+
+
+def test_select_topk_k1_and_leading_dims():
+    s = jnp.asarray(np.random.default_rng(1).normal(size=(2, 1, 300)), jnp.float32)
+    np.testing.assert_array_equal(gpu_select.select_topk(s, 1, interpret=INTERPRET), ops.select_topk(s, 1))
+
+
+@pytest.mark.parametrize("n,block,n_blocks,reach", [
+    (37, 4, 3, [37, 13, 0, 1]),  # tiny config: partial newest block, empty and one-entry rows
+    (5000, 8, 64, [5000, 4999, 1234, 8]),
+])
+def test_candidate_blocks(n, block, n_blocks, reach):
+    rng = np.random.default_rng(n)
+    reach = jnp.array(reach, jnp.int32)[:, None]
+    s = ops.mask_unreachable(jnp.asarray(rng.normal(size=(4, 1, n)), jnp.float32), reach)
+    want = ops.candidate_blocks(s, reach, n_blocks, block)
+    np.testing.assert_array_equal(gpu_select.candidate_blocks(s, reach, n_blocks, block, interpret=INTERPRET), want)
+
+
+def _attention_case(seed, b, h, d, w, n, k):
+    ks = jax.random.split(jax.random.key(seed), 7)
+    q = jax.random.normal(ks[0], (b, h, d)) * 3
+    window = quant.WINDOW_KV.encode(jax.random.normal(ks[1], (b, w, d)))
+    entries = quant.MAIN_KV.encode(jax.random.normal(ks[2], (b, n, d)))
+    valid = jax.random.uniform(ks[3], (b, w)) < 0.8
+    idx = jnp.where(jax.random.uniform(ks[4], (b, k)) < 0.7, jax.random.randint(ks[5], (b, k), 0, n), -1)
+    valid = valid.at[0].set(False)  # sequence 0 has no key at all: its output is zero
+    idx = idx.at[0].set(-1)
+    if b > 2:  # sequence 2: one window key, one entry
+        valid = valid.at[2].set(jnp.arange(w) == 3)
+        idx = idx.at[2].set(jnp.where(jnp.arange(k) == 0, n - 1, -1))
+    sink = jax.random.normal(ks[6], (h,))
+    return q, window, valid, entries, idx, sink
+
+
+@pytest.mark.parametrize("b,h,d,w,n,k,splits,block_k", [
+    (3, 4, 64, 16, 37, 8, 1, 16),  # tiny config
+    (3, 4, 64, 16, 37, 8, 3, 16),
+    (2, 64, 512, 128, 300, 512, 1, 32),  # released shapes
+    (2, 64, 512, 128, 300, 512, 4, 32),
+])
+def test_sparse_attention(b, h, d, w, n, k, splits, block_k):
+    q, window, valid, entries, idx, sink = _attention_case(d + splits, b, h, d, w, n, k)
+    scale = d ** -0.5
+    ref = ops.sparse_attention_decode(q, window, valid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, scale)
+    out = gpu_attention.sparse_attention(q, window["values"], window["scales"], valid, entries["values"],
+                                         entries["scales"], idx, sink, scale, splits=splits, block_k=block_k,
+                                         interpret=INTERPRET)
+    np.testing.assert_array_equal(out[0], 0.0)
+    for i in range(1, b):
+        err = float(jnp.linalg.norm(out[i] - ref[i]) / jnp.linalg.norm(ref[i]))
+        assert err < 5e-3, (i, err)
