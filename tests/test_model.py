@@ -83,16 +83,34 @@ def test_sequences_in_a_batch_do_not_interact(setup):
     assert np.abs(np.asarray(logits[1, :LENS[1]]) - full[1, :LENS[1]]).max() > 0
 
 
-def test_compressed_context_matters(setup):
-    """Tokens beyond the window reach the output only through the compressed entries: changing an early
-    token must change late logits (guards against a silently dead CSA2 path)."""
-    cfg, params, full = setup
-    tok = _tokens()
-    tok2 = tok.copy()
-    tok2[:, 0] = (tok2[:, 0] + 1) % cfg.vocab_size
-    logits, _ = d.prefill(cfg, params, d.init_cache(cfg, 2, CAP), tok2, LENS, all_logits=True)
-    late = slice(3 * cfg.window_size, None)  # positions whose windows (x every layer) exclude token 0
-    assert np.abs(np.asarray(logits[0, 40:45]) - full[0, 40:45]).max() > 1e-4
+def test_decode_reads_compressed_entries_and_only_reachable_ones(setup):
+    """Scrambling a source's reachable entries changes the next token's logits (the CSA2 path is live);
+    scrambling the slots past each sequence's reachable count changes nothing (the garbage contract)."""
+    cfg, params, _ = setup
+    _, cache = d.prefill(cfg, params, d.init_cache(cfg, 2, CAP), _tokens(), LENS)
+    nxt = np.array([5, 6])
+    base, _ = d.decode_step(cfg, params, cache, nxt)
+    ratios = [p.ratio for p in d.build_plan(cfg) if p.mode is d.Mode.FULL]
+    for s, m in enumerate(ratios):
+        reach = (LENS + 1) // m  # entries reachable by the decoded token at position LENS
+        n = cache.sources[s].entries["values"].shape[1]
+        for region, expect_change in (("reachable", True), ("beyond", False)):
+            cols = np.arange(n)[None, :]
+            hit = cols < reach[:, None] if region == "reachable" else cols >= reach[:, None]
+
+            def scramble(a, hit=hit):
+                noise = np.random.default_rng(9).integers(0, 255, a.shape).astype(a.dtype)
+                return np.where(hit.reshape(*hit.shape, *([1] * (a.ndim - 2))), noise, np.asarray(a))
+
+            src = cache.sources[s]
+            bad = type(src)(entries={k: scramble(v) for k, v in src.entries.items()},
+                            index_keys={k: scramble(v) for k, v in src.index_keys.items()},
+                            pend_kv=src.pend_kv, pend_score=src.pend_score)
+            sources = list(cache.sources)
+            sources[s] = bad
+            out, _ = d.decode_step(cfg, params, cache.replace(sources=tuple(sources)), nxt)
+            changed = np.abs(np.asarray(out) - np.asarray(base)).max(-1) > 1e-4
+            assert changed.all() == expect_change and changed.any() == expect_change, (s, region, changed)
 
 
 def test_gradients_flow_and_loss_decreases():
