@@ -55,3 +55,21 @@ def ordered_key(x_f32: jax.Array) -> jax.Array:
 
 NEG_INF_KEY = -0x7F800000 - 1  # ordered_key(-inf) = 0x807fffff as int32
 EMPTY_KEY = -(2 ** 31)  # below every float: padding that is never selected
+
+
+# -- arithmetic forms for Mosaic TPU, which has no float16 / float8 arithmetic on v5e and older ---------
+def fp4_f32_arith(code_i32: jax.Array) -> jax.Array:
+    """E2M1 codes -> float32 with f32 arithmetic only: magnitudes 0..7 -> 0, .5, 1, 1.5, 2, 3, 4, 6."""
+    mag = (code_i32 & 0x7).astype(jnp.float32)
+    v = 0.5 * mag + 0.5 * jnp.maximum(mag - 4.0, 0.0) + jnp.maximum(mag - 6.0, 0.0)
+    return jnp.where((code_i32 & 0x8) != 0, -v, v)
+
+
+def e4m3_f32_arith(byte_u8: jax.Array) -> jax.Array:
+    """E4M3 bytes -> float32 by assembling the f32 bits (subnormals included; 0x7f/0xff are not NaN here,
+    the codec never writes them: it saturates at +-448)."""
+    x = byte_u8.astype(jnp.int32)
+    exp, man = (x >> 3) & 0xF, x & 0x7
+    normal = jax.lax.bitcast_convert_type(((exp + 120) << 23) | (man << 20), jnp.float32)
+    v = jnp.where(exp == 0, man.astype(jnp.float32) * 2.0 ** -9, normal)
+    return jnp.where((x & 0x80) != 0, -v, v)

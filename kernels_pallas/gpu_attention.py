@@ -47,22 +47,24 @@ def prepare_query(q_bhd: jax.Array, scale: float, min_heads: int = 16):
     return jnp.pad(q16, (*pad, (0, 0))), jnp.pad(jnp.exp2(e) * scale, pad)
 
 
-def _window_tile(wv_ref, ws_ref, b, t0, tk):
-    d = wv_ref.shape[-1]
-    raw = wv_ref[b, pl.ds(t0, tk), :]
-    sc = decode.e8m0_f32(ws_ref[b, pl.ds(t0, tk), :])
-    v = decode.e4m3_f32(raw).reshape(tk, d // WINDOW_SCALE_BLOCK, WINDOW_SCALE_BLOCK) * sc[:, :, None]
-    return v.reshape(tk, d).astype(jnp.float16)
+def _window_tile(wv_ref, ws_ref, b, t0, tk, c0=0, dc=None):
+    """Window rows t0..t0+tk, channels c0..c0+dc, decoded to float16 [tk, dc]."""
+    dc = dc or wv_ref.shape[-1]
+    raw = wv_ref[b, pl.ds(t0, tk), pl.ds(c0, dc)]
+    sc = decode.e8m0_f32(ws_ref[b, pl.ds(t0, tk), pl.ds(c0 // WINDOW_SCALE_BLOCK, dc // WINDOW_SCALE_BLOCK)])
+    v = decode.e4m3_f32(raw).reshape(tk, dc // WINDOW_SCALE_BLOCK, WINDOW_SCALE_BLOCK) * sc[:, :, None]
+    return v.reshape(tk, dc).astype(jnp.float16)
 
 
-def _entry_tile(ev_ref, es_ref, rows, tk):
-    d = ev_ref.shape[-1] * 2
+def _entry_tile(ev_ref, es_ref, rows, tk, c0=0, dc=None):
+    """Gathered entry rows (b, r[tk]), channels c0..c0+dc, decoded to float16 [tk, dc]."""
+    dc = dc or ev_ref.shape[-1] * 2
     b, r = rows
-    lo, hi = decode.nibbles(ev_ref[b, r, :])
-    codes = jnp.stack([lo, hi], axis=-1).reshape(tk, d)  # low nibble = even channel
-    sc = decode.e4m3_f32(es_ref[b, r, :]) * decode.FP4_F16_SHIFT
-    v = decode.fp4_as_f16(codes).astype(jnp.float32).reshape(tk, d // ENTRY_SCALE_BLOCK, ENTRY_SCALE_BLOCK)
-    return (v * sc[:, :, None]).reshape(tk, d).astype(jnp.float16)
+    lo, hi = decode.nibbles(ev_ref[b, r, pl.ds(c0 // 2, dc // 2)])
+    codes = jnp.stack([lo, hi], axis=-1).reshape(tk, dc)  # low nibble = even channel
+    sc = decode.e4m3_f32(es_ref[b, r, pl.ds(c0 // ENTRY_SCALE_BLOCK, dc // ENTRY_SCALE_BLOCK)])
+    v = decode.fp4_as_f16(codes).astype(jnp.float32).reshape(tk, dc // ENTRY_SCALE_BLOCK, ENTRY_SCALE_BLOCK)
+    return (v * (sc * decode.FP4_F16_SHIFT)[:, :, None]).reshape(tk, dc).astype(jnp.float16)
 
 
 def _kernel(q_ref, qs_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, *out_refs,
@@ -111,6 +113,75 @@ def _kernel(q_ref, qs_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, id
         l_ref[b, s] = l
 
 
+def _kernel_two_pass(q_ref, qs_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, *out_refs,
+                     tk: int, n_wt: int, n_et: int, k: int, per_split: int, final: bool, dc: int):
+    """Same result as `_kernel` with [H, dc] accumulators instead of [H, D]: pass 1 computes the
+    logits of the split's keys (channel chunks of q against channel chunks of the keys) into a
+    scratch output and the running max / sum; pass 2 accumulates p.v one channel chunk at a time,
+    decoding the keys again (from L2). Trades a second decode for far fewer live registers."""
+    logit_ref, o_refs = out_refs[-1], out_refs[:-1]
+    b, s = pl.program_id(0), pl.program_id(1)
+    qs = qs_ref[b]
+    hp, d = q_ref.shape[1], q_ref.shape[2]
+    chunks = range(0, d, dc)
+    first, last = s * per_split, (s + 1) * per_split
+    wt = (jnp.minimum(first, n_wt), jnp.minimum(last, n_wt))
+    et = (jnp.clip(first - n_wt, 0, n_et), jnp.clip(last - n_wt, 0, n_et))
+
+    def entry_rows(t):
+        pos = t * tk + jnp.arange(tk)
+        ids = plt.load(idx_ref.at[b, pl.ds(t * tk, tk)], mask=pos < k, other=-1)
+        return ids >= 0, (b, jnp.maximum(ids, 0))
+
+    def logits_pass(tile, slot, ok, carry):
+        m, l = carry
+        logits = jnp.zeros((hp, tk), jnp.float32)
+        for c0 in chunks:
+            logits += jnp.dot(q_ref[b, :, pl.ds(c0, dc)], tile(c0).T, preferred_element_type=jnp.float32)
+        logits = jnp.where(ok[None, :], logits * qs[:, None], -jnp.inf)
+        logit_ref[b, s, :, pl.ds(slot * tk, tk)] = logits
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+        return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits - m_new[:, None]), axis=1)
+
+    def w1(t, carry):
+        ok = wok_ref[b, pl.ds(t * tk, tk)] != 0
+        return logits_pass(lambda c0: _window_tile(wv_ref, ws_ref, b, t * tk, tk, c0, dc), t - first, ok, carry)
+
+    def e1(t, carry):
+        ok, rows = entry_rows(t)
+        return logits_pass(lambda c0: _entry_tile(ev_ref, es_ref, rows, tk, c0, dc), t + n_wt - first, ok, carry)
+
+    carry = (jnp.full((hp,), M_FLOOR, jnp.float32), jnp.zeros((hp,), jnp.float32))
+    carry = jax.lax.fori_loop(*wt, w1, carry)
+    m, l = jax.lax.fori_loop(*et, e1, carry)
+    if not final:
+        o_refs[1][b, s] = m
+        o_refs[2][b, s] = l
+    else:
+        sink = sink_ref[...]
+        m_all = jnp.maximum(m, sink)
+        c = jnp.exp(m - m_all)
+        norm = c / (l * c + jnp.exp(sink - m_all))
+
+    for c0 in chunks:
+        def pv(tile, slot, acc):
+            p = jnp.exp(logit_ref[b, s, :, pl.ds(slot * tk, tk)] - m[:, None]).astype(jnp.float16)
+            return acc + jnp.dot(p, tile, preferred_element_type=jnp.float32)
+
+        def w2(t, acc, c0=c0):
+            return pv(_window_tile(wv_ref, ws_ref, b, t * tk, tk, c0, dc), t - first, acc)
+
+        def e2(t, acc, c0=c0):
+            return pv(_entry_tile(ev_ref, es_ref, entry_rows(t)[1], tk, c0, dc), t + n_wt - first, acc)
+
+        acc = jax.lax.fori_loop(*wt, w2, jnp.zeros((hp, dc), jnp.float32))
+        acc = jax.lax.fori_loop(*et, e2, acc)
+        if final:
+            o_refs[0][b, :, pl.ds(c0, dc)] = acc * norm[:, None]
+        else:
+            o_refs[0][b, s, :, pl.ds(c0, dc)] = acc
+
+
 def combine(acc_bshd: jax.Array, m_bsh: jax.Array, l_bsh: jax.Array, sink_h: jax.Array) -> jax.Array:
     """Merge split partials (unnormalized acc, running max, running sum) with the sink. f32 [B, H, D]."""
     m_all = jnp.maximum(jnp.max(m_bsh, axis=1), sink_h[None, :])
@@ -120,11 +191,13 @@ def combine(acc_bshd: jax.Array, m_bsh: jax.Array, l_bsh: jax.Array, sink_h: jax
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "two_pass", "interpret"))
 def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                      sink_h, scale: float, *, splits: int = 1, block_k: int = 32, num_warps: int = 8,
-                     num_stages: int = 2, interpret: bool = False):
-    """f32 [B, H, D]. Window records [B, W, D] + [B, W, D/32]; entries [B, N, D/2] + [B, N, D/16]."""
+                     num_stages: int = 2, two_pass: bool = False, interpret: bool = False):
+    """f32 [B, H, D]. Window records [B, W, D] + [B, W, D/32]; entries [B, N, D/2] + [B, N, D/16].
+
+    `two_pass` selects `_kernel_two_pass` (channel-chunked accumulators) over the one-pass kernel."""
     b, h, d = q_bhd.shape
     w, k = window_values.shape[1], idx_bk.shape[1]
     tk = block_k
@@ -145,12 +218,17 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
         out_shape = [jax.ShapeDtypeStruct((b, splits, hp, d), jnp.float32),
                      jax.ShapeDtypeStruct((b, splits, hp), jnp.float32),
                      jax.ShapeDtypeStruct((b, splits, hp), jnp.float32)]
-    kernel = functools.partial(_kernel, tk=tk, n_wt=n_wt, n_et=n_et, k=k, per_split=per_split, final=final)
+    args = dict(tk=tk, n_wt=n_wt, n_et=n_et, k=k, per_split=per_split, final=final)
+    if two_pass:
+        kernel = functools.partial(_kernel_two_pass, dc=min(d, 128), **args)
+        out_shape.append(jax.ShapeDtypeStruct((b, splits, hp, per_split * tk), jnp.float32))  # logits scratch
+    else:
+        kernel = functools.partial(_kernel, **args)
     outs = pl.pallas_call(
         kernel, grid=(b, splits), out_shape=out_shape, interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="sparse_attention",
     )(q16, qs, sink, window_values, window_scales, window_valid.astype(jnp.int8), entry_values, entry_scales,
       idx_bk.astype(jnp.int32))
-    out = outs[0] if final else combine(*outs, sink)
+    out = outs[0] if final else combine(*outs[:3], sink)
     return out[:, :h]

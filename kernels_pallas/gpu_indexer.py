@@ -5,13 +5,14 @@ score[b, n] = sum_h w[b, h] * relu(q[b, h] . k[b, n]) over the packed FP4 index 
 max of every block of `block` positions (the candidate source's block scores).
 
 How it maps to the hardware (why it is shaped like this):
-- The key bytes are never interleaved: byte j holds channels 2j (low nibble) and 2j+1 (high nibble),
-  so q is split into its even and odd channels outside the kernel and each 32-channel scale group is
-  two tensor-core dots (low nibbles x even q, high nibbles x odd q), K = 16 each.
-- Keys are decoded with `decode.fp4_as_f16` (two integer ops, exact). q is scaled by one power of
-  two per row so that it fits float16 (exact for FP4-grid queries, 2**-11 relative otherwise); the
-  power of two and the 2**-14 of the key decode are folded into w, since relu(c x) = c relu(x), c > 0.
-- Per-group key scales multiply the [TN, H] partial products (one FMA per element and group).
+- One tensor-core dot per tile: keys [TN, D] float16 x q^T [D, H]. FP4 keys are decoded with
+  `decode.fp4_as_f16` (two integer ops, exact), interleaved back to channel order in registers, and
+  multiplied by 2**(14 + e_g - e_max): their group exponent relative to the row's largest, so the
+  float16 values stay exact (down to 2**-23 below the row's largest group; smaller groups round at
+  ~1e-7 of the score) and the row's own 2**(e_max - 127) is applied to the final score, since
+  relu(c x) = c relu(x) for c > 0.
+- q is scaled by one power of two per sequence to fit float16 (exact for FP4-grid queries, 2**-11
+  relative otherwise); that power of two is folded into w.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ def _round_up(x: int, m: int) -> int:
 
 
 def prepare_query(q_bhd: jax.Array, w_bh: jax.Array, min_heads: int = 16):
-    """q [B, H, D] -> (q_even [B, D/2, Hp] f16, q_odd [B, D/2, Hp] f16, w' [B, Hp] f32).
+    """q [B, H, D] -> (q^T [B, D, Hp] float16 with max |q| in [0.5, 1), w' [B, Hp] float32).
 
-    Hp pads the heads to a tensor-core width (padded heads have w' = 0). w' carries the per-row power
-    of two taken out of q and the 2**-14 of the key decode.
+    Hp pads the heads to a tensor-core width (padded heads have w' = 0); w' carries the power of two
+    taken out of q.
     """
     b, h, d = q_bhd.shape
     hp = max(min_heads, _round_up(h, 16))
@@ -44,32 +45,27 @@ def prepare_query(q_bhd: jax.Array, w_bh: jax.Array, min_heads: int = 16):
     amax = jnp.max(jnp.abs(q), axis=(1, 2))
     _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))  # amax = f * 2**e, f in [0.5, 1)
     qn = q * jnp.exp2(-e.astype(jnp.float32))[:, None, None]
-    wn = w_bh.astype(jnp.float32) * jnp.exp2(e.astype(jnp.float32))[:, None] * decode.FP4_F16_SHIFT
+    wn = w_bh.astype(jnp.float32) * jnp.exp2(e.astype(jnp.float32))[:, None]
     qn = jnp.pad(qn, ((0, 0), (0, hp - h), (0, 0))).astype(jnp.float16)
-    wn = jnp.pad(wn, ((0, 0), (0, hp - h)))
-    return (jnp.swapaxes(qn[:, :, 0::2], 1, 2), jnp.swapaxes(qn[:, :, 1::2], 1, 2), wn)
+    return jnp.swapaxes(qn, 1, 2), jnp.pad(wn, ((0, 0), (0, hp - h)))
 
 
-def _kernel(reach_ref, qe_ref, qo_ref, w_ref, kv_ref, ks_ref, s_ref, *bmax_refs, n: int, tn: int,
-            groups: int, block: int | None):
+def _kernel(reach_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *bmax_refs, n: int, tn: int, groups: int,
+            block: int | None):
     b, t = pl.program_id(0), pl.program_id(1)
+    d = groups * KEY_SCALE_BLOCK
     n0 = t * tn
     rows = n0 + jnp.arange(tn)
     in_range = rows < n
-    half = KEY_SCALE_BLOCK // 2  # bytes per scale group
-    hp = w_ref.shape[-1]
-    acc = jnp.zeros((tn, hp), jnp.float32)
-    for g in range(groups):
-        kb = plt.load(kv_ref.at[b, pl.ds(n0, tn), pl.ds(g * half, half)], mask=in_range[:, None], other=0)
-        lo, hi = decode.nibbles(kb)
-        qe = qe_ref[b, pl.ds(g * half, half), :]
-        qo = qo_ref[b, pl.ds(g * half, half), :]
-        part = (jnp.dot(decode.fp4_as_f16(lo), qe, preferred_element_type=jnp.float32)
-                + jnp.dot(decode.fp4_as_f16(hi), qo, preferred_element_type=jnp.float32))
-        sc = decode.e8m0_f32(plt.load(ks_ref.at[b, pl.ds(n0, tn), jnp.int32(g)], mask=in_range, other=127))
-        acc += part * sc[:, None]
-    w = w_ref[b, :]
-    s = jnp.sum(jnp.maximum(acc, 0.0) * w[None, :], axis=1)
+    kb = plt.load(kv_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=0)  # [TN, D/2]
+    e = plt.load(ks_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=127).astype(jnp.int32)
+    e_max = jnp.max(e, axis=1)
+    rel = jax.lax.bitcast_convert_type(jnp.maximum(e - e_max[:, None] + 127 + 14, 1) << 23, jnp.float32)
+    lo, hi = decode.nibbles(kb)
+    k16 = jnp.stack([decode.fp4_as_f16(lo), decode.fp4_as_f16(hi)], axis=-1).reshape(tn, groups, KEY_SCALE_BLOCK)
+    k16 = (k16 * rel.astype(jnp.float16)[:, :, None]).reshape(tn, d)
+    logits = jnp.dot(k16, qt_ref[b], preferred_element_type=jnp.float32)  # [TN, Hp]
+    s = jnp.sum(jnp.maximum(logits, 0.0) * w_ref[b, :][None, :], axis=1) * decode.e8m0_f32(e_max)
     s = jnp.where(rows < reach_ref[b], s, -jnp.inf)
     plt.store(s_ref.at[b, pl.ds(n0, tn)], s, mask=in_range)
     if block is not None:
@@ -82,7 +78,7 @@ def _kernel(reach_ref, qe_ref, qo_ref, w_ref, kv_ref, ks_ref, s_ref, *bmax_refs,
 @functools.partial(jax.jit, static_argnames=("block", "block_n", "num_warps", "num_stages", "interpret"))
 def indexer_scores(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                    reachable_b: jax.Array, *, block: int | None = None, block_n: int = 256,
-                   num_warps: int = 8, num_stages: int = 3, interpret: bool = False):
+                   num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """Scores f32 [B, N]; with `block`, also the block maxima f32 [B, ceil(N / block)].
 
     key_values uint8 [B, N, D/2], key_scales uint8 [B, N, D/32] (quant.INDEX_KEY records).
@@ -94,7 +90,7 @@ def indexer_scores(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key
                          f"for head_dim {d}; got values {key_values.shape}, scales {key_scales.shape}")
     if block is not None and block_n % block:
         raise ValueError(f"block_n {block_n} must be a multiple of the candidate block {block}")
-    qe, qo, wn = prepare_query(q_bhd, w_bh)
+    qt, wn = prepare_query(q_bhd, w_bh)
     tn = block_n
     out_shape = [jax.ShapeDtypeStruct((b, n), jnp.float32)]
     if block is not None:
@@ -104,5 +100,5 @@ def indexer_scores(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key
         kernel, grid=(b, pl.cdiv(n, tn)), out_shape=out_shape, interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="indexer_scores",
-    )(reachable_b.astype(jnp.int32), qe, qo, wn, key_values, key_scales)
+    )(reachable_b.astype(jnp.int32), qt, wn, key_values, key_scales)
     return outs[0] if block is None else tuple(outs)

@@ -138,7 +138,8 @@ def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, interpret:
             return pick(_load_keys(lv_refs[0], r, jnp.where(ok, pos, 0), ok), pos, *carry)
         return jax.lax.fori_loop(0, pl.cdiv(sizes[0], cap), body, (jnp.int32(0), jnp.int32(0)))[0]
 
-    n_sel = jax.lax.cond(rescan, from_row, from_candidates)
+    # With a single level every element is a candidate and nothing can have been dropped.
+    n_sel = from_candidates() if top == 0 else jax.lax.cond(rescan, from_row, from_candidates)
     slot = jnp.arange(kp)
     plt.store(out_ref.at[r, slot], jnp.full((kp,), -1, jnp.int32), mask=(slot >= n_sel) & (slot < k))
 
