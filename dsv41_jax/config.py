@@ -95,6 +95,8 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"  # random-init params
     quantize_cache: bool = True  # FP4/FP8 cache formats + in-model quantize-dequantize
     index_keys: Literal["consistent", "released"] = "consistent"
+    weight_format: Literal["float", "fp8"] = "float"  # "fp8": keep the released FP8/FP4 weight formats
+    activation_quant: bool = False  # the release's fp8 mode: FP8-round the inputs of FP8/FP4 projections
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -115,7 +117,7 @@ class ModelConfig:
             d.setdefault("beta_slow", rope_scaling.get("beta_slow"))
             d.setdefault("original_seq_len", rope_scaling.get("original_max_position_embeddings"))
         names = {f.name for f in dataclasses.fields(cls)}
-        runtime = {"dtype", "param_dtype", "quantize_cache", "index_keys"}
+        runtime = {"dtype", "param_dtype", "quantize_cache", "index_keys", "weight_format", "activation_quant"}
         kwargs = {}
         for key, value in d.items():
             if key not in names or key in runtime or value is None:
@@ -185,7 +187,8 @@ class ModelConfig:
         need(self.n_shared_experts == 1, f"n_shared_experts must be 1 (the released design), got {self.n_shared_experts}")
         need(self.score_func in ("sqrtsoftplus", "softmax", "sigmoid"), f"unknown score_func {self.score_func!r}")
         need(self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-        need(self.index_keys in ("consistent", "released"), f"index_keys must be consistent|released")
+        need(self.index_keys in ("consistent", "released"), f"index_keys must be consistent|released, got {self.index_keys!r}")
+        need(self.weight_format in ("float", "fp8"), f"weight_format must be float|fp8, got {self.weight_format!r}")
         need(self.window_size > 0, f"window_size must be positive")
         for name in ("engram_layer_ids",):
             for l in getattr(self, name):
