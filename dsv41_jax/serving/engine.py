@@ -1,0 +1,318 @@
+"""Many sequences decoding together in the fixed slots of one jitted step, with prefix reuse.
+
+    eng = Engine(cfg, params, EngineConfig(slots=4, capacity=512, cache_dir="/tmp/kv"))
+    results = eng.generate([Request(prompt=ids, max_new_tokens=64), ...])
+
+Slots (the HBM tier). The engine owns one batched cache of `slots` rows of `capacity` tokens; every
+decode step runs all slots through `decode_step(..., active_b=)`, so requests join and leave without
+recompiling. `slots_for_budget` derives the slot count from an HBM byte budget and the measured bytes
+of one row (global KV + window rings + state): a slot-based pool rather than a paged one, which keeps
+the decode step dense and costs the unused tail of each row. When every slot is busy new requests
+wait in a FIFO queue; nothing is evicted from HBM while it is live.
+
+Prefill runs one request at a time on its own row (batch 1, fixed chunk width: one compile), in
+chunks of `prefill_chunk` tokens. It always splits at P = the last page boundary before the prompt's
+last token, so the state at P is a reusable prefix:
+- after [0, P) the global KV of every full page goes to the disk tier (`PageStore`) and the window
+  rings at P to the host tier (`HostPool`), both keyed by the chained hash of the tokens (tiers/keys);
+- a later prompt that starts with cached pages loads their global KV instead of recomputing it; with
+  the window of that prefix in the host pool the state at the prefix is restored exactly (same bytes,
+  so greedy tokens equal a cold run), else *bounded replay* recomputes the last window of the prefix
+  on top of the cached global KV: lengths = R - W, empty window rings, n-gram history recomputed for
+  R - W, prefill of tokens [R - W, R), then the cached (exact) global rows of [R - W, R) are put back
+  over the replay's recomputed ones. The pending compressor group is empty at R - W because W and
+  the page size are multiples of every ratio. Replay is an approximation (the first replayed queries
+  see a window missing its older half; the exact cone grows by a window per layer), measured by
+  `experiments.prefix_reuse`. States derived from a replay are never written back to either tier.
+Any problem with a tier (damaged/foreign/expired page, full disk, missing directory) is a miss and a
+recompute: the tiers report misses, never raise.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from dsv41_jax import api
+from dsv41_jax.cache import cache_bytes, init_cache
+from dsv41_jax.plan import Mode, build_plan
+from dsv41_jax.serving import slots as rows
+from dsv41_jax.serving.sampling import sample
+from dsv41_jax.tiers import HostPool, PageStore, block_chain, fingerprint
+from dsv41_jax.tiers.keys import weights_digest
+
+
+def slot_bytes(cfg, capacity: int) -> int:
+    """Measured bytes of one slot row (every cache array, from the abstract cache)."""
+    return sum(cache_bytes(jax.eval_shape(lambda: init_cache(cfg, 1, capacity))).values())
+
+
+def slots_for_budget(cfg, capacity: int, budget_bytes: int, max_slots: int = 256) -> int:
+    per = slot_bytes(cfg, capacity)
+    n = min(max_slots, budget_bytes // per)
+    if n < 1:
+        raise ValueError(f"an HBM budget of {budget_bytes:,d} B holds no slot: one sequence of capacity {capacity} "
+                         f"needs {per:,d} B; raise the budget or lower the capacity")
+    return int(n)
+
+
+@dataclass
+class EngineConfig:
+    slots: int | None = None  # None: from hbm_budget_bytes
+    hbm_budget_bytes: int | None = None
+    capacity: int = 512  # tokens per slot (prompt + generated)
+    prefill_chunk: int = 256
+    page_tokens: int = 64  # a multiple of every compression ratio
+    cache_dir: str | None = None  # None: no disk tier (and so no prefix reuse)
+    retention_s: float = 72 * 3600
+    host_pool_bytes: int | None = None  # None: 10% of host memory
+    host_ttl_s: float = 300.0
+    prefix_reuse: bool = True
+    replay: bool = True
+    weights_revision: str | None = None  # None: a digest of the parameter bytes
+    kernels: str = "jnp"
+    progress: bool = True
+
+
+@dataclass
+class Request:
+    prompt: list | np.ndarray
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    seed: int = 0
+    stop_tokens: tuple = ()
+    id: str | None = None
+
+
+@dataclass
+class Result:
+    id: str
+    tokens: list = field(default_factory=list)
+    error: str | None = None
+    stop_reason: str | None = None
+    metrics: dict = field(default_factory=dict)
+    first_logits: np.ndarray | None = None  # f32 [V] that chose the first token (for drift checks)
+
+
+@dataclass
+class _Live:
+    req: Request
+    res: Result
+    prompt: np.ndarray
+    t_submit: float
+    t_first: float = 0.0
+
+
+class Engine:
+    def __init__(self, cfg, params, ecfg: EngineConfig = EngineConfig()):
+        self.cfg, self.params, self.ecfg = cfg, params, ecfg
+        self.ratios = tuple(p.ratio for p in build_plan(cfg) if p.mode is Mode.FULL)
+        lcm = math.lcm(*self.ratios) if self.ratios else 1
+        if ecfg.page_tokens % lcm:
+            raise ValueError(f"page_tokens={ecfg.page_tokens} must be a multiple of every compression ratio "
+                             f"(lcm {lcm}) so a page ends on complete groups")
+        if ecfg.capacity < 2 or ecfg.prefill_chunk < 1:
+            raise ValueError(f"need capacity >= 2 and prefill_chunk >= 1, got {ecfg.capacity}, {ecfg.prefill_chunk}")
+        self.n_slots = ecfg.slots or slots_for_budget(cfg, ecfg.capacity, ecfg.hbm_budget_bytes or 1 << 30)
+        self.cache = init_cache(cfg, self.n_slots, ecfg.capacity)
+        self._empty_row = rows.to_host(rows.take_row(self.cache, 0))
+        self.replay_ok = ecfg.replay and cfg.window_size % lcm == 0
+        tm = params["engram_token_map"][...] if cfg.engram_layer_ids else None
+        self.token_map = None if tm is None else np.asarray(tm)
+        self.hist_width = self._empty_row.ngram_history.shape[1]
+        self.store = self.host = None
+        self.fp = None
+        if ecfg.cache_dir:
+            weights = ecfg.weights_revision or weights_digest(jax.tree.leaves(params))
+            self.fp = fingerprint(cfg, weights, ecfg.page_tokens, extra=f"capacity-independent;{self.ratios}")
+            self.store = PageStore(ecfg.cache_dir, self.fp, ecfg.page_tokens, retention_s=ecfg.retention_s)
+            self.host = HostPool(ecfg.host_pool_bytes, ecfg.host_ttl_s)
+            self.store.gc()
+        self.live: dict[int, _Live] = {}
+        self.queue: list[_Live] = []
+        self.done: list[Result] = []
+        self._n = 0
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, req: Request) -> np.ndarray:
+        """The prompt as int32 [n], or ValueError saying what is wrong with the request."""
+        p = np.asarray(req.prompt)
+        if p.ndim != 1 or p.size == 0:
+            raise ValueError(f"empty prompt (shape {p.shape}): give at least one token id")
+        if not np.issubdtype(p.dtype, np.integer):
+            raise ValueError(f"prompt must be integer token ids, got dtype {p.dtype}")
+        v = self.cfg.vocab_size
+        if p.min() < 0 or p.max() >= v:
+            raise ValueError(f"prompt has ids outside [0, {v}): min {p.min()}, max {p.max()}")
+        if not isinstance(req.max_new_tokens, (int, np.integer)) or req.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {req.max_new_tokens!r}")
+        if p.size + req.max_new_tokens > self.ecfg.capacity:
+            raise ValueError(f"request too long: {p.size} prompt + {req.max_new_tokens} new tokens exceeds the slot "
+                             f"capacity of {self.ecfg.capacity}; shorten it or run the engine with a larger capacity")
+        t = req.temperature
+        if not isinstance(t, (int, float, np.floating)) or not np.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if any(not (0 <= int(s) < v) for s in req.stop_tokens):
+            raise ValueError(f"stop tokens must be ids in [0, {v}), got {list(req.stop_tokens)}")
+        return p.astype(np.int32)
+
+    def submit(self, req: Request) -> str:
+        """Queue a request; raises ValueError (and queues nothing) when it is malformed."""
+        prompt = self.validate(req)
+        rid = req.id or f"req{self._n}"
+        self._n += 1
+        self.queue.append(_Live(req, Result(rid), prompt, time.perf_counter()))
+        return rid
+
+    def generate(self, requests: list[Request]) -> list[Result]:
+        """Run requests to completion; malformed ones get Result.error and do not disturb the others."""
+        order = []
+        for r in requests:
+            try:
+                order.append(self.submit(r))
+            except ValueError as e:
+                rid = r.id or f"req{self._n}"
+                self._n += 1
+                self.done.append(Result(rid, error=str(e)))
+                order.append(rid)
+        while self.queue or self.live:
+            self.step()
+        by_id = {r.id: r for r in self.done}
+        return [by_id[i] for i in order]
+
+    # ------------------------------------------------------------------ scheduling
+    def step(self) -> None:
+        """Admit waiting requests into free slots (prefill), then one decode step for all live slots."""
+        free = [s for s in range(self.n_slots) if s not in self.live]
+        while free and self.queue:
+            self._admit(self.queue.pop(0), free.pop(0))
+        if not self.live:
+            return
+        b = self.n_slots
+        tok, active = np.zeros(b, np.int32), np.zeros(b, bool)
+        temp, seed, count = np.zeros(b, np.float32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
+        for s, lv in self.live.items():
+            tok[s], active[s] = lv.res.tokens[-1], True
+            temp[s], seed[s], count[s] = lv.req.temperature, lv.req.seed, len(lv.res.tokens)
+        logits, self.cache = api.decode_step(self.cfg, self.params, self.cache, jnp.asarray(tok), jnp.asarray(active),
+                                             kernels=self.ecfg.kernels, validate=False)
+        nxt = np.asarray(sample(logits, jnp.asarray(temp), jnp.asarray(seed), jnp.asarray(count)))
+        for s in list(self.live):
+            self._emit(s, int(nxt[s]))
+
+    def _emit(self, slot: int, token: int) -> None:
+        lv = self.live[slot]
+        lv.res.tokens.append(token)
+        reason = None
+        if token in lv.req.stop_tokens:
+            reason = "stop_token"
+        elif len(lv.res.tokens) >= lv.req.max_new_tokens:
+            reason = "max_new_tokens"
+        if reason:
+            self._finish(slot, reason)
+
+    def _finish(self, slot: int, reason: str) -> None:
+        lv = self.live.pop(slot)
+        now = time.perf_counter()
+        m = lv.res.metrics
+        n = len(lv.res.tokens)
+        m.update(generated_tokens=n, total_s=now - lv.t_submit,
+                 decode_tokens_per_s=(n - 1) / (now - lv.t_first) if n > 1 and now > lv.t_first else float("nan"))
+        lv.res.stop_reason = reason
+        self.done.append(lv.res)
+
+    # ------------------------------------------------------------------ prefill and prefix reuse
+    def _chunks(self, row, ids: np.ndarray, lo: int, hi: int, desc: str):
+        """Prefill tokens [lo, hi) of ids onto a device row in fixed-width chunks; (logits [1, V] | None, row)."""
+        cw, logits = self.ecfg.prefill_chunk, None
+        starts = range(lo, hi, cw)
+        bar = tqdm(starts, desc=desc, unit="chunk", file=sys.stderr, leave=False,
+                   disable=not self.ecfg.progress or len(starts) < 8)
+        for a in bar:
+            n = min(cw, hi - a)
+            t = np.zeros((1, cw), np.int32)
+            t[0, :n] = ids[a:a + n]
+            logits, row = api.prefill(self.cfg, self.params, row, t, np.array([n], np.int32), kernels=self.ecfg.kernels)
+        return logits, row
+
+    def _restore(self, ids: np.ndarray, keys: list[str], m: dict):
+        """(device row, reused prefix R, state exact?) from the tiers; R == 0 when nothing is usable."""
+        if not (self.store and self.ecfg.prefix_reuse and keys):
+            return None, 0, True
+        pt, w = self.ecfg.page_tokens, self.cfg.window_size
+        r0 = dict(self.store.stats)
+        pages = self.store.lookup(keys)
+        m["disk_bytes_read"] = self.store.stats["bytes_read"] - r0.get("bytes_read", 0)
+        m["disk_pages_hit"] = len(pages)
+        if pages and not rows.pages_match(pages, ids, pt, self._empty_row):
+            m["disk_pages_rejected"], pages = len(pages), []
+        r = len(pages) * pt
+        if r == 0:
+            return None, 0, True
+        row = rows.fill_from_pages(jax.tree.map(np.copy, self._empty_row), pages, self.ratios, pt)
+        snap = self.host.get(keys[len(pages) - 1])
+        if snap is not None:
+            m["host_window_hit"], m["host_bytes_read"] = True, sum(a.nbytes for a in snap.values())
+            row = row.replace(lengths=np.array([r], np.int32), window={k[len("window."):]: v for k, v in snap.items()},
+                              ngram_history=self._history(ids, r))
+            return jax.device_put(row), r, True
+        if not self.replay_ok or r < w:
+            m["disk_pages_unused"] = len(pages)  # no window and no replay: recompute from scratch
+            return None, 0, True
+        row = rows.reset_row(row, r - w).replace(ngram_history=self._history(ids, r - w))
+        _, dev = self._chunks(jax.device_put(row), ids, r - w, r, "replay")
+        # the replay recomputed the global rows of [r - w, r) from a partial window: put the exact ones back
+        host = rows.fill_from_pages(rows.to_host(dev), pages, self.ratios, pt)
+        m["replayed_tokens"] = w
+        return jax.device_put(host), r, False
+
+    def _history(self, ids, n):
+        if self.token_map is None:
+            return np.zeros((1, 0), np.int32)
+        return rows.ngram_history_at(self.token_map, ids, n, self.hist_width)
+
+    def _publish(self, row, ids: np.ndarray, keys: list[str], start: int, split: int, m: dict) -> None:
+        """Write the pages of [start, split) and the window at `split` to the tiers (exact states only)."""
+        pt = self.ecfg.page_tokens
+        host = rows.to_host(row)
+        w0 = self.store.stats["bytes_written"]
+        for k in range(start // pt, split // pt):
+            if not self.store.put(keys[k], k * pt, rows.page_arrays(host, self.ratios, ids, k * pt, pt)):
+                break  # a failed write (e.g. full disk): later pages would not be reachable anyway
+        m["disk_bytes_written"] = self.store.stats["bytes_written"] - w0
+        snap = {f"window.{k}": v for k, v in host.window.items()}
+        if self.host.put(keys[split // pt - 1], snap):
+            m["host_bytes_written"] = sum(a.nbytes for a in snap.values())
+
+    def _admit(self, lv: _Live, slot: int) -> None:
+        ids, pt, m = lv.prompt, self.ecfg.page_tokens, lv.res.metrics
+        t0 = time.perf_counter()
+        n = ids.size
+        split = (n - 1) // pt * pt  # the last page boundary before the last prompt token
+        keys = block_chain(self.fp, ids[:split], pt) if self.store else []
+        m.update(prompt_tokens=int(n), queue_s=t0 - lv.t_submit, disk_pages_hit=0, host_window_hit=False,
+                 replayed_tokens=0, disk_bytes_read=0, disk_bytes_written=0, host_bytes_read=0, host_bytes_written=0)
+        row, start, exact = self._restore(ids, keys, m)
+        if row is None:
+            row = jax.device_put(self._empty_row)
+        m["reused_tokens"] = start
+        _, row = self._chunks(row, ids, start, split, "prefill")
+        if self.store and exact and split > start:
+            self._publish(row, ids, keys, start, split, m)
+        logits, row = self._chunks(row, ids, split, n, "prefill")
+        m["prefilled_tokens"] = int(n - start) + m["replayed_tokens"]
+        self.cache = rows.put_row(self.cache, slot, row)
+        first = int(np.asarray(sample(logits, jnp.asarray([lv.req.temperature], jnp.float32),
+                                      jnp.asarray([lv.req.seed], jnp.uint32), jnp.zeros(1, jnp.int32)))[0])
+        lv.t_first = time.perf_counter()
+        lv.res.first_logits = np.asarray(logits[0])
+        m.update(ttft_s=lv.t_first - lv.t_submit, prefill_s=lv.t_first - t0)
+        self.live[slot] = lv
+        self._emit(slot, first)

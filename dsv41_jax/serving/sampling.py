@@ -1,0 +1,20 @@
+"""Greedy and temperature sampling, one request per row, reproducible per request.
+
+Each row draws with key fold_in(key(seed), step) where step counts that request's generated tokens,
+so a request's samples do not depend on its slot or on what else is running.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.jit
+def sample(logits_bv, temperature_b, seed_b, step_b):
+    """int32 [B] ids: argmax where temperature == 0, else a draw from softmax(logits / temperature)."""
+    def one(logits, t, seed, step):
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        drawn = jax.random.categorical(key, logits / jnp.maximum(t, 1e-5))
+        return jnp.where(t > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)
+    return jax.vmap(one)(logits_bv, temperature_b, seed_b, step_b)

@@ -1,0 +1,145 @@
+"""Serving engine: slots join and leave without recompiling, prefix reuse through the tiers is exact
+with the window in the host pool and bounded with replay, and every tier failure is a correct recompute.
+
+One module-scoped model; every engine shares the two compiled programs (prefill chunk [1, 32], decode
+[2, 1]), so only the first request pays for compiling.
+"""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+import dsv41_jax as d
+from dsv41_jax import api
+from dsv41_jax.serving import Engine, EngineConfig, Request, slots_for_budget
+
+PT, CHUNK, CAP, NEW = 32, 32, 160, 12
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = d.preset("tiny")
+    return cfg, d.init_params(cfg, seed=0)
+
+
+def engine(model, cache_dir=None, **kw):
+    cfg, params = model
+    return Engine(cfg, params, EngineConfig(slots=2, capacity=CAP, prefill_chunk=CHUNK, page_tokens=PT,
+                                            cache_dir=cache_dir, progress=False, **kw))
+
+
+PROMPT = np.random.default_rng(1).integers(0, 320, 90)  # 2 full pages before the last token
+
+
+@pytest.fixture(scope="module")
+def cold(model):
+    """Greedy tokens of PROMPT with no cache tier at all."""
+    return engine(model).generate([Request(PROMPT, max_new_tokens=NEW)])[0]
+
+
+def run(eng, prompt=PROMPT, **kw):
+    return eng.generate([Request(prompt, max_new_tokens=NEW, **kw)])[0]
+
+
+def test_warm_with_window_is_exact_and_replay_is_bounded(model, cold, tmp_path):
+    first = engine(model, tmp_path)
+    r1 = run(first)
+    assert r1.tokens == cold.tokens and r1.metrics["disk_bytes_written"] > 0 and r1.metrics["host_bytes_written"] > 0
+    r2 = run(first)  # same engine: window rings of the prefix are in its host pool
+    assert r2.metrics["host_window_hit"] and r2.metrics["reused_tokens"] == 2 * PT
+    assert r2.metrics["prefilled_tokens"] == PROMPT.size - 2 * PT
+    assert r2.tokens == cold.tokens
+    np.testing.assert_array_equal(r2.first_logits, cold.first_logits)
+    # a second engine on the same directory has an empty host pool: disk hit + bounded replay
+    r3 = run(engine(model, tmp_path))
+    assert r3.metrics["disk_pages_hit"] == 2 and not r3.metrics["host_window_hit"]
+    assert r3.metrics["replayed_tokens"] == model[0].window_size
+    # measured for this seed: max |dlogit| 0.29 on a logit scale of 2.9 (random weights amplify drift)
+    scale = np.abs(cold.first_logits).max()
+    assert np.abs(r3.first_logits - cold.first_logits).max() < 0.2 * scale
+    assert r3.tokens[0] == cold.tokens[0]
+    # replay-derived state is never published: the directory still serves exact restores to `first`
+    assert run(first).tokens == cold.tokens
+    off = run(engine(model, tmp_path, replay=False))
+    assert off.tokens == cold.tokens and off.metrics["reused_tokens"] == 0
+
+
+def page_files(root):
+    return [os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs if f.endswith(".page")]
+
+
+def damage(path, how):
+    data = bytearray(open(path, "rb").read())
+    if how == "truncate":
+        data = data[: len(data) - 7]
+    else:
+        data[len(data) // 3] ^= 0x10
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "fingerprint", "expired", "missing_dir", "full_disk", "killed"])
+def test_tier_failures_are_a_miss_and_a_correct_recompute(model, cold, tmp_path, how, monkeypatch):
+    eng = engine(model, tmp_path)
+    assert run(eng).tokens == cold.tokens
+    files = page_files(tmp_path)
+    assert len(files) == 2
+    if how in ("truncate", "flip"):
+        damage(files[0], how)
+    elif how == "fingerprint":
+        eng = engine(model, tmp_path, weights_revision="another-revision")
+    elif how == "expired":
+        for f in files:
+            os.utime(f, (1.0, 1.0))
+    elif how == "missing_dir":
+        for f in files:
+            os.unlink(f)
+        os.rmdir(os.path.dirname(files[0]))
+    elif how == "killed":  # a writer killed mid-write: a temp file, and a torn final page from a non-atomic tool
+        open(os.path.join(os.path.dirname(files[0]), ".tmp-999-x"), "wb").write(open(files[0], "rb").read()[:50])
+        damage(files[0], "truncate")
+    eng = engine(model, tmp_path, weights_revision=eng.ecfg.weights_revision)  # fresh host pool: disk only
+    if how == "full_disk":
+        for f in files:
+            os.unlink(f)
+        def enospc(fd, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(eng.store, "_write_all", enospc)
+    r = run(eng)
+    assert r.error is None and r.tokens == cold.tokens
+    assert r.metrics["reused_tokens"] == 0 and r.metrics["replayed_tokens"] == 0
+    if how == "full_disk":
+        assert eng.store.stats["write_errors"] == 1 and page_files(tmp_path) == []
+
+
+def test_slots_join_and_leave_without_recompiling(model, cold):
+    eng = engine(model)
+    short = PROMPT[:20]
+    alone = run(eng, short)
+    compiled = api._forward_jit._cache_size()
+    reqs = [Request(PROMPT, max_new_tokens=NEW), Request(short, max_new_tokens=4),
+            Request(short, max_new_tokens=NEW, temperature=0.8, seed=3), Request(PROMPT, max_new_tokens=6),
+            Request([], max_new_tokens=3), Request(PROMPT, max_new_tokens=CAP),
+            Request(short, temperature=-1.0), Request(short, temperature=float("nan")), Request(short, max_new_tokens=0),
+            Request([5, 400])]
+    out = eng.generate(reqs)
+    assert api._forward_jit._cache_size() == compiled  # 3 requests over 2 slots, no new program
+    assert out[0].tokens == cold.tokens and out[1].tokens == alone.tokens[:4] and out[3].tokens == cold.tokens[:6]
+    sampled_again = engine(model).generate([Request(short, max_new_tokens=NEW, temperature=0.8, seed=3)])[0]
+    assert out[2].tokens == sampled_again.tokens and out[2].tokens != alone.tokens
+    errors = [r.error for r in out[4:]]
+    for msg, want in zip(errors, ["empty prompt", "too long", "temperature", "temperature", "max_new_tokens", "outside"]):
+        assert msg and want in msg, (want, msg)
+    assert all(r.error is None and r.metrics["ttft_s"] > 0 for r in out[:4])
+
+
+def test_stop_token_and_budget(model, cold):
+    stop = cold.tokens[3]
+    r = run(engine(model), stop_tokens=(stop,))
+    assert r.tokens == cold.tokens[: cold.tokens.index(stop) + 1] and r.stop_reason == "stop_token"
+    cfg = model[0]
+    one = slots_for_budget(cfg, CAP, 10**9, max_slots=1 << 30)
+    assert slots_for_budget(cfg, CAP, 3 * (10**9 // one) + 1, max_slots=1 << 30) == 3
+    with pytest.raises(ValueError, match="holds no slot"):
+        slots_for_budget(cfg, CAP, 100)
