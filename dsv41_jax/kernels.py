@@ -1,38 +1,77 @@
 """One switch between the plain-jnp reference ops and the Pallas kernels.
 
 `backend` is "jnp" (reference, any device), "pallas" (kernels_pallas; GPU or TPU, or interpret mode
-on CPU) or "auto" (Pallas on GPU/TPU when the record formats are the released packed ones, jnp
-otherwise). The model passes `ModelConfig.kernels`; users override it with `cfg.replace(kernels=...)`.
+on CPU) or "auto": the kernels on GPU/TPU when the record formats are the released packed ones
+(`quant.Fp4Codec` / `quant.Fp8Codec` with the released scale blocks), jnp otherwise (CPU, or e.g.
+`RawCodec` caches). The model passes `ModelConfig.kernels`; users override it with
+`cfg.replace(kernels=...)`.
+
+Agreement with jnp (tests/test_kernels_*.py): selection is exact; indexer scores agree to ~1e-7
+relative (FP4-grid operands make every product exact, only the summation order differs); attention
+to ~1e-4 relative on GPU (float16 tensor-core operands) and ~1e-5 on TPU (bf16 hi/lo splits).
 """
 
 from __future__ import annotations
 
 import jax
 
-from dsv41_jax import ops
+from dsv41_jax import ops, quant
+
+_KERNEL_FORMATS = {  # what the kernels decode: the released record layouts
+    "index_key": quant.INDEX_KEY,
+    "main_kv": quant.MAIN_KV,
+    "window_kv": quant.WINDOW_KV,
+}
 
 
 def resolve(backend: str) -> str:
+    """Validate `backend`; "auto" stays "auto" on GPU/TPU (decided per call from the codecs), else "jnp"."""
     if backend not in ("auto", "jnp", "pallas"):
         raise ValueError(f"kernel backend must be auto|jnp|pallas, got {backend!r}")
     if backend == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "cuda", "tpu") else "jnp"
+        return "auto" if jax.default_backend() in ("gpu", "cuda", "tpu") else "jnp"
     return backend
 
 
+def _pallas(backend: str, **codecs) -> bool:
+    """True when this call runs the Pallas kernels; "pallas" with other record formats is an error."""
+    backend = resolve(backend)
+    if backend == "jnp":
+        return False
+    odd = [f"{name}={codec!r}" for name, codec in codecs.items() if codec != _KERNEL_FORMATS[name]]
+    if odd and backend == "pallas":
+        raise ValueError(f"the Pallas kernels read the released packed formats only, got {', '.join(odd)}; "
+                         "use kernels='jnp' or 'auto' with these cache formats")
+    return not odd
+
+
+def _kp():
+    import kernels_pallas  # imported on first use: the jnp path never needs Pallas
+
+    return kernels_pallas
+
+
 def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec, *, backend="jnp"):
+    if _pallas(backend, index_key=codec):
+        return _kp().indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b)
     return ops.indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec)
 
 
 def select_topk(scores, k, *, backend="jnp"):
+    if _pallas(backend):
+        return _kp().select_topk(scores, k)
     return ops.select_topk(scores, k)
 
 
 def candidate_blocks(scores, reachable, n_blocks, block, *, backend="jnp"):
+    if _pallas(backend):
+        return _kp().candidate_blocks(scores, reachable, n_blocks, block)
     return ops.candidate_blocks(scores, reachable, n_blocks, block)
 
 
 def sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry_rec, idx_bk, entry_codec,
                             sink_h, scale, *, backend="jnp"):
+    if _pallas(backend, window_kv=window_codec, main_kv=entry_codec):
+        return _kp().sparse_attention_decode(q_bhd, window_rec, window_valid, entry_rec, idx_bk, sink_h, scale)
     return ops.sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry_rec, idx_bk,
                                        entry_codec, sink_h, scale)

@@ -1,0 +1,63 @@
+"""Pallas kernels for the decode hot spots, with the contracts of `dsv41_jax.ops`.
+
+GPU kernels lower through Triton (`gpu_*`), TPU kernels through Mosaic TPU (`tpu_*`); on a CPU both
+run in interpret mode (that is how CI checks them). The functions below take the cache records of
+`dsv41_jax.quant` in the released packed formats and pick the platform from the default backend
+unless `platform` is given.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from kernels_pallas import gpu_attention, gpu_indexer, gpu_select, tpu_attention, tpu_indexer, tpu_select
+
+__all__ = ["indexer_scores_decode", "select_topk", "candidate_blocks", "sparse_attention_decode", "platform"]
+
+
+def platform(override: str | None = None) -> tuple[str, bool]:
+    """(kernel family "gpu" | "tpu", interpret?) for the default backend; CPU runs GPU kernels interpreted."""
+    backend = jax.default_backend()
+    fam = override or ("tpu" if backend == "tpu" else "gpu")
+    if fam not in ("gpu", "tpu"):
+        raise ValueError(f"kernel platform must be gpu|tpu, got {fam!r}")
+    return fam, backend == "cpu" or (fam == "tpu") != (backend == "tpu")
+
+
+def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | None = None, platform_=None):
+    """f32 [B, N] scores, -inf past reachable (and block maxima [B, ceil(N/block)] with `block`)."""
+    fam, interpret = platform(platform_)
+    mod = tpu_indexer if fam == "tpu" else gpu_indexer
+    return mod.indexer_scores(q_bhd, w_bh, key_rec["values"], key_rec["scales"], reachable_b, block=block,
+                              interpret=interpret)
+
+
+def select_topk(scores, k: int, *, platform_=None):
+    fam, interpret = platform(platform_)
+    mod = tpu_select if fam == "tpu" else gpu_select
+    return mod.select_topk(scores, k, interpret=interpret)
+
+
+def candidate_blocks(scores_btn, reachable_bt, n_blocks: int, block: int, *, platform_=None):
+    fam, interpret = platform(platform_)
+    if fam == "tpu":
+        return tpu_select.select_topk(gpu_select.block_scores(scores_btn, reachable_bt, block), n_blocks,
+                                      interpret=interpret)
+    return gpu_select.candidate_blocks(scores_btn, reachable_bt, n_blocks, block, interpret=interpret)
+
+
+def sparse_attention_decode(q_bhd, window_rec, window_valid_bw, entry_rec, idx_bk, sink_h, scale: float, *,
+                            platform_=None):
+    fam, interpret = platform(platform_)
+    args = (q_bhd, window_rec["values"], window_rec["scales"], window_valid_bw, entry_rec["values"],
+            entry_rec["scales"], idx_bk, sink_h, float(scale))
+    if fam == "tpu":
+        return tpu_attention.sparse_attention(*args, interpret=interpret)
+    # enough splits to fill an H200-sized GPU (132 SMs) with one program per split; the largest key
+    # tile that divides the window (64 measured fastest on the H200)
+    splits = max(1, min(8, -(-132 // q_bhd.shape[0])))
+    w = window_rec["values"].shape[1]
+    block_k = next((t for t in (64, 32, 16) if w % t == 0), None)
+    if block_k is None:
+        raise ValueError(f"the GPU attention kernel needs a window size that is a multiple of 16, got {w}")
+    return gpu_attention.sparse_attention(*args, splits=splits, block_k=block_k, interpret=interpret)

@@ -77,7 +77,7 @@ def _kernel(reach_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *bmax_refs, n: int,
 
 @functools.partial(jax.jit, static_argnames=("block", "block_n", "num_warps", "num_stages", "interpret"))
 def indexer_scores(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
-                   reachable_b: jax.Array, *, block: int | None = None, block_n: int = 256,
+                   reachable_b: jax.Array, *, block: int | None = None, block_n: int = 128,
                    num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """Scores f32 [B, N]; with `block`, also the block maxima f32 [B, ceil(N / block)].
 
