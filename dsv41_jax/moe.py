@@ -73,33 +73,78 @@ class MoE(nnx.Module):
         self.limit = cfg.swiglu_limit
         self.n_experts = e
 
-    def expert_weight(self, name: str, dtype) -> jax.Array:
-        """Stacked input-major expert weight [E, in, out] in `dtype` (dequantized from FP4 if stored so)."""
-        w = getattr(self, name)[...]
+    def expert_weight(self, name: str, dtype, raw=None) -> jax.Array:
+        """Stacked input-major expert weight [E, in, out] in `dtype` (dequantized from FP4 if stored so).
+
+        raw: the stored arrays {name, name + "_scale"} to use instead of the params (a shard of them
+        inside shard_map).
+        """
+        raw = raw if raw is not None else self._raw_experts()
+        w = raw[name]
         if not self.fp4:
             return w.astype(dtype)
-        dense = EXPERT_FP4.decode({"values": w, "scales": getattr(self, name + "_scale")[...]})
+        dense = EXPERT_FP4.decode({"values": w, "scales": raw[name + "_scale"]})
         return dense.transpose(0, 2, 1).astype(dtype)
 
-    def __call__(self, x_btd: jax.Array) -> jax.Array:
+    def _raw_experts(self) -> dict:
+        names = ("w1", "w2", "w3") + (("w1_scale", "w2_scale", "w3_scale") if self.fp4 else ())
+        return {n: getattr(self, n)[...] for n in names}
+
+    def _routed(self, x_nd, w_nk, ids_nk, raw, first_expert, n_local: int) -> jax.Array:
+        """Sum over each token's assignments to experts [first_expert, first_expert + n_local): f32 [N, D].
+
+        Assignments to other experts sort last and fall outside the ragged groups (zero rows).
+        """
+        k = ids_nk.shape[-1]
+        local = ids_nk.reshape(-1) - first_expert
+        mine = (local >= 0) & (local < n_local)
+        key = jnp.where(mine, local, n_local)
+        order = jnp.argsort(key, stable=True)  # assignments grouped by expert, foreign ones last
+        token_of = order // k
+        sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
+        dt = x_nd.dtype
+        xs = x_nd[token_of]
+        h1 = jax.lax.ragged_dot(xs, self.expert_weight("w1", dt, raw), sizes, preferred_element_type=jnp.float32)
+        h3 = jax.lax.ragged_dot(xs, self.expert_weight("w3", dt, raw), sizes, preferred_element_type=jnp.float32)
+        act = (swiglu(h1, h3, self.limit) * w_nk.reshape(-1)[order][:, None]).astype(dt)
+        if self.act_quant:  # the release weights the activation before quantizing it for w2
+            act = quantize_activation(act)
+        ys = jax.lax.ragged_dot(act, self.expert_weight("w2", dt, raw), sizes, preferred_element_type=jnp.float32)
+        return jnp.zeros(x_nd.shape, jnp.float32).at[token_of].add(ys)
+
+    def __call__(self, x_btd: jax.Array, extras: dict | None = None) -> jax.Array:
+        """extras: if given, gets this layer's routed load appended to extras["expert_load"] (int32 [E]
+        assignments per expert over all B*T tokens, padding included), for aux-loss-free balancing."""
         b, t, d = x_btd.shape
         x = x_btd.reshape(b * t, d)
         w, ids, _ = self.router(x)
-        k = ids.shape[-1]
-        flat = ids.reshape(-1)
-        order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
-        token_of = order // k
-        sizes = jnp.bincount(flat, length=self.n_experts).astype(jnp.int32)
+        if extras is not None:
+            extras.setdefault("expert_load", []).append(jnp.bincount(ids.reshape(-1), length=self.n_experts))
         dt = x.dtype
         xq = quantize_activation(x) if self.act_quant else x  # per token, so before the gather
-        xs = xq[token_of]
-        h1 = jax.lax.ragged_dot(xs, self.expert_weight("w1", dt), sizes, preferred_element_type=jnp.float32)
-        h3 = jax.lax.ragged_dot(xs, self.expert_weight("w3", dt), sizes, preferred_element_type=jnp.float32)
-        act = (swiglu(h1, h3, self.limit) * w.reshape(-1)[order][:, None]).astype(dt)
-        if self.act_quant:  # the release weights the activation before quantizing it for w2
-            act = quantize_activation(act)
-        ys = jax.lax.ragged_dot(act, self.expert_weight("w2", dt), sizes, preferred_element_type=jnp.float32)
-        y = jnp.zeros((b * t, d), jnp.float32).at[token_of].add(ys)
+        mesh = jax.sharding.get_abstract_mesh()
+        ep = mesh.shape.get("expert", 1) if not mesh.empty else 1
+        if ep > 1:
+            y = self._routed_expert_parallel(xq, w, ids, mesh, ep)
+        else:
+            y = self._routed(xq, w, ids, self._raw_experts(), 0, self.n_experts)
         shared = self.shared_w2(swiglu(self.shared_w1(x, jnp.float32), self.shared_w3(x, jnp.float32),
                                        self.limit).astype(dt), jnp.float32)
         return (y + shared).astype(dt).reshape(b, t, d)
+
+    def _routed_expert_parallel(self, x_nd, w_nk, ids_nk, mesh, ep: int) -> jax.Array:
+        """Expert parallelism: each device of the `expert` mesh axis holds E/ep experts. Tokens (sharded
+        over `data`, replicated over `expert`) are all present on every expert shard, each shard computes
+        its own experts' assignments, and a psum over `expert` combines them."""
+        from jax.sharding import PartitionSpec as P
+
+        n_local = self.n_experts // ep
+        tok = P("data") if mesh.shape.get("data", 1) > 1 else P()
+        raw = self._raw_experts()
+
+        def body(x, w, ids, raw_local):
+            first = jax.lax.axis_index("expert") * n_local
+            return jax.lax.psum(self._routed(x, w, ids, raw_local, first, n_local), "expert")
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, jax.tree.map(lambda _: P("expert"), raw)),
+                             out_specs=tok, check_vma=False)(x_nd, w_nk, ids_nk, raw)

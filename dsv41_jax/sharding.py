@@ -1,0 +1,208 @@
+"""Multi-device decode on JAX's own machinery: logical axes -> mesh axes, in two small tables.
+
+1. `PARAM_AXES` / `cache_axes`: the logical axes of every parameter and cache array (first matching
+   path pattern wins; unlisted params are replicated).
+2. `LAYOUTS`: for each layout, which mesh axis a logical axis maps to.
+
+The mesh has up to three axes: `data` (sequences), `tensor` (attention / indexer heads, shared-expert
+hidden units, vocabulary) and `expert` (routed experts, Engram table rows). Collectives come from
+GSPMD (`jax.jit` with `NamedSharding`s) except for the routed experts, which run inside `jax.shard_map`
+over the `expert` axis (moe.py). A bad mesh is refused here, before anything is traced.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dsv41_jax.cache import Cache
+
+MESH_AXES = ("data", "tensor", "expert")
+
+# Logical axes per parameter, by path ("layers/3/attn/wq_b/weight"). FP8 `scale` blocks and FP4
+# `*_scale` arrays follow their weight's axes.
+PARAM_AXES: tuple[tuple[str, tuple], ...] = (
+    (r"^embed/weight$", ("vocab", None)),
+    (r"^head/(weight|scale)$", ("vocab", None)),
+    (r"attn/wq_b/(weight|scale)$", ("heads", None)),  # [H*hd, q_lora]
+    (r"attn/wo_a/(weight|scale)$", ("heads", None)),  # [G*o_lora, H*hd/G]: whole groups per shard
+    (r"attn/wo_b/(weight|scale)$", (None, "heads")),  # [dim, G*o_lora]
+    (r"attn/attn_sink$", ("heads",)),
+    (r"indexer/wq_b/(weight|scale)$", ("index_heads", None)),
+    (r"indexer/weights_proj/(weight|scale)$", ("index_heads", None)),
+    (r"ffn/w[123](_scale)?$", ("experts", None, None)),
+    (r"ffn/shared_w[13]/(weight|scale)$", ("mlp", None)),
+    (r"ffn/shared_w2/(weight|scale)$", (None, "mlp")),
+    (r"engram/(table|table_scale|embed/weight|embed/scale)$", ("table_rows", None)),
+)
+
+LAYOUTS: dict[str, dict[str, str]] = {
+    # tensor + expert + data parallel decode (the 8-GPU host / TPU slice plan)
+    "tp_ep": {"batch": "data", "heads": "tensor", "index_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
+              "experts": "expert", "table_rows": "expert"},
+    # weights replicated, sequences split: for models that fit one device
+    "dp": {"batch": "data"},
+}
+
+
+def cache_axes(path: str, ndim: int) -> tuple:
+    """Window rings are [L, B, W, ...]; every other cache array leads with the batch."""
+    if path.startswith("window"):
+        return (None, "batch") + (None,) * (ndim - 2)
+    return ("batch",) + (None,) * (ndim - 1)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'data=2,expert=4' -> {'data': 2, 'expert': 4}."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, size = part.partition("=")
+        if name not in MESH_AXES or not size.isdigit() or int(size) < 1:
+            raise ValueError(f"bad mesh entry {part!r}: expected axis=size with axis in {MESH_AXES} and size >= 1")
+        if name in out:
+            raise ValueError(f"mesh axis {name!r} given twice in {text!r}")
+        out[name] = int(size)
+    return out
+
+
+def check_mesh(cfg, sizes: dict[str, int], batch: int | None = None, n_devices: int | None = None) -> None:
+    """Refuse a mesh that cannot hold this model, with the reason, before anything is compiled."""
+    n_devices = len(jax.devices()) if n_devices is None else n_devices
+    total = math.prod(sizes.values())
+    if total != n_devices:
+        raise ValueError(f"mesh {sizes} has {total} devices but {n_devices} are available; "
+                         "make the product of the axis sizes equal the device count")
+    tp, ep, dp = sizes.get("tensor", 1), sizes.get("expert", 1), sizes.get("data", 1)
+    checks = [("n_heads", cfg.n_heads, tp), ("o_groups", cfg.o_groups, tp), ("index_n_heads", cfg.index_n_heads, tp),
+              ("moe_inter_dim", cfg.moe_inter_dim, tp), ("vocab_size", cfg.vocab_size, tp),
+              ("n_routed_experts", cfg.n_routed_experts, ep)]
+    if batch is not None:
+        checks.append(("batch", batch, dp))
+    for name, value, size in checks:
+        if value % size:
+            axis = "expert" if name == "n_routed_experts" else "data" if name == "batch" else "tensor"
+            raise ValueError(f"mesh axis {axis}={size} does not divide {name}={value}; choose a size that divides it")
+
+
+def make_mesh(cfg, spec: str | dict[str, int], batch: int | None = None, devices=None) -> Mesh:
+    sizes = parse_mesh(spec) if isinstance(spec, str) else dict(spec)
+    devices = list(jax.devices() if devices is None else devices)
+    check_mesh(cfg, sizes, batch, len(devices))
+    names = tuple(a for a in MESH_AXES if a in sizes) or ("data",)
+    shape = tuple(sizes.get(a, 1) for a in names)
+    return Mesh(np.asarray(devices).reshape(shape), names)
+
+
+def _spec(logical: tuple | None, shape: tuple[int, ...], rules: dict[str, str], mesh: Mesh) -> P:
+    if logical is None:
+        return P()
+    out = []
+    for axis, dim in zip(logical, shape):
+        m = rules.get(axis) if axis else None
+        # a derived array (scale blocks) whose dim the mesh does not divide stays replicated there
+        out.append(m if m in mesh.shape and mesh.shape[m] > 1 and dim % mesh.shape[m] == 0 else None)
+    return P(*out)
+
+
+def _path_name(path) -> str:
+    """'layers/3/attn/wq_b/weight' from a pytree key path (the Variable's own `.value` key dropped)."""
+    parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    return "/".join(parts[:-1] if parts and parts[-1] == "value" else parts)
+
+
+def param_logical_axes(path: str) -> tuple | None:
+    for pattern, axes in PARAM_AXES:
+        if re.search(pattern, path):
+            return axes
+    return None
+
+
+def param_shardings(params, mesh: Mesh, layout: str = "tp_ep"):
+    """NamedSharding for every leaf of an (abstract or real) params State."""
+    rules = LAYOUTS[layout]
+
+    def one(path, leaf):
+        name = _path_name(path)
+        return NamedSharding(mesh, _spec(param_logical_axes(name), leaf.shape, rules, mesh))
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def cache_shardings(cache: Cache, mesh: Mesh, layout: str = "tp_ep"):
+    rules = LAYOUTS[layout]
+
+    def one(path, leaf):
+        return NamedSharding(mesh, _spec(cache_axes(_path_name(path), leaf.ndim), leaf.shape, rules, mesh))
+
+    return jax.tree_util.tree_map_with_path(one, cache)
+
+
+@dataclass
+class ShardedModel:
+    """Params and cache placed on a mesh, with jitted prefill / decode steps that keep them there."""
+
+    cfg: object
+    mesh: Mesh
+    layout: str
+    params: object
+    param_sh: object
+    cache_sh: object
+    batch_axis: str | None  # mesh axis the sequences are split over (None: replicated)
+
+    def place_cache(self, cache: Cache) -> Cache:
+        return jax.device_put(cache, self.cache_sh)
+
+    def _put(self, x, ndim: int):
+        spec = P(self.batch_axis, *([None] * (ndim - 1)))
+        return jax.device_put(jax.numpy.asarray(x, np.int32), NamedSharding(self.mesh, spec))
+
+    def _step(self, all_logits: bool):
+        key = (all_logits,)
+        if key not in self._steps:
+            from dsv41_jax.api import forward
+
+            b = self.batch_axis
+            logits = P(b, None, None) if all_logits else P(b, None)
+            self._steps[key] = jax.jit(
+                partial(forward, self.cfg, all_logits=all_logits),
+                in_shardings=(self.param_sh, self.cache_sh, NamedSharding(self.mesh, P(b, None)),
+                              NamedSharding(self.mesh, P(b))),
+                out_shardings=(NamedSharding(self.mesh, logits), self.cache_sh))
+        return self._steps[key]
+
+    def __post_init__(self):
+        self._steps: dict = {}
+
+    def prefill(self, cache: Cache, tokens_bt, lengths_b, all_logits: bool = False):
+        """As `api.prefill` (right-padded prompts appended to the cache), on the mesh."""
+        with jax.set_mesh(self.mesh):
+            return self._step(all_logits)(self.params, cache, self._put(tokens_bt, 2), self._put(lengths_b, 1))
+
+    def decode_step(self, cache: Cache, tokens_b, active_b=None):
+        """As `api.decode_step`, on the mesh; tokens may be the previous step's sharded output."""
+        b = cache.lengths.shape[0]
+        n_new = np.ones((b,), np.int32) if active_b is None else np.asarray(active_b, np.int32)
+        tokens = jax.numpy.reshape(self._put(tokens_b, 1), (b, 1))
+        with jax.set_mesh(self.mesh):
+            return self._step(False)(self.params, cache, tokens, self._put(n_new, 1))
+
+
+def shard_model(cfg, params, mesh: Mesh, layout: str = "tp_ep", *, batch: int, capacity: int) -> ShardedModel:
+    """Place params on `mesh` by the layout's rules and prepare steps for caches of this batch/capacity."""
+    from dsv41_jax.cache import init_cache
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {sorted(LAYOUTS)}")
+    check_mesh(cfg, dict(mesh.shape), batch, mesh.size)
+    p_sh = param_shardings(params, mesh, layout)
+    c_sh = cache_shardings(jax.eval_shape(lambda: init_cache(cfg, batch, capacity)), mesh, layout)
+    axis = LAYOUTS[layout].get("batch")
+    axis = axis if axis in mesh.shape and mesh.shape[axis] > 1 else None
+    return ShardedModel(cfg, mesh, layout, jax.device_put(params, p_sh), p_sh, c_sh, axis)
