@@ -38,7 +38,7 @@ from dsv41_jax import kernels, ops
 from dsv41_jax.cache import SourceCache
 from dsv41_jax.layers import Linear, RMSNorm, normal_init, released_fp8_linear
 from dsv41_jax.plan import LayerPlan, Mode
-from dsv41_jax.quant import CacheFormats, fake_quant
+from dsv41_jax.quant import CacheFormats, fake_quant, fake_quant_ste
 from dsv41_jax.rope import apply_rope, inv_frequencies
 
 
@@ -58,6 +58,13 @@ class Step:
     kernel_backend: str = "jnp"
     key_owner: jax.Array | None = None  # int32 [B]: "released" decode, slot whose index keys are read
     extras: dict = field(default_factory=dict)
+    # Quantization-aware training (dsv41_jax.train). Attention then reads straight-through fake-quant
+    # views of what this chunk writes to the cache (f32, the stored values up to f32 rounding of the
+    # STE sum; identity gradient), kept in `extras`: ("window", layer) [B, T, hd], ("main", slot)
+    # [B, N, hd], ("index_keys", slot) [B, N, di]. The indexer's inputs are detached, and each
+    # indexing layer appends {"layer", "scores" [B, T, N] (-inf outside the support), "q" [B, T, H, hd],
+    # "keys" [B, N, hd], "scale"} to extras["indexer"] for the indexer's KL objective.
+    training: bool = False
 
 
 def released_key_owner(source_ratios: tuple[int, ...], lengths_b: jax.Array) -> jax.Array:
@@ -156,10 +163,10 @@ class Indexer(nnx.Module):
     def keys(self, latent_bgd: jax.Array, gpos_bg: jax.Array, inv_freq) -> jax.Array:
         return apply_rope(self.k_norm(self.wk(latent_bgd)), gpos_bg, inv_freq)
 
-    def query(self, x_btd, qr_btr, pos_bt, inv_freq, fmt: CacheFormats):
+    def query(self, x_btd, qr_btr, pos_bt, inv_freq, fmt: CacheFormats, ste: bool = False):
         b, t, _ = x_btd.shape
         q = self.wq_b(qr_btr).reshape(b, t, self.n_heads, self.head_dim)
-        q = fake_quant(fmt.index_key, apply_rope(q, pos_bt, inv_freq))
+        q = (fake_quant_ste if ste else fake_quant)(fmt.index_key, apply_rope(q, pos_bt, inv_freq))
         w = self.weights_proj(x_btd, jnp.float32) * self.weight_scale
         return q, w
 
@@ -199,9 +206,15 @@ class Attention(nnx.Module):
         src: SourceCache = step.sources[slot]
         latent, j, pend_kv, pend_score = self.compressor(x_btd, step, src)
         gpos = j * m  # an entry is rotated at its group's first position
-        keys = self.indexer.keys(latent, gpos, self.inv_freq)
+        # training: the indexer learns from its KL alone, so the backbone gets no gradient through it
+        keys = self.indexer.keys(jax.lax.stop_gradient(latent) if step.training else latent, gpos, self.inv_freq)
         main = apply_rope(latent, gpos, self.inv_freq)
         enc_k, enc_m = step.fmt.index_key.encode(keys), step.fmt.main_kv.encode(main)
+        if step.training:
+            for name, codec, old, new in (("main", step.fmt.main_kv, src.entries, main),
+                                          ("index_keys", step.fmt.index_key, src.index_keys, keys)):
+                view = fake_quant_ste(codec, new.astype(jnp.float32))
+                step.extras[(name, slot)] = _scatter_rows(codec.decode(old), j, view)
         step.sources[slot] = SourceCache(
             entries=jax.tree.map(lambda a, r: _scatter_rows(a, j, r), src.entries, enc_m),
             index_keys=jax.tree.map(lambda a, r: _scatter_rows(a, j, r), src.index_keys, enc_k),
@@ -215,17 +228,22 @@ class Attention(nnx.Module):
         """Indexer + top-k for this layer (FULL / REINDEX); publishes the candidate pool if asked."""
         cfg, p = self.cfg, self.plan
         src: SourceCache = step.sources[p.source_slot]
-        q, w = self.indexer.query(x_btd, qr_btr, step.pos, self.inv_freq, step.fmt)
+        if step.training:  # detached: the LM loss does not reach the indexer, its KL not the backbone
+            x_btd, qr_btr = jax.lax.stop_gradient(x_btd), jax.lax.stop_gradient(qr_btr)
+        q, w = self.indexer.query(x_btd, qr_btr, step.pos, self.inv_freq, step.fmt, ste=step.training)
         reach = (step.pos + 1) // p.ratio  # [B, T] entries whose group the query has completed
         if step.decode:
             key_rec = src.index_keys if step.key_owner is None else self._released_keys(step)
             scores = kernels.indexer_scores_decode(q[:, 0], w[:, 0], key_rec, reach[:, 0],
                                                    step.fmt.index_key, backend=step.kernel_backend)[:, None]
         else:
-            keys = step.fmt.index_key.decode(src.index_keys)
+            keys = (step.extras[("index_keys", p.source_slot)] if step.training
+                    else step.fmt.index_key.decode(src.index_keys))
             scores = ops.mask_unreachable(ops.indexer_scores(q, w, keys), reach)
         if p.uses_candidates:
             scores = jnp.where(step.pool, scores, ops.NEG_INF)
+        if step.training:
+            step.extras.setdefault("indexer", []).append({"layer": p.layer, "scores": scores})
         if p.is_candidate_source:
             blocks = kernels.candidate_blocks(scores, reach, cfg.candidate_topk_blocks, cfg.candidate_block_size,
                                               backend=step.kernel_backend)
@@ -297,9 +315,15 @@ class Attention(nnx.Module):
             kpos = jnp.concatenate([old_pos, step.pos], axis=1)  # [B, W + T]
             qp = step.pos[:, :, None]
             mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= qp) & (kpos[:, None, :] > qp - w)
-            keys = jnp.concatenate([fmt.window_kv.decode(old_ring), fmt.window_kv.decode(chunk_rec)], axis=1)
+            if step.training:
+                chunk_kv = step.extras[("window", p.layer)] = fake_quant_ste(fmt.window_kv, kv.astype(jnp.float32))
+            else:
+                chunk_kv = fmt.window_kv.decode(chunk_rec)
+            keys = jnp.concatenate([fmt.window_kv.decode(old_ring), chunk_kv], axis=1)
             if src is not None:
-                entries = fmt.main_kv.decode(src.entries)
+                entries = step.extras[("main", p.source_slot)] if step.training else fmt.main_kv.decode(src.entries)
+                if step.training and p.has_indexer:  # the KL target: this layer's attention over the entries
+                    step.extras["indexer"][-1].update(q=q, keys=entries, scale=self.scale)
                 keys = jnp.concatenate([keys, entries], axis=1)
                 mask = jnp.concatenate([mask, ops.topk_to_mask(idx, entries.shape[1])], axis=2)
             o = ops.attend(q, keys, mask, self.attn_sink[...], self.scale)

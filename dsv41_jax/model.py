@@ -37,7 +37,7 @@ class Block(nnx.Module):
         x = self.attn(self.attn_norm(collapse(h, pre_mix)), step)
         h = expand(x, h, post, comb)
         ffn_pre, post, comb = self.hc_ffn(h)
-        x = self.ffn(self.ffn_norm(collapse(h, attn_pre)))
+        x = self.ffn(self.ffn_norm(collapse(h, attn_pre)), step.extras)
         return expand(x, h, post, comb), ffn_pre
 
 
@@ -55,18 +55,23 @@ class Transformer(nnx.Module):
             self.engram_token_map = Buffer(jnp.arange(cfg.vocab_size, dtype=jnp.int32) % cfg.engram_compressed_vocab_size)
 
     def forward(self, cache: Cache, tokens_bt: jax.Array, n_new_b: jax.Array, *, all_logits: bool,
-                kernel_backend: str = "jnp") -> tuple[jax.Array, Cache]:
+                kernel_backend: str = "jnp", training: bool = False,
+                extras: dict | None = None) -> tuple[jax.Array, Cache]:
         """Process T new tokens per sequence on top of `cache`; n_new_b[b] of them are real.
 
         Returns logits f32 ([B, T, V] if all_logits else [B, V] at each sequence's last real token)
-        and the updated cache.
+        and the updated cache. training=True runs the quantization-aware training forward (see
+        `attention.Step.training`; one-token chunks then take the dense path too). `extras`, when
+        given, receives the by-products the layers record (`Step.extras`; "expert_load": one int32
+        [E] count of routed assignments per layer), which dsv41_jax.train reads.
         """
         cfg = self.cfg
         b, t = tokens_bt.shape
         dt = jnp.dtype(cfg.dtype)
         step = Step(pos=cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32), lengths=cache.lengths,
                     n_new=n_new_b, fmt=formats_of(cfg), window=cache.window, sources=list(cache.sources),
-                    decode=(t == 1), kernel_backend=kernel_backend)
+                    decode=(t == 1 and not training), kernel_backend=kernel_backend, training=training,
+                    extras={} if extras is None else extras)
         if cfg.index_keys == "released" and t == 1 and step.sources:
             ratios = tuple(p.ratio for p in build_plan(cfg) if p.compresses)
             step.key_owner = released_key_owner(ratios, cache.lengths)

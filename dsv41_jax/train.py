@@ -1,0 +1,181 @@
+"""Training support: the loss, a jitted optax train step, aux-loss-free expert balancing, checkpoints.
+
+    cfg = dsv41_jax.preset("tiny")
+    params = dsv41_jax.init_params(cfg)                   # the api's state: Params and Buffers
+    opt = optax.adamw(3e-4)
+    opt_state = init_opt_state(opt, params)
+    step = make_train_step(cfg, opt)
+    params, opt_state, metrics = step(params, opt_state, {"tokens": tokens_bt1})   # int32 [B, T + 1]
+
+What one step trains, as the release does (DeepSeek-V3.2 / V4 recipe):
+
+- The backbone by next-token cross-entropy, through the quantization-aware forward
+  (`Transformer.forward(training=True)`): window KV (FP8), compressed latent (FP4/E4M3) and indexer
+  q/k (FP4/E8M0) are fake-quantized with a straight-through estimator exactly where inference
+  quantizes, so the forward sees the cache's values and gradients pass through as identity.
+- The indexer by a KL objective: for each query, KL(p || softmax(indexer scores)) where p is the main
+  attention's distribution over the same compressed positions (per-head softmax of q.k over the
+  indexer's support, averaged over heads). The indexer's inputs are detached inside the forward and p
+  is detached here, so the LM loss never reaches the indexer and the KL never reaches the backbone.
+  The support is every reachable compressed position the indexer scores (inside the candidate pool
+  for Reindex layers): the dense "warm-up" form of the objective, which trains the ranking of what
+  top-k leaves out too. It costs one [B, T, H, N] score tensor per indexing layer.
+- The router's selection bias outside the gradient (DeepSeek-V3's aux-loss-free balancing): after
+  each step, bias_e += rate * sign(mean load - load_e) per layer, from the step's routed counts.
+
+`params` is the whole model state of `dsv41_jax.init_params`; the optimizer sees only its
+`nnx.Param` leaves (Buffers: router biases, token maps). Training needs float weights
+(`weight_format="float"`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dsv41_jax.api import graphdef
+from dsv41_jax.cache import init_cache
+from dsv41_jax.config import ModelConfig
+
+__all__ = ["split_trainable", "init_opt_state", "loss_fn", "indexer_kl", "update_expert_bias",
+           "make_train_step", "save_checkpoint", "restore_checkpoint"]
+
+
+def split_trainable(params: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(trainable nnx.Param leaves, everything else) of the model state."""
+    return nnx.split_state(params, nnx.Param, ...)
+
+
+def init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State):
+    return optimizer.init(split_trainable(params)[0])
+
+
+def indexer_kl(rec: dict) -> tuple[jax.Array, jax.Array]:
+    """KL(main attention || indexer) of one indexing layer, summed over queries with a non-empty
+    support, and the number of those queries (f32 scalars).
+
+    rec: {"scores" f32 [B, T, N] (-inf outside the support), "q" [B, T, H, hd], "keys" [B, N, hd],
+    "scale"}, as `attention.Step.training` records it.
+    """
+    scores = rec["scores"]
+    support = scores > -jnp.inf  # [B, T, N]
+    q = jax.lax.stop_gradient(rec["q"]).astype(jnp.float32)
+    k = jax.lax.stop_gradient(rec["keys"]).astype(jnp.float32)
+    logits = jnp.einsum("bthd,bnd->bthn", q, k) * rec["scale"]
+    # a finite fill keeps empty rows NaN-free; they are dropped below
+    p_heads = jax.nn.softmax(jnp.where(support[:, :, None], logits, -1e30), axis=-1)
+    target = jnp.where(support, p_heads.mean(axis=2), 0.0)
+    log_q = jax.nn.log_softmax(jnp.where(support, scores, -1e30), axis=-1)
+    log_p = jnp.log(jnp.where(target > 0, target, 1.0))
+    kl_bt = jnp.sum(jnp.where(target > 0, target * (log_p - log_q), 0.0), axis=-1)
+    rows = support.any(axis=-1)
+    return jnp.sum(jnp.where(rows, kl_bt, 0.0)), jnp.sum(rows).astype(jnp.float32)
+
+
+def loss_fn(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt1: jax.Array,
+            kl_weight: float = 1.0):
+    """(lm_loss + kl_weight * indexer_kl, aux) for full sequences tokens_bt1 int32 [B, T + 1].
+
+    aux: lm_loss, indexer_kl (mean over indexing layers and queries) and expert_load int32 [L, E].
+    Each sequence is one chunk from an empty cache (capacity T).
+    """
+    model = nnx.merge(graphdef(cfg), trainable, rest)
+    inputs, targets = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
+    b, t = inputs.shape
+    extras: dict = {}
+    logits, _ = model.forward(init_cache(cfg, b, t), inputs, jnp.full((b,), t, jnp.int32), all_logits=True,
+                              training=True, extras=extras)
+    lm = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    per_layer = [indexer_kl(r) for r in extras.get("indexer", [])]
+    kl = (sum(s / jnp.maximum(n, 1.0) for s, n in per_layer) / len(per_layer)) if per_layer else jnp.float32(0)
+    aux = {"lm_loss": lm, "indexer_kl": kl, "expert_load": jnp.stack(extras["expert_load"])}
+    return lm + kl_weight * kl, aux
+
+
+def update_expert_bias(rest: nnx.State, load_le: jax.Array, rate: float) -> nnx.State:
+    """Aux-loss-free balancing: each layer's router bias += rate * sign(mean load - load) per expert.
+
+    load_le: routed assignments [L, E] in layer order. Returns `rest` with the biases moved.
+    """
+    mean = load_le.astype(jnp.float32).mean(axis=-1, keepdims=True)
+    delta = rate * jnp.sign(mean - load_le.astype(jnp.float32))
+    flat = []
+    for path, var in nnx.to_flat_state(rest):
+        if path[0] == "layers" and path[-3:] == ("ffn", "router", "bias"):
+            var = var.replace(var[...] + delta[path[1]])
+        flat.append((path, var))
+    return nnx.from_flat_state(flat)
+
+
+def _check_trainable(cfg: ModelConfig) -> None:
+    if cfg.weight_format != "float":
+        raise ValueError(f"training needs float weights, got weight_format={cfg.weight_format!r}: "
+                         "load the checkpoint with weight_format='float' (dequantized) to fine-tune it")
+
+
+def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *, kl_weight: float = 1.0,
+                    bias_rate: float = 1e-3):
+    """A jitted, pure train_step(params, opt_state, batch) -> (params, opt_state, metrics).
+
+    batch: {"tokens": int32 [B, T + 1]}. metrics: loss, lm_loss, indexer_kl, grad_norm and
+    load_imbalance (max over layers of max_e load / mean load, before the bias update).
+    """
+    _check_trainable(cfg)
+
+    @jax.jit
+    def train_step(params, opt_state, batch):
+        trainable, rest = split_trainable(params)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, rest, cfg, batch["tokens"],
+                                                                      kl_weight)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        load = aux["expert_load"].astype(jnp.float32)
+        rest = update_expert_bias(rest, load, bias_rate)
+        metrics = {"loss": loss, "lm_loss": aux["lm_loss"], "indexer_kl": aux["indexer_kl"],
+                   "grad_norm": optax.tree.norm(grads),
+                   "load_imbalance": jnp.max(load.max(axis=-1) / load.mean(axis=-1))}
+        return nnx.merge_state(trainable, rest), opt_state, metrics
+
+    return train_step
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _named(tree) -> dict:
+    """Flat {path string: array} of a pytree (orbax stores plain dicts of arrays)."""
+    return {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def save_checkpoint(path: str | Path, params: nnx.State, opt_state, step: int) -> None:
+    """Write params, optimizer state and the step number to directory `path` (orbax; must not exist)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(Path(path).absolute(), {"params": _named(params), "opt_state": _named(opt_state),
+                                          "step": jnp.int32(step)})
+
+
+def restore_checkpoint(path: str | Path, params_like: nnx.State, opt_state_like):
+    """(params, opt_state, step) from `save_checkpoint`, shaped like the templates given (e.g. fresh
+    `init_params` / `init_opt_state` of the same config and optimizer). Values restore bit-exactly."""
+    import orbax.checkpoint as ocp
+
+    abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype),
+                                         _named(tree))
+    target = {"params": abstract(params_like), "opt_state": abstract(opt_state_like),
+              "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    with ocp.StandardCheckpointer() as ckpt:
+        got = ckpt.restore(Path(path).absolute(), target)
+
+    def unflatten(like, named):
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+        missing = [jax.tree_util.keystr(p) for p, _ in leaves if jax.tree_util.keystr(p) not in named]
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks {len(missing)} leaves of the template, e.g. {missing[:3]}; "
+                             "restore with templates made from the same config and optimizer")
+        return jax.tree_util.tree_unflatten(treedef, [named[jax.tree_util.keystr(p)] for p, _ in leaves])
+
+    return unflatten(params_like, got["params"]), unflatten(opt_state_like, got["opt_state"]), int(got["step"])

@@ -1,0 +1,171 @@
+"""Train a small model of this architecture on text every machine here has: the Python standard
+library's own source files (byte-level tokens), with the quantization-aware step of dsv41_jax.train.
+
+    python -m experiments.train_small --steps 20                       # CPU smoke run, tiny preset
+    python -m experiments.train_small --preset small --minutes 15      # one GPU
+
+Every 20th file (sorted by path) is held out for validation. Batches are random windows of
+--seq + 1 bytes. Writes to --out: the loss curve (loss_curve.png when matplotlib imports, and always
+loss_curve.csv), summary.json and an orbax checkpoint of params + optimizer state (checkpoint/).
+The vocabulary is cut to the byte tokenizer's 259 ids, whatever the preset's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+import dsv41_jax as d
+from dsv41_jax import train
+from dsv41_jax.textio import ByteTokenizer
+
+
+def load_corpus(max_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train ids, validation ids) int32 from the stdlib's .py files, each file prefixed with <bos>."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    if not files:
+        raise SystemExit(f"no .py files under {root}: this Python has no standard library sources")
+    tok = ByteTokenizer()
+    parts: dict[bool, list[np.ndarray]] = {True: [], False: []}
+    size = 0
+    for i, path in enumerate(files):
+        data = np.frombuffer(path.read_bytes(), np.uint8).astype(np.int32) + tok.offset
+        parts[i % 20 == 0].append(np.concatenate([[tok.bos_id], data]).astype(np.int32))
+        size += data.size
+        if size >= max_bytes:
+            break
+    return np.concatenate(parts[False]), np.concatenate(parts[True])
+
+
+def batches(ids: np.ndarray, batch: int, seq: int, rng: np.random.Generator):
+    """Endless int32 [batch, seq + 1] random windows of `ids`."""
+    while True:
+        start = rng.integers(0, ids.size - seq - 1, batch)
+        yield ids[start[:, None] + np.arange(seq + 1)]
+
+
+def write_curve(out: Path, rows: list[dict]) -> str:
+    with open(out / "loss_curve.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return str(out / "loss_curve.csv")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["lm_loss"] for r in rows], label="train LM loss (nats/byte)")
+    val = [(r["step"], r["val_lm_loss"]) for r in rows if r["val_lm_loss"] != ""]
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation LM loss")
+    ax.plot(steps, [r["indexer_kl"] for r in rows], label="indexer KL")
+    ax.set_xlabel("step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss_curve.png", dpi=120)
+    return str(out / "loss_curve.png")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", choices=sorted(d.PRESETS))
+    ap.add_argument("--steps", type=int, default=None, help="stop after this many steps")
+    ap.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128, help="tokens per training sequence")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--bias-rate", type=float, default=1e-3, help="expert-bias step per update")
+    ap.add_argument("--kl-weight", type=float, default=1.0)
+    ap.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (and at the end)")
+    ap.add_argument("--eval-batches", type=int, default=4)
+    ap.add_argument("--corpus-mb", type=float, default=64.0, help="read at most this much source text")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="output directory (default runs/train_small_<preset>)")
+    args = ap.parse_args(argv)
+    if args.steps is None and args.minutes is None:
+        ap.error("give --steps, --minutes or both")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out = Path(args.out or f"runs/train_small_{args.preset}")
+    if (out / "checkpoint").exists():
+        raise SystemExit(f"{out / 'checkpoint'} exists; pass another --out or remove it")
+    out.mkdir(parents=True, exist_ok=True)
+    tok = ByteTokenizer()
+    cfg = d.preset(args.preset, vocab_size=tok.size, engram_compressed_vocab_size=tok.size)
+    train_ids, val_ids = load_corpus(int(args.corpus_mb * 2**20))
+    print(f"corpus: {train_ids.size:,} train / {val_ids.size:,} validation bytes; preset {args.preset}; "
+          f"{jax.default_backend()} x{jax.device_count()}", file=sys.stderr)
+
+    lr = optax.join_schedules([optax.linear_schedule(0.0, args.lr, args.warmup), optax.constant_schedule(args.lr)],
+                              [args.warmup])
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, b2=0.95, weight_decay=0.1))
+    params = d.init_params(cfg, seed=args.seed)
+    opt_state = train.init_opt_state(opt, params)
+    step_fn = train.make_train_step(cfg, opt, kl_weight=args.kl_weight, bias_rate=args.bias_rate)
+    eval_fn = jax.jit(lambda p, tokens: train.loss_fn(*train.split_trainable(p), cfg, tokens)[1]["lm_loss"])
+    rng = np.random.default_rng(args.seed)
+    data = batches(train_ids, args.batch, args.seq, rng)
+    val = [b for b, _ in zip(batches(val_ids, args.batch, args.seq, np.random.default_rng(args.seed + 1)),
+                             range(args.eval_batches))]
+
+    def evaluate() -> float:
+        return float(np.mean([float(eval_fn(params, jnp.asarray(b))) for b in val]))
+
+    rows: list[dict] = []
+    budget = args.minutes * 60 if args.minutes is not None else float("inf")
+    total = args.steps if args.steps is not None else None
+    t0, step, compile_s = time.perf_counter(), 0, None
+    bar = tqdm(total=total, unit="step", file=sys.stderr)
+    while (total is None or step < total) and time.perf_counter() - t0 < budget:
+        params, opt_state, m = step_fn(params, opt_state, {"tokens": jnp.asarray(next(data))})
+        m = jax.tree.map(float, m)
+        step += 1
+        compile_s = compile_s if compile_s is not None else time.perf_counter() - t0
+        last = step == total
+        row = {"step": step, "seconds": round(time.perf_counter() - t0, 2), **{k: round(v, 5) for k, v in m.items()},
+               "val_lm_loss": round(evaluate(), 5) if step % args.eval_every == 0 or last else ""}
+        rows.append(row)
+        bar.set_postfix(loss=f"{m['lm_loss']:.3f}", kl=f"{m['indexer_kl']:.3f}")
+        bar.update()
+    bar.close()
+    if rows[-1]["val_lm_loss"] == "":
+        rows[-1]["val_lm_loss"] = round(evaluate(), 5)
+    train_s = time.perf_counter() - t0
+    train.save_checkpoint(out / "checkpoint", params, opt_state, step)
+    curve = write_curve(out, rows)
+    tokens = step * args.batch * args.seq
+    summary = {"preset": args.preset, "backend": jax.default_backend(), "steps": step, "batch": args.batch,
+               "seq": args.seq, "tokens": tokens, "seconds": round(train_s, 1),
+               "first_step_seconds_with_compile": round(compile_s, 1),
+               "tokens_per_second_after_compile": round((tokens - args.batch * args.seq) /
+                                                        max(train_s - compile_s, 1e-9), 1),
+               "first_lm_loss": rows[0]["lm_loss"], "last_lm_loss": rows[-1]["lm_loss"],
+               "val_lm_loss": rows[-1]["val_lm_loss"], "val_bits_per_byte": round(rows[-1]["val_lm_loss"] / np.log(2), 4),
+               "last_indexer_kl": rows[-1]["indexer_kl"], "curve": curve, "checkpoint": str(out / "checkpoint"),
+               "args": vars(args)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

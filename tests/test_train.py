@@ -1,0 +1,138 @@
+"""Training support (dsv41_jax.train): loss goes down, the indexer learns from its KL only, expert
+biases balance the load, checkpoints restore bit-exactly, and the training forward really quantizes."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dsv41_jax as d
+from dsv41_jax import train
+from dsv41_jax.api import graphdef
+from dsv41_jax.quant import MAIN_KV, WINDOW_KV, fake_quant
+
+CFG = d.preset("tiny")
+# every layer mode of tiny in 5 layers (half the compile time): 0 window, 1 Full m=2, 2 Reuse,
+# 3 Full m=1 (candidate source), 4 Reindex inside the pool
+MICRO = dataclasses.replace(CFG, n_layers=5, compress_ratios=(0, 2, 2, 1, 1), kv_source_layers=(1, 3),
+                            index_source_layers=(1, 3, 4), candidate_source_layer=3, engram_layer_ids=(1,),
+                            engram_num_embeddings=()).with_derived_engram()
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(3, 259, (2, 41)), jnp.int32)  # [B, T + 1]
+
+
+def _flat(state) -> dict:
+    return {"/".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(state)}
+
+
+@pytest.fixture(scope="module")
+def run():
+    """Six adam steps on tiny, one compile shared by the tests below."""
+    opt = optax.adam(3e-3)
+    step = train.make_train_step(CFG, opt, bias_rate=1e-2)
+    params0 = d.init_params(CFG, seed=0)
+    params, state, history = params0, train.init_opt_state(opt, params0), []
+    for _ in range(6):
+        params, state, m = step(params, state, {"tokens": TOKENS})
+        history.append(jax.tree.map(float, m))
+    return {"opt": opt, "step": step, "params0": params0, "params": params, "state": state, "history": history}
+
+
+def test_train_steps_reduce_loss(run):
+    h = run["history"]
+    assert all(np.isfinite(list(m.values())).all() for m in h), h
+    assert h[-1]["lm_loss"] < h[0]["lm_loss"] - 1.0, [m["lm_loss"] for m in h]
+    assert h[-1]["indexer_kl"] < h[0]["indexer_kl"], [m["indexer_kl"] for m in h]
+    assert h[0]["indexer_kl"] > 0
+    # the biases moved outside the optimizer (Buffers, not Params)
+    moved = [k for k, v in _flat(run["params"]).items() if k.endswith("router/bias") and np.abs(v).sum() > 0]
+    assert len(moved) == CFG.n_layers, moved
+
+
+def test_checkpoint_round_trip_is_bit_exact(run, tmp_path):
+    train.save_checkpoint(tmp_path / "ckpt", run["params"], run["state"], step=6)
+    fresh = d.init_params(CFG, seed=1)
+    params, state, step = train.restore_checkpoint(tmp_path / "ckpt", fresh, train.init_opt_state(run["opt"], fresh))
+    assert step == 6
+    want, got = jax.tree.leaves((run["params"], run["state"])), jax.tree.leaves((params, state))
+    assert len(want) == len(got)
+    for a, b in zip(want, got):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
+
+
+def test_indexer_gets_gradient_from_kl_only():
+    """Gradients of the LM loss and of the indexer KL, separately, through the quantized forward."""
+    trainable, rest = train.split_trainable(d.init_params(MICRO, seed=0))
+
+    @jax.jit
+    def grads(tr):
+        f = lambda p: tuple(train.loss_fn(p, rest, MICRO, TOKENS)[1][k] for k in ("lm_loss", "indexer_kl"))
+        _, vjp = jax.vjp(f, tr)
+        eye = jnp.eye(2, dtype=jnp.float32)
+        return jax.vmap(lambda c: vjp((c[0], c[1]))[0])(eye)  # both cotangents, one backward compiled
+
+    both = _flat(grads(trainable))
+    g_lm, g_kl = ({k: v[i] for k, v in both.items()} for i in (0, 1))
+    indexer = [k for k in g_lm if "/attn/indexer/" in k]
+    assert {"layers/1/attn/indexer/wk/weight", "layers/4/attn/indexer/wq_b/weight"} <= set(indexer)
+    for k in indexer:
+        assert not np.any(g_lm[k]), f"LM loss reached the indexer: {k}"
+        assert np.any(g_kl[k]), f"indexer KL gives no gradient to {k}"
+    for k in g_kl:
+        if k not in indexer:
+            assert not np.any(g_kl[k]), f"indexer KL reached the backbone: {k}"
+    # the LM gradient passes straight through the FP8 window KV and the FP4 latent (the stored bytes
+    # alone would give none) and reaches every part of the backbone
+    for k in ("layers/0/attn/wkv/weight", "layers/1/attn/compressor/wkv/weight", "layers/1/attn/compressor/wgate/weight",
+              "layers/3/attn/compressor/wkv/weight", "layers/2/ffn/router/weight", "layers/1/engram/table", "embed/weight"):
+        assert np.any(g_lm[k]), k
+
+
+def test_bias_update_moves_load_towards_balance():
+    params = d.init_params(MICRO, seed=0)
+    graph = graphdef(MICRO)
+
+    @jax.jit
+    def load(p):
+        extras = {}
+        nnx.merge(graph, p).forward(d.init_cache(MICRO, 2, 40), TOKENS[:, :-1], jnp.array([40, 40]),
+                                    all_logits=False, extras=extras)
+        return jnp.stack(extras["expert_load"]).astype(jnp.float32)  # [L, E]
+
+    imbalance = lambda l: float(jnp.mean(jnp.abs(l - l.mean(-1, keepdims=True))))
+    trainable, rest = train.split_trainable(params)
+    l0 = load(params)
+    seen = [imbalance(l0)]
+    for _ in range(12):
+        rest = train.update_expert_bias(rest, load(nnx.merge_state(trainable, rest)), 1e-2)
+        seen.append(imbalance(load(nnx.merge_state(trainable, rest))))
+    assert seen[0] > 0 and min(seen[-3:]) < 0.5 * seen[0], seen
+    assert float(load(nnx.merge_state(trainable, rest)).sum()) == float(l0.sum())  # only where tokens go
+
+
+def test_training_forward_quantizes_under_jit():
+    """Layer 0 as a ratio-2 kv source (its input does not depend on quantization): its window KV and
+    latent as the training forward uses them are the FP8 / FP4 round trips of the unquantized values."""
+    small = CFG.replace(n_layers=2, compress_ratios=(2, 2), kv_source_layers=(0,), index_source_layers=(0,),
+                        candidate_source_layer=-1, engram_layer_ids=(), engram_num_embeddings=())
+    params = d.init_params(small, seed=0)
+
+    def views(cfg):
+        @jax.jit
+        def run(p):
+            extras = {}
+            nnx.merge(graphdef(cfg), p).forward(d.init_cache(cfg, 2, 40), TOKENS[:, :-1], jnp.array([40, 40]),
+                                                all_logits=True, training=True, extras=extras)
+            return extras[("window", 0)], extras[("main", 0)]
+        return run(params)
+
+    (win_q, main_q), (win_raw, main_raw) = views(small), views(small.replace(quantize_cache=False))
+    for got, raw, codec, lo, hi in ((win_q, win_raw, WINDOW_KV, 0.005, 0.05), (main_q, main_raw, MAIN_KV, 0.03, 0.2)):
+        got, raw = np.asarray(got), np.asarray(raw)
+        rel = np.sqrt(np.mean((got - raw) ** 2) / np.mean(raw ** 2))
+        assert lo < rel < hi, (codec, rel)  # really quantized, by the format's error
+        np.testing.assert_allclose(got, np.asarray(fake_quant(codec, jnp.asarray(raw))), rtol=1e-6, atol=1e-7)
