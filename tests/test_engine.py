@@ -143,3 +143,18 @@ def test_stop_token_and_budget(model, cold):
     assert slots_for_budget(cfg, CAP, 3 * (10**9 // one) + 1, max_slots=1 << 30) == 3
     with pytest.raises(ValueError, match="holds no slot"):
         slots_for_budget(cfg, CAP, 100)
+
+
+def test_cli_serves_prompt_ids_and_reuses_the_prefix(model, cold, tmp_path):
+    from experiments import decode
+
+    ids, out = tmp_path / "ids.npy", tmp_path / "run.json"
+    np.save(ids, PROMPT.astype(np.int32))
+    decode.main(["--engine", "--prompt-ids", str(ids), "--max-new-tokens", str(NEW), "--temperature", "0",
+                 "--capacity", str(CAP), "--slots", "2", "--prefill-chunk", str(CHUNK), "--page-tokens", str(PT),
+                 "--cache-dir", str(tmp_path / "kv"), "--repeat", "2", "--output-json", str(out)])
+    import json
+    run_ = json.load(open(out))
+    first, second = (r["requests"][0] for r in run_["rounds"])
+    assert first["generated_ids"] == cold.tokens == second["generated_ids"] == run_["generated_ids"][0]
+    assert second["metrics"]["host_window_hit"] and second["metrics"]["reused_tokens"] == 2 * PT
