@@ -25,7 +25,7 @@ from flax import nnx
 
 from dsv41_jax import quant
 from dsv41_jax.api import abstract_params
-from dsv41_jax.checkpoint.config import CheckpointConfig, as_checkpoint_config
+from dsv41_jax.checkpoint.config import with_formats
 from dsv41_jax.checkpoint.layout import Entry, entries, expected_tensors, skip_reason, to_released_name
 from dsv41_jax.checkpoint.safetensors_io import TensorInfo, list_checkpoint, read_tensor
 from dsv41_jax.config import ModelConfig
@@ -173,7 +173,7 @@ def _fill(state, values: dict[str, jax.Array]):
 
 @dataclass
 class Loaded:
-    cfg: CheckpointConfig
+    cfg: ModelConfig
     params: nnx.State
     notes: list[str]
     bytes_read: int
@@ -184,12 +184,12 @@ class Loaded:
         return self.bytes_read / max(self.seconds, 1e-9) / 1e9
 
 
-def read_config(directory: str | Path, **runtime) -> CheckpointConfig:
+def read_config(directory: str | Path, **runtime) -> ModelConfig:
     """config.json of a checkpoint directory (HF `text_config` or inference key style) + runtime fields."""
     path = Path(directory) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: a checkpoint directory needs its config.json")
-    return as_checkpoint_config(ModelConfig.from_dict(json.loads(path.read_text())).with_derived_engram(), **runtime)
+    return with_formats(ModelConfig.from_dict(json.loads(path.read_text())).with_derived_engram(), **runtime)
 
 
 def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: str = "bfloat16",
@@ -226,7 +226,7 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
     fp8 = inv.quantized and not dequantize
     if param_dtype is None:
         param_dtype = "float32" if tensors[inv.names["embed.weight"]].dtype == "F32" else "bfloat16"
-    cfg = as_checkpoint_config(cfg, dtype=dtype, param_dtype=param_dtype, index_keys=index_keys,
+    cfg = with_formats(cfg, dtype=dtype, param_dtype=param_dtype, index_keys=index_keys,
                                quantize_cache=quantize_cache, weight_format="fp8" if fp8 else "float",
                                activation_quant=inv.quantized if activation_quant is None else activation_quant)
     state = abstract_params(cfg)

@@ -234,21 +234,21 @@ def write_checkpoint(directory: str | Path, cfg, tensors: dict, *, sharded: bool
 
 def fixture_config(**overrides):
     """A small config with every structural feature of the release and every quantized dimension a
-    multiple of 32: 8 layers (0-1 window-only, 2 Full m=2, 3 Reuse, 4 Full m=1 candidate source,
-    5 Reuse, 6 Reindex in-pool, 7 Reuse), Engram at layers 1 and 3, 8 experts top-2, window 8 and
-    top-4 so that sparse selection matters within a few dozen tokens."""
+    multiple of 32: 6 layers (0 window-only, 1 Full m=2, 2 Reuse, 3 Full m=1 candidate source,
+    4 Reuse, 5 Reindex in-pool), Engram on a window-only layer and on a kv source as released,
+    8 experts top-2, window 8 and top-4 so that sparse selection matters within a few dozen tokens."""
     from dsv41_jax.config import ModelConfig
 
     vocab = overrides.pop("vocab_size", 384)
     base = dict(
-        vocab_size=vocab, dim=128, n_layers=8, n_mtp_layers=0,
+        vocab_size=vocab, dim=128, n_layers=6, n_mtp_layers=0,
         n_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=64, window_size=8,
         n_routed_experts=8, n_activated_experts=2, moe_inter_dim=64, route_scale=1.5, swiglu_limit=10.0,
-        compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1), kv_source_layers=(2, 4), index_source_layers=(2, 4, 6),
-        index_n_heads=4, index_head_dim=64, index_topk=4,
-        candidate_source_layer=4, candidate_topk_blocks=3, candidate_block_size=2,
+        compress_ratios=(0, 2, 2, 1, 1, 1), kv_source_layers=(1, 3), index_source_layers=(1, 3, 5),
+        index_n_heads=16, index_head_dim=64, index_topk=4,
+        candidate_source_layer=3, candidate_topk_blocks=3, candidate_block_size=2,
         original_seq_len=16, rope_factor=4.0, max_seq_len=256, compress_rope_theta=160000.0,
-        engram_layer_ids=(1, 3), engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32,
+        engram_layer_ids=(0, 1), engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32,
         engram_vocab_size=101, engram_num_embeddings=(), engram_pad_id=2,
         engram_compressed_vocab_size=3 + -(-(vocab - 3) // 3),  # tokenizer_vocab: specials + triples
         dtype="float32", param_dtype="float32",

@@ -1,0 +1,215 @@
+"""Checkpoint loading: placement of every released tensor, HF float exports, problem reports, the full
+release's tensor list against our v41-flash params, the Engram vocabulary, Orbax save/restore."""
+
+import gzip
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dsv41_jax as d
+from dsv41_jax.checkpoint import CheckpointError, check_tensors, load_checkpoint
+from dsv41_jax.checkpoint.layout import entries
+from dsv41_jax.checkpoint.orbax_io import flat_params, restore_params, save_params
+from dsv41_jax.checkpoint.safetensors_io import INDEX_FILE, write_safetensors
+from dsv41_jax.checkpoint.synthetic import (fixture_config, make_tensors, to_hf_float, tokenizer_vocab,
+                                            write_checkpoint)
+from dsv41_jax.tokenizer import compressed_token_map
+
+DATA = Path(__file__).parent / "data"
+CFG = fixture_config()
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    tensors = make_tensors(CFG, seed=3)
+    path = tmp_path_factory.mktemp("ckpt") / "released"
+    write_checkpoint(path, CFG, tensors, sharded=True)
+    return path, tensors
+
+
+def _arr(v):
+    return v[1] if isinstance(v, tuple) else v
+
+
+def _expected_param(name: str) -> tuple[str, int | None]:
+    """Where a released tensor must land, written out independently of the loader's layout table:
+    (param path, expert index or None)."""
+    n = name.removesuffix(".weight")
+    n = re.sub(r"^layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$", r"layers.\1.hc_\2.\3", n)
+    n = n.replace("ffn.gate", "ffn.router").replace("ffn.shared_experts.", "ffn.shared_")
+    n = n.replace("engram.embed.scale", "engram.table_scale").replace("engram.embed", "engram.table")
+    m = re.match(r"^(layers\.\d+\.ffn)\.experts\.(\d+)\.(w[123])(\.scale)?$", n)
+    if m:
+        return f"{m[1]}.{m[3]}{'_scale' if m[4] else ''}".replace(".", "/"), int(m[2])
+    if re.search(r"\.(wq_a|wq_b|wkv|wo_b|wo_a|shared_w[123]|indexer\.wq_b|engram\.wkv)(\.scale)?$", n) \
+            and "compressor" not in n:
+        n = n if n.endswith(".scale") else n + ".weight"
+    elif re.search(r"(norm|compressor\.w\w+|indexer\.(wk|weights_proj)|router|embed|head)$", n):
+        n = n + ".weight"
+    return n.replace(".", "/"), None
+
+
+def test_every_released_tensor_lands_where_it_belongs(released):
+    path, tensors = released
+    loaded = load_checkpoint(path, progress=False)  # FP8/FP4 kept: bytes must arrive untouched
+    assert loaded.cfg.weight_format == "fp8" and loaded.cfg.activation_quant
+    params = {k: np.asarray(v) for k, v in flat_params(loaded.params).items()}
+    filled = set()
+    for name, v in tensors.items():
+        dest, expert = _expected_param(name)
+        if dest == "layers/0/attn/wo_a/scale" or dest.endswith("attn/wo_a/scale"):
+            continue  # wo_a runs dequantized (checked below)
+        want = _arr(v)
+        got = params[dest] if expert is None else params[dest][expert]
+        if dest.endswith("attn/wo_a/weight"):
+            s = np.ldexp(np.float32(1), _arr(tensors[name.replace(".weight", ".scale")]).astype(np.int32) - 127)
+            s = np.repeat(np.repeat(s, 32, 0), 32, 1)[: want.shape[0], : want.shape[1]]
+            np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32) * s, err_msg=name)
+        else:
+            assert got.shape == want.shape, (name, dest, got.shape, want.shape)
+            np.testing.assert_array_equal(got.view(np.uint8) if got.dtype.itemsize == 1 else got.astype(np.float32),
+                                          want.view(np.uint8) if want.dtype.itemsize == 1 else want.astype(np.float32),
+                                          err_msg=f"{name} -> {dest}")
+        filled.add(dest)
+    assert set(params) - filled == {"engram_token_map"}
+    lookup, size = compressed_token_map(path / "tokenizer.json")
+    assert size == CFG.engram_compressed_vocab_size
+    np.testing.assert_array_equal(params["engram_token_map"], lookup)
+
+
+def test_hf_float_export_and_dequantized_load_agree(released, tmp_path):
+    path, tensors = released
+    write_checkpoint(tmp_path / "hf", CFG, to_hf_float(tensors), sharded=False, config_style="hf")
+    hf = load_checkpoint(tmp_path / "hf", progress=False)
+    deq = load_checkpoint(path, dequantize=True, progress=False)
+    assert hf.cfg.weight_format == deq.cfg.weight_format == "float" and not hf.cfg.activation_quant
+    assert hf.cfg.replace(activation_quant=True) == deq.cfg  # both config.json styles read the same
+    a, b = flat_params(hf.params), flat_params(deq.params)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+
+
+def test_damaged_checkpoints_report_every_problem_before_loading(released, tmp_path):
+    src, tensors = released
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    index = json.loads((bad / INDEX_FILE).read_text())
+    shard = index["weight_map"]["layers.4.attn.wq_a.weight"]
+    part = {k: tensors[k] for k, s in index["weight_map"].items() if s == shard}
+    part["layers.4.attn.wq_a.weight"] = np.zeros((3, 3), ml_dtypes.float8_e4m3fn)  # mis-shaped
+    part["layers.4.attn.kv_norm.weight"] = np.zeros(CFG.head_dim, np.int32)  # mis-typed
+    del part["layers.4.attn.attn_sink"]  # missing
+    part["layers.4.attn.surprise"] = np.zeros(2, np.float32)  # unexpected
+    part["mtp.0.attn.wq_a.weight"] = np.zeros(2, np.float32)  # draft layer: skipped with a note
+    write_safetensors(bad / shard, part)
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k != "layers.4.attn.attn_sink"}
+    index["weight_map"].update({"layers.4.attn.surprise": shard, "mtp.0.attn.wq_a.weight": shard})
+    (bad / INDEX_FILE).write_text(json.dumps(index))
+    gone = index["weight_map"]["embed.weight"]
+    (bad / gone).unlink()  # a whole shard missing
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(bad, progress=False)
+    text = str(err.value)
+    for needle in ("layers.4.attn.wq_a.weight: shape [3, 3]", "layers.4.attn.kv_norm.weight: dtype I32",
+                   "layers.4.attn.attn_sink: missing", "layers.4.attn.surprise: unexpected",
+                   f"shard {gone} is named by", "embed.weight: missing"):
+        assert needle in text, (needle, text)
+    assert "mtp.0" not in text
+
+
+def test_truncated_shard_is_reported(released, tmp_path):
+    src, _ = released
+    bad = tmp_path / "trunc"
+    shutil.copytree(src, bad)
+    shard = json.loads((bad / INDEX_FILE).read_text())["weight_map"]["layers.2.ffn.experts.0.w1.weight"]
+    data = (bad / shard).read_bytes()
+    (bad / shard).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated download"):
+        load_checkpoint(bad, progress=False)
+
+
+def test_released_tensor_list_matches_v41_flash_params():
+    """The full release (96,085 tensors, from the public header audit) fills exactly our v41-flash params."""
+    with gzip.open(DATA / "dsv41_flash_tensors.json.gz", "rt") as f:
+        listing = {k: (v[0], tuple(v[1])) for k, v in json.load(f).items()}
+    assert len(listing) == 96085
+    cfg = d.ModelConfig.from_json(DATA / "dsv41_flash_config.json")
+    assert cfg == d.preset("v41-flash")
+    inv = check_tensors(cfg, listing)
+    assert inv.problems == [] and inv.quantized and inv.scheme == "released"
+    notes = " | ".join(inv.notes)
+    assert "2401 tensor(s): DSpark" in notes and "266 tensor(s): vision" in notes and "40 tensor(s): MoE routing bias" in notes
+    for fmt in ("fp8", "float"):
+        params = set(flat_params(d.abstract_params(cfg.replace(weight_format=fmt))))
+        layout = set()
+        for e in entries(cfg):
+            if e.kind == "plain" or (e.kind in ("dense", "dense_dequant") and (fmt == "float" or e.kind == "dense_dequant")):
+                layout.add(e.param if e.kind == "plain" else e.param + "/weight")
+            elif e.kind == "dense":
+                layout |= {e.param + "/weight", e.param + "/scale"}
+            else:
+                layout |= {e.param} | ({e.param + "_scale"} if fmt == "fp8" else set())
+        assert params - layout == {"engram_token_map"} and layout <= params, (fmt, sorted(params ^ layout)[:5])
+
+
+def test_engram_vocab_from_tokenizer(tmp_path):
+    from dsv41_jax.checkpoint.synthetic import write_tokenizer
+
+    write_tokenizer(tmp_path / "tokenizer.json", 30)
+    lookup, size = compressed_token_map(tmp_path / "tokenizer.json")
+    words = tokenizer_vocab(30)
+    assert size == 3 + 9
+    assert words[3:6] == ["tok0", " Tok0", "T\u00d3K0"] and len(set(lookup[3:6].tolist())) == 1  # case, space, accent
+    assert lookup.tolist()[:7] == [0, 1, 2, 3, 3, 3, 4]  # first-seen order
+
+
+def test_orbax_round_trip_is_exact(released, tmp_path):
+    loaded = load_checkpoint(released[0], progress=False)
+    save_params(tmp_path / "p", loaded.params)
+    back = restore_params(tmp_path / "p", loaded.cfg)
+    a, b = flat_params(loaded.params), flat_params(back)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8), err_msg=k)
+    with pytest.raises(ValueError, match="unexpected"):
+        restore_params(tmp_path / "p", loaded.cfg.replace(weight_format="float"))
+
+
+_MESH_SCRIPT = """
+import sys, numpy as np, jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from dsv41_jax.checkpoint import load_checkpoint
+from dsv41_jax.checkpoint.orbax_io import flat_params, restore_params, save_params
+src, out = sys.argv[1], sys.argv[2]
+devs = np.array(jax.devices())
+assert len(devs) == 4
+rows = lambda mesh: (lambda path, shape: NamedSharding(mesh, P("x") if shape and shape[0] % mesh.size == 0 else P()))
+save_mesh = Mesh(devs[:2], ("x",))
+loaded = load_checkpoint(src, progress=False, shardings=rows(save_mesh))
+assert flat_params(loaded.params)["embed/weight"].sharding.mesh.size == 2
+save_params(out, loaded.params)
+new_mesh = Mesh(devs, ("x",))
+back = restore_params(out, loaded.cfg, rows(new_mesh))
+a, b = flat_params(loaded.params), flat_params(back)
+for k in a:
+    np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8))
+assert b["embed/weight"].sharding.mesh.size == 4 and len(b["embed/weight"].addressable_shards) == 4
+print("OK")
+"""
+
+
+def test_orbax_restore_onto_another_mesh(released, tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(released[0]), str(tmp_path / "p")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]
