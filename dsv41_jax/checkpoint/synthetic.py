@@ -255,3 +255,51 @@ def fixture_config(**overrides):
     )
     base.update(overrides)
     return ModelConfig(**base).with_derived_engram()
+
+
+def bench_config(n_layers: int = 12):
+    """A multi-GB config for load benchmarks: routed experts dominate the bytes, as in the release."""
+    from dsv41_jax.config import ModelConfig
+
+    ratios = (0, 0) + (2,) * ((n_layers - 2) // 2) + (1,) * (n_layers - 2 - (n_layers - 2) // 2)
+    first_m1 = ratios.index(1)
+    return ModelConfig(
+        vocab_size=32768, dim=2048, n_layers=n_layers, n_mtp_layers=0, n_heads=16, head_dim=256,
+        rope_head_dim=64, q_lora_rank=512, o_groups=4, o_lora_rank=512, window_size=128,
+        n_routed_experts=64, n_activated_experts=4, moe_inter_dim=1536, compress_ratios=ratios,
+        kv_source_layers=(2, first_m1), index_source_layers=(2, first_m1), index_n_heads=16, index_head_dim=128,
+        index_topk=256, candidate_source_layer=first_m1, candidate_topk_blocks=64, candidate_block_size=8,
+        engram_layer_ids=(1, 2), engram_max_ngram_size=3, engram_n_heads=8, engram_head_dim=256,
+        engram_vocab_size=100000, engram_num_embeddings=(), engram_compressed_vocab_size=3 + -(-(32768 - 3) // 3),
+        max_seq_len=65536, dtype="bfloat16", param_dtype="bfloat16").with_derived_engram()
+
+
+def _bench(directory: str) -> None:
+    """Write a multi-GB released-layout checkpoint (if absent) and time loading it."""
+    import time
+
+    from dsv41_jax.checkpoint import load_checkpoint
+
+    cfg = bench_config()
+    d = Path(directory)
+    if not (d / INDEX_FILE).exists():
+        t0 = time.perf_counter()
+        n = write_checkpoint(d, cfg, make_tensors(cfg, seed=0), sharded=True)
+        print(f"wrote {n / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s to {d}")
+    loaded = load_checkpoint(d)
+    print(f"loaded {loaded.bytes_read / 1e9:.2f} GB in {loaded.seconds:.1f} s: {loaded.gbps:.2f} GB/s "
+          f"(weights {loaded.cfg.weight_format}, device {jax_device()})")
+
+
+def jax_device() -> str:
+    import jax
+
+    return str(jax.devices()[0])
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "--bench":
+        raise SystemExit("usage: python -m dsv41_jax.checkpoint.synthetic --bench DIR")
+    _bench(sys.argv[2])
