@@ -65,6 +65,11 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the preset's)")
     ap.add_argument("--kernels", default="auto", choices=["auto", "jnp", "pallas"])
     ap.add_argument("--output-json", help="write generated ids and metrics here")
+    ap.add_argument("--mesh", help="run sharded on a device mesh, axis=size pairs over data/tensor/expert, "
+                    "e.g. data=2,expert=4 (product = device count; see dsv41_jax/sharding.py)")
+    ap.add_argument("--layout", default="tp_ep", help="sharding rule set for --mesh (tp_ep or dp)")
+    ap.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first "
+                    "(multi-host: one process per host, coordinator from the environment)")
     eng = ap.add_argument_group("serving engine (on with --engine or --cache-dir)")
     eng.add_argument("--engine", action="store_true", help="serve through dsv41_jax.serving.Engine")
     eng.add_argument("--cache-dir", help="persistent page store for prompt prefixes (implies --engine)")
@@ -122,6 +127,10 @@ def prompt_ids(args, tok) -> list[np.ndarray]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.distributed:
+        jax.distributed.initialize()
+    if args.mesh and args.engine:
+        sys.exit("error: --mesh is not supported with the serving engine yet; drop --engine/--cache-dir")
     cfg, params, tok_path = load_model(args)
     tok = load_tokenizer(tok_path, cfg.vocab_size)
     prompts = prompt_ids(args, tok)
@@ -147,9 +156,22 @@ def main(argv=None) -> dict:
     jax.block_until_ready(params)
     t_init = time.perf_counter() - t0
     cache = d.init_cache(cfg, b, capacity)
+    prefill = lambda c, t, n: d.prefill(cfg, params, c, t, n, kernels=args.kernels)
+    # sampled ids are in range and the loop stops at capacity: skip the host round trip of validation
+    decode = lambda c, t: d.decode_step(cfg, params, c, t, kernels=args.kernels, validate=False)
+    if args.mesh:
+        from dsv41_jax import sharding
+
+        try:
+            mesh = sharding.make_mesh(cfg, args.mesh, batch=b)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        sharded = sharding.shard_model(cfg, params, mesh, args.layout, batch=b, capacity=capacity)
+        cache, prefill, decode = sharded.place_cache(cache), sharded.prefill, sharded.decode_step
+        print(f"[decode] mesh {dict(mesh.shape)} layout {args.layout} on {mesh.size} device(s)", flush=True)
 
     t0 = time.perf_counter()
-    logits, cache = d.prefill(cfg, params, cache, tokens, lengths, kernels=args.kernels)
+    logits, cache = prefill(cache, tokens, lengths)
     key = jax.random.key(args.seed)
     nxt = _sample(logits, key, args.temperature)
     nxt.block_until_ready()
@@ -160,8 +182,7 @@ def main(argv=None) -> dict:
     t_first = t_loop = 0.0
     for s in tqdm(range(steps), desc="decode", unit="tok", disable=steps < 32, file=sys.stderr):
         t0 = time.perf_counter()
-        # sampled ids are in range and the loop stops at capacity: skip the host round trip of validation
-        logits, cache = d.decode_step(cfg, params, cache, nxt, kernels=args.kernels, validate=False)
+        logits, cache = decode(cache, nxt)
         key, sub = jax.random.split(key)
         nxt = _sample(logits, sub, args.temperature)
         out.append(nxt)
@@ -179,7 +200,7 @@ def main(argv=None) -> dict:
     tps = b * timed / t_loop if timed and t_loop > 0 else float("nan")
     peak, peak_kind = peak_memory_bytes()
     metrics = dict(
-        preset=args.preset, backend=jax.default_backend(), batch=b, prompt_tokens=lengths.tolist(),
+        preset=args.preset, backend=jax.default_backend(), mesh=args.mesh, batch=b, prompt_tokens=lengths.tolist(),
         new_tokens=int(gen.shape[1]), init_s=t_init, ttft_s=ttft, first_decode_step_s=t_first,
         decode_tokens_per_s=tps, decode_step_ms=1e3 * t_loop / timed if timed else float("nan"),
         cache_capacity=capacity, global_cache_bytes=glob, global_cache_bytes_per_token=glob / (b * capacity),
