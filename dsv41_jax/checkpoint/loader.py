@@ -142,15 +142,22 @@ class _Sink:
         s = self._sharding(path, want.shape)
         self.values[path] = jax.device_put(arr, s) if s is not None else jax.device_put(arr)
 
-    def put_slice(self, path: str, index: int, n: int, arr: np.ndarray) -> None:
-        """Stacked params: slice `index` of `n`; the stack goes to the device when complete."""
+    def slot(self, path: str, index: int) -> np.ndarray:
+        """Slice `index` of the host buffer of stacked param `path` (allocated on first use)."""
         want = self.abstract[path]
-        buf, seen = self.stacks.setdefault(path, (np.empty(want.shape, want.dtype), set()))
-        buf[index] = arr
+        return self.stacks.setdefault(path, (np.empty(want.shape, want.dtype), set()))[0][index]
+
+    def filled(self, path: str, index: int, n: int) -> None:
+        """Slice `index` of `n` is written; the stack goes to the device when all are."""
+        buf, seen = self.stacks[path]
         seen.add(index)
         if len(seen) == n:
             del self.stacks[path]
             self.put(path, buf)
+
+    def put_slice(self, path: str, index: int, n: int, arr: np.ndarray) -> None:
+        self.slot(path, index)[...] = arr
+        self.filled(path, index, n)
 
 
 def _param_paths(state) -> dict[str, jax.ShapeDtypeStruct]:
@@ -233,8 +240,9 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
     abstract = _param_paths(state)
     sink = _Sink(abstract, shardings)
 
-    # one job per checkpoint tensor: (TensorInfo, handler(array)); scales travel with their weights
-    jobs: list[tuple[TensorInfo, Callable]] = []
+    # one job per checkpoint tensor: (TensorInfo, handler(array), destination() or None); scales
+    # travel with their weights; a destination lets the read land in its stacked param directly
+    jobs: list[tuple] = []
     pending: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
 
     def tensor(released: str) -> TensorInfo:
@@ -249,23 +257,27 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
                     parts = pending.pop(key)
                     done(parts["weight"], parts["scale"])
             return handle
-        jobs.append((tensor(key + ".weight"), got("weight")))
-        jobs.append((tensor(key + ".scale"), got("scale")))
+        jobs.append((tensor(key + ".weight"), got("weight"), None))
+        jobs.append((tensor(key + ".scale"), got("scale"), None))
 
     for e in entries(cfg):
         _plan_entry(e, inv.quantized, fp8, sink, tensor, want_pair, jobs)
     if token_map is not None:
         sink.put("engram_token_map", token_map)
 
-    total = sum(info.nbytes for info, _ in jobs)
+    total = sum(job[0].nbytes for job in jobs)
     jobs.sort(key=lambda j: (str(j[0].file), j[0].begin))  # shard by shard, sequential reads
     bar = None
     if progress:
-        from tqdm import tqdm
+        try:
+            from tqdm import tqdm
+        except ImportError:  # a bare runtime without tqdm: load silently rather than fail
+            tqdm = None
+    if progress and tqdm is not None:
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"loading {directory.name}")
     t0 = time.perf_counter()
-    for info, handle in jobs:
-        handle(read_tensor(info))
+    for (info, handle, _), arr in _prefetch(jobs):
+        handle(arr)
         if bar is not None:
             bar.update(info.nbytes)
     jax.block_until_ready(list(sink.values.values()))
@@ -278,14 +290,37 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
     return Loaded(cfg, _fill(state, sink.values), inv.notes, total, seconds)
 
 
+def _prefetch(jobs, workers: int = 4, window_bytes: int = 1 << 30):
+    """(job, array) in job order, read by a thread pool up to `window_bytes` ahead (bounds host memory)."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    def read(job):
+        info, _, dest = job
+        return read_tensor(info, dest() if dest is not None else None)
+
+    with ThreadPoolExecutor(workers) as pool:
+        queue, ahead, it = deque(), 0, iter(jobs)
+        for job in it:
+            queue.append((job, pool.submit(read, job)))
+            ahead += job[0].nbytes
+            while ahead > window_bytes or (queue and len(queue) > 4 * workers):
+                done, fut = queue.popleft()
+                ahead -= done[0].nbytes
+                yield done, fut.result()
+        while queue:
+            done, fut = queue.popleft()
+            yield done, fut.result()
+
+
 def _plan_entry(e: Entry, quantized: bool, fp8: bool, sink: _Sink, tensor, want_pair, jobs) -> None:
     """Queue the reads that fill the params of one layout entry."""
     if e.kind == "plain":
-        jobs.append((tensor(e.names[0]), lambda arr, p=e.param: sink.put(p, arr)))
+        jobs.append((tensor(e.names[0]), lambda arr, p=e.param: sink.put(p, arr), None))
     elif e.kind in ("dense", "dense_dequant"):
         key = e.names[0]
         if not quantized:
-            jobs.append((tensor(key + ".weight"), lambda arr, p=e.param: sink.put(p + "/weight", arr)))
+            jobs.append((tensor(key + ".weight"), lambda arr, p=e.param: sink.put(p + "/weight", arr), None))
         elif fp8 and e.kind == "dense":
             def keep(w, s, p=e.param):
                 sink.put(p + "/weight", w)
@@ -298,18 +333,17 @@ def _plan_entry(e: Entry, quantized: bool, fp8: bool, sink: _Sink, tensor, want_
         for i, key in enumerate(e.names):
             if not quantized:
                 jobs.append((tensor(key + ".weight"),
-                             lambda arr, i=i, p=e.param: sink.put_slice(p, i, n, arr.T)))
-            elif fp8:
-                def keep(w, s, i=i, p=e.param):
-                    sink.put_slice(p, i, n, w.view(np.uint8))
-                    sink.put_slice(p + "_scale", i, n, s)
-                want_pair(key, keep)
+                             lambda arr, i=i, p=e.param: sink.put_slice(p, i, n, arr.T), None))
+            elif fp8:  # the dominant bytes: read straight into the stacked buffers
+                for part, dest in ((".weight", e.param), (".scale", e.param + "_scale")):
+                    jobs.append((tensor(key + part), lambda arr, i=i, p=dest: sink.filled(p, i, n),
+                                 lambda i=i, p=dest: sink.slot(p, i)))
             else:
                 want_pair(key, lambda w, s, i=i, p=e.param: sink.put_slice(p, i, n, _dequant_fp4(w, s).T))
     else:  # table
         key = e.names[0]
         if not quantized:
-            jobs.append((tensor(key + ".weight"), lambda arr, p=e.param: sink.put(p, arr)))
+            jobs.append((tensor(key + ".weight"), lambda arr, p=e.param: sink.put(p, arr), None))
         elif fp8:
             def keep(w, s, p=e.param):
                 sink.put(p, w)

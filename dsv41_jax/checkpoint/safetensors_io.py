@@ -125,10 +125,18 @@ def list_checkpoint(directory: str | Path) -> tuple[dict[str, TensorInfo], list[
     return tensors, problems
 
 
-def read_tensor(info: TensorInfo) -> np.ndarray:
-    """The payload of one tensor as a numpy array in its own dtype (E8M0 as uint8 exponents)."""
+def read_tensor(info: TensorInfo, out: np.ndarray | None = None) -> np.ndarray:
+    """The payload of one tensor as a numpy array in its own dtype (E8M0 as uint8 exponents).
+
+    out: a C-contiguous array of the tensor's byte size to read into (e.g. a slice of a stacked
+    param), saving a copy."""
     dt = NUMPY_DTYPE[info.dtype]
-    buf = np.empty(info.nbytes, np.uint8)
+    if out is not None:
+        if not out.flags.c_contiguous or out.nbytes != info.nbytes:
+            raise ValueError(f"read_tensor: destination of {out.nbytes} bytes for a {info.nbytes}-byte tensor")
+        buf = out.reshape(-1).view(np.uint8)
+    else:
+        buf = np.empty(info.nbytes, np.uint8)
     with open(info.file, "rb", buffering=0) as f:
         f.seek(info.begin)
         view = memoryview(buf)

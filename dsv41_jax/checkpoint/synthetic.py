@@ -257,8 +257,9 @@ def fixture_config(**overrides):
     return ModelConfig(**base).with_derived_engram()
 
 
-def bench_config(n_layers: int = 12):
-    """A multi-GB config for load benchmarks: routed experts dominate the bytes, as in the release."""
+def bench_config(n_layers: int = 12, engram: bool = True):
+    """A multi-GB config for load benchmarks: routed experts dominate the bytes, as in the release.
+    engram=False drops the Engram layers (no tokenizer needed, e.g. on a runtime without `tokenizers`)."""
     from dsv41_jax.config import ModelConfig
 
     ratios = (0, 0) + (2,) * ((n_layers - 2) // 2) + (1,) * (n_layers - 2 - (n_layers - 2) // 2)
@@ -269,18 +270,18 @@ def bench_config(n_layers: int = 12):
         n_routed_experts=64, n_activated_experts=4, moe_inter_dim=1536, compress_ratios=ratios,
         kv_source_layers=(2, first_m1), index_source_layers=(2, first_m1), index_n_heads=16, index_head_dim=128,
         index_topk=256, candidate_source_layer=first_m1, candidate_topk_blocks=64, candidate_block_size=8,
-        engram_layer_ids=(1, 2), engram_max_ngram_size=3, engram_n_heads=8, engram_head_dim=256,
+        engram_layer_ids=(1, 2) if engram else (), engram_max_ngram_size=3, engram_n_heads=8, engram_head_dim=256,
         engram_vocab_size=100000, engram_num_embeddings=(), engram_compressed_vocab_size=3 + -(-(32768 - 3) // 3),
         max_seq_len=65536, dtype="bfloat16", param_dtype="bfloat16").with_derived_engram()
 
 
-def _bench(directory: str) -> None:
+def _bench(directory: str, engram: bool = True) -> None:
     """Write a multi-GB released-layout checkpoint (if absent) and time loading it."""
     import time
 
     from dsv41_jax.checkpoint import load_checkpoint
 
-    cfg = bench_config()
+    cfg = bench_config(engram=engram)
     d = Path(directory)
     if not (d / INDEX_FILE).exists():
         t0 = time.perf_counter()
@@ -300,6 +301,6 @@ def jax_device() -> str:
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) != 3 or sys.argv[1] != "--bench":
-        raise SystemExit("usage: python -m dsv41_jax.checkpoint.synthetic --bench DIR")
-    _bench(sys.argv[2])
+    if len(sys.argv) not in (3, 4) or sys.argv[1] != "--bench":
+        raise SystemExit("usage: python -m dsv41_jax.checkpoint.synthetic --bench DIR [--no-engram]")
+    _bench(sys.argv[2], engram="--no-engram" not in sys.argv)
