@@ -13,9 +13,14 @@ Golden sets (tests/golden/official_fixture.npz), each [2 sequences, 16 tokens, v
 Modes: `fp8` (released weights, activation quantization on: W8A8 / W4A8) and `bf16` (dequantized
 weights, no activation quantization); `prefill` (one prefill of 16 tokens) and `decode_*` (prefill
 of 8, then 8 one-token decode steps) with the `released` and `consistent` index-key semantics.
+
+Every case costs XLA compiles (~40 s each on a CI core), so CI runs the cases that cover each axis
+(prefill and both decode semantics with quantization on, prefill with it off); DSV41_PARITY_FULL=1
+runs the whole matrix (all 6 f32 cases and the bf16 ones). docs/PARITY.md lists all measured values.
 """
 
 import hashlib
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -69,7 +74,11 @@ def _run(dtype: str, quant: bool, keys: str | None):
     return np.concatenate(out, axis=1)
 
 
-CASES = [(mode, kind) for mode in ("fp8", "bf16") for kind in ("prefill", "decode_released", "decode_consistent")]
+FULL = os.environ.get("DSV41_PARITY_FULL") == "1"
+full_only = pytest.mark.skipif(not FULL, reason="full parity matrix: set DSV41_PARITY_FULL=1")
+CASES = [(mode, kind) if (mode, kind) in {("fp8", "prefill"), ("fp8", "decode_released"), ("fp8", "decode_consistent"),
+                                          ("bf16", "prefill")} else pytest.param(mode, kind, marks=full_only)
+         for mode in ("fp8", "bf16") for kind in ("prefill", "decode_released", "decode_consistent")]
 
 
 def _case(mode, kind, dtype):
@@ -87,6 +96,7 @@ def test_matches_official_at_f32(mode, kind):
     assert err <= 1e-4 * scale, (err, scale)
 
 
+@full_only
 @pytest.mark.parametrize("mode,kind", [("fp8", "prefill"), ("fp8", "decode_released")])
 def test_within_official_bf16_noise(mode, kind):
     ours, ref = _case(mode, kind, "bfloat16"), GOLDEN[f"bf16_{mode}_{kind}"]
