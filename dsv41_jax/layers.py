@@ -12,8 +12,7 @@ Weight formats (what `ModelConfig.weight_format` selects; "float" is the default
 `ModelConfig.activation_quant` reproduces the release's `fp8` inference mode: the input of every
 projection it ships in FP8/FP4 is rounded to FP8 E4M3 in groups of 32 with power-of-two scales
 before the matmul. With exact dequantized weights this is the same product as its block-scaled GEMM,
-up to f32 summation order. Both switches are read with getattr so that a config without them keeps
-the original behaviour.
+up to f32 summation order.
 """
 
 from __future__ import annotations
@@ -31,12 +30,12 @@ EXPERT_FP4 = quant.Fp4Codec(block=32, scale_format="e8m0")  # routed experts: on
 
 def weights_fp8(cfg) -> bool:
     """True when params keep the release's FP8 / FP4 weight formats (config switch `weight_format`)."""
-    return getattr(cfg, "weight_format", "float") == "fp8"
+    return cfg.weight_format == "fp8"
 
 
 def activation_quant(cfg) -> bool:
     """True when FP8/FP4 projections round their inputs to FP8 first (the release's `fp8` mode)."""
-    return bool(getattr(cfg, "activation_quant", False))
+    return cfg.activation_quant
 
 
 def quantize_activation(x: jax.Array) -> jax.Array:
