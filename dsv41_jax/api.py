@@ -13,7 +13,7 @@ own `jax.jit` the checks that need values are skipped.
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import jax
 import jax.numpy as jnp

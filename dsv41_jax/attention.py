@@ -36,7 +36,7 @@ from flax import nnx
 
 from dsv41_jax import kernels, ops
 from dsv41_jax.cache import SourceCache
-from dsv41_jax.layers import Linear, RMSNorm, normal_init, released_fp8_linear
+from dsv41_jax.layers import Linear, RMSNorm, released_fp8_linear
 from dsv41_jax.plan import LayerPlan, Mode
 from dsv41_jax.quant import CacheFormats, fake_quant, fake_quant_ste
 from dsv41_jax.rope import apply_rope, inv_frequencies

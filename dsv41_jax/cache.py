@@ -57,10 +57,6 @@ def formats_of(cfg):
     return cache_formats(cfg.quantize_cache, "float32" if cfg.dtype == "float32" else "bfloat16")
 
 
-def source_layers(cfg) -> tuple[int, ...]:
-    return tuple(p.layer for p in build_plan(cfg) if p.mode is Mode.FULL)
-
-
 def init_cache(cfg, batch: int, capacity: int) -> Cache:
     """An empty cache for `batch` sequences of up to `capacity` tokens each (all arrays zero)."""
     if batch <= 0 or capacity <= 0:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 from flax import nnx
 
 from dsv41_jax.api import abstract_params

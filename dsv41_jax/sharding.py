@@ -19,7 +19,6 @@ from functools import partial
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dsv41_jax.cache import Cache

@@ -18,6 +18,7 @@ import pytest
 
 from dsv41_jax import ops, quant
 from kernels_pallas import gpu_attention, gpu_indexer, gpu_select
+from tests.kernel_checks import assert_scan_matches
 
 INTERPRET = jax.default_backend() == "cpu"
 
@@ -41,15 +42,7 @@ def test_indexer_scores(b, h, d, n, reach, block):
     ref = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
     out = gpu_indexer.indexer_scores(q, w, rec["values"], rec["scales"], reach, block=block, block_n=64,
                                      interpret=INTERPRET)
-    s = out[0] if block else out
-    np.testing.assert_array_equal(np.isfinite(s), np.isfinite(ref))
-    fin = np.isfinite(np.asarray(ref))
-    scale = float(jnp.max(jnp.abs(jnp.where(fin, ref, 0)))) or 1.0
-    np.testing.assert_allclose(np.asarray(s)[fin], np.asarray(ref)[fin], atol=1e-5 * scale, rtol=0)
-    if block:
-        nb = -(-n // block)
-        want = jnp.pad(s, ((0, 0), (0, nb * block - n)), constant_values=-jnp.inf).reshape(b, nb, block).max(-1)
-        np.testing.assert_array_equal(out[1], want)
+    assert_scan_matches(out, ref, n, block)
 
 
 def _rows(name, rng):

@@ -12,6 +12,7 @@ import pytest
 
 from dsv41_jax import ops, quant
 from kernels_pallas import gpu_select, tpu_attention, tpu_indexer, tpu_select
+from tests.kernel_checks import assert_scan_matches
 from tests.test_kernels_gpu import _attention_case, _index_case, _rows
 
 
@@ -26,15 +27,7 @@ def test_indexer_scores(b, h, d, n, reach, block, block_n):
     ref = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
     out = tpu_indexer.indexer_scores(q, w, rec["values"], rec["scales"], reach, block=block, block_n=block_n,
                                      interpret=True)
-    s = out[0] if block else out
-    fin = np.isfinite(np.asarray(ref))
-    np.testing.assert_array_equal(np.isfinite(s), fin)
-    scale = float(jnp.max(jnp.abs(jnp.where(fin, ref, 0)))) or 1.0
-    np.testing.assert_allclose(np.asarray(s)[fin], np.asarray(ref)[fin], atol=1e-5 * scale, rtol=0)
-    if block:
-        nb = -(-n // block)
-        want = jnp.pad(s, ((0, 0), (0, nb * block - n)), constant_values=-jnp.inf).reshape(b, nb, block).max(-1)
-        np.testing.assert_array_equal(out[1], want)
+    assert_scan_matches(out, ref, n, block)
 
 
 @pytest.mark.parametrize("name", ["normal", "rounded_ties", "all_equal", "block_ties", "neg_inf", "signed_zero",

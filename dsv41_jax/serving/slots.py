@@ -16,7 +16,6 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.cache import Cache, SourceCache
