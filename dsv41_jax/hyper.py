@@ -16,8 +16,11 @@ from flax import nnx
 from dsv41_jax.layers import normal_init
 
 
-def sinkhorn_split(mixes: jax.Array, scale: jax.Array, base: jax.Array, hc: int, iters: int, eps: float):
-    """mixes [..., (2+hc)*hc] f32 -> pre [..., hc], post [..., hc], comb [..., hc, hc] (rows -> cols)."""
+def sinkhorn_split(mixes: jax.Array, scale: jax.Array, base: jax.Array, hc: int, iters: int, eps: float,
+                   unroll: str = "auto"):
+    """mixes [..., (2+hc)*hc] f32 -> pre [..., hc], post [..., hc], comb [..., hc, hc] (rows -> cols).
+
+    unroll: "auto" | "unrolled" | "rolled" (ModelConfig.sinkhorn_unroll)."""
     pre = jax.nn.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * jax.nn.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*mixes.shape[:-1], hc, hc)
@@ -28,28 +31,30 @@ def sinkhorn_split(mixes: jax.Array, scale: jax.Array, base: jax.Array, hc: int,
         c = c / (c.sum(axis=-1, keepdims=True) + eps)
         return c / (c.sum(axis=-2, keepdims=True) + eps)
 
-    # Rolled on CPU (20 unrolled iterations per sub-layer dominate compile time there); unrolled on
-    # accelerators, where a rolled loop costs a host round trip per iteration and unrolled ones fuse.
-    unroll = True if jax.default_backend() != "cpu" else 1
-    comb = jax.lax.fori_loop(0, iters - 1, body, comb, unroll=unroll)
+    # "auto": rolled on CPU (20 unrolled iterations per sub-layer dominate compile time there); unrolled
+    # on accelerators, where a rolled loop costs a host round trip per iteration and unrolled ones fuse.
+    if unroll == "auto":
+        unroll = "unrolled" if jax.default_backend() != "cpu" else "rolled"
+    comb = jax.lax.fori_loop(0, iters - 1, body, comb, unroll=True if unroll == "unrolled" else 1)
     return pre, post, comb
 
 
 class HyperMix(nnx.Module):
     """Coefficient projection of one sub-layer: fn [(2+hc)*hc, hc*dim], base [(2+hc)*hc], scale [3]."""
 
-    def __init__(self, dim: int, hc: int, iters: int, eps: float, norm_eps: float, *, rngs: nnx.Rngs):
+    def __init__(self, dim: int, hc: int, iters: int, eps: float, norm_eps: float, *, rngs: nnx.Rngs,
+                 unroll: str = "auto"):
         mix = (2 + hc) * hc
         self.fn = nnx.Param(normal_init(rngs, (mix, hc * dim), jnp.float32))
         self.base = nnx.Param(jnp.zeros((mix,), jnp.float32))
         self.scale = nnx.Param(jnp.full((3,), 0.1, jnp.float32))
-        self.hc, self.iters, self.eps, self.norm_eps = hc, iters, eps, norm_eps
+        self.hc, self.iters, self.eps, self.norm_eps, self.unroll = hc, iters, eps, norm_eps, unroll
 
     def __call__(self, x_bthd: jax.Array):
         x = x_bthd.reshape(*x_bthd.shape[:-2], -1).astype(jnp.float32)
         rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.norm_eps)
         mixes = jnp.einsum("...i,mi->...m", x, self.fn[...]) * rstd
-        return sinkhorn_split(mixes, self.scale[...], self.base[...], self.hc, self.iters, self.eps)
+        return sinkhorn_split(mixes, self.scale[...], self.base[...], self.hc, self.iters, self.eps, self.unroll)
 
 
 def collapse(x_bthd: jax.Array, pre_bth: jax.Array) -> jax.Array:

@@ -25,7 +25,8 @@ class Block(nnx.Module):
         self.ffn = MoE(cfg, rngs=rngs)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        mix = lambda: HyperMix(cfg.dim, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, rngs=rngs)
+        mix = lambda: HyperMix(cfg.dim, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, rngs=rngs,
+                               unroll=cfg.sinkhorn_unroll)
         self.hc_attn, self.hc_ffn = mix(), mix()
         self.engram = Engram(cfg, engram_rows, rngs=rngs) if engram_rows else None
 
