@@ -3,7 +3,9 @@
     python -m experiments.bench_sharding [--preset small] [--mesh data=1] [--batch 8] [--steps 64]
 
 Times the decode step of `api.decode_step` and of `sharding.ShardedModel.decode_step` on the same
-params and prompts (warm-up excluded, median of per-step times) and checks their logits agree.
+params and prompts and checks their logits agree. The two paths alternate in --rounds rounds of
+--steps steps each (warm-up excluded): a slow phase of the shared machine then hits both, and the
+overhead is the median over rounds of (sharded median / plain median) - 1.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def main(argv=None):
     ap.add_argument("--layout", default="tp_ep", choices=sorted(S.LAYOUTS))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=32, help="steps per round and path")
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     cfg = d.preset(a.preset)
@@ -53,16 +56,23 @@ def main(argv=None):
     sharded = lambda c, t: m.decode_step(c, t)
     _median_step(plain, c_plain, nxt, 3)  # compile + warm-up
     _median_step(sharded, c_shard, nxt, 3)
-    t_plain, l_plain = _median_step(plain, c_plain, nxt, a.steps)
-    t_shard, l_shard = _median_step(sharded, c_shard, nxt, a.steps)
-    t_plain2, _ = _median_step(plain, c_plain, nxt, a.steps)  # again, to see the run-to-run noise
-    diff = float(np.abs(np.asarray(l_plain) - np.asarray(l_shard)).max())
+    rounds = []
+    for r in range(a.rounds):  # ABAB..., then BABA...: neither path always runs first
+        order = [("plain", plain, c_plain), ("sharded", sharded, c_shard)][:: 1 if r % 2 == 0 else -1]
+        got = {name: _median_step(f, c, nxt, a.steps) for name, f, c in order}
+        rounds.append({k: 1e3 * v[0] for k, v in got.items()})
+    diff = float(np.abs(np.asarray(got["plain"][1]) - np.asarray(got["sharded"][1])).max())
+    ratios = [x["sharded"] / x["plain"] for x in rounds]
     row = dict(preset=a.preset, mesh=a.mesh, layout=a.layout, batch=a.batch, devices=len(jax.devices()),
-               plain_ms=1e3 * t_plain, plain_again_ms=1e3 * t_plain2, sharded_ms=1e3 * t_shard,
-               overhead=t_shard / min(t_plain, t_plain2) - 1, max_logit_diff=diff)
-    print(f"{'path':10s} {'ms/step':>9s}\n{'plain':10s} {row['plain_ms']:9.3f}\n{'plain (2)':10s} "
-          f"{row['plain_again_ms']:9.3f}\n{'sharded':10s} {row['sharded_ms']:9.3f}\n"
-          f"overhead of the sharded path: {100 * row['overhead']:+.1f}%   max |dlogit| {diff:.2e}")
+               plain_ms=float(np.median([x["plain"] for x in rounds])),
+               sharded_ms=float(np.median([x["sharded"] for x in rounds])),
+               overhead=float(np.median(ratios)) - 1, overhead_min=min(ratios) - 1, overhead_max=max(ratios) - 1,
+               rounds=rounds, max_logit_diff=diff)
+    print(f"{'round':>5s} {'plain ms':>9s} {'sharded ms':>10s} {'ratio':>6s}")
+    for i, x in enumerate(rounds):
+        print(f"{i:5d} {x['plain']:9.3f} {x['sharded']:10.3f} {x['sharded'] / x['plain']:6.3f}")
+    print(f"overhead of the sharded path: median {100 * row['overhead']:+.1f}% (rounds {100 * row['overhead_min']:+.1f}"
+          f"% .. {100 * row['overhead_max']:+.1f}%)   max |dlogit| {diff:.2e}")
     if a.out:
         json.dump(row, open(a.out, "w"), indent=1)
 

@@ -2,21 +2,27 @@
 library's own source files (byte-level tokens), with the quantization-aware step of dsv41_jax.train.
 
     python -m experiments.train_small --steps 20                       # CPU smoke run, tiny preset
-    python -m experiments.train_small --preset small --minutes 15      # one GPU
+    python -m experiments.train_small --preset small --study --minutes 6 --out runs/csa2   # one GPU
 
 Every 20th file (sorted by path) is held out for validation. Batches are random windows of
---seq + 1 bytes. Writes to --out: the loss curve (loss_curve.png when matplotlib imports, and always
-loss_curve.csv), summary.json and an orbax checkpoint of params + optimizer state (checkpoint/).
-The vocabulary is cut to the byte tokenizer's 259 ids, whatever the preset's.
+--seq + 1 bytes; a --retrieval-frac share of them are passkey examples (experiments/corpus.py), so
+that the model learns to fetch a key from far back and `experiments.quality` can test retrieval.
+`--study` scales the sparse selection down to the training length (top-64 entries, a candidate pool
+of 16 blocks of 8, against 512 / 2048 x 8 in the release) so that selection, the candidate pool and
+the compressed cache all matter at 1-8K tokens; `--plan all-full` gives every compressing layer its
+own compressor and indexer (the baseline of the CSA2 sharing).
+Writes to --out: the loss curve (loss_curve.png when matplotlib imports, and always loss_curve.csv),
+summary.json, config.json (the trained config, for experiments.quality) and an orbax checkpoint of
+params + optimizer state (checkpoint/). The vocabulary is cut to the byte tokenizer's 259 ids.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -28,32 +34,39 @@ from tqdm import tqdm
 
 import dsv41_jax as d
 from dsv41_jax import train
-from dsv41_jax.textio import ByteTokenizer
+from dsv41_jax.config import ModelConfig
+from experiments.corpus import TOK, load_corpus, training_batches, windows
+
+RUNTIME_FIELDS = ("dtype", "param_dtype", "quantize_cache", "index_keys", "weight_format", "activation_quant")
 
 
-def load_corpus(max_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train ids, validation ids) int32 from the stdlib's .py files, each file prefixed with <bos>."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-    if not files:
-        raise SystemExit(f"no .py files under {root}: this Python has no standard library sources")
-    tok = ByteTokenizer()
-    parts: dict[bool, list[np.ndarray]] = {True: [], False: []}
-    size = 0
-    for i, path in enumerate(files):
-        data = np.frombuffer(path.read_bytes(), np.uint8).astype(np.int32) + tok.offset
-        parts[i % 20 == 0].append(np.concatenate([[tok.bos_id], data]).astype(np.int32))
-        size += data.size
-        if size >= max_bytes:
-            break
-    return np.concatenate(parts[False]), np.concatenate(parts[True])
+def study_config(preset: str, plan: str, study: bool) -> ModelConfig:
+    """The trained config: the preset cut to the byte vocabulary, f32 master weights, optionally the
+    study's selection sizes and the all-Full plan."""
+    cfg = d.preset(preset, vocab_size=TOK.size, engram_compressed_vocab_size=TOK.size, param_dtype="float32",
+                   sinkhorn_unroll="rolled")  # rolled: minutes less compile, a few % slower steps
+    if study:
+        cfg = cfg.replace(index_topk=64, candidate_topk_blocks=16, candidate_block_size=8)
+    if plan == "all-full":
+        every = tuple(l for l, m in enumerate(cfg.ratios) if m > 0)
+        cfg = cfg.replace(kv_source_layers=every, index_source_layers=every)
+    return cfg
 
 
-def batches(ids: np.ndarray, batch: int, seq: int, rng: np.random.Generator):
-    """Endless int32 [batch, seq + 1] random windows of `ids`."""
-    while True:
-        start = rng.integers(0, ids.size - seq - 1, batch)
-        yield ids[start[:, None] + np.arange(seq + 1)]
+def save_config(path: Path, cfg: ModelConfig) -> None:
+    path.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+
+
+def load_config(path: Path, **overrides) -> ModelConfig:
+    """The config written by `save_config`, runtime switches included (then `overrides`)."""
+    raw = json.loads(Path(path).read_text())
+    return ModelConfig.from_dict(raw, **{**{k: raw[k] for k in RUNTIME_FIELDS if k in raw}, **overrides})
+
+
+def make_optimizer(lr: float, warmup: int) -> optax.GradientTransformation:
+    """AdamW (b2 0.95, weight decay 0.1) after global-norm clipping at 1, linear warm-up then constant."""
+    sched = optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.95, weight_decay=0.1))
 
 
 def write_curve(out: Path, rows: list[dict]) -> str:
@@ -84,6 +97,10 @@ def write_curve(out: Path, rows: list[dict]) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", choices=sorted(d.PRESETS))
+    ap.add_argument("--plan", default="csa2", choices=["csa2", "all-full"],
+                    help="csa2: the preset's layer plan; all-full: every compressing layer a Full layer")
+    ap.add_argument("--study", action="store_true", help="selection sizes scaled to 1-8K contexts (see above)")
+    ap.add_argument("--retrieval-frac", type=float, default=0.25, help="share of passkey rows per batch")
     ap.add_argument("--steps", type=int, default=None, help="stop after this many steps")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
     ap.add_argument("--batch", type=int, default=8)
@@ -109,23 +126,22 @@ def main(argv=None) -> dict:
     if (out / "checkpoint").exists():
         raise SystemExit(f"{out / 'checkpoint'} exists; pass another --out or remove it")
     out.mkdir(parents=True, exist_ok=True)
-    tok = ByteTokenizer()
-    cfg = d.preset(args.preset, vocab_size=tok.size, engram_compressed_vocab_size=tok.size)
+    cfg = study_config(args.preset, args.plan, args.study)
+    save_config(out / "config.json", cfg)
     train_ids, val_ids = load_corpus(int(args.corpus_mb * 2**20))
-    print(f"corpus: {train_ids.size:,} train / {val_ids.size:,} validation bytes; preset {args.preset}; "
-          f"{jax.default_backend()} x{jax.device_count()}", file=sys.stderr)
+    print(f"corpus: {train_ids.size:,} train / {val_ids.size:,} validation bytes; preset {args.preset} "
+          f"(plan {args.plan}{', study' if args.study else ''}); {jax.default_backend()} x{jax.device_count()}",
+          file=sys.stderr)
 
-    lr = optax.join_schedules([optax.linear_schedule(0.0, args.lr, args.warmup), optax.constant_schedule(args.lr)],
-                              [args.warmup])
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, b2=0.95, weight_decay=0.1))
+    opt = make_optimizer(args.lr, args.warmup)
     params = d.init_params(cfg, seed=args.seed)
     opt_state = train.init_opt_state(opt, params)
     step_fn = train.make_train_step(cfg, opt, kl_weight=args.kl_weight, bias_rate=args.bias_rate)
     eval_fn = jax.jit(lambda p, tokens: train.loss_fn(*train.split_trainable(p), cfg, tokens)[1]["lm_loss"])
     rng = np.random.default_rng(args.seed)
-    data = batches(train_ids, args.batch, args.seq, rng)
-    val = [b for b, _ in zip(batches(val_ids, args.batch, args.seq, np.random.default_rng(args.seed + 1)),
-                             range(args.eval_batches))]
+    data = training_batches(train_ids, args.batch, args.seq, args.retrieval_frac, rng)
+    val_rng = np.random.default_rng(args.seed + 1)
+    val = [windows(val_ids, args.batch, args.seq + 1, val_rng) for _ in range(args.eval_batches)]
 
     def evaluate() -> float:
         return float(np.mean([float(eval_fn(params, jnp.asarray(b))) for b in val]))
@@ -153,7 +169,8 @@ def main(argv=None) -> dict:
     train.save_checkpoint(out / "checkpoint", params, opt_state, step)
     curve = write_curve(out, rows)
     tokens = step * args.batch * args.seq
-    summary = {"preset": args.preset, "backend": jax.default_backend(), "steps": step, "batch": args.batch,
+    summary = {"preset": args.preset, "plan": args.plan, "study": args.study,
+               "params": int(sum(np.size(x) for x in jax.tree.leaves(params))), "backend": jax.default_backend(), "steps": step, "batch": args.batch,
                "seq": args.seq, "tokens": tokens, "seconds": round(train_s, 1),
                "first_step_seconds_with_compile": round(compile_s, 1),
                "tokens_per_second_after_compile": round((tokens - args.batch * args.seq) /

@@ -1,0 +1,239 @@
+"""What the design's approximations cost a trained model: FP4 cache, sparse selection, the candidate
+pool, bounded replay and (with a second run) the CSA2 sharing, on held-out text and on passkey retrieval.
+
+    python -m experiments.train_small --preset small --study --minutes 6 --out runs/csa2
+    python -m experiments.train_small --preset small --study --plan all-full --minutes 6 --out runs/full
+    python -m experiments.quality --run runs/csa2 --baseline-run runs/full --out runs/quality.json
+
+One set of weights (--run, a train_small output directory) is evaluated under several inference
+configurations (`VARIANTS`); the same held-out windows and the same retrieval examples go through every
+one. Everything runs through the inference path (`dsv41_jax.api.prefill`, chunks of --chunk tokens into
+a cache of --capacity tokens), so the FP4/FP8 cache really holds quantized bytes.
+
+- Perplexity: random windows of --ppl-len + 1 tokens of the held-out stdlib files (every 20th file),
+  reported as nats and bits per byte.
+- Bounded replay: the same windows split at P = --ppl-len - --replay-tail; the state at P is built
+  cold (exact) and by replay (cold up to P - W, then the last window W recomputed from an empty window
+  on top of the cached global KV, whose exact rows are then put back, as the engine does); the tail is
+  scored from both states (NLL, largest logit difference, argmax agreement).
+- Retrieval: a 6-digit key planted at --key-depth of the context, recalled at its end
+  (experiments/corpus.py); accuracy of the whole key (all digits argmax-correct) and per digit, at each
+  of --retrieval-lengths, cold and after a bounded replay of the window before the question.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import dsv41_jax as d
+from dsv41_jax import train
+from dsv41_jax.cache import Cache, SourceCache
+from experiments.corpus import KEY_DIGITS, load_corpus, passkey_batch, windows
+from experiments.train_small import load_config, make_optimizer
+
+# name -> ModelConfig changes at inference for a cache of `capacity` tokens (the weights stay the run's)
+VARIANTS = {
+    "as trained (FP4 cache, sparse, pool)": lambda capacity: {},
+    "BF16 cache": lambda capacity: {"quantize_cache": False},
+    "dense attention (no selection)": lambda capacity: {"index_topk": capacity, "candidate_source_layer": -1},
+    "flat indexer (no candidate pool)": lambda capacity: {"candidate_source_layer": -1},
+}
+BASE = next(iter(VARIANTS))
+
+
+def load_run(run: Path, **overrides):
+    """(cfg, params) of a train_small output directory."""
+    cfg = load_config(run / "config.json", sinkhorn_unroll="rolled", **overrides)
+    like = d.init_params(cfg, seed=0)
+    params, _, step = train.restore_checkpoint(run / "checkpoint", like, train.init_opt_state(make_optimizer(1.0, 1), like))
+    print(f"{run}: step {step}, {sum(np.size(x) for x in jax.tree.leaves(params)):,} parameters", file=sys.stderr)
+    return cfg, params
+
+
+def run_chunks(cfg, params, cache: Cache, ids_bt: np.ndarray, lo: int, hi: int, chunk: int,
+               keep: tuple[int, int] | None = None):
+    """Prefill ids[:, lo:hi] (every row the same span) in chunks; (f32 logits of positions keep[0]..keep[1]
+    as [B, n, V] or None, cache)."""
+    b = ids_bt.shape[0]
+    kept = []
+    for a in range(lo, hi, chunk):
+        n = min(chunk, hi - a)
+        t = np.zeros((b, chunk), np.int32)
+        t[:, :n] = ids_bt[:, a:a + n]
+        want = keep is not None and a < keep[1] and a + n > keep[0]
+        logits, cache = d.prefill(cfg, params, cache, t, np.full((b,), n, np.int32), all_logits=True)
+        if want:
+            s, e = max(keep[0], a) - a, min(keep[1], a + n) - a
+            kept.append(np.asarray(logits[:, s:e], np.float32))
+    return (np.concatenate(kept, axis=1) if kept else None), cache
+
+
+def empty_window(cache: Cache) -> Cache:
+    """The cache with its window rings and compressor groups zeroed (what a replay starts from)."""
+    zero = lambda t: jax.tree.map(jnp.zeros_like, t)
+    return cache.replace(window=zero(cache.window), sources=tuple(
+        SourceCache(s.entries, s.index_keys, jnp.zeros_like(s.pend_kv), jnp.zeros_like(s.pend_score))
+        for s in cache.sources))
+
+
+def cold_and_replayed(cfg, params, ids_bt, p: int, chunk: int, capacity: int) -> tuple[Cache, Cache]:
+    """Caches after ids[:, :p]: exact, and with the last window [p - W, p) replayed on the cached global KV."""
+    w = cfg.window_size
+    b = ids_bt.shape[0]
+    _, before = run_chunks(cfg, params, d.init_cache(cfg, b, capacity), ids_bt, 0, p - w, chunk)
+    _, exact = run_chunks(cfg, params, before, ids_bt, p - w, p, chunk)
+    _, replayed = run_chunks(cfg, params, empty_window(before), ids_bt, p - w, p, chunk)
+    return exact, replayed.replace(sources=exact.sources)  # the replay's own global rows are not kept
+
+
+def nll(logits_btv: np.ndarray, targets_bt: np.ndarray) -> float:
+    """Mean next-token negative log-likelihood in nats."""
+    lse = jax.nn.logsumexp(logits_btv, axis=-1)
+    picked = np.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+    return float(np.mean(np.asarray(lse) - picked))
+
+
+def perplexity(cfg, params, batches: list[np.ndarray], chunk: int, capacity: int) -> dict:
+    t = batches[0].shape[1] - 1
+    vals = []
+    for ids in batches:
+        logits, _ = run_chunks(cfg, params, d.init_cache(cfg, ids.shape[0], capacity), ids, 0, t, chunk, keep=(0, t))
+        vals.append(nll(logits, ids[:, 1:]))
+    x = float(np.mean(vals))
+    return {"nll": round(x, 4), "bits_per_byte": round(x / math.log(2), 4), "ppl": round(math.exp(x), 3)}
+
+
+def replay_drift(cfg, params, batches: list[np.ndarray], tail: int, chunk: int, capacity: int) -> dict:
+    t = batches[0].shape[1] - 1
+    p = (t - tail) // cfg.window_size * cfg.window_size
+    cold, rep, dmax, agree = [], [], 0.0, []
+    for ids in batches:
+        exact, replayed = cold_and_replayed(cfg, params, ids, p, chunk, capacity)
+        lc, _ = run_chunks(cfg, params, exact, ids, p, t, chunk, keep=(p, t))
+        lr, _ = run_chunks(cfg, params, replayed, ids, p, t, chunk, keep=(p, t))
+        cold.append(nll(lc, ids[:, p + 1:]))
+        rep.append(nll(lr, ids[:, p + 1:]))
+        dmax = max(dmax, float(np.abs(lc - lr).max()))
+        agree.append(float(np.mean(lc.argmax(-1) == lr.argmax(-1))))
+    return {"prefix": p, "tail": t - p, "nll_cold": round(float(np.mean(cold)), 4),
+            "nll_replay": round(float(np.mean(rep)), 4), "max_abs_dlogit": round(dmax, 4),
+            "argmax_agreement": round(float(np.mean(agree)), 4)}
+
+
+def key_scores(logits_bkv: np.ndarray, ids_bt: np.ndarray, answer: int) -> tuple[np.ndarray, np.ndarray]:
+    """(whole key right [B], digits right [B, 6]) from the logits of positions answer-1 .. answer+4."""
+    right = logits_bkv.argmax(-1) == ids_bt[:, answer:answer + KEY_DIGITS]
+    return right.all(-1), right
+
+
+def retrieval(cfg, params, sets: dict[int, list[tuple[np.ndarray, int]]], chunk: int, capacity: int,
+              replay: bool) -> dict:
+    """{length: {key_acc, digit_acc}} over the examples of each length (cold, or with a bounded replay of
+    the last window before the question)."""
+    out = {}
+    for length, batches in sets.items():
+        keys, digits = [], []
+        for ids, ans in batches:
+            keep = (ans - 1, ans - 1 + KEY_DIGITS)
+            if replay:
+                p = (ans - 16) // cfg.window_size * cfg.window_size  # the question's window is replayed
+                _, state = cold_and_replayed(cfg, params, ids, p, chunk, capacity)
+                logits, _ = run_chunks(cfg, params, state, ids, p, length, chunk, keep=keep)
+            else:
+                logits, _ = run_chunks(cfg, params, d.init_cache(cfg, ids.shape[0], capacity), ids, 0, length,
+                                       chunk, keep=keep)
+            k, g = key_scores(logits, ids, ans)
+            keys.append(k)
+            digits.append(g)
+        out[length] = {"key_acc": round(float(np.concatenate(keys).mean()), 4),
+                       "digit_acc": round(float(np.concatenate(digits).mean()), 4)}
+    return out
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", required=True, help="train_small output directory (config.json + checkpoint/)")
+    ap.add_argument("--baseline-run", default=None, help="a second run (e.g. --plan all-full), evaluated as trained")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk width (one compile per variant)")
+    ap.add_argument("--ppl-len", type=int, default=1024)
+    ap.add_argument("--ppl-batches", type=int, default=8)
+    ap.add_argument("--replay-tail", type=int, default=256, help="tokens scored after the replayed window")
+    ap.add_argument("--retrieval-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--retrieval-batches", type=int, default=4, help="batches of --batch examples per length")
+    ap.add_argument("--key-depth", type=float, default=0.1, help="where the key sits, as a fraction of the context")
+    ap.add_argument("--corpus-mb", type=float, default=64.0)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--out", default=None, help="write every number to this JSON file")
+    return ap.parse_args(argv)
+
+
+def markdown(res: dict) -> str:
+    """The tables of docs/QUALITY.md from a result dict."""
+    lens = res["retrieval_lengths"]
+    head = "| model / inference | ppl (bits/byte) | " + " | ".join(f"key @ {n}" for n in lens) + " |"
+    lines = [head, "|" + "---|" * (2 + len(lens))]
+    for row in res["rows"]:
+        keys = " | ".join(f"{row['retrieval'][str(n)]['key_acc']:.2f}" for n in lens)
+        ppl = f"{row['ppl']['ppl']:.3f} ({row['ppl']['bits_per_byte']:.4f})" if row["ppl"] else "see below"
+        lines.append(f"| {row['model']}: {row['variant']} | {ppl} | {keys} |")
+    r = res["replay"]
+    lines += ["", "| tail after P | NLL cold | NLL replay | max abs dlogit | argmax agreement |", "|---|---|---|---|---|",
+              f"| {r['tail']} tokens after {r['prefix']} | {r['nll_cold']} | {r['nll_replay']} | {r['max_abs_dlogit']} "
+              f"| {r['argmax_agreement']} |"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    capacity = max([args.ppl_len, *args.retrieval_lengths])
+    _, val_ids = load_corpus(int(args.corpus_mb * 2**20))
+    rng = np.random.default_rng(args.seed)
+    ppl_sets = [windows(val_ids, args.batch, args.ppl_len + 1, rng) for _ in range(args.ppl_batches)]
+    ret_sets = {n: [passkey_batch(val_ids, args.batch, n, args.key_depth, rng) for _ in range(args.retrieval_batches)]
+                for n in args.retrieval_lengths}
+    t0 = time.perf_counter()
+    res = {"args": vars(args), "backend": jax.default_backend(), "retrieval_lengths": args.retrieval_lengths, "rows": []}
+
+    def evaluate(model: str, cfg, params, variants):
+        for name in tqdm(variants, desc=model, file=sys.stderr):
+            v = cfg.replace(**VARIANTS[name](capacity))
+            res["rows"].append({"model": model, "variant": name,
+                                "ppl": perplexity(v, params, ppl_sets, args.chunk, capacity),
+                                "retrieval": {str(k): x for k, x in retrieval(v, params, ret_sets, args.chunk,
+                                                                              capacity, replay=False).items()}})
+            print(json.dumps(res["rows"][-1]), file=sys.stderr)
+
+    cfg, params = load_run(Path(args.run))
+    if args.ppl_len - args.replay_tail < 2 * cfg.window_size:
+        raise SystemExit(f"--ppl-len - --replay-tail must leave two windows ({2 * cfg.window_size} tokens) "
+                         "before the scored tail")
+    evaluate("CSA2", cfg, params, list(VARIANTS))
+    res["replay"] = replay_drift(cfg, params, ppl_sets, args.replay_tail, args.chunk, capacity)
+    res["rows"].append({"model": "CSA2", "variant": "bounded replay of the question's window", "ppl": None,
+                        "retrieval": {str(k): x for k, x in retrieval(cfg, params, ret_sets, args.chunk, capacity,
+                                                                      replay=True).items()}})
+    if args.baseline_run:
+        bcfg, bparams = load_run(Path(args.baseline_run))
+        evaluate("all-Full", bcfg, bparams, [BASE])
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    table = markdown(res)
+    res["markdown"] = table
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    print(table)
+    return res
+
+
+if __name__ == "__main__":
+    main()
