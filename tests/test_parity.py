@@ -1,5 +1,6 @@
 """Logits parity with DeepSeek's official inference code on a tiny random checkpoint in the released
-layout (goldens made outside the repo; docs/PARITY.md says how).
+layout, and with HF transformers' `deepseek_v41` port on the same weights as an HF float export
+(goldens made outside the repo; docs/PARITY.md says how).
 
 Golden sets (tests/golden/official_fixture.npz), each [2 sequences, 16 tokens, vocab]:
 - `f32_*`: the official algorithm with f32 activations (its bf16 casts switched to f32). Every
@@ -17,6 +18,13 @@ of 8, then 8 one-token decode steps) with the `released` and `consistent` index-
 Every case costs XLA compiles (~40 s each on a CI core), so CI runs the cases that cover each axis
 (prefill and both decode semantics with quantization on, prefill with it off); DSV41_PARITY_FULL=1
 runs the whole matrix (all 6 f32 cases and the bf16 ones). docs/PARITY.md lists all measured values.
+
+HF goldens (tests/golden/hf_fixture.npz), float32: `hf_q{1|0}_{prefill|decode}`, the HF port with its
+cache quantize-dequantize as shipped (q1) or replaced by the identity (q0: our quantize_cache=False);
+no activation quantization and decode-consistent index keys (the only semantics HF has). Our side loads
+the HF-layout checkpoint (`model.` names, `lm_head.weight`, BF16 weights, HF config.json) and must match
+to float rounding like the f32 official cases. CI runs q1 prefill (same compiled program as the
+official quantization-off prefill) and q1 decode; DSV41_PARITY_FULL=1 adds the q0 cases.
 """
 
 import hashlib
@@ -29,9 +37,10 @@ import pytest
 
 import dsv41_jax as d
 from dsv41_jax.checkpoint import load_checkpoint
-from dsv41_jax.checkpoint.synthetic import fixture_config, make_tensors, write_checkpoint
+from dsv41_jax.checkpoint.synthetic import fixture_config, make_tensors, to_hf_float, write_checkpoint
 
 GOLDEN = np.load(Path(__file__).parent / "golden" / "official_fixture.npz")
+HF = np.load(Path(__file__).parent / "golden" / "hf_fixture.npz")
 IDS, N = GOLDEN["ids"], int(GOLDEN["decode_from"])
 B, T = IDS.shape
 
@@ -58,10 +67,30 @@ def _checkpoint() -> str:
 
 
 @lru_cache(maxsize=None)
-def _run(dtype: str, quant: bool, keys: str | None):
-    """Our logits [B, T, V]: a prefill of T (keys None), or a prefill of N and T-N decode steps."""
-    loaded = load_checkpoint(_checkpoint(), dtype=dtype, dequantize=not quant, activation_quant=quant,
-                             progress=False)
+def _hf_checkpoint() -> str:
+    """The fixture as an HF float export, with the config.json the HF goldens were made from."""
+    import tempfile
+
+    tensors = to_hf_float(make_tensors(fixture_config(), seed=0))
+    assert _fixture_hash(tensors) == str(HF["hf_sha256"]), \
+        "the fixture writer no longer draws the checkpoint the HF goldens were made from; regenerate them (docs/PARITY.md)"
+    path = Path(tempfile.mkdtemp(prefix="dsv41_parity_hf_")) / "ckpt"
+    write_checkpoint(path, fixture_config(), tensors, sharded=True, config_style="hf")
+    (path / "config.json").write_text(str(HF["config_json"]))
+    return str(path)
+
+
+@lru_cache(maxsize=None)
+def _run(dtype: str, quant: bool, keys: str | None, hf: bool = False, quantize_cache: bool = True):
+    """Our logits [B, T, V]: a prefill of T (keys None), or a prefill of N and T-N decode steps.
+    hf: from the HF-layout float checkpoint (no activation quantization) instead of the released one."""
+    if hf:
+        assert not quant
+        loaded = load_checkpoint(_hf_checkpoint(), dtype=dtype, quantize_cache=quantize_cache, progress=False)
+        assert loaded.cfg.weight_format == "float" and not loaded.cfg.activation_quant
+    else:
+        loaded = load_checkpoint(_checkpoint(), dtype=dtype, dequantize=not quant, activation_quant=quant,
+                                 quantize_cache=quantize_cache, progress=False)
     cfg, params = loaded.cfg, loaded.params
     # one prefill shape for both cases: all T columns, N of them real when decoding follows
     n = T if keys is None else N
@@ -115,3 +144,35 @@ def test_released_semantics_differ_from_consistent():
             rel, con, pre = (GOLDEN[f"{prec}_{mode}_{k}"] for k in ("decode_released", "decode_consistent", "prefill"))
             assert np.abs(rel - con).max() > 0.1 * np.abs(pre).max()
             np.testing.assert_allclose(con, pre, atol=1e-4 * np.abs(pre).max())
+
+
+HF_CASES = [("q1", "prefill"), ("q1", "decode"),
+            pytest.param("q0", "prefill", marks=full_only), pytest.param("q0", "decode", marks=full_only)]
+
+
+@pytest.mark.parametrize("cache_quant,kind", HF_CASES)
+def test_matches_hf_transformers_at_f32(cache_quant, kind):
+    """HF-layout checkpoint through our loader vs the HF port: same algorithm in f32, so float rounding
+    only (measured <= 2.8e-6 at a logit scale of 4.4; HF-vs-official is 1.9e-6 on the same weights)."""
+    assert np.array_equal(HF["ids"], IDS) and int(HF["decode_from"]) == N
+    ours = _run("float32", False, None if kind == "prefill" else "consistent", hf=True,
+                quantize_cache=cache_quant == "q1")
+    ref = HF[f"hf_{cache_quant}_{kind}"]
+    scale = np.abs(ref).max()
+    err = np.abs(ours - ref).max()
+    print(f"HF {cache_quant} {kind}: max|dlogit| {err:.3g} of scale {scale:.3g}")
+    np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+    assert err <= 1e-4 * scale, (err, scale)
+
+
+def test_hf_and_official_goldens_agree():
+    """Guards the HF goldens (no compile): on the same weights HF equals the official code in its
+    dequantized, no-activation-quantization mode (prefill, consistent decode) but not the released
+    decode; its decode equals its prefill; its cache quantization switch changes the logits."""
+    scale = np.abs(HF["hf_q1_prefill"]).max()
+    np.testing.assert_allclose(HF["hf_q1_prefill"], GOLDEN["f32_bf16_prefill"], atol=1e-4 * scale)
+    np.testing.assert_allclose(HF["hf_q1_decode"], GOLDEN["f32_bf16_decode_consistent"], atol=1e-4 * scale)
+    assert np.abs(HF["hf_q1_decode"] - GOLDEN["f32_bf16_decode_released"]).max() > 0.1 * scale
+    for q in ("q1", "q0"):
+        np.testing.assert_allclose(HF[f"hf_{q}_decode"], HF[f"hf_{q}_prefill"], atol=1e-4 * scale)
+    assert np.abs(HF["hf_q1_prefill"] - HF["hf_q0_prefill"]).max() > 0.1 * scale
