@@ -3,7 +3,9 @@ pool, bounded replay and (with a second run) the CSA2 sharing, on held-out text 
 
     python -m experiments.train_small --preset small --study --minutes 6 --out runs/csa2
     python -m experiments.train_small --preset small --study --plan all-full --minutes 6 --out runs/full
-    python -m experiments.quality --run runs/csa2 --baseline-run runs/full --out runs/quality.json
+    python -m experiments.quality --run runs/csa2 --out runs/csa2/quality.json
+    python -m experiments.quality --run runs/full --model all-Full --variants base --no-replay --out runs/full/quality.json
+    python -m experiments.quality --merge runs/csa2/quality.json runs/full/quality.json    # one table
 
 One set of weights (--run, a train_small output directory) is evaluated under several inference
 configurations (`VARIANTS`); the same held-out windows and the same retrieval examples go through every
@@ -162,8 +164,11 @@ def retrieval(cfg, params, sets: dict[int, list[tuple[np.ndarray, int]]], chunk:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", required=True, help="train_small output directory (config.json + checkpoint/)")
-    ap.add_argument("--baseline-run", default=None, help="a second run (e.g. --plan all-full), evaluated as trained")
+    ap.add_argument("--run", help="train_small output directory (config.json + checkpoint/)")
+    ap.add_argument("--model", default="CSA2", help="name of the run's model in the table")
+    ap.add_argument("--variants", default="all", choices=["all", "base"], help="base: only the run as trained")
+    ap.add_argument("--no-replay", dest="replay", action="store_false", help="skip the bounded-replay rows")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="print one table from earlier --out files, evaluate nothing")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk width (one compile per variant)")
     ap.add_argument("--ppl-len", type=int, default=1024)
@@ -175,7 +180,10 @@ def parse_args(argv=None):
     ap.add_argument("--corpus-mb", type=float, default=64.0)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=None, help="write every number to this JSON file")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if not args.run and not args.merge:
+        ap.error("give --run DIR (evaluate) or --merge JSON... (tabulate)")
+    return args
 
 
 def markdown(res: dict) -> str:
@@ -187,15 +195,30 @@ def markdown(res: dict) -> str:
         keys = " | ".join(f"{row['retrieval'][str(n)]['key_acc']:.2f}" for n in lens)
         ppl = f"{row['ppl']['ppl']:.3f} ({row['ppl']['bits_per_byte']:.4f})" if row["ppl"] else "see below"
         lines.append(f"| {row['model']}: {row['variant']} | {ppl} | {keys} |")
-    r = res["replay"]
-    lines += ["", "| tail after P | NLL cold | NLL replay | max abs dlogit | argmax agreement |", "|---|---|---|---|---|",
-              f"| {r['tail']} tokens after {r['prefix']} | {r['nll_cold']} | {r['nll_replay']} | {r['max_abs_dlogit']} "
-              f"| {r['argmax_agreement']} |"]
+    for r in res.get("replay", []):
+        lines += ["", "| model | tail after P | NLL cold | NLL replay | max abs dlogit | argmax agreement |",
+                  "|---|---|---|---|---|---|",
+                  f"| {r['model']} | {r['tail']} tokens after {r['prefix']} | {r['nll_cold']} | {r['nll_replay']} | "
+                  f"{r['max_abs_dlogit']} | {r['argmax_agreement']} |"]
     return "\n".join(lines)
+
+
+def merge(paths: list[str]) -> dict:
+    """One result dict from several --out files (rows and replay rows concatenated)."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    lens = parts[0]["retrieval_lengths"]
+    if any(p["retrieval_lengths"] != lens for p in parts):
+        raise SystemExit("the files were made with different --retrieval-lengths; rerun them alike")
+    return {"retrieval_lengths": lens, "rows": [r for p in parts for r in p["rows"]],
+            "replay": [r for p in parts for r in p.get("replay", [])]}
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.merge:
+        res = merge(args.merge)
+        print(markdown(res))
+        return res
     capacity = max([args.ppl_len, *args.retrieval_lengths])
     _, val_ids = load_corpus(int(args.corpus_mb * 2**20))
     rng = np.random.default_rng(args.seed)
@@ -205,6 +228,10 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     res = {"args": vars(args), "backend": jax.default_backend(), "retrieval_lengths": args.retrieval_lengths, "rows": []}
 
+    def save():  # after every row, so that an interrupted run keeps what it measured
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1))
+
     def evaluate(model: str, cfg, params, variants):
         for name in tqdm(variants, desc=model, file=sys.stderr):
             v = cfg.replace(**VARIANTS[name](capacity))
@@ -213,25 +240,24 @@ def main(argv=None) -> dict:
                                 "retrieval": {str(k): x for k, x in retrieval(v, params, ret_sets, args.chunk,
                                                                               capacity, replay=False).items()}})
             print(json.dumps(res["rows"][-1]), file=sys.stderr)
+            save()
 
     cfg, params = load_run(Path(args.run))
-    if args.ppl_len - args.replay_tail < 2 * cfg.window_size:
+    if args.replay and args.ppl_len - args.replay_tail < 2 * cfg.window_size:
         raise SystemExit(f"--ppl-len - --replay-tail must leave two windows ({2 * cfg.window_size} tokens) "
                          "before the scored tail")
-    evaluate("CSA2", cfg, params, list(VARIANTS))
-    res["replay"] = replay_drift(cfg, params, ppl_sets, args.replay_tail, args.chunk, capacity)
-    res["rows"].append({"model": "CSA2", "variant": "bounded replay of the question's window", "ppl": None,
-                        "retrieval": {str(k): x for k, x in retrieval(cfg, params, ret_sets, args.chunk, capacity,
-                                                                      replay=True).items()}})
-    if args.baseline_run:
-        bcfg, bparams = load_run(Path(args.baseline_run))
-        evaluate("all-Full", bcfg, bparams, [BASE])
+    evaluate(args.model, cfg, params, list(VARIANTS) if args.variants == "all" else [BASE])
+    res["replay"] = []
+    if args.replay:
+        res["replay"].append({"model": args.model, **replay_drift(cfg, params, ppl_sets, args.replay_tail, args.chunk,
+                                                                  capacity)})
+        res["rows"].append({"model": args.model, "variant": "bounded replay of the question's window", "ppl": None,
+                            "retrieval": {str(k): x for k, x in retrieval(cfg, params, ret_sets, args.chunk, capacity,
+                                                                          replay=True).items()}})
     res["seconds"] = round(time.perf_counter() - t0, 1)
-    table = markdown(res)
-    res["markdown"] = table
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
-    print(table)
+    res["markdown"] = markdown(res)
+    save()
+    print(res["markdown"])
     return res
 
 
