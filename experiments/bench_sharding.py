@@ -40,9 +40,11 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--steps", type=int, default=32, help="steps per round and path")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--sinkhorn", default="auto", choices=["auto", "unrolled", "rolled"],
+                    help="ModelConfig.sinkhorn_unroll (rolled: much shorter compiles on GPU)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
-    cfg = d.preset(a.preset)
+    cfg = d.preset(a.preset, sinkhorn_unroll=a.sinkhorn)
     params = d.init_params(cfg)
     cap = a.prompt + a.steps + 8
     tok = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.prompt))
