@@ -7,8 +7,10 @@
     logits, cache = decode_step(cfg, params, cache, next_tokens_b)
 
 `prefill` also continues an existing cache (chunked prefill): it appends lengths[b] tokens to each
-sequence. Inputs are checked here, before XLA sees them, whenever they are concrete; inside a user's
-own `jax.jit` the checks that need values are skipped.
+sequence. `prefill(..., layers=plan.encoder_depth(plan))` runs only the layers up to the last kv
+source (decoder-side bounded prefill, see `Transformer.forward`). Inputs are checked here, before XLA
+sees them, whenever they are concrete; inside a user's own `jax.jit` the checks that need values are
+skipped.
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ def abstract_params(cfg: ModelConfig) -> nnx.State:
 
 
 def forward(cfg: ModelConfig, params, cache: Cache, tokens_bt, n_new_b, *, all_logits: bool = False,
-            kernels: str = "jnp"):
-    """Traceable core: T new tokens per sequence (n_new_b real) on top of `cache`."""
+            layers: int | None = None, kernels: str = "jnp"):
+    """Traceable core: T new tokens per sequence (n_new_b real) on top of `cache`, through the first
+    `layers` blocks (None: all)."""
     model = nnx.merge(graphdef(cfg), params)
-    return model.forward(cache, tokens_bt, n_new_b, all_logits=all_logits, kernel_backend=kernels)
+    return model.forward(cache, tokens_bt, n_new_b, all_logits=all_logits, layers=layers, kernel_backend=kernels)
 
 
-_forward_jit = jax.jit(forward, static_argnames=("cfg", "all_logits", "kernels"))
+_forward_jit = jax.jit(forward, static_argnames=("cfg", "all_logits", "layers", "kernels"))
 
 
 def _concrete(x) -> bool:
@@ -67,13 +70,16 @@ def _check_tokens(cfg: ModelConfig, tokens, name: str) -> None:
 
 
 def prefill(cfg: ModelConfig, params, cache: Cache, tokens_bt, lengths_b, *, all_logits: bool = False,
-            kernels: str = "jnp"):
+            layers: int | None = None, kernels: str = "jnp"):
     """Append right-padded prompts to the cache.
 
     tokens_bt: int [B, T] (positions >= lengths_b[b] are padding, any valid id); lengths_b: int [B],
     1 <= lengths_b[b] <= T. Returns (logits, cache): logits f32 [B, V] at each prompt's last token,
-    or [B, T, V] with all_logits=True.
+    or [B, T, V] with all_logits=True. layers=k < n_layers runs blocks [0, k) only and returns
+    (None, cache); the later blocks' rings then restart empty at the new length (`Cache.window_start`).
     """
+    if layers is not None and not (isinstance(layers, int) and 0 < layers <= cfg.n_layers):
+        raise ValueError(f"layers must be an int in 1..{cfg.n_layers} (n_layers) or None, got {layers!r}")
     tokens_bt = jnp.asarray(tokens_bt)
     if tokens_bt.ndim != 2:
         raise ValueError(f"tokens must be [batch, tokens], got shape {tokens_bt.shape}")
@@ -96,8 +102,9 @@ def prefill(cfg: ModelConfig, params, cache: Cache, tokens_bt, lengths_b, *, all
         if (have + n > cap).any():
             raise ValueError(f"prompt too long for the cache: cached {have.tolist()} + new {n.tolist()} tokens "
                              f"exceeds its capacity of {cap}; make the cache with a larger capacity")
+    layers = None if layers == cfg.n_layers else layers  # one program for "all layers"
     return _forward_jit(cfg, params, cache, tokens_bt.astype(jnp.int32), lengths_b.astype(jnp.int32),
-                        all_logits=all_logits, kernels=resolve(kernels))
+                        all_logits=all_logits, layers=layers, kernels=resolve(kernels))
 
 
 def decode_step(cfg: ModelConfig, params, cache: Cache, tokens_b, active_b=None, *, kernels: str = "jnp",

@@ -51,6 +51,7 @@ class Step:
     n_new: jax.Array  # int32 [B] real tokens in this chunk
     fmt: CacheFormats
     window: dict  # window ring records [L, B, W, ...], updated layer by layer
+    window_start: jax.Array  # int32 [L, B]: layer l's ring holds no position below (Cache.window_start)
     sources: list  # SourceCache per kv source, updated by the source layers
     decode: bool  # T == 1: read packed records through the decode-form ops
     topk: jax.Array | None = None  # int32 [B, T, K] from the latest index source
@@ -301,8 +302,9 @@ class Attention(nnx.Module):
         fmt = step.fmt
         src = step.sources[p.source_slot] if p.mode is not Mode.WINDOW else None
 
+        start = step.window_start[p.layer][:, None]  # [B, 1]: older ring slots are empty
         if step.decode:
-            valid = _ring_positions(step.lengths + step.n_new, w) >= 0
+            valid = _ring_positions(step.lengths + step.n_new, w) >= start
             if src is None:
                 ring = fmt.window_kv.decode(new_ring)
                 o = ops.attend(q, ring, valid[:, None], self.attn_sink[...], self.scale)
@@ -314,7 +316,7 @@ class Attention(nnx.Module):
             old_pos = _ring_positions(step.lengths, w)  # [B, W]
             kpos = jnp.concatenate([old_pos, step.pos], axis=1)  # [B, W + T]
             qp = step.pos[:, :, None]
-            mask = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= qp) & (kpos[:, None, :] > qp - w)
+            mask = (kpos[:, None, :] >= start[:, :, None]) & (kpos[:, None, :] <= qp) & (kpos[:, None, :] > qp - w)
             if step.training:
                 chunk_kv = step.extras[("window", p.layer)] = fake_quant_ste(fmt.window_kv, kv.astype(jnp.float32))
             else:

@@ -8,6 +8,10 @@ Layout (B sequences, capacity C tokens; formats from dsv41_jax.quant):
   `pend_kv`, `pend_score` f32 [B, m, head_dim]: projections of the group still filling up (m > 1).
 - `window` records [L, B, W, ...] (FP8 + E8M0/32: 528 B per 512-d row): ring slot r of layer l holds the
   newest position p < length with p % W == r. Positions are implied by `lengths`, never stored.
+- `window_start` int32 [L, B]: layer l's ring holds no position below window_start[l, b]; its slots for
+  older positions are empty and masked on read. 0 for a ring filled from the first token; larger where
+  a layer restarted from an empty ring (it skipped tokens, see `Transformer.forward(layers=)`, or its
+  window was rebuilt by bounded replay).
 - `ngram_history` int32 [B, max_ngram - 1]: the last tokens (compressed ids), -1 before the start.
 - `lengths` int32 [B]: tokens already in the cache per sequence.
 
@@ -42,6 +46,7 @@ class SourceCache:
 class Cache:
     lengths: jax.Array
     window: dict
+    window_start: jax.Array
     sources: tuple
     ngram_history: jax.Array
 
@@ -81,6 +86,7 @@ def init_cache(cfg, batch: int, capacity: int) -> Cache:
     return Cache(
         lengths=jnp.zeros((batch,), jnp.int32),
         window=zeros(fmt.window_kv.shapes((cfg.n_layers, batch, cfg.window_size), cfg.head_dim)),
+        window_start=jnp.zeros((cfg.n_layers, batch), jnp.int32),
         sources=tuple(sources),
         ngram_history=jnp.full((batch, hist), -1, jnp.int32),
     )
@@ -105,7 +111,7 @@ def cache_bytes(cache: Cache) -> dict[str, int]:
         "global_index_keys": _nbytes([s.index_keys for s in cache.sources]),
         "window": _nbytes(cache.window),
         "compressor_state": _nbytes([(s.pend_kv, s.pend_score) for s in cache.sources]),
-        "other": _nbytes((cache.lengths, cache.ngram_history)),
+        "other": _nbytes((cache.lengths, cache.window_start, cache.ngram_history)),
     }
 
 

@@ -56,8 +56,8 @@ class Transformer(nnx.Module):
             self.engram_token_map = Buffer(jnp.arange(cfg.vocab_size, dtype=jnp.int32) % cfg.engram_compressed_vocab_size)
 
     def forward(self, cache: Cache, tokens_bt: jax.Array, n_new_b: jax.Array, *, all_logits: bool,
-                kernel_backend: str = "jnp", training: bool = False,
-                extras: dict | None = None) -> tuple[jax.Array, Cache]:
+                layers: int | None = None, kernel_backend: str = "jnp", training: bool = False,
+                extras: dict | None = None) -> tuple[jax.Array | None, Cache]:
         """Process T new tokens per sequence on top of `cache`; n_new_b[b] of them are real.
 
         Returns logits f32 ([B, T, V] if all_logits else [B, V] at each sequence's last real token)
@@ -65,12 +65,20 @@ class Transformer(nnx.Module):
         `attention.Step.training`; one-token chunks then take the dense path too). `extras`, when
         given, receives the by-products the layers record (`Step.extras`; "expert_load": one int32
         [E] count of routed assignments per layer), which dsv41_jax.train reads.
+
+        layers=k runs blocks [0, k) only (decoder-side bounded prefill: k = `plan.encoder_depth`):
+        the global KV they publish is exact, the skipped blocks' window rings restart empty after
+        this chunk (`Cache.window_start`), and there are no logits (None is returned for them).
         """
         cfg = self.cfg
         b, t = tokens_bt.shape
         dt = jnp.dtype(cfg.dtype)
+        n_run = len(self.layers) if layers is None else layers
+        if not 0 < n_run <= len(self.layers):
+            raise ValueError(f"layers={layers} must be in 1..{len(self.layers)} (n_layers)")
         step = Step(pos=cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32), lengths=cache.lengths,
-                    n_new=n_new_b, fmt=formats_of(cfg), window=cache.window, sources=list(cache.sources),
+                    n_new=n_new_b, fmt=formats_of(cfg), window=cache.window, window_start=cache.window_start,
+                    sources=list(cache.sources),
                     decode=(t == 1 and not training), kernel_backend=kernel_backend, training=training,
                     extras={} if extras is None else extras)
         if cfg.index_keys == "released" and t == 1 and step.sources:
@@ -89,14 +97,19 @@ class Transformer(nnx.Module):
         h = jnp.broadcast_to(self.embed(tokens_bt).astype(dt)[:, :, None, :], (b, t, cfg.hc_mult, cfg.dim))
         pre = jnp.zeros((b, t, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
         e_slot = {l: i for i, l in enumerate(cfg.engram_layer_ids)}
-        for layer, block in enumerate(self.layers):
+        for layer in range(n_run):
             ids = engram_ids[:, :, e_slot[layer]] if layer in e_slot else None
-            h, pre = block(h, pre, step, ids)
+            h, pre = self.layers[layer](h, pre, step, ids)
+        new_len = cache.lengths + n_new_b
+        start = cache.window_start
+        if n_run < len(self.layers):  # skipped rings hold nothing before the new length
+            start = start.at[n_run:].set(jnp.where(n_new_b > 0, new_len, start[n_run:]))
+        new_cache = Cache(lengths=new_len, window=step.window, window_start=start, sources=tuple(step.sources),
+                          ngram_history=history)
+        if n_run < len(self.layers):
+            return None, new_cache
         x = collapse(h, pre)
         if not all_logits:
             last = jnp.clip(n_new_b - 1, 0, t - 1)
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-        logits = self.head(self.norm(x).astype(jnp.float32), jnp.float32)
-        new_cache = Cache(lengths=cache.lengths + n_new_b, window=step.window, sources=tuple(step.sources),
-                          ngram_history=history)
-        return logits, new_cache
+        return self.head(self.norm(x).astype(jnp.float32), jnp.float32), new_cache

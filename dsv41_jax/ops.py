@@ -20,10 +20,35 @@ import jax.numpy as jnp
 NEG_INF = -jnp.inf
 
 
-def indexer_scores(q_bthd: jax.Array, w_bth: jax.Array, k_bnd: jax.Array) -> jax.Array:
-    """ReLU-weighted head sum of the indexer. Returns f32 [B, T, N]."""
-    logits = jnp.einsum("bthd,bnd->bthn", q_bthd.astype(jnp.float32), k_bnd.astype(jnp.float32))
-    return jnp.einsum("bthn,bth->btn", jax.nn.relu(logits), w_bth.astype(jnp.float32))
+def by_query_chunks(fn, q_chunk: int, *per_query: jax.Array) -> jax.Array:
+    """fn(*per_query) computed `q_chunk` queries (axis 1 of every argument) at a time, sequentially, and
+    concatenated along axis 1: what keeps a [B, T, ..., S] intermediate of fn from existing whole.
+    Queries are independent, so this equals fn on all of them (up to float summation order)."""
+    t = per_query[0].shape[1]
+    if t <= q_chunk:
+        return fn(*per_query)
+    n = -(-t // q_chunk)
+
+    def split(a):  # [B, T, ...] -> [n, B, q_chunk, ...]
+        a = jnp.pad(a, [(0, 0), (0, n * q_chunk - t)] + [(0, 0)] * (a.ndim - 2))
+        return a.reshape(a.shape[0], n, q_chunk, *a.shape[2:]).swapaxes(0, 1)
+
+    out = jax.lax.map(lambda xs: fn(*xs), tuple(split(a) for a in per_query))
+    return out.swapaxes(0, 1).reshape(out.shape[1], n * q_chunk, *out.shape[3:])[:, :t]
+
+
+def indexer_scores(q_bthd: jax.Array, w_bth: jax.Array, k_bnd: jax.Array, q_chunk: int = 256) -> jax.Array:
+    """ReLU-weighted head sum of the indexer. Returns f32 [B, T, N].
+
+    `q_chunk` queries at a time, so the per-head [B, T, H, N] products never exist whole (at 128K
+    entries and a 2048-token chunk they would be 17 GB per indexing layer)."""
+    k = k_bnd.astype(jnp.float32)
+
+    def scores(q, w):
+        logits = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), k)
+        return jnp.einsum("bthn,bth->btn", jax.nn.relu(logits), w.astype(jnp.float32))
+
+    return by_query_chunks(scores, q_chunk, q_bthd, w_bth)
 
 
 def mask_unreachable(scores_btn: jax.Array, reachable_bt: jax.Array) -> jax.Array:
@@ -87,16 +112,8 @@ def attend(q_bthd: jax.Array, kv: jax.Array, mask: jax.Array, sink_h: jax.Array,
     A query with no allowed key returns zeros (its whole mass goes to the sink).
     Shared keys are processed `q_chunk` queries at a time so the [B, T, H, S] scores never exist whole.
     """
-    t = q_bthd.shape[1]
-    if kv.ndim == 3 and t > q_chunk:
-        n = -(-t // q_chunk)
-        pad = n * q_chunk - t
-        qc = jnp.pad(q_bthd, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        mc = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
-        qc = qc.reshape(qc.shape[0], n, q_chunk, *qc.shape[2:]).swapaxes(0, 1)
-        mc = mc.reshape(mc.shape[0], n, q_chunk, mc.shape[-1]).swapaxes(0, 1)
-        out = jax.lax.map(lambda a: _attend(a[0], kv, a[1], sink_h, scale), (qc, mc))
-        return out.swapaxes(0, 1).reshape(q_bthd.shape[0], n * q_chunk, *out.shape[3:])[:, :t]
+    if kv.ndim == 3:
+        return by_query_chunks(lambda q, m: _attend(q, kv, m, sink_h, scale), q_chunk, q_bthd, mask)
     return _attend(q_bthd, kv, mask, sink_h, scale)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from flax import nnx
 
 from dsv41_jax.api import abstract_params
-from dsv41_jax.plan import Mode, build_plan
+from dsv41_jax.plan import build_plan, encoder_depth
 
 
 def _kind(path: str) -> str:
@@ -53,8 +53,6 @@ def param_counts(cfg) -> dict[str, float]:
         a += per_layer.get(-1, {}).get("dense", 0)  # final norm + head
         return a
 
-    plan = build_plan(cfg)
-    last_source = max((p.layer for p in plan if p.mode is Mode.FULL), default=cfg.n_layers - 1)
     backbone = totals.get("dense", 0) + totals.get("routed_experts", 0) + totals.get("embedding", 0)
     return {
         "backbone_total": backbone,
@@ -62,6 +60,6 @@ def param_counts(cfg) -> dict[str, float]:
         "total": backbone + totals.get("engram_table", 0),
         "routed_experts": totals.get("routed_experts", 0),
         "active_decode": active(range(cfg.n_layers)),
-        "active_prefill": active(range(last_source + 1)),
+        "active_prefill": active(range(encoder_depth(build_plan(cfg)))),
         "engram_active_rows": engram_active,
     }

@@ -116,6 +116,16 @@ def build_plan(cfg: "ModelConfig") -> tuple[LayerPlan, ...]:
     return tuple(plans)
 
 
+def encoder_depth(plan: tuple[LayerPlan, ...]) -> int:
+    """Layers [0, encoder_depth) must see every prompt token: up to and including the last kv source.
+
+    The layers after it publish no global KV (their compressed entries come from that source), so a
+    prompt's tokens before its last window reach them only through their window rings; this is what
+    decoder-side bounded prefill skips. len(plan) when no layer publishes global KV.
+    """
+    return max((p.layer + 1 for p in plan if p.mode is Mode.FULL), default=len(plan))
+
+
 def describe(plan: tuple[LayerPlan, ...]) -> str:
     """One line per layer, for logs and the README."""
     rows = []

@@ -81,8 +81,11 @@ def parse_args(argv=None):
     eng.add_argument("--host-pool-gb", type=float, help="window pool size (default: 10%% of host memory)")
     eng.add_argument("--host-ttl-s", type=float, default=300.0)
     eng.add_argument("--no-prefix-reuse", action="store_true", help="never read the tiers (cold every time)")
-    eng.add_argument("--no-replay", action="store_true", help="on a disk hit without window state, recompute "
-                     "instead of replaying the last window")
+    eng.add_argument("--no-bounded-replay", "--no-replay", dest="no_replay", action="store_true",
+                     help="on a disk hit without window state, recompute the whole prompt instead of replaying the "
+                     "last window (exact, slower)")
+    eng.add_argument("--no-bounded-prefill", action="store_true", help="run every layer on every prompt token "
+                     "(exact) instead of running the layers after the last kv source on the last window only")
     eng.add_argument("--stop-token", type=int, action="append", default=[], help="stop at this id (repeatable)")
     eng.add_argument("--repeat", type=int, default=1, help="serve the same requests this many times in a row "
                      "(the second round shows prefix reuse)")
@@ -245,7 +248,8 @@ def serve(args, cfg, params, tok, prompts: list[np.ndarray]) -> dict:
                         cache_dir=args.cache_dir, retention_s=args.retention_hours * 3600,
                         host_pool_bytes=int(args.host_pool_gb * 2**30) if args.host_pool_gb else None,
                         host_ttl_s=args.host_ttl_s, prefix_reuse=not args.no_prefix_reuse,
-                        replay=not args.no_replay, kernels=args.kernels)
+                        replay=not args.no_replay, bounded_prefill=not args.no_bounded_prefill,
+                        kernels=args.kernels)
     engine = Engine(cfg, params, ecfg)
     print(f"[decode] engine preset={args.preset if not args.checkpoint else args.checkpoint} "
           f"backend={jax.default_backend()} slots={engine.n_slots} capacity={capacity} requests={len(reqs)} "
@@ -261,7 +265,8 @@ def serve(args, cfg, params, tok, prompts: list[np.ndarray]) -> dict:
                 print(f"round {r} {res.id}: error: {res.error}")
                 continue
             print(f"round {r} {res.id}: prompt {m['prompt_tokens']} reused {m['reused_tokens']} replayed "
-                  f"{m['replayed_tokens']} window {'hit' if m['host_window_hit'] else 'miss'} | ttft "
+                  f"{m['replayed_tokens']} decoder-layer tokens {m['decoder_prefill_tokens']} window "
+                  f"{'hit' if m['host_window_hit'] else 'miss'} | ttft "
                   f"{m['ttft_s']:.3f} s, {m['decode_tokens_per_s']:.1f} tok/s, {m['generated_tokens']} tokens "
                   f"({res.stop_reason})")
         gen = sum(len(x.tokens) for x in results)

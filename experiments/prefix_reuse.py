@@ -1,16 +1,24 @@
-"""What prefix reuse buys and costs: TTFT cold vs warm (window restored from the host pool) vs warm
-with bounded replay (disk pages only), bytes per token moved on each tier, and the drift of replay.
+"""What prefix reuse and decoder-side bounded prefill buy and cost: time to first token cold (exact and
+bounded prefill) vs warm (window restored from the host pool) vs warm with bounded replay (disk pages
+only), bytes per token moved on each tier, and how far bounded prefill and replay drift from the exact
+cold run.
 
     python -m experiments.prefix_reuse                                   # tiny, CPU
-    python -m experiments.prefix_reuse --preset small --lengths 1024 4096 16384 --output-json pr.json
+    python -m experiments.prefix_reuse --preset small --lengths 1024 8192 32768 131072 --chunk 2048 \\
+        --output-json pr.json                                            # one GPU
 
-For every prompt length L (random ids, one engine configuration so everything compiles once, after a
-warm-up request): a cold request writes the prompt's pages and window; the same request again on that
-engine is a warm hit with the window in the host pool; a second engine on the same directory (empty
-host pool) is a warm hit that replays the last window. Drift is teacher-forced: the cold state and the
-replayed state decode the cold run's own greedy tokens side by side (two slots of one batch), and we
-report the largest logit difference and how often the two argmaxes agree over --drift-tokens steps.
-Random-weight presets: the drift of a trained model is not implied by these numbers.
+For every prompt length n (random ids; every engine shares one cache capacity and chunk width, so each
+program compiles once, during a warm-up prompt that takes every path):
+- cold exact: an engine with bounded_prefill=False on a fresh page-store directory;
+- cold bounded: an engine with the default bounded prefill on another fresh directory; each cold run
+  writes the prompt's pages and the window at its last page boundary;
+- warm+window: the same prompt again on that engine (host-pool hit, must equal its cold run bit for bit);
+- warm+replay: a second engine on the same directory (empty host pool): disk hit, bounded replay.
+TTFT is the wall time of `Engine.prefill` (tier reads and writes included) to the first token's logits.
+Drift is teacher-forced against the exact cold state: the exact, bounded and replayed states decode the
+exact run's own greedy tokens side by side (three slots of one batch) for --drift-tokens steps (the
+prefill logits count as the first), and we report the largest logit difference and how often the
+argmaxes agree. Random-weight presets: the drift of a trained model is not implied by these numbers.
 """
 
 from __future__ import annotations
@@ -26,100 +34,128 @@ import numpy as np
 
 import dsv41_jax as d
 from dsv41_jax import api
-from dsv41_jax.serving import Engine, EngineConfig, Request
+from dsv41_jax.serving import Engine, EngineConfig
 from dsv41_jax.serving import slots as rows
-from dsv41_jax.tiers import block_chain
+
+STATES = ("exact", "bounded", "replay")  # slot order of the teacher-forced drift batch
 
 
-def drift(cold_eng: Engine, replay_eng: Engine, prompt: np.ndarray, forced: list[int]) -> dict:
-    """Teacher-forced comparison of the cold state (slot 0) and the replayed state (slot 1)."""
-    eng, pt = replay_eng, replay_eng.ecfg.page_tokens
-    n = prompt.size
-    split = (n - 1) // pt * pt
-    # the cold engine's own split (prefix, then the rest) so the cold state has the bytes a cold request has
-    _, cold_row = cold_eng._chunks(jax.device_put(cold_eng._empty_row), prompt, 0, split, "cold")
-    _, cold_row = cold_eng._chunks(cold_row, prompt, split, n, "cold")
-    keys = block_chain(eng.fp, prompt[:split], pt)
-    m = {}
-    row, start, exact = eng._restore(prompt, keys, m)
-    assert m.get("replayed_tokens") and not exact, f"expected a replay, got {m}"
-    _, row = eng._chunks(row, prompt, start, n, "rest")
-    cache = rows.put_row(rows.put_row(eng.cache, 0, cold_row), 1, row)
-    active = jnp.asarray([True, True] + [False] * (eng.n_slots - 2))
-    worst, agree = 0.0, 0
-    for t in forced:
-        tok = jnp.full((eng.n_slots,), t, jnp.int32)
-        logits, cache = api.decode_step(eng.cfg, eng.params, cache, tok, active, validate=False)
-        lg = np.asarray(logits[:2])
-        worst = max(worst, float(np.abs(lg[0] - lg[1]).max()))
-        agree += int(lg[0].argmax() == lg[1].argmax())
-    return dict(max_abs_logit_diff=worst, greedy_agreement=agree / len(forced), steps=len(forced))
+def timed_prefill(eng: Engine, prompt: np.ndarray):
+    """(seconds, logits f32 [1, V], device row, metrics) of one prompt through the engine's tiers."""
+    t0 = time.perf_counter()
+    logits, row, m = eng.prefill(prompt)
+    jax.block_until_ready((logits, row))
+    return time.perf_counter() - t0, logits, row, m
+
+
+def drift(eng: Engine, logits: list, states: list, steps: int) -> dict:
+    """Teacher-forced decode of the states (slots of `eng`, exact first) on the exact state's greedy tokens.
+
+    logits: the prefill logits [1, V] of each state. Returns {state: (max |dlogit| vs exact, greedy
+    agreement with exact)} for every state but the first, over `steps` tokens."""
+    cache = jax.tree.map(jnp.copy, eng.cache)
+    for slot, row in enumerate(states):
+        cache = rows.put_row(cache, slot, row)
+    active = jnp.arange(eng.n_slots) < len(states)
+    lg = np.concatenate([np.asarray(x) for x in logits])  # [S, V]
+    worst, agree = np.zeros(len(states)), np.zeros(len(states))
+    for step in range(steps):
+        worst = np.maximum(worst, np.abs(lg - lg[0]).max(axis=1))
+        agree += lg.argmax(axis=1) == lg[0].argmax()
+        if step + 1 < steps:
+            tok = jnp.full((eng.n_slots,), int(lg[0].argmax()), jnp.int32)
+            out, cache = api.decode_step(eng.cfg, eng.params, cache, tok, active, validate=False)
+            lg = np.asarray(out[:len(states)])
+    return {name: (float(worst[i]), float(agree[i] / steps)) for i, name in enumerate(STATES) if i}
+
+
+def measure_one(mk, prompt: np.ndarray, drift_tokens: int, root: str) -> dict:
+    """One prompt through the four paths (see the module docstring); the row of the table."""
+    exact_eng = mk(slots=len(STATES), bounded_prefill=False, cache_dir=f"{root}-exact")  # same tier writes
+    t_exact, l_exact, r_exact, _ = timed_prefill(exact_eng, prompt)
+    cold_eng = mk(cache_dir=root)
+    t_bounded, l_bounded, r_bounded, cm = timed_prefill(cold_eng, prompt)
+    t_warm, l_warm, _, wm = timed_prefill(cold_eng, prompt)
+    t_replay, l_replay, r_replay, rm = timed_prefill(mk(cache_dir=root), prompt)
+    if not (wm["host_window_hit"] and rm["replayed_tokens"]):
+        raise RuntimeError(f"expected a host-pool hit and a replay, got {wm} and {rm}")
+    reused = max(wm["reused_tokens"], 1)
+    row = dict(
+        prompt_tokens=int(prompt.size), reused_tokens=wm["reused_tokens"], replayed_tokens=rm["replayed_tokens"],
+        decoder_prefill_tokens=cm["decoder_prefill_tokens"],
+        ttft_cold_exact_s=t_exact, ttft_cold_bounded_s=t_bounded, ttft_warm_window_s=t_warm,
+        ttft_warm_replay_s=t_replay,
+        disk_written_B_per_token=cm["disk_bytes_written"] / reused,
+        disk_read_B_per_token=wm["disk_bytes_read"] / reused,
+        host_written_B_per_seq=cm["host_bytes_written"], host_read_B_per_seq=wm["host_bytes_read"],
+        warm_window_equals_cold=bool(np.array_equal(np.asarray(l_warm), np.asarray(l_bounded))),
+        logit_scale=float(np.abs(np.asarray(l_exact)).max()), drift_tokens=drift_tokens,
+    )
+    d_ = drift(exact_eng, [l_exact, l_bounded, l_replay], [r_exact, r_bounded, r_replay], drift_tokens)
+    for name, (worst, agree) in d_.items():
+        row[f"{name}_max_abs_logit_diff"], row[f"{name}_greedy_agreement"] = worst, agree
+    return row
 
 
 def measure(args) -> list[dict]:
     cfg = d.preset(args.preset)
     params = d.init_params(cfg, seed=args.seed)
     cap = -(-(max(args.lengths) + args.drift_tokens + 1) // args.chunk) * args.chunk
-    root = args.cache_dir or tempfile.mkdtemp(prefix="prefix_reuse_")
-    mk = lambda: Engine(cfg, params, EngineConfig(slots=2, capacity=cap, prefill_chunk=args.chunk,
-                                                  page_tokens=args.page_tokens, cache_dir=root, progress=False))
+    base = args.cache_dir or tempfile.mkdtemp(prefix="prefix_reuse_")
+
+    def mk(slots=1, **kw):
+        return Engine(cfg, params, EngineConfig(slots=slots, capacity=cap, prefill_chunk=args.chunk,
+                                                page_tokens=args.page_tokens, progress=False,
+                                                weights_revision=f"random-seed{args.seed}", **kw))
+
     rng = np.random.default_rng(args.seed)
-    warm_up = mk()
-    warm_up.generate([Request(rng.integers(0, cfg.vocab_size, 2 * args.page_tokens + 3), max_new_tokens=2)])
+    # long enough for every path: an encoder-only chunk before the last window, a replay of a whole window
+    warm_up = (cfg.window_size // args.page_tokens + 2) * args.page_tokens + 3
+    measure_one(mk, rng.integers(0, cfg.vocab_size, warm_up).astype(np.int32), 2, f"{base}/warm-up")
     out = []
     for n in args.lengths:
-        prompt = rng.integers(0, cfg.vocab_size, n).astype(np.int32)
-        eng = mk()
-        cold = eng.generate([Request(prompt, max_new_tokens=args.drift_tokens)])[0]
-        warm = eng.generate([Request(prompt, max_new_tokens=1)])[0]
-        replay_eng = mk()
-        replay = replay_eng.generate([Request(prompt, max_new_tokens=1)])[0]
-        assert warm.tokens[0] == cold.tokens[0]
-        cm, wm, rm = cold.metrics, warm.metrics, replay.metrics
-        row = dict(
-            prompt_tokens=n, reused_tokens=wm["reused_tokens"], replayed_tokens=rm["replayed_tokens"],
-            ttft_cold_s=cm["ttft_s"], ttft_warm_window_s=wm["ttft_s"], ttft_warm_replay_s=rm["ttft_s"],
-            disk_written_B_per_token=cm["disk_bytes_written"] / max(wm["reused_tokens"], 1),
-            disk_read_B_per_token=wm["disk_bytes_read"] / max(wm["reused_tokens"], 1),
-            host_written_B_per_seq=cm["host_bytes_written"], host_read_B_per_seq=wm["host_bytes_read"],
-            host_read_B_per_token=wm["host_bytes_read"] / max(wm["reused_tokens"], 1),
-            warm_window_first_token_exact=bool(np.array_equal(warm.first_logits, cold.first_logits)),
-            replay_first_logit_max_diff=float(np.abs(replay.first_logits - cold.first_logits).max()),
-            logit_scale=float(np.abs(cold.first_logits).max()),
-        )
-        row.update({f"replay_{k}": v for k, v in drift(eng, mk(), prompt, cold.tokens).items()})
+        row = measure_one(mk, rng.integers(0, cfg.vocab_size, n).astype(np.int32), args.drift_tokens, f"{base}/{n}")
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
 
 
-def markdown(rows_: list[dict], args) -> str:
-    head = ("| prompt | reused | TTFT cold | warm+window | warm+replay | disk W B/tok | disk R B/tok | "
-            "host R B/seq | replay max dlogit (scale) | greedy agree / " + str(args.drift_tokens) + " |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n")
+def markdown(rows_: list[dict]) -> str:
+    ms = lambda s: f"{1e3 * s:.1f} ms"
+    head = ("| prompt | reused | decoder-layer tokens | TTFT cold exact | cold bounded | warm+window | warm+replay | "
+            "disk W B/tok | disk R B/tok | host R B/seq | bounded: max dlogit, greedy agree | "
+            "replay: max dlogit, greedy agree | logit scale |\n|" + "---|" * 13 + "\n")
     return head + "".join(
-        f"| {r['prompt_tokens']} | {r['reused_tokens']} | {1e3 * r['ttft_cold_s']:.1f} ms | "
-        f"{1e3 * r['ttft_warm_window_s']:.1f} ms | {1e3 * r['ttft_warm_replay_s']:.1f} ms | "
-        f"{r['disk_written_B_per_token']:.1f} | {r['disk_read_B_per_token']:.1f} | {r['host_read_B_per_seq']:,d} | "
-        f"{r['replay_max_abs_logit_diff']:.3f} ({r['logit_scale']:.2f}) | {100 * r['replay_greedy_agreement']:.1f}% |\n"
+        f"| {r['prompt_tokens']} | {r['reused_tokens']} | {r['decoder_prefill_tokens']} | "
+        f"{ms(r['ttft_cold_exact_s'])} | {ms(r['ttft_cold_bounded_s'])} | {ms(r['ttft_warm_window_s'])} | "
+        f"{ms(r['ttft_warm_replay_s'])} | {r['disk_written_B_per_token']:.1f} | {r['disk_read_B_per_token']:.1f} | "
+        f"{r['host_read_B_per_seq']:,d} | {r['bounded_max_abs_logit_diff']:.4f}, "
+        f"{100 * r['bounded_greedy_agreement']:.1f}% | {r['replay_max_abs_logit_diff']:.3f}, "
+        f"{100 * r['replay_greedy_agreement']:.1f}% | {r['logit_scale']:.2f} |\n"
         for r in rows_)
 
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(d.PRESETS))
-    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024])
-    ap.add_argument("--drift-tokens", type=int, default=256)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 129, 1024, 1030],
+                    help="prompt lengths (just past a page boundary, e.g. 129, the decoder layers see the fewest "
+                    "tokens)")
+    ap.add_argument("--drift-tokens", type=int, default=256, help="teacher-forced tokens of the drift comparison")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk width")
     ap.add_argument("--page-tokens", type=int, default=64)
     ap.add_argument("--cache-dir", help="page store directory (default: a fresh temp dir)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
+    w = d.preset(args.preset).window_size
+    if min(args.lengths) <= w + args.page_tokens or args.drift_tokens < 1:
+        ap.error(f"every length must exceed window + page ({w} + {args.page_tokens}) so that a replay happens, "
+                 "and --drift-tokens must be >= 1")
     t0 = time.perf_counter()
     res = measure(args)
     print(f"\n{args.preset} on {jax.default_backend()} ({time.perf_counter() - t0:.0f} s)\n")
-    print(markdown(res, args))
+    print(markdown(res))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(dict(preset=args.preset, backend=jax.default_backend(), rows=res), f, indent=2)

@@ -106,3 +106,13 @@ def test_query_chunked_attention_equals_whole():
     whole = ops.attend(q, kv, mask, sink, 0.25, q_chunk=64)
     chunked = ops.attend(q, kv, mask, sink, 0.25, q_chunk=8)
     np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-6, atol=1e-6)
+
+
+def test_query_chunked_indexer_scores_equal_whole():
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.normal(size=(2, 37, 4, 16)).astype(np.float32))
+    w = jnp.asarray(rng.normal(size=(2, 37, 4)).astype(np.float32))
+    k = jnp.asarray(rng.normal(size=(2, 50, 16)).astype(np.float32))
+    whole = ops.indexer_scores(q, w, k, q_chunk=64)
+    chunked = ops.indexer_scores(q, w, k, q_chunk=8)
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-5, atol=1e-5)

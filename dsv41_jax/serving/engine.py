@@ -10,20 +10,34 @@ of one row (global KV + window rings + state): a slot-based pool rather than a p
 the decode step dense and costs the unused tail of each row. When every slot is busy new requests
 wait in a FIFO queue; nothing is evicted from HBM while it is live.
 
-Prefill runs one request at a time on its own row (batch 1, fixed chunk width: one compile), in
-chunks of `prefill_chunk` tokens. It always splits at P = the last page boundary before the prompt's
-last token, so the state at P is a reusable prefix:
+Prefill runs one request at a time on its own row (batch 1, fixed chunk width: one compile per layer
+range), in chunks of `prefill_chunk` tokens. It always splits at P = the last page boundary before the
+prompt's last token, so the state at P is a reusable prefix:
+- *decoder-side bounded prefill* (`bounded_prefill`, on by default): the layers up to the last kv
+  source (`plan.encoder_depth`) run on every prompt token, so the global KV is exact; the D layers
+  after it, which publish no global KV, run only on [P - W, n) (W = window_size, n the prompt length:
+  the last window before P and the at most one page after it), their window rings starting empty at
+  P - W (`Cache.window_start`), the approximation bounded replay makes. The state at P then depends
+  on the prefix alone, so the host tier can hold it, and a host hit on P continues exactly like the
+  cold run (a longer prompt whose own P' - W lies before a restored prefix keeps the restored rings,
+  which have seen more than W tokens). It is exact, bit for bit, when the last token's dependency
+  cone fits, n - (P - W) >= D (W - 1) + 1 (tiny: 46 tokens); otherwise it drifts (released: D = 19,
+  a 2,414-token cone, so always): measured by `experiments.prefix_reuse`, bounded in
+  tests/test_engine.py. bounded_prefill=False runs every layer on every token.
 - after [0, P) the global KV of every full page goes to the disk tier (`PageStore`) and the window
   rings at P to the host tier (`HostPool`), both keyed by the chained hash of the tokens (tiers/keys);
 - a later prompt that starts with cached pages loads their global KV instead of recomputing it; with
   the window of that prefix in the host pool the state at the prefix is restored exactly (same bytes,
-  so greedy tokens equal a cold run), else *bounded replay* recomputes the last window of the prefix
-  on top of the cached global KV: lengths = R - W, empty window rings, n-gram history recomputed for
-  R - W, prefill of tokens [R - W, R), then the cached (exact) global rows of [R - W, R) are put back
-  over the replay's recomputed ones. The pending compressor group is empty at R - W because W and
-  the page size are multiples of every ratio. Replay is an approximation (the first replayed queries
-  see a window missing its older half; the exact cone grows by a window per layer), measured by
-  `experiments.prefix_reuse`. States derived from a replay are never written back to either tier.
+  so greedy tokens equal a cold run), else *bounded replay* (`replay`, on by default; off: recompute
+  the whole prompt) recomputes the last window of the prefix on top of the cached global KV:
+  lengths = R - W, every window ring empty before R - W (`Cache.window_start`), n-gram history
+  recomputed for R - W, prefill of tokens [R - W, R), then the cached (exact) global rows of [R - W, R)
+  are put back over the replay's recomputed ones. The pending compressor group is empty at R - W
+  because W and the page size are multiples of every ratio. Replay is an approximation (the first
+  replayed queries see a window missing its older half; the exact cone grows by a window per layer),
+  measured by `experiments.prefix_reuse`. States derived from a replay are never written back to
+  either tier. Pages are the same bytes in either prefill mode; a host-pool entry holds its engine's
+  own state (bounded or exact), and the pool lives and dies with the engine.
 Any problem with a tier (damaged/foreign/expired page, full disk, missing directory) is a miss and a
 recompute: the tiers report misses, never raise.
 """
@@ -42,7 +56,7 @@ from tqdm import tqdm
 
 from dsv41_jax import api
 from dsv41_jax.cache import cache_bytes, init_cache
-from dsv41_jax.plan import Mode, build_plan
+from dsv41_jax.plan import Mode, build_plan, encoder_depth
 from dsv41_jax.serving import slots as rows
 from dsv41_jax.serving.sampling import sample
 from dsv41_jax.tiers import HostPool, PageStore, block_chain, fingerprint
@@ -75,7 +89,8 @@ class EngineConfig:
     host_pool_bytes: int | None = None  # None: 10% of host memory
     host_ttl_s: float = 300.0
     prefix_reuse: bool = True
-    replay: bool = True
+    replay: bool = True  # bounded replay of the last window on a disk hit without window state
+    bounded_prefill: bool = True  # decoder-side bounded prefill (see the module docstring)
     weights_revision: str | None = None  # None: a digest of the parameter bytes
     kernels: str = "jnp"
     progress: bool = True
@@ -124,6 +139,7 @@ class Engine:
         self.cache = init_cache(cfg, self.n_slots, ecfg.capacity)
         self._empty_row = rows.to_host(rows.take_row(self.cache, 0))
         self.replay_ok = ecfg.replay and cfg.window_size % lcm == 0
+        self.encoder_depth = encoder_depth(build_plan(cfg))
         tm = params["engram_token_map"][...] if cfg.engram_layer_ids else None
         self.token_map = None if tm is None else np.asarray(tm)
         self.hist_width = self._empty_row.ngram_history.shape[1]
@@ -229,8 +245,9 @@ class Engine:
         self.done.append(lv.res)
 
     # ------------------------------------------------------------------ prefill and prefix reuse
-    def _chunks(self, row, ids: np.ndarray, lo: int, hi: int, desc: str):
-        """Prefill tokens [lo, hi) of ids onto a device row in fixed-width chunks; (logits [1, V] | None, row)."""
+    def _chunks(self, row, ids: np.ndarray, lo: int, hi: int, desc: str, layers: int | None = None):
+        """Prefill tokens [lo, hi) of ids onto a device row in fixed-width chunks through the first `layers`
+        layers (None: all); (logits [1, V] | None, row)."""
         cw, logits = self.ecfg.prefill_chunk, None
         starts = range(lo, hi, cw)
         bar = tqdm(starts, desc=desc, unit="chunk", file=sys.stderr, leave=False,
@@ -239,7 +256,8 @@ class Engine:
             n = min(cw, hi - a)
             t = np.zeros((1, cw), np.int32)
             t[0, :n] = ids[a:a + n]
-            logits, row = api.prefill(self.cfg, self.params, row, t, np.array([n], np.int32), kernels=self.ecfg.kernels)
+            logits, row = api.prefill(self.cfg, self.params, row, t, np.array([n], np.int32), layers=layers,
+                                      kernels=self.ecfg.kernels)
         return logits, row
 
     def _restore(self, ids: np.ndarray, keys: list[str], m: dict):
@@ -260,7 +278,8 @@ class Engine:
         snap = self.host.get(keys[len(pages) - 1])
         if snap is not None:
             m["host_window_hit"], m["host_bytes_read"] = True, sum(a.nbytes for a in snap.values())
-            row = row.replace(lengths=np.array([r], np.int32), window={k[len("window."):]: v for k, v in snap.items()},
+            row = row.replace(lengths=np.array([r], np.int32), window_start=snap["window_start"],
+                              window={k[len("window."):]: v for k, v in snap.items() if k.startswith("window.")},
                               ngram_history=self._history(ids, r))
             return jax.device_put(row), r, True
         if not self.replay_ok or r < w:
@@ -287,27 +306,48 @@ class Engine:
             if not self.store.put(keys[k], k * pt, rows.page_arrays(host, self.ratios, ids, k * pt, pt)):
                 break  # a failed write (e.g. full disk): later pages would not be reachable anyway
         m["disk_bytes_written"] = self.store.stats["bytes_written"] - w0
-        snap = {f"window.{k}": v for k, v in host.window.items()}
+        snap = {f"window.{k}": v for k, v in host.window.items()} | {"window_start": host.window_start}
         if self.host.put(keys[split // pt - 1], snap):
             m["host_bytes_written"] = sum(a.nbytes for a in snap.values())
 
-    def _admit(self, lv: _Live, slot: int) -> None:
-        ids, pt, m = lv.prompt, self.ecfg.page_tokens, lv.res.metrics
-        t0 = time.perf_counter()
-        n = ids.size
+    def prefill(self, ids: np.ndarray) -> tuple[jax.Array, object, dict]:
+        """Prefill one prompt (int32 [n]) through the tiers: (logits f32 [1, V] at its last token, its device
+        row (a batch-1 `Cache`), metrics). Reads and writes the tiers as a request does; occupies no slot.
+
+        Metrics: reused_tokens (restored from the tiers), replayed_tokens, prefilled_tokens (run through
+        the layers up to the last kv source, replay included), decoder_prefill_tokens (run through the
+        layers after it), and what each tier read and wrote.
+        """
+        pt, n, m = self.ecfg.page_tokens, ids.size, {}
         split = (n - 1) // pt * pt  # the last page boundary before the last prompt token
         keys = block_chain(self.fp, ids[:split], pt) if self.store else []
-        m.update(prompt_tokens=int(n), queue_s=t0 - lv.t_submit, disk_pages_hit=0, host_window_hit=False,
-                 replayed_tokens=0, disk_bytes_read=0, disk_bytes_written=0, host_bytes_read=0, host_bytes_written=0)
+        m.update(prompt_tokens=int(n), disk_pages_hit=0, host_window_hit=False, replayed_tokens=0,
+                 disk_bytes_read=0, disk_bytes_written=0, host_bytes_read=0, host_bytes_written=0)
         row, start, exact = self._restore(ids, keys, m)
         if row is None:
             row = jax.device_put(self._empty_row)
         m["reused_tokens"] = start
-        _, row = self._chunks(row, ids, start, split, "prefill")
+        mid = self._decoder_start(start, split)
+        _, row = self._chunks(row, ids, start, mid, "prefill", layers=self.encoder_depth)
+        _, row = self._chunks(row, ids, mid, split, "prefill")
         if self.store and exact and split > start:
             self._publish(row, ids, keys, start, split, m)
         logits, row = self._chunks(row, ids, split, n, "prefill")
         m["prefilled_tokens"] = int(n - start) + m["replayed_tokens"]
+        m["decoder_prefill_tokens"] = int(n - mid) + m["replayed_tokens"]
+        return logits, row, m
+
+    def _decoder_start(self, start: int, split: int) -> int:
+        """First token the layers after the last kv source run on, when the prompt's new tokens are
+        [start, n) and the state is published at `split`: split - W with bounded prefill, else start."""
+        if not self.ecfg.bounded_prefill or self.encoder_depth == self.cfg.n_layers:
+            return start
+        return max(start, split - self.cfg.window_size)
+
+    def _admit(self, lv: _Live, slot: int) -> None:
+        t0 = time.perf_counter()
+        logits, row, m = self.prefill(lv.prompt)
+        m = lv.res.metrics = {"queue_s": t0 - lv.t_submit, **m}
         self.cache = rows.put_row(self.cache, slot, row)
         first = int(np.asarray(sample(logits, jnp.asarray([lv.req.temperature], jnp.float32),
                                       jnp.asarray([lv.req.seed], jnp.uint32), jnp.zeros(1, jnp.int32)))[0])

@@ -1,7 +1,8 @@
 """One sequence's row of a batched cache: take it out, put it back, and convert it to and from pages.
 
-A row is a `Cache` of batch 1. The batch axis is 0 everywhere except the window rings ([L, B, W, ...]),
-where it is 1. Moving rows with a traced slot index keeps one compiled program for every slot.
+A row is a `Cache` of batch 1. The batch axis is 0 everywhere except the window rings ([L, B, W, ...])
+and their start positions ([L, B]), where it is 1. Moving rows with a traced slot index keeps one
+compiled program for every slot.
 
 Page arrays (numpy, what the disk tier stores for the tokens [k*P, (k+1)*P) of a prefix):
   "s{i}.entries.{leaf}", "s{i}.index_keys.{leaf}"  rows [k*P/m_i, (k+1)*P/m_i) of kv source i (ratio m_i)
@@ -24,8 +25,8 @@ from dsv41_jax.cache import Cache, SourceCache
 def _axes(cache: Cache) -> Cache:
     """The batch axis of every leaf, as a Cache-shaped pytree of ints."""
     zero = lambda t: jax.tree.map(lambda _: 0, t)
-    return Cache(lengths=0, window=jax.tree.map(lambda _: 1, cache.window), sources=zero(cache.sources),
-                 ngram_history=0)
+    return Cache(lengths=0, window=jax.tree.map(lambda _: 1, cache.window), window_start=1,
+                 sources=zero(cache.sources), ngram_history=0)
 
 
 @jax.jit
@@ -86,7 +87,8 @@ def ngram_history_at(token_map: np.ndarray, tokens: np.ndarray, n: int, width: i
 
 
 def reset_row(row: Cache, length: int) -> Cache:
-    """A host row with `length` tokens claimed and an empty (all-zero) window ring."""
-    return row.replace(lengths=np.array([length], np.int32), window=jax.tree.map(np.zeros_like, row.window),
+    """A host row with `length` tokens claimed, every window ring empty before `length`
+    (`Cache.window_start`) and no pending compressor group."""
+    return row.replace(lengths=np.array([length], np.int32), window_start=np.full_like(row.window_start, length),
                        sources=tuple(SourceCache(s.entries, s.index_keys, np.zeros_like(s.pend_kv),
                                                  np.zeros_like(s.pend_score)) for s in row.sources))
