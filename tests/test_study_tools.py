@@ -1,0 +1,75 @@
+"""The data and scoring of the quality study (experiments/corpus.py, experiments/quality.py): no model
+needed, so these run in milliseconds."""
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments import quality
+from experiments.corpus import KEY_DIGITS, TOK, passkey, passkey_batch, training_batches
+
+FILLER = np.asarray(np.random.default_rng(0).integers(3 + 97, 3 + 123, 5000), np.int32)  # lowercase letters
+
+
+def _text(ids) -> str:
+    return TOK.decode(ids)
+
+
+@pytest.mark.parametrize("length,depth", [(64, 0.0), (300, 0.1), (1025, 0.9)])
+def test_passkey_layout(length, depth):
+    ids, ans = passkey(FILLER, length, depth, np.random.default_rng(1))
+    assert ids.shape == (length,) and ids.dtype == np.int32 and ids[0] == TOK.bos_id
+    text = _text(ids)
+    key = text[text.index("# passkey: ") + 11:][:KEY_DIGITS]
+    assert key.isdigit() and len(key) == KEY_DIGITS
+    assert _text(ids[ans:ans + KEY_DIGITS]) == key  # the answer is the recalled key, at the end
+    assert text.endswith(f"# recall passkey: {key}\n")
+    assert text.index("# passkey: ") <= depth * length + 2  # planted `depth` of the way in
+
+
+def test_passkey_too_short_is_refused():
+    with pytest.raises(ValueError, match="too short"):
+        passkey(FILLER, 40, 0.5, np.random.default_rng(0))
+
+
+def test_training_batches_mix_retrieval_rows():
+    rng = np.random.default_rng(0)
+    gen = training_batches(FILLER, 64, 127, 0.25, rng)
+    rows = next(gen)
+    assert rows.shape == (64, 128)
+    n_key = sum("# recall passkey: " in _text(r) for r in rows)
+    assert 6 <= n_key <= 28, n_key  # ~16 expected
+    assert sum("# recall passkey: " in _text(r) for r in next(training_batches(FILLER, 64, 127, 0.0, rng))) == 0
+
+
+def test_key_scores_count_whole_keys_and_digits():
+    ids, ans = passkey_batch(FILLER, 3, 100, 0.2, np.random.default_rng(2))
+    logits = np.zeros((3, KEY_DIGITS, TOK.size), np.float32)
+    truth = ids[:, ans:ans + KEY_DIGITS]
+    for b in range(3):
+        logits[b, np.arange(KEY_DIGITS), truth[b]] = 1.0
+    logits[1, 2] = 0
+    logits[1, 2, (truth[1, 2] + 1) % TOK.size] = 1.0  # one wrong digit in row 1
+    whole, digits = quality.key_scores(logits, ids, ans)
+    assert whole.tolist() == [True, False, True]
+    assert digits.sum() == 3 * KEY_DIGITS - 1
+
+
+def test_merge_and_markdown(tmp_path):
+    row = lambda model, v, p: {"model": model, "variant": v, "ppl": p,
+                               "retrieval": {"512": {"key_acc": 0.5, "digit_acc": 0.9}}}
+    a = {"retrieval_lengths": [512], "rows": [row("CSA2", "as trained", {"nll": 1.0, "bits_per_byte": 1.4427, "ppl": 2.718})],
+         "replay": [{"model": "CSA2", "prefix": 768, "tail": 256, "nll_cold": 1.1, "nll_replay": 1.2,
+                     "max_abs_dlogit": 0.5, "argmax_agreement": 0.99}]}
+    b = {"retrieval_lengths": [512], "rows": [row("all-Full", "as trained", None)], "replay": []}
+    for name, r in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+    table = quality.markdown(quality.merge([str(tmp_path / "a.json"), str(tmp_path / "b.json")]))
+    assert "| CSA2: as trained | 2.718 (1.4427) | 0.50 |" in table
+    assert "| all-Full: as trained | see below | 0.50 |" in table
+    assert "| CSA2 | 256 tokens after 768 | 1.1 | 1.2 | 0.5 | 0.99 |" in table
+    b["retrieval_lengths"] = [1024]
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    with pytest.raises(SystemExit, match="retrieval-lengths"):
+        quality.merge([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
