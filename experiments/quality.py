@@ -81,9 +81,9 @@ def run_chunks(cfg, params, cache: Cache, ids_bt: np.ndarray, lo: int, hi: int, 
 
 
 def empty_window(cache: Cache) -> Cache:
-    """The cache with its window rings and compressor groups zeroed (what a replay starts from)."""
-    zero = lambda t: jax.tree.map(jnp.zeros_like, t)
-    return cache.replace(window=zero(cache.window), sources=tuple(
+    """What a replay starts from, as the engine's `slots.reset_row`: every window ring empty below the
+    current length (`Cache.window_start`) and no pending compressor group."""
+    return cache.replace(window_start=jnp.broadcast_to(cache.lengths, cache.window_start.shape), sources=tuple(
         SourceCache(s.entries, s.index_keys, jnp.zeros_like(s.pend_kv), jnp.zeros_like(s.pend_score))
         for s in cache.sources))
 
