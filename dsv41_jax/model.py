@@ -17,6 +17,7 @@ from dsv41_jax.hyper import HyperMix, collapse, expand
 from dsv41_jax.layers import Buffer, Embedding, Linear, RMSNorm
 from dsv41_jax.moe import MoE
 from dsv41_jax.plan import build_plan
+from dsv41_jax.sharding import annotate_params
 
 
 class Block(nnx.Module):
@@ -54,6 +55,7 @@ class Transformer(nnx.Module):
         if cfg.engram_layer_ids:
             # tokenizer-derived compressed vocabulary for the n-gram hashes (identity for random presets)
             self.engram_token_map = Buffer(jnp.arange(cfg.vocab_size, dtype=jnp.int32) % cfg.engram_compressed_vocab_size)
+        annotate_params(self)  # logical axes (sharding.PARAM_AXES) -> each param's NNX metadata
 
     def forward(self, cache: Cache, tokens_bt: jax.Array, n_new_b: jax.Array, *, all_logits: bool,
                 layers: int | None = None, kernel_backend: str = "jnp", training: bool = False,

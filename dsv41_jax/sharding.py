@@ -1,8 +1,17 @@
 """Multi-device decode on JAX's own machinery: logical axes -> mesh axes, in two small tables.
 
 1. `PARAM_AXES` / `cache_axes`: the logical axes of every parameter and cache array (first matching
-   path pattern wins; unlisted params are replicated).
-2. `LAYOUTS`: for each layout, which mesh axis a logical axis maps to.
+   path pattern wins; unlisted params are replicated). `annotate_params`, run at the end of
+   `Transformer.__init__`, writes each param's axes into its Flax NNX metadata (`out_sharding`, with
+   `eager_sharding=False`: the names are logical, nothing is placed at construction), so every params
+   State -- `init_params`, `abstract_params`, a loaded checkpoint -- carries them.
+2. `LAYOUTS`: for each layout, a Flax logical-axis rule set: (logical axis, mesh axis) pairs.
+
+`param_shardings` resolves the params' metadata through the layout's rules with
+`nnx.get_partition_spec` under `nnx.logical_axis_rules`; cache arrays are plain pytrees, so their
+`cache_axes` go through the same rule lookup (`flax.core.spmd.from_sharding_rules`, what
+`nnx.get_partition_spec` applies to a Variable's `out_sharding`). A mesh axis the mesh lacks, of size 1,
+or that does not divide the dimension (derived scale blocks) leaves that dimension replicated.
 
 The mesh has up to three axes: `data` (sequences), `tensor` (attention / indexer heads, shared-expert
 hidden units, vocabulary) and `expert` (routed experts, Engram table rows). Collectives come from
@@ -19,6 +28,8 @@ from functools import partial
 
 import jax
 import numpy as np
+from flax import nnx
+from flax.core import spmd as flax_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dsv41_jax.cache import Cache
@@ -42,12 +53,14 @@ PARAM_AXES: tuple[tuple[str, tuple], ...] = (
     (r"engram/(table|table_scale|embed/weight|embed/scale)$", ("table_rows", None)),
 )
 
-LAYOUTS: dict[str, dict[str, str]] = {
+# Flax logical-axis rules per layout. Every logical axis has a rule in every layout (None: replicated).
+LAYOUTS: dict[str, tuple[tuple[str, str | None], ...]] = {
     # tensor + expert + data parallel decode (the 8-GPU host / TPU slice plan)
-    "tp_ep": {"batch": "data", "heads": "tensor", "index_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
-              "experts": "expert", "table_rows": "expert"},
+    "tp_ep": (("batch", "data"), ("heads", "tensor"), ("index_heads", "tensor"), ("mlp", "tensor"),
+              ("vocab", "tensor"), ("experts", "expert"), ("table_rows", "expert")),
     # weights replicated, sequences split: for models that fit one device
-    "dp": {"batch": "data"},
+    "dp": (("batch", "data"), ("heads", None), ("index_heads", None), ("mlp", None), ("vocab", None),
+           ("experts", None), ("table_rows", None)),
 }
 
 
@@ -99,15 +112,27 @@ def make_mesh(cfg, spec: str | dict[str, int], batch: int | None = None, devices
     return Mesh(np.asarray(devices).reshape(shape), names)
 
 
-def _spec(logical: tuple | None, shape: tuple[int, ...], rules: dict[str, str], mesh: Mesh) -> P:
-    if logical is None:
-        return P()
+def _rules(layout: str):
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {sorted(LAYOUTS)}")
+    return LAYOUTS[layout]
+
+
+def _on_mesh(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """A resolved spec, each mesh axis kept where this mesh splits that dimension evenly."""
     out = []
-    for axis, dim in zip(logical, shape):
-        m = rules.get(axis) if axis else None
+    for m, dim in zip(spec, shape):
+        if isinstance(m, str) and m not in MESH_AXES:
+            raise ValueError(f"logical axis {m!r} has no rule in this layout; add one to LAYOUTS")
         # a derived array (scale blocks) whose dim the mesh does not divide stays replicated there
         out.append(m if m in mesh.shape and mesh.shape[m] > 1 and dim % mesh.shape[m] == 0 else None)
     return P(*out)
+
+
+def logical_to_mesh(logical: tuple, layout: str) -> P:
+    """Logical axis names -> mesh axis names by the layout's rules: the lookup `nnx.get_partition_spec`
+    applies to a Variable's `out_sharding` (`flax.core.spmd.from_sharding_rules`)."""
+    return P(*flax_spmd.from_sharding_rules(logical, _rules(layout)))
 
 
 def _path_name(path) -> str:
@@ -117,30 +142,56 @@ def _path_name(path) -> str:
 
 
 def param_logical_axes(path: str) -> tuple | None:
+    """The `PARAM_AXES` entry of a param path (None: not listed, replicated)."""
     for pattern, axes in PARAM_AXES:
         if re.search(pattern, path):
             return axes
     return None
 
 
+def annotate_params(model: nnx.Module) -> None:
+    """Write `PARAM_AXES` into the NNX metadata of `model`'s variables: `out_sharding` = logical axes.
+
+    `eager_sharding=False`: the names are logical (resolved per layout by `param_specs`), so a Variable
+    re-created from this metadata (e.g. optimizer state) is not placed on a mesh by Flax."""
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Variable):
+            axes = param_logical_axes("/".join(map(str, path)))
+            if axes is not None:
+                var.set_metadata(out_sharding=axes, eager_sharding=False)
+
+
+def param_specs(params, mesh, layout: str = "tp_ep"):
+    """PartitionSpec of every leaf of an (abstract or real) params State: each Variable's `out_sharding`
+    metadata resolved through the layout's rules by `nnx.get_partition_spec` (no metadata: replicated),
+    then fitted to `mesh` (a `Mesh` or an `AbstractMesh`)."""
+    with nnx.logical_axis_rules(_rules(layout)):
+        specs = nnx.get_partition_spec(params)
+    return jax.tree.map(lambda spec, leaf: _on_mesh(spec, leaf.shape, mesh), specs, params)
+
+
 def param_shardings(params, mesh: Mesh, layout: str = "tp_ep"):
-    """NamedSharding for every leaf of an (abstract or real) params State."""
-    rules = LAYOUTS[layout]
+    """NamedSharding for every leaf of an (abstract or real) params State, from `param_specs`.
 
-    def one(path, leaf):
-        name = _path_name(path)
-        return NamedSharding(mesh, _spec(param_logical_axes(name), leaf.shape, rules, mesh))
+    A leaf that lives in host memory (Engram tables loaded with `engram_on_host=True`) keeps its
+    memory kind: it is split over the mesh like any other but stays out of device memory."""
 
-    return jax.tree_util.tree_map_with_path(one, params)
+    def one(spec, leaf):
+        kind = getattr(getattr(leaf, "sharding", None), "memory_kind", None)
+        return NamedSharding(mesh, spec, memory_kind=kind if kind and "host" in kind else None)
+
+    return jax.tree.map(one, param_specs(params, mesh, layout), params)
+
+
+def cache_specs(cache: Cache, mesh, layout: str = "tp_ep"):
+    """PartitionSpec of every cache array: `cache_axes` through the layout's rules, fitted to `mesh`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _on_mesh(logical_to_mesh(cache_axes(_path_name(path), leaf.ndim), layout), leaf.shape, mesh),
+        cache)
 
 
 def cache_shardings(cache: Cache, mesh: Mesh, layout: str = "tp_ep"):
-    rules = LAYOUTS[layout]
-
-    def one(path, leaf):
-        return NamedSharding(mesh, _spec(cache_axes(_path_name(path), leaf.ndim), leaf.shape, rules, mesh))
-
-    return jax.tree_util.tree_map_with_path(one, cache)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), cache_specs(cache, mesh, layout))
 
 
 @dataclass
@@ -197,11 +248,9 @@ def shard_model(cfg, params, mesh: Mesh, layout: str = "tp_ep", *, batch: int, c
     """Place params on `mesh` by the layout's rules and prepare steps for caches of this batch/capacity."""
     from dsv41_jax.cache import init_cache
 
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {sorted(LAYOUTS)}")
+    _rules(layout)  # an unknown layout is refused before anything is placed
     check_mesh(cfg, dict(mesh.shape), batch, mesh.size)
     p_sh = param_shardings(params, mesh, layout)
     c_sh = cache_shardings(jax.eval_shape(lambda: init_cache(cfg, batch, capacity)), mesh, layout)
-    axis = LAYOUTS[layout].get("batch")
-    axis = axis if axis in mesh.shape and mesh.shape[axis] > 1 else None
+    axis = _on_mesh(logical_to_mesh(("batch",), layout), (batch,), mesh)[0]
     return ShardedModel(cfg, mesh, layout, jax.device_put(params, p_sh), p_sh, c_sh, axis)

@@ -21,13 +21,11 @@ from dsv41_jax import sharding as S
 from dsv41_jax.cache import init_cache
 
 
-def _per_device_bytes(tree, axes_of, rules, mesh) -> tuple[float, float]:
-    """(total bytes, bytes on the most loaded device) of an abstract pytree under the rules."""
+def _per_device_bytes(pairs, mesh) -> tuple[float, float]:
+    """(total bytes, bytes on the most loaded device) of (abstract leaf, PartitionSpec) pairs."""
     total = per_dev = 0.0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        name = S._path_name(path)
+    for leaf, spec in pairs:
         n = math.prod(leaf.shape) * leaf.dtype.itemsize
-        spec = S._spec(axes_of(name, leaf), leaf.shape, rules, mesh)
         split = math.prod(mesh.shape[a] for a in spec if a is not None)
         total += n
         per_dev += n / split
@@ -40,18 +38,16 @@ def plan(preset: str, mesh_spec: str, layout: str, batch: int, context: int) -> 
     S.check_mesh(cfg, sizes, batch, math.prod(sizes.values()))
     names = tuple(a for a in S.MESH_AXES if a in sizes)
     mesh = AbstractMesh(tuple(sizes[a] for a in names), names)
-    rules = S.LAYOUTS[layout]
     params = d.abstract_params(cfg)
-    dev_tree, host_tree = {}, {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = S._path_name(path)
-        (host_tree if "engram/table" in name else dev_tree)[name] = leaf
-    axes_p = lambda name, leaf: S.param_logical_axes(name)
-    w_total, w_dev = _per_device_bytes(dev_tree, axes_p, rules, mesh)
-    e_total = sum(math.prod(l.shape) * l.dtype.itemsize for l in host_tree.values())
+    specs = jax.tree.leaves(S.param_specs(params, mesh, layout))  # the params' logical-axes metadata
+    dev, host = [], []
+    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs, strict=True):
+        (host if "engram/table" in S._path_name(path) else dev).append((leaf, spec))
+    w_total, w_dev = _per_device_bytes(dev, mesh)
+    e_total = sum(math.prod(l.shape) * l.dtype.itemsize for l, _ in host)
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, context))
-    axes_c = lambda name, leaf: S.cache_axes(name, leaf.ndim)
-    c_total, c_dev = _per_device_bytes(cache, axes_c, rules, mesh)
+    c_total, c_dev = _per_device_bytes(zip(jax.tree.leaves(cache), jax.tree.leaves(S.cache_specs(cache, mesh, layout)),
+                                           strict=True), mesh)
     return dict(preset=preset, mesh=sizes, layout=layout, batch=batch, context=context, devices=mesh.size,
                 weights_total=w_total, weights_per_device=w_dev, cache_total=c_total, cache_per_device=c_dev,
                 engram_host_total=e_total)

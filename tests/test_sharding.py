@@ -8,6 +8,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh
 
 import dsv41_jax as d
 from dsv41_jax import sharding as S
@@ -78,6 +80,43 @@ def test_rules_shard_what_they_say():
     c = json.loads((GOLDEN / "tp_ep_data2_tensor2_expert2.json").read_text())["cache_after_decode"]
     assert c["window/values"] == "P(None, 'data', None, None)"
     assert c["sources/0/entries/values"] == "P('data', None, None)"
+
+
+def test_params_carry_logical_axes_metadata():
+    """Every param listed in PARAM_AXES carries its logical axes as NNX `out_sharding` metadata, written
+    when the model is built; the others carry none (replicated)."""
+    listed = 0
+    for path, var in nnx.to_flat_state(d.abstract_params(CFG)):
+        axes = S.param_logical_axes("/".join(map(str, path)))
+        assert var.get_metadata().get("out_sharding") == axes, path
+        if axes is not None:
+            listed += 1
+            assert var.get_metadata()["eager_sharding"] is False  # logical names: nothing placed at build
+    assert listed == 49
+    assert d.abstract_params(CFG)["layers"][2]["attn"]["wq_b"]["weight"].get_metadata()["out_sharding"] == ("heads", None)
+
+
+def test_shardings_come_from_the_metadata_and_the_layout_rules():
+    mesh = AbstractMesh((2, 2, 2), S.MESH_AXES)
+    params = d.abstract_params(CFG)
+    spec = lambda p: p["layers"][2]["attn"]["wkv"]["weight"]
+    assert spec(S.param_specs(params, mesh)).get_value() == jax.P()  # no metadata: replicated
+    spec(params).set_metadata(out_sharding=("heads", None))  # the table is not consulted again
+    assert spec(S.param_specs(params, mesh)).get_value() == jax.P("tensor", None)
+    assert spec(S.param_specs(params, mesh, "dp")).get_value() == jax.P(None, None)
+    assert spec(S.param_shardings(params, mesh)).get_value().spec == jax.P("tensor", None)
+    spec(params).set_metadata(out_sharding=("experts", None))  # rules of the layout, not of the path
+    assert spec(S.param_specs(params, mesh)).get_value() == jax.P("expert", None)
+    spec(params).set_metadata(out_sharding=("nonesuch", None))
+    with pytest.raises(ValueError, match="'nonesuch' has no rule"):
+        S.param_specs(params, mesh)
+
+
+def test_every_layout_has_a_rule_for_every_logical_axis():
+    used = {a for _, axes in S.PARAM_AXES for a in axes if a} | {"batch"}
+    for layout, rules in S.LAYOUTS.items():
+        assert {logical for logical, _ in rules} == used, layout
+        assert all(m is None or m in S.MESH_AXES for _, m in rules), layout
 
 
 @pytest.mark.parametrize("mesh,words", [
