@@ -1,12 +1,15 @@
 """Logits of a released checkpoint for given token ids: one prefill, or a prefill then decode steps.
 
     python -m experiments.logits --checkpoint DIR --input-ids IDS.npy --out OUT.npz \
-        [--decode-from N] [--index-keys released|consistent] [--dtype float32|bfloat16] [--no-activation-quant]
+        [--decode-from N] [--index-keys released|consistent] [--dtype float32|bfloat16] [--no-activation-quant] \
+        [--engram-on-host]
 
 IDS.npy holds int token ids [batch, tokens] (or [tokens]). Writes OUT.npz with `logits` float32
 [batch, tokens, vocab]: position t holds the logits after token t. Without --decode-from every position
 comes from one prefill; with it, positions < N come from a prefill of the first N tokens and each later
-position from a one-token decode step fed the given ids (teacher forcing).
+position from a one-token decode step fed the given ids (teacher forcing). --engram-on-host keeps the
+Engram tables in host memory (`load_checkpoint(..., engram_on_host=True)`): the released ones are
+~190 GiB and do not fit next to the rest in one accelerator's memory.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ def run(args) -> np.ndarray:
     if not 1 <= n <= t:
         raise SystemExit(f"--decode-from {n} must be in 1..{t} (the number of tokens given)")
     loaded = load_checkpoint(args.checkpoint, dtype=args.dtype, index_keys=args.index_keys,
-                             activation_quant=None if args.activation_quant else False, progress=not args.quiet)
+                             activation_quant=None if args.activation_quant else False,
+                             engram_on_host=args.engram_on_host, progress=not args.quiet)
     cfg, params = loaded.cfg, loaded.params
     for note in loaded.notes:
         print(f"note: {note}", file=sys.stderr)
@@ -48,7 +52,8 @@ def run(args) -> np.ndarray:
     logits = np.concatenate(out, axis=1)
     print(f"{b}x{t} tokens ({'prefill' if n == t else f'prefill {n} + {t - n} decode steps'}), "
           f"weights {cfg.weight_format}, activation quant {'on' if cfg.activation_quant else 'off'}, "
-          f"index keys {cfg.index_keys}, {cfg.dtype}: load {loaded.seconds:.1f} s ({loaded.gbps:.2f} GB/s), "
+          f"index keys {cfg.index_keys}, {cfg.dtype}, Engram tables in {'host' if args.engram_on_host else 'device'} "
+          f"memory: load {loaded.seconds:.1f} s ({loaded.gbps:.2f} GB/s), "
           f"forward {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return logits
 
@@ -63,6 +68,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     ap.add_argument("--no-activation-quant", dest="activation_quant", action="store_false",
                     help="skip the release's FP8 rounding of projection inputs (what HF transformers does)")
+    ap.add_argument("--engram-on-host", action="store_true",
+                    help="keep the Engram tables in host memory (pinned_host); rows are gathered on the host")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     logits = run(args)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -185,6 +186,66 @@ def test_orbax_round_trip_is_exact(released, tmp_path):
         restore_params(tmp_path / "p", loaded.cfg.replace(weight_format="float"))
 
 
+def _host_placed(params) -> dict[str, str]:
+    """param path -> memory kind, for every param whose kind is not the default device memory."""
+    return {k: v.sharding.memory_kind for k, v in flat_params(params).items() if v.sharding.memory_kind != "device"}
+
+
+def _lookups(cfg, params, ids):
+    """Rows of every Engram table for `ids`, through `Engram.lookup` inside one jit."""
+    from flax import nnx
+
+    from dsv41_jax.api import graphdef
+
+    def f(p, i):
+        model = nnx.merge(graphdef(cfg), p)
+        return [model.layers[l].engram.lookup(i) for l in cfg.engram_layer_ids]
+
+    return [np.asarray(r) for r in jax.jit(f)(params, ids)]
+
+
+def test_engram_tables_on_host(tmp_path):
+    """engram_on_host=True: tables and scales in pinned host memory, everything else on the device, and
+    prefill + decode logits equal to the all-device load's (a one-layer released-layout checkpoint keeps
+    the compiles short; the rows are gathered on the host by compute_on inside the same jitted steps)."""
+    cfg = fixture_config(n_layers=1, compress_ratios=(0,), kv_source_layers=(), index_source_layers=(),
+                         candidate_source_layer=-1, engram_layer_ids=(0,))
+    write_checkpoint(tmp_path / "one", cfg, make_tensors(cfg, seed=5), sharded=True)
+    # FP8 kept (tables + E8M0 scales); activation_quant off only to shorten the four compiles
+    dev = load_checkpoint(tmp_path / "one", progress=False, activation_quant=False)
+    host = load_checkpoint(tmp_path / "one", progress=False, activation_quant=False, engram_on_host=True)
+    assert host.cfg == dev.cfg and host.cfg.weight_format == "fp8"
+    tables = {"layers/0/engram/table": "pinned_host", "layers/0/engram/table_scale": "pinned_host"}
+    assert _host_placed(host.params) == tables and _host_placed(dev.params) == {}
+    flat = flat_params(host.params)
+    assert all(jax.typeof(flat[k]).memory_space == jax.memory.Space.Host for k in tables)
+    for k, v in flat_params(dev.params).items():
+        np.testing.assert_array_equal(np.asarray(flat[k]).view(np.uint8), np.asarray(v).view(np.uint8), err_msg=k)
+
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
+
+    def logits(loaded):
+        cache = d.init_cache(loaded.cfg, 2, 32)
+        out, cache = d.prefill(loaded.cfg, loaded.params, cache, ids[:, :8], np.array([8, 8]), all_logits=True)
+        out = [np.asarray(out)]
+        for pos in range(8, 12):
+            step, cache = d.decode_step(loaded.cfg, loaded.params, cache, ids[:, pos])
+            out.append(np.asarray(step)[:, None])
+        return np.concatenate(out, axis=1)
+
+    want, got = logits(dev), logits(host)
+    assert want.shape == (2, 12, cfg.vocab_size) and np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+    # dequantized at load (float tables, no scales): placed and gathered the same way
+    deq = load_checkpoint(tmp_path / "one", progress=False, dequantize=True)
+    deq_host = load_checkpoint(tmp_path / "one", progress=False, dequantize=True, engram_on_host=True)
+    assert _host_placed(deq_host.params) == {"layers/0/engram/table": "pinned_host"}
+    rows = np.random.default_rng(2).integers(0, sum(cfg.engram_num_embeddings), (2, 5, 4)).astype(np.int32)
+    for a, b in zip(_lookups(deq.cfg, deq.params, rows), _lookups(deq_host.cfg, deq_host.params, rows)):
+        np.testing.assert_array_equal(a, b)
+
+
 _MESH_SCRIPT = """
 import sys, numpy as np, jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -204,6 +265,26 @@ a, b = flat_params(loaded.params), flat_params(back)
 for k in a:
     np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8))
 assert b["embed/weight"].sharding.mesh.size == 4 and len(b["embed/weight"].addressable_shards) == 4
+# Engram tables in host memory, split over the mesh; shard_model's shardings keep them there
+from flax import nnx
+from dsv41_jax.api import graphdef
+from dsv41_jax.sharding import param_shardings
+host = load_checkpoint(src, progress=False, shardings=rows(new_mesh), engram_on_host=True)
+h = flat_params(host.params)
+for k in ("layers/0/engram/table", "layers/1/engram/table_scale"):
+    assert h[k].sharding.memory_kind == "pinned_host" and h[k].sharding.spec == P("x"), (k, h[k].sharding)
+    assert len(h[k].addressable_shards) == 4
+placed = jax.device_put(host.params, param_shardings(host.params, new_mesh))
+assert {k for k, v in flat_params(placed).items() if v.sharding.memory_kind != "device"} == {
+    f"layers/{l}/engram/{t}" for l in host.cfg.engram_layer_ids for t in ("table", "table_scale")}
+ids = np.random.default_rng(0).integers(0, 420, (4, 3, 6)).astype(np.int32)
+def rows_of(p, i):
+    m = nnx.merge(graphdef(host.cfg), p)
+    return [m.layers[l].engram.lookup(i) for l in host.cfg.engram_layer_ids]
+got = jax.jit(rows_of)(placed, ids)
+want = jax.jit(rows_of)(loaded.params, ids)
+for x, y in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 print("OK")
 """
 

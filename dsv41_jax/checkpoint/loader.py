@@ -8,6 +8,11 @@ against what is there (missing, unexpected, wrong shape, wrong dtype, all report
 CheckpointError before a payload byte is read); then stream shard by shard, tensor by tensor, each
 one converted on the host and handed to the device on its own. Routed experts are stacked per layer
 in a host buffer that is released as soon as its last expert arrives.
+
+`engram_on_host=True` leaves the Engram tables (and their scales) in host memory: they are mapped
+from their shards (`np.memmap`, no read buffer) and put in the `pinned_host` memory of the device
+(or of the sharding given for them); `Engram.lookup` then gathers their rows on the host inside the
+jitted step. The released tables are ~190 GiB: this is how they stay out of HBM.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from dsv41_jax import quant
 from dsv41_jax.api import abstract_params
 from dsv41_jax.checkpoint.config import with_formats
 from dsv41_jax.checkpoint.layout import Entry, entries, expected_tensors, skip_reason, to_released_name
-from dsv41_jax.checkpoint.safetensors_io import TensorInfo, list_checkpoint, read_tensor
+from dsv41_jax.checkpoint.safetensors_io import TensorInfo, list_checkpoint, map_tensor, read_tensor
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.engram import HOST_MEMORY_KIND
 from dsv41_jax.tokenizer import engram_token_map
 
 Shardings = Mapping[str, jax.sharding.Sharding] | Callable[[str, tuple], jax.sharding.Sharding] | None
+MMAP = "mmap"  # a job's destination: map the tensor from its file instead of reading it into a buffer
 
 
 class CheckpointError(ValueError):
@@ -123,16 +130,22 @@ def _dequant_rows(w: np.ndarray, s: np.ndarray) -> np.ndarray:
 class _Sink:
     """Receives converted host arrays by param path and puts them on the device, one at a time."""
 
-    def __init__(self, abstract: dict[str, jax.ShapeDtypeStruct], shardings: Shardings):
+    def __init__(self, abstract: dict[str, jax.ShapeDtypeStruct], shardings: Shardings,
+                 host_paths: frozenset[str] = frozenset()):
         self.abstract, self.shardings, self.values = abstract, shardings, {}
+        self.host_paths = host_paths  # params placed in host memory (HOST_MEMORY_KIND)
         self.stacks: dict[str, tuple[np.ndarray, set]] = {}
 
     def _sharding(self, path, shape):
         if self.shardings is None:
-            return None
-        if callable(self.shardings):
-            return self.shardings(path, shape)
-        return self.shardings.get(path)
+            s = None
+        elif callable(self.shardings):
+            s = self.shardings(path, shape)
+        else:
+            s = self.shardings.get(path)
+        if path in self.host_paths:
+            s = host_sharding(s)
+        return s
 
     def put(self, path: str, arr: np.ndarray) -> None:
         want = self.abstract[path]
@@ -158,6 +171,17 @@ class _Sink:
     def put_slice(self, path: str, index: int, n: int, arr: np.ndarray) -> None:
         self.slot(path, index)[...] = arr
         self.filled(path, index, n)
+
+
+def host_sharding(s: jax.sharding.Sharding | None = None) -> jax.sharding.Sharding:
+    """`s` (default: the default device) with its arrays in host memory; refused where the devices have none."""
+    s = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if s is None else s
+    for dev in s.device_set:
+        kinds = {m.kind for m in dev.addressable_memories()}
+        if HOST_MEMORY_KIND not in kinds:
+            raise ValueError(f"engram_on_host: device {dev} has no {HOST_MEMORY_KIND!r} memory (it has "
+                             f"{sorted(kinds)}); load without engram_on_host on this backend")
+    return s.with_memory_kind(HOST_MEMORY_KIND)
 
 
 def _param_paths(state) -> dict[str, jax.ShapeDtypeStruct]:
@@ -202,13 +226,17 @@ def read_config(directory: str | Path, **runtime) -> ModelConfig:
 def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: str = "bfloat16",
                     param_dtype: str | None = None, activation_quant: bool | None = None,
                     index_keys: str = "consistent", quantize_cache: bool = True, shardings: Shardings = None,
-                    tokenizer: str | Path | None = None, progress: bool = True) -> Loaded:
+                    engram_on_host: bool = False, tokenizer: str | Path | None = None,
+                    progress: bool = True) -> Loaded:
     """Load `directory` (config.json, safetensors single file or index + shards, tokenizer.json).
 
     dequantize: turn FP8/FP4 weights into `param_dtype` floats (default: keep them, `weight_format="fp8"`).
     activation_quant: the release's fp8 mode (inputs of FP8/FP4 projections rounded to FP8); defaults to
     on for a quantized checkpoint, off for a float one.
     shardings: param path -> Sharding (a mapping or a callable(path, shape)); default device otherwise.
+    engram_on_host: put the Engram tables and their scales in host memory (`pinned_host`, over the
+    devices of their sharding), mapped from the shards rather than read into a buffer; the steps then
+    gather table rows on the host (see dsv41_jax.engram). Everything else is placed as usual.
     Raises CheckpointError listing every problem before any payload is read.
     """
     directory = Path(directory)
@@ -238,17 +266,22 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
                                activation_quant=inv.quantized if activation_quant is None else activation_quant)
     state = abstract_params(cfg)
     abstract = _param_paths(state)
-    sink = _Sink(abstract, shardings)
+    tables = [e.param for e in entries(cfg) if e.kind == "table"]
+    host_paths = frozenset(p for t in tables for p in (t, t + "_scale") if p in abstract) if engram_on_host \
+        else frozenset()
+    sink = _Sink(abstract, shardings, host_paths)
+    for path in sorted(host_paths):
+        sink._sharding(path, abstract[path].shape)  # no host memory here: refuse before reading anything
 
-    # one job per checkpoint tensor: (TensorInfo, handler(array), destination() or None); scales
-    # travel with their weights; a destination lets the read land in its stacked param directly
+    # one job per checkpoint tensor: (TensorInfo, handler(array), destination() or None or MMAP);
+    # scales travel with their weights; a destination lets the read land in its stacked param directly
     jobs: list[tuple] = []
     pending: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
 
     def tensor(released: str) -> TensorInfo:
         return tensors[inv.names[released]]
 
-    def want_pair(key: str, done: Callable):
+    def want_pair(key: str, done: Callable, dest=None):
         """Collect `key`.weight and `key`.scale (quantized form) before converting them together."""
         def got(part):
             def handle(arr):
@@ -257,11 +290,11 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
                     parts = pending.pop(key)
                     done(parts["weight"], parts["scale"])
             return handle
-        jobs.append((tensor(key + ".weight"), got("weight"), None))
-        jobs.append((tensor(key + ".scale"), got("scale"), None))
+        jobs.append((tensor(key + ".weight"), got("weight"), dest))
+        jobs.append((tensor(key + ".scale"), got("scale"), dest))
 
     for e in entries(cfg):
-        _plan_entry(e, inv.quantized, fp8, sink, tensor, want_pair, jobs)
+        _plan_entry(e, inv.quantized, fp8, sink, tensor, want_pair, jobs, mmap=e.param in host_paths)
     if token_map is not None:
         sink.put("engram_token_map", token_map)
 
@@ -297,6 +330,8 @@ def _prefetch(jobs, workers: int = 4, window_bytes: int = 1 << 30):
 
     def read(job):
         info, _, dest = job
+        if isinstance(dest, str) and dest == MMAP:
+            return map_tensor(info)
         return read_tensor(info, dest() if dest is not None else None)
 
     with ThreadPoolExecutor(workers) as pool:
@@ -313,8 +348,9 @@ def _prefetch(jobs, workers: int = 4, window_bytes: int = 1 << 30):
             yield done, fut.result()
 
 
-def _plan_entry(e: Entry, quantized: bool, fp8: bool, sink: _Sink, tensor, want_pair, jobs) -> None:
-    """Queue the reads that fill the params of one layout entry."""
+def _plan_entry(e: Entry, quantized: bool, fp8: bool, sink: _Sink, tensor, want_pair, jobs,
+                mmap: bool = False) -> None:
+    """Queue the reads that fill the params of one layout entry (mmap: map its tensors, see MMAP)."""
     if e.kind == "plain":
         jobs.append((tensor(e.names[0]), lambda arr, p=e.param: sink.put(p, arr), None))
     elif e.kind in ("dense", "dense_dequant"):
@@ -342,12 +378,13 @@ def _plan_entry(e: Entry, quantized: bool, fp8: bool, sink: _Sink, tensor, want_
                 want_pair(key, lambda w, s, i=i, p=e.param: sink.put_slice(p, i, n, _dequant_fp4(w, s).T))
     else:  # table
         key = e.names[0]
+        dest = MMAP if mmap else None
         if not quantized:
-            jobs.append((tensor(key + ".weight"), lambda arr, p=e.param: sink.put(p, arr), None))
+            jobs.append((tensor(key + ".weight"), lambda arr, p=e.param: sink.put(p, arr), dest))
         elif fp8:
             def keep(w, s, p=e.param):
                 sink.put(p, w)
                 sink.put(p + "_scale", s)
-            want_pair(key, keep)
+            want_pair(key, keep, dest)
         else:
-            want_pair(key, lambda w, s, p=e.param: sink.put(p, _dequant_rows(w, s)))
+            want_pair(key, lambda w, s, p=e.param: sink.put(p, _dequant_rows(w, s)), dest)

@@ -149,6 +149,18 @@ def read_tensor(info: TensorInfo, out: np.ndarray | None = None) -> np.ndarray:
     return buf.view(dt).reshape(info.shape)
 
 
+def map_tensor(info: TensorInfo) -> np.ndarray:
+    """The payload of one tensor as a read-only `np.memmap` view of its file (nothing read until used).
+
+    Pages come from the OS page cache on access; on the CPU backend `jax.device_put` may alias such an
+    array instead of copying it, so the file must not be modified while the array is in use."""
+    dt = NUMPY_DTYPE[info.dtype]
+    if info.nbytes == 0:
+        return np.empty(info.shape, dt)
+    raw = np.memmap(info.file, dtype=np.uint8, mode="r", offset=info.begin, shape=(info.nbytes,))
+    return raw.view(dt).reshape(info.shape)
+
+
 def _dtype_name(arr: np.ndarray, hint: str | None) -> str:
     if hint is not None:
         return hint
