@@ -60,6 +60,8 @@ def parse_args(argv=None):
                     "by b tokens for sequence b, so lengths differ)")
     ap.add_argument("--capacity", type=int, help="cache tokens per sequence (default: prompt + new tokens)")
     ap.add_argument("--tokenizer", help="a tokenizer.json (default: byte-level)")
+    ap.add_argument("--engram-on-host", action="store_true",
+                    help="with --checkpoint: keep the Engram tables in host memory (pinned_host), gathered there")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-quantize-cache", action="store_true", help="raw cache instead of FP4/FP8")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the preset's)")
@@ -99,6 +101,8 @@ def parse_args(argv=None):
         ap.error("--batch must be >= 1")
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if args.engram_on_host and not args.checkpoint:
+        ap.error("--engram-on-host applies to --checkpoint (presets have random in-memory tables)")
     return args
 
 
@@ -113,7 +117,7 @@ def load_model(args):
         from dsv41_jax.checkpoint import load_checkpoint
     except ImportError as e:
         sys.exit(f"error: --checkpoint needs dsv41_jax.checkpoint, which is not importable here ({e})")
-    loaded = load_checkpoint(args.checkpoint, dtype=args.dtype or "bfloat16")
+    loaded = load_checkpoint(args.checkpoint, dtype=args.dtype or "bfloat16", engram_on_host=args.engram_on_host)
     tok = args.tokenizer or os.path.join(args.checkpoint, "tokenizer.json")
     return loaded.cfg, loaded.params, tok if os.path.exists(tok) else None
 
