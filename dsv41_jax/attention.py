@@ -55,7 +55,7 @@ class Step:
     sources: list  # SourceCache per kv source, updated by the source layers
     decode: bool  # T == 1: read packed records through the decode-form ops
     topk: jax.Array | None = None  # int32 [B, T, K] from the latest index source
-    pool: jax.Array | None = None  # bool [B, T, N] candidate pool of the candidate source
+    pool: jax.Array | None = None  # int32 [B, T, n_blocks] candidate source's pool: block ids, ascending, -1 padded
     kernel_backend: str = "jnp"
     key_owner: jax.Array | None = None  # int32 [B]: "released" decode, slot whose index keys are read
     extras: dict = field(default_factory=dict)
@@ -226,35 +226,68 @@ class Attention(nnx.Module):
             step.key_owner = jnp.where(completes, slot, step.key_owner)
 
     def _select(self, x_btd, qr_btr, step: Step) -> jax.Array:
-        """Indexer + top-k for this layer (FULL / REINDEX); publishes the candidate pool if asked."""
+        """Indexer + top-k for this layer (FULL / REINDEX): int32 [B, T, index_topk] positions.
+
+        The candidate source publishes its pool (`step.pool`) from the block maxima of its scores. A
+        layer inside the pool scores only the pool's positions in decode (its cost stops growing with
+        the context); for T > 1 it scores everything and masks to the pool. Both select the same set.
+        """
         cfg, p = self.cfg, self.plan
-        src: SourceCache = step.sources[p.source_slot]
+        block, backend = cfg.candidate_block_size, step.kernel_backend
         if step.training:  # detached: the LM loss does not reach the indexer, its KL not the backbone
             x_btd, qr_btr = jax.lax.stop_gradient(x_btd), jax.lax.stop_gradient(qr_btr)
         q, w = self.indexer.query(x_btd, qr_btr, step.pos, self.inv_freq, step.fmt, ste=step.training)
         reach = (step.pos + 1) // p.ratio  # [B, T] entries whose group the query has completed
+        if step.decode and p.uses_candidates:
+            return self._select_in_pool(q[:, 0], w[:, 0], reach[:, 0], step)[:, None]
         if step.decode:
-            key_rec = src.index_keys if step.key_owner is None else self._released_keys(step)
-            scores = kernels.indexer_scores_decode(q[:, 0], w[:, 0], key_rec, reach[:, 0],
-                                                   step.fmt.index_key, backend=step.kernel_backend)[:, None]
+            scores, bmax = self._scores_decode(q[:, 0], w[:, 0], reach[:, 0], step)
         else:
-            keys = (step.extras[("index_keys", p.source_slot)] if step.training
-                    else step.fmt.index_key.decode(src.index_keys))
-            scores = ops.mask_unreachable(ops.indexer_scores(q, w, keys), reach)
-        if p.uses_candidates:
-            scores = jnp.where(step.pool, scores, ops.NEG_INF)
+            scores = self._scores_dense(q, w, reach, step)
+            bmax = ops.block_maxima(scores, block) if p.is_candidate_source else None
         if step.training:
             step.extras.setdefault("indexer", []).append({"layer": p.layer, "scores": scores})
         if p.is_candidate_source:
-            blocks = kernels.candidate_blocks(scores, reach, cfg.candidate_topk_blocks, cfg.candidate_block_size,
-                                              backend=step.kernel_backend)
-            step.pool = ops.blocks_to_mask(blocks, scores.shape[-1], cfg.candidate_block_size)
-        return kernels.select_topk(scores, cfg.index_topk, backend=step.kernel_backend)
+            step.pool = kernels.candidate_blocks(bmax, reach, cfg.candidate_topk_blocks, block, backend=backend)
+        return kernels.select_topk(scores, cfg.index_topk, backend=backend)
 
-    def _released_keys(self, step: Step) -> dict:
-        """Index-key records [B, N, ...] of the slot each sequence's released decode reads (see the
-        module docstring), sized like this layer's own source."""
+    def _scores_decode(self, q_bhd, w_bh, reach_b, step: Step):
+        """(f32 [B, 1, N] scores of every compressed position, -inf where unreachable; for the candidate
+        source also their block maxima f32 [B, 1, NB], which the scan kernel writes in the same pass)."""
+        block = self.cfg.candidate_block_size if self.plan.is_candidate_source else None
+        out = kernels.indexer_scores_decode(q_bhd, w_bh, self._decode_keys(step), reach_b, step.fmt.index_key,
+                                            block=block, backend=step.kernel_backend)
+        if block is None:
+            return out[:, None], None
+        return out[0][:, None], out[1][:, None]
+
+    def _scores_dense(self, q, w, reach, step: Step) -> jax.Array:
+        """f32 [B, T, N] scores of every compressed position (T > 1 / training), -inf where unreachable
+        or outside the candidate pool (a layer that uses it)."""
+        cfg, p = self.cfg, self.plan
+        keys = (step.extras[("index_keys", p.source_slot)] if step.training
+                else step.fmt.index_key.decode(step.sources[p.source_slot].index_keys))
+        scores = ops.mask_unreachable(ops.indexer_scores(q, w, keys), reach)
+        if p.uses_candidates:
+            pool = ops.blocks_to_mask(step.pool, scores.shape[-1], cfg.candidate_block_size)
+            scores = jnp.where(pool, scores, ops.NEG_INF)
+        return scores
+
+    def _select_in_pool(self, q_bhd, w_bh, reach_b, step: Step) -> jax.Array:
+        """Decode top-k of a layer inside the candidate pool: int32 [B, index_topk] positions, from the
+        scores of the pool's K * block positions only (the same set as the masked full scan)."""
+        cfg, block, backend = self.cfg, self.cfg.candidate_block_size, step.kernel_backend
+        blocks = step.pool[:, 0]
+        scores = kernels.indexer_scores_pool_decode(q_bhd, w_bh, self._decode_keys(step), blocks, block, reach_b,
+                                                    step.fmt.index_key, backend=backend)
+        return kernels.select_pool_topk(scores, blocks, block, cfg.index_topk, backend=backend)
+
+    def _decode_keys(self, step: Step) -> dict:
+        """Index-key records [B, N, ...] a decode step scores against: this layer's source's, or with
+        "released" semantics those of the slot each sequence reads (module docstring), sized like them."""
         own = step.sources[self.plan.source_slot].index_keys
+        if step.key_owner is None:
+            return own
         n = jax.tree.leaves(own)[0].shape[1]
         out = own
         for slot, src in enumerate(step.sources):

@@ -6,9 +6,10 @@ on CPU) or "auto": the kernels on GPU/TPU when the record formats are the releas
 `RawCodec` caches). The model passes `ModelConfig.kernels`; users override it with
 `cfg.replace(kernels=...)`.
 
-Agreement with jnp (tests/test_kernels_*.py): selection is exact; indexer scores agree to ~1e-7
-relative (FP4-grid operands make every product exact, only the summation order differs); attention
-to ~1e-4 relative on GPU (float16 tensor-core operands) and ~1e-5 on TPU (bf16 hi/lo splits).
+Agreement with jnp (tests/test_kernels_*.py): selection is exact; indexer scores (full scan and pool
+scan) agree to ~1e-7 relative (FP4-grid operands make every product exact, only the summation order
+differs); attention to ~1e-4 relative on GPU (float16 tensor-core operands) and ~1e-5 on TPU (bf16
+hi/lo splits).
 """
 
 from __future__ import annotations
@@ -51,10 +52,20 @@ def _kp():
     return kernels_pallas
 
 
-def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec, *, backend="jnp"):
+def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec, *, block=None, backend="jnp"):
+    """f32 [B, N] decode scores (`ops.indexer_scores_decode`); with `block`, also their block maxima
+    f32 [B, ceil(N / block)], which the Pallas scan writes in the same pass."""
     if _pallas(backend, index_key=codec):
-        return _kp().indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b)
-    return ops.indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec)
+        return _kp().indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, block=block)
+    scores = ops.indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec)
+    return scores if block is None else (scores, ops.block_maxima(scores, block))
+
+
+def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b, codec, *, backend="jnp"):
+    """f32 [B, K * block] scores of the pool positions only (`ops.indexer_scores_pool_decode`)."""
+    if _pallas(backend, index_key=codec):
+        return _kp().indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b)
+    return ops.indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b, codec)
 
 
 def select_topk(scores, k, *, backend="jnp"):
@@ -63,10 +74,14 @@ def select_topk(scores, k, *, backend="jnp"):
     return ops.select_topk(scores, k)
 
 
-def candidate_blocks(scores, reachable, n_blocks, block, *, backend="jnp"):
-    if _pallas(backend):
-        return _kp().candidate_blocks(scores, reachable, n_blocks, block)
-    return ops.candidate_blocks(scores, reachable, n_blocks, block)
+def select_pool_topk(scores_bp, blocks_bk, block, k, *, backend="jnp"):
+    """int32 [B, k] absolute positions: the top-k of pool scores [B, K * block], ascending, -1 padded."""
+    return ops.pool_topk_positions(select_topk(scores_bp, k, backend=backend), blocks_bk, block)
+
+
+def candidate_blocks(bmax, reachable, n_blocks, block, *, backend="jnp"):
+    """int32 [..., n_blocks] pool block ids from block maxima [..., NB] (`ops.candidate_blocks_from_maxima`)."""
+    return select_topk(ops.pin_newest_block(bmax, reachable, block), n_blocks, backend=backend)
 
 
 def sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry_rec, idx_bk, entry_codec,

@@ -7,7 +7,11 @@ Shapes: B batch, T query tokens, N compressed entries, S attended keys, H heads,
 - `select_topk`: the k best positions per row, sorted by position, -1 for empty slots; ties go to the
   lowest position; -inf scores are never selected.
 - `candidate_blocks`: blocks of `block` positions scored by their max, the newest reachable block
-  pinned, the best `n_blocks` kept (sorted, -1 padded).
+  pinned, the best `n_blocks` kept (sorted, -1 padded). `candidate_blocks_from_maxima` starts from
+  the block maxima (which the indexer-scan kernel writes in the same pass as the scores).
+- pool forms (a Reindex layer in decode): `pool_positions` maps the pool's block ids to the positions
+  it holds; `indexer_scores_pool_decode` scores only those; `pool_topk_positions` maps a top-k over
+  the pool back to absolute positions.
 - `attend`: one softmax over the keys a mask allows, with a per-head sink in the denominator only.
 - `*_decode`: the decode-step forms that read the packed cache records (what the kernels replace).
 """
@@ -73,20 +77,36 @@ def select_topk(scores: jax.Array, k: int) -> jax.Array:
     return idx
 
 
+def block_maxima(scores: jax.Array, block: int) -> jax.Array:
+    """f32 [..., ceil(N / block)]: the max of every block of `block` positions of scores [..., N]
+    (a partial last block is -inf padded)."""
+    n = scores.shape[-1]
+    nb = -(-n // block)
+    padded = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(0, nb * block - n)], constant_values=NEG_INF)
+    return padded.reshape(*scores.shape[:-1], nb, block).max(axis=-1)
+
+
+def pin_newest_block(bmax: jax.Array, reachable: jax.Array, block: int) -> jax.Array:
+    """Block scores f32 [..., NB]: the block maxima bmax [..., NB] with the block holding the newest
+    reachable position (reachable [...] positions) set to +inf, so that a top-k always keeps it."""
+    newest = (reachable - 1) // block  # -1 when nothing is reachable
+    pin = (jnp.arange(bmax.shape[-1]) == newest[..., None]) & (reachable[..., None] > 0)
+    return jnp.where(pin, jnp.inf, bmax)
+
+
+def candidate_blocks_from_maxima(bmax: jax.Array, reachable: jax.Array, n_blocks: int, block: int) -> jax.Array:
+    """int32 [..., n_blocks]: the best `n_blocks` of the block maxima bmax [..., NB] (ascending, -1 padded),
+    the newest reachable block always kept (`pin_newest_block`)."""
+    return select_topk(pin_newest_block(bmax, reachable, block), n_blocks)
+
+
 def candidate_blocks(scores_btn: jax.Array, reachable_bt: jax.Array, n_blocks: int, block: int) -> jax.Array:
     """Level one of the hierarchical top-k. int32 [B, T, n_blocks] block ids (ascending, -1 padded).
 
     `scores_btn` must already be -inf at unreachable positions. The block holding the newest reachable
     position is always kept (it may be only partly filled and would otherwise lose to older blocks).
     """
-    b, t, n = scores_btn.shape
-    nb = -(-n // block)
-    padded = jnp.pad(scores_btn, ((0, 0), (0, 0), (0, nb * block - n)), constant_values=NEG_INF)
-    bscore = padded.reshape(b, t, nb, block).max(axis=-1)
-    newest = (reachable_bt - 1) // block  # -1 when nothing is reachable
-    pin = (jnp.arange(nb) == newest[..., None]) & (reachable_bt[..., None] > 0)
-    bscore = jnp.where(pin, jnp.inf, bscore)
-    return select_topk(bscore, n_blocks)
+    return candidate_blocks_from_maxima(block_maxima(scores_btn, block), reachable_bt, n_blocks, block)
 
 
 def blocks_to_mask(blocks_btk: jax.Array, n: int, block: int) -> jax.Array:
@@ -166,3 +186,37 @@ def sparse_attention_decode(q_bhd: jax.Array, window_rec: dict, window_valid_bw:
     kv = jnp.concatenate([window, sel], axis=1)
     mask = jnp.concatenate([window_valid_bw, idx_bk >= 0], axis=1)
     return attend(q_bhd[:, None], kv, mask[:, None], sink_h, scale)[:, 0]
+
+
+# ----------------------------------------------------------------------------- candidate-pool decode forms
+# A Reindex layer scores only the candidate source's pool: block ids int32 [B, K] from `candidate_blocks`
+# (ascending, distinct, -1 padded at the end), i.e. the P = K * block pool positions below. Because
+# the blocks ascend, pool slots ascend with position, so a top-k over the pool slots (ties to the lowest
+# slot) is the top-k over the positions with the same tie rule.
+def pool_positions(blocks_bk: jax.Array, block: int) -> jax.Array:
+    """int32 [B, K * block]: the absolute position of each pool slot; negative in empty (-1) blocks."""
+    pos = blocks_bk[..., :, None] * block + jnp.arange(block, dtype=jnp.int32)
+    pos = jnp.where(blocks_bk[..., :, None] >= 0, pos, -1)
+    return pos.reshape(*blocks_bk.shape[:-1], -1).astype(jnp.int32)
+
+
+def indexer_scores_pool_decode(q_bhd: jax.Array, w_bh: jax.Array, key_rec: dict, blocks_bk: jax.Array, block: int,
+                               reachable_b: jax.Array, codec) -> jax.Array:
+    """Decode-step indexer scan over the pool only: f32 [B, K * block].
+
+    Slot j holds the score of position `pool_positions(blocks_bk, block)[b, j]` (what
+    `indexer_scores_decode` gives there), -inf in empty blocks and at positions >= min(reachable_b, N).
+    Only the pool's rows of the packed keys [B, N, ...] are gathered and decoded.
+    """
+    n = jax.tree.leaves(key_rec)[0].shape[1]
+    pos = pool_positions(blocks_bk, block)
+    ok = (pos >= 0) & (pos < jnp.minimum(reachable_b, n)[:, None])
+    keys = codec.decode(jax.tree.map(lambda a: gather_rows(a, jnp.where(ok, pos, 0)), key_rec))
+    s = indexer_scores(q_bhd[:, None], w_bh[:, None], keys)[:, 0]
+    return jnp.where(ok, s, NEG_INF)
+
+
+def pool_topk_positions(slots_bk: jax.Array, blocks_bk: jax.Array, block: int) -> jax.Array:
+    """Pool slots (a `select_topk` over pool scores: ascending, -1 padded) -> absolute positions, int32."""
+    bid = jnp.take_along_axis(blocks_bk, jnp.maximum(slots_bk, 0) // block, axis=-1)
+    return jnp.where(slots_bk >= 0, bid * block + slots_bk % block, -1).astype(jnp.int32)

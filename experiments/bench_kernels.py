@@ -3,12 +3,14 @@
     python -m experiments.bench_kernels [--contexts 8192,131072,1048576] [--batches 1,8,64] [--out FILE.json]
 
 Per (context, batch): the indexer scan over `context` compressed positions (a ratio-1 source, the
-largest), the selection (top-512 positions + top-2048 candidate blocks of 8), and the sparse attention
-(64 heads x 512, 512 selected entries + 128-entry window). Every timing is the median over several
-runs of a jitted loop that calls the op many times on random data (an input is perturbed by the loop
-counter so nothing is hoisted); bytes are counted from the arrays before timing. Peak bandwidth is a
-device copy measured in the same run. Dense reference: `jax.nn.dot_product_attention` (cuDNN) over the
-uncompressed context, 64 heads x 128 dims MQA, bf16.
+largest), the selection (top-512 positions + top-2048 candidate blocks of 8 from the scan's block
+maxima), a Reindex layer's pool scan (only the 2048 x 8 pool positions of that context, gathered by
+block) with its top-512, and the sparse attention (64 heads x 512, 512 selected entries + 128-entry
+window). Every timing is the median over several runs of a jitted loop that calls the op many times
+on random data (an input is perturbed by the loop counter so nothing is hoisted); bytes are counted
+from the arrays before timing. Peak bandwidth is a device copy measured in the same run. Dense
+reference: `jax.nn.dot_product_attention` (cuDNN) over the uncompressed context, 64 heads x 128 dims
+MQA, bf16.
 """
 
 from __future__ import annotations
@@ -160,8 +162,8 @@ def bench_scan_and_select(rec_rows: Rows, key, args):
     def select_both(scores, bmax, r):
         lv = gpu_select.build_levels(scores, TOPK, first=bmax)
         top = gpu_select.topk_from_levels(lv, TOPK, **KW)
-        blocks = gpu_select.candidate_blocks(scores[:, None], r[:, None], N_BLOCKS, BLOCK, bmax=bmax[:, None], **KW)
-        return top, blocks
+        blocks = gpu_select.select_topk(ops.pin_newest_block(bmax, r, BLOCK), N_BLOCKS, **KW)  # the scan's maxima
+        return top, blocks[:, None]
 
     def select_ref(scores, r):
         return ops.select_topk(scores, TOPK), ops.candidate_blocks(scores[:, None], r[:, None], N_BLOCKS, BLOCK)
@@ -176,6 +178,53 @@ def bench_scan_and_select(rec_rows: Rows, key, args):
     rec_rows.add("select", "pallas top-512 alone", t_one, b * ctx * 4 + b * TOPK * 4, frac_of_scan=t_one / t_scan)
     t_ref = time_op(select_ref, (scores, reach), runs=3)
     rec_rows.add("select", "xla-ref (lax.top_k)", t_ref, moved, speedup=t_ref / t_sel)
+
+
+def pool_data(key, b, ctx):
+    """int32 [B, N_BLOCKS]: distinct random block ids of a `ctx`-position row, ascending, -1 padded (a
+    pool as `ops.candidate_blocks` returns it; short contexts fill it only partly)."""
+    nb = ctx // BLOCK
+    take = min(N_BLOCKS, nb)
+    ids = jax.vmap(lambda k: jnp.sort(jax.random.choice(k, nb, (take,), replace=False)))(jax.random.split(key, b))
+    return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, N_BLOCKS - take)), constant_values=-1)
+
+
+def bench_pool(rec_rows: Rows, key, args):
+    """A Reindex layer's decode: scan only the candidate pool (N_BLOCKS x BLOCK positions gathered by block
+    from a `ctx`-entry key cache) and select top-512 among them, vs the jnp reference (gather, then
+    score) and vs the full scan of the same context timed above."""
+    ctx, b = rec_rows.ctx, rec_rows.b
+    reach = jnp.full((b,), ctx, jnp.int32)
+    q, w, rec = index_data(key, b, ctx)
+    blocks = pool_data(jax.random.fold_in(key, 1), b, ctx)
+    scan = lambda q, w, v, s, bl, r: gpu_indexer.indexer_scores_pool(q, w, v, s, bl, r, block=BLOCK,
+                                                                      block_n=args.block_n, num_warps=args.warps, **KW)
+    ref_scan = lambda q, w, v, s, bl, r: ops.indexer_scores_pool_decode(q, w, {"values": v, "scales": s}, bl, BLOCK,
+                                                                         r, quant.INDEX_KEY)
+    args_ = (q, w, rec["values"], rec["scales"], blocks, reach)
+    scores, ref = scan(*args_), ref_scan(*args_)
+    fin = jnp.isfinite(ref)
+    err = float(jnp.max(jnp.where(fin, jnp.abs(ref - scores), 0)) / jnp.max(jnp.where(fin, jnp.abs(ref), 0)))
+    same_inf = bool(jnp.array_equal(fin, jnp.isfinite(scores)))
+    pool_rows = b * N_BLOCKS * BLOCK  # score slots written; keys are read for the non-empty blocks only
+    moved = int(jnp.sum(blocks >= 0)) * BLOCK * (D_IDX // 2 + D_IDX // 32) + pool_rows * 4 + nbytes(blocks, q, w)
+    full = next((r for r in rec_rows.rows if r["piece"] == "indexer" and r["impl"] == "pallas"), {})
+    t = time_op(scan, args_)
+    rec_rows.add("pool-scan", "pallas", t, moved, max_rel_err=err, same_inf=same_inf,
+                 frac_of_full_scan=t / full["us"] * 1e6 if full else None)
+    t_ref = time_op(ref_scan, args_)
+    rec_rows.add("pool-scan", "xla-ref", t_ref, moved, speedup=t_ref / t)
+
+    def select(scores, bl):
+        return ops.pool_topk_positions(gpu_select.select_topk(scores, TOPK, **KW), bl, BLOCK)
+
+    exact = bool(jnp.array_equal(select(scores, blocks),
+                                 ops.pool_topk_positions(ops.select_topk(scores, TOPK), blocks, BLOCK)))
+    t_sel = time_op(select, (scores, blocks))
+    rec_rows.add("pool-sel", "pallas top-512", t_sel, pool_rows * 4 + b * TOPK * 4, frac_of_pool_scan=t_sel / t,
+                 exact=exact)
+    del args_, rec, scores, ref
+    gc.collect()
 
 
 def bench_attention(rec_rows: Rows, key, args):
@@ -237,6 +286,9 @@ def bench_config(ctx: int, b: int, peak: float, args) -> list[dict]:
     if "indexer" in args.only or "select" in args.only:
         bench_scan_and_select(rows, key, args)
         gc.collect()
+    if "pool" in args.only:
+        bench_pool(rows, key, args)
+        gc.collect()
     if "attention" in args.only:
         bench_attention(rows, key, args)
         gc.collect()
@@ -255,7 +307,7 @@ def main():
     p.add_argument("--splits", type=int, default=0, help="attention splits (0: fill the GPU)")
     p.add_argument("--ref-limit-gb", type=float, default=40.0, help="skip the jnp indexer above this temp size")
     p.add_argument("--dense-limit-gb", type=float, default=40.0)
-    p.add_argument("--only", default="indexer,select,attention", help="pieces to time")
+    p.add_argument("--only", default="indexer,select,pool,attention", help="pieces to time")
     p.add_argument("--smoke", action="store_true", help="CPU check of this script (interpret mode, tiny)")
     args = p.parse_args()
     if args.smoke:
@@ -284,7 +336,7 @@ def main():
 def print_table(rows, peak):
     print(f"\nsummary (peak = copy {peak / 1e9:.0f} GB/s)")
     print(f"{'ctx':>8} {'B':>3} | {'scan us':>8} {'%pk':>5} {'x ref':>6} | {'sel us':>7} {'sel/scan':>8} "
-          f"{'x ref':>6} | {'attn us':>7} {'%pk':>5} {'x ref':>6} {'x dense':>7}")
+          f"{'x ref':>6} | {'pool us':>7} {'/scan':>5} | {'attn us':>7} {'%pk':>5} {'x ref':>6} {'x dense':>7}")
     key = lambda r: (r.get("context"), r.get("batch"))
     for ck in sorted({key(r) for r in rows if "context" in r}):
         rs = [r for r in rows if key(r) == ck]
@@ -294,10 +346,12 @@ def print_table(rows, peak):
             next((r for r in rs if r.get("piece") == "dense" and "us" in r), {})
         at = min((r for r in rs if r.get("piece") == "attention" and r["impl"].startswith("pallas")),
                  key=lambda r: r["us"], default={})
+        pool = get("pool-scan", "pallas")
         f = lambda r, k, fmt: format(r[k], fmt) if k in r and r[k] is not None else "-"
         print(f"{ck[0]:>8} {ck[1]:>3} | {f(sc, 'us', '8.1f')} {f(sc, 'frac_peak', '5.2f')} "
               f"{f(get('indexer', 'xla'), 'speedup', '6.1f')} | {f(sl, 'us', '7.1f')} {f(sl, 'frac_of_scan', '8.2f')} "
-              f"{f(get('select', 'xla'), 'speedup', '6.1f')} | {f(at, 'us', '7.1f')} {f(at, 'frac_peak', '5.2f')} "
+              f"{f(get('select', 'xla'), 'speedup', '6.1f')} | {f(pool, 'us', '7.1f')} "
+              f"{f(pool, 'frac_of_full_scan', '5.2f')} | {f(at, 'us', '7.1f')} {f(at, 'frac_peak', '5.2f')} "
               f"{f(get('attention', 'xla'), 'speedup', '6.1f')} {f(dn, 'sparse_speedup', '7.1f')}")
 
 

@@ -12,7 +12,7 @@ import jax
 
 from kernels_pallas import gpu_attention, gpu_indexer, gpu_select, tpu_attention, tpu_indexer, tpu_select
 
-__all__ = ["indexer_scores_decode", "select_topk", "candidate_blocks", "sparse_attention_decode", "platform"]
+__all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode", "platform"]
 
 
 def platform(override: str | None = None) -> tuple[str, bool]:
@@ -32,18 +32,19 @@ def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | Non
                               interpret=interpret)
 
 
+def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block: int, reachable_b, *, platform_=None):
+    """f32 [B, K * block] scores of the candidate pool's positions only (`ops.indexer_scores_pool_decode`)."""
+    fam, interpret = platform(platform_)
+    mod = tpu_indexer if fam == "tpu" else gpu_indexer
+    return mod.indexer_scores_pool(q_bhd, w_bh, key_rec["values"], key_rec["scales"], blocks_bk, reachable_b,
+                                   block=block, interpret=interpret)
+
+
 def select_topk(scores, k: int, *, platform_=None):
+    """int32 [..., k] (`ops.select_topk`); candidate blocks are this over `ops.pin_newest_block` maxima."""
     fam, interpret = platform(platform_)
     mod = tpu_select if fam == "tpu" else gpu_select
     return mod.select_topk(scores, k, interpret=interpret)
-
-
-def candidate_blocks(scores_btn, reachable_bt, n_blocks: int, block: int, *, platform_=None):
-    fam, interpret = platform(platform_)
-    if fam == "tpu":
-        return tpu_select.select_topk(gpu_select.block_scores(scores_btn, reachable_bt, block), n_blocks,
-                                      interpret=interpret)
-    return gpu_select.candidate_blocks(scores_btn, reachable_bt, n_blocks, block, interpret=interpret)
 
 
 def sparse_attention_decode(q_bhd, window_rec, window_valid_bw, entry_rec, idx_bk, sink_h, scale: float, *,

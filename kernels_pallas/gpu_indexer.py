@@ -2,7 +2,9 @@
 
 score[b, n] = sum_h w[b, h] * relu(q[b, h] . k[b, n]) over the packed FP4 index keys (E8M0 scale per
 32 channels), -inf at n >= reachable[b]. One pass over the keys; optionally the same pass writes the
-max of every block of `block` positions (the candidate source's block scores).
+max of every block of `block` positions (the candidate source's block scores). `indexer_scores_pool`
+scores only the positions of a candidate pool (a Reindex layer's decode): the same tile body on rows
+gathered by block id.
 
 How it maps to the hardware (why it is shaped like this):
 - One tensor-core dot per tile: keys [TN, D] float16 x q^T [D, H]. FP4 keys are decoded with
@@ -50,22 +52,28 @@ def prepare_query(q_bhd: jax.Array, w_bh: jax.Array, min_heads: int = 16):
     return jnp.swapaxes(qn, 1, 2), jnp.pad(wn, ((0, 0), (0, hp - h)))
 
 
+def _tile_scores(kb, e, qt, w, groups: int) -> jax.Array:
+    """Scores f32 [TN] of TN key rows, before any masking: packed FP4 bytes kb uint8 [TN, D/2], E8M0
+    exponents e int32 [TN, D/32], q^T float16 [D, Hp] and w' f32 [Hp] from `prepare_query`."""
+    tn = kb.shape[0]
+    e_max = jnp.max(e, axis=1)
+    rel = jax.lax.bitcast_convert_type(jnp.maximum(e - e_max[:, None] + 127 + 14, 1) << 23, jnp.float32)
+    lo, hi = decode.nibbles(kb)
+    k16 = jnp.stack([decode.fp4_as_f16(lo), decode.fp4_as_f16(hi)], axis=-1).reshape(tn, groups, KEY_SCALE_BLOCK)
+    k16 = (k16 * rel.astype(jnp.float16)[:, :, None]).reshape(tn, groups * KEY_SCALE_BLOCK)
+    logits = jnp.dot(k16, qt, preferred_element_type=jnp.float32)  # [TN, Hp]
+    return jnp.sum(jnp.maximum(logits, 0.0) * w[None, :], axis=1) * decode.e8m0_f32(e_max)
+
+
 def _kernel(reach_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *bmax_refs, n: int, tn: int, groups: int,
             block: int | None):
     b, t = pl.program_id(0), pl.program_id(1)
-    d = groups * KEY_SCALE_BLOCK
     n0 = t * tn
     rows = n0 + jnp.arange(tn)
     in_range = rows < n
     kb = plt.load(kv_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=0)  # [TN, D/2]
     e = plt.load(ks_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=127).astype(jnp.int32)
-    e_max = jnp.max(e, axis=1)
-    rel = jax.lax.bitcast_convert_type(jnp.maximum(e - e_max[:, None] + 127 + 14, 1) << 23, jnp.float32)
-    lo, hi = decode.nibbles(kb)
-    k16 = jnp.stack([decode.fp4_as_f16(lo), decode.fp4_as_f16(hi)], axis=-1).reshape(tn, groups, KEY_SCALE_BLOCK)
-    k16 = (k16 * rel.astype(jnp.float16)[:, :, None]).reshape(tn, d)
-    logits = jnp.dot(k16, qt_ref[b], preferred_element_type=jnp.float32)  # [TN, Hp]
-    s = jnp.sum(jnp.maximum(logits, 0.0) * w_ref[b, :][None, :], axis=1) * decode.e8m0_f32(e_max)
+    s = _tile_scores(kb, e, qt_ref[b], w_ref[b, :], groups)
     s = jnp.where(rows < reach_ref[b], s, -jnp.inf)
     plt.store(s_ref.at[b, pl.ds(n0, tn)], s, mask=in_range)
     if block is not None:
@@ -73,6 +81,27 @@ def _kernel(reach_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *bmax_refs, n: int,
         bm = jnp.max(s.reshape(nb, block), axis=1)
         bidx = t * nb + jnp.arange(nb)
         plt.store(bmax_refs[0].at[b, pl.ds(t * nb, nb)], bm, mask=bidx < pl.cdiv(n, block))
+
+
+def _pool_kernel(reach_ref, blocks_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *, n: int, n_blocks: int, block: int,
+                 per_program: int, groups: int):
+    b, t = pl.program_id(0), pl.program_id(1)
+    tn = per_program * block
+    slot = t * per_program + jnp.arange(per_program)
+    bid = plt.load(blocks_ref.at[b, slot], mask=slot < n_blocks, other=-1)  # [G] pool block ids
+    pos = (bid[:, None] * block + jnp.arange(block)[None, :]).reshape(tn)
+    ok = jnp.broadcast_to(bid[:, None] >= 0, (per_program, block)).reshape(tn) & (pos < n)
+    rows = jnp.where(ok, pos, 0)  # a gather of whole blocks of consecutive rows
+    s = _tile_scores(kv_ref[b, rows, :], ks_ref[b, rows, :].astype(jnp.int32), qt_ref[b], w_ref[b, :], groups)
+    s = jnp.where(ok & (pos < reach_ref[b]), s, -jnp.inf)
+    out = t * tn + jnp.arange(tn)
+    plt.store(s_ref.at[b, pl.ds(t * tn, tn)], s, mask=out < n_blocks * block)
+
+
+def _check_keys(d: int, key_values: jax.Array, key_scales: jax.Array) -> None:
+    if d % KEY_SCALE_BLOCK or key_values.shape[-1] * 2 != d or key_scales.shape[-1] * KEY_SCALE_BLOCK != d:
+        raise ValueError(f"index keys must be FP4 packed with one E8M0 scale per {KEY_SCALE_BLOCK} channels "
+                         f"for head_dim {d}; got values {key_values.shape}, scales {key_scales.shape}")
 
 
 @functools.partial(jax.jit, static_argnames=("block", "block_n", "num_warps", "num_stages", "interpret"))
@@ -85,9 +114,7 @@ def indexer_scores(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key
     """
     b, h, d = q_bhd.shape
     n = key_values.shape[1]
-    if d % KEY_SCALE_BLOCK or key_values.shape[-1] * 2 != d or key_scales.shape[-1] * KEY_SCALE_BLOCK != d:
-        raise ValueError(f"index keys must be FP4 packed with one E8M0 scale per {KEY_SCALE_BLOCK} channels "
-                         f"for head_dim {d}; got values {key_values.shape}, scales {key_scales.shape}")
+    _check_keys(d, key_values, key_scales)
     if block is not None and block_n % block:
         raise ValueError(f"block_n {block_n} must be a multiple of the candidate block {block}")
     qt, wn = prepare_query(q_bhd, w_bh)
@@ -102,3 +129,31 @@ def indexer_scores(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key
         name="indexer_scores",
     )(reachable_b.astype(jnp.int32), qt, wn, key_values, key_scales)
     return outs[0] if block is None else tuple(outs)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "block_n", "num_warps", "num_stages", "interpret"))
+def indexer_scores_pool(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
+                        blocks_bk: jax.Array, reachable_b: jax.Array, *, block: int, block_n: int = 128,
+                        num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
+    """Scores f32 [B, K * block] of the candidate pool's positions only (`ops.indexer_scores_pool_decode`).
+
+    blocks_bk int32 [B, K]: pool block ids (-1 = empty); slot j scores position
+    blocks[b, j // block] * block + j % block, -inf in empty blocks and at positions >= min(reachable, N).
+    Each program gathers block_n / block whole blocks (block_n rows of keys) and scores them like the
+    full scan; the keys outside the pool are never read. `block` and block_n must be powers of two
+    (Triton tensor shapes).
+    """
+    b, h, d = q_bhd.shape
+    n, k = key_values.shape[1], blocks_bk.shape[1]
+    _check_keys(d, key_values, key_scales)
+    if block & (block - 1) or block_n & (block_n - 1) or block_n < block:
+        raise ValueError(f"the GPU pool scan needs power-of-two block {block} <= block_n {block_n}")
+    qt, wn = prepare_query(q_bhd, w_bh)
+    per_program = block_n // block
+    kernel = functools.partial(_pool_kernel, n=n, n_blocks=k, block=block, per_program=per_program,
+                               groups=d // KEY_SCALE_BLOCK)
+    return pl.pallas_call(
+        kernel, grid=(b, pl.cdiv(k, per_program)), out_shape=jax.ShapeDtypeStruct((b, k * block), jnp.float32),
+        interpret=interpret, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="indexer_scores_pool",
+    )(reachable_b.astype(jnp.int32), blocks_bk.astype(jnp.int32), qt, wn, key_values, key_scales)

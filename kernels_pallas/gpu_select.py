@@ -173,22 +173,3 @@ def select_topk(scores: jax.Array, k: int, *, interpret: bool = False) -> jax.Ar
     lead, n = scores.shape[:-1], scores.shape[-1]
     rows = scores.reshape(-1, n).astype(jnp.float32)
     return topk_from_levels(build_levels(rows, k), k, interpret=interpret).reshape(*lead, k)
-
-
-def block_scores(scores_btn: jax.Array, reachable_bt: jax.Array, block: int,
-                 bmax: jax.Array | None = None) -> jax.Array:
-    """The candidate source's block scores: max over `block` positions, newest reachable block = +inf."""
-    b, t, n = scores_btn.shape
-    nb = -(-n // block)
-    if bmax is None:
-        padded = jnp.pad(scores_btn, ((0, 0), (0, 0), (0, nb * block - n)), constant_values=-jnp.inf)
-        bmax = padded.reshape(b, t, nb, block).max(axis=-1)
-    newest = (reachable_bt - 1) // block
-    pin = (jnp.arange(nb) == newest[..., None]) & (reachable_bt[..., None] > 0)
-    return jnp.where(pin, jnp.inf, bmax.reshape(b, t, nb))
-
-
-def candidate_blocks(scores_btn: jax.Array, reachable_bt: jax.Array, n_blocks: int, block: int, *,
-                     bmax: jax.Array | None = None, interpret: bool = False) -> jax.Array:
-    """Same contract as `ops.candidate_blocks`; `bmax` [B*T or B, T, nb] may come from the scan kernel."""
-    return select_topk(block_scores(scores_btn, reachable_bt, block, bmax), n_blocks, interpret=interpret)

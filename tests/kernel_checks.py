@@ -1,12 +1,33 @@
-"""Checks shared by the GPU and TPU kernel tests."""
+"""Inputs and checks shared by the GPU, TPU and dispatch kernel tests."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dsv41_jax import ops, quant
+
+
+def index_case(seed, b, h, d, n):
+    """(q f32 [B, H, D] on the FP4 grid, w f32 [B, H], packed index-key records [B, N, ...])."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    q = quant.fake_quant(quant.INDEX_KEY, jax.random.normal(k1, (b, h, d)) * 2)
+    w = jax.random.normal(k2, (b, h))
+    rec = quant.INDEX_KEY.encode(jax.random.normal(k3, (b, n, d)))
+    return q, w, rec
+
+
+def pool_blocks(seed, reach_b, n: int, n_blocks: int, block: int) -> jax.Array:
+    """int32 [B, n_blocks]: a candidate pool drawn as the model draws it (`ops.candidate_blocks` of random
+    scores over N positions), so ascending, the newest reachable block pinned, -1 padded."""
+    r = jnp.asarray(reach_b, jnp.int32)[:, None]
+    s = ops.mask_unreachable(jax.random.normal(jax.random.key(seed), (r.shape[0], 1, n)), r)
+    return ops.candidate_blocks(s, r, n_blocks, block)[:, 0]
 
 
 def assert_scan_matches(out, ref, n: int, block: int | None) -> None:
     """Indexer-scan kernel output vs the jnp reference: same -inf pattern, finite scores within 1e-5 of
-    the row scale, and (with `block`) per-block maxima equal to the max over the kernel's own scores."""
+    the row scale, and (with `block`) per-block maxima equal to the max over the kernel's own scores.
+    Also serves the pool scan (block None; n unused)."""
     s = out[0] if block else out
     fin = np.isfinite(np.asarray(ref))
     np.testing.assert_array_equal(np.isfinite(s), fin)

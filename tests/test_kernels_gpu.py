@@ -2,8 +2,8 @@
 
 Shapes cover lengths that are not multiples of the block sizes, empty and one-entry sequences,
 batches of unequal lengths, ties, -inf rows and signed zeros. Tolerances:
-- indexer: q and k on the FP4 grid make every product exact; only the f32 summation order differs,
-  so |err| <= 1e-5 * max|score|.
+- indexer (full scan and candidate-pool scan): q and k on the FP4 grid make every product exact; only
+  the f32 summation order differs, so |err| <= 1e-5 * max|score|.
 - selection: exact equality (same top set, same tie order, same -1 padding).
 - attention: float16 tensor-core operands (q rounded to 2**-11 after a per-head power of two, p to
   2**-11; keys exact), so <= 5e-3 relative (norm per sequence); measured ~4e-4.
@@ -18,17 +18,9 @@ import pytest
 
 from dsv41_jax import ops, quant
 from kernels_pallas import gpu_attention, gpu_indexer, gpu_select
-from tests.kernel_checks import assert_scan_matches
+from tests.kernel_checks import assert_scan_matches, index_case, pool_blocks
 
 INTERPRET = jax.default_backend() == "cpu"
-
-
-def _index_case(seed, b, h, d, n):
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    q = quant.fake_quant(quant.INDEX_KEY, jax.random.normal(k1, (b, h, d)) * 2)
-    w = jax.random.normal(k2, (b, h))
-    rec = quant.INDEX_KEY.encode(jax.random.normal(k3, (b, n, d)))
-    return q, w, rec
 
 
 @pytest.mark.parametrize("b,h,d,n,reach,block", [
@@ -37,12 +29,26 @@ def _index_case(seed, b, h, d, n):
     (1, 16, 128, 1, [1], None),  # one entry
 ])
 def test_indexer_scores(b, h, d, n, reach, block):
-    q, w, rec = _index_case(n + h, b, h, d, n)
+    q, w, rec = index_case(n + h, b, h, d, n)
     reach = jnp.array(reach, jnp.int32)
     ref = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
     out = gpu_indexer.indexer_scores(q, w, rec["values"], rec["scales"], reach, block=block, block_n=64,
                                      interpret=INTERPRET)
     assert_scan_matches(out, ref, n, block)
+
+
+@pytest.mark.parametrize("b,h,d,n,reach,block,n_blocks,block_n", [
+    (4, 4, 32, 37, [37, 13, 1, 0], 4, 3, 8),  # tiny config: partial last block, one-entry and empty rows
+    (2, 32, 128, 1001, [1001, 517], 8, 40, 256),  # released heads and block; N % 8 != 0; partial program
+])
+def test_indexer_scores_pool(b, h, d, n, reach, block, n_blocks, block_n):
+    q, w, rec = index_case(n + h, b, h, d, n)
+    reach = jnp.array(reach, jnp.int32)
+    blocks = pool_blocks(n, reach, n, n_blocks, block)
+    ref = ops.indexer_scores_pool_decode(q, w, rec, blocks, block, reach, quant.INDEX_KEY)
+    out = gpu_indexer.indexer_scores_pool(q, w, rec["values"], rec["scales"], blocks, reach, block=block,
+                                          block_n=block_n, interpret=INTERPRET)
+    assert_scan_matches(out, ref, n, None)
 
 
 def _rows(name, rng):
@@ -92,11 +98,13 @@ def test_select_topk_k1_and_leading_dims():
     (5000, 8, 64, [5000, 4999, 1234, 8]),
 ])
 def test_candidate_blocks(n, block, n_blocks, reach):
+    """The model's candidate selection: the top-k kernel over pinned block maxima == ops.candidate_blocks."""
     rng = np.random.default_rng(n)
     reach = jnp.array(reach, jnp.int32)[:, None]
     s = ops.mask_unreachable(jnp.asarray(rng.normal(size=(4, 1, n)), jnp.float32), reach)
-    want = ops.candidate_blocks(s, reach, n_blocks, block)
-    np.testing.assert_array_equal(gpu_select.candidate_blocks(s, reach, n_blocks, block, interpret=INTERPRET), want)
+    pinned = ops.pin_newest_block(ops.block_maxima(s, block), reach, block)
+    np.testing.assert_array_equal(gpu_select.select_topk(pinned, n_blocks, interpret=INTERPRET),
+                                  ops.candidate_blocks(s, reach, n_blocks, block))
 
 
 def _attention_case(seed, b, h, d, w, n, k):

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from dsv41_jax import ops, quant
-from kernels_pallas import gpu_select, tpu_attention, tpu_indexer, tpu_select
-from tests.kernel_checks import assert_scan_matches
-from tests.test_kernels_gpu import _attention_case, _index_case, _rows
+from kernels_pallas import tpu_attention, tpu_indexer, tpu_select
+from tests.kernel_checks import assert_scan_matches, index_case, pool_blocks
+from tests.test_kernels_gpu import _attention_case, _rows
 
 
 @pytest.mark.parametrize("b,h,d,n,reach,block,block_n", [
@@ -22,12 +22,26 @@ from tests.test_kernels_gpu import _attention_case, _index_case, _rows
     (1, 16, 128, 1, [1], None, 128),
 ])
 def test_indexer_scores(b, h, d, n, reach, block, block_n):
-    q, w, rec = _index_case(n + h, b, h, d, n)
+    q, w, rec = index_case(n + h, b, h, d, n)
     reach = jnp.array(reach, jnp.int32)
     ref = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
     out = tpu_indexer.indexer_scores(q, w, rec["values"], rec["scales"], reach, block=block, block_n=block_n,
                                      interpret=True)
     assert_scan_matches(out, ref, n, block)
+
+
+@pytest.mark.parametrize("b,h,d,n,reach,block,n_blocks,block_n", [
+    (4, 4, 32, 37, [37, 13, 1, 0], 4, 3, 512),  # one grid step holds the pool; per-row DMAs for block 9
+    (2, 32, 128, 1001, [1001, 517], 8, 40, 128),  # 3 steps of 16 blocks, the last one padded
+])
+def test_indexer_scores_pool(b, h, d, n, reach, block, n_blocks, block_n):
+    q, w, rec = index_case(n + h, b, h, d, n)
+    reach = jnp.array(reach, jnp.int32)
+    blocks = pool_blocks(n, reach, n, n_blocks, block)
+    ref = ops.indexer_scores_pool_decode(q, w, rec, blocks, block, reach, quant.INDEX_KEY)
+    out = tpu_indexer.indexer_scores_pool(q, w, rec["values"], rec["scales"], blocks, reach, block=block,
+                                          block_n=block_n, interpret=True)
+    assert_scan_matches(out, ref, n, None)
 
 
 @pytest.mark.parametrize("name", ["normal", "rounded_ties", "all_equal", "block_ties", "neg_inf", "signed_zero",
@@ -41,7 +55,7 @@ def test_select_topk(name):
 def test_candidate_blocks():
     reach = jnp.array([[37], [13], [0], [1]], jnp.int32)
     s = ops.mask_unreachable(jnp.asarray(np.random.default_rng(0).normal(size=(4, 1, 37)), jnp.float32), reach)
-    got = tpu_select.select_topk(gpu_select.block_scores(s, reach, 4), 3, interpret=True)
+    got = tpu_select.select_topk(ops.pin_newest_block(ops.block_maxima(s, 4), reach, 4), 3, interpret=True)
     np.testing.assert_array_equal(got, ops.candidate_blocks(s, reach, 3, 4))
 
 
