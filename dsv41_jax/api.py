@@ -30,9 +30,17 @@ from dsv41_jax.model import Transformer
 __all__ = ["init_params", "abstract_params", "prefill", "decode_step", "forward", "init_cache", "graphdef"]
 
 
+def _abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model with ShapeDtypeStruct leaves. Built outside any ambient mesh: under `jax.set_mesh`
+    (ShardedModel) nnx.eval_shape would turn the params' logical-axis metadata into mesh shardings and
+    fail on names that are not mesh axes; the sharding module resolves those names itself."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
 @lru_cache(maxsize=16)
 def graphdef(cfg: ModelConfig):
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[0]
+    return nnx.split(_abstract_model(cfg))[0]
 
 
 def init_params(cfg: ModelConfig, seed: int = 0) -> nnx.State:
@@ -42,7 +50,7 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> nnx.State:
 
 def abstract_params(cfg: ModelConfig) -> nnx.State:
     """ShapeDtypeStructs of the parameters, allocating nothing (works for the full v41-flash)."""
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[1]
+    return nnx.split(_abstract_model(cfg))[1]
 
 
 def forward(cfg: ModelConfig, params, cache: Cache, tokens_bt, n_new_b, *, all_logits: bool = False,

@@ -96,6 +96,24 @@ def test_params_carry_logical_axes_metadata():
     assert d.abstract_params(CFG)["layers"][2]["attn"]["wq_b"]["weight"].get_metadata()["out_sharding"] == ("heads", None)
 
 
+def test_model_structure_builds_inside_a_mesh_context():
+    """ShardedModel traces under jax.set_mesh; the model's structure (api.graphdef, first built lazily
+    there) must not try to place the logical-axis metadata on that mesh."""
+    from dsv41_jax import api
+
+    cfg = CFG.replace(window_size=CFG.window_size * 2)  # a config not cached by other tests
+    api.graphdef.cache_clear()
+    built = []
+
+    def trace():  # what ShardedModel's jitted prefill does first
+        built.append((api.graphdef(cfg), d.abstract_params(cfg)))
+        return 0
+
+    with jax.set_mesh(S.make_mesh(cfg, "data=2,tensor=2,expert=2")):
+        jax.jit(trace)()
+    assert len(jax.tree.leaves(built[0][1])) == len(jax.tree.leaves(d.abstract_params(CFG)))
+
+
 def test_shardings_come_from_the_metadata_and_the_layout_rules():
     mesh = AbstractMesh((2, 2, 2), S.MESH_AXES)
     params = d.abstract_params(CFG)
