@@ -24,6 +24,16 @@ def pool_blocks(seed, reach_b, n: int, n_blocks: int, block: int) -> jax.Array:
     return ops.candidate_blocks(s, r, n_blocks, block)[:, 0]
 
 
+def check_pool_scan(scan, b, h, d, n, reach, block, n_blocks) -> None:
+    """A platform's pool-scan kernel `scan(q, w, values, scales, blocks, reach)` against
+    `ops.indexer_scores_pool_decode` on a random case (pool drawn by `pool_blocks`)."""
+    q, w, rec = index_case(n + h, b, h, d, n)
+    reach = jnp.array(reach, jnp.int32)
+    blocks = pool_blocks(n, reach, n, n_blocks, block)
+    ref = ops.indexer_scores_pool_decode(q, w, rec, blocks, block, reach, quant.INDEX_KEY)
+    assert_scan_matches(scan(q, w, rec["values"], rec["scales"], blocks, reach), ref, n, None)
+
+
 def assert_scan_matches(out, ref, n: int, block: int | None) -> None:
     """Indexer-scan kernel output vs the jnp reference: same -inf pattern, finite scores within 1e-5 of
     the row scale, and (with `block`) per-block maxima equal to the max over the kernel's own scores.

@@ -11,6 +11,7 @@ batches of unequal lengths, ties, -inf rows and signed zeros. Tolerances:
 
 from __future__ import annotations
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 
 from dsv41_jax import ops, quant
 from kernels_pallas import gpu_attention, gpu_indexer, gpu_select
-from tests.kernel_checks import assert_scan_matches, index_case, pool_blocks
+from tests.kernel_checks import assert_scan_matches, check_pool_scan, index_case
 
 INTERPRET = jax.default_backend() == "cpu"
 
@@ -42,13 +43,8 @@ def test_indexer_scores(b, h, d, n, reach, block):
     (2, 32, 128, 1001, [1001, 517], 8, 40, 256),  # released heads and block; N % 8 != 0; partial program
 ])
 def test_indexer_scores_pool(b, h, d, n, reach, block, n_blocks, block_n):
-    q, w, rec = index_case(n + h, b, h, d, n)
-    reach = jnp.array(reach, jnp.int32)
-    blocks = pool_blocks(n, reach, n, n_blocks, block)
-    ref = ops.indexer_scores_pool_decode(q, w, rec, blocks, block, reach, quant.INDEX_KEY)
-    out = gpu_indexer.indexer_scores_pool(q, w, rec["values"], rec["scales"], blocks, reach, block=block,
-                                          block_n=block_n, interpret=INTERPRET)
-    assert_scan_matches(out, ref, n, None)
+    scan = functools.partial(gpu_indexer.indexer_scores_pool, block=block, block_n=block_n, interpret=INTERPRET)
+    check_pool_scan(scan, b, h, d, n, reach, block, n_blocks)
 
 
 def _rows(name, rng):

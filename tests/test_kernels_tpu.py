@@ -6,13 +6,14 @@ p into bf16 hi + lo parts, so it agrees to 1e-4 (measured ~6e-6).
 
 from __future__ import annotations
 
+import functools
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dsv41_jax import ops, quant
 from kernels_pallas import tpu_attention, tpu_indexer, tpu_select
-from tests.kernel_checks import assert_scan_matches, index_case, pool_blocks
+from tests.kernel_checks import assert_scan_matches, check_pool_scan, index_case
 from tests.test_kernels_gpu import _attention_case, _rows
 
 
@@ -35,13 +36,8 @@ def test_indexer_scores(b, h, d, n, reach, block, block_n):
     (2, 32, 128, 1001, [1001, 517], 8, 40, 128),  # 3 steps of 16 blocks, the last one padded
 ])
 def test_indexer_scores_pool(b, h, d, n, reach, block, n_blocks, block_n):
-    q, w, rec = index_case(n + h, b, h, d, n)
-    reach = jnp.array(reach, jnp.int32)
-    blocks = pool_blocks(n, reach, n, n_blocks, block)
-    ref = ops.indexer_scores_pool_decode(q, w, rec, blocks, block, reach, quant.INDEX_KEY)
-    out = tpu_indexer.indexer_scores_pool(q, w, rec["values"], rec["scales"], blocks, reach, block=block,
-                                          block_n=block_n, interpret=True)
-    assert_scan_matches(out, ref, n, None)
+    scan = functools.partial(tpu_indexer.indexer_scores_pool, block=block, block_n=block_n, interpret=True)
+    check_pool_scan(scan, b, h, d, n, reach, block, n_blocks)
 
 
 @pytest.mark.parametrize("name", ["normal", "rounded_ties", "all_equal", "block_ties", "neg_inf", "signed_zero",
