@@ -34,6 +34,11 @@ _HF_KEYS = {
 }
 
 
+# ModelConfig fields that are choices of how to run, not part of a checkpoint's config
+RUNTIME_FIELDS = ("dtype", "param_dtype", "quantize_cache", "index_keys", "weight_format", "activation_quant",
+                  "sinkhorn_unroll")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of the text backbone. Defaults are the released DeepSeek-V4.1-Flash values."""
@@ -120,11 +125,9 @@ class ModelConfig:
             d.setdefault("beta_slow", rope_scaling.get("beta_slow"))
             d.setdefault("original_seq_len", rope_scaling.get("original_max_position_embeddings"))
         names = {f.name for f in dataclasses.fields(cls)}
-        runtime = {"dtype", "param_dtype", "quantize_cache", "index_keys", "weight_format", "activation_quant",
-                   "sinkhorn_unroll"}
         kwargs = {}
         for key, value in d.items():
-            if key not in names or key in runtime or value is None:
+            if key not in names or key in RUNTIME_FIELDS or value is None:
                 continue
             default = getattr(cls, key, None)
             if isinstance(default, tuple):

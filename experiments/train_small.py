@@ -34,11 +34,8 @@ from tqdm import tqdm
 
 import dsv41_jax as d
 from dsv41_jax import train
-from dsv41_jax.config import ModelConfig
+from dsv41_jax.config import RUNTIME_FIELDS, ModelConfig
 from experiments.corpus import TOK, load_corpus, training_batches, windows
-
-RUNTIME_FIELDS = ("dtype", "param_dtype", "quantize_cache", "index_keys", "weight_format", "activation_quant")
-
 
 def study_config(preset: str, plan: str, study: bool) -> ModelConfig:
     """The trained config: the preset cut to the byte vocabulary, f32 master weights, optionally the
@@ -58,9 +55,11 @@ def save_config(path: Path, cfg: ModelConfig) -> None:
 
 
 def load_config(path: Path, **overrides) -> ModelConfig:
-    """The config written by `save_config`, runtime switches included (then `overrides`)."""
+    """The config written by `save_config`, its runtime switches except the Sinkhorn loop's included
+    (then `overrides`)."""
     raw = json.loads(Path(path).read_text())
-    return ModelConfig.from_dict(raw, **{**{k: raw[k] for k in RUNTIME_FIELDS if k in raw}, **overrides})
+    kept = {k: raw[k] for k in RUNTIME_FIELDS if k in raw and k != "sinkhorn_unroll"}
+    return ModelConfig.from_dict(raw, **{**kept, **overrides})
 
 
 def make_optimizer(lr: float, warmup: int) -> optax.GradientTransformation:
