@@ -132,19 +132,23 @@ def replay_drift(cfg, params, batches: list[np.ndarray], tail: int, chunk: int, 
             "argmax_agreement": round(float(np.mean(agree)), 4)}
 
 
-def key_scores(logits_bkv: np.ndarray, ids_bt: np.ndarray, answer: int) -> tuple[np.ndarray, np.ndarray]:
-    """(whole key right [B], digits right [B, 6]) from the logits of positions answer-1 .. answer+4."""
-    right = logits_bkv.argmax(-1) == ids_bt[:, answer:answer + KEY_DIGITS]
-    return right.all(-1), right
+def key_scores(logits_bkv: np.ndarray, ids_bt: np.ndarray, answer: int):
+    """(whole key right bool [B], digits right bool [B, 6], digits' NLL f32 [B, 6] in nats) from the logits
+    of positions answer-1 .. answer+4. The NLL shows partial retrieval: a model that only knows "a digit
+    comes" pays about ln 10 = 2.30 per digit."""
+    key = ids_bt[:, answer:answer + KEY_DIGITS]
+    right = logits_bkv.argmax(-1) == key
+    lse = np.asarray(jax.nn.logsumexp(logits_bkv, axis=-1))
+    return right.all(-1), right, lse - np.take_along_axis(logits_bkv, key[..., None], axis=-1)[..., 0]
 
 
 def retrieval(cfg, params, sets: dict[int, list[tuple[np.ndarray, int]]], chunk: int, capacity: int,
               replay: bool) -> dict:
-    """{length: {key_acc, digit_acc}} over the examples of each length (cold, or with a bounded replay of
-    the last window before the question)."""
+    """{length: {key_acc, digit_acc, key_nll}} over the examples of each length (cold, or with a bounded
+    replay of the last window before the question); key_nll: mean nats per key digit."""
     out = {}
     for length, batches in sets.items():
-        keys, digits = [], []
+        keys, digits, nlls = [], [], []
         for ids, ans in batches:
             keep = (ans - 1, ans - 1 + KEY_DIGITS)
             if replay:
@@ -154,11 +158,13 @@ def retrieval(cfg, params, sets: dict[int, list[tuple[np.ndarray, int]]], chunk:
             else:
                 logits, _ = run_chunks(cfg, params, d.init_cache(cfg, ids.shape[0], capacity), ids, 0, length,
                                        chunk, keep=keep)
-            k, g = key_scores(logits, ids, ans)
+            k, g, nl = key_scores(logits, ids, ans)
             keys.append(k)
             digits.append(g)
+            nlls.append(nl)
         out[length] = {"key_acc": round(float(np.concatenate(keys).mean()), 4),
-                       "digit_acc": round(float(np.concatenate(digits).mean()), 4)}
+                       "digit_acc": round(float(np.concatenate(digits).mean()), 4),
+                       "key_nll": round(float(np.concatenate(nlls).mean()), 4)}
     return out
 
 
@@ -189,10 +195,14 @@ def parse_args(argv=None):
 def markdown(res: dict) -> str:
     """The tables of docs/QUALITY.md from a result dict."""
     lens = res["retrieval_lengths"]
-    head = "| model / inference | ppl (bits/byte) | " + " | ".join(f"key @ {n}" for n in lens) + " |"
+    head = "| model / inference | ppl (bits/byte) | " + " | ".join(f"key acc (NLL) @ {n}" for n in lens) + " |"
     lines = [head, "|" + "---|" * (2 + len(lens))]
+
+    def cell(r: dict) -> str:  # files made before key_nll existed have accuracy only
+        return f"{r['key_acc']:.2f}" + (f" ({r['key_nll']:.2f})" if "key_nll" in r else "")
+
     for row in res["rows"]:
-        keys = " | ".join(f"{row['retrieval'][str(n)]['key_acc']:.2f}" for n in lens)
+        keys = " | ".join(cell(row["retrieval"][str(n)]) for n in lens)
         ppl = f"{row['ppl']['ppl']:.3f} ({row['ppl']['bits_per_byte']:.4f})" if row["ppl"] else "see below"
         lines.append(f"| {row['model']}: {row['variant']} | {ppl} | {keys} |")
     for r in res.get("replay", []):

@@ -51,14 +51,18 @@ def test_key_scores_count_whole_keys_and_digits():
         logits[b, np.arange(KEY_DIGITS), truth[b]] = 1.0
     logits[1, 2] = 0
     logits[1, 2, (truth[1, 2] + 1) % TOK.size] = 1.0  # one wrong digit in row 1
-    whole, digits = quality.key_scores(logits, ids, ans)
+    whole, digits, nll = quality.key_scores(logits, ids, ans)
     assert whole.tolist() == [True, False, True]
     assert digits.sum() == 3 * KEY_DIGITS - 1
+    # a right digit costs log(1 + (V - 1) / e) nats here, the wrong one log(e + V - 1)
+    v = TOK.size
+    np.testing.assert_allclose(nll[0], np.log(np.e + v - 1) - 1.0, rtol=1e-5)
+    np.testing.assert_allclose(nll[1, 2], np.log(np.e + v - 1), rtol=1e-5)
 
 
 def test_merge_and_markdown(tmp_path):
     row = lambda model, v, p: {"model": model, "variant": v, "ppl": p,
-                               "retrieval": {"512": {"key_acc": 0.5, "digit_acc": 0.9}}}
+                               "retrieval": {"512": {"key_acc": 0.5, "digit_acc": 0.9, "key_nll": 1.2}}}
     a = {"retrieval_lengths": [512], "rows": [row("CSA2", "as trained", {"nll": 1.0, "bits_per_byte": 1.4427, "ppl": 2.718})],
          "replay": [{"model": "CSA2", "prefix": 768, "tail": 256, "nll_cold": 1.1, "nll_replay": 1.2,
                      "max_abs_dlogit": 0.5, "argmax_agreement": 0.99}]}
@@ -66,8 +70,8 @@ def test_merge_and_markdown(tmp_path):
     for name, r in (("a", a), ("b", b)):
         (tmp_path / f"{name}.json").write_text(json.dumps(r))
     table = quality.markdown(quality.merge([str(tmp_path / "a.json"), str(tmp_path / "b.json")]))
-    assert "| CSA2: as trained | 2.718 (1.4427) | 0.50 |" in table
-    assert "| all-Full: as trained | see below | 0.50 |" in table
+    assert "| CSA2: as trained | 2.718 (1.4427) | 0.50 (1.20) |" in table
+    assert "| all-Full: as trained | see below | 0.50 (1.20) |" in table
     assert "| CSA2 | 256 tokens after 768 | 1.1 | 1.2 | 0.5 | 0.99 |" in table
     b["retrieval_lengths"] = [1024]
     (tmp_path / "b.json").write_text(json.dumps(b))
