@@ -107,7 +107,9 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=128, help="tokens per training sequence")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--bias-rate", type=float, default=1e-3, help="expert-bias step per update")
+    ap.add_argument("--bias-rate", type=float, default=1e-2,
+                    help="expert-bias step per update (the release's 1e-3 suits trillion-token runs: in a few "
+                         "hundred steps it let the experts collapse, docs/QUALITY.md)")
     ap.add_argument("--kl-weight", type=float, default=1.0)
     ap.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (and at the end)")
     ap.add_argument("--eval-batches", type=int, default=4)
