@@ -33,13 +33,13 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
 import dsv41_jax as d
 from dsv41_jax import train
-from dsv41_jax.cache import Cache, SourceCache
+from dsv41_jax.cache import Cache
+from dsv41_jax.serving import slots as rows
 from experiments.corpus import KEY_DIGITS, load_corpus, passkey_batch, windows
 from experiments.train_small import load_config, make_optimizer
 
@@ -80,21 +80,14 @@ def run_chunks(cfg, params, cache: Cache, ids_bt: np.ndarray, lo: int, hi: int, 
     return (np.concatenate(kept, axis=1) if kept else None), cache
 
 
-def empty_window(cache: Cache) -> Cache:
-    """What a replay starts from, as the engine's `slots.reset_row`: every window ring empty below the
-    current length (`Cache.window_start`) and no pending compressor group."""
-    return cache.replace(window_start=jnp.broadcast_to(cache.lengths, cache.window_start.shape), sources=tuple(
-        SourceCache(s.entries, s.index_keys, jnp.zeros_like(s.pend_kv), jnp.zeros_like(s.pend_score))
-        for s in cache.sources))
-
-
 def cold_and_replayed(cfg, params, ids_bt, p: int, chunk: int, capacity: int) -> tuple[Cache, Cache]:
     """Caches after ids[:, :p]: exact, and with the last window [p - W, p) replayed on the cached global KV."""
     w = cfg.window_size
     b = ids_bt.shape[0]
     _, before = run_chunks(cfg, params, d.init_cache(cfg, b, capacity), ids_bt, 0, p - w, chunk)
     _, exact = run_chunks(cfg, params, before, ids_bt, p - w, p, chunk)
-    _, replayed = run_chunks(cfg, params, empty_window(before), ids_bt, p - w, p, chunk)
+    start = jax.device_put(rows.reset_row(rows.to_host(before), p - w))  # as the engine's replay starts
+    _, replayed = run_chunks(cfg, params, start, ids_bt, p - w, p, chunk)
     return exact, replayed.replace(sources=exact.sources)  # the replay's own global rows are not kept
 
 

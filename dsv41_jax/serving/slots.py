@@ -87,8 +87,8 @@ def ngram_history_at(token_map: np.ndarray, tokens: np.ndarray, n: int, width: i
 
 
 def reset_row(row: Cache, length: int) -> Cache:
-    """A host row with `length` tokens claimed, every window ring empty before `length`
-    (`Cache.window_start`) and no pending compressor group."""
-    return row.replace(lengths=np.array([length], np.int32), window_start=np.full_like(row.window_start, length),
+    """A host cache (a row, or any batch) with `length` tokens claimed per sequence, every window ring
+    empty before `length` (`Cache.window_start`) and no pending compressor group: where a replay starts."""
+    return row.replace(lengths=np.full_like(row.lengths, length), window_start=np.full_like(row.window_start, length),
                        sources=tuple(SourceCache(s.entries, s.index_keys, np.zeros_like(s.pend_kv),
                                                  np.zeros_like(s.pend_score)) for s in row.sources))
