@@ -21,11 +21,15 @@ import json
 import statistics
 import time
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from dsv41_jax import ops, quant
-from kernels_pallas import gpu_attention, gpu_indexer, gpu_select
+from kernels_pallas import decode, gpu_attention, gpu_indexer, gpu_select
 
 H_IDX, D_IDX, TOPK, N_BLOCKS, BLOCK = 32, 128, 512, 2048, 8
 H_ATT, D_ATT, WINDOW = 64, 512, 128
@@ -280,11 +284,73 @@ def bench_attention(rec_rows: Rows, key, args):
             rec_rows.note("dense", impl, error=str(e)[:200])
 
 
+# ----------------------------------------------------------------------------- where the scan's time goes
+STAGES = ("read", "decode", "split-dot")
+
+
+def _stage_kernel(qe_ref, qo_ref, w_ref, kv_ref, ks_ref, s_ref, *, n: int, tn: int, stage: str):
+    """The scan's tile loop cut after one stage, same grid, loads and output as `gpu_indexer`:
+    read = load the key bytes and exponents and sum them; decode = also decode and scale them to float16
+    as the scan does (interleave included) and sum; split-dot = the whole score without the interleave:
+    even and odd channels (low and high nibbles) scaled in place and dotted with q's even and odd rows
+    (two K = D/2 dots)."""
+    b, t = pl.program_id(0), pl.program_id(1)
+    n0 = t * tn
+    in_range = n0 + jnp.arange(tn) < n
+    kb = plt.load(kv_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=0)  # [TN, D/2]
+    e = plt.load(ks_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=127).astype(jnp.int32)
+    groups, half = e.shape[1], kb.shape[1]
+    if stage == "read":
+        s = (jnp.sum(kb.astype(jnp.int32), axis=1) + jnp.sum(e, axis=1)).astype(jnp.float32)
+    elif stage == "decode":
+        s = gpu_indexer._tile_scores_decoded(kb, e, groups).astype(jnp.float32).sum(axis=1)
+    else:
+        e_max = jnp.max(e, axis=1)
+        rel = jax.lax.bitcast_convert_type(jnp.maximum(e - e_max[:, None] + 127 + 14, 1) << 23, jnp.float32)
+        rel = jnp.broadcast_to(rel.astype(jnp.float16)[:, :, None], (tn, groups, half // groups)).reshape(tn, half)
+        lo, hi = decode.nibbles(kb)
+        logits = (jnp.dot(decode.fp4_as_f16(lo) * rel, qe_ref[b], preferred_element_type=jnp.float32)
+                  + jnp.dot(decode.fp4_as_f16(hi) * rel, qo_ref[b], preferred_element_type=jnp.float32))
+        s = jnp.sum(jnp.maximum(logits, 0.0) * w_ref[b, :][None, :], axis=1) * decode.e8m0_f32(e_max)
+    plt.store(s_ref.at[b, pl.ds(n0, tn)], s, mask=in_range)
+
+
+@functools.partial(jax.jit, static_argnames=("stage", "block_n", "num_warps", "interpret"))
+def scan_stage(q, w, values, scales, *, stage: str, block_n: int, num_warps: int, interpret: bool = False):
+    """f32 [B, N] from `_stage_kernel` (for stage split-dot: the scores, unmasked)."""
+    b, n = values.shape[:2]
+    qt, wn = gpu_indexer.prepare_query(q, w)
+    return pl.pallas_call(
+        functools.partial(_stage_kernel, n=n, tn=block_n, stage=stage), grid=(b, pl.cdiv(n, block_n)),
+        out_shape=jax.ShapeDtypeStruct((b, n), jnp.float32), interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=3), name=f"scan_{stage}",
+    )(qt[:, 0::2], qt[:, 1::2], wn, values, scales)
+
+
+def bench_scan_stages(rec_rows: Rows, key, args):
+    """Each stage of the scan timed alone, against the full scan (`--only stages`)."""
+    ctx, b = rec_rows.ctx, rec_rows.b
+    q, w, rec = index_data(key, b, ctx)
+    moved = nbytes(rec) + b * ctx * 4
+    full = gpu_indexer.indexer_scores(q, w, rec["values"], rec["scales"], jnp.full((b,), ctx, jnp.int32),
+                                      block_n=args.block_n, num_warps=args.warps, **KW)
+    for stage in STAGES:
+        fn = functools.partial(scan_stage, stage=stage, block_n=args.block_n, num_warps=args.warps, **KW)
+        extra = {}
+        if stage == "split-dot":
+            extra["max_rel_err_vs_scan"] = float(jnp.max(jnp.abs(fn(q, w, rec["values"], rec["scales"]) - full))
+                                                 / jnp.max(jnp.abs(full)))
+        rec_rows.add("scan-stage", stage, time_op(fn, (q, w, rec["values"], rec["scales"])), moved, **extra)
+
+
 def bench_config(ctx: int, b: int, peak: float, args) -> list[dict]:
     rows = Rows(ctx, b, peak)
     key = jax.random.key(ctx + b)
     if "indexer" in args.only or "select" in args.only:
         bench_scan_and_select(rows, key, args)
+        gc.collect()
+    if "stages" in args.only:
+        bench_scan_stages(rows, key, args)
         gc.collect()
     if "pool" in args.only:
         bench_pool(rows, key, args)
@@ -307,7 +373,7 @@ def main():
     p.add_argument("--splits", type=int, default=0, help="attention splits (0: fill the GPU)")
     p.add_argument("--ref-limit-gb", type=float, default=40.0, help="skip the jnp indexer above this temp size")
     p.add_argument("--dense-limit-gb", type=float, default=40.0)
-    p.add_argument("--only", default="indexer,select,pool,attention", help="pieces to time")
+    p.add_argument("--only", default="indexer,select,pool,attention", help="pieces to time (also: stages, the scan cut after each stage)")
     p.add_argument("--smoke", action="store_true", help="CPU check of this script (interpret mode, tiny)")
     args = p.parse_args()
     if args.smoke:

@@ -41,13 +41,13 @@ from dsv41_jax import train
 from dsv41_jax.cache import Cache
 from dsv41_jax.serving import slots as rows
 from experiments.corpus import KEY_DIGITS, load_corpus, passkey_batch, windows
-from experiments.train_small import load_config, make_optimizer
+from experiments.train_small import dense_overrides, load_config, make_optimizer
 
 # name -> ModelConfig changes at inference for a cache of `capacity` tokens (the weights stay the run's)
 VARIANTS = {
-    "as trained (FP4 cache, sparse, pool)": lambda capacity: {},
+    "inference config (FP4 cache, sparse, pool)": lambda capacity: {},
     "BF16 cache": lambda capacity: {"quantize_cache": False},
-    "dense attention (no selection)": lambda capacity: {"index_topk": capacity, "candidate_source_layer": -1},
+    "dense attention (no selection)": dense_overrides,
     "flat indexer (no candidate pool)": lambda capacity: {"candidate_source_layer": -1},
 }
 BASE = next(iter(VARIANTS))
@@ -165,7 +165,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", help="train_small output directory (config.json + checkpoint/)")
     ap.add_argument("--model", default="CSA2", help="name of the run's model in the table")
-    ap.add_argument("--variants", default="all", choices=["all", "base"], help="base: only the run as trained")
+    ap.add_argument("--variants", default="all", choices=["all", "base"], help="base: only the inference config (config.json)")
     ap.add_argument("--no-replay", dest="replay", action="store_false", help="skip the bounded-replay rows")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="print one table from earlier --out files, evaluate nothing")
     ap.add_argument("--batch", type=int, default=8)

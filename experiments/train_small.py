@@ -51,6 +51,12 @@ def study_config(preset: str, plan: str, study: bool) -> ModelConfig:
     return cfg
 
 
+def dense_overrides(context: int) -> dict:
+    """Config fields that turn sparse selection off for contexts up to `context` tokens: every reachable
+    compressed entry attended, no candidate pool (the indexer still scores, and is still trained by KL)."""
+    return {"index_topk": context, "candidate_source_layer": -1}
+
+
 def save_config(path: Path, cfg: ModelConfig) -> None:
     path.write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
 
@@ -100,6 +106,9 @@ def parse_args(argv=None):
     ap.add_argument("--plan", default="csa2", choices=["csa2", "all-full"],
                     help="csa2: the preset's layer plan; all-full: every compressing layer a Full layer")
     ap.add_argument("--study", action="store_true", help="selection sizes scaled to 1-8K contexts (see above)")
+    ap.add_argument("--train-attention", default="sparse", choices=["sparse", "dense"],
+                    help="dense: train with every compressed entry attended (the release's dense warm-up form; the "
+                         "indexer still learns by KL), evaluate with the sparse config saved in config.json")
     ap.add_argument("--retrieval-frac", type=float, default=0.25, help="share of passkey rows per batch")
     ap.add_argument("--steps", type=int, default=None, help="stop after this many steps")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
@@ -138,8 +147,9 @@ def main(argv=None) -> dict:
     opt = make_optimizer(args.lr, args.warmup)
     params = d.init_params(cfg, seed=args.seed)
     opt_state = train.init_opt_state(opt, params)
-    step_fn = train.make_train_step(cfg, opt, kl_weight=args.kl_weight, bias_rate=args.bias_rate)
-    eval_fn = jax.jit(lambda p, tokens: train.loss_fn(*train.split_trainable(p), cfg, tokens)[1]["lm_loss"])
+    train_cfg = cfg.replace(**dense_overrides(args.seq)) if args.train_attention == "dense" else cfg
+    step_fn = train.make_train_step(train_cfg, opt, kl_weight=args.kl_weight, bias_rate=args.bias_rate)
+    eval_fn = jax.jit(lambda p, tokens: train.loss_fn(*train.split_trainable(p), train_cfg, tokens)[1]["lm_loss"])
     rng = np.random.default_rng(args.seed)
     data = training_batches(train_ids, args.batch, args.seq, args.retrieval_frac, rng)
     val_rng = np.random.default_rng(args.seed + 1)
@@ -171,7 +181,7 @@ def main(argv=None) -> dict:
     train.save_checkpoint(out / "checkpoint", params, opt_state, step)
     curve = write_curve(out, rows)
     tokens = step * args.batch * args.seq
-    summary = {"preset": args.preset, "plan": args.plan, "study": args.study,
+    summary = {"preset": args.preset, "plan": args.plan, "study": args.study, "train_attention": args.train_attention,
                "params": int(sum(np.size(x) for x in jax.tree.leaves(params))), "backend": jax.default_backend(), "steps": step, "batch": args.batch,
                "seq": args.seq, "tokens": tokens, "seconds": round(train_s, 1),
                "first_step_seconds_with_compile": round(compile_s, 1),
