@@ -62,11 +62,8 @@ def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec, *, block=Non
 
 
 def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b, codec, *, backend="jnp"):
-    """f32 [B, K * block] scores of the pool positions only (`ops.indexer_scores_pool_decode`).
-
-    "auto" keeps the jnp reference here: the pool-scan kernels are interpret-tested but have not yet
-    compiled on a GPU or TPU; backend="pallas" runs them."""
-    if backend == "pallas" and _pallas(backend, index_key=codec):
+    """f32 [B, K * block] scores of the pool positions only (`ops.indexer_scores_pool_decode`)."""
+    if _pallas(backend, index_key=codec):
         return _kp().indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b)
     return ops.indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b, codec)
 
