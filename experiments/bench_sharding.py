@@ -64,17 +64,18 @@ def main(argv=None):
         got = {name: _median_step(f, c, nxt, a.steps) for name, f, c in order}
         rounds.append({k: 1e3 * v[0] for k, v in got.items()})
     diff = float(np.abs(np.asarray(got["plain"][1]) - np.asarray(got["sharded"][1])).max())
+    scale = float(np.abs(np.asarray(got["plain"][1])).max())  # what the difference is relative to
     ratios = [x["sharded"] / x["plain"] for x in rounds]
     row = dict(preset=a.preset, mesh=a.mesh, layout=a.layout, batch=a.batch, devices=len(jax.devices()),
                plain_ms=float(np.median([x["plain"] for x in rounds])),
                sharded_ms=float(np.median([x["sharded"] for x in rounds])),
                overhead=float(np.median(ratios)) - 1, overhead_min=min(ratios) - 1, overhead_max=max(ratios) - 1,
-               rounds=rounds, max_logit_diff=diff)
+               rounds=rounds, max_logit_diff=diff, logit_scale=scale)
     print(f"{'round':>5s} {'plain ms':>9s} {'sharded ms':>10s} {'ratio':>6s}")
     for i, x in enumerate(rounds):
         print(f"{i:5d} {x['plain']:9.3f} {x['sharded']:10.3f} {x['sharded'] / x['plain']:6.3f}")
     print(f"overhead of the sharded path: median {100 * row['overhead']:+.1f}% (rounds {100 * row['overhead_min']:+.1f}"
-          f"% .. {100 * row['overhead_max']:+.1f}%)   max |dlogit| {diff:.2e}")
+          f"% .. {100 * row['overhead_max']:+.1f}%)   max |dlogit| {diff:.2e} (logit scale {scale:.2f})")
     if a.out:
         json.dump(row, open(a.out, "w"), indent=1)
 

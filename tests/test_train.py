@@ -137,19 +137,16 @@ def test_training_forward_quantizes_under_jit():
         np.testing.assert_allclose(got, np.asarray(fake_quant(codec, jnp.asarray(raw))), rtol=1e-6, atol=1e-7)
 
 
-def test_train_small_dense_attention_trains_dense_and_saves_the_sparse_config(tmp_path):
-    """--train-attention dense: the step attends every compressed entry (its loss differs from the sparse
-    config's on the same weights), while config.json keeps the sparse inference config."""
+def test_dense_training_config_attends_every_entry():
+    """train_small --train-attention dense trains with `dense_overrides`: on the same weights its loss
+    differs from the sparse config's (tiny keeps 8 of up to 48 compressed entries per query)."""
     from experiments import train_small
 
-    summary = train_small.main(["--preset", "tiny", "--steps", "2", "--batch", "2", "--seq", "48", "--eval-batches", "1",
-                                "--corpus-mb", "0.2", "--retrieval-frac", "0", "--train-attention", "dense",
-                                "--out", str(tmp_path)])
-    assert summary["train_attention"] == "dense" and summary["steps"] == 2
-    saved = train_small.load_config(tmp_path / "config.json")
-    assert saved.index_topk == d.preset("tiny").index_topk < 48
-    params = d.init_params(saved, seed=1)
+    assert train_small.parse_args(["--steps", "1", "--train-attention", "dense"]).train_attention == "dense"
+    params = d.init_params(CFG, seed=1)
     tokens = jnp.asarray(np.random.default_rng(1).integers(3, 259, (2, 49)), jnp.int32)
+    dense_cfg = CFG.replace(**train_small.dense_overrides(48))
+    assert CFG.index_topk < 48 == dense_cfg.index_topk
     sparse, dense = (float(jax.jit(lambda p, t, c=c: train.loss_fn(*train.split_trainable(p), c, t)[1]["lm_loss"])(
-        params, tokens)) for c in (saved, saved.replace(**train_small.dense_overrides(48))))
+        params, tokens)) for c in (CFG, dense_cfg))
     assert abs(sparse - dense) > 1e-4
