@@ -16,12 +16,11 @@ MQA, bf16.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
 import time
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -303,11 +302,10 @@ def _stage_kernel(qe_ref, qo_ref, w_ref, kv_ref, ks_ref, s_ref, *, n: int, tn: i
     if stage == "read":
         s = (jnp.sum(kb.astype(jnp.int32), axis=1) + jnp.sum(e, axis=1)).astype(jnp.float32)
     elif stage == "decode":
-        s = gpu_indexer._tile_scores_decoded(kb, e, groups).astype(jnp.float32).sum(axis=1)
+        s = gpu_indexer._decoded_keys(kb, gpu_indexer._group_scales(e)[1], groups).astype(jnp.float32).sum(axis=1)
     else:
-        e_max = jnp.max(e, axis=1)
-        rel = jax.lax.bitcast_convert_type(jnp.maximum(e - e_max[:, None] + 127 + 14, 1) << 23, jnp.float32)
-        rel = jnp.broadcast_to(rel.astype(jnp.float16)[:, :, None], (tn, groups, half // groups)).reshape(tn, half)
+        e_max, rel = gpu_indexer._group_scales(e)
+        rel = jnp.broadcast_to(rel[:, :, None], (tn, groups, half // groups)).reshape(tn, half)
         lo, hi = decode.nibbles(kb)
         logits = (jnp.dot(decode.fp4_as_f16(lo) * rel, qe_ref[b], preferred_element_type=jnp.float32)
                   + jnp.dot(decode.fp4_as_f16(hi) * rel, qo_ref[b], preferred_element_type=jnp.float32))

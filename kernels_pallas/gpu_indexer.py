@@ -55,18 +55,24 @@ def prepare_query(q_bhd: jax.Array, w_bh: jax.Array, min_heads: int = 16):
 def _tile_scores(kb, e, qt, w, groups: int) -> jax.Array:
     """Scores f32 [TN] of TN key rows, before any masking: packed FP4 bytes kb uint8 [TN, D/2], E8M0
     exponents e int32 [TN, D/32], q^T float16 [D, Hp] and w' f32 [Hp] from `prepare_query`."""
-    logits = jnp.dot(_tile_scores_decoded(kb, e, groups), qt, preferred_element_type=jnp.float32)  # [TN, Hp]
-    return jnp.sum(jnp.maximum(logits, 0.0) * w[None, :], axis=1) * decode.e8m0_f32(jnp.max(e, axis=1))
+    e_max, rel = _group_scales(e)
+    logits = jnp.dot(_decoded_keys(kb, rel, groups), qt, preferred_element_type=jnp.float32)  # [TN, Hp]
+    return jnp.sum(jnp.maximum(logits, 0.0) * w[None, :], axis=1) * decode.e8m0_f32(e_max)
 
 
-def _tile_scores_decoded(kb, e, groups: int) -> jax.Array:
-    """Keys float16 [TN, D] in channel order, each times 2**(14 + its group exponent - the row's largest)."""
-    tn = kb.shape[0]
+def _group_scales(e) -> tuple[jax.Array, jax.Array]:
+    """(row's largest exponent int32 [TN], float16 [TN, D/32] 2**(14 + group exponent - that largest))."""
     e_max = jnp.max(e, axis=1)
     rel = jax.lax.bitcast_convert_type(jnp.maximum(e - e_max[:, None] + 127 + 14, 1) << 23, jnp.float32)
+    return e_max, rel.astype(jnp.float16)
+
+
+def _decoded_keys(kb, rel, groups: int) -> jax.Array:
+    """Keys float16 [TN, D] in channel order, each group times its `_group_scales` factor."""
+    tn = kb.shape[0]
     lo, hi = decode.nibbles(kb)
     k16 = jnp.stack([decode.fp4_as_f16(lo), decode.fp4_as_f16(hi)], axis=-1).reshape(tn, groups, KEY_SCALE_BLOCK)
-    return (k16 * rel.astype(jnp.float16)[:, :, None]).reshape(tn, groups * KEY_SCALE_BLOCK)
+    return (k16 * rel[:, :, None]).reshape(tn, groups * KEY_SCALE_BLOCK)
 
 
 def _kernel(reach_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *bmax_refs, n: int, tn: int, groups: int,
