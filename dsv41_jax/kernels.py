@@ -80,7 +80,8 @@ def select_pool_topk(scores_bp, blocks_bk, block, k, *, backend="jnp"):
 
 
 def candidate_blocks(bmax, reachable, n_blocks, block, *, backend="jnp"):
-    """int32 [..., n_blocks] pool block ids from block maxima [..., NB] (`ops.candidate_blocks_from_maxima`)."""
+    """int32 [..., n_blocks] pool block ids from block maxima [..., NB]: `ops.candidate_blocks` after its
+    `ops.block_maxima` step."""
     return select_topk(ops.pin_newest_block(bmax, reachable, block), n_blocks, backend=backend)
 
 

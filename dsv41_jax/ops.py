@@ -7,8 +7,8 @@ Shapes: B batch, T query tokens, N compressed entries, S attended keys, H heads,
 - `select_topk`: the k best positions per row, sorted by position, -1 for empty slots; ties go to the
   lowest position; -inf scores are never selected.
 - `candidate_blocks`: blocks of `block` positions scored by their max, the newest reachable block
-  pinned, the best `n_blocks` kept (sorted, -1 padded). `candidate_blocks_from_maxima` starts from
-  the block maxima (which the indexer-scan kernel writes in the same pass as the scores).
+  pinned, the best `n_blocks` kept (sorted, -1 padded): `select_topk` of `pin_newest_block` of
+  `block_maxima` (the maxima the indexer-scan kernel writes in the same pass as the scores).
 - pool forms (a Reindex layer in decode): `pool_positions` maps the pool's block ids to the positions
   it holds; `indexer_scores_pool_decode` scores only those; `pool_topk_positions` maps a top-k over
   the pool back to absolute positions.
@@ -94,19 +94,13 @@ def pin_newest_block(bmax: jax.Array, reachable: jax.Array, block: int) -> jax.A
     return jnp.where(pin, jnp.inf, bmax)
 
 
-def candidate_blocks_from_maxima(bmax: jax.Array, reachable: jax.Array, n_blocks: int, block: int) -> jax.Array:
-    """int32 [..., n_blocks]: the best `n_blocks` of the block maxima bmax [..., NB] (ascending, -1 padded),
-    the newest reachable block always kept (`pin_newest_block`)."""
-    return select_topk(pin_newest_block(bmax, reachable, block), n_blocks)
-
-
 def candidate_blocks(scores_btn: jax.Array, reachable_bt: jax.Array, n_blocks: int, block: int) -> jax.Array:
     """Level one of the hierarchical top-k. int32 [B, T, n_blocks] block ids (ascending, -1 padded).
 
     `scores_btn` must already be -inf at unreachable positions. The block holding the newest reachable
     position is always kept (it may be only partly filled and would otherwise lose to older blocks).
     """
-    return candidate_blocks_from_maxima(block_maxima(scores_btn, block), reachable_bt, n_blocks, block)
+    return select_topk(pin_newest_block(block_maxima(scores_btn, block), reachable_bt, block), n_blocks)
 
 
 def blocks_to_mask(blocks_btk: jax.Array, n: int, block: int) -> jax.Array:
