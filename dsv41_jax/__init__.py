@@ -3,13 +3,13 @@
 Data flows one way: config -> layer plan -> params -> cache -> step functions.
 """
 
-from dsv41_jax.api import abstract_params, decode_step, forward, init_params, prefill
+from dsv41_jax.api import abstract_params, decode_step, forward, init_params, prefill, prefill_chunks
 from dsv41_jax.cache import Cache, cache_bytes, global_bytes_per_token, init_cache
 from dsv41_jax.config import PRESETS, ModelConfig, preset
 from dsv41_jax.plan import LayerPlan, Mode, build_plan
 
 __all__ = [
     "ModelConfig", "preset", "PRESETS", "build_plan", "LayerPlan", "Mode",
-    "init_params", "abstract_params", "init_cache", "Cache", "prefill", "decode_step", "forward",
+    "init_params", "abstract_params", "init_cache", "Cache", "prefill", "prefill_chunks", "decode_step", "forward",
     "cache_bytes", "global_bytes_per_token",
 ]

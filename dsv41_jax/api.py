@@ -27,7 +27,8 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.kernels import resolve
 from dsv41_jax.model import Transformer
 
-__all__ = ["init_params", "abstract_params", "prefill", "decode_step", "forward", "init_cache", "graphdef"]
+__all__ = ["init_params", "abstract_params", "prefill", "prefill_chunks", "decode_step", "forward", "init_cache",
+           "graphdef"]
 
 
 def _abstract_model(cfg: ModelConfig) -> Transformer:
@@ -113,6 +114,22 @@ def prefill(cfg: ModelConfig, params, cache: Cache, tokens_bt, lengths_b, *, all
     layers = None if layers == cfg.n_layers else layers  # one program for "all layers"
     return _forward_jit(cfg, params, cache, tokens_bt.astype(jnp.int32), lengths_b.astype(jnp.int32),
                         all_logits=all_logits, layers=layers, kernels=resolve(kernels))
+
+
+def prefill_chunks(cfg: ModelConfig, params, cache: Cache, ids_bt, lo: int, hi: int, width: int, *,
+                   all_logits: bool = False, layers: int | None = None, kernels: str = "jnp"):
+    """`prefill` of ids_bt[:, lo:hi] (int [B, >= hi], every row the same span) in chunks of `width` tokens,
+    the last one right-padded, so every chunk has one shape (one compile). A generator: yields
+    (start, n, logits, cache) after each chunk of n real tokens starting at position `start`."""
+    ids_bt = np.asarray(ids_bt)
+    b = ids_bt.shape[0]
+    for a in range(lo, hi, width):
+        n = min(width, hi - a)
+        t = np.zeros((b, width), np.int32)
+        t[:, :n] = ids_bt[:, a:a + n]
+        logits, cache = prefill(cfg, params, cache, t, np.full((b,), n, np.int32), all_logits=all_logits,
+                                layers=layers, kernels=kernels)
+        yield a, n, logits, cache
 
 
 def decode_step(cfg: ModelConfig, params, cache: Cache, tokens_b, active_b=None, *, kernels: str = "jnp",

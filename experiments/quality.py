@@ -66,15 +66,9 @@ def run_chunks(cfg, params, cache: Cache, ids_bt: np.ndarray, lo: int, hi: int, 
                keep: tuple[int, int] | None = None):
     """Prefill ids[:, lo:hi] (every row the same span) in chunks; (f32 logits of positions keep[0]..keep[1]
     as [B, n, V] or None, cache)."""
-    b = ids_bt.shape[0]
     kept = []
-    for a in range(lo, hi, chunk):
-        n = min(chunk, hi - a)
-        t = np.zeros((b, chunk), np.int32)
-        t[:, :n] = ids_bt[:, a:a + n]
-        want = keep is not None and a < keep[1] and a + n > keep[0]
-        logits, cache = d.prefill(cfg, params, cache, t, np.full((b,), n, np.int32), all_logits=True)
-        if want:
+    for a, n, logits, cache in d.prefill_chunks(cfg, params, cache, ids_bt, lo, hi, chunk, all_logits=True):
+        if keep is not None and a < keep[1] and a + n > keep[0]:
             s, e = max(keep[0], a) - a, min(keep[1], a + n) - a
             kept.append(np.asarray(logits[:, s:e], np.float32))
     return (np.concatenate(kept, axis=1) if kept else None), cache

@@ -249,15 +249,12 @@ class Engine:
         """Prefill tokens [lo, hi) of ids onto a device row in fixed-width chunks through the first `layers`
         layers (None: all); (logits [1, V] | None, row)."""
         cw, logits = self.ecfg.prefill_chunk, None
-        starts = range(lo, hi, cw)
-        bar = tqdm(starts, desc=desc, unit="chunk", file=sys.stderr, leave=False,
-                   disable=not self.ecfg.progress or len(starts) < 8)
-        for a in bar:
-            n = min(cw, hi - a)
-            t = np.zeros((1, cw), np.int32)
-            t[0, :n] = ids[a:a + n]
-            logits, row = api.prefill(self.cfg, self.params, row, t, np.array([n], np.int32), layers=layers,
-                                      kernels=self.ecfg.kernels)
+        n_chunks = len(range(lo, hi, cw))
+        chunks = api.prefill_chunks(self.cfg, self.params, row, ids[None], lo, hi, cw, layers=layers,
+                                    kernels=self.ecfg.kernels)
+        for _, _, logits, row in tqdm(chunks, total=n_chunks, desc=desc, unit="chunk", file=sys.stderr, leave=False,
+                                      disable=not self.ecfg.progress or n_chunks < 8):
+            pass
         return logits, row
 
     def _restore(self, ids: np.ndarray, keys: list[str], m: dict):
