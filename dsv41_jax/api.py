@@ -6,6 +6,11 @@
     logits, cache = prefill(cfg, params, cache, tokens_bt, lengths_b)   # right-padded prompts
     logits, cache = decode_step(cfg, params, cache, next_tokens_b)
 
+`donate=True` (prefill, decode_step; always in `generate`) hands the cache's buffers to XLA, which updates
+them in place: the cache passed in is then deleted, use the returned one. Without it every call copies
+every cache array. `generate` runs N decode steps in one compiled call, sampling and stop checks on
+device, so no host work sits between tokens.
+
 `prefill` also continues an existing cache (chunked prefill): it appends lengths[b] tokens to each
 sequence. `prefill(..., layers=plan.encoder_depth(plan))` runs only the layers up to the last kv
 source (decoder-side bounded prefill, see `Transformer.forward`). Inputs are checked here, before XLA
@@ -26,9 +31,10 @@ from dsv41_jax.cache import Cache, cache_capacity, init_cache
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.kernels import resolve
 from dsv41_jax.model import Transformer
+from dsv41_jax.sampling import sample
 
-__all__ = ["init_params", "abstract_params", "prefill", "prefill_chunks", "decode_step", "forward", "init_cache",
-           "graphdef"]
+__all__ = ["init_params", "abstract_params", "prefill", "prefill_chunks", "decode_step", "generate", "forward",
+           "init_cache", "graphdef"]
 
 
 def _abstract_model(cfg: ModelConfig) -> Transformer:
@@ -62,7 +68,13 @@ def forward(cfg: ModelConfig, params, cache: Cache, tokens_bt, n_new_b, *, all_l
     return model.forward(cache, tokens_bt, n_new_b, all_logits=all_logits, layers=layers, kernel_backend=kernels)
 
 
-_forward_jit = jax.jit(forward, static_argnames=("cfg", "all_logits", "layers", "kernels"))
+_STATIC = ("cfg", "all_logits", "layers", "kernels")
+_forward_jit = jax.jit(forward, static_argnames=_STATIC)
+_forward_donating = jax.jit(forward, static_argnames=_STATIC, donate_argnames=("cache",))
+
+
+def _run(donate: bool):
+    return _forward_donating if donate else _forward_jit
 
 
 def _concrete(x) -> bool:
@@ -79,13 +91,14 @@ def _check_tokens(cfg: ModelConfig, tokens, name: str) -> None:
 
 
 def prefill(cfg: ModelConfig, params, cache: Cache, tokens_bt, lengths_b, *, all_logits: bool = False,
-            layers: int | None = None, kernels: str = "jnp"):
+            layers: int | None = None, kernels: str = "jnp", donate: bool = False):
     """Append right-padded prompts to the cache.
 
     tokens_bt: int [B, T] (positions >= lengths_b[b] are padding, any valid id); lengths_b: int [B],
     1 <= lengths_b[b] <= T. Returns (logits, cache): logits f32 [B, V] at each prompt's last token,
     or [B, T, V] with all_logits=True. layers=k < n_layers runs blocks [0, k) only and returns
     (None, cache); the later blocks' rings then restart empty at the new length (`Cache.window_start`).
+    donate=True updates the cache in place (the argument is consumed; see the module docstring).
     """
     if layers is not None and not (isinstance(layers, int) and 0 < layers <= cfg.n_layers):
         raise ValueError(f"layers must be an int in 1..{cfg.n_layers} (n_layers) or None, got {layers!r}")
@@ -112,12 +125,12 @@ def prefill(cfg: ModelConfig, params, cache: Cache, tokens_bt, lengths_b, *, all
             raise ValueError(f"prompt too long for the cache: cached {have.tolist()} + new {n.tolist()} tokens "
                              f"exceeds its capacity of {cap}; make the cache with a larger capacity")
     layers = None if layers == cfg.n_layers else layers  # one program for "all layers"
-    return _forward_jit(cfg, params, cache, tokens_bt.astype(jnp.int32), lengths_b.astype(jnp.int32),
+    return _run(donate)(cfg, params, cache, tokens_bt.astype(jnp.int32), lengths_b.astype(jnp.int32),
                         all_logits=all_logits, layers=layers, kernels=resolve(kernels))
 
 
 def prefill_chunks(cfg: ModelConfig, params, cache: Cache, ids_bt, lo: int, hi: int, width: int, *,
-                   all_logits: bool = False, layers: int | None = None, kernels: str = "jnp"):
+                   all_logits: bool = False, layers: int | None = None, kernels: str = "jnp", donate: bool = False):
     """`prefill` of ids_bt[:, lo:hi] (int [B, >= hi], every row the same span) in chunks of `width` tokens,
     the last one right-padded, so every chunk has one shape (one compile). A generator: yields
     (start, n, logits, cache) after each chunk of n real tokens starting at position `start`."""
@@ -128,17 +141,18 @@ def prefill_chunks(cfg: ModelConfig, params, cache: Cache, ids_bt, lo: int, hi: 
         t = np.zeros((b, width), np.int32)
         t[:, :n] = ids_bt[:, a:a + n]
         logits, cache = prefill(cfg, params, cache, t, np.full((b,), n, np.int32), all_logits=all_logits,
-                                layers=layers, kernels=kernels)
+                                layers=layers, kernels=kernels, donate=donate)
         yield a, n, logits, cache
 
 
 def decode_step(cfg: ModelConfig, params, cache: Cache, tokens_b, active_b=None, *, kernels: str = "jnp",
-                validate: bool = True):
+                validate: bool = True, donate: bool = False):
     """Append one token per sequence; returns (logits f32 [B, V], cache).
 
     active_b: optional bool [B]; inactive sequences are left untouched (their logits are garbage).
     validate=False skips the value checks (ids in range, room in the cache), which read device arrays
     back to the host: a generation loop that feeds sampled ids and tracks lengths itself can skip them.
+    donate=True updates the cache in place (the argument is consumed).
     """
     tokens_b = jnp.asarray(tokens_b)
     if tokens_b.shape != (cache.batch,):
@@ -154,5 +168,60 @@ def decode_step(cfg: ModelConfig, params, cache: Cache, tokens_b, active_b=None,
         if full.any():
             raise ValueError(f"cache full: sequences {np.flatnonzero(full).tolist()} already hold {cap} tokens "
                              "(the capacity); make the cache larger or stop generating")
-    return _forward_jit(cfg, params, cache, tokens_b.astype(jnp.int32)[:, None], n_new, all_logits=False,
+    return _run(donate)(cfg, params, cache, tokens_b.astype(jnp.int32)[:, None], n_new, all_logits=False,
                         kernels=resolve(kernels))
+
+
+def _generate(cfg, params, cache, tokens_b, temperature_b, seed_b, step_b, budget_b, stop_bs, *, n_steps: int,
+              kernels: str):
+    def one_step(carry, i):
+        cache, tok, count = carry
+        live = count < budget_b  # [B]: sequences that still feed a token and sample the next
+        logits, cache = forward(cfg, params, cache, tok[:, None], live.astype(jnp.int32), kernels=kernels)
+        nxt = sample(logits, temperature_b, seed_b, step_b + count)
+        nxt = jnp.where(live, nxt, tok)
+        stop = jnp.any(nxt[:, None] == stop_bs, axis=1)
+        count = jnp.where(live, jnp.where(stop, budget_b, count + 1), count)
+        return (cache, nxt, count), (nxt, live)
+
+    init = (cache, tokens_b, jnp.zeros_like(budget_b))
+    (cache, _, _), (toks, emitted) = jax.lax.scan(one_step, init, jnp.arange(n_steps))
+    return toks.T, emitted.T, cache
+
+
+_generate_jit = jax.jit(_generate, static_argnames=("cfg", "n_steps", "kernels"), donate_argnames=("cache",))
+
+
+def generate(cfg: ModelConfig, params, cache: Cache, tokens_b, n_steps: int, *, temperature_b=0.0, seed_b=0,
+             step_b=0, budget_b=None, stop_ids_bs=None, kernels: str = "jnp"):
+    """Up to `n_steps` decode steps in one compiled call: feed tokens_b, sample the next token on device
+    (`sampling.sample`: greedy at temperature 0), feed it, and so on. The cache is donated.
+
+    tokens_b int [B]: each sequence's newest token, not yet in the cache. Per sequence (scalars
+    broadcast): temperature_b, seed_b and step_b (the sampling key is fold_in(key(seed), step), step
+    counting that sequence's sampled tokens), budget_b int [B] (tokens it may still sample; 0 = idle;
+    default n_steps), stop_ids_bs int [B, S] (-1 padded): a sampled stop id ends the sequence (it is
+    emitted, never fed). Returns (tokens int32 [B, n_steps], emitted bool [B, n_steps]: True where
+    the token is a real sample of that sequence, cache).
+    """
+    tokens_b = jnp.asarray(tokens_b)
+    b = cache.batch
+    if tokens_b.shape != (b,) or not jnp.issubdtype(tokens_b.dtype, jnp.integer):
+        raise ValueError(f"generate tokens must be integer ids of shape ({b},), got {tokens_b.shape} {tokens_b.dtype}")
+    if not isinstance(n_steps, int) or n_steps < 1:
+        raise ValueError(f"n_steps must be a positive int, got {n_steps!r}")
+    _check_tokens(cfg, tokens_b, "tokens")
+    per_seq = lambda v, dt: jnp.broadcast_to(jnp.asarray(v, dt), (b,))
+    budget = per_seq(n_steps if budget_b is None else budget_b, jnp.int32)
+    if _concrete(budget) and _concrete(cache.lengths):
+        cap = cache_capacity(cache, cfg)
+        need = np.asarray(cache.lengths) + np.minimum(np.asarray(budget), n_steps)
+        if (need > cap).any():
+            raise ValueError(f"cache full: sequences {np.flatnonzero(need > cap).tolist()} would exceed the "
+                             f"capacity of {cap} tokens in {n_steps} steps; lower budget_b or n_steps")
+    stop = jnp.full((b, 1), -1, jnp.int32) if stop_ids_bs is None else jnp.asarray(stop_ids_bs, jnp.int32)
+    if stop.ndim != 2 or stop.shape[0] != b:
+        raise ValueError(f"stop_ids_bs must be [{b}, S] (-1 padded), got shape {stop.shape}")
+    return _generate_jit(cfg, params, cache, tokens_b.astype(jnp.int32), per_seq(temperature_b, jnp.float32),
+                         per_seq(seed_b, jnp.uint32), per_seq(step_b, jnp.int32), budget, stop, n_steps=n_steps,
+                         kernels=resolve(kernels))

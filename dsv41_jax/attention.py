@@ -164,9 +164,9 @@ class Indexer(nnx.Module):
     def keys(self, latent_bgd: jax.Array, gpos_bg: jax.Array, inv_freq) -> jax.Array:
         return apply_rope(self.k_norm(self.wk(latent_bgd)), gpos_bg, inv_freq)
 
-    def query(self, x_btd, qr_btr, pos_bt, inv_freq, fmt: CacheFormats, ste: bool = False):
+    def query(self, x_btd, qr_btr, pos_bt, inv_freq, fmt: CacheFormats, ste: bool = False, backend: str = "jnp"):
         b, t, _ = x_btd.shape
-        q = self.wq_b(qr_btr).reshape(b, t, self.n_heads, self.head_dim)
+        q = self.wq_b(qr_btr, backend=backend).reshape(b, t, self.n_heads, self.head_dim)
         q = (fake_quant_ste if ste else fake_quant)(fmt.index_key, apply_rope(q, pos_bt, inv_freq))
         w = self.weights_proj(x_btd, jnp.float32) * self.weight_scale
         return q, w
@@ -236,7 +236,8 @@ class Attention(nnx.Module):
         block, backend = cfg.candidate_block_size, step.kernel_backend
         if step.training:  # detached: the LM loss does not reach the indexer, its KL not the backbone
             x_btd, qr_btr = jax.lax.stop_gradient(x_btd), jax.lax.stop_gradient(qr_btr)
-        q, w = self.indexer.query(x_btd, qr_btr, step.pos, self.inv_freq, step.fmt, ste=step.training)
+        q, w = self.indexer.query(x_btd, qr_btr, step.pos, self.inv_freq, step.fmt, ste=step.training,
+                                  backend=step.kernel_backend)
         reach = (step.pos + 1) // p.ratio  # [B, T] entries whose group the query has completed
         if step.decode and p.uses_candidates:
             return self._select_in_pool(q[:, 0], w[:, 0], reach[:, 0], step)[:, None]
@@ -319,9 +320,10 @@ class Attention(nnx.Module):
         cfg, p = self.cfg, self.plan
         b, t, _ = x_btd.shape
         h, hd, w = cfg.n_heads, cfg.head_dim, cfg.window_size
-        qr = self.q_norm(self.wq_a(x_btd))
-        q = apply_rope(self.wq_b(qr).reshape(b, t, h, hd), step.pos, self.inv_freq)
-        kv = apply_rope(self.kv_norm(self.wkv(x_btd)), step.pos, self.inv_freq)
+        be = step.kernel_backend
+        qr = self.q_norm(self.wq_a(x_btd, backend=be))
+        q = apply_rope(self.wq_b(qr, backend=be).reshape(b, t, h, hd), step.pos, self.inv_freq)
+        kv = apply_rope(self.kv_norm(self.wkv(x_btd, backend=be)), step.pos, self.inv_freq)
         chunk_rec, old_ring, new_ring = self._window(kv, step)
 
         idx = None
@@ -368,4 +370,4 @@ class Attention(nnx.Module):
         o = o.reshape(b, t, g, h * hd // g)
         wo_a = self.wo_a.weight[...].reshape(g, cfg.o_lora_rank, -1).astype(o.dtype)
         o = jnp.einsum("btgd,grd->btgr", o, wo_a, preferred_element_type=jnp.float32).astype(o.dtype)
-        return self.wo_b(o.reshape(b, t, g * cfg.o_lora_rank))
+        return self.wo_b(o.reshape(b, t, g * cfg.o_lora_rank), backend=be)

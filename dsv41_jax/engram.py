@@ -73,11 +73,12 @@ class Engram(nnx.Module):
         rows, scales = got
         return TABLE_FP8.decode({"values": jax.lax.bitcast_convert_type(rows, jnp.uint8), "scales": scales})
 
-    def __call__(self, h_bthd: jax.Array, ids_btc: jax.Array) -> jax.Array:
-        """h: [B, T, hc, dim] stream; ids: int32 [B, T, n_cols] table rows. Returns the new stream."""
+    def __call__(self, h_bthd: jax.Array, ids_btc: jax.Array, *, backend: str = "jnp") -> jax.Array:
+        """h: [B, T, hc, dim] stream; ids: int32 [B, T, n_cols] table rows. Returns the new stream.
+        backend: the `dsv41_jax.kernels` switch of the FP8 projection."""
         b, t = ids_btc.shape[:2]
         emb = self.lookup(ids_btc).reshape(b, t, -1).astype(h_bthd.dtype)
-        kv = self.wkv(emb, jnp.float32)
+        kv = self.wkv(emb, jnp.float32, backend=backend)
         key = kv[..., : self.hc * self.dim].reshape(b, t, self.hc, self.dim)
         value = kv[..., self.hc * self.dim:]
         h = h_bthd.astype(jnp.float32)

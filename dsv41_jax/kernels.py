@@ -6,6 +6,11 @@ on CPU) or "auto": the kernels on GPU/TPU when the record formats are the releas
 `RawCodec` caches). The model passes `ModelConfig.kernels`; users override it with
 `cfg.replace(kernels=...)`.
 
+The weight matmuls (`grouped_matmul` for routed experts, `fp8_matmul` for FP8 projections) use the
+GPU kernels only for the released packed weight formats, and on GPU only: TPU runs their jnp forms.
+Their rows of output agree with jnp to f32 summation order (the decoded weights are exact in the
+compute dtype).
+
 Agreement with jnp (tests/test_kernels_*.py): selection is exact; indexer scores (full scan and pool
 scan) agree to ~1e-7 relative (FP4-grid operands make every product exact, only the summation order
 differs); attention to ~1e-4 relative on GPU (float16 tensor-core operands) and ~1e-5 on TPU (bf16
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import jax
 
-from dsv41_jax import ops, quant
+from dsv41_jax import grouped, ops, quant
 
 _KERNEL_FORMATS = {  # what the kernels decode: the released record layouts
     "index_key": quant.INDEX_KEY,
@@ -91,3 +96,24 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry
         return _kp().sparse_attention_decode(q_bhd, window_rec, window_valid, entry_rec, idx_bk, sink_h, scale)
     return ops.sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry_rec, idx_bk,
                                        entry_codec, sink_h, scale)
+
+
+def _weight_kernels(backend: str) -> bool:
+    """True when the GPU weight-matmul kernels run (GPU, or interpret mode on CPU with "pallas")."""
+    backend = resolve(backend)
+    return backend != "jnp" and _kp().platform()[0] == "gpu"
+
+
+def grouped_matmul(x_mk, w, sizes_e, *, backend="jnp"):
+    """f32 [M, N]: rows sorted by expert times their expert's stored weight (`grouped.grouped_matmul`)."""
+    if grouped.is_packed(w) and _weight_kernels(backend):
+        return _kp().grouped_matmul_fp4(x_mk, w["values"], w["scales"], sizes_e)
+    return grouped.grouped_matmul(x_mk, w, sizes_e)
+
+
+def fp8_matmul(x_mk, q_nk, exp, *, backend="jnp"):
+    """f32 [M, N] = x @ W^T for an FP8 block-format weight (`grouped.fp8_matmul`)."""
+    n, k = q_nk.shape
+    if n % 32 == 0 and k % 32 == 0 and _weight_kernels(backend):
+        return _kp().fp8_matmul(x_mk, q_nk, exp)
+    return grouped.fp8_matmul(x_mk, q_nk, exp)

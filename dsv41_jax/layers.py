@@ -21,11 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import quant
+from dsv41_jax import kernels, quant
+from dsv41_jax.grouped import FP8_BLOCK
 
-FP8_BLOCK = 32  # dense FP8 weights: one scale per 32x32 block; activations: one per 32 inputs
 ACT_FP8 = quant.Fp8Codec(block=FP8_BLOCK)  # the release's act_quant: E4M3, power-of-two scale, amax >= 1e-4
-EXPERT_FP4 = quant.Fp4Codec(block=32, scale_format="e8m0")  # routed experts: one E8M0 scale per 32 inputs
 
 
 def weights_fp8(cfg) -> bool:
@@ -70,18 +69,11 @@ def quantize_fp8_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q.reshape(o + po, i + pi)[:o, :i], exp
 
 
-def dequantize_fp8_blocks(q_oi: jax.Array, exp: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """E4M3 [out, in] x E8M0 [ceil(out/32), ceil(in/32)] -> `dtype` [out, in] (exact in bf16 and f32)."""
-    o, i = q_oi.shape
-    s = quant.e8m0_decode(exp)
-    s = jnp.repeat(jnp.repeat(s, FP8_BLOCK, axis=0)[:o], FP8_BLOCK, axis=1)[:, :i]
-    return (q_oi.astype(jnp.float32) * s).astype(dtype)
-
-
 class Linear(nnx.Module):
     """y = x @ W.T with W [out, in]; computes in x's dtype with f32 accumulation.
 
-    fp8=True stores W in the released FP8 block format (`weight` E4M3 + `scale`), dequantized here;
+    fp8=True stores W in the released FP8 block format (`weight` E4M3 + `scale`), read through
+    `kernels.fp8_matmul` (the jnp reference dequantizes it);
     act_quant=True rounds x to FP8 groups of 32 first (see the module docstring).
     """
 
@@ -97,16 +89,16 @@ class Linear(nnx.Module):
         self.fp8 = fp8
         self.act_quant = act_quant
 
-    def dense_weight(self, dtype) -> jax.Array:
-        """W [out, in] in `dtype`, dequantized when stored in FP8."""
-        if self.fp8:
-            return dequantize_fp8_blocks(self.weight[...], self.scale[...], dtype)
-        return self.weight[...].astype(dtype)
-
-    def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
+    def __call__(self, x: jax.Array, out_dtype=None, *, backend: str = "jnp") -> jax.Array:
+        """x [..., in] -> [..., out] in out_dtype (default x's). backend: `dsv41_jax.kernels` switch; an
+        FP8 weight is then read in its stored bytes by the GPU kernel (no dequantized copy)."""
         if self.act_quant:
             x = quantize_activation(x)
-        y = jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype), preferred_element_type=jnp.float32)
+        if self.fp8:
+            y = kernels.fp8_matmul(x.reshape(-1, x.shape[-1]), self.weight[...], self.scale[...], backend=backend)
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+        else:
+            y = jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype), preferred_element_type=jnp.float32)
         return y.astype(out_dtype or x.dtype)
 
 

@@ -34,12 +34,12 @@ class Block(nnx.Module):
     def __call__(self, h, pre_mix, step: Step, engram_ids=None):
         """h: [B, T, hc, dim]; pre_mix: [B, T, hc] from the previous block. Returns (h, next pre_mix)."""
         if self.engram is not None:
-            h = self.engram(h, engram_ids)
+            h = self.engram(h, engram_ids, backend=step.kernel_backend)
         attn_pre, post, comb = self.hc_attn(h)
         x = self.attn(self.attn_norm(collapse(h, pre_mix)), step)
         h = expand(x, h, post, comb)
         ffn_pre, post, comb = self.hc_ffn(h)
-        x = self.ffn(self.ffn_norm(collapse(h, attn_pre)), step.extras)
+        x = self.ffn(self.ffn_norm(collapse(h, attn_pre)), step.extras, backend=step.kernel_backend)
         return expand(x, h, post, comb), ffn_pre
 
 

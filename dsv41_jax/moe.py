@@ -5,7 +5,8 @@ SwiGLU with the release's clamps (up branch to +-limit, gate branch from above).
 With `weight_format="fp8"` the routed experts keep the released FP4 format: E2M1 codes packed two per
 byte along the input axis (even element in the low nibble) in the checkpoint's output-major
 orientation, w1/w3 [E, inter, dim/2] and w2 [E, dim, inter/2], plus one E8M0 scale per 32 inputs
-(`w*_scale`, uint8 exponents); they are dequantized to the input-major form inside the computation.
+(`w*_scale`, uint8 exponents). `dsv41_jax.grouped` says how they are read: only the experts that
+tokens are routed to, and on GPU in their stored bytes (kernels.grouped_matmul).
 With `activation_quant` the expert and shared-expert inputs are rounded to FP8 first (W4A8 / W8A8).
 """
 
@@ -15,8 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax.layers import (EXPERT_FP4, Buffer, activation_quant, normal_init, quantize_activation,
-                              released_fp8_linear, weights_fp8)
+from dsv41_jax import kernels
+from dsv41_jax.grouped import EXPERT_FP4
+from dsv41_jax.layers import (Buffer, activation_quant, normal_init, quantize_activation, released_fp8_linear,
+                              weights_fp8)
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -73,24 +76,16 @@ class MoE(nnx.Module):
         self.limit = cfg.swiglu_limit
         self.n_experts = e
 
-    def expert_weight(self, name: str, dtype, raw=None) -> jax.Array:
-        """Stacked input-major expert weight [E, in, out] in `dtype` (dequantized from FP4 if stored so).
-
-        raw: the stored arrays {name, name + "_scale"} to use instead of the params (a shard of them
-        inside shard_map).
-        """
-        raw = raw if raw is not None else self._raw_experts()
-        w = raw[name]
-        if not self.fp4:
-            return w.astype(dtype)
-        dense = EXPERT_FP4.decode({"values": w, "scales": raw[name + "_scale"]})
-        return dense.transpose(0, 2, 1).astype(dtype)
-
     def _raw_experts(self) -> dict:
+        """The stored routed-expert arrays by param name (a shard of them inside shard_map)."""
         names = ("w1", "w2", "w3") + (("w1_scale", "w2_scale", "w3_scale") if self.fp4 else ())
         return {n: getattr(self, n)[...] for n in names}
 
-    def _routed(self, x_nd, w_nk, ids_nk, raw, first_expert, n_local: int) -> jax.Array:
+    def _stored(self, raw: dict, name: str):
+        """One expert matrix in the form `grouped` takes: FP4 records or the float [E, in, out] array."""
+        return {"values": raw[name], "scales": raw[name + "_scale"]} if self.fp4 else raw[name]
+
+    def _routed(self, x_nd, w_nk, ids_nk, raw, first_expert, n_local: int, backend: str) -> jax.Array:
         """Sum over each token's assignments to experts [first_expert, first_expert + n_local): f32 [N, D].
 
         Assignments to other experts sort last and fall outside the ragged groups (zero rows).
@@ -104,16 +99,17 @@ class MoE(nnx.Module):
         sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
         dt = x_nd.dtype
         xs = x_nd[token_of]
-        h1 = jax.lax.ragged_dot(xs, self.expert_weight("w1", dt, raw), sizes, preferred_element_type=jnp.float32)
-        h3 = jax.lax.ragged_dot(xs, self.expert_weight("w3", dt, raw), sizes, preferred_element_type=jnp.float32)
+        mm = lambda a, name: kernels.grouped_matmul(a, self._stored(raw, name), sizes, backend=backend)
+        h1, h3 = mm(xs, "w1"), mm(xs, "w3")
         act = (swiglu(h1, h3, self.limit) * w_nk.reshape(-1)[order][:, None]).astype(dt)
         if self.act_quant:  # the release weights the activation before quantizing it for w2
             act = quantize_activation(act)
-        ys = jax.lax.ragged_dot(act, self.expert_weight("w2", dt, raw), sizes, preferred_element_type=jnp.float32)
+        ys = mm(act, "w2")
         return jnp.zeros(x_nd.shape, jnp.float32).at[token_of].add(ys)
 
-    def __call__(self, x_btd: jax.Array, extras: dict | None = None) -> jax.Array:
-        """extras: if given, gets this layer's routed load appended to extras["expert_load"] (int32 [E]
+    def __call__(self, x_btd: jax.Array, extras: dict | None = None, *, backend: str = "jnp") -> jax.Array:
+        """x [B, T, D] -> [B, T, D]. backend: the `dsv41_jax.kernels` switch of the expert and FP8 matmuls.
+        extras: if given, gets this layer's routed load appended to extras["expert_load"] (int32 [E]
         assignments per expert over all B*T tokens, padding included), for aux-loss-free balancing."""
         b, t, d = x_btd.shape
         x = x_btd.reshape(b * t, d)
@@ -125,14 +121,15 @@ class MoE(nnx.Module):
         mesh = jax.sharding.get_abstract_mesh()
         ep = mesh.shape.get("expert", 1) if not mesh.empty else 1
         if ep > 1:
-            y = self._routed_expert_parallel(xq, w, ids, mesh, ep)
+            y = self._routed_expert_parallel(xq, w, ids, mesh, ep, backend)
         else:
-            y = self._routed(xq, w, ids, self._raw_experts(), 0, self.n_experts)
-        shared = self.shared_w2(swiglu(self.shared_w1(x, jnp.float32), self.shared_w3(x, jnp.float32),
-                                       self.limit).astype(dt), jnp.float32)
+            y = self._routed(xq, w, ids, self._raw_experts(), 0, self.n_experts, backend)
+        up = lambda lin: lin(x, jnp.float32, backend=backend)
+        shared = self.shared_w2(swiglu(up(self.shared_w1), up(self.shared_w3), self.limit).astype(dt), jnp.float32,
+                                backend=backend)
         return (y + shared).astype(dt).reshape(b, t, d)
 
-    def _routed_expert_parallel(self, x_nd, w_nk, ids_nk, mesh, ep: int) -> jax.Array:
+    def _routed_expert_parallel(self, x_nd, w_nk, ids_nk, mesh, ep: int, backend: str) -> jax.Array:
         """Expert parallelism: each device of the `expert` mesh axis holds E/ep experts. Tokens (sharded
         over `data`, replicated over `expert`) are all present on every expert shard, each shard computes
         its own experts' assignments, and a psum over `expert` combines them."""
@@ -144,7 +141,7 @@ class MoE(nnx.Module):
 
         def body(x, w, ids, raw_local):
             first = jax.lax.axis_index("expert") * n_local
-            return jax.lax.psum(self._routed(x, w, ids, raw_local, first, n_local), "expert")
+            return jax.lax.psum(self._routed(x, w, ids, raw_local, first, n_local, backend), "expert")
 
         return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, jax.tree.map(lambda _: P("expert"), raw)),
                              out_specs=tok, check_vma=False)(x_nd, w_nk, ids_nk, raw)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import jax
 
-from kernels_pallas import gpu_attention, gpu_indexer, gpu_select, tpu_attention, tpu_indexer, tpu_select
+from kernels_pallas import gpu_attention, gpu_grouped, gpu_indexer, gpu_select, tpu_attention, tpu_indexer, tpu_select
 
-__all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode", "platform"]
+__all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode",
+           "grouped_matmul_fp4", "fp8_matmul", "platform"]
 
 
 def platform(override: str | None = None) -> tuple[str, bool]:
@@ -62,3 +63,13 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid_bw, entry_rec, idx_b
     if block_k is None:
         raise ValueError(f"the GPU attention kernel needs a window size that is a multiple of 16, got {w}")
     return gpu_attention.sparse_attention(*args, splits=splits, block_k=block_k, interpret=interpret)
+
+
+def grouped_matmul_fp4(x_mk, values, scales, sizes_e):
+    """f32 [M, N]: sorted rows times their expert's packed FP4 weight (GPU kernel; interpreted on CPU)."""
+    return gpu_grouped.grouped_matmul_fp4(x_mk, values, scales, sizes_e, interpret=jax.default_backend() == "cpu")
+
+
+def fp8_matmul(x_mk, q_nk, exp):
+    """f32 [M, N] = x @ W^T, W in the released FP8 block format (GPU kernel; interpreted on CPU)."""
+    return gpu_grouped.fp8_matmul(x_mk, q_nk, exp, interpret=jax.default_backend() == "cpu")

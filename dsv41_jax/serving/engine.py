@@ -58,7 +58,7 @@ from dsv41_jax import api
 from dsv41_jax.cache import cache_bytes, init_cache
 from dsv41_jax.plan import Mode, build_plan, encoder_depth
 from dsv41_jax.serving import slots as rows
-from dsv41_jax.serving.sampling import sample
+from dsv41_jax.sampling import sample
 from dsv41_jax.tiers import HostPool, PageStore, block_chain, fingerprint
 from dsv41_jax.tiers.keys import weights_digest
 

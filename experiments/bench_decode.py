@@ -1,0 +1,332 @@
+"""Decode speed against the memory roofline, at the released width, without a checkpoint or a prefill.
+
+    python -m experiments.bench_decode                       # the 6-layer v41-flash slice, batch 1/8/64, 4K
+    python -m experiments.bench_decode --batch 64 --context 131072
+    python -m experiments.bench_decode --preset small --weight-format float
+    python -m experiments.bench_decode --preset v41-flash --layers 40   # the whole model (needs the memory)
+
+Weights are random in the released formats (`--weight-format fp8`: FP8 + E8M0/32x32 projections, packed
+FP4 + E8M0/32 routed experts), generated on the device leaf by leaf; the cache is filled with random
+bytes in the released formats at the given context (`--context` tokens in every sequence). Each row:
+ms per step (median of `--steps` donated decode steps, after warm-up), the same with `--chunk` steps
+per call (`api.generate`: sampling on device), the bytes a step must move (stored weights of the
+dense layers and of the experts the batch was routed to in that step, embedding/Engram rows, and the
+cache a step reads: window rings, the selected entries, the index keys each indexer scans), the copy
+bandwidth measured in the same run, their ratio, launches per step (instructions of the compiled
+program outside fusions) and the peak device memory.
+
+The `v41-slice` preset is 6 layers of the released shapes: window / Full m=2 with Engram / Reuse /
+Full m=1 candidate source / Reuse / Reindex. Engram tables are shrunk (a lookup reads B x rows, not the
+table, so the size does not change what a step moves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax import nnx
+
+import dsv41_jax as d
+from dsv41_jax import api
+from dsv41_jax.kernels import resolve
+from dsv41_jax.cache import init_cache
+from dsv41_jax.plan import Mode, build_plan
+
+
+def slice_config(**overrides):
+    """The released shapes in 6 layers that cover every layer mode (see the module docstring)."""
+    return d.preset("v41-flash").replace(
+        n_layers=6, compress_ratios=(0, 2, 2, 1, 1, 1), kv_source_layers=(1, 3), index_source_layers=(1, 3, 5),
+        candidate_source_layer=3, engram_layer_ids=(1,), engram_vocab_size=100_003, engram_num_embeddings=(),
+        **overrides).with_derived_engram()
+
+
+def truncated(cfg, n: int):
+    """The first n layers of `cfg` (sources, indexers and Engram past them dropped)."""
+    keep = lambda ls: tuple(l for l in ls if l < n)
+    return cfg.replace(n_layers=n, kv_source_layers=keep(cfg.kv_source_layers),
+                       index_source_layers=keep(cfg.index_source_layers),
+                       candidate_source_layer=cfg.candidate_source_layer if cfg.candidate_source_layer < n else -1,
+                       engram_layer_ids=keep(cfg.engram_layer_ids),
+                       engram_num_embeddings=tuple(r for l, r in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings)
+                                                   if l < n))
+
+
+# ----------------------------------------------------------------------------- random weights and cache
+def _name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path if str(getattr(k, "key", "")) != ".value")
+
+
+def _kind(name: str, s: jax.ShapeDtypeStruct) -> str:
+    """How to draw one param, from its name and stored dtype."""
+    last = name.split("/")[-1]
+    if s.dtype == jnp.uint8 and last.endswith("scale"):  # E8M0 exponents
+        return "exp_expert" if "ffn/w" in name else ("exp_engram" if "engram" in name else "exp_dense")
+    if s.dtype == jnp.uint8:
+        return "bytes"  # packed FP4 codes: any byte is valid
+    if s.dtype == jnp.float8_e4m3fn:
+        return "e4m3"
+    if s.dtype == jnp.int32:
+        return "token_map"
+    if "norm" in name or last in ("q_weight", "k_weight"):
+        return "ones"
+    if last in ("attn_sink", "bias", "base"):
+        return "zeros"
+    if "hc_" in name and last == "scale":
+        return "tenth"
+    return "unit" if name.startswith("embed") else "fan_in"
+
+
+@functools.lru_cache(maxsize=None)
+def _maker(kind: str, shape: tuple, dtype, compressed_vocab: int):
+    """A jitted key -> value for one kind of param (one compile per kind, shape and dtype)."""
+    def make(key):
+        if kind.startswith("exp_"):  # E8M0 exponents with plausible weight magnitudes
+            centre = {"exp_expert": 119, "exp_engram": 120, "exp_dense": 115}[kind]
+            return jax.random.randint(key, shape, centre - 1, centre + 2).astype(dtype)
+        if kind == "bytes":
+            return jax.random.bits(key, shape, jnp.uint8)
+        if kind == "e4m3":
+            return jnp.clip(40 * jax.random.normal(key, shape, jnp.float32), -448, 448).astype(dtype)
+        if kind == "token_map":
+            return (jnp.arange(int(np.prod(shape)), dtype=jnp.int32) % compressed_vocab).reshape(shape)
+        if kind in ("ones", "zeros", "tenth"):
+            return jnp.full(shape, {"ones": 1.0, "zeros": 0.0, "tenth": 0.1}[kind], dtype)
+        std = 1.0 if kind == "unit" else shape[-1] ** -0.5
+        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return jax.jit(make)
+
+
+def random_params(cfg, seed: int = 0):
+    """Random params of `cfg` built leaf by leaf on the device (no f32 copy of the experts ever exists)."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(api.abstract_params(cfg))
+    out = [_maker(_kind(_name(path), s), s.shape, s.dtype, cfg.engram_compressed_vocab_size)(
+        jax.random.fold_in(jax.random.key(seed), i)) for i, (path, s) in enumerate(leaves)]
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def random_cache(cfg, batch: int, context: int, seed: int = 1):
+    """A cache holding `context` tokens per sequence, every record random bytes in its format."""
+    shapes = jax.eval_shape(lambda: init_cache(cfg, batch, context + 256))
+    leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
+    out = []
+    for i, (path, s) in enumerate(leaves):
+        name, key = _name(path), jax.random.fold_in(jax.random.key(seed), i)
+        if name == "lengths":
+            v = jnp.full(s.shape, context, jnp.int32)
+        elif s.dtype == jnp.uint8 and name.endswith("scales"):
+            # E4M3 scales (main KV) around 2**-6, E8M0 ones (window, index keys) around 2**-4
+            e4m3 = "entries" in name
+            v = jax.jit(lambda k: jax.random.randint(k, s.shape, 0x18 if e4m3 else 121, 0x20 if e4m3 else 125)
+                        .astype(jnp.uint8))(key)
+        elif s.dtype == jnp.uint8 and "window" in name:  # E4M3 values: avoid the NaN bytes 0x7f / 0xff
+            v = jax.jit(lambda k: jax.random.bits(k, s.shape, jnp.uint8) & 0xF7)(key)
+        elif s.dtype == jnp.uint8:
+            v = jax.jit(lambda k: jax.random.bits(k, s.shape, jnp.uint8))(key)
+        elif s.dtype == jnp.float32:
+            v = jax.jit(lambda k: 0.1 * jax.random.normal(k, s.shape))(key)
+        elif name == "ngram_history":
+            v = jnp.ones(s.shape, jnp.int32)
+        else:
+            v = jnp.zeros(s.shape, s.dtype)
+        out.append(v)
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+# ----------------------------------------------------------------------------- bytes a step must move
+def _nbytes(a) -> int:
+    return int(a.size) * jnp.dtype(a.dtype).itemsize
+
+
+def weight_bytes(cfg, params, experts_hit: list[int]) -> dict:
+    """Stored bytes a decode step reads: dense weights, routed experts hit, embedding and Engram rows."""
+    dense = expert = 0
+    per_expert = {}
+    for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = _name(path)
+        if name.startswith("embed") or "engram/table" in name or name == "engram_token_map":
+            continue
+        if "/ffn/w" in name:  # routed experts: [E, ...] per layer, counted per expert hit
+            layer = int(name.split("/")[1])
+            per_expert[layer] = per_expert.get(layer, 0) + _nbytes(a) // a.shape[0]
+        else:
+            dense += _nbytes(a)
+    expert = sum(per_expert[l] * n for l, n in enumerate(experts_hit))
+    return {"dense": dense, "experts": expert}
+
+
+def cache_read_bytes(cfg, batch: int, context: int) -> int:
+    """Cache bytes one decode step reads (released formats): each layer's window ring and selected
+    entries, each indexer's keys (all of them, or the candidate pool's)."""
+    fmt = d.cache.formats_of(cfg)
+    win = fmt.window_kv.bytes_per_record(cfg.head_dim) * cfg.window_size
+    entry = fmt.main_kv.bytes_per_record(cfg.head_dim)
+    key = fmt.index_key.bytes_per_record(cfg.index_head_dim)
+    total = 0
+    for p in build_plan(cfg):
+        total += win
+        if p.mode is Mode.WINDOW:
+            continue
+        n = context // p.ratio
+        total += min(cfg.index_topk, n) * entry
+        if p.mode is Mode.FULL or (p.mode is Mode.REINDEX and not p.uses_candidates):
+            total += n * key
+        elif p.mode is Mode.REINDEX:
+            total += min(cfg.candidate_topk_blocks * cfg.candidate_block_size, n) * key
+    return batch * total
+
+
+def experts_hit(cfg, params, cache, tokens) -> list[int]:
+    """Distinct routed experts per layer in one decode step on this cache (from the router's load)."""
+    def load(params, cache, tokens):
+        m = nnx.merge(api.graphdef(cfg), params)
+        extras = {}
+        m.forward(cache, tokens[:, None], jnp.ones_like(cache.lengths), all_logits=False, extras=extras)
+        return jnp.stack(extras["expert_load"])
+    counts = jax.jit(load)(params, cache, tokens)
+    return [int(c) for c in np.asarray((counts > 0).sum(-1))]
+
+
+# ----------------------------------------------------------------------------- timing
+def copy_bandwidth(n_bytes: int = 4 << 30, reps: int = 20) -> float:
+    """Read+write bytes per second of an elementwise pass over n_bytes (the run's peak)."""
+    x = jax.random.bits(jax.random.key(0), (n_bytes,), jnp.uint8)
+    f = jax.jit(lambda v: v + 1)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    del x
+    return 2 * n_bytes / statistics.median(ts)
+
+
+def launches(compiled) -> int:
+    """Instructions of the compiled program outside fused computations: one per kernel launch or
+    library call (parameters, tuples and bitcasts excluded)."""
+    n, skip = 0, False
+    for line in compiled.as_text().splitlines():
+        if line and not line.startswith(" "):
+            skip = "fused" in line or "wrapped" in line or line.startswith("HloModule")
+            continue
+        if skip or "=" not in line:
+            continue
+        head = line.split("=", 1)[1].split("(", 1)[0].split()
+        if head and head[-1] not in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
+            n += 1
+    return n
+
+
+def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> dict:
+    cache = random_cache(cfg, batch, context)
+    tokens = jax.random.randint(jax.random.key(2), (batch,), 0, cfg.vocab_size)
+    hit = experts_hit(cfg, params, cache, tokens)
+    lowered = api._forward_donating.lower(cfg, params, cache, tokens[:, None], jnp.ones((batch,), jnp.int32),
+                                          all_logits=False, kernels=resolve(args.kernels))
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
+    n_launch = launches(compiled)
+    step = lambda c, t: api.decode_step(cfg, params, c, t, kernels=args.kernels, validate=False, donate=True)
+    for _ in range(3):
+        logits, cache = step(cache, tokens)
+    logits.block_until_ready()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        logits, cache = step(cache, tokens)
+        logits.block_until_ready()
+        times.append(time.perf_counter() - t)
+    ms = 1e3 * statistics.median(times)
+    # the jitted loop: --chunk steps per call
+    gen = lambda c: api.generate(cfg, params, c, tokens, args.chunk, kernels=args.kernels)
+    toks, _, cache = gen(cache)
+    toks.block_until_ready()
+    gtimes = []
+    for _ in range(max(2, args.steps // args.chunk)):
+        t = time.perf_counter()
+        toks, _, cache = gen(cache)
+        toks.block_until_ready()
+        gtimes.append((time.perf_counter() - t) / args.chunk)
+    loop_ms = 1e3 * statistics.median(gtimes)
+    w = weight_bytes(cfg, params, hit)
+    c_bytes = cache_read_bytes(cfg, batch, context)
+    embed_rows = batch * cfg.dim * jnp.dtype(cfg.param_dtype).itemsize
+    must = w["dense"] + w["experts"] + c_bytes + embed_rows
+    roof_ms = 1e3 * must / peak_bw
+    stats = jax.devices()[0].memory_stats() or {}
+    del cache
+    return dict(batch=batch, context=context, ms_step=ms, ms_step_loop=loop_ms, roofline_ms=roof_ms,
+                ratio=ms / roof_ms, ratio_loop=loop_ms / roof_ms, bytes_must_move=must, dense_bytes=w["dense"],
+                expert_bytes=w["experts"], cache_bytes_read=c_bytes, experts_hit=hit, launches=n_launch,
+                compile_s=compile_s, peak_bytes=stats.get("peak_bytes_in_use"), logit_absmax=float(jnp.abs(logits).max()))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="v41-slice", choices=["v41-slice", "v41-flash", "small", "tiny"])
+    p.add_argument("--layers", type=int, default=None, help="keep the first N layers of the preset")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--context", type=int, nargs="+", default=[4096])
+    p.add_argument("--weight-format", default=None, choices=["fp8", "float"],
+                   help="default: fp8 (released formats) for the v41 presets, the preset's own otherwise")
+    p.add_argument("--activation-quant", action="store_true", help="the release's W8A8 / W4A8 mode")
+    p.add_argument("--kernels", default="auto", choices=["auto", "jnp", "pallas"])
+    p.add_argument("--steps", type=int, default=30, help="timed decode steps per point (median)")
+    p.add_argument("--chunk", type=int, default=10, help="steps per api.generate call")
+    p.add_argument("--copy-gb", type=float, default=4.0, help="size of the copy that measures the peak bandwidth")
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    v41 = args.preset.startswith("v41")
+    fmt = args.weight_format or ("fp8" if v41 else None)
+    over = dict(activation_quant=args.activation_quant) | ({"weight_format": fmt} if fmt else {})
+    cfg = slice_config(**over) if args.preset == "v41-slice" else d.preset(args.preset, **over)
+    if args.layers is not None:
+        cfg = truncated(cfg, args.layers)
+    if max(args.context) + 256 > cfg.max_seq_len:
+        raise SystemExit(f"error: --context {max(args.context)} exceeds the preset's max_seq_len {cfg.max_seq_len} - 256")
+    print(f"{args.preset}: {cfg.n_layers} layers, weight_format={cfg.weight_format}, kernels={args.kernels}, "
+          f"device {jax.devices()[0].device_kind}", flush=True)
+    peak = copy_bandwidth(int(args.copy_gb * 2**30))
+    print(f"copy bandwidth (read+write, this run): {peak / 1e9:.0f} GB/s", flush=True)
+    t = time.perf_counter()
+    params = random_params(cfg)
+    jax.block_until_ready(params)
+    print(f"random params in {time.perf_counter() - t:.1f} s", flush=True)
+    rows = []
+    for ctx in args.context:
+        for b in args.batch:
+            print(f"batch {b}, context {ctx} ...", flush=True)
+            r = bench_point(cfg, params, b, ctx, args, peak)
+            r.update(preset=args.preset, layers=cfg.n_layers, kernels=args.kernels, peak_bw=peak)
+            rows.append(r)
+            print(f"  {r['ms_step']:.3f} ms/step ({r['ms_step_loop']:.3f} in the loop), roofline {r['roofline_ms']:.3f} "
+                  f"ms, compile {r['compile_s']:.1f} s", flush=True)
+    print(f"\n| batch | context | ms/step | ms/step (loop) | must move GB | roofline ms | step/roof | loop/roof | "
+          f"experts hit | launches | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['context']} | {r['ms_step']:.3f} | {r['ms_step_loop']:.3f} | "
+              f"{r['bytes_must_move'] / 1e9:.3f} | {r['roofline_ms']:.3f} | {r['ratio']:.2f} | {r['ratio_loop']:.2f} | "
+              f"{sum(r['experts_hit'])} | {r['launches']} | {(r['peak_bytes'] or 0) / 2**30:.1f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Matmuls that read low-precision weights once, in their stored bytes (Pallas, Triton lowering).
+
+`grouped_matmul_fp4`: the routed experts. Rows of x are sorted by expert (`dsv41_jax.grouped`
+contract); the grid runs over (row tile, output tile), where a row tile is at most `tm` rows of one
+expert. Only tiles that hold rows load their expert's bytes: a decode step with B tokens x top-k reads
+at most B*k experts, never all of them. `fp8_matmul`: a dense projection in the released FP8 format
+(E4M3 + E8M0 per 32x32 block), the same body with one group.
+
+Per program: acc[tm, tn] f32 += x[rows, k-chunk] @ W[e, cols, k-chunk]^T over K in chunks of tk.
+Weights are decoded in registers: FP4 codes with `decode.fp4_as_f16` (exact) times their power-of-two
+scale, in f32, cast to the compute dtype (exact: two significant bits); FP8 bytes by a bitcast. The
+packed FP4 bytes hold even and odd inputs in their low and high nibbles, so x comes split into its
+even and odd columns and each chunk is two dots, never an interleave in registers.
+
+Tiles (`choose_tiles`): decode (few rows per expert) wants tm = 16, the smallest tensor-core tile,
+so no expert is read twice and few rows are wasted; long prefill chunks want tm = 64 so that a
+weight tile is reused across many rows. tn = 64 and tk = 256 (128 packed bytes per row) keep a weight
+tile at 16 KB per stage.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kernels_pallas import decode
+
+SCALE_BLOCK = 32  # inputs per E8M0 scale (experts) and the FP8 block edge (projections)
+
+
+def _pick(n: int, options) -> int | None:
+    return next((t for t in options if n % t == 0), None)
+
+
+def choose_tiles(m: int, k: int, n: int, n_groups: int) -> tuple[int, int, int]:
+    """(tm, tk, tn) for an [M, K] x [K, N] grouped matmul over `n_groups` groups (see the module doc)."""
+    tm = 16 if m <= 4 * n_groups else 64
+    tk = _pick(k, (256, 128, 64, 32))
+    tn = _pick(n, (64, 32, 16))
+    if tk is None or tn is None:
+        raise ValueError(f"the GPU grouped matmul needs K % 32 == 0 and N % 16 == 0, got K={k}, N={n}")
+    return tm, tk, tn
+
+
+def tile_map(sizes_g: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Row tiles of the sorted rows: (group int32 [T] (-1: no tile), first row [T], end row [T]).
+
+    T = m // tm + min(G, m) + 1 bounds the tiles any sizes can need (each non-empty group adds at most
+    one partial tile)."""
+    g = sizes_g.shape[0]
+    n_tiles = m // tm + min(g, m) + 1
+    sizes = sizes_g.astype(jnp.int32)
+    per_group = (sizes + tm - 1) // tm
+    last = jnp.cumsum(per_group)
+    t = jnp.arange(n_tiles, dtype=jnp.int32)
+    grp = jnp.searchsorted(last, t, side="right").astype(jnp.int32)
+    valid = grp < g
+    grp = jnp.minimum(grp, g - 1)
+    offsets = jnp.cumsum(sizes) - sizes
+    row0 = offsets[grp] + (t - (last[grp] - per_group[grp])) * tm
+    return jnp.where(valid, grp, -1), row0, offsets[grp] + sizes[grp]
+
+
+def _fp4_weights(vb, sb, dtype):
+    """Packed bytes uint8 [tn, tk/2] and E8M0 bytes [tn, tk/32] -> (even inputs, odd inputs) `dtype` [tn, tk/2]."""
+    tn, half = vb.shape
+    scale = decode.e8m0_f32(sb) * decode.FP4_F16_SHIFT  # [tn, tk/32]; fp4_as_f16 is value * 2**-14
+
+    def values(code):
+        v = decode.fp4_as_f16(code).astype(jnp.float32).reshape(tn, half // 16, 16) * scale[:, :, None]
+        return v.reshape(tn, half).astype(dtype)
+
+    lo, hi = decode.nibbles(vb)
+    return values(lo), values(hi)
+
+
+def _fp8_weights(vb, sb, dtype):
+    """E4M3 bytes uint8 [tn, tk] and the block exponents [tn/32, tk/32] -> `dtype` [tn, tk]."""
+    tn, tk = vb.shape
+    s = decode.e8m0_f32(sb)
+    s = jnp.broadcast_to(s[:, None, :], (tn // SCALE_BLOCK, SCALE_BLOCK, tk // SCALE_BLOCK)).reshape(tn, tk // SCALE_BLOCK)
+    v = decode.e4m3_f32(vb).reshape(tn, tk // SCALE_BLOCK, SCALE_BLOCK) * s[:, :, None]
+    return v.reshape(tn, tk).astype(dtype)
+
+
+def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, tm: int, tk: int, tn: int, k: int, precision):
+    *x_refs, wv_ref, ws_ref, o_ref = refs
+    t, j = pl.program_id(0), pl.program_id(1)
+    g = grp_ref[t]
+
+    @pl.when(g >= 0)
+    def _():
+        r0 = row0_ref[t]
+        rows_ok = (r0 + jnp.arange(tm)) < end_ref[t]
+        n0 = j * tn
+        dt = x_refs[0].dtype
+
+        def step(i, acc):
+            if fmt == "fp4":
+                kb = i * (tk // 2)
+                vb = wv_ref[g, pl.ds(n0, tn), pl.ds(kb, tk // 2)]
+                sb = ws_ref[g, pl.ds(n0, tn), pl.ds(i * (tk // SCALE_BLOCK), tk // SCALE_BLOCK)]
+                parts = zip(x_refs, _fp4_weights(vb, sb, dt))
+                cols = pl.ds(kb, tk // 2)
+            else:
+                vb = wv_ref[pl.ds(n0, tn), pl.ds(i * tk, tk)]
+                sb = ws_ref[pl.ds(n0 // SCALE_BLOCK, tn // SCALE_BLOCK), pl.ds(i * (tk // SCALE_BLOCK), tk // SCALE_BLOCK)]
+                parts = [(x_refs[0], _fp8_weights(vb, sb, dt))]
+                cols = pl.ds(i * tk, tk)
+            for x_ref, w in parts:
+                xs = plt.load(x_ref.at[pl.ds(r0, tm), cols], mask=rows_ok[:, None], other=0)
+                acc += jax.lax.dot_general(xs, w, (((1,), (1,)), ((), ())), precision=precision,
+                                           preferred_element_type=jnp.float32)
+            return acc
+
+        acc = jax.lax.fori_loop(0, k // tk, step, jnp.zeros((tm, tn), jnp.float32))
+        plt.store(o_ref.at[pl.ds(r0, tm), pl.ds(n0, tn)], acc, mask=rows_ok[:, None])
+
+
+def _call(fmt, x_parts, wv, ws, sizes_g, k, n, tiles, num_warps, num_stages, interpret):
+    m = x_parts[0].shape[0]
+    tm, tk, tn = tiles
+    grp, row0, end = tile_map(sizes_g, m, tm)
+    # every tile's rows [row0, row0 + tm) stay inside the arrays (a masked tail, no clamped slices)
+    x_parts = [jnp.pad(x, ((0, tm), (0, 0))) for x in x_parts]
+    precision = jax.lax.Precision.HIGHEST if x_parts[0].dtype == jnp.float32 else None
+    kernel = functools.partial(_kernel, fmt=fmt, tm=tm, tk=tk, tn=tn, k=k, precision=precision)
+    y = pl.pallas_call(
+        kernel, grid=(grp.shape[0], n // tn), out_shape=jax.ShapeDtypeStruct((m + tm, n), jnp.float32),
+        interpret=interpret, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"grouped_matmul_{fmt}",
+    )(grp, row0, end, *x_parts, wv, ws)
+    # rows no tile writes (past sum(sizes)) are uninitialized in the kernel's output
+    return jnp.where((jnp.arange(m) < jnp.sum(sizes_g))[:, None], y[:m], 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "num_warps", "num_stages", "interpret"))
+def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, sizes_g: jax.Array, *,
+                       tiles: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 3,
+                       interpret: bool = False) -> jax.Array:
+    """y f32 [M, N]: rows of x [M, K] (bf16 or f32, sorted by group) times their expert's FP4 weight.
+
+    values uint8 [G, N, K/2], scales uint8 [G, N, K/32] (E8M0), sizes_g int [G]; rows past
+    sum(sizes) are zero.
+    """
+    g, n, half = values.shape
+    k = 2 * half
+    if x_mk.shape[1] != k or scales.shape != (g, n, k // SCALE_BLOCK):
+        raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
+    tiles = tiles or choose_tiles(x_mk.shape[0], k, n, g)
+    return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], values, scales, sizes_g, k, n, tiles, num_warps,
+                 num_stages, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "num_warps", "num_stages", "interpret"))
+def fp8_matmul(x_mk: jax.Array, q_nk: jax.Array, exp: jax.Array, *, tiles: tuple[int, int, int] | None = None,
+               num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
+    """y f32 [M, N] = x [M, K] @ W^T for W in the released FP8 block format: E4M3 bytes uint8 (or
+    float8_e4m3fn) [N, K], E8M0 exponents uint8 [N/32, K/32]. N and K must be multiples of 32."""
+    n, k = q_nk.shape
+    m = x_mk.shape[0]
+    if n % SCALE_BLOCK or k % SCALE_BLOCK or x_mk.shape[1] != k:
+        raise ValueError(f"the GPU FP8 matmul needs N, K multiples of 32 matching x; got W {q_nk.shape}, x {x_mk.shape}")
+    tm, tk, tn = tiles or choose_tiles(m, k, n, 1)
+    tn = max(tn, SCALE_BLOCK)  # whole scale blocks per tile
+    q = jax.lax.bitcast_convert_type(q_nk, jnp.uint8) if q_nk.dtype != jnp.uint8 else q_nk
+    return _call("fp8", [x_mk], q, exp, jnp.full((1,), m, jnp.int32), k, n, (tm, tk, tn), num_warps,
+                 num_stages, interpret)

@@ -1,0 +1,114 @@
+"""Weight matmuls in stored formats: the GPU kernels against their jnp twins (interpret mode on CPU,
+compiled on a GPU), the twin against the dense formula it replaced, and the MoE built on them.
+
+Tolerances: the decoded weights are exact in the compute dtype, so kernel and twin differ by f32
+summation order only: <= 1e-5 x max|y| in f32 (bf16 operands: the same products, so the same bound).
+The twin gathers only the experts with rows and must equal dequantize-everything + ragged_dot exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dsv41_jax as d
+from dsv41_jax import grouped, kernels
+from dsv41_jax.layers import quantize_activation, quantize_fp8_blocks
+from dsv41_jax.moe import MoE, swiglu
+from kernels_pallas import gpu_grouped
+
+INTERPRET = jax.default_backend() == "cpu"
+SIZES = {
+    "unequal_with_empty": [3, 0, 5, 1, 0, 0, 2, 1],
+    "all_to_one_expert": [0, 0, 0, 0, 0, 0, 0, 12],
+    "one_token": [0, 1, 0, 0, 0, 0, 0, 0],
+    "long_groups": [20, 17, 0, 0, 33, 1, 0, 9],  # several row tiles per group at tm=16
+}
+
+
+def _experts(e=8, k=64, n=48, seed=0):
+    w = np.random.default_rng(seed).normal(size=(e, n, k)).astype(np.float32) * 0.1
+    return grouped.EXPERT_FP4.encode(jnp.asarray(w))
+
+
+def _close(a, b, rel=1e-5):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.abs(a - b).max() <= rel * max(np.abs(b).max(), 1e-30), (np.abs(a - b).max(), np.abs(b).max())
+
+
+@pytest.mark.parametrize("case", sorted(SIZES))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grouped_fp4_kernel_matches_twin(case, dtype):
+    sizes = jnp.asarray(SIZES[case], jnp.int32)
+    w = _experts()
+    m = int(sizes.sum()) + 3  # trailing rows no group owns: zero in both
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(m, 64)), dtype)
+    ref = grouped.grouped_matmul(x, w, sizes)
+    dense = jax.lax.ragged_dot(x, grouped.dequantize_experts(w, dtype), sizes, preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(dense))  # gathering the hit experts changes nothing
+    assert not np.asarray(ref[int(sizes.sum()):]).any()
+    for tiles in (None, (64, 32, 16)):  # the chosen tiles, and prefill-sized row tiles with several K steps
+        out = gpu_grouped.grouped_matmul_fp4(x, w["values"], w["scales"], sizes, tiles=tiles, interpret=INTERPRET)
+        _close(out, ref)
+
+
+@pytest.mark.parametrize("m", [1, 5, 70])
+def test_fp8_matmul_kernel_matches_twin(m):
+    rng = np.random.default_rng(m)
+    q, s = quantize_fp8_blocks(jnp.asarray(rng.normal(size=(96, 128)).astype(np.float32)))
+    x = jnp.asarray(rng.normal(size=(m, 128)), jnp.float32)
+    _close(gpu_grouped.fp8_matmul(x, q, s, interpret=INTERPRET), grouped.fp8_matmul(x, q, s))
+
+
+def test_tile_map_covers_every_row_once():
+    sizes = jnp.asarray([3, 0, 40, 1, 0, 17], jnp.int32)
+    grp, row0, end = gpu_grouped.tile_map(sizes, int(sizes.sum()), 16)
+    owner = -np.ones(int(sizes.sum()), int)
+    for g, a, z in zip(*map(np.asarray, (grp, row0, end))):
+        if g < 0:
+            continue
+        rows = np.arange(a, min(a + 16, z))
+        assert (owner[rows] == -1).all()
+        owner[rows] = g
+    np.testing.assert_array_equal(owner, np.repeat(np.arange(6), np.asarray(sizes)))
+
+
+def _moe_cfg(**kw):
+    return d.preset("tiny").replace(engram_layer_ids=(), engram_num_embeddings=(), n_routed_experts=8,
+                                    n_activated_experts=2, weight_format="fp8", **kw)
+
+
+def _old_routed(moe, x_nd, w_nk, ids_nk):
+    """The path this replaced: every expert dequantized, one ragged_dot over all of them."""
+    raw = moe._raw_experts()
+    full = lambda name: grouped.dequantize_experts(moe._stored(raw, name), x_nd.dtype)
+    k = ids_nk.shape[-1]
+    order = jnp.argsort(ids_nk.reshape(-1), stable=True)
+    sizes = jnp.bincount(ids_nk.reshape(-1), length=moe.n_experts).astype(jnp.int32)
+    xs = x_nd[order // k]
+    mm = lambda a, name: jax.lax.ragged_dot(a, full(name), sizes, preferred_element_type=jnp.float32)
+    act = (swiglu(mm(xs, "w1"), mm(xs, "w3"), moe.limit) * w_nk.reshape(-1)[order][:, None]).astype(x_nd.dtype)
+    if moe.act_quant:
+        act = quantize_activation(act)
+    return jnp.zeros(x_nd.shape, jnp.float32).at[order // k].add(mm(act, "w2"))
+
+
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("tokens", [1, 3, 40])  # decode (M < E: gathered experts) and a prefill chunk
+def test_moe_paths_agree(act_quant, tokens):
+    cfg = _moe_cfg(activation_quant=act_quant)
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(tokens).normal(size=(1, tokens, cfg.dim)), jnp.float32)
+    xn = x.reshape(tokens, cfg.dim)
+    w, ids, _ = moe.router(xn)
+    xin = quantize_activation(xn) if act_quant else xn
+    new = moe._routed(xin, w, ids, moe._raw_experts(), 0, moe.n_experts, "jnp")
+    old = _old_routed(moe, xin, w, ids)
+    scale = float(jnp.abs(old).max())
+    assert float(jnp.abs(new - old).max()) <= 1e-6 * scale
+    y_jnp = moe(x, backend="jnp")
+    y_kernel = moe(x, backend="pallas")  # the GPU kernels (interpreted on CPU) for experts and FP8 projections
+    _close(y_kernel, y_jnp, rel=1e-5)
