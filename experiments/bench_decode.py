@@ -23,8 +23,12 @@ table, so the size does not change what a step moves).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import glob
+import gzip
 import json
+import os
 import statistics
 import time
 
@@ -35,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 import dsv41_jax as d
-from dsv41_jax import api
+from dsv41_jax import api, kernels
 from dsv41_jax.kernels import resolve
 from dsv41_jax.cache import init_cache
 from dsv41_jax.plan import Mode, build_plan
@@ -43,8 +47,8 @@ from dsv41_jax.plan import Mode, build_plan
 
 def slice_config(**overrides):
     """The released shapes in 6 layers that cover every layer mode (see the module docstring)."""
-    return d.preset("v41-flash").replace(
-        n_layers=6, compress_ratios=(0, 2, 2, 1, 1, 1), kv_source_layers=(1, 3), index_source_layers=(1, 3, 5),
+    return dataclasses.replace(  # validated by with_derived_engram, once the Engram rows exist
+        d.preset("v41-flash"), n_layers=6, compress_ratios=(0, 2, 2, 1, 1, 1), kv_source_layers=(1, 3), index_source_layers=(1, 3, 5),
         candidate_source_layer=3, engram_layer_ids=(1,), engram_vocab_size=100_003, engram_num_embeddings=(),
         **overrides).with_derived_engram()
 
@@ -62,7 +66,9 @@ def truncated(cfg, n: int):
 
 # ----------------------------------------------------------------------------- random weights and cache
 def _name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path if str(getattr(k, "key", "")) != ".value")
+    """"layers/3/ffn/w1_scale" for a params or cache leaf path."""
+    name = "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    return name.removesuffix("/.value").removesuffix("/value")
 
 
 def _kind(name: str, s: jax.ShapeDtypeStruct) -> str:
@@ -197,8 +203,8 @@ def experts_hit(cfg, params, cache, tokens) -> list[int]:
 
 # ----------------------------------------------------------------------------- timing
 def copy_bandwidth(n_bytes: int = 4 << 30, reps: int = 20) -> float:
-    """Read+write bytes per second of an elementwise pass over n_bytes (the run's peak)."""
-    x = jax.random.bits(jax.random.key(0), (n_bytes,), jnp.uint8)
+    """Read+write bytes per second of an elementwise pass over n_bytes of 32-bit words (the run's peak)."""
+    x = jax.random.bits(jax.random.key(0), (n_bytes // 4,), jnp.uint32)
     f = jax.jit(lambda v: v + 1)
     f(x).block_until_ready()
     ts = []
@@ -224,6 +230,62 @@ def launches(compiled) -> int:
         if head and head[-1] not in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
             n += 1
     return n
+
+
+def kernel_profile(run, out_dir: str, steps: int, top: int = 15) -> list[dict]:
+    """GPU time per step by kernel name over `run()` (which does `steps` decode steps), from a jax.profiler
+    trace (its Perfetto JSON): [{name, us_per_step, calls_per_step}], largest first, and a "total" row."""
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        run()
+    path = sorted(glob.glob(os.path.join(out_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in str(e.get("args", {}).get("name", ""))}
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu:
+            by_name.setdefault(e["name"], []).append(float(e.get("dur", 0)))
+    rows = sorted(({"name": n, "us_per_step": sum(v) / steps, "calls_per_step": len(v) / steps}
+                   for n, v in by_name.items()), key=lambda r: -r["us_per_step"])
+    total = {"name": "total", "us_per_step": sum(r["us_per_step"] for r in rows),
+             "calls_per_step": sum(r["calls_per_step"] for r in rows)}
+    return [total] + rows[:top]
+
+
+def weight_kernel_rows(cfg, batches, peak_bw: float) -> list[dict]:
+    """The weight matmuls alone at this config's shapes: the routed experts' w1 ([E, inter, dim] FP4) for
+    batch x top-k uniformly routed rows, and the largest FP8 projection (attention wq_b), GPU kernel vs jnp
+    twin; bytes = stored weight bytes read (experts hit only) + activations."""
+    from experiments.bench_kernels import time_op
+
+    rows = []
+    e, k, d_in, inter = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
+    key = jax.random.key(3)
+    values = jax.random.bits(key, (e, inter, d_in // 2), jnp.uint8)
+    scales = jax.random.randint(key, (e, inter, d_in // 32), 118, 121).astype(jnp.uint8)
+    fp8_w = jnp.clip(40 * jax.random.normal(key, (cfg.n_heads * cfg.head_dim, cfg.q_lora_rank)), -448, 448
+                     ).astype(jnp.float8_e4m3fn)
+    fp8_s = jax.random.randint(key, (fp8_w.shape[0] // 32, fp8_w.shape[1] // 32), 114, 117).astype(jnp.uint8)
+    for b in batches:
+        ids = jnp.sort(jax.random.randint(jax.random.fold_in(key, b), (b * k,), 0, e))
+        sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
+        x = jax.random.normal(key, (b * k, d_in), jnp.bfloat16)
+        hit = int((sizes > 0).sum())
+        moved = hit * inter * (d_in // 2 + d_in // 32) + x.size * 2 + b * k * inter * 4
+        for impl in ("pallas", "jnp"):  # weights as arguments: a closure would make them XLA constants
+            t = time_op(lambda x, s, v, sc: kernels.grouped_matmul(x, {"values": v, "scales": sc}, s, backend=impl),
+                        (x, sizes, values, scales), perturb=0)
+            rows.append(dict(op="experts_w1", batch=b, impl=impl, us=1e6 * t, bytes=moved, frac_peak=moved / t / peak_bw))
+        xf = jax.random.normal(key, (b, fp8_w.shape[1]), jnp.bfloat16)
+        moved = fp8_w.size + fp8_s.size + xf.size * 2 + b * fp8_w.shape[0] * 4
+        for impl in ("pallas", "jnp"):
+            t = time_op(lambda x, w, sc: kernels.fp8_matmul(x, w, sc, backend=impl), (xf, fp8_w, fp8_s), perturb=0)
+            rows.append(dict(op="fp8_wq_b", batch=b, impl=impl, us=1e6 * t, bytes=moved, frac_peak=moved / t / peak_bw))
+    for r in rows:
+        print(f"  {r['op']:10s} batch {r['batch']:3d} {r['impl']:6s} {r['us']:9.1f} us  {r['bytes'] / 1e6:8.1f} MB  "
+              f"{100 * r['frac_peak']:5.1f}% of peak", flush=True)
+    return rows
 
 
 def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> dict:
@@ -258,6 +320,15 @@ def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> 
         toks.block_until_ready()
         gtimes.append((time.perf_counter() - t) / args.chunk)
     loop_ms = 1e3 * statistics.median(gtimes)
+    prof = None
+    if args.profile:
+        def run():
+            nonlocal cache
+            toks, _, cache = gen(cache)
+            toks.block_until_ready()
+        prof = kernel_profile(run, os.path.join(args.profile, f"b{batch}_c{context}"), args.chunk)
+        for r in prof:
+            print(f"    {r['us_per_step']:9.1f} us/step {r['calls_per_step']:6.1f} calls  {r['name'][:110]}", flush=True)
     w = weight_bytes(cfg, params, hit)
     c_bytes = cache_read_bytes(cfg, batch, context)
     embed_rows = batch * cfg.dim * jnp.dtype(cfg.param_dtype).itemsize
@@ -268,7 +339,7 @@ def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> 
     return dict(batch=batch, context=context, ms_step=ms, ms_step_loop=loop_ms, roofline_ms=roof_ms,
                 ratio=ms / roof_ms, ratio_loop=loop_ms / roof_ms, bytes_must_move=must, dense_bytes=w["dense"],
                 expert_bytes=w["experts"], cache_bytes_read=c_bytes, experts_hit=hit, launches=n_launch,
-                compile_s=compile_s, peak_bytes=stats.get("peak_bytes_in_use"), logit_absmax=float(jnp.abs(logits).max()))
+                compile_s=compile_s, profile=prof, peak_bytes=stats.get("peak_bytes_in_use"), logit_absmax=float(jnp.abs(logits).max()))
 
 
 def parse_args(argv=None):
@@ -284,6 +355,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per point (median)")
     p.add_argument("--chunk", type=int, default=10, help="steps per api.generate call")
     p.add_argument("--copy-gb", type=float, default=4.0, help="size of the copy that measures the peak bandwidth")
+    p.add_argument("--weight-kernels", action="store_true", help="also time the expert / FP8 matmuls alone")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="trace one --chunk loop per point into DIR and print GPU time per kernel")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     return p.parse_args(argv)
 
@@ -302,6 +376,8 @@ def main(argv=None) -> list[dict]:
           f"device {jax.devices()[0].device_kind}", flush=True)
     peak = copy_bandwidth(int(args.copy_gb * 2**30))
     print(f"copy bandwidth (read+write, this run): {peak / 1e9:.0f} GB/s", flush=True)
+    if args.weight_kernels:
+        weight_kernel_rows(cfg, args.batch, peak)
     t = time.perf_counter()
     params = random_params(cfg)
     jax.block_until_ready(params)

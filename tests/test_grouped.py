@@ -21,6 +21,13 @@ from dsv41_jax.moe import MoE, swiglu
 from kernels_pallas import gpu_grouped
 
 INTERPRET = jax.default_backend() == "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _exact_f32_dots():
+    """XLA on GPU runs f32 dots in TF32 by default; the twins here must be exact, as on CPU."""
+    with jax.default_matmul_precision("highest"):
+        yield
 SIZES = {
     "unequal_with_empty": [3, 0, 5, 1, 0, 0, 2, 1],
     "all_to_one_expert": [0, 0, 0, 0, 0, 0, 0, 12],
