@@ -112,7 +112,7 @@ class EngineConfig:
     bounded_prefill: bool = True  # decoder-side bounded prefill (see the module docstring)
     weights_revision: str | None = None  # None: a digest of the parameter bytes
     kernels: str = "jnp"
-    progress: bool = True
+    progress: bool = True  # chunk bars and "compiling ..." notices on stderr
 
 
 @dataclass
