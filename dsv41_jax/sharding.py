@@ -71,15 +71,19 @@ def cache_axes(path: str, ndim: int) -> tuple:
     return ("batch",) + (None,) * (ndim - 1)
 
 
+class MeshError(ValueError):
+    """A mesh that cannot be built or cannot hold the model: bad input, which command lines report in one line."""
+
+
 def parse_mesh(text: str) -> dict[str, int]:
     """'data=2,expert=4' -> {'data': 2, 'expert': 4}."""
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, size = part.partition("=")
         if name not in MESH_AXES or not size.isdigit() or int(size) < 1:
-            raise ValueError(f"bad mesh entry {part!r}: expected axis=size with axis in {MESH_AXES} and size >= 1")
+            raise MeshError(f"bad mesh entry {part!r}: expected axis=size with axis in {MESH_AXES} and size >= 1")
         if name in out:
-            raise ValueError(f"mesh axis {name!r} given twice in {text!r}")
+            raise MeshError(f"mesh axis {name!r} given twice in {text!r}")
         out[name] = int(size)
     return out
 
@@ -89,7 +93,7 @@ def check_mesh(cfg, sizes: dict[str, int], batch: int | None = None, n_devices: 
     n_devices = len(jax.devices()) if n_devices is None else n_devices
     total = math.prod(sizes.values())
     if total != n_devices:
-        raise ValueError(f"mesh {sizes} has {total} devices but {n_devices} are available; "
+        raise MeshError(f"mesh {sizes} has {total} devices but {n_devices} are available; "
                          "make the product of the axis sizes equal the device count")
     tp, ep, dp = sizes.get("tensor", 1), sizes.get("expert", 1), sizes.get("data", 1)
     checks = [("n_heads", cfg.n_heads, tp), ("o_groups", cfg.o_groups, tp), ("index_n_heads", cfg.index_n_heads, tp),
@@ -100,7 +104,7 @@ def check_mesh(cfg, sizes: dict[str, int], batch: int | None = None, n_devices: 
     for name, value, size in checks:
         if value % size:
             axis = "expert" if name == "n_routed_experts" else "data" if name == "batch" else "tensor"
-            raise ValueError(f"mesh axis {axis}={size} does not divide {name}={value}; choose a size that divides it")
+            raise MeshError(f"mesh axis {axis}={size} does not divide {name}={value}; choose a size that divides it")
 
 
 def make_mesh(cfg, spec: str | dict[str, int], batch: int | None = None, devices=None) -> Mesh:

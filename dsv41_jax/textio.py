@@ -25,14 +25,12 @@ class FileTokenizer:
     """A HuggingFace `tokenizer.json`."""
 
     def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer
-
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {path}")
-        self.tok = Tokenizer.from_file(str(path))
+        self.tok = read_tokenizer_json(path)
         self.size = self.tok.get_vocab_size()
         self.eos_id = None
 
@@ -43,8 +41,20 @@ class FileTokenizer:
         return self.tok.decode([int(i) for i in ids])
 
 
+def read_tokenizer_json(path: str | Path):
+    """A `tokenizers.Tokenizer` from `path`; ValueError naming the file when it does not parse (the
+    package's own exception names neither the file nor the cause's place in it in a useful way)."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for every parse failure
+        raise ValueError(f"{path}: not a valid tokenizer.json ({e}); download it again or pass another") from e
+
+
 def load_tokenizer(path: str | None, vocab_size: int):
     tok = FileTokenizer(path) if path else ByteTokenizer()
     if tok.size > vocab_size:
-        raise ValueError(f"tokenizer has {tok.size} ids but the model's vocab_size is {vocab_size}")
+        raise ValueError(f"{path}: the tokenizer has {tok.size} ids but the model's vocab_size is {vocab_size}; "
+                         "use the tokenizer made for this model")
     return tok

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv41_jax.textio import read_tokenizer_json
+
 _SPACE_SENTINEL = "\ue000"  # private-use char: keeps a lone space from being stripped to ""
 
 
@@ -31,9 +33,7 @@ def _normalizer():
 
 def compressed_token_map(tokenizer_json: str | Path) -> tuple[np.ndarray, int]:
     """(int32 [n_tokens] compressed id of each token id, number of compressed ids)."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tokenizer_json))
+    tok = read_tokenizer_json(tokenizer_json)
     norm = _normalizer()
     n = tok.get_vocab_size(with_added_tokens=True)
     ids: dict[str, int] = {}

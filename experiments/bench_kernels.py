@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsv41_jax import ops, quant
+from experiments import _cli
 from kernels_pallas import decode, gpu_attention, gpu_indexer, gpu_select
 
 H_IDX, D_IDX, TOPK, N_BLOCKS, BLOCK = 32, 128, 512, 2048, 8
@@ -359,10 +360,33 @@ def bench_config(ctx: int, b: int, peak: float, args) -> list[dict]:
     return rows.rows
 
 
-def main():
+PIECES = ("indexer", "select", "pool", "attention", "stages")
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: '8192,131072' -> [8192, 131072]."""
+    try:
+        vals = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,8,64") from None
+    if min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return vals
+
+
+def pieces(text: str) -> str:
+    """argparse type: comma-separated names of PIECES."""
+    bad = [x for x in text.split(",") if x not in PIECES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown piece(s) {bad}; choose from {','.join(PIECES)}")
+    return text
+
+
+@_cli.entry_point
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contexts", default="8192,131072,1048576")
-    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--contexts", default=[8192, 131072, 1048576], type=positive_ints)
+    p.add_argument("--batches", default=[1, 8, 64], type=positive_ints)
     p.add_argument("--out", default=None, help="save every row as JSON")
     p.add_argument("--block-n", type=int, default=256)
     p.add_argument("--warps", type=int, default=4)
@@ -371,19 +395,22 @@ def main():
     p.add_argument("--splits", type=int, default=0, help="attention splits (0: fill the GPU)")
     p.add_argument("--ref-limit-gb", type=float, default=40.0, help="skip the jnp indexer above this temp size")
     p.add_argument("--dense-limit-gb", type=float, default=40.0)
-    p.add_argument("--only", default="indexer,select,pool,attention", help="pieces to time (also: stages, the scan cut after each stage)")
+    p.add_argument("--only", default="indexer,select,pool,attention", type=pieces,
+                   help="pieces to time (also: stages, the scan cut after each stage)")
     p.add_argument("--smoke", action="store_true", help="CPU check of this script (interpret mode, tiny)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    _cli.output_file(args.out, "--out")
     if args.smoke:
         KW["interpret"] = True
     elif jax.default_backend() != "gpu":
-        raise SystemExit("bench_kernels times the Triton kernels: run it on a GPU machine (or --smoke)")
+        raise _cli.UserError(f"bench_kernels times the Triton kernels and this backend is {jax.default_backend()}: "
+                             "run it on a GPU machine (or add --smoke for a CPU check of the script)")
     dev = jax.devices()[0]
     peak = copy_bandwidth(0.05 if args.smoke else 2.0)
     print(f"device {dev.device_kind}; copy bandwidth {peak / 1e9:.0f} GB/s (read + write), used as peak")
     rows = [{"piece": "copy", "GBps": peak / 1e9, "device": dev.device_kind}]
-    for ctx in [int(c) for c in args.contexts.split(",")]:
-        for b in [int(x) for x in args.batches.split(",")]:
+    for ctx in args.contexts:
+        for b in args.batches:
             print(f"context {ctx}, batch {b}", flush=True)
             try:
                 rows += bench_config(ctx, b, peak, args)

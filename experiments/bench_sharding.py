@@ -19,6 +19,7 @@ import numpy as np
 
 import dsv41_jax as d
 from dsv41_jax import sharding as S
+from experiments import _cli
 
 
 def _median_step(step, cache, tokens, n):
@@ -31,6 +32,7 @@ def _median_step(step, cache, tokens, n):
     return float(np.median(times)), logits
 
 
+@_cli.entry_point
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small", choices=sorted(d.PRESETS))
@@ -44,7 +46,17 @@ def main(argv=None):
                     help="ModelConfig.sinkhorn_unroll (rolled: much shorter compiles on GPU)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
+    if min(a.batch, a.prompt, a.steps, a.rounds) < 1:
+        ap.error("--batch, --prompt, --steps and --rounds must be >= 1")
     cfg = d.preset(a.preset, sinkhorn_unroll=a.sinkhorn)
+    try:  # before the parameters exist: `small` takes a while to initialize
+        S.check_mesh(cfg, S.parse_mesh(a.mesh), batch=a.batch)
+    except S.MeshError as e:
+        raise _cli.UserError(f"--mesh {a.mesh}: {e}") from None
+    if a.prompt + a.steps + 8 > cfg.max_seq_len:
+        raise _cli.UserError(f"--prompt {a.prompt} + --steps {a.steps}: more tokens than {a.preset}'s max_seq_len "
+                             f"({cfg.max_seq_len})")
+    _cli.output_file(a.out, "--out")
     params = d.init_params(cfg)
     cap = a.prompt + a.steps + 8
     tok = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch, a.prompt))

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from dsv41_jax.textio import ByteTokenizer
+from experiments._cli import UserError
 
 TOK = ByteTokenizer()
 KEY_DIGITS = 6
@@ -25,7 +26,7 @@ def load_corpus(max_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
     if not files:
-        raise SystemExit(f"no .py files under {root}: this Python has no standard library sources")
+        raise UserError(f"no .py files under {root}: this Python has no standard library sources; use one that has")
     parts: dict[bool, list[np.ndarray]] = {True: [], False: []}
     size = 0
     for i, path in enumerate(files):
@@ -47,6 +48,15 @@ def _encode(text: str) -> np.ndarray:
     return np.frombuffer(text.encode(), np.uint8).astype(np.int32) + TOK.offset
 
 
+def _key_lines(key: str) -> tuple[np.ndarray, np.ndarray]:
+    """The planted line and the recall line of a passkey example."""
+    return _encode(f"\n# passkey: {key}\n"), _encode(f"\n# recall passkey: {key}\n")
+
+
+MIN_FILL = 16
+PASSKEY_MIN_LENGTH = 1 + sum(x.size for x in _key_lines("0" * KEY_DIGITS)) + MIN_FILL  # <bos>, key lines, filler
+
+
 def passkey(filler: np.ndarray, length: int, depth: float, rng: np.random.Generator) -> tuple[np.ndarray, int]:
     """One retrieval example of exactly `length` ids and the index of the answer's first digit.
 
@@ -55,10 +65,10 @@ def passkey(filler: np.ndarray, length: int, depth: float, rng: np.random.Genera
     from far back; the recall line's digits are the answer.
     """
     key = "".join(rng.choice(list("0123456789"), KEY_DIGITS))
-    plant, ask = _encode(f"\n# passkey: {key}\n"), _encode(f"\n# recall passkey: {key}\n")
+    plant, ask = _key_lines(key)
     n_fill = length - 1 - plant.size - ask.size
-    if n_fill < 16:
-        raise ValueError(f"passkey example of {length} tokens is too short (needs at least {length - n_fill + 16})")
+    if n_fill < MIN_FILL:
+        raise ValueError(f"passkey example of {length} tokens is too short (needs at least {PASSKEY_MIN_LENGTH})")
     start = int(rng.integers(0, filler.size - n_fill))
     fill = filler[start:start + n_fill]
     a = int(depth * n_fill)

@@ -20,6 +20,7 @@ import os
 import resource
 import sys
 import time
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,8 @@ from tqdm import tqdm
 
 import dsv41_jax as d
 from dsv41_jax.cache import cache_bytes
-from dsv41_jax.textio import load_tokenizer
+from dsv41_jax.compile_notice import compiling
+from experiments import _cli
 
 
 def peak_memory_bytes() -> tuple[int, str]:
@@ -45,16 +47,25 @@ def _sample(logits_bv, key, temperature):
     return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
 
 
+WARM_PATHS = """\
+Each request prints the path its prompt took: cold prefill; exact restore (pages from
+disk, window from the host pool: the cold run's tokens); bounded replay (a run on a
+--cache-dir that an earlier process filled: pages from disk, last window recomputed,
+an approximation whose greedy tokens can differ from a cold run's); or full recompute.
+For the cold run's tokens on every run, add --no-bounded-replay."""
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", choices=sorted(d.PRESETS))
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. " * 2)
-    src.add_argument("--prompt-file")
+    src.add_argument("--prompt-file", help="UTF-8 text file holding the prompt")
     src.add_argument("--prompt-ids", help=".npy of int token ids: [tokens] for one request, [requests, tokens] for several")
     ap.add_argument("--checkpoint", help="a released checkpoint directory (needs dsv41_jax.checkpoint); "
                     "its tokenizer.json is used unless --tokenizer is given")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per sequence; prompt + "
+                    "these must fit the cache (--capacity, at most the model's max_seq_len)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (the prompt, truncated "
                     "by b tokens for sequence b, so lengths differ)")
@@ -72,9 +83,10 @@ def parse_args(argv=None):
     ap.add_argument("--layout", default="tp_ep", help="sharding rule set for --mesh (tp_ep or dp)")
     ap.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first "
                     "(multi-host: one process per host, coordinator from the environment)")
-    eng = ap.add_argument_group("serving engine (on with --engine or --cache-dir)")
+    eng = ap.add_argument_group("serving engine (on with --engine or --cache-dir)", WARM_PATHS)
     eng.add_argument("--engine", action="store_true", help="serve through dsv41_jax.serving.Engine")
-    eng.add_argument("--cache-dir", help="persistent page store for prompt prefixes (implies --engine)")
+    eng.add_argument("--cache-dir", help="persistent page store for prompt prefixes (implies --engine; must be a "
+                     "writable directory, created if missing)")
     eng.add_argument("--slots", type=int, help="decode slots (default: --batch, or from --hbm-budget-gb)")
     eng.add_argument("--hbm-budget-gb", type=float, help="derive the slot count from this cache budget")
     eng.add_argument("--prefill-chunk", type=int, default=256)
@@ -85,7 +97,7 @@ def parse_args(argv=None):
     eng.add_argument("--no-prefix-reuse", action="store_true", help="never read the tiers (cold every time)")
     eng.add_argument("--no-bounded-replay", "--no-replay", dest="no_replay", action="store_true",
                      help="on a disk hit without window state, recompute the whole prompt instead of replaying the "
-                     "last window (exact, slower)")
+                     "last window: output identical to a cold run (slower)")
     eng.add_argument("--no-bounded-prefill", action="store_true", help="run every layer on every prompt token "
                      "(exact) instead of running the layers after the last kv source on the last window only")
     eng.add_argument("--stop-token", type=int, action="append", default=[], help="stop at this id (repeatable)")
@@ -101,60 +113,120 @@ def parse_args(argv=None):
         ap.error("--batch must be >= 1")
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if args.capacity is not None and args.capacity < 2:
+        ap.error("--capacity must be >= 2")
+    if args.prefill_chunk < 1:
+        ap.error("--prefill-chunk must be >= 1")
     if args.engram_on_host and not args.checkpoint:
         ap.error("--engram-on-host applies to --checkpoint (presets have random in-memory tables)")
+    if args.mesh and args.engine:
+        ap.error("--mesh is not supported with the serving engine yet; drop --engine/--cache-dir")
     return args
 
 
-def load_model(args):
-    """(cfg, params, tokenizer path) from --checkpoint or --preset."""
+def model_config(args):
+    """The config the run will use, from --preset or the checkpoint's config.json (no weights read)."""
     overrides = {"quantize_cache": not args.no_quantize_cache}
     if args.dtype:
         overrides.update(dtype=args.dtype, param_dtype=args.dtype)
+    if args.checkpoint:
+        return _cli.checkpoint_config(args.checkpoint)
+    return d.preset(args.preset, **overrides)
+
+
+def load_weights(args, cfg):
+    """(cfg, params or None for random ones) once the input is known to be usable: the slow part."""
     if not args.checkpoint:
-        return d.preset(args.preset, **overrides), None, args.tokenizer
-    try:
-        from dsv41_jax.checkpoint import load_checkpoint
-    except ImportError as e:
-        sys.exit(f"error: --checkpoint needs dsv41_jax.checkpoint, which is not importable here ({e})")
-    loaded = load_checkpoint(args.checkpoint, dtype=args.dtype or "bfloat16", engram_on_host=args.engram_on_host)
-    tok = args.tokenizer or os.path.join(args.checkpoint, "tokenizer.json")
-    return loaded.cfg, loaded.params, tok if os.path.exists(tok) else None
+        return cfg, None
+    loaded = _cli.load_checkpoint(args.checkpoint, dtype=args.dtype or "bfloat16", engram_on_host=args.engram_on_host)
+    return loaded.cfg, loaded.params
 
 
-def prompt_ids(args, tok) -> list[np.ndarray]:
+def tokenizer(args, cfg):
+    if args.tokenizer or not args.checkpoint:
+        return _cli.tokenizer(args.tokenizer, cfg.vocab_size, "--tokenizer")
+    path = os.path.join(args.checkpoint, "tokenizer.json")
+    return _cli.tokenizer(path if os.path.exists(path) else None, cfg.vocab_size, "--checkpoint")
+
+
+def prompt_ids(args, tok, vocab_size: int) -> list[np.ndarray]:
     if args.prompt_ids:
-        ids = np.load(args.prompt_ids)
-        if ids.ndim not in (1, 2) or not np.issubdtype(ids.dtype, np.integer):
-            sys.exit(f"error: {args.prompt_ids}: expected int ids [tokens] or [requests, tokens], got {ids.dtype}{list(ids.shape)}")
+        ids = _cli.load_ids(args.prompt_ids, "--prompt-ids")
+        _cli.check_ids(ids, vocab_size, "--prompt-ids", args.prompt_ids)
         return [r for r in np.atleast_2d(ids).astype(np.int32)]
-    text = open(args.prompt_file).read() if args.prompt_file else args.prompt
-    return [np.asarray(tok.encode(text), np.int32)]
+    text = _cli.read_text(args.prompt_file, "--prompt-file") if args.prompt_file else args.prompt
+    ids = np.asarray(tok.encode(text), np.int32)
+    if ids.size == 0:
+        raise _cli.UserError(f"{'--prompt-file ' + args.prompt_file if args.prompt_file else '--prompt'}: "
+                             "encodes to zero tokens; give some text")
+    return [ids]
 
 
+def cache_capacity(args, cfg, longest: int, default: int) -> int:
+    """Tokens per cache row: --capacity, else `default` (>= longest + --max-new-tokens); refused with the
+    flag to change when the longest prompt and its new tokens do not fit the model or --capacity."""
+    if args.capacity and args.capacity > cfg.max_seq_len:
+        raise _cli.UserError(f"--capacity {args.capacity}: exceeds the model's max_seq_len of {cfg.max_seq_len}")
+    limit, what = (args.capacity, "--capacity") if args.capacity else (cfg.max_seq_len, "the model's max_seq_len")
+    if longest >= limit:
+        raise _cli.UserError(f"the prompt has {longest} tokens: no room for a new token in {what} ({limit}); "
+                             "shorten the prompt")
+    need = longest + args.max_new_tokens
+    if need > limit:
+        raise _cli.UserError(f"--max-new-tokens {args.max_new_tokens}: the prompt ({longest} tokens) + "
+                             f"{args.max_new_tokens} new tokens need {need} cache tokens, more than {what} "
+                             f"({limit}); use --max-new-tokens {limit - longest} or less")
+    return args.capacity or min(default, cfg.max_seq_len)
+
+
+def check_mesh(args, cfg) -> None:
+    from dsv41_jax import sharding
+
+    try:
+        sharding.check_mesh(cfg, sharding.parse_mesh(args.mesh), batch=args.batch)
+    except sharding.MeshError as e:
+        raise _cli.UserError(f"--mesh {args.mesh}: {e}") from None
+
+
+@_cli.entry_point
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.distributed:
         jax.distributed.initialize()
-    if args.mesh and args.engine:
-        sys.exit("error: --mesh is not supported with the serving engine yet; drop --engine/--cache-dir")
-    cfg, params, tok_path = load_model(args)
-    tok = load_tokenizer(tok_path, cfg.vocab_size)
-    prompts = prompt_ids(args, tok)
+    # every check of the input first: what follows (weights, compiles) takes seconds to minutes
+    cfg = model_config(args)
+    tok = tokenizer(args, cfg)
+    prompts = prompt_ids(args, tok, cfg.vocab_size)
+    _cli.output_file(args.output_json, "--output-json")
+    bad_stops = [t for t in args.stop_token if not 0 <= t < cfg.vocab_size]
+    if bad_stops:
+        raise _cli.UserError(f"--stop-token {bad_stops[0]}: not an id of this model (0..{cfg.vocab_size - 1})")
+    longest = max(p.size for p in prompts)
     if args.engine:
-        return serve(args, cfg, params, tok, prompts)
-    ids = prompts[0].tolist()
+        chunk = args.prefill_chunk
+        capacity = cache_capacity(args, cfg, longest, -(-(longest + args.max_new_tokens) // chunk) * chunk)
+        ecfg = engine_config(args, cfg, capacity, len(prompts) * args.batch)
+        if args.cache_dir:
+            _cli.writable_dir(args.cache_dir, "--cache-dir")
+        cfg, params = load_weights(args, cfg)
+        return serve(args, cfg, params, tok, prompts, ecfg)
     if len(prompts) > 1:
-        sys.exit("error: several prompts need the serving engine: add --engine")
-    if not ids:
-        sys.exit("error: the prompt encodes to zero tokens")
+        raise _cli.UserError(f"--prompt-ids {args.prompt_ids}: several prompts need the serving engine: add --engine")
+    capacity = cache_capacity(args, cfg, longest, longest + args.max_new_tokens)
+    if args.mesh:
+        check_mesh(args, cfg)
+    cfg, params = load_weights(args, cfg)
+    return run_batch(args, cfg, params, tok, prompts[0].tolist(), capacity)
+
+
+def run_batch(args, cfg, params, tok, ids: list[int], capacity: int) -> dict:
+    """The prompt and its --batch truncations as one static batch: prefill, then --max-new-tokens - 1 steps."""
     b = args.batch
     lengths = np.array([max(1, len(ids) - i) for i in range(b)], np.int32)
     width = -(-len(ids) // 64) * 64  # bucket the padded width so nearby prompt lengths share a compile
     tokens = np.zeros((b, width), np.int32)
     for i in range(b):
         tokens[i, : lengths[i]] = ids[: lengths[i]]
-    capacity = args.capacity or int(lengths.max()) + args.max_new_tokens
     print(f"[decode] preset={args.preset} backend={jax.default_backend()} batch={b} prompt={len(ids)} tokens "
           f"capacity={capacity} cache={'fp4/fp8' if cfg.quantize_cache else 'raw'} dtype={cfg.dtype}", flush=True)
 
@@ -169,35 +241,39 @@ def main(argv=None) -> dict:
     if args.mesh:
         from dsv41_jax import sharding
 
-        try:
-            mesh = sharding.make_mesh(cfg, args.mesh, batch=b)
-        except ValueError as e:
-            sys.exit(f"error: {e}")
+        mesh = sharding.make_mesh(cfg, args.mesh, batch=b)
         sharded = sharding.shard_model(cfg, params, mesh, args.layout, batch=b, capacity=capacity)
         cache, prefill, decode = sharded.place_cache(cache), sharded.prefill, sharded.decode_step
         print(f"[decode] mesh {dict(mesh.shape)} layout {args.layout} on {mesh.size} device(s)", flush=True)
+    shape = (cfg, b, capacity, args.kernels, args.mesh, args.layout)  # what a compiled program depends on
 
     t0 = time.perf_counter()
-    logits, cache = prefill(cache, tokens, lengths)
+    with compiling(("prefill", width, *shape), f"prefill [B={b}, T={width}]"):
+        logits, cache = prefill(cache, tokens, lengths)
     key = jax.random.key(args.seed)
     nxt = _sample(logits, key, args.temperature)
     nxt.block_until_ready()
     ttft = time.perf_counter() - t0
 
-    out = [nxt]
-    steps = min(args.max_new_tokens, capacity - int(lengths.max())) - 1
-    t_first = t_loop = 0.0
-    for s in tqdm(range(steps), desc="decode", unit="tok", disable=steps < 32, file=sys.stderr):
+    out, t_first, t_loop = [nxt], 0.0, 0.0
+    steps = args.max_new_tokens - 1  # cache_capacity made room for all of them
+    if steps:
+        t0 = time.perf_counter()
+        with compiling(("decode", *shape), f"decode [B={b}, capacity={capacity}]"):
+            logits, cache = decode(cache, nxt)
+        key, sub = jax.random.split(key)
+        nxt = _sample(logits, sub, args.temperature)
+        out.append(nxt)
+        nxt.block_until_ready()
+        t_first = time.perf_counter() - t0  # includes compiling the decode step
+    # the bar starts after that compile, so its rate and ETA are the steps'
+    for _ in tqdm(range(steps - 1), desc="decode", unit="tok", disable=steps < 32, file=sys.stderr):
         t0 = time.perf_counter()
         logits, cache = decode(cache, nxt)
         key, sub = jax.random.split(key)
         nxt = _sample(logits, sub, args.temperature)
         out.append(nxt)
-        if s == 0:
-            nxt.block_until_ready()
-            t_first = time.perf_counter() - t0  # includes compiling the decode step
-        else:
-            t_loop += time.perf_counter() - t0
+        t_loop += time.perf_counter() - t0
     jax.block_until_ready(nxt)
     gen = np.stack([np.asarray(x) for x in out], axis=1)  # [B, new]
 
@@ -234,31 +310,51 @@ def print_memory(metrics: dict, peak: int, peak_kind: str) -> None:
     print(f"peak memory           {peak / 2**20:8.1f} MiB  ({peak_kind})")
 
 
-def serve(args, cfg, params, tok, prompts: list[np.ndarray]) -> dict:
+# what each value of the engine's `prefix_path` metric means for the tokens
+PATHS = {
+    "cold": "cold prefill",
+    "host_restore": "exact restore (pages from disk, window from the host pool: the cold run's tokens)",
+    "bounded_replay": "bounded replay (pages from disk, last window recomputed: approximate, tokens may differ "
+                      "from a cold run's; --no-bounded-replay recomputes exactly)",
+    "recompute": "full recompute (pages on disk unused: no window in the host pool, no bounded replay: the cold "
+                 "run's tokens)",
+}
+
+
+def engine_config(args, cfg, capacity: int, n_requests: int):
+    """The EngineConfig of the flags; refused (before any weights exist) when the engine could not use it."""
+    from dsv41_jax.serving import EngineConfig, plan_slots
+
+    budget = int(args.hbm_budget_gb * 2**30) if args.hbm_budget_gb else None
+    ecfg = EngineConfig(slots=args.slots or (None if budget else n_requests), hbm_budget_bytes=budget,
+                        capacity=capacity, prefill_chunk=args.prefill_chunk, page_tokens=args.page_tokens,
+                        cache_dir=args.cache_dir, retention_s=args.retention_hours * 3600,
+                        host_pool_bytes=int(args.host_pool_gb * 2**30) if args.host_pool_gb else None,
+                        host_ttl_s=args.host_ttl_s, prefix_reuse=not args.no_prefix_reuse,
+                        replay=not args.no_replay, bounded_prefill=not args.no_bounded_prefill,
+                        kernels=args.kernels)
+    try:
+        plan_slots(cfg, ecfg)
+    except ValueError as e:
+        raise _cli.UserError(f"engine settings (--page-tokens, --slots, --hbm-budget-gb, --capacity): {e}") from None
+    return ecfg
+
+
+def serve(args, cfg, params, tok, prompts: list[np.ndarray], ecfg) -> dict:
     """Serve the prompts (each one --batch times, truncated by b tokens) through the engine, --repeat rounds."""
-    from dsv41_jax.serving import Engine, EngineConfig, Request
+    from dsv41_jax.serving import Engine, Request
 
     if params is None:
         params = d.init_params(cfg, seed=args.seed)
     reqs = [Request(p[: max(1, p.size - i)], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     seed=args.seed + i, stop_tokens=tuple(args.stop_token))
             for p in prompts for i in range(args.batch)]
-    longest = max(r.prompt.size for r in reqs)
-    chunk = args.prefill_chunk
-    capacity = args.capacity or -(-(longest + args.max_new_tokens) // chunk) * chunk
-    budget = int(args.hbm_budget_gb * 2**30) if args.hbm_budget_gb else None
-    ecfg = EngineConfig(slots=args.slots or (None if budget else len(reqs)), hbm_budget_bytes=budget,
-                        capacity=capacity, prefill_chunk=chunk, page_tokens=args.page_tokens,
-                        cache_dir=args.cache_dir, retention_s=args.retention_hours * 3600,
-                        host_pool_bytes=int(args.host_pool_gb * 2**30) if args.host_pool_gb else None,
-                        host_ttl_s=args.host_ttl_s, prefix_reuse=not args.no_prefix_reuse,
-                        replay=not args.no_replay, bounded_prefill=not args.no_bounded_prefill,
-                        kernels=args.kernels)
+    capacity = ecfg.capacity
     engine = Engine(cfg, params, ecfg)
     print(f"[decode] engine preset={args.preset if not args.checkpoint else args.checkpoint} "
           f"backend={jax.default_backend()} slots={engine.n_slots} capacity={capacity} requests={len(reqs)} "
           f"x {args.repeat} rounds cache_dir={args.cache_dir}", flush=True)
-    rounds = []
+    rounds, paths = [], Counter()
     for r in range(args.repeat):
         t0 = time.perf_counter()
         results = engine.generate(reqs)
@@ -268,6 +364,8 @@ def serve(args, cfg, params, tok, prompts: list[np.ndarray]) -> dict:
             if res.error:
                 print(f"round {r} {res.id}: error: {res.error}")
                 continue
+            paths[m["prefix_path"]] += 1
+            print(f"round {r} {res.id}: path: {PATHS[m['prefix_path']]}")
             print(f"round {r} {res.id}: prompt {m['prompt_tokens']} reused {m['reused_tokens']} replayed "
                   f"{m['replayed_tokens']} decoder-layer tokens {m['decoder_prefill_tokens']} window "
                   f"{'hit' if m['host_window_hit'] else 'miss'} | ttft "
@@ -277,6 +375,9 @@ def serve(args, cfg, params, tok, prompts: list[np.ndarray]) -> dict:
         rounds.append(dict(wall_s=wall, tokens_per_s=gen / wall,
                            requests=[dict(id=x.id, generated_ids=x.tokens, error=x.error, stop_reason=x.stop_reason,
                                           metrics=x.metrics) for x in results]))
+    if paths["bounded_replay"]:
+        print(f"note: {paths['bounded_replay']} request(s) took bounded replay: their tokens may differ from a cold "
+              "run's; add --no-bounded-replay for output identical to a cold run")
     first = next((x for x in results if not x.error), None)
     if first is not None:
         print(f"\n--- {first.id} ---\ngenerated ids: {first.tokens[:16]}{' ...' if len(first.tokens) > 16 else ''}"

@@ -20,28 +20,36 @@ import time
 
 import numpy as np
 
+from experiments import _cli
+
+
+def input_ids(args, cfg) -> tuple[np.ndarray, int]:
+    """(ids [batch, tokens] of --input-ids, tokens to prefill), checked against the model and --decode-from."""
+    ids = _cli.load_ids(args.input_ids, "--input-ids")
+    _cli.check_ids(ids, cfg.vocab_size, "--input-ids", args.input_ids)
+    ids = np.atleast_2d(ids)
+    t = ids.shape[1]
+    if t > cfg.max_seq_len:
+        raise _cli.UserError(f"--input-ids {args.input_ids}: {t} tokens, more than the model's max_seq_len "
+                             f"({cfg.max_seq_len})")
+    n = t if args.decode_from is None else args.decode_from
+    if not 1 <= n <= t:
+        raise _cli.UserError(f"--decode-from {n}: must be in 1..{t} (the number of tokens given)")
+    return ids, n
+
 
 def run(args) -> np.ndarray:
     import dsv41_jax as d
-    from dsv41_jax.checkpoint import load_checkpoint
 
-    ids = np.load(args.input_ids)
-    if ids.ndim == 1:
-        ids = ids[None]
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise SystemExit(f"{args.input_ids}: expected integer token ids [batch, tokens], got {ids.dtype}{list(ids.shape)}")
+    ids, n = input_ids(args, _cli.checkpoint_config(args.checkpoint))
+    _cli.output_file(args.out, "--out")
     b, t = ids.shape
-    n = t if args.decode_from is None else args.decode_from
-    if not 1 <= n <= t:
-        raise SystemExit(f"--decode-from {n} must be in 1..{t} (the number of tokens given)")
-    loaded = load_checkpoint(args.checkpoint, dtype=args.dtype, index_keys=args.index_keys,
-                             activation_quant=None if args.activation_quant else False,
-                             engram_on_host=args.engram_on_host, progress=not args.quiet)
+    loaded = _cli.load_checkpoint(args.checkpoint, dtype=args.dtype, index_keys=args.index_keys,
+                                  activation_quant=None if args.activation_quant else False,
+                                  engram_on_host=args.engram_on_host, progress=not args.quiet)
     cfg, params = loaded.cfg, loaded.params
     for note in loaded.notes:
         print(f"note: {note}", file=sys.stderr)
-    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-        raise SystemExit(f"{args.input_ids}: ids must be in [0, {cfg.vocab_size}), got {ids.min()}..{ids.max()}")
     t0 = time.perf_counter()
     cache = d.init_cache(cfg, b, t)
     logits, cache = d.prefill(cfg, params, cache, ids[:, :n], np.full(b, n), all_logits=True)
@@ -58,6 +66,7 @@ def run(args) -> np.ndarray:
     return logits
 
 
+@_cli.entry_point
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="directory with config.json, safetensors, tokenizer.json")

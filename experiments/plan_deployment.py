@@ -19,6 +19,7 @@ from jax.sharding import AbstractMesh
 import dsv41_jax as d
 from dsv41_jax import sharding as S
 from dsv41_jax.cache import init_cache
+from experiments import _cli
 
 
 def _per_device_bytes(pairs, mesh) -> tuple[float, float]:
@@ -32,13 +33,23 @@ def _per_device_bytes(pairs, mesh) -> tuple[float, float]:
     return total, per_dev
 
 
-def plan(preset: str, mesh_spec: str, layout: str, batch: int, context: int) -> dict:
+def weight_config(preset: str):
+    """(config, abstract params, "") with the released FP8/FP4 weights or, for a preset whose dimensions are
+    not multiples of their scale blocks (tiny), (config, abstract params, the reason) with bf16 weights."""
     cfg = d.preset(preset, weight_format="fp8", param_dtype="bfloat16")
+    try:
+        return cfg, d.abstract_params(cfg), ""
+    except ValueError as e:  # quant: a dimension that is not a multiple of its scale block
+        cfg = d.preset(preset, param_dtype="bfloat16")
+        return cfg, d.abstract_params(cfg), str(e)
+
+
+def plan(preset: str, mesh_spec: str, layout: str, batch: int, context: int) -> dict:
+    cfg, params, not_fp8 = weight_config(preset)
     sizes = S.parse_mesh(mesh_spec)
     S.check_mesh(cfg, sizes, batch, math.prod(sizes.values()))
     names = tuple(a for a in S.MESH_AXES if a in sizes)
     mesh = AbstractMesh(tuple(sizes[a] for a in names), names)
-    params = d.abstract_params(cfg)
     specs = jax.tree.leaves(S.param_specs(params, mesh, layout))  # the params' logical-axes metadata
     dev, host = [], []
     for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs, strict=True):
@@ -50,29 +61,68 @@ def plan(preset: str, mesh_spec: str, layout: str, batch: int, context: int) -> 
                                            strict=True), mesh)
     return dict(preset=preset, mesh=sizes, layout=layout, batch=batch, context=context, devices=mesh.size,
                 weights_total=w_total, weights_per_device=w_dev, cache_total=c_total, cache_per_device=c_dev,
-                engram_host_total=e_total)
+                engram_host_total=e_total, weights_not_fp8=not_fp8)
 
 
+def size(n: float) -> str:
+    """Bytes in the binary unit that shows their digits, padded to one width."""
+    for unit, b in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= b:
+            return f"{n / b:9.1f} {unit}"
+    return f"{n / 2**10:9.1f} KiB"
+
+
+def default_mesh(cfg) -> str:
+    """tensor=8 (an 8-GPU host) or, for a model too small to split 8 ways, the widest tensor split it takes."""
+    for n in (8, 4, 2):
+        try:
+            S.check_mesh(cfg, {"tensor": n}, n_devices=n)
+            return f"tensor={n}"
+        except S.MeshError:
+            continue
+    return "tensor=1"
+
+
+@_cli.entry_point
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="v41-flash", choices=sorted(d.PRESETS))
-    ap.add_argument("--mesh", default="tensor=8", help="axis=size pairs, e.g. data=2,expert=4")
+    ap.add_argument("--mesh", help="axis=size pairs, e.g. data=2,expert=4 (default: tensor=8, or the widest "
+                    "tensor split a small preset takes)")
     ap.add_argument("--layout", default="tp_ep", choices=sorted(S.LAYOUTS))
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--context", type=int, help="tokens per sequence (default: 131072, or the preset's "
+                    "max_seq_len when smaller)")
     ap.add_argument("--hbm-gib", type=float, default=141.0, help="memory per device (H200: 141; TPU v5p: 95)")
     ap.add_argument("--devices-per-host", type=int, default=8)
     a = ap.parse_args(argv)
-    p = plan(a.preset, a.mesh, a.layout, a.batch, a.context)
-    gib = 2**30
+    if a.batch < 1 or (a.context is not None and a.context < 1) or a.devices_per_host < 1:
+        ap.error("--batch, --context and --devices-per-host must be >= 1")
+    cfg = d.preset(a.preset)
+    if a.context is not None and a.context > cfg.max_seq_len:
+        raise _cli.UserError(f"--context {a.context}: more than {a.preset}'s max_seq_len ({cfg.max_seq_len})")
+    a.context = a.context or min(131072, cfg.max_seq_len)
+    a.mesh = a.mesh or default_mesh(cfg)
+    try:
+        p = plan(a.preset, a.mesh, a.layout, a.batch, a.context)
+    except S.MeshError as e:
+        raise _cli.UserError(f"--mesh {a.mesh}: {e}") from None
     hosts = max(1, p["devices"] // a.devices_per_host)
-    need = (p["weights_per_device"] + p["cache_per_device"]) / gib
+    need = (p["weights_per_device"] + p["cache_per_device"]) / 2**30
     print(f"{a.preset} on mesh {a.mesh} ({p['devices']} devices, layout {a.layout}), batch {a.batch} x context {a.context:,}")
-    print(f"  weights (FP8 dense + FP4 experts)  total {p['weights_total'] / gib:9.1f} GiB   per device {p['weights_per_device'] / gib:8.1f} GiB")
-    print(f"  KV cache (FP4 global + FP8 window) total {p['cache_total'] / gib:9.1f} GiB   per device {p['cache_per_device'] / gib:8.1f} GiB")
-    print(f"  Engram tables (host memory)        total {p['engram_host_total'] / gib:9.1f} GiB   per host   {p['engram_host_total'] / hosts / gib:8.1f} GiB ({hosts} host(s))")
+    if p["weights_not_fp8"]:
+        print(f"  (weights counted as bf16: {a.preset} does not fit the released FP8/FP4 formats: "
+              f"{p['weights_not_fp8']})")
+    kind = "bf16" if p["weights_not_fp8"] else "FP8 dense + FP4 experts"
+    print(f"  {'weights (' + kind + ')':34s} total {size(p['weights_total'])}   "
+          f"per device {size(p['weights_per_device'])}")
+    print(f"  KV cache (FP4 global + FP8 window) total {size(p['cache_total'])}   "
+          f"per device {size(p['cache_per_device'])}")
+    print(f"  Engram tables (host memory)        total {size(p['engram_host_total'])}   per host   "
+          f"{size(p['engram_host_total'] / hosts)} ({hosts} host(s))")
     verdict = "fits" if need <= a.hbm_gib else "does NOT fit"
-    print(f"  per device: {need:.1f} GiB of {a.hbm_gib:.0f} GiB -> {verdict} (activations and workspace not counted)")
+    print(f"  per device: {size(need * 2**30).strip()} of {a.hbm_gib:.0f} GiB -> {verdict} (activations and workspace "
+          "not counted)")
     return p
 
 

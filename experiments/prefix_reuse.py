@@ -37,8 +37,9 @@ import numpy as np
 
 import dsv41_jax as d
 from dsv41_jax import api
-from dsv41_jax.serving import Engine, EngineConfig
+from dsv41_jax.serving import Engine, EngineConfig, plan_slots
 from dsv41_jax.serving import slots as rows
+from experiments import _cli
 
 STATES = ("exact", "bounded", "window", "replay")  # slot order of the teacher-forced drift batch
 # (state, reference) pairs whose drift is reported: each approximation against the exact run, and the
@@ -109,7 +110,7 @@ def measure_one(mk, prompt: np.ndarray, drift_tokens: int, root: str) -> dict:
 def measure(args) -> list[dict]:
     cfg = d.preset(args.preset)
     params = d.init_params(cfg, seed=args.seed)
-    cap = -(-(max(args.lengths) + args.drift_tokens + 1) // args.chunk) * args.chunk
+    cap = min(-(-(max(args.lengths) + args.drift_tokens + 1) // args.chunk) * args.chunk, cfg.max_seq_len)
     base = args.cache_dir or tempfile.mkdtemp(prefix="prefix_reuse_")
 
     def mk(slots=1, **kw):
@@ -146,6 +147,7 @@ def markdown(rows_: list[dict]) -> str:
         for r in rows_)
 
 
+@_cli.entry_point
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(d.PRESETS))
@@ -159,10 +161,22 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
-    w = d.preset(args.preset).window_size
-    if min(args.lengths) <= w + args.page_tokens or args.drift_tokens < 1:
+    cfg = d.preset(args.preset)
+    w = cfg.window_size
+    if min(args.lengths) <= w + args.page_tokens or args.drift_tokens < 1 or args.chunk < 1:
         ap.error(f"every length must exceed window + page ({w} + {args.page_tokens}) so that a replay happens, "
-                 "and --drift-tokens must be >= 1")
+                 "and --drift-tokens and --chunk must be >= 1")
+    need = max(args.lengths) + args.drift_tokens + 1
+    if need > cfg.max_seq_len:
+        raise _cli.UserError(f"--lengths {max(args.lengths)}: with --drift-tokens {args.drift_tokens} it needs "
+                             f"{need} cache tokens, more than {args.preset}'s max_seq_len ({cfg.max_seq_len})")
+    try:
+        plan_slots(cfg, EngineConfig(slots=1, capacity=need, page_tokens=args.page_tokens))
+    except ValueError as e:
+        raise _cli.UserError(f"--page-tokens {args.page_tokens}: {e}") from None
+    _cli.output_file(args.output_json, "--output-json")
+    if args.cache_dir:
+        _cli.writable_dir(args.cache_dir, "--cache-dir")
     t0 = time.perf_counter()
     res = measure(args)
     print(f"\n{args.preset} on {jax.default_backend()} ({time.perf_counter() - t0:.0f} s)\n")

@@ -40,8 +40,11 @@ import dsv41_jax as d
 from dsv41_jax import train
 from dsv41_jax.cache import Cache
 from dsv41_jax.serving import slots as rows
-from experiments.corpus import KEY_DIGITS, load_corpus, passkey_batch, windows
+from experiments import _cli
+from experiments.corpus import KEY_DIGITS, PASSKEY_MIN_LENGTH, load_corpus, passkey_batch, windows
 from experiments.train_small import dense_overrides, load_config, make_optimizer
+
+RETRIEVAL_LENGTHS = (512, 1024, 2048, 4096, 8192)
 
 # name -> ModelConfig changes at inference for a cache of `capacity` tokens (the weights stay the run's)
 VARIANTS = {
@@ -53,13 +56,54 @@ VARIANTS = {
 BASE = next(iter(VARIANTS))
 
 
-def load_run(run: Path, **overrides):
-    """(cfg, params) of a train_small output directory."""
-    cfg = load_config(run / "config.json", sinkhorn_unroll="rolled", **overrides)
+def run_config(run: str):
+    """The trained config of a train_small output directory (--run), refused when the run is incomplete."""
+    path = _cli.input_dir(run, "--run")
+    if not (path / "checkpoint").is_dir():
+        raise _cli.UserError(f"--run {run}: no checkpoint/ in it; give a finished experiments.train_small --out "
+                             "directory")
+    try:
+        return load_config(path / "config.json", sinkhorn_unroll="rolled")
+    except (OSError, ValueError, TypeError, KeyError) as e:  # missing, not JSON, keys that make no config
+        raise _cli.UserError(f"--run {run}: config.json: {e}") from None
+
+
+def lengths_and_capacity(args, cfg) -> tuple[list[int], int]:
+    """(retrieval lengths, cache capacity) that fit the run's model: the defaults beyond its max_seq_len are
+    dropped (with a note); explicit --ppl-len / --retrieval-lengths beyond it are refused."""
+    top = cfg.max_seq_len
+    if args.retrieval_lengths is None:
+        kept = [n for n in RETRIEVAL_LENGTHS if n <= top]
+        if len(kept) < len(RETRIEVAL_LENGTHS):
+            print(f"note: retrieval lengths {[n for n in RETRIEVAL_LENGTHS if n > top]} skipped: beyond the run's "
+                  f"max_seq_len ({top})", file=sys.stderr)
+    else:
+        kept = args.retrieval_lengths
+        if max(kept) > top:
+            raise _cli.UserError(f"--retrieval-lengths {max(kept)}: beyond the run's max_seq_len ({top})")
+    if min(kept) < PASSKEY_MIN_LENGTH:
+        raise _cli.UserError(f"--retrieval-lengths {min(kept)}: a passkey example needs at least {PASSKEY_MIN_LENGTH} "
+                             "tokens")
+    if args.ppl_len > top:
+        raise _cli.UserError(f"--ppl-len {args.ppl_len}: beyond the run's max_seq_len ({top})")
+    if args.replay and args.ppl_len - args.replay_tail < 2 * cfg.window_size:
+        raise _cli.UserError(f"--ppl-len {args.ppl_len} - --replay-tail {args.replay_tail}: must leave two windows "
+                             f"({2 * cfg.window_size} tokens) before the scored tail")
+    return kept, max([args.ppl_len, *kept])
+
+
+def load_run(run: Path, cfg):
+    """params of a train_small output directory whose config is `cfg`."""
     like = d.init_params(cfg, seed=0)
     params, _, step = train.restore_checkpoint(run / "checkpoint", like, train.init_opt_state(make_optimizer(1.0, 1), like))
     print(f"{run}: step {step}, {sum(np.size(x) for x in jax.tree.leaves(params)):,} parameters", file=sys.stderr)
-    return cfg, params
+    return params
+
+
+def empty_cache(cfg, batch: int, capacity: int) -> Cache:
+    """An empty cache committed to the default device, as the restored params are: an uncommitted first
+    chunk and the committed caches that follow it would be two programs, compiled twice."""
+    return jax.device_put(d.init_cache(cfg, batch, capacity), jax.devices()[0])
 
 
 def run_chunks(cfg, params, cache: Cache, ids_bt: np.ndarray, lo: int, hi: int, chunk: int,
@@ -78,9 +122,10 @@ def cold_and_replayed(cfg, params, ids_bt, p: int, chunk: int, capacity: int) ->
     """Caches after ids[:, :p]: exact, and with the last window [p - W, p) replayed on the cached global KV."""
     w = cfg.window_size
     b = ids_bt.shape[0]
-    _, before = run_chunks(cfg, params, d.init_cache(cfg, b, capacity), ids_bt, 0, p - w, chunk)
+    _, before = run_chunks(cfg, params, empty_cache(cfg, b, capacity), ids_bt, 0, p - w, chunk)
     _, exact = run_chunks(cfg, params, before, ids_bt, p - w, p, chunk)
-    start = jax.device_put(rows.reset_row(rows.to_host(before), p - w))  # as the engine's replay starts
+    # as the engine's replay starts; committed like the params (see empty_cache)
+    start = jax.device_put(rows.reset_row(rows.to_host(before), p - w), jax.devices()[0])
     _, replayed = run_chunks(cfg, params, start, ids_bt, p - w, p, chunk)
     return exact, replayed.replace(sources=exact.sources)  # the replay's own global rows are not kept
 
@@ -96,7 +141,8 @@ def perplexity(cfg, params, batches: list[np.ndarray], chunk: int, capacity: int
     t = batches[0].shape[1] - 1
     vals = []
     for ids in batches:
-        logits, _ = run_chunks(cfg, params, d.init_cache(cfg, ids.shape[0], capacity), ids, 0, t, chunk, keep=(0, t))
+        cache = empty_cache(cfg, ids.shape[0], capacity)
+        logits, _ = run_chunks(cfg, params, cache, ids, 0, t, chunk, keep=(0, t))
         vals.append(nll(logits, ids[:, 1:]))
     x = float(np.mean(vals))
     return {"nll": round(x, 4), "bits_per_byte": round(x / math.log(2), 4), "ppl": round(math.exp(x), 3)}
@@ -143,7 +189,7 @@ def retrieval(cfg, params, sets: dict[int, list[tuple[np.ndarray, int]]], chunk:
                 _, state = cold_and_replayed(cfg, params, ids, p, chunk, capacity)
                 logits, _ = run_chunks(cfg, params, state, ids, p, length, chunk, keep=keep)
             else:
-                logits, _ = run_chunks(cfg, params, d.init_cache(cfg, ids.shape[0], capacity), ids, 0, length,
+                logits, _ = run_chunks(cfg, params, empty_cache(cfg, ids.shape[0], capacity), ids, 0, length,
                                        chunk, keep=keep)
             k, g, nl = key_scores(logits, ids, ans)
             keys.append(k)
@@ -167,7 +213,8 @@ def parse_args(argv=None):
     ap.add_argument("--ppl-len", type=int, default=1024)
     ap.add_argument("--ppl-batches", type=int, default=8)
     ap.add_argument("--replay-tail", type=int, default=256, help="tokens scored after the replayed window")
-    ap.add_argument("--retrieval-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--retrieval-lengths", type=int, nargs="+", help="context lengths of the passkey examples "
+                    f"(default: {' '.join(map(str, RETRIEVAL_LENGTHS))}, those within the run's max_seq_len)")
     ap.add_argument("--retrieval-batches", type=int, default=4, help="batches of --batch examples per length")
     ap.add_argument("--key-depth", type=float, default=0.1, help="where the key sits, as a fraction of the context")
     ap.add_argument("--corpus-mb", type=float, default=64.0)
@@ -202,21 +249,32 @@ def markdown(res: dict) -> str:
 
 def merge(paths: list[str]) -> dict:
     """One result dict from several --out files (rows and replay rows concatenated)."""
-    parts = [json.loads(Path(p).read_text()) for p in paths]
+    parts = []
+    for p in paths:
+        try:
+            part = json.loads(_cli.read_text(p, "--merge"))
+        except ValueError as e:
+            raise _cli.UserError(f"--merge {p}: not JSON ({e})") from None
+        if not isinstance(part, dict) or "retrieval_lengths" not in part:
+            raise _cli.UserError(f"--merge {p}: not a file written by experiments.quality --out")
+        parts.append(part)
     lens = parts[0]["retrieval_lengths"]
     if any(p["retrieval_lengths"] != lens for p in parts):
-        raise SystemExit("the files were made with different --retrieval-lengths; rerun them alike")
+        raise _cli.UserError("--merge: the files were made with different --retrieval-lengths; rerun them alike")
     return {"retrieval_lengths": lens, "rows": [r for p in parts for r in p["rows"]],
             "replay": [r for p in parts for r in p.get("replay", [])]}
 
 
+@_cli.entry_point
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.merge:
         res = merge(args.merge)
         print(markdown(res))
         return res
-    capacity = max([args.ppl_len, *args.retrieval_lengths])
+    cfg = run_config(args.run)
+    args.retrieval_lengths, capacity = lengths_and_capacity(args, cfg)
+    _cli.output_file(args.out, "--out")
     _, val_ids = load_corpus(int(args.corpus_mb * 2**20))
     rng = np.random.default_rng(args.seed)
     ppl_sets = [windows(val_ids, args.batch, args.ppl_len + 1, rng) for _ in range(args.ppl_batches)]
@@ -239,10 +297,7 @@ def main(argv=None) -> dict:
             print(json.dumps(res["rows"][-1]), file=sys.stderr)
             save()
 
-    cfg, params = load_run(Path(args.run))
-    if args.replay and args.ppl_len - args.replay_tail < 2 * cfg.window_size:
-        raise SystemExit(f"--ppl-len - --replay-tail must leave two windows ({2 * cfg.window_size} tokens) "
-                         "before the scored tail")
+    params = load_run(Path(args.run), cfg)
     evaluate(args.model, cfg, params, list(VARIANTS) if args.variants == "all" else [BASE])
     res["replay"] = []
     if args.replay:

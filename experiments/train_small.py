@@ -34,8 +34,10 @@ from tqdm import tqdm
 
 import dsv41_jax as d
 from dsv41_jax import train
+from dsv41_jax.compile_notice import compiling
 from dsv41_jax.config import RUNTIME_FIELDS, ModelConfig
-from experiments.corpus import TOK, load_corpus, training_batches, windows
+from experiments import _cli
+from experiments.corpus import PASSKEY_MIN_LENGTH, TOK, load_corpus, training_batches, windows
 
 
 def study_config(preset: str, plan: str, study: bool) -> ModelConfig:
@@ -76,6 +78,8 @@ def make_optimizer(lr: float, warmup: int) -> optax.GradientTransformation:
 
 
 def write_curve(out: Path, rows: list[dict]) -> str:
+    """loss_curve.csv, and loss_curve.png next to it when matplotlib imports (else one line on stderr saying
+    how to get it); returns the path of the plot, or of the CSV without one."""
     with open(out / "loss_curve.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -85,6 +89,8 @@ def write_curve(out: Path, rows: list[dict]) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print(f"loss curve: {out / 'loss_curve.csv'} only; for loss_curve.png next to it, pip install matplotlib "
+              "(or the [plot] extra: pip install -e '.[plot]')", file=sys.stderr)
         return str(out / "loss_curve.csv")
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in rows]
@@ -124,19 +130,34 @@ def parse_args(argv=None):
     ap.add_argument("--eval-batches", type=int, default=4)
     ap.add_argument("--corpus-mb", type=float, default=64.0, help="read at most this much source text")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="output directory (default runs/train_small_<preset>)")
+    ap.add_argument("--out", default=None, help="output directory (default: runs/train_small_<preset> under the "
+                    "current directory; runs/ is git-ignored in this repository)")
     args = ap.parse_args(argv)
     if args.steps is None and args.minutes is None:
         ap.error("give --steps, --minutes or both")
+    if (args.steps is not None and args.steps < 1) or (args.minutes is not None and args.minutes <= 0):
+        ap.error("--steps must be >= 1 and --minutes > 0")
+    if min(args.batch, args.seq, args.eval_every, args.eval_batches) < 1 or not 0 <= args.retrieval_frac <= 1:
+        ap.error("--batch, --seq, --eval-every and --eval-batches must be >= 1, --retrieval-frac in [0, 1]")
+    if args.retrieval_frac and args.seq + 1 < PASSKEY_MIN_LENGTH:
+        ap.error(f"--seq {args.seq}: passkey rows need at least {PASSKEY_MIN_LENGTH - 1}; raise --seq or pass "
+                 "--retrieval-frac 0")
     return args
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def output_dir(args) -> Path:
+    """--out (or its default), writable and without an earlier run's checkpoint, which orbax would refuse at
+    the end, after the whole training."""
     out = Path(args.out or f"runs/train_small_{args.preset}")
     if (out / "checkpoint").exists():
-        raise SystemExit(f"{out / 'checkpoint'} exists; pass another --out or remove it")
-    out.mkdir(parents=True, exist_ok=True)
+        raise _cli.UserError(f"--out {out}: holds a checkpoint/ of an earlier run; pass another --out or remove it")
+    return _cli.writable_dir(str(out), "--out")
+
+
+@_cli.entry_point
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out = output_dir(args)
     cfg = study_config(args.preset, args.plan, args.study)
     save_config(out / "config.json", cfg)
     train_ids, val_ids = load_corpus(int(args.corpus_mb * 2**20))
@@ -156,24 +177,29 @@ def main(argv=None) -> dict:
     val = [windows(val_ids, args.batch, args.seq + 1, val_rng) for _ in range(args.eval_batches)]
 
     def evaluate() -> float:
-        return float(np.mean([float(eval_fn(params, jnp.asarray(b))) for b in val]))
+        with compiling(("eval", train_cfg, args.batch, args.seq), f"validation loss [B={args.batch}, T={args.seq}]"):
+            first = eval_fn(params, jnp.asarray(val[0]))
+        return float(np.mean([float(first)] + [float(eval_fn(params, jnp.asarray(b))) for b in val[1:]]))
 
     rows: list[dict] = []
     budget = args.minutes * 60 if args.minutes is not None else float("inf")
     total = args.steps if args.steps is not None else None
-    t0, step, compile_s = time.perf_counter(), 0, None
-    bar = tqdm(total=total, unit="step", file=sys.stderr)
+    t0, step, compile_s, bar = time.perf_counter(), 0, None, None
     while (total is None or step < total) and time.perf_counter() - t0 < budget:
-        params, opt_state, m = step_fn(params, opt_state, {"tokens": jnp.asarray(next(data))})
+        with compiling(("train", train_cfg, args.batch, args.seq), f"train step [B={args.batch}, T={args.seq}]"):
+            params, opt_state, m = step_fn(params, opt_state, {"tokens": jnp.asarray(next(data))})
         m = jax.tree.map(float, m)
         step += 1
-        compile_s = compile_s if compile_s is not None else time.perf_counter() - t0
+        if compile_s is None:  # the bar starts after the compile, so its rate and ETA are the steps'
+            compile_s = time.perf_counter() - t0
+            bar = tqdm(total=total, initial=1, unit="step", file=sys.stderr)
+        else:
+            bar.update()
         last = step == total
         row = {"step": step, "seconds": round(time.perf_counter() - t0, 2), **{k: round(v, 5) for k, v in m.items()},
                "val_lm_loss": round(evaluate(), 5) if step % args.eval_every == 0 or last else ""}
         rows.append(row)
         bar.set_postfix(loss=f"{m['lm_loss']:.3f}", kl=f"{m['indexer_kl']:.3f}")
-        bar.update()
     bar.close()
     if rows[-1]["val_lm_loss"] == "":
         rows[-1]["val_lm_loss"] = round(evaluate(), 5)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from experiments import quality
+from experiments._cli import UserError
 from experiments.corpus import KEY_DIGITS, TOK, passkey, passkey_batch, training_batches
 
 FILLER = np.asarray(np.random.default_rng(0).integers(3 + 97, 3 + 123, 5000), np.int32)  # lowercase letters
@@ -75,5 +76,5 @@ def test_merge_and_markdown(tmp_path):
     assert "| CSA2 | 256 tokens after 768 | 1.1 | 1.2 | 0.5 | 0.99 |" in table
     b["retrieval_lengths"] = [1024]
     (tmp_path / "b.json").write_text(json.dumps(b))
-    with pytest.raises(SystemExit, match="retrieval-lengths"):
+    with pytest.raises(UserError, match="retrieval-lengths"):
         quality.merge([str(tmp_path / "a.json"), str(tmp_path / "b.json")])

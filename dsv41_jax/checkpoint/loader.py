@@ -45,7 +45,7 @@ class CheckpointError(ValueError):
     """A checkpoint that does not fit the config; `problems` lists every mismatch by tensor name."""
 
     def __init__(self, directory, problems: list[str]):
-        self.problems = problems
+        self.directory, self.problems = directory, problems
         shown = "\n  ".join(problems[:200])
         more = f"\n  ... and {len(problems) - 200} more" if len(problems) > 200 else ""
         super().__init__(f"{directory}: {len(problems)} problem(s), nothing was loaded:\n  {shown}{more}\n"

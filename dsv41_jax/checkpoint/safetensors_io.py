@@ -111,18 +111,30 @@ def list_checkpoint(directory: str | Path) -> tuple[dict[str, TensorInfo], list[
     else:
         raise FileNotFoundError(f"{directory} has neither {INDEX_FILE} nor {SINGLE_FILE}: "
                                 "point --checkpoint at the directory holding the safetensors files")
-    sizes: dict[Path, int] = {}
+    problems += _truncated_files(tensors.values())
     for name, info in tensors.items():
-        size = sizes.setdefault(info.file, info.file.stat().st_size)
-        if info.end > size:
-            problems.append(f"{name}: payload ends at byte {info.end} but {info.file.name} has only {size} "
-                            "bytes (truncated download?)")
         if info.dtype in NUMPY_DTYPE:
             want = int(np.prod(info.shape, dtype=np.int64)) * NUMPY_DTYPE[info.dtype].itemsize
             if want != info.nbytes:
                 problems.append(f"{name}: header says {info.dtype}{list(info.shape)} = {want} bytes but "
                                 f"its byte range holds {info.nbytes}")
     return tensors, problems
+
+
+def _truncated_files(infos) -> list[str]:
+    """One problem per file whose tensors end past its size (a truncated download cuts off every tensor
+    after the cut: naming each would bury the one fact that matters, the file and how much of it is there)."""
+    need: dict[Path, list[int]] = {}  # file -> end of each of its tensors
+    for info in infos:
+        need.setdefault(info.file, []).append(info.end)
+    out = []
+    for f, ends in sorted(need.items()):
+        size = f.stat().st_size
+        cut = sum(e > size for e in ends)
+        if cut:
+            out.append(f"{f.name}: {size:,d} of {max(ends):,d} bytes ({cut} of its {len(ends)} tensors cut off; "
+                       "truncated download?)")
+    return out
 
 
 def read_tensor(info: TensorInfo, out: np.ndarray | None = None) -> np.ndarray:

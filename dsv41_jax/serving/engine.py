@@ -56,6 +56,7 @@ from tqdm import tqdm
 
 from dsv41_jax import api
 from dsv41_jax.cache import cache_bytes, init_cache
+from dsv41_jax.compile_notice import compiling
 from dsv41_jax.plan import Mode, build_plan, encoder_depth
 from dsv41_jax.serving import slots as rows
 from dsv41_jax.sampling import sample
@@ -77,6 +78,24 @@ def slots_for_budget(cfg, capacity: int, budget_bytes: int, max_slots: int = 256
     return int(n)
 
 
+def plan_slots(cfg, ecfg: "EngineConfig") -> int:
+    """The slot count an engine of `ecfg` gets for `cfg`; ValueError saying what to change when it cannot
+    serve it. Cheap (no weights, nothing allocated): callers can check settings before the slow setup."""
+    lcm = math.lcm(*_full_ratios(cfg))  # 1 without Full layers
+    if ecfg.page_tokens < 1 or ecfg.page_tokens % lcm:
+        raise ValueError(f"page_tokens={ecfg.page_tokens} must be a positive multiple of every compression ratio "
+                         f"(lcm {lcm}) so a page ends on complete groups")
+    if ecfg.capacity < 2 or ecfg.prefill_chunk < 1:
+        raise ValueError(f"need capacity >= 2 and prefill_chunk >= 1, got {ecfg.capacity}, {ecfg.prefill_chunk}")
+    if ecfg.capacity > cfg.max_seq_len:
+        raise ValueError(f"capacity={ecfg.capacity} exceeds the model's max_seq_len={cfg.max_seq_len}")
+    return ecfg.slots or slots_for_budget(cfg, ecfg.capacity, ecfg.hbm_budget_bytes or 1 << 30)
+
+
+def _full_ratios(cfg) -> tuple[int, ...]:
+    return tuple(p.ratio for p in build_plan(cfg) if p.mode is Mode.FULL)
+
+
 @dataclass
 class EngineConfig:
     slots: int | None = None  # None: from hbm_budget_bytes
@@ -93,7 +112,7 @@ class EngineConfig:
     bounded_prefill: bool = True  # decoder-side bounded prefill (see the module docstring)
     weights_revision: str | None = None  # None: a digest of the parameter bytes
     kernels: str = "jnp"
-    progress: bool = True
+    progress: bool = True  # chunk bars and "compiling ..." notices on stderr
 
 
 @dataclass
@@ -128,17 +147,11 @@ class _Live:
 class Engine:
     def __init__(self, cfg, params, ecfg: EngineConfig = EngineConfig()):
         self.cfg, self.params, self.ecfg = cfg, params, ecfg
-        self.ratios = tuple(p.ratio for p in build_plan(cfg) if p.mode is Mode.FULL)
-        lcm = math.lcm(*self.ratios) if self.ratios else 1
-        if ecfg.page_tokens % lcm:
-            raise ValueError(f"page_tokens={ecfg.page_tokens} must be a multiple of every compression ratio "
-                             f"(lcm {lcm}) so a page ends on complete groups")
-        if ecfg.capacity < 2 or ecfg.prefill_chunk < 1:
-            raise ValueError(f"need capacity >= 2 and prefill_chunk >= 1, got {ecfg.capacity}, {ecfg.prefill_chunk}")
-        self.n_slots = ecfg.slots or slots_for_budget(cfg, ecfg.capacity, ecfg.hbm_budget_bytes or 1 << 30)
+        self.n_slots = plan_slots(cfg, ecfg)
+        self.ratios = _full_ratios(cfg)
         self.cache = init_cache(cfg, self.n_slots, ecfg.capacity)
         self._empty_row = rows.to_host(rows.take_row(self.cache, 0))
-        self.replay_ok = ecfg.replay and cfg.window_size % lcm == 0
+        self.replay_ok = ecfg.replay and cfg.window_size % math.lcm(*self.ratios) == 0
         self.encoder_depth = encoder_depth(build_plan(cfg))
         tm = params["engram_token_map"][...] if cfg.engram_layer_ids else None
         self.token_map = None if tm is None else np.asarray(tm)
@@ -217,8 +230,10 @@ class Engine:
         for s, lv in self.live.items():
             tok[s], active[s] = lv.res.tokens[-1], True
             temp[s], seed[s], count[s] = lv.req.temperature, lv.req.seed, len(lv.res.tokens)
-        logits, self.cache = api.decode_step(self.cfg, self.params, self.cache, jnp.asarray(tok), jnp.asarray(active),
-                                             kernels=self.ecfg.kernels, validate=False)
+        with compiling(("decode", self.cfg, b, self.ecfg.capacity, self.ecfg.kernels),
+                       f"decode [B={b}, capacity={self.ecfg.capacity}]", self.ecfg.progress):
+            logits, self.cache = api.decode_step(self.cfg, self.params, self.cache, jnp.asarray(tok),
+                                                 jnp.asarray(active), kernels=self.ecfg.kernels, validate=False)
         nxt = np.asarray(sample(logits, jnp.asarray(temp), jnp.asarray(seed), jnp.asarray(count)))
         for s in list(self.live):
             self._emit(s, int(nxt[s]))
@@ -250,10 +265,17 @@ class Engine:
         layers (None: all); (logits [1, V] | None, row)."""
         cw, logits = self.ecfg.prefill_chunk, None
         n_chunks = len(range(lo, hi, cw))
+        if not n_chunks:
+            return logits, row
         chunks = api.prefill_chunks(self.cfg, self.params, row, ids[None], lo, hi, cw, layers=layers,
                                     kernels=self.ecfg.kernels)
-        for _, _, logits, row in tqdm(chunks, total=n_chunks, desc=desc, unit="chunk", file=sys.stderr, leave=False,
-                                      disable=not self.ecfg.progress or n_chunks < 8):
+        part = "" if layers in (None, self.cfg.n_layers) else f", layers 0-{layers - 1}"
+        with compiling(("prefill", self.cfg, cw, self.ecfg.capacity, layers, self.ecfg.kernels),
+                       f"prefill [B=1, T={cw}{part}]", self.ecfg.progress):
+            _, _, logits, row = next(chunks)
+        # the bar starts after the compile, so its rate and ETA are the chunks'
+        for _, _, logits, row in tqdm(chunks, total=n_chunks - 1, desc=desc, unit="chunk", file=sys.stderr,
+                                      leave=False, disable=not self.ecfg.progress or n_chunks < 8):
             pass
         return logits, row
 
@@ -278,15 +300,17 @@ class Engine:
             row = row.replace(lengths=np.array([r], np.int32), window_start=snap["window_start"],
                               window={k[len("window."):]: v for k, v in snap.items() if k.startswith("window.")},
                               ngram_history=self._history(ids, r))
+            m["prefix_path"] = "host_restore"
             return jax.device_put(row), r, True
         if not self.replay_ok or r < w:
             m["disk_pages_unused"] = len(pages)  # no window and no replay: recompute from scratch
+            m["prefix_path"] = "recompute"
             return None, 0, True
         row = rows.reset_row(row, r - w).replace(ngram_history=self._history(ids, r - w))
         _, dev = self._chunks(jax.device_put(row), ids, r - w, r, "replay")
         # the replay recomputed the global rows of [r - w, r) from a partial window: put the exact ones back
         host = rows.fill_from_pages(rows.to_host(dev), pages, self.ratios, pt)
-        m["replayed_tokens"] = w
+        m["replayed_tokens"], m["prefix_path"] = w, "bounded_replay"
         return jax.device_put(host), r, False
 
     def _history(self, ids, n):
@@ -311,14 +335,17 @@ class Engine:
         """Prefill one prompt (int32 [n]) through the tiers: (logits f32 [1, V] at its last token, its device
         row (a batch-1 `Cache`), metrics). Reads and writes the tiers as a request does; occupies no slot.
 
-        Metrics: reused_tokens (restored from the tiers), replayed_tokens, prefilled_tokens (run through
+        Metrics: prefix_path (how the state at the cached prefix was obtained: "cold", nothing usable cached;
+        "host_restore", pages + window from the host pool, exact; "bounded_replay", pages + the last window
+        recomputed, approximate; "recompute", pages found but unused, replay being off), reused_tokens
+        (restored from the tiers), replayed_tokens, prefilled_tokens (run through
         the layers up to the last kv source, replay included), decoder_prefill_tokens (run through the
         layers after it), and what each tier read and wrote.
         """
         pt, n, m = self.ecfg.page_tokens, ids.size, {}
         split = (n - 1) // pt * pt  # the last page boundary before the last prompt token
         keys = block_chain(self.fp, ids[:split], pt) if self.store else []
-        m.update(prompt_tokens=int(n), disk_pages_hit=0, host_window_hit=False, replayed_tokens=0,
+        m.update(prompt_tokens=int(n), prefix_path="cold", disk_pages_hit=0, host_window_hit=False, replayed_tokens=0,
                  disk_bytes_read=0, disk_bytes_written=0, host_bytes_read=0, host_bytes_written=0)
         row, start, exact = self._restore(ids, keys, m)
         if row is None:

@@ -1,0 +1,338 @@
+"""The command lines as a user meets them: input they cannot use ends in one `error: ...` line naming the
+flag or file and exit status 1, checked before the model is built; a cache directory that cannot be
+written is refused at start-up; each served request says which prefix path it took and
+--no-bounded-replay gives the cold run's tokens; the documented commands run on `tiny`; compiles are
+announced with their shapes.
+
+Entry points are called in-process (`main(argv)`) where possible: the checks run before any model setup,
+so those tests take milliseconds. Subprocesses cover what only a process shows (exit status, no
+traceback, a read-only mount).
+"""
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import dsv41_jax as d
+from dsv41_jax import compile_notice
+from dsv41_jax.checkpoint.synthetic import fixture_config, make_tensors, write_checkpoint
+from experiments import (bench_kernels, bench_sharding, cache_bytes, decode, logits, plan_deployment, prefix_reuse,
+                         quality, train_small)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def call(main, *argv):
+    """main(argv) with every argument as a string, as from a shell."""
+    return main([str(a) for a in argv])
+
+
+def fails(main, argv, capsys) -> str:
+    """The one stderr line of `main(argv)` ending the run with exit status 1."""
+    with pytest.raises(SystemExit) as e:
+        call(main, *argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1 and err[0].startswith("error: "), (e.value.code, err)
+    return err[0]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if an entry point builds a model: the input checks must come first."""
+    def built(*a, **k):
+        raise AssertionError("the model was built before the input was checked")
+    monkeypatch.setattr(d, "init_params", built)
+
+
+def run_module(module: str, *argv, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"experiments.{module}", *map(str, argv)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, **kw)
+
+
+# ----------------------------------------------------------------------------- bad input: one line, exit 1
+def test_an_error_is_one_line_and_exit_1_without_traceback(tmp_path):
+    r = run_module("decode", "--prompt-file", tmp_path / "missing.txt")
+    assert r.returncode == 1 and r.stdout == ""
+    missing = tmp_path / "missing.txt"
+    assert r.stderr.strip() == f"error: --prompt-file {missing}: cannot read it (No such file or directory)"
+
+
+@pytest.mark.parametrize("case", ["missing prompt file", "non-UTF-8 prompt file", "corrupted tokenizer",
+                                  "oversized max-new-tokens", "oversized for the engine", "oversized for --capacity",
+                                  "no such checkpoint", "prompt ids not npy", "prompt ids out of range",
+                                  "output dir missing", "bad mesh", "stop token out of range", "bad page size"])
+def test_decode_refuses_bad_input_before_building_the_model(case, tmp_path, capsys, no_model):
+    bad_text, tok, ids = tmp_path / "latin1.txt", tmp_path / "tokenizer.json", tmp_path / "ids.npy"
+    bad_text.write_bytes("caf\xe9".encode("latin-1"))
+    tok.write_text('{"model": {"type": ')
+    np.save(ids, np.array([1, 2, 999]))
+    argv, want = {
+        "missing prompt file": (["--prompt-file", tmp_path / "no"], f"--prompt-file {tmp_path / 'no'}: cannot read"),
+        "non-UTF-8 prompt file": (["--prompt-file", bad_text], f"--prompt-file {bad_text}: not UTF-8 text (byte 3"),
+        "corrupted tokenizer": (["--tokenizer", tok], f"--tokenizer: {tok}: not a valid tokenizer.json"),
+        "oversized max-new-tokens": (["--max-new-tokens", 5000], "--max-new-tokens 5000: the prompt (91 tokens) + 5000 "
+                                     "new tokens need 5091 cache tokens, more than the model's max_seq_len (4096); "
+                                     "use --max-new-tokens 4005 or less"),
+        "oversized for the engine": (["--engine", "--max-new-tokens", 4050], "--max-new-tokens 4050: "),
+        "oversized for --capacity": (["--capacity", 100, "--max-new-tokens", 20], "more than --capacity (100)"),
+        "no such checkpoint": (["--checkpoint", tmp_path / "no"], f"--checkpoint {tmp_path / 'no'}: no such directory"),
+        "prompt ids not npy": (["--prompt-ids", bad_text], f"--prompt-ids {bad_text}: not a .npy array"),
+        "prompt ids out of range": (["--prompt-ids", ids], f"--prompt-ids {ids}: ids must be in [0, 320)"),
+        "output dir missing": (["--output-json", tmp_path / "no" / "r.json"], "--output-json"),
+        "bad mesh": (["--mesh", "tensor=3"], "--mesh tensor=3: "),
+        "stop token out of range": (["--engine", "--stop-token", 400], "--stop-token 400: not an id of this model"),
+        "bad page size": (["--engine", "--page-tokens", 33], "(--page-tokens, --slots, --hbm-budget-gb, --capacity): "
+                          "page_tokens=33 must be a positive multiple"),
+    }[case]
+    line = fails(decode.main, argv, capsys)
+    assert want in line, (want, line)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A small checkpoint in the released layout (10 shards)."""
+    path = tmp_path_factory.mktemp("ckpt") / "released"
+    cfg = fixture_config()
+    write_checkpoint(path, cfg, make_tensors(cfg, seed=0), sharded=True)
+    return path
+
+
+def test_truncated_checkpoint_is_one_line_per_file(checkpoint, tmp_path, capsys):
+    bad = tmp_path / "truncated"
+    shutil.copytree(checkpoint, bad)
+    shard = bad / "model-00005-of-00010.safetensors"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:250_000])
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(3, 20))
+    want = f"model-00005-of-00010.safetensors: 250,000 of {size:,d} bytes ("
+    for main, argv in ((logits.main, ["--checkpoint", bad, "--input-ids", ids, "--out", tmp_path / "o.npz"]),
+                       (decode.main, ["--checkpoint", bad, "--max-new-tokens", 2])):
+        line = fails(main, argv, capsys)
+        assert line.startswith(f"error: --checkpoint {bad}: 1 problem(s), nothing was loaded: {want}"), line
+
+
+def test_corrupted_tokenizer_json_of_a_checkpoint_is_named(checkpoint, tmp_path, capsys):
+    bad = tmp_path / "badtok"
+    shutil.copytree(checkpoint, bad)
+    (bad / "tokenizer.json").write_text('{"model": ')
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(3, 20))
+    for main, argv in ((logits.main, ["--checkpoint", bad, "--input-ids", ids, "--out", tmp_path / "o.npz"]),
+                       (decode.main, ["--checkpoint", bad])):
+        assert f"{bad / 'tokenizer.json'}: not a valid tokenizer.json" in fails(main, argv, capsys)
+
+
+def test_logits_refuses_bad_input(checkpoint, tmp_path, capsys):
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(3, 20))
+    out = ["--out", tmp_path / "o.npz"]
+    assert fails(logits.main, ["--checkpoint", tmp_path / "nope", "--input-ids", ids, *out], capsys) == \
+        f"error: --checkpoint {tmp_path / 'nope'}: no such directory"
+    assert fails(logits.main, ["--checkpoint", checkpoint, "--input-ids", tmp_path / "no.npy", *out], capsys) \
+        .startswith(f"error: --input-ids {tmp_path / 'no.npy'}: cannot read it")
+    assert fails(logits.main, ["--checkpoint", checkpoint, "--input-ids", ids, "--decode-from", 99, *out], capsys) \
+        == "error: --decode-from 99: must be in 1..17 (the number of tokens given)"
+    assert fails(logits.main, ["--checkpoint", checkpoint, "--input-ids", ids, "--out", tmp_path / "x" / "o.npz"],
+                 capsys).startswith("error: --out")
+
+
+def test_other_entry_points_refuse_bad_input(tmp_path, capsys, no_model):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert fails(prefix_reuse.main, ["--cache-dir", a_file], capsys) == \
+        f"error: --cache-dir {a_file}: not writable (it is a file, not a directory); give a directory"
+    assert fails(prefix_reuse.main, ["--lengths", 5000], capsys).startswith("error: --lengths 5000: ")
+    assert fails(bench_sharding.main, ["--preset", "tiny", "--mesh", "data=3"], capsys).startswith(
+        "error: --mesh data=3: ")
+    assert fails(cache_bytes.main, ["--json", tmp_path / "no" / "x.json"], capsys).startswith("error: --json")
+    assert fails(quality.main, ["--run", tmp_path / "no"], capsys) == f"error: --run {tmp_path / 'no'}: no such " \
+        "directory"
+    assert fails(quality.main, ["--merge", tmp_path / "nope.json"], capsys).startswith("error: --merge")
+    assert fails(train_small.main, ["--steps", 1, "--out", a_file], capsys).startswith(
+        f"error: --out {a_file}: not writable")
+    if jax.default_backend() != "gpu":
+        assert fails(bench_kernels.main, [], capsys).startswith("error: bench_kernels times the Triton kernels")
+    with pytest.raises(SystemExit) as e:  # argparse's own usage errors stay exit 2
+        bench_kernels.main(["--contexts", "many"])
+    assert e.value.code == 2 and "--contexts" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- --cache-dir must be writable
+def test_cache_dir_that_is_a_file_or_below_one_is_refused(tmp_path, capsys, no_model):
+    a_file = tmp_path / "kv"
+    a_file.write_text("not a directory")
+    assert fails(decode.main, ["--cache-dir", a_file], capsys) == \
+        f"error: --cache-dir {a_file}: not writable (it is a file, not a directory); give a directory"
+    assert fails(decode.main, ["--cache-dir", a_file / "sub"], capsys) == \
+        f"error: --cache-dir {a_file / 'sub'}: not writable (Not a directory); give a directory you can write to"
+
+
+def test_read_only_cache_dir_is_refused(tmp_path):
+    """A read-only directory, as the kernel enforces it: a read-only tmpfs mounted in a private mount
+    namespace of the child process (root, which writes through mode bits), else mode 0o555."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    cmd = [sys.executable, "-m", "experiments.decode", "--cache-dir", str(ro)]
+    if os.geteuid() != 0:
+        ro.chmod(0o555)
+    elif shutil.which("unshare") is None:
+        pytest.skip("root writes through mode bits, and `unshare` (util-linux) is missing to mount a read-only tmpfs")
+    else:
+        mount = 'mount -t tmpfs -o ro dsv41-ro "$1" || exit 77; shift; exec "$@"'
+        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh", str(ro), *cmd]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    if r.returncode == 77 or "unshare failed" in r.stderr:
+        pytest.skip(f"cannot mount a read-only tmpfs here (needs CAP_SYS_ADMIN): {r.stderr.strip()}")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().startswith(f"error: --cache-dir {ro}: not writable ("), r.stderr
+    assert "Read-only file system" in r.stderr or "Permission denied" in r.stderr
+
+
+# ----------------------------------------------------------------------------- warm runs say which path they took
+@pytest.fixture
+def fresh_notices(monkeypatch):
+    """Compiles announced as in a new process (another test may have run these shapes already)."""
+    monkeypatch.setattr(compile_notice, "_seen", set())
+
+
+_init_params = functools.cache(d.init_params)  # ~4 s for tiny, per call
+
+
+@pytest.fixture
+def same_params(monkeypatch):
+    """Every run of these tests on the same random weights, made once (as each new process would make them)."""
+    monkeypatch.setattr(d, "init_params", _init_params)
+
+
+def test_each_request_names_its_path_and_no_bounded_replay_gives_the_cold_tokens(tmp_path, capsys, fresh_notices,
+                                                                                  same_params):
+    """A second process on the same --cache-dir (a new engine: empty host pool) replays the last window;
+    with --no-bounded-replay it recomputes and its greedy tokens are the cold run's. (Shapes shared with
+    the next test's programs: capacity 120, one sequence, 64-token prefill.)"""
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(1).integers(0, 320, 90).astype(np.int32))  # 2 pages before the last token
+    base = ["--prompt-ids", ids, "--max-new-tokens", 12, "--capacity", 120, "--slots", 1, "--prefill-chunk", 64,
+            "--page-tokens", 32, "--cache-dir", tmp_path / "kv", "--output-json", tmp_path / "run.json"]
+
+    def run(*extra):
+        call(decode.main, *base, *extra)
+        out = capsys.readouterr()
+        return out.out + out.err, json.loads((tmp_path / "run.json").read_text())["rounds"]
+
+    text, rounds = run("--repeat", 2)
+    cold = rounds[0]["requests"][0]["generated_ids"]
+    assert "round 0 req0: path: cold prefill" in text
+    assert "round 1 req1: path: exact restore" in text and rounds[1]["requests"][0]["generated_ids"] == cold
+    for shape in ("prefill [B=1, T=64, layers 0-4]", "prefill [B=1, T=64]", "decode [B=1, capacity=120]"):
+        assert f"compiling {shape} ...\n" in text and f"compiling {shape} done in " in text, shape
+    text, rounds = run()
+    assert "round 0 req0: path: bounded replay" in text and "add --no-bounded-replay for output identical" in text
+    text, rounds = run("--no-bounded-replay")
+    assert "round 0 req0: path: full recompute" in text
+    assert rounds[0]["requests"][0]["generated_ids"] == cold
+
+
+def test_help_offers_the_exact_alternative(capsys):
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--no-bounded-replay" in text and "output identical to a cold run" in text
+    assert "bounded replay" in text and "can differ from a cold run" in text
+
+
+# ----------------------------------------------------------------------------- compiles are announced
+def test_decode_announces_compiles_and_starts_the_bar_after_them(capsys, fresh_notices, same_params):
+    metrics = call(decode.main, "--prompt", "x" * 40, "--max-new-tokens", 40, "--capacity", 120)
+    err = capsys.readouterr().err
+    prefill, decode_ = "compiling prefill [B=1, T=64]", "compiling decode [B=1, capacity=120]"
+    for line in (prefill + " ...", prefill + " done in", decode_ + " ...", decode_ + " done in"):
+        assert line in err, (line, err)
+    bar = err.index("decode:   0%")  # tqdm's first frame: its clock starts here, after the compile
+    assert err.index(decode_ + " done in") < bar and "0/38" in err[bar:bar + 80]
+    assert metrics["new_tokens"] == 40
+
+
+# ----------------------------------------------------------------------------- documented commands on tiny
+def test_plan_deployment_runs_on_tiny(capsys):
+    plan_deployment.main(["--preset", "tiny"])
+    out = capsys.readouterr().out
+    assert "tiny on mesh tensor=2" in out and "context 4,096" in out and "weights counted as bf16" in out
+    assert fails(plan_deployment.main, ["--preset", "tiny", "--mesh", "tensor=8"], capsys) == \
+        "error: --mesh tensor=8: mesh axis tensor=8 does not divide n_heads=4; choose a size that divides it"
+    assert fails(plan_deployment.main, ["--preset", "tiny", "--context", 8192], capsys) == \
+        "error: --context 8192: more than tiny's max_seq_len (4096)"
+
+
+def test_cache_bytes_labels_what_it_measured(capsys):
+    cache_bytes.main(["--preset", "tiny"])
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if line.split()[:1] in (["4K"], ["128K"], ["1M"])]
+    assert rows == ["4K"] and "not measured: 128K, 1M, beyond the preset's max_seq_len of 4,096" in out
+    assert "0.000 B" not in out and " K" in out  # tiny's ~0.9M parameters in thousands
+    assert cache_bytes.count_label(748.5e9) == "748.500 B" and cache_bytes.count_label(12) == "12"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A train_small output directory of tiny (untrained weights) whose config allows 512 tokens."""
+    from dsv41_jax import train
+
+    run = tmp_path_factory.mktemp("run") / "tiny"
+    run.mkdir()
+    cfg = train_small.study_config("tiny", "csa2", False).replace(max_seq_len=512)
+    train_small.save_config(run / "config.json", cfg)
+    params = d.init_params(cfg, seed=0)
+    opt_state = train.init_opt_state(train_small.make_optimizer(1.0, 1), params)
+    train.save_checkpoint(run / "checkpoint", params, opt_state, 0)
+    return run
+
+
+def test_quality_keeps_the_retrieval_lengths_the_run_allows(tiny_run, capsys):
+    res = call(quality.main, "--run", tiny_run, "--variants", "base", "--no-replay", "--batch", 1, "--ppl-len", 128,
+               "--ppl-batches", 1, "--retrieval-batches", 1, "--chunk", 256, "--corpus-mb", 0.3)
+    assert res["retrieval_lengths"] == [512] and set(res["rows"][0]["retrieval"]) == {"512"}
+    assert "note: retrieval lengths [1024, 2048, 4096, 8192] skipped: beyond the run's max_seq_len (512)" in \
+        capsys.readouterr().err
+    assert fails(quality.main, ["--run", tiny_run, "--retrieval-lengths", 512, 2048], capsys) == \
+        "error: --retrieval-lengths 2048: beyond the run's max_seq_len (512)"
+
+
+# ----------------------------------------------------------------------------- train_small's outputs
+def test_train_small_output_default_and_loss_curve(tmp_path, monkeypatch, capsys):
+    """The whole of main() with a stand-in train step (the real one compiles for ~40 s): the default --out,
+    the CSV and, without matplotlib, the line that says how to get the PNG."""
+    import jax.numpy as jnp
+
+    from dsv41_jax import train
+
+    with pytest.raises(SystemExit):
+        train_small.parse_args(["--help"])
+    assert "git-ignored" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "make_train_step", lambda cfg, opt, **kw: lambda p, s, batch: (
+        p, s, {"lm_loss": jnp.float32(5.0), "indexer_kl": jnp.float32(0.1)}))
+    monkeypatch.setattr(train, "loss_fn", lambda tr, rest, cfg, tokens: (0.0, {"lm_loss": jnp.float32(5.0)}))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as when it is not installed
+    summary = call(train_small.main, "--steps", 2, "--batch", 1, "--eval-batches", 1, "--corpus-mb", 0.2)
+    out = tmp_path / "runs" / "train_small_tiny"
+    assert summary["curve"] == str(Path("runs/train_small_tiny/loss_curve.csv")) and (out / "loss_curve.csv").is_file()
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert fails(train_small.main, ["--steps", 1], capsys) == f"error: --out {Path('runs/train_small_tiny')}: holds " \
+        "a checkpoint/ of an earlier run; pass another --out or remove it"
+
+
+def test_train_small_plots_the_curve_with_matplotlib(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"step": 1, "lm_loss": 5.0, "indexer_kl": 0.2, "val_lm_loss": ""},
+            {"step": 2, "lm_loss": 4.0, "indexer_kl": 0.1, "val_lm_loss": 4.5}]
+    assert train_small.write_curve(tmp_path, rows) == str(tmp_path / "loss_curve.png")
+    assert (tmp_path / "loss_curve.png").stat().st_size > 0 and (tmp_path / "loss_curve.csv").is_file()
