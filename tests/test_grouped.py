@@ -84,8 +84,10 @@ def test_tile_map_covers_every_row_once():
 
 
 def _moe_cfg(**kw):
-    return d.preset("tiny").replace(engram_layer_ids=(), engram_num_embeddings=(), n_routed_experts=8,
-                                    n_activated_experts=2, weight_format="fp8", **kw)
+    """tiny in the released weight formats (FP8 projections, FP4 experts); no Engram unless asked."""
+    base = dict(engram_layer_ids=(), engram_num_embeddings=(), n_routed_experts=8, n_activated_experts=2,
+                weight_format="fp8")
+    return d.preset("tiny").replace(**(base | kw))
 
 
 def _old_routed(moe, x_nd, w_nk, ids_nk):
@@ -119,3 +121,34 @@ def test_moe_paths_agree(act_quant, tokens):
     y_jnp = moe(x, backend="jnp")
     y_kernel = moe(x, backend="pallas")  # the GPU kernels (interpreted on CPU) for experts and FP8 projections
     _close(y_kernel, y_jnp, rel=1e-5)
+
+
+@pytest.mark.parametrize("act_quant", [
+    pytest.param(False, marks=pytest.mark.skipif(INTERPRET, reason="60 s interpreted; the W4A8 case covers CPU")),
+    True])
+def test_model_logits_with_weight_kernels(monkeypatch, act_quant):
+    """The whole model, f32, released weight formats: prefill and decode logits with the expert and FP8
+    kernels (forced on, everything else jnp) against the jnp twins, to 1e-5 of the logit scale."""
+    tiny = d.preset("tiny")
+    cfg = _moe_cfg(activation_quant=act_quant, engram_layer_ids=tiny.engram_layer_ids, engram_head_dim=32,
+                   engram_num_embeddings=tiny.engram_num_embeddings)  # FP8 Engram tables need 32-wide heads
+    params = d.init_params(cfg, seed=0)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
+
+    def run():
+        cache = d.init_cache(cfg, 2, 64)
+        logits, cache = d.prefill(cfg, params, cache, ids, np.array([12, 7]), all_logits=True)
+        out = [logits]
+        for t in range(2):
+            step, cache = d.decode_step(cfg, params, cache, ids[:, t])
+            out.append(step[:, None])
+        return np.concatenate([np.asarray(o) for o in out], axis=1)
+
+    want = run()
+    monkeypatch.setattr(kernels, "_weight_kernels", lambda backend: True)
+    jax.clear_caches()  # the api's jitted forward must retrace with the kernels in it
+    got = run()
+    jax.clear_caches()
+    err = np.abs(got - want).max(-1) / np.abs(want).max()
+    print(f"act_quant={act_quant}: max |dlogit| / scale {err.max():.2e}")
+    assert (err <= 1e-5).all(), err
