@@ -7,7 +7,7 @@ Golden sets (tests/golden/official_fixture.npz), each [2 sequences, 16 tokens, v
   algorithm in the same precision, so we must match it to float rounding, with one exception that
   is a property of the algorithm, not of the port: a quantizer input that lies within a few ulps of
   a rounding boundary (FP8/FP4 code midpoint, or a group scale's step). Summation order differs
-  between CPUs (measured: on an AMD EPYC one FP8 activation input of layer 1's output projection
+  between CPUs (measured: on an AMD EPYC one FP8 activation input of layer 1's output projection wo_b
   lies 2 ulps from a midpoint and rounds the other way than in the goldens, which moves 14 of the
   32 positions, sequence 0 from position 2 on, by up to 0.47 of a logit scale of 4.3; the official
   code itself moves by 0.03 in prefill and 0.39 in decode between two CPU math paths). So, per case:
