@@ -24,6 +24,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import jax
+import ml_dtypes
 import numpy as np
 from jax.experimental import io_callback
 
@@ -67,7 +68,7 @@ def _margins(codec, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         scale = (((t.view(np.int32) >> 23) + (mant != 0)) << 23).astype(np.int32).view(np.float32)
     else:
         s_dist, s_dir = _distance(t, _BOUNDS["e4m3"])
-        scale = t.astype(quant.ml_dtypes.float8_e4m3fn).astype(np.float32)
+        scale = t.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     v = np.clip(g / scale[..., None], -6, 6) if fmt == "e2m1" else g / scale[..., None]
     dist, direction = _distance(v, _BOUNDS[fmt])
     # the group's largest element also decides the scale
@@ -134,9 +135,9 @@ class NearTies:
             def encode(codec, x):
                 call = len(self._codecs)
                 self._codecs.append(codec)
-                x = io_callback(lambda v: self._visit(call, v), jax.ShapeDtypeStruct(x.shape, np.float32),
-                                x.astype(np.float32), ordered=True).astype(x.dtype)
-                return original(codec, x)
+                seen = io_callback(lambda v: self._visit(call, v), jax.ShapeDtypeStruct(x.shape, np.float32),
+                                   x.astype(np.float32), ordered=True)
+                return original(codec, seen.astype(x.dtype))
             return encode
 
         quant.Fp8Codec.encode, quant.Fp4Codec.encode = map(wrap, originals)
@@ -148,10 +149,10 @@ class NearTies:
     def explain(self, run, count_bad, max_flips: int) -> tuple[dict[tuple, int], np.ndarray]:
         """Flip near-ties, one at a time, while that lowers `count_bad(run())`; returns (flips, logits).
 
-        run(): the case's logits through `dsv41_jax.prefill` / `decode_step` (routed here). Candidates are the latest accepted run's
-        sites, nearest first, accepting the first that helps (a flip at the first diverging position
-        fixes everything after it). Exact ties (0 ulps) are left alone: an input that lies exactly
-        on a boundary is computed exactly, so no summation order moves it."""
+        run(): the case's logits through `dsv41_jax.prefill` / `decode_step` (routed here). Candidates
+        are the latest accepted run's sites, nearest first, accepting the first that helps (a flip at
+        the first diverging position fixes everything after it). Exact ties (0 ulps) are left alone:
+        an input that lies exactly on a boundary is computed exactly, so no summation order moves it."""
         with self.active():
             self.reset()
             out = run()

@@ -31,4 +31,5 @@ def test_constraints_pin_every_dependency_within_its_range():
     for dep in map(Requirement, deps):
         name = dep.name.lower().replace("_", "-")
         assert name in pins, f"{dep.name} has no exact version in constraints.txt"
-        assert dep.specifier.contains(pins[name]), f"constraints.txt pins {dep.name}=={pins[name]}, outside {dep.specifier}"
+        assert dep.specifier.contains(pins[name]), \
+            f"constraints.txt pins {dep.name}=={pins[name]}, outside {dep.specifier}"
