@@ -1,5 +1,6 @@
 # Two entry points, each self-contained on a fresh machine: `make run` and `make test`.
-# The venv is built with Python 3.12 (pyenv's 3.12.1 where pyenv is present).
+# The venv is built with Python 3.12 (pyenv's 3.12.1 where pyenv is present), with the exact versions
+# of constraints.txt (pyproject.toml only declares compatible ranges).
 VENV   ?= .venv
 PY312  ?= python3.12
 export PYENV_VERSION ?= 3.12.1
@@ -8,10 +9,10 @@ ARGS   ?=
 
 .PHONY: venv run test clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $@
 
 venv: $(VENV)/.installed

@@ -3,6 +3,8 @@
 Data flows one way: config -> layer plan -> params -> cache -> step functions.
 """
 
+__version__ = "0.1.0"  # the same as pyproject.toml's (tests/test_packaging.py checks); also on a bare checkout
+
 from dsv41_jax.api import abstract_params, decode_step, forward, init_params, prefill, prefill_chunks
 from dsv41_jax.cache import Cache, cache_bytes, global_bytes_per_token, init_cache
 from dsv41_jax.config import PRESETS, ModelConfig, preset
