@@ -30,6 +30,7 @@ from tqdm import tqdm
 import dsv41_jax as d
 from dsv41_jax.cache import cache_bytes
 from dsv41_jax.compile_notice import compiling
+from dsv41_jax.sampling import sample
 from experiments import _cli
 
 
@@ -38,13 +39,6 @@ def peak_memory_bytes() -> tuple[int, str]:
     if "peak_bytes_in_use" in stats:
         return int(stats["peak_bytes_in_use"]), f"{jax.default_backend()} device peak"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host process max RSS"
-
-
-@jax.jit
-def _sample(logits_bv, key, temperature):
-    greedy = jnp.argmax(logits_bv, axis=-1)
-    drawn = jax.random.categorical(key, logits_bv / jnp.maximum(temperature, 1e-5), axis=-1)
-    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
 
 
 WARM_PATHS = """\
@@ -64,6 +58,9 @@ def parse_args(argv=None):
     src.add_argument("--prompt-ids", help=".npy of int token ids: [tokens] for one request, [requests, tokens] for several")
     ap.add_argument("--checkpoint", help="a released checkpoint directory (needs dsv41_jax.checkpoint); "
                     "its tokenizer.json is used unless --tokenizer is given")
+    ap.add_argument("--decode-chunk", type=int, default=16,
+                    help="decode steps per compiled call (api.generate: sampling on device, no host work between "
+                         "tokens); the sharded path (--mesh) runs one step per call")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per sequence; prompt + "
                     "these must fit the cache (--capacity, at most the model's max_seq_len)")
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -107,6 +104,8 @@ def parse_args(argv=None):
     args.engine = args.engine or bool(args.cache_dir)
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be >= 1")
+    if args.decode_chunk < 1:
+        ap.error("--decode-chunk must be >= 1")
     if args.temperature < 0:
         ap.error("--temperature must be >= 0")
     if args.batch < 1:
@@ -235,51 +234,64 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int) -> dict:
     jax.block_until_ready(params)
     t_init = time.perf_counter() - t0
     cache = d.init_cache(cfg, b, capacity)
-    prefill = lambda c, t, n: d.prefill(cfg, params, c, t, n, kernels=args.kernels)
-    # sampled ids are in range and the loop stops at capacity: skip the host round trip of validation
-    decode = lambda c, t: d.decode_step(cfg, params, c, t, kernels=args.kernels, validate=False)
+    # the cache is donated: each call updates it in place and returns it
+    prefill = lambda c, t, n: d.prefill(cfg, params, c, t, n, kernels=args.kernels, donate=True)
+    steps = args.max_new_tokens - 1  # cache_capacity made room for all of them
+    chunk = max(1, min(args.decode_chunk, steps))
     if args.mesh:
         from dsv41_jax import sharding
 
         mesh = sharding.make_mesh(cfg, args.mesh, batch=b)
         sharded = sharding.shard_model(cfg, params, mesh, args.layout, batch=b, capacity=capacity)
-        cache, prefill, decode = sharded.place_cache(cache), sharded.prefill, sharded.decode_step
+        cache, prefill = sharded.place_cache(cache), sharded.prefill
         print(f"[decode] mesh {dict(mesh.shape)} layout {args.layout} on {mesh.size} device(s)", flush=True)
+
+        def decode_chunk(cache, nxt, done: int, n: int):  # the sharded path still runs one step per call
+            toks = []
+            for i in range(n):
+                logits, cache = sharded.decode_step(cache, nxt)
+                nxt = sample(logits, temp, seed, jnp.full((b,), 1 + done + i, jnp.int32))
+                toks.append(nxt)
+            return jnp.stack(toks, axis=1), cache
+    else:
+        def decode_chunk(cache, nxt, done: int, n: int):  # n steps in one call, sampling on device
+            toks, _, cache = d.generate(cfg, params, cache, nxt, chunk, temperature_b=temp, seed_b=seed,
+                                        step_b=1 + done, budget_b=n, kernels=args.kernels)
+            return toks[:, :n], cache
+    temp, seed = jnp.full((b,), args.temperature, jnp.float32), jnp.full((b,), args.seed, jnp.uint32)
     shape = (cfg, b, capacity, args.kernels, args.mesh, args.layout)  # what a compiled program depends on
 
     t0 = time.perf_counter()
     with compiling(("prefill", width, *shape), f"prefill [B={b}, T={width}]"):
         logits, cache = prefill(cache, tokens, lengths)
-    key = jax.random.key(args.seed)
-    nxt = _sample(logits, key, args.temperature)
+    nxt = sample(logits, temp, seed, jnp.zeros((b,), jnp.int32))
     nxt.block_until_ready()
     ttft = time.perf_counter() - t0
 
-    out, t_first, t_loop = [nxt], 0.0, 0.0
-    steps = args.max_new_tokens - 1  # cache_capacity made room for all of them
+    out, t_first, t_loop, done = [nxt[:, None]], 0.0, 0.0, 0
     if steps:
         t0 = time.perf_counter()
-        with compiling(("decode", *shape), f"decode [B={b}, capacity={capacity}]"):
-            logits, cache = decode(cache, nxt)
-        key, sub = jax.random.split(key)
-        nxt = _sample(logits, sub, args.temperature)
-        out.append(nxt)
-        nxt.block_until_ready()
-        t_first = time.perf_counter() - t0  # includes compiling the decode step
+        with compiling(("decode", chunk, *shape), f"decode [B={b}, capacity={capacity}, {chunk} steps per call]"):
+            toks, cache = decode_chunk(cache, nxt, 0, min(chunk, steps))
+            toks.block_until_ready()
+        out.append(toks)
+        done, nxt = toks.shape[1], toks[:, -1]
+        t_first = time.perf_counter() - t0  # includes compiling the decode loop
     # the bar starts after that compile, so its rate and ETA are the steps'
-    for _ in tqdm(range(steps - 1), desc="decode", unit="tok", disable=steps < 32, file=sys.stderr):
-        t0 = time.perf_counter()
-        logits, cache = decode(cache, nxt)
-        key, sub = jax.random.split(key)
-        nxt = _sample(logits, sub, args.temperature)
-        out.append(nxt)
-        t_loop += time.perf_counter() - t0
-    jax.block_until_ready(nxt)
-    gen = np.stack([np.asarray(x) for x in out], axis=1)  # [B, new]
+    with tqdm(total=steps - done, desc="decode", unit="tok", disable=steps < 32, file=sys.stderr) as bar:
+        while done < steps:
+            t0 = time.perf_counter()
+            toks, cache = decode_chunk(cache, nxt, done, min(chunk, steps - done))
+            toks.block_until_ready()
+            t_loop += time.perf_counter() - t0
+            out.append(toks)
+            done, nxt = done + toks.shape[1], toks[:, -1]
+            bar.update(toks.shape[1])
+    gen = np.concatenate([np.asarray(x) for x in out], axis=1)  # [B, new]
 
     live = cache_bytes(cache)  # measured from the arrays this run allocated
     glob = live["global_main_kv"] + live["global_index_keys"]
-    timed = max(steps - 1, 0)
+    timed = steps - min(chunk, steps)  # the steps after the first (compiling) call
     tps = b * timed / t_loop if timed and t_loop > 0 else float("nan")
     peak, peak_kind = peak_memory_bytes()
     metrics = dict(
@@ -295,7 +307,7 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int) -> dict:
           f"{' ...' if gen.shape[1] > 16 else ''}\ngenerated text: {tok.decode(gen[0])!r}\n")
     print(f"time to first token   {ttft:8.3f} s   (prefill incl. compile)")
     print(f"decode                {metrics['decode_step_ms']:8.2f} ms/step, {tps:8.1f} tokens/s "
-          f"over {timed} steps x {b} sequences (first step incl. compile: {t_first:.2f} s)")
+          f"over {timed} steps x {b} sequences (first {min(chunk, steps)} steps incl. compile: {t_first:.2f} s)")
     print(f"global KV cache       {metrics['global_cache_bytes_per_token']:8.1f} bytes/token  (measured: "
           f"{glob:,d} B in the cache arrays / {b}x{capacity} token slots)")
     print_memory(metrics, peak, peak_kind)

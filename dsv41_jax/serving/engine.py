@@ -112,6 +112,7 @@ class EngineConfig:
     bounded_prefill: bool = True  # decoder-side bounded prefill (see the module docstring)
     weights_revision: str | None = None  # None: a digest of the parameter bytes
     kernels: str = "jnp"
+    decode_chunk: int = 8  # decode steps per compiled call (api.generate); requests join between calls
     progress: bool = True  # chunk bars and "compiling ..." notices on stderr
 
 
@@ -218,25 +219,31 @@ class Engine:
 
     # ------------------------------------------------------------------ scheduling
     def step(self) -> None:
-        """Admit waiting requests into free slots (prefill), then one decode step for all live slots."""
+        """Admit waiting requests into free slots (prefill), then `decode_chunk` decode steps for all live
+        slots in one compiled call (`api.generate`: sampling and stops on device, the cache donated)."""
         free = [s for s in range(self.n_slots) if s not in self.live]
         while free and self.queue:
             self._admit(self.queue.pop(0), free.pop(0))
         if not self.live:
             return
-        b = self.n_slots
-        tok, active = np.zeros(b, np.int32), np.zeros(b, bool)
+        b, n = self.n_slots, self.ecfg.decode_chunk
+        tok, budget = np.zeros(b, np.int32), np.zeros(b, np.int32)
         temp, seed, count = np.zeros(b, np.float32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
+        width = max([4] + [len(lv.req.stop_tokens) for lv in self.live.values()])
+        stops = np.full((b, 1 << (width - 1).bit_length()), -1, np.int32)  # few widths: few compiles
         for s, lv in self.live.items():
-            tok[s], active[s] = lv.res.tokens[-1], True
+            tok[s], budget[s] = lv.res.tokens[-1], lv.req.max_new_tokens - len(lv.res.tokens)
             temp[s], seed[s], count[s] = lv.req.temperature, lv.req.seed, len(lv.res.tokens)
-        with compiling(("decode", self.cfg, b, self.ecfg.capacity, self.ecfg.kernels),
-                       f"decode [B={b}, capacity={self.ecfg.capacity}]", self.ecfg.progress):
-            logits, self.cache = api.decode_step(self.cfg, self.params, self.cache, jnp.asarray(tok),
-                                                 jnp.asarray(active), kernels=self.ecfg.kernels, validate=False)
-        nxt = np.asarray(sample(logits, jnp.asarray(temp), jnp.asarray(seed), jnp.asarray(count)))
+            stops[s, :len(lv.req.stop_tokens)] = lv.req.stop_tokens
+        with compiling(("decode", self.cfg, b, n, stops.shape[1], self.ecfg.capacity, self.ecfg.kernels),
+                       f"decode [B={b}, capacity={self.ecfg.capacity}, {n} steps per call]", self.ecfg.progress):
+            toks, emitted, self.cache = api.generate(self.cfg, self.params, self.cache, tok, n, temperature_b=temp,
+                                                     seed_b=seed, step_b=count, budget_b=np.minimum(budget, n),
+                                                     stop_ids_bs=stops, kernels=self.ecfg.kernels)
+            toks, emitted = np.asarray(toks), np.asarray(emitted)
         for s in list(self.live):
-            self._emit(s, int(nxt[s]))
+            for t in toks[s][emitted[s]]:  # the device stopped each sequence where _emit finishes it
+                self._emit(s, int(t))
 
     def _emit(self, slot: int, token: int) -> None:
         lv = self.live[slot]
