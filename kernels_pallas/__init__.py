@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import jax
 
-from kernels_pallas import gpu_attention, gpu_grouped, gpu_indexer, gpu_select, tpu_attention, tpu_indexer, tpu_select
+from kernels_pallas import (gpu_attention, gpu_grouped, gpu_indexer, gpu_select, tpu_attention, tpu_grouped,
+                            tpu_indexer, tpu_select)
 
 __all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode",
            "grouped_matmul_fp4", "fp8_matmul", "platform"]
@@ -65,11 +66,15 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid_bw, entry_rec, idx_b
     return gpu_attention.sparse_attention(*args, splits=splits, block_k=block_k, interpret=interpret)
 
 
-def grouped_matmul_fp4(x_mk, values, scales, sizes_e):
-    """f32 [M, N]: sorted rows times their expert's packed FP4 weight (GPU kernel; interpreted on CPU)."""
-    return gpu_grouped.grouped_matmul_fp4(x_mk, values, scales, sizes_e, interpret=jax.default_backend() == "cpu")
+def grouped_matmul_fp4(x_mk, values, scales, sizes_e, *, platform_=None):
+    """f32 [M, N]: sorted rows times their expert's packed FP4 weight (`dsv41_jax.grouped` contract)."""
+    fam, interpret = platform(platform_)
+    mod = tpu_grouped if fam == "tpu" else gpu_grouped
+    return mod.grouped_matmul_fp4(x_mk, values, scales, sizes_e, interpret=interpret)
 
 
-def fp8_matmul(x_mk, q_nk, exp):
-    """f32 [M, N] = x @ W^T, W in the released FP8 block format (GPU kernel; interpreted on CPU)."""
-    return gpu_grouped.fp8_matmul(x_mk, q_nk, exp, interpret=jax.default_backend() == "cpu")
+def fp8_matmul(x_mk, q_nk, exp, *, platform_=None):
+    """f32 [M, N] = x @ W^T, W in the released FP8 block format (E4M3 [N, K], E8M0 [N/32, K/32])."""
+    fam, interpret = platform(platform_)
+    mod = tpu_grouped if fam == "tpu" else gpu_grouped
+    return mod.fp8_matmul(x_mk, q_nk, exp, interpret=interpret)

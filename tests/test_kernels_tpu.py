@@ -1,19 +1,23 @@
 """TPU (Mosaic-lowered) kernels against the jnp reference, in interpret mode (no TPU here).
 
-Same cases and tolerances as tests/test_kernels_gpu.py, except attention: the TPU kernel splits q and
-p into bf16 hi + lo parts, so it agrees to 1e-4 (measured ~6e-6).
+Same cases and tolerances as tests/test_kernels_gpu.py and tests/test_grouped.py, except attention: the
+TPU kernel splits q and p into bf16 hi + lo parts, so it agrees to 1e-4 (measured ~6e-6).
 """
 
 from __future__ import annotations
 
 import functools
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41_jax import ops, quant
-from kernels_pallas import tpu_attention, tpu_indexer, tpu_select
+import kernels_pallas
+from dsv41_jax import grouped, ops, quant
+from dsv41_jax.layers import quantize_fp8_blocks
+from kernels_pallas import tpu_attention, tpu_grouped, tpu_indexer, tpu_select
 from tests.kernel_checks import assert_scan_matches, check_pool_scan, index_case
+from tests.test_grouped import SIZES, _close, _experts
 from tests.test_kernels_gpu import _attention_case, _rows
 
 
@@ -65,3 +69,62 @@ def test_sparse_attention(b, h, d, w, n, k):
     np.testing.assert_array_equal(out[0], 0.0)
     for i in range(1, b):
         assert float(jnp.linalg.norm(out[i] - ref[i]) / jnp.linalg.norm(ref[i])) < 1e-4
+
+
+GROUPED_SIZES = SIZES | {"no_rows": [0] * 8}
+
+
+@pytest.mark.parametrize("case", sorted(GROUPED_SIZES))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grouped_fp4(case, dtype):
+    """Against the jnp twin: decoded weights are exact, so only f32 summation order differs."""
+    sizes = jnp.asarray(GROUPED_SIZES[case], jnp.int32)
+    w = _experts(k=512, n=256)
+    m = int(sizes.sum()) + 3  # trailing rows no group owns: zero in both
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(m, 512)), dtype)
+    with jax.default_matmul_precision("highest"):
+        ref = grouped.grouped_matmul(x, w, sizes)
+    # the chosen tiles (one K chunk, one column tile) through the dispatcher
+    _close(kernels_pallas.grouped_matmul_fp4(x, w["values"], w["scales"], sizes, platform_="tpu"), ref)
+    if dtype == jnp.float32:  # two K chunks, two column tiles, groups sharing row tiles (1 s per compile)
+        _close(tpu_grouped.grouped_matmul_fp4(x, w["values"], w["scales"], sizes, tiles=(16, 256, 128),
+                                              interpret=True), ref)
+
+
+@pytest.mark.parametrize("case", sorted(GROUPED_SIZES))
+def test_grouped_visits_fetch_only_experts_with_rows(case):
+    """The visit list covers every row once, by its group; the weight blocks the grid walks through (the
+    pipeline fetches one whenever its index changes) are each non-empty expert's once per column tile."""
+    sizes = np.asarray(GROUPED_SIZES[case])
+    m, tm, n_cols = int(sizes.sum()) + 3, 8, 3
+    grp, tile, count = tpu_grouped.tile_map(jnp.asarray(sizes), m, tm)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    n = int(count[0])
+    owner = -np.ones(m, int)
+    for g, t in zip(np.asarray(grp[:n]), np.asarray(tile[:n])):
+        rows = np.arange(max(t * tm, offsets[g]), min(t * tm + tm, offsets[g + 1]))
+        assert rows.size and (owner[rows] == -1).all()  # a visit owns rows, nobody else's
+        owner[rows] = g
+    np.testing.assert_array_equal(owner, np.concatenate([np.repeat(np.arange(8), sizes), [-1] * 3]))
+    last = max(n - 1, 0)
+    assert (np.asarray(grp[n:]) == int(grp[last])).all() and (np.asarray(tile[n:]) == int(tile[last])).all()
+    blocks = [tuple(int(i) for i in tpu_grouped._expert_block(j, t, grp, tile, count, offsets))
+              for j in range(n_cols) for t in range(grp.shape[0])]
+    fetched = [b for i, b in enumerate(blocks) if i == 0 or b != blocks[i - 1]]
+    want = [(int(g), j, 0) for j in range(n_cols) for g in np.flatnonzero(sizes)] or [(0, 0, 0)]
+    assert fetched == want
+
+
+@pytest.mark.parametrize("m,n,k,dtype,tiles,as_bytes", [
+    (1, 512, 256, jnp.float32, None, False),  # two column tiles
+    (5, 96, 128, jnp.bfloat16, None, True),  # N taken whole; E4M3 given as uint8 bytes
+    (70, 512, 256, jnp.float32, (16, 128, 512), False),  # five row tiles, two K chunks
+])
+def test_fp8_matmul(m, n, k, dtype, tiles, as_bytes):
+    rng = np.random.default_rng(m)
+    q, s = quantize_fp8_blocks(jnp.asarray(rng.normal(size=(n, k)).astype(np.float32)))
+    x = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    with jax.default_matmul_precision("highest"):
+        ref = grouped.fp8_matmul(x, q, s)
+    q = jax.lax.bitcast_convert_type(q, jnp.uint8) if as_bytes else q
+    _close(tpu_grouped.fp8_matmul(x, q, s, tiles=tiles, interpret=True), ref)
