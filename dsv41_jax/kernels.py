@@ -7,9 +7,9 @@ on CPU) or "auto": the kernels on GPU/TPU when the record formats are the releas
 `cfg.replace(kernels=...)`.
 
 The weight matmuls (`grouped_matmul` for routed experts, `fp8_matmul` for FP8 projections) use the
-GPU kernels only for the released packed weight formats, and on GPU only: TPU runs their jnp forms.
-Their rows of output agree with jnp to f32 summation order (the decoded weights are exact in the
-compute dtype).
+kernels for the released packed weight formats (GPU: `gpu_grouped`, compiled and measured on an H200;
+TPU: `tpu_grouped`, interpret-tested only). Their outputs agree with jnp to f32 summation order (the
+decoded weights are exact in the compute dtype).
 
 Agreement with jnp (tests/test_kernels_*.py): selection is exact; indexer scores (full scan and pool
 scan) agree to ~1e-7 relative (FP4-grid operands make every product exact, only the summation order
@@ -99,9 +99,8 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry
 
 
 def _weight_kernels(backend: str) -> bool:
-    """True when the GPU weight-matmul kernels run (GPU, or interpret mode on CPU with "pallas")."""
-    backend = resolve(backend)
-    return backend != "jnp" and _kp().platform()[0] == "gpu"
+    """True when the weight-matmul kernels run (GPU / TPU, or interpret mode on CPU with "pallas")."""
+    return resolve(backend) != "jnp"
 
 
 def grouped_matmul(x_mk, w, sizes_e, *, backend="jnp"):

@@ -232,7 +232,8 @@ def test_each_request_names_its_path_and_no_bounded_replay_gives_the_cold_tokens
     cold = rounds[0]["requests"][0]["generated_ids"]
     assert "round 0 req0: path: cold prefill" in text
     assert "round 1 req1: path: exact restore" in text and rounds[1]["requests"][0]["generated_ids"] == cold
-    for shape in ("prefill [B=1, T=64, layers 0-4]", "prefill [B=1, T=64]", "decode [B=1, capacity=120]"):
+    for shape in ("prefill [B=1, T=64, layers 0-4]", "prefill [B=1, T=64]",
+                  "decode [B=1, capacity=120, 8 steps per call]"):
         assert f"compiling {shape} ...\n" in text and f"compiling {shape} done in " in text, shape
     text, rounds = run()
     assert "round 0 req0: path: bounded replay" in text and "add --no-bounded-replay for output identical" in text
@@ -253,11 +254,12 @@ def test_help_offers_the_exact_alternative(capsys):
 def test_decode_announces_compiles_and_starts_the_bar_after_them(capsys, fresh_notices, same_params):
     metrics = call(decode.main, "--prompt", "x" * 40, "--max-new-tokens", 40, "--capacity", 120)
     err = capsys.readouterr().err
-    prefill, decode_ = "compiling prefill [B=1, T=64]", "compiling decode [B=1, capacity=120]"
+    prefill, decode_ = "compiling prefill [B=1, T=64]", "compiling decode [B=1, capacity=120, 16 steps per call]"
     for line in (prefill + " ...", prefill + " done in", decode_ + " ...", decode_ + " done in"):
         assert line in err, (line, err)
     bar = err.index("decode:   0%")  # tqdm's first frame: its clock starts here, after the compile
-    assert err.index(decode_ + " done in") < bar and "0/38" in err[bar:bar + 80]
+    # 39 decode steps: the first call's 16 compile, the bar counts the other 23
+    assert err.index(decode_ + " done in") < bar and "0/23" in err[bar:bar + 80]
     assert metrics["new_tokens"] == 40
 
 
