@@ -217,6 +217,32 @@ class Engine:
         by_id = {r.id: r for r in self.done}
         return [by_id[i] for i in order]
 
+    def running(self) -> list[Result]:
+        """The results of the requests in slots: their `tokens` grow as `step` emits, so a server can
+        stream them before the request finishes."""
+        return [lv.res for lv in self.live.values()]
+
+    def cancel(self, rid: str) -> bool:
+        """Finish request `rid` now with stop_reason "cancelled" (its slot is free for the next `step`),
+        or drop it from the queue; False when it is neither live nor queued (already finished)."""
+        for slot, lv in self.live.items():
+            if lv.res.id == rid:
+                self._finish(slot, "cancelled")
+                return True
+        for i, lv in enumerate(self.queue):
+            if lv.res.id == rid:
+                del self.queue[i]
+                lv.res.stop_reason = "cancelled"
+                self.done.append(lv.res)
+                return True
+        return False
+
+    def drain(self) -> list[Result]:
+        """The finished results since the last call, removed from `done` (a long-running server would
+        otherwise keep every result it ever produced)."""
+        out, self.done = self.done, []
+        return out
+
     # ------------------------------------------------------------------ scheduling
     def step(self) -> None:
         """Admit waiting requests into free slots (prefill), then `decode_chunk` decode steps for all live
