@@ -7,8 +7,9 @@ anything is queued or live, and after each step calls each request's callback wi
 gained and, once, with its finished `Result`. Requests therefore join and leave the running batch at
 every step, without recompiling.
 
-Back-pressure: at most `max_queue` requests wait for a slot (submitted but not yet admitted); beyond
-that `submit` raises `QueueFull` at once, so a burst is refused instead of queued without bound.
+Back-pressure: at most `max_queue` requests wait for a slot beyond those the next step admits into the
+free slots; beyond that `submit` raises `QueueFull` at once, so a burst is refused instead of queued
+without bound.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class Driver:
         """Queue `req` (already validated) and return its id; QueueFull when `max_queue` requests wait.
         `on_event` runs on the driver thread: it must only hand the data over (e.g. call_soon_threadsafe)."""
         with self._lock:
-            if len(self._pending) + len(self.engine.queue) >= self.max_queue:
+            free = self.engine.n_slots - len(self.engine.live)  # the next step admits this many at once
+            if len(self._pending) + len(self.engine.queue) >= self.max_queue + free:
                 raise QueueFull(f"{self.max_queue} requests already wait for one of {self.engine.n_slots} slots")
             self._n += 1
             req.id = f"cmpl-{self._n}"
