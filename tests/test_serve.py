@@ -17,7 +17,7 @@ import openai
 import pytest
 import uvicorn
 
-from dsv41_jax.serving.text import TextStream, render_chat
+from dsv41_jax.serving.text import TextStream, load_chat_template, render_chat
 from dsv41_jax.textio import ByteTokenizer
 from experiments import decode, serve
 
@@ -187,3 +187,22 @@ def test_text_stream_holds_back_a_possible_stop_and_cut_characters():
     assert "".join(out) == "ab\u00e9c " and ts.stopped and ts.n_tokens == len(ids)
     ts = TextStream(tok, ["END"])
     assert ts.feed(tok.encode("x EN")[1:]) == "x " and ts.feed(tok.encode("x EN")[1:], final=True) == "EN"
+
+
+def test_checkpoint_chat_template_is_rendered_in_a_sandbox(tmp_path):
+    assert load_chat_template(str(tmp_path)) is None  # no tokenizer_config.json: the simple template
+    template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}" \
+               "{% if add_generation_prompt %}[assistant]{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    msgs = [{"role": "user", "content": "hi"}]
+    assert render_chat(msgs, load_chat_template(str(tmp_path)), "<s>") == "<s>[user]hi[assistant]"
+    with pytest.raises(ValueError, match="refused the conversation: no system"):
+        render_chat(msgs, "{{ raise_exception('no system') }}")
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    for argv, message in ((["--checkpoint", str(tmp_path / "missing")], "error: --checkpoint"),
+                          (["--capacity", "100000"], "error: --capacity 100000: exceeds the model's max_seq_len")):
+        with pytest.raises(SystemExit) as e:
+            serve.main(argv)
+        assert e.value.code == 1 and message in capsys.readouterr().err

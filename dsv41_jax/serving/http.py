@@ -182,7 +182,8 @@ class Server:
         except ValueError as e:
             raise BadRequest(f"messages: {e}") from None
         limit = body.max_completion_tokens or body.max_tokens
-        return await self._respond(body, ids, limit or self.engine.ecfg.capacity - len(ids), http, chat=True)
+        # no limit given: the rest of the slot (at least 1, so an over-long prompt is refused as too long)
+        return await self._respond(body, ids, limit or max(1, self.engine.ecfg.capacity - len(ids)), http, chat=True)
 
     def _request(self, body: _Body, ids: list[int], max_tokens: int) -> Request:
         """The engine request of a body, or BadRequest saying which field is wrong."""
