@@ -54,6 +54,10 @@ def parse_args(argv=None):
     eng.add_argument("--retention-hours", type=float, default=72.0)
     eng.add_argument("--host-pool-gb", type=float, help="window pool size (default: 10%% of host memory)")
     eng.add_argument("--host-ttl-s", type=float, default=300.0)
+    eng.add_argument("--window-store", help="keep the window pool in this Redis / Valkey server (redis://host:port/db "
+                     "or unix:///path.sock) instead of in this process, shared by every server of the same weights "
+                     "and --cache-dir: a prefix one served is an exact restore on another; a store that is down is a "
+                     "miss (bounded replay)")
     eng.add_argument("--no-prefix-reuse", action="store_true", help="never read the tiers (cold every time)")
     eng.add_argument("--no-bounded-replay", "--no-replay", dest="no_replay", action="store_true",
                      help="on a disk hit without window state recompute the whole prompt (exact, slower)")
@@ -80,7 +84,11 @@ def build_server(args):
     if args.capacity > cfg.max_seq_len:
         raise _cli.UserError(f"--capacity {args.capacity}: exceeds the model's max_seq_len of {cfg.max_seq_len}")
     ecfg = engine_config(args, cfg, args.capacity, args.slots)
-    ecfg = dataclasses.replace(ecfg, slots=None if args.hbm_budget_gb else args.slots, decode_chunk=args.decode_chunk)
+    if args.window_store and not args.cache_dir:
+        raise _cli.UserError("--window-store: needs --cache-dir (the window pool holds the state at prefixes whose "
+                             "pages are on disk)")
+    ecfg = dataclasses.replace(ecfg, slots=None if args.hbm_budget_gb else args.slots, decode_chunk=args.decode_chunk,
+                               window_store=args.window_store)
     try:
         template = load_chat_template(args.checkpoint)
     except ValueError as e:
