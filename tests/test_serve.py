@@ -9,17 +9,16 @@ request compiles the prefill and decode programs, the rest reuse them.
 
 import json
 import re
-import threading
 import time
 
 import httpx2 as httpx
 import openai
 import pytest
-import uvicorn
 
 from dsv41_jax.serving.text import TextStream, load_chat_template, render_chat
 from dsv41_jax.textio import ByteTokenizer
-from experiments import decode, serve
+from experiments import decode, load_test, serve
+from tests.http_server import serving
 
 PROMPT = "The quick brown fox jumps over the lazy dog. "
 NEW = 24
@@ -31,15 +30,9 @@ def server():
     srv = serve.build_server(serve.parse_args(["--preset", "tiny", "--slots", "2", "--capacity", "256",
                                                "--max-queue", "2", "--decode-chunk", "4", "--kernels", "jnp"]))
     srv.engine.ecfg.progress = False
-    uv = uvicorn.Server(uvicorn.Config(srv.app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.05)
-    srv.url = f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}"
-    yield srv
-    uv.should_exit = True
-    thread.join(30)
+    with serving(srv.app) as url:
+        srv.url = url
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -201,8 +194,19 @@ def test_checkpoint_chat_template_is_rendered_in_a_sandbox(tmp_path):
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
-    for argv, message in ((["--checkpoint", str(tmp_path / "missing")], "error: --checkpoint"),
-                          (["--capacity", "100000"], "error: --capacity 100000: exceeds the model's max_seq_len")):
+    cases = ((["--checkpoint", tmp_path / "missing"], f"error: --checkpoint {tmp_path / 'missing'}: no such directory"),
+             (["--capacity", "100000"], "error: --capacity 100000: exceeds the model's max_seq_len of 4096"),
+             (["--window-store", "redis://x"], "error: --window-store: needs --cache-dir"),
+             (["--cache-dir", tmp_path / "f.txt", "--port", "1"], f"error: --cache-dir {tmp_path / 'f.txt'}: not "
+                                                                   "writable (it is a file"))
+    (tmp_path / "f.txt").write_text("x")
+    for argv, message in cases:
         with pytest.raises(SystemExit) as e:
-            serve.main(argv)
-        assert e.value.code == 1 and message in capsys.readouterr().err
+            serve.main([str(a) for a in argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 1 and len(err) == 1 and err[0].startswith(message), err
+
+
+def test_load_test_against_the_server(server):
+    res = load_test.main(["--url", server.url, "--clients", "3", "--requests", "2", "--max-tokens", "4"])
+    assert res["completed"] == 6 and res["errors"] == 0 and res["ttft_p99_s"] >= res["ttft_p50_s"] > 0
