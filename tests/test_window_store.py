@@ -1,10 +1,10 @@
 """The window pool in Redis: entries round-trip with the disk pages' checksum discipline, a damaged or
-foreign entry and a dead store are misses, and two engines sharing one store and one cache directory
-restore each other's prefixes exactly (the cold run's greedy tokens) until the store dies, after which
-they fall back to bounded replay without an error.
+foreign entry and a dead store are misses, and two engines (and two HTTP servers) sharing one store and
+one cache directory restore each other's prefixes exactly (the cold run's greedy tokens) until the store
+dies, after which they fall back to bounded replay without an error.
 
-Each test module starts its own `redis-server` on a Unix socket (no port, no other user's data) and
-stops it; `.ci/run` installs the Debian package.
+Each test starts its own `redis-server` on a Unix socket in its temporary directory (no port, no other
+user's data) and stops it; `.ci/run` installs the Debian package.
 """
 
 import shutil
@@ -87,23 +87,62 @@ PT, CAP, NEW = 32, 160, 12
 PROMPT = np.random.default_rng(1).integers(0, 320, 90)  # 2 full pages before the last token
 
 
-def test_two_engines_share_windows_until_the_store_dies(store, tmp_path):
+@pytest.fixture(scope="module")
+def model():
     cfg = d.preset("tiny")
-    params = d.init_params(cfg, seed=0)
+    return cfg, d.init_params(cfg, seed=0)
 
-    def engine(**kw):
-        return Engine(cfg, params, EngineConfig(slots=2, capacity=CAP, prefill_chunk=32, page_tokens=PT,
-                                                progress=False, **kw))
 
+def engine(model, **kw):
+    cfg, params = model
+    return Engine(cfg, params, EngineConfig(slots=2, capacity=CAP, prefill_chunk=32, page_tokens=PT, progress=False,
+                                            **kw))
+
+
+@pytest.fixture(scope="module")
+def cold(model):
+    return engine(model).generate([Request(PROMPT, max_new_tokens=NEW)])[0]
+
+
+def test_two_engines_share_windows_until_the_store_dies(model, cold, store, tmp_path):
     def run(eng):
         return eng.generate([Request(PROMPT, max_new_tokens=NEW)])[0]
 
-    cold = run(engine())
-    first = run(engine(cache_dir=str(tmp_path / "kv"), window_store=store.url))
+    shared = dict(cache_dir=str(tmp_path / "kv"), window_store=store.url)
+    first = run(engine(model, **shared))
     assert first.metrics["prefix_path"] == "cold" and first.metrics["host_bytes_written"] > 0
-    second = run(engine(cache_dir=str(tmp_path / "kv"), window_store=store.url))  # a new engine: empty own state
+    second = run(engine(model, **shared))  # a new engine: nothing of its own
     assert second.metrics["prefix_path"] == "host_restore" and second.metrics["reused_tokens"] == 2 * PT
     assert first.tokens == second.tokens == cold.tokens
     store.stop()
-    third = run(engine(cache_dir=str(tmp_path / "kv"), window_store=store.url))
+    third = run(engine(model, **shared))
     assert third.metrics["prefix_path"] == "bounded_replay" and len(third.tokens) == NEW and third.error is None
+
+
+def test_two_http_servers_share_one_store(model, cold, store, tmp_path):
+    """What a client of two servers behind one store sees: the second serves the first's prefix from the
+    store (its metrics say so) with the cold run's tokens; with the store gone, a replay, no error."""
+    import openai
+
+    from dsv41_jax.serving.http import Server
+    from dsv41_jax.textio import ByteTokenizer
+    from tests.http_server import serving
+
+    shared = dict(cache_dir=str(tmp_path / "kv"), window_store=store.url)
+    a, b = (Server(engine(model, **shared), ByteTokenizer(), "tiny") for _ in range(2))
+    with serving(a.app) as url_a, serving(b.app) as url_b:
+        def complete(url):
+            api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            return api.completions.create(model="tiny", prompt=PROMPT.tolist(), max_tokens=NEW, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].token_ids
+
+        def metric(srv, name, labels=None):
+            return srv.metrics.registry.get_sample_value(name, labels) or 0.0
+
+        assert complete(url_a) == cold.tokens
+        assert complete(url_b) == cold.tokens
+        assert metric(b, "dsv41_prefix_hits_total", {"tier": "host"}) == 1
+        assert metric(b, "dsv41_prefix_reused_tokens_total") == 2 * PT
+        store.stop()
+        assert len(complete(url_b)) == NEW  # pages from disk, window replayed: no error
+        assert metric(b, "dsv41_replays_total") == 1 and metric(b, "dsv41_prefix_hits_total", {"tier": "host"}) == 1
