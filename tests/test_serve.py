@@ -171,6 +171,19 @@ def test_queue_full_is_429_and_gone_clients_free_their_slots(server, client):
     assert metric(server, 'dsv41_requests_total{outcome="queue_full"}') >= 1
 
 
+def test_an_engine_failure_is_a_500_and_the_server_keeps_serving(server, client, greedy, monkeypatch, capsys):
+    def broken():
+        monkeypatch.undo()  # fails once
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(server.engine, "step", broken)
+    with pytest.raises(openai.InternalServerError, match="the engine failed while running this request"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert "RuntimeError: injected failure" in capsys.readouterr().err  # the traceback is in the server log
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=NEW, temperature=0, extra_body=EXACT)
+    assert r.choices[0].token_ids == greedy.choices[0].token_ids
+
+
 def test_text_stream_holds_back_a_possible_stop_and_cut_characters():
     tok = ByteTokenizer()
     ids = tok.encode("ab\u00e9c END")[1:]  # é is two bytes: two tokens

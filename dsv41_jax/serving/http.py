@@ -14,8 +14,9 @@ ids exactly rather than through a detokenizer. `n` must be 1 and `prompt` a sing
 
 Errors are OpenAI's shape, {"error": {"message", "type", "code"}}: 400 for a request that cannot run
 (missing or mistyped fields, a prompt plus max_tokens longer than a slot, max_tokens < 1), 404 for an
-unknown model, 429 (with Retry-After) when `max_queue` requests already wait for a slot. A client that
-disconnects cancels its request, freeing the slot at the next step.
+unknown model, 429 (with Retry-After) when `max_queue` requests already wait beyond the free slots, 500
+when the engine fails (the traceback goes to the server's stderr; later requests are served). A client
+that disconnects cancels its request, freeing the slot at the next step.
 """
 
 from __future__ import annotations
