@@ -3,6 +3,7 @@
     python -m experiments.serve                                   # tiny preset, random weights, port 8000
     python -m experiments.serve --preset small --slots 8 --capacity 2048 --cache-dir /tmp/kv
     python -m experiments.serve --checkpoint DIR --port 8000 --max-queue 256
+    python -m experiments.serve --cache-dir /shared/kv --window-store redis://storehost:6379/0   # one of several
 
     curl localhost:8000/v1/completions -H 'content-type: application/json' \\
          -d '{"model": "tiny", "prompt": "Hello", "max_tokens": 16, "temperature": 0}'

@@ -3,12 +3,14 @@ foreign entry and a dead store are misses, and two engines (and two HTTP servers
 one cache directory restore each other's prefixes exactly (the cold run's greedy tokens) until the store
 dies, after which they fall back to bounded replay without an error.
 
-Each test starts its own `redis-server` on a Unix socket in its temporary directory (no port, no other
-user's data) and stops it; `.ci/run` installs the Debian package.
+Each test starts its own `redis-server` on a Unix socket in a fresh temporary directory (no port, no
+other user's data) and stops it; `.ci/run` installs the Debian package.
 """
 
+import os
 import shutil
 import subprocess
+import tempfile
 import time
 
 import numpy as np
@@ -24,8 +26,10 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
 
 
 class Store:
-    def __init__(self, tmp):
-        self.sock = str(tmp / "redis.sock")
+    def __init__(self):
+        # a short directory of its own: a Unix socket path must fit in 107 bytes, which pytest's may not
+        self.dir = tempfile.mkdtemp(prefix="dsv41-redis-")
+        self.sock = os.path.join(self.dir, "redis.sock")
         self.url = f"unix://{self.sock}"
         self.proc = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", self.sock, "--unixsocketperm",
                                       "700", "--save", "", "--appendonly", "no", "--maxmemory", "64mb",
@@ -46,11 +50,12 @@ class Store:
 
 
 @pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path)
+def store():
+    s = Store()
     yield s
     if s.proc.poll() is None:
         s.stop()
+    shutil.rmtree(s.dir, ignore_errors=True)
 
 
 ARRAYS = {"window.values": np.arange(96, dtype=np.uint8).reshape(2, 3, 16), "window_start": np.array([7], np.int32)}
