@@ -230,3 +230,19 @@ def test_cli_serves_prompt_ids_and_reuses_the_prefix(model, cold, tmp_path):
     assert second["metrics"]["host_window_hit"] and second["metrics"]["reused_tokens"] == 2 * PT
     args = decode.parse_args(["--engine", "--no-bounded-prefill", "--no-bounded-replay"])
     assert args.no_bounded_prefill and args.no_replay
+
+
+def test_cancel_frees_a_live_slot_and_drops_a_queued_request(model, cold):
+    eng = engine(model)  # 2 slots
+    ids = [eng.submit(Request(PROMPT, max_new_tokens=NEW, id=f"r{i}")) for i in range(3)]
+    eng.step()  # r0 and r1 in slots, r2 queued
+    assert {r.id for r in eng.running()} == {"r0", "r1"} and all(r.tokens for r in eng.running())
+    assert eng.cancel("r2") and eng.cancel("r0") and not eng.cancel("r0") and not eng.cancel("nope")
+    assert {r.id for r in eng.running()} == {"r1"} and not eng.queue
+    done = {r.id: r for r in eng.drain()}
+    assert done["r0"].stop_reason == done["r2"].stop_reason == "cancelled" and done["r2"].tokens == []
+    assert eng.done == []
+    while eng.live:
+        eng.step()
+    (r1,) = eng.drain()
+    assert r1.id == ids[1] and r1.tokens == cold.tokens  # the survivor is unaffected

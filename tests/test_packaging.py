@@ -27,9 +27,13 @@ def test_constraints_pin_every_dependency_within_its_range():
         if line.strip() and not line.startswith("#"):
             name, version = line.split("==")
             pins[name.lower().replace("_", "-")] = version.strip()
-    deps = PROJECT["project"]["dependencies"] + PROJECT["project"]["optional-dependencies"]["dev"]
+    extras = PROJECT["project"]["optional-dependencies"]
+    deps = PROJECT["project"]["dependencies"] + extras["dev"] + extras["serve"]
     for dep in map(Requirement, deps):
         name = dep.name.lower().replace("_", "-")
+        if name == PROJECT["project"]["name"].lower().replace("_", "-"):  # dev's "dsv41_jax[serve]": checked above
+            assert dep.extras <= set(extras), f"{dep} names an extra that pyproject.toml does not define"
+            continue
         assert name in pins, f"{dep.name} has no exact version in constraints.txt"
         assert dep.specifier.contains(pins[name]), \
             f"constraints.txt pins {dep.name}=={pins[name]}, outside {dep.specifier}"

@@ -37,7 +37,9 @@ prompt's last token, so the state at P is a reusable prefix:
   replayed queries see a window missing its older half; the exact cone grows by a window per layer),
   measured by `experiments.prefix_reuse`. States derived from a replay are never written back to
   either tier. Pages are the same bytes in either prefill mode; a host-pool entry holds its engine's
-  own state (bounded or exact), and the pool lives and dies with the engine.
+  own state (bounded or exact). The in-process pool lives and dies with the engine; with
+  `window_store` (a Redis / Valkey URL, `tiers.window_store`) engines of the same weights and settings
+  (one fingerprint) share it, so a prefix one served is an exact restore on another.
 Any problem with a tier (damaged/foreign/expired page, full disk, missing directory) is a miss and a
 recompute: the tiers report misses, never raise.
 """
@@ -60,7 +62,7 @@ from dsv41_jax.compile_notice import compiling
 from dsv41_jax.plan import Mode, build_plan, encoder_depth
 from dsv41_jax.serving import slots as rows
 from dsv41_jax.sampling import sample
-from dsv41_jax.tiers import HostPool, PageStore, block_chain, fingerprint
+from dsv41_jax.tiers import HostPool, PageStore, RedisPool, block_chain, fingerprint
 from dsv41_jax.tiers.keys import weights_digest
 
 
@@ -107,6 +109,7 @@ class EngineConfig:
     retention_s: float = 72 * 3600
     host_pool_bytes: int | None = None  # None: 10% of host memory
     host_ttl_s: float = 300.0
+    window_store: str | None = None  # redis://host:port/db or unix:///socket: a window pool shared between engines
     prefix_reuse: bool = True
     replay: bool = True  # bounded replay of the last window on a disk hit without window state
     bounded_prefill: bool = True  # decoder-side bounded prefill (see the module docstring)
@@ -163,7 +166,10 @@ class Engine:
             weights = ecfg.weights_revision or weights_digest(jax.tree.leaves(params))
             self.fp = fingerprint(cfg, weights, ecfg.page_tokens, extra=f"capacity-independent;{self.ratios}")
             self.store = PageStore(ecfg.cache_dir, self.fp, ecfg.page_tokens, retention_s=ecfg.retention_s)
-            self.host = HostPool(ecfg.host_pool_bytes, ecfg.host_ttl_s)
+            # window states differ between the prefill modes: a shared pool keeps them apart
+            mode = "bounded" if ecfg.bounded_prefill else "exact"
+            self.host = (RedisPool(ecfg.window_store, f"{self.fp}-{mode}", ecfg.host_ttl_s) if ecfg.window_store
+                         else HostPool(ecfg.host_pool_bytes, ecfg.host_ttl_s))
             self.store.gc()
         self.live: dict[int, _Live] = {}
         self.queue: list[_Live] = []
@@ -216,6 +222,32 @@ class Engine:
             self.step()
         by_id = {r.id: r for r in self.done}
         return [by_id[i] for i in order]
+
+    def running(self) -> list[Result]:
+        """The results of the requests in slots: their `tokens` grow as `step` emits, so a server can
+        stream them before the request finishes."""
+        return [lv.res for lv in self.live.values()]
+
+    def cancel(self, rid: str) -> bool:
+        """Finish request `rid` now with stop_reason "cancelled" (its slot is free for the next `step`),
+        or drop it from the queue; False when it is neither live nor queued (already finished)."""
+        for slot, lv in self.live.items():
+            if lv.res.id == rid:
+                self._finish(slot, "cancelled")
+                return True
+        for i, lv in enumerate(self.queue):
+            if lv.res.id == rid:
+                del self.queue[i]
+                lv.res.stop_reason = "cancelled"
+                self.done.append(lv.res)
+                return True
+        return False
+
+    def drain(self) -> list[Result]:
+        """The finished results since the last call, removed from `done` (a long-running server would
+        otherwise keep every result it ever produced)."""
+        out, self.done = self.done, []
+        return out
 
     # ------------------------------------------------------------------ scheduling
     def step(self) -> None:
