@@ -1,11 +1,8 @@
 """Persistent tier: immutable pages of global KV on disk, one file per block of prompt tokens.
 
-Layout: `<root>/<fingerprint>/<chain key>.page`. A file is
-
-    MAGIC (8 B) | header length (u32 LE) | header (JSON) | payload | digest (16 B)
-
-header = format version, fingerprint, chain key, token range [start, end), creation time and the
-name/dtype/shape of every array in the payload; digest = blake2b over everything before it, so a
+Layout: `<root>/<fingerprint>/<chain key>.page`. A file is a `records` record (MAGIC | header length |
+header | payload | digest) whose header also holds the token range [start, end) and the creation time;
+the digest (blake2b) covers everything before it, so a
 truncated file, a flipped byte anywhere, a header from another producer or a page from another range
 are all detected. Every such problem is a miss (counted by reason in `stats`), never an exception
 and never data.
@@ -22,19 +19,16 @@ period.
 from __future__ import annotations
 
 import errno
-import json
 import os
-import struct
 import time
 import uuid
 from collections import Counter
 
 import numpy as np
 
-from dsv41_jax.tiers.keys import CACHE_FORMAT_VERSION, _h
+from dsv41_jax.tiers import records
 
 MAGIC = b"DSV41PG\x00"
-_DIGEST = 16
 DEFAULT_RETENTION_S = 72 * 3600
 
 
@@ -107,15 +101,8 @@ class PageStore:
             os.close(dfd)
 
     def _encode(self, key: str, token_start: int, arrays: dict[str, np.ndarray]) -> bytes:
-        arrs = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
-        header = dict(version=CACHE_FORMAT_VERSION, fingerprint=self.fp, key=key, token_start=int(token_start),
-                      token_end=int(token_start) + self.page_tokens, created=self.clock(),
-                      arrays=[[k, a.dtype.str, list(a.shape)] for k, a in arrs.items()])
-        hb = json.dumps(header, sort_keys=True).encode()
-        body = MAGIC + struct.pack("<I", len(hb)) + hb + b"".join(a.tobytes() for a in arrs.values())
-        h = _h()
-        h.update(body)
-        return body + h.digest()
+        return records.encode(MAGIC, self.fp, key, arrays, token_start=int(token_start),
+                              token_end=int(token_start) + self.page_tokens, created=self.clock())
 
     # ------------------------------------------------------------------ read
     def get(self, key: str, token_start: int) -> dict[str, np.ndarray] | None:
@@ -153,36 +140,8 @@ class PageStore:
 
     def _decode(self, data: bytes, key: str, token_start: int) -> dict[str, np.ndarray] | str:
         """The arrays, or the reason (a short string) the bytes are not a valid page for this request."""
-        if len(data) < len(MAGIC) + 4 + _DIGEST or not data.startswith(MAGIC):
-            return "bad_magic"
-        h = _h()
-        h.update(data[:-_DIGEST])
-        if h.digest() != data[-_DIGEST:]:
-            return "checksum"
-        (hlen,) = struct.unpack_from("<I", data, len(MAGIC))
-        start = len(MAGIC) + 4
-        try:
-            header = json.loads(data[start:start + hlen])
-        except ValueError:
-            return "bad_header"
-        if header.get("version") != CACHE_FORMAT_VERSION:
-            return "version"
-        if header.get("fingerprint") != self.fp:
-            return "fingerprint"
-        if header.get("key") != key:
-            return "key"
-        if (header.get("token_start"), header.get("token_end")) != (token_start, token_start + self.page_tokens):
-            return "token_range"
-        out, off = {}, start + hlen
-        for name, dt, shape in header["arrays"]:
-            n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-            if off + n > len(data) - _DIGEST:
-                return "short_payload"
-            out[name] = np.frombuffer(data, dtype=dt, count=int(np.prod(shape, dtype=np.int64)), offset=off).reshape(shape)
-            off += n
-        if off != len(data) - _DIGEST:
-            return "payload_size"
-        return out
+        span = dict(token_start=token_start, token_end=token_start + self.page_tokens)
+        return records.decode(data, MAGIC, self.fp, key, expect=span, mismatch="token_range")
 
     def lookup(self, keys: list[str]) -> list[dict[str, np.ndarray]]:
         """The pages of the longest cached prefix: pages for keys[0], keys[1], ... up to the first miss."""

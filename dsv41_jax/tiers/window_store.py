@@ -5,9 +5,8 @@ one) restore each other's prefixes exactly instead of falling back to bounded re
 pool's bookkeeping itself: each entry is written with a TTL (`SET ... EX`), and the server's `maxmemory`
 with `allkeys-lru` bounds the pool and evicts the least recently used entries.
 
-An entry is `MAGIC | header length (u32 LE) | header (JSON) | payload | digest (16 B)`, as the disk pages:
-the header names the producer's fingerprint, the key and every array's name/dtype/shape, the digest
-(blake2b) covers everything before it. A damaged entry, one from another producer or key, a store that
+An entry is a `records` record, as the disk pages: the header names the producer's fingerprint, the key
+and every array's name/dtype/shape, the digest (blake2b) covers everything before it. A damaged entry, one from another producer or key, a store that
 is down or slower than `timeout_s`: each is a miss counted in `stats`, never an exception. After a
 failure the store is not asked again for `retry_s` seconds, so a dead store costs one timeout, not one
 per request.
@@ -15,18 +14,15 @@ per request.
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 import time
 from collections import Counter
 
 import numpy as np
 
-from dsv41_jax.tiers.keys import CACHE_FORMAT_VERSION, _h
+from dsv41_jax.tiers import records
 
 MAGIC = b"DSV41WN\x00"
-_DIGEST = 16
 
 
 class RedisPool:
@@ -86,43 +82,8 @@ class RedisPool:
         return None
 
     def _encode(self, key: str, arrays: dict[str, np.ndarray]) -> bytes:
-        arrs = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
-        header = dict(version=CACHE_FORMAT_VERSION, fingerprint=self.fp, key=key,
-                      arrays=[[k, a.dtype.str, list(a.shape)] for k, a in arrs.items()])
-        hb = json.dumps(header, sort_keys=True).encode()
-        body = MAGIC + struct.pack("<I", len(hb)) + hb + b"".join(a.tobytes() for a in arrs.values())
-        h = _h()
-        h.update(body)
-        return body + h.digest()
+        return records.encode(MAGIC, self.fp, key, arrays)
 
     def _decode(self, data: bytes, key: str) -> dict[str, np.ndarray] | str:
         """The arrays (copies: writable, as the in-process pool's), or why the bytes are not this entry."""
-        if len(data) < len(MAGIC) + 4 + _DIGEST or not data.startswith(MAGIC):
-            return "bad_magic"
-        h = _h()
-        h.update(data[:-_DIGEST])
-        if h.digest() != data[-_DIGEST:]:
-            return "checksum"
-        (hlen,) = struct.unpack_from("<I", data, len(MAGIC))
-        start = len(MAGIC) + 4
-        try:
-            header = json.loads(data[start:start + hlen])
-        except ValueError:
-            return "bad_header"
-        if header.get("version") != CACHE_FORMAT_VERSION:
-            return "version"
-        if header.get("fingerprint") != self.fp:
-            return "fingerprint"
-        if header.get("key") != key:
-            return "key"
-        out, off = {}, start + hlen
-        for name, dt, shape in header["arrays"]:
-            count = int(np.prod(shape, dtype=np.int64))
-            n = count * np.dtype(dt).itemsize
-            if off + n > len(data) - _DIGEST:
-                return "short_payload"
-            out[name] = np.frombuffer(data, dtype=dt, count=count, offset=off).reshape(shape).copy()
-            off += n
-        if off != len(data) - _DIGEST:
-            return "payload_size"
-        return out
+        return records.decode(data, MAGIC, self.fp, key, copy=True)
