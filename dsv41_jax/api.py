@@ -145,6 +145,30 @@ def prefill_chunks(cfg: ModelConfig, params, cache: Cache, ids_bt, lo: int, hi: 
         yield a, n, logits, cache
 
 
+def _check_next_tokens(cfg: ModelConfig, cache: Cache, tokens_b, check_ids: bool = True) -> jax.Array:
+    """tokens_b as an array after checking it is one integer id per sequence (and, if asked, in range)."""
+    tokens_b = jnp.asarray(tokens_b)
+    if tokens_b.shape != (cache.batch,):
+        raise ValueError(f"decode tokens must have shape ({cache.batch},), got {tokens_b.shape}")
+    if not jnp.issubdtype(tokens_b.dtype, jnp.integer):
+        raise TypeError(f"tokens must be an integer array of token ids, got dtype {tokens_b.dtype}")
+    if check_ids:
+        _check_tokens(cfg, tokens_b, "tokens")
+    return tokens_b
+
+
+def _check_room(cfg: ModelConfig, cache: Cache, n_new_b, when: str) -> None:
+    """Refuse appending n_new_b[b] tokens to sequences that would pass the cache's capacity (when the
+    values are concrete; `when` ends the message, e.g. " in 8 steps")."""
+    if not (_concrete(cache.lengths) and _concrete(n_new_b)):
+        return
+    cap = cache_capacity(cache, cfg)
+    full = np.asarray(cache.lengths) + np.asarray(n_new_b) > cap
+    if full.any():
+        raise ValueError(f"cache full: sequences {np.flatnonzero(full).tolist()} would exceed the capacity of "
+                         f"{cap} tokens{when}; make the cache larger or generate fewer tokens")
+
+
 def decode_step(cfg: ModelConfig, params, cache: Cache, tokens_b, active_b=None, *, kernels: str = "jnp",
                 validate: bool = True, donate: bool = False):
     """Append one token per sequence; returns (logits f32 [B, V], cache).
@@ -154,27 +178,17 @@ def decode_step(cfg: ModelConfig, params, cache: Cache, tokens_b, active_b=None,
     back to the host: a generation loop that feeds sampled ids and tracks lengths itself can skip them.
     donate=True updates the cache in place (the argument is consumed).
     """
-    tokens_b = jnp.asarray(tokens_b)
-    if tokens_b.shape != (cache.batch,):
-        raise ValueError(f"decode tokens must have shape ({cache.batch},), got {tokens_b.shape}")
+    tokens_b = _check_next_tokens(cfg, cache, tokens_b, validate)
     n_new = jnp.ones_like(cache.lengths) if active_b is None else jnp.asarray(active_b).astype(jnp.int32)
-    if not jnp.issubdtype(tokens_b.dtype, jnp.integer):
-        raise TypeError(f"tokens must be an integer array of token ids, got dtype {tokens_b.dtype}")
     if validate:
-        _check_tokens(cfg, tokens_b, "tokens")
-    if validate and _concrete(cache.lengths) and _concrete(n_new):
-        cap = cache_capacity(cache, cfg)
-        full = np.asarray(cache.lengths + n_new) > cap
-        if full.any():
-            raise ValueError(f"cache full: sequences {np.flatnonzero(full).tolist()} already hold {cap} tokens "
-                             "(the capacity); make the cache larger or stop generating")
+        _check_room(cfg, cache, n_new, "")
     return _run(donate)(cfg, params, cache, tokens_b.astype(jnp.int32)[:, None], n_new, all_logits=False,
                         kernels=resolve(kernels))
 
 
 def _generate(cfg, params, cache, tokens_b, temperature_b, seed_b, step_b, budget_b, stop_bs, *, n_steps: int,
               kernels: str):
-    def one_step(carry, i):
+    def one_step(carry, _):
         cache, tok, count = carry
         live = count < budget_b  # [B]: sequences that still feed a token and sample the next
         logits, cache = forward(cfg, params, cache, tok[:, None], live.astype(jnp.int32), kernels=kernels)
@@ -185,7 +199,7 @@ def _generate(cfg, params, cache, tokens_b, temperature_b, seed_b, step_b, budge
         return (cache, nxt, count), (nxt, live)
 
     init = (cache, tokens_b, jnp.zeros_like(budget_b))
-    (cache, _, _), (toks, emitted) = jax.lax.scan(one_step, init, jnp.arange(n_steps))
+    (cache, _, _), (toks, emitted) = jax.lax.scan(one_step, init, length=n_steps)
     return toks.T, emitted.T, cache
 
 
@@ -204,21 +218,13 @@ def generate(cfg: ModelConfig, params, cache: Cache, tokens_b, n_steps: int, *, 
     emitted, never fed). Returns (tokens int32 [B, n_steps], emitted bool [B, n_steps]: True where
     the token is a real sample of that sequence, cache).
     """
-    tokens_b = jnp.asarray(tokens_b)
-    b = cache.batch
-    if tokens_b.shape != (b,) or not jnp.issubdtype(tokens_b.dtype, jnp.integer):
-        raise ValueError(f"generate tokens must be integer ids of shape ({b},), got {tokens_b.shape} {tokens_b.dtype}")
+    tokens_b = _check_next_tokens(cfg, cache, tokens_b)
     if not isinstance(n_steps, int) or n_steps < 1:
         raise ValueError(f"n_steps must be a positive int, got {n_steps!r}")
-    _check_tokens(cfg, tokens_b, "tokens")
+    b = cache.batch
     per_seq = lambda v, dt: jnp.broadcast_to(jnp.asarray(v, dt), (b,))
     budget = per_seq(n_steps if budget_b is None else budget_b, jnp.int32)
-    if _concrete(budget) and _concrete(cache.lengths):
-        cap = cache_capacity(cache, cfg)
-        need = np.asarray(cache.lengths) + np.minimum(np.asarray(budget), n_steps)
-        if (need > cap).any():
-            raise ValueError(f"cache full: sequences {np.flatnonzero(need > cap).tolist()} would exceed the "
-                             f"capacity of {cap} tokens in {n_steps} steps; lower budget_b or n_steps")
+    _check_room(cfg, cache, jnp.minimum(budget, n_steps), f" in {n_steps} steps")
     stop = jnp.full((b, 1), -1, jnp.int32) if stop_ids_bs is None else jnp.asarray(stop_ids_bs, jnp.int32)
     if stop.ndim != 2 or stop.shape[0] != b:
         raise ValueError(f"stop_ids_bs must be [{b}, S] (-1 padded), got shape {stop.shape}")

@@ -8,8 +8,12 @@ on CPU) or "auto": the kernels on GPU/TPU when the record formats are the releas
 
 The weight matmuls (`grouped_matmul` for routed experts, `fp8_matmul` for FP8 projections) use the
 kernels for the released packed weight formats (GPU: `gpu_grouped`, compiled and measured on an H200;
-TPU: `tpu_grouped`, interpret-tested only). Their outputs agree with jnp to f32 summation order (the
-decoded weights are exact in the compute dtype).
+TPU: `tpu_grouped`, interpret-tested only), for decode-sized inputs only: up to `WEIGHT_KERNEL_ROWS`
+rows: the expert kernel was measured on the H200 up to 384 rows (batch 64 x top-6), the FP8 one up
+to 64.
+Prefill chunks keep the XLA path (dequantize, then one GEMM), whose speed is what was measured before
+the kernels. Their outputs agree with jnp to f32 summation order (the decoded weights are exact in the
+compute dtype).
 
 Agreement with jnp (tests/test_kernels_*.py): selection is exact; indexer scores (full scan and pool
 scan) agree to ~1e-7 relative (FP4-grid operands make every product exact, only the summation order
@@ -98,14 +102,17 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry
                                        entry_codec, sink_h, scale)
 
 
-def _weight_kernels(backend: str) -> bool:
+WEIGHT_KERNEL_ROWS = 384  # rows of x up to which the weight matmuls run the kernels (see the module doc)
+
+
+def _weight_kernels(backend: str, rows: int) -> bool:
     """True when the weight-matmul kernels run (GPU / TPU, or interpret mode on CPU with "pallas")."""
-    return resolve(backend) != "jnp"
+    return rows <= WEIGHT_KERNEL_ROWS and resolve(backend) != "jnp"
 
 
 def grouped_matmul(x_mk, w, sizes_e, *, backend="jnp"):
     """f32 [M, N]: rows sorted by expert times their expert's stored weight (`grouped.grouped_matmul`)."""
-    if grouped.is_packed(w) and _weight_kernels(backend):
+    if grouped.is_packed(w) and _weight_kernels(backend, x_mk.shape[0]):
         return _kp().grouped_matmul_fp4(x_mk, w["values"], w["scales"], sizes_e)
     return grouped.grouped_matmul(x_mk, w, sizes_e)
 
@@ -113,6 +120,6 @@ def grouped_matmul(x_mk, w, sizes_e, *, backend="jnp"):
 def fp8_matmul(x_mk, q_nk, exp, *, backend="jnp"):
     """f32 [M, N] = x @ W^T for an FP8 block-format weight (`grouped.fp8_matmul`)."""
     n, k = q_nk.shape
-    if n % 32 == 0 and k % 32 == 0 and _weight_kernels(backend):
+    if n % 32 == 0 and k % 32 == 0 and _weight_kernels(backend, x_mk.shape[0]):
         return _kp().fp8_matmul(x_mk, q_nk, exp)
     return grouped.fp8_matmul(x_mk, q_nk, exp)

@@ -43,6 +43,7 @@ from dsv41_jax import api, kernels
 from dsv41_jax.kernels import resolve
 from dsv41_jax.cache import init_cache
 from dsv41_jax.plan import Mode, build_plan
+from experiments.bench_kernels import copy_bandwidth, time_op
 
 
 def slice_config(**overrides):
@@ -154,8 +155,7 @@ def _nbytes(a) -> int:
 
 def weight_bytes(cfg, params, experts_hit: list[int]) -> dict:
     """Stored bytes a decode step reads: dense weights, routed experts hit, embedding and Engram rows."""
-    dense = expert = 0
-    per_expert = {}
+    dense, per_expert = 0, {}
     for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = _name(path)
         if name.startswith("embed") or "engram/table" in name or name == "engram_token_map":
@@ -202,20 +202,6 @@ def experts_hit(cfg, params, cache, tokens) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- timing
-def copy_bandwidth(n_bytes: int = 4 << 30, reps: int = 20) -> float:
-    """Read+write bytes per second of an elementwise pass over n_bytes of 32-bit words (the run's peak)."""
-    x = jax.random.bits(jax.random.key(0), (n_bytes // 4,), jnp.uint32)
-    f = jax.jit(lambda v: v + 1)
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    del x
-    return 2 * n_bytes / statistics.median(ts)
-
-
 def launches(compiled) -> int:
     """Instructions of the compiled program outside fused computations: one per kernel launch or
     library call (parameters, tuples and bitcasts excluded)."""
@@ -257,8 +243,6 @@ def weight_kernel_rows(cfg, batches, peak_bw: float) -> list[dict]:
     """The weight matmuls alone at this config's shapes: the routed experts' w1 ([E, inter, dim] FP4) for
     batch x top-k uniformly routed rows, and the largest FP8 projection (attention wq_b), GPU kernel vs jnp
     twin; bytes = stored weight bytes read (experts hit only) + activations."""
-    from experiments.bench_kernels import time_op
-
     rows = []
     e, k, d_in, inter = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
     key = jax.random.key(3)
@@ -354,7 +338,7 @@ def parse_args(argv=None):
     p.add_argument("--kernels", default="auto", choices=["auto", "jnp", "pallas"])
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per point (median)")
     p.add_argument("--chunk", type=int, default=10, help="steps per api.generate call")
-    p.add_argument("--copy-gb", type=float, default=4.0, help="size of the copy that measures the peak bandwidth")
+    p.add_argument("--copy-gb", type=float, default=4.0, help="GiB of the copy that measures the peak bandwidth")
     p.add_argument("--weight-kernels", action="store_true", help="also time the expert / FP8 matmuls alone")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="trace one --chunk loop per point into DIR and print GPU time per kernel")
@@ -374,7 +358,7 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"error: --context {max(args.context)} exceeds the preset's max_seq_len {cfg.max_seq_len} - 256")
     print(f"{args.preset}: {cfg.n_layers} layers, weight_format={cfg.weight_format}, kernels={args.kernels}, "
           f"device {jax.devices()[0].device_kind}", flush=True)
-    peak = copy_bandwidth(int(args.copy_gb * 2**30))
+    peak = copy_bandwidth(args.copy_gb)
     print(f"copy bandwidth (read+write, this run): {peak / 1e9:.0f} GB/s", flush=True)
     if args.weight_kernels:
         weight_kernel_rows(cfg, args.batch, peak)

@@ -273,7 +273,7 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int) -> dict:
         t0 = time.perf_counter()
         with compiling(("decode", chunk, *shape), f"decode [B={b}, capacity={capacity}, {chunk} steps per call]"):
             toks, cache = decode_chunk(cache, nxt, 0, min(chunk, steps))
-            toks.block_until_ready()
+        toks.block_until_ready()
         out.append(toks)
         done, nxt = toks.shape[1], toks[:, -1]
         t_first = time.perf_counter() - t0  # includes compiling the decode loop

@@ -24,7 +24,7 @@ def _prefilled():
 
 def _step_loop(cache, tok, n, temp, seed, budget, stops):
     """The reference: one decode_step per token, sampling on the host side of the call."""
-    out, live = [], np.ones(B, bool)
+    out = []
     count = np.zeros(B, np.int32)
     for _ in range(n):
         live = count < budget

@@ -145,10 +145,28 @@ def test_model_logits_with_weight_kernels(monkeypatch, act_quant):
         return np.concatenate([np.asarray(o) for o in out], axis=1)
 
     want = run()
-    monkeypatch.setattr(kernels, "_weight_kernels", lambda backend: True)
+    monkeypatch.setattr(kernels, "_weight_kernels", lambda backend, rows: True)
     jax.clear_caches()  # the api's jitted forward must retrace with the kernels in it
     got = run()
     jax.clear_caches()
     err = np.abs(got - want).max(-1) / np.abs(want).max()
     print(f"act_quant={act_quant}: max |dlogit| / scale {err.max():.2e}")
     assert (err <= 1e-5).all(), err
+
+
+def test_prefill_sized_inputs_keep_the_xla_path(monkeypatch):
+    """Above WEIGHT_KERNEL_ROWS rows (prefill chunks) the weight matmuls do not call the kernels, even with
+    backend="pallas"; at or below it they do."""
+    calls = []
+    monkeypatch.setattr(kernels, "_kp", lambda: calls.append(1) or pytest.fail("kernel called"))
+    w = _experts(k=32, n=16)
+    rows = kernels.WEIGHT_KERNEL_ROWS + 1
+    sizes = jnp.asarray([rows, 0, 0, 0, 0, 0, 0, 0], jnp.int32)
+    x = jnp.ones((rows, 32), jnp.float32)
+    np.testing.assert_array_equal(kernels.grouped_matmul(x, w, sizes, backend="pallas"),
+                                  grouped.grouped_matmul(x, w, sizes))
+    q, s = quantize_fp8_blocks(jnp.ones((32, 32)))
+    kernels.fp8_matmul(x, q, s, backend="pallas")
+    assert not calls
+    with pytest.raises(pytest.fail.Exception):
+        kernels.fp8_matmul(x[:kernels.WEIGHT_KERNEL_ROWS], q, s, backend="pallas")

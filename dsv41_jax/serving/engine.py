@@ -272,7 +272,7 @@ class Engine:
             toks, emitted, self.cache = api.generate(self.cfg, self.params, self.cache, tok, n, temperature_b=temp,
                                                      seed_b=seed, step_b=count, budget_b=np.minimum(budget, n),
                                                      stop_ids_bs=stops, kernels=self.ecfg.kernels)
-            toks, emitted = np.asarray(toks), np.asarray(emitted)
+        toks, emitted = np.asarray(toks), np.asarray(emitted)  # outside the notice: it times the compile
         for s in list(self.live):
             for t in toks[s][emitted[s]]:  # the device stopped each sequence where _emit finishes it
                 self._emit(s, int(t))
