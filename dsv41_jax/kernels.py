@@ -110,11 +110,17 @@ def _weight_kernels(backend: str, rows: int) -> bool:
     return rows <= WEIGHT_KERNEL_ROWS and resolve(backend) != "jnp"
 
 
+def grouped_matmuls(x_mk, ws, sizes_e, *, backend="jnp"):
+    """[f32 [M, N] per weight in `ws`]: rows sorted by expert times their expert's stored weight
+    (`grouped.grouped_matmul`); on the kernels, weights of one shape share one launch (w1 and w3)."""
+    if all(grouped.is_packed(w) for w in ws) and _weight_kernels(backend, x_mk.shape[0]):
+        return _kp().grouped_matmuls_fp4(x_mk, [(w["values"], w["scales"]) for w in ws], sizes_e)
+    return [grouped.grouped_matmul(x_mk, w, sizes_e) for w in ws]
+
+
 def grouped_matmul(x_mk, w, sizes_e, *, backend="jnp"):
-    """f32 [M, N]: rows sorted by expert times their expert's stored weight (`grouped.grouped_matmul`)."""
-    if grouped.is_packed(w) and _weight_kernels(backend, x_mk.shape[0]):
-        return _kp().grouped_matmul_fp4(x_mk, w["values"], w["scales"], sizes_e)
-    return grouped.grouped_matmul(x_mk, w, sizes_e)
+    """`grouped_matmuls` for one weight."""
+    return grouped_matmuls(x_mk, [w], sizes_e, backend=backend)[0]
 
 
 def fp8_matmul(x_mk, q_nk, exp, *, backend="jnp"):

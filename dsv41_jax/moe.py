@@ -99,12 +99,13 @@ class MoE(nnx.Module):
         sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
         dt = x_nd.dtype
         xs = x_nd[token_of]
-        mm = lambda a, name: kernels.grouped_matmul(a, self._stored(raw, name), sizes, backend=backend)
-        h1, h3 = mm(xs, "w1"), mm(xs, "w3")
+        mm = lambda a, *names: kernels.grouped_matmuls(a, [self._stored(raw, n) for n in names], sizes,
+                                                      backend=backend)
+        h1, h3 = mm(xs, "w1", "w3")
         act = (swiglu(h1, h3, self.limit) * w_nk.reshape(-1)[order][:, None]).astype(dt)
         if self.act_quant:  # the release weights the activation before quantizing it for w2
             act = quantize_activation(act)
-        ys = mm(act, "w2")
+        (ys,) = mm(act, "w2")
         return jnp.zeros(x_nd.shape, jnp.float32).at[token_of].add(ys)
 
     def __call__(self, x_btd: jax.Array, extras: dict | None = None, *, backend: str = "jnp") -> jax.Array:

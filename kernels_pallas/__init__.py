@@ -14,7 +14,7 @@ from kernels_pallas import (gpu_attention, gpu_grouped, gpu_indexer, gpu_select,
                             tpu_indexer, tpu_select)
 
 __all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode",
-           "grouped_matmul_fp4", "fp8_matmul", "platform"]
+           "grouped_matmuls_fp4", "fp8_matmul", "platform"]
 
 
 def platform(override: str | None = None) -> tuple[str, bool]:
@@ -66,11 +66,13 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid_bw, entry_rec, idx_b
     return gpu_attention.sparse_attention(*args, splits=splits, block_k=block_k, interpret=interpret)
 
 
-def grouped_matmul_fp4(x_mk, values, scales, sizes_e, *, platform_=None):
-    """f32 [M, N]: sorted rows times their expert's packed FP4 weight (`dsv41_jax.grouped` contract)."""
+def grouped_matmuls_fp4(x_mk, weights, sizes_e, *, platform_=None):
+    """[f32 [M, N] per (values, scales) in `weights`]: sorted rows times their expert's packed FP4 weight
+    (`dsv41_jax.grouped` contract); on GPU one launch for all the weights."""
     fam, interpret = platform(platform_)
-    mod = tpu_grouped if fam == "tpu" else gpu_grouped
-    return mod.grouped_matmul_fp4(x_mk, values, scales, sizes_e, interpret=interpret)
+    if fam == "tpu":
+        return [tpu_grouped.grouped_matmul_fp4(x_mk, v, s, sizes_e, interpret=interpret) for v, s in weights]
+    return gpu_grouped.grouped_matmuls_fp4(x_mk, weights, sizes_e, interpret=interpret)
 
 
 def fp8_matmul(x_mk, q_nk, exp, *, platform_=None):

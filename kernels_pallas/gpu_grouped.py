@@ -87,16 +87,74 @@ def _fp8_weights(vb, sb, dtype):
     return v.reshape(tn, tk).astype(dtype)
 
 
-def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, tm: int, tk: int, tn: int, k: int, precision):
-    *x_refs, wv_ref, ws_ref, o_ref = refs
+# -- bf16 activations on the GPU: the decode in packed integer ops (PTX), scales folded in one bf16x2 FMA -----
+# Every weight byte is spread into a 16-bit lane (prmt), its code bits are moved to where they make a bf16
+# whose value is the decoded weight times a fixed power of two (subnormals included: an E2M1 code c placed
+# as sign << 15 | mag << 6 is E2M1(c) * 2**-126; an E4M3 byte as sign << 15 | rest << 4 is E4M3 * 2**-120),
+# and one fma.rn.bf16x2 by 2**(E + 126) (resp. 2**(E + 120)) applies the block scale 2**E: two weights per
+# instruction, ~2.3 instructions per weight where the f32 path takes ~9 (the ALU bound of this kernel). The
+# product is exact; its factor must be a finite bf16, so the fast path needs E8M0 bytes <= FP4_FAST_MAX
+# (weights below 12 in magnitude) / FP8_FAST_MAX (below 57344); released checkpoints are far inside
+# (`dsv41_jax.grouped.check_fast_scales` checks at load time). Only compiled on the GPU (interpret mode
+# cannot run PTX, and XLA on the CPU flushes bf16 subnormals); the jnp twins check it there.
+FP4_FAST_MAX = 128  # E8M0 byte 128 = 2**1: 2**(1 + 126) is the largest power of two a bf16 holds
+FP8_FAST_MAX = 134  # 2**(7 + 120)
+
+_SPREAD = "prmt.b32 t0, $IN, 0, 0x4140; prmt.b32 t1, $IN, 0, 0x4342;"  # bytes 0,1 / 2,3 -> 16-bit lanes
+_NEG0 = "0x80008000"  # bf16x2 -0.0: fma(a, b, -0) = a * b, signed zeros kept
+
+_FP4_ASM = ("{ .reg .b32 t0, t1, a, b, m, s;" + _SPREAD.replace("$IN", "$4") + "".join(
+    f"and.b32 m, {t}, {mask_m}; shl.b32 m, m, {sh_m}; and.b32 s, {t}, {mask_s}; shl.b32 s, s, {sh_s};"
+    f"or.b32 m, m, s; fma.rn.bf16x2 {out}, m, {mult}, {_NEG0};"
+    for out, t, mult, mask_m, sh_m, mask_s, sh_s in (
+        ("$0", "t0", "$5", "0x00070007", 6, "0x00080008", 12),  # low nibbles (even inputs)
+        ("$1", "t1", "$6", "0x00070007", 6, "0x00080008", 12),
+        ("$2", "t0", "$5", "0x00700070", 2, "0x00800080", 8),   # high nibbles (odd inputs)
+        ("$3", "t1", "$6", "0x00700070", 2, "0x00800080", 8))) + "}")
+
+_FP8_ASM = ("{ .reg .b32 t0, t1, m, s;" + _SPREAD.replace("$IN", "$2") + "".join(
+    f"and.b32 m, {t}, 0x007F007F; shl.b32 m, m, 4; and.b32 s, {t}, 0x00800080; shl.b32 s, s, 8;"
+    f"or.b32 m, m, s; fma.rn.bf16x2 {out}, m, {mult}, {_NEG0};"
+    for out, t, mult in (("$0", "t0", "$3"), ("$1", "t1", "$4"))) + "}")
+
+
+def _pow2_bf16(exp_u8, bias: int):
+    """E8M0 bytes -> bfloat16 2**(byte - 127 + bias), as bits (valid while byte + bias <= 254)."""
+    bits = (exp_u8.astype(jnp.int32) + bias) << 7
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def _fp4_weights_fast(vb, sb):
+    """`_fp4_weights` for bf16 through PTX (see above): (even, odd) bf16 [tn, tk/2]."""
+    tn, half = vb.shape
+    mult = jnp.broadcast_to(_pow2_bf16(sb, 126)[:, :, None], (tn, half // 16, 16)).reshape(tn, half)
+    out = jax.ShapeDtypeStruct((tn, half), jnp.bfloat16)
+    return tuple(plt.elementwise_inline_asm(_FP4_ASM, args=[vb, mult], constraints="=r,=r,=r,=r,r,r,r", pack=4,
+                                            result_shape_dtypes=[out, out]))
+
+
+def _fp8_weights_fast(vb, sb):
+    """`_fp8_weights` for bf16 through PTX (see above): bf16 [tn, tk]."""
+    tn, tk = vb.shape
+    s = _pow2_bf16(sb, 120)
+    s = jnp.broadcast_to(s[:, None, :], (tn // SCALE_BLOCK, SCALE_BLOCK, tk // SCALE_BLOCK)).reshape(tn, tk // SCALE_BLOCK)
+    mult = jnp.broadcast_to(s[:, :, None], (tn, tk // SCALE_BLOCK, SCALE_BLOCK)).reshape(tn, tk)
+    (w,) = plt.elementwise_inline_asm(_FP8_ASM, args=[vb, mult], constraints="=r,=r,r,r,r", pack=4,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct((tn, tk), jnp.bfloat16)])
+    return w
+
+
+def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, n_w: int, tm: int, tk: int, tn: int, k: int, n: int,
+            fast: bool, precision):
+    """One program: row tile t x output tile j of weight j // (n / tn) (n_w weights share x and the tiles)."""
+    x_refs, w_refs, o_ref = refs[:-1 - 2 * n_w], refs[-1 - 2 * n_w:-1], refs[-1]
     t, j = pl.program_id(0), pl.program_id(1)
     g = grp_ref[t]
+    which, n0 = j // (n // tn), (j % (n // tn)) * tn
 
-    @pl.when(g >= 0)
-    def _():
+    def body(wv_ref, ws_ref):
         r0 = row0_ref[t]
         rows_ok = (r0 + jnp.arange(tm)) < end_ref[t]
-        n0 = j * tn
         dt = x_refs[0].dtype
 
         def step(i, acc):
@@ -104,12 +162,12 @@ def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, tm: int, tk: int, tn: i
                 kb = i * (tk // 2)
                 vb = wv_ref[g, pl.ds(n0, tn), pl.ds(kb, tk // 2)]
                 sb = ws_ref[g, pl.ds(n0, tn), pl.ds(i * (tk // SCALE_BLOCK), tk // SCALE_BLOCK)]
-                parts = zip(x_refs, _fp4_weights(vb, sb, dt))
+                parts = zip(x_refs, _fp4_weights_fast(vb, sb) if fast else _fp4_weights(vb, sb, dt))
                 cols = pl.ds(kb, tk // 2)
             else:
                 vb = wv_ref[pl.ds(n0, tn), pl.ds(i * tk, tk)]
                 sb = ws_ref[pl.ds(n0 // SCALE_BLOCK, tn // SCALE_BLOCK), pl.ds(i * (tk // SCALE_BLOCK), tk // SCALE_BLOCK)]
-                parts = [(x_refs[0], _fp8_weights(vb, sb, dt))]
+                parts = [(x_refs[0], _fp8_weights_fast(vb, sb) if fast else _fp8_weights(vb, sb, dt))]
                 cols = pl.ds(i * tk, tk)
             for x_ref, w in parts:
                 xs = plt.load(x_ref.at[pl.ds(r0, tm), cols], mask=rows_ok[:, None], other=0)
@@ -118,47 +176,65 @@ def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, tm: int, tk: int, tn: i
             return acc
 
         acc = jax.lax.fori_loop(0, k // tk, step, jnp.zeros((tm, tn), jnp.float32))
-        plt.store(o_ref.at[pl.ds(r0, tm), pl.ds(n0, tn)], acc, mask=rows_ok[:, None])
+        plt.store(o_ref.at[pl.ds(r0, tm), pl.ds(which * n + n0, tn)], acc, mask=rows_ok[:, None])
+
+    for i in range(n_w):
+        pl.when((g >= 0) & (which == i))(functools.partial(body, w_refs[2 * i], w_refs[2 * i + 1]))
 
 
-def _call(fmt, x_parts, wv, ws, sizes_g, k, n, tiles, num_warps, num_stages, interpret):
+def _call(fmt, x_parts, weights, sizes_g, k, n, tiles, num_warps, num_stages, fast_decode, interpret):
+    """[f32 [M, N] per (values, scales) in `weights`], all read with the same rows and tile map."""
     m = x_parts[0].shape[0]
     tm, tk, tn = tiles
     grp, row0, end = tile_map(sizes_g, m, tm)
     # every tile's rows [row0, row0 + tm) stay inside the arrays (a masked tail, no clamped slices)
     x_parts = [jnp.pad(x, ((0, tm), (0, 0))) for x in x_parts]
-    precision = jax.lax.Precision.HIGHEST if x_parts[0].dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, fmt=fmt, tm=tm, tk=tk, tn=tn, k=k, precision=precision)
+    dt = x_parts[0].dtype
+    precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
+    n_w = len(weights)
+    kernel = functools.partial(_kernel, fmt=fmt, n_w=n_w, tm=tm, tk=tk, tn=tn, k=k, n=n,
+                               fast=fast_decode and dt == jnp.bfloat16 and not interpret, precision=precision)
     y = pl.pallas_call(
-        kernel, grid=(grp.shape[0], n // tn), out_shape=jax.ShapeDtypeStruct((m + tm, n), jnp.float32),
+        kernel, grid=(grp.shape[0], n_w * (n // tn)), out_shape=jax.ShapeDtypeStruct((m + tm, n_w * n), jnp.float32),
         interpret=interpret, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"grouped_matmul_{fmt}",
-    )(grp, row0, end, *x_parts, wv, ws)
+    )(grp, row0, end, *x_parts, *[a for w in weights for a in w])
     # rows no tile writes (past sum(sizes)) are uninitialized in the kernel's output
-    return jnp.where((jnp.arange(m) < jnp.sum(sizes_g))[:, None], y[:m], 0.0)
+    y = jnp.where((jnp.arange(m) < jnp.sum(sizes_g))[:, None], y[:m], 0.0)
+    return [y[:, i * n:(i + 1) * n] for i in range(n_w)]
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "num_warps", "num_stages", "interpret"))
-def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, sizes_g: jax.Array, *,
-                       tiles: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 3,
-                       interpret: bool = False) -> jax.Array:
-    """y f32 [M, N]: rows of x [M, K] (bf16 or f32, sorted by group) times their expert's FP4 weight.
+_STATIC = ("tiles", "num_warps", "num_stages", "fast_decode", "interpret")
 
-    values uint8 [G, N, K/2], scales uint8 [G, N, K/32] (E8M0), sizes_g int [G]; rows past
-    sum(sizes) are zero.
-    """
-    g, n, half = values.shape
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def grouped_matmuls_fp4(x_mk: jax.Array, weights, sizes_g: jax.Array, *, tiles: tuple[int, int, int] | None = None,
+                        num_warps: int = 4, num_stages: int = 3, fast_decode: bool = True,
+                        interpret: bool = False) -> list[jax.Array]:
+    """[y f32 [M, N] per weight]: rows of x [M, K] (bf16 or f32, sorted by group) times their expert's FP4
+    weight, for each (values uint8 [G, N, K/2], scales uint8 [G, N, K/32] E8M0) in `weights` (same shapes;
+    one launch and one tile map for all, e.g. w1 and w3). sizes_g int [G]; rows past sum(sizes) are zero.
+    fast_decode: the PTX decode for bf16 x (see above; False: the f32 decode, for comparison)."""
+    g, n, half = weights[0][0].shape
     k = 2 * half
-    if x_mk.shape[1] != k or scales.shape != (g, n, k // SCALE_BLOCK):
-        raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
+    for values, scales in weights:
+        if x_mk.shape[1] != k or values.shape != (g, n, half) or scales.shape != (g, n, k // SCALE_BLOCK):
+            raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
     tiles = tiles or choose_tiles(x_mk.shape[0], k, n, g)
-    return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], values, scales, sizes_g, k, n, tiles, num_warps,
-                 num_stages, interpret)
+    return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), sizes_g, k, n, tiles, num_warps,
+                 num_stages, fast_decode, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "num_warps", "num_stages", "interpret"))
+def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, sizes_g: jax.Array,
+                       **kw) -> jax.Array:
+    """`grouped_matmuls_fp4` for one weight."""
+    return grouped_matmuls_fp4(x_mk, [(values, scales)], sizes_g, **kw)[0]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def fp8_matmul(x_mk: jax.Array, q_nk: jax.Array, exp: jax.Array, *, tiles: tuple[int, int, int] | None = None,
-               num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
+               num_warps: int = 4, num_stages: int = 3, fast_decode: bool = True,
+               interpret: bool = False) -> jax.Array:
     """y f32 [M, N] = x [M, K] @ W^T for W in the released FP8 block format: E4M3 bytes uint8 (or
     float8_e4m3fn) [N, K], E8M0 exponents uint8 [N/32, K/32]. N and K must be multiples of 32."""
     n, k = q_nk.shape
@@ -168,5 +244,5 @@ def fp8_matmul(x_mk: jax.Array, q_nk: jax.Array, exp: jax.Array, *, tiles: tuple
     tm, tk, tn = tiles or choose_tiles(m, k, n, 1)
     tn = max(tn, SCALE_BLOCK)  # whole scale blocks per tile
     q = jax.lax.bitcast_convert_type(q_nk, jnp.uint8) if q_nk.dtype != jnp.uint8 else q_nk
-    return _call("fp8", [x_mk], q, exp, jnp.full((1,), m, jnp.int32), k, n, (tm, tk, tn), num_warps,
-                 num_stages, interpret)
+    return _call("fp8", [x_mk], [(q, exp)], jnp.full((1,), m, jnp.int32), k, n, (tm, tk, tn), num_warps,
+                 num_stages, fast_decode, interpret)[0]

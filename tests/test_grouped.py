@@ -60,6 +60,12 @@ def test_grouped_fp4_kernel_matches_twin(case, dtype):
     for tiles in (None, (64, 32, 16)):  # the chosen tiles, and prefill-sized row tiles with several K steps
         out = gpu_grouped.grouped_matmul_fp4(x, w["values"], w["scales"], sizes, tiles=tiles, interpret=INTERPRET)
         _close(out, ref)
+    # two weights in one launch (w1 and w3): each output equals its own twin
+    w2 = _experts(seed=1)
+    outs = gpu_grouped.grouped_matmuls_fp4(x, [(w["values"], w["scales"]), (w2["values"], w2["scales"])], sizes,
+                                           interpret=INTERPRET)
+    _close(outs[0], ref)
+    _close(outs[1], grouped.grouped_matmul(x, w2, sizes))
 
 
 @pytest.mark.parametrize("m", [1, 5, 70])

@@ -1,0 +1,156 @@
+"""The weight matmuls alone at the released shapes: routed experts (packed FP4) and FP8 projections.
+
+    python -m experiments.bench_weights                      # batch 1 / 8 / 64, the chosen tiles
+    python -m experiments.bench_weights --sweep              # also tile / warp / stage / decode variants
+    python -m experiments.bench_weights --batch 64 --out w.json
+
+Each row is one op at one batch under one variant: GPU time per call of the kernel itself (from a
+`jax.profiler` trace of a jitted loop of `--reps` calls) and wall time per call of the whole loop body
+(the kernel plus its small index computations), the bytes the call must move (the stored bytes of the
+experts it was routed to, activations in and out), and that over the copy bandwidth measured in the
+same run. Every call of the loop routes its tokens to fresh random experts (the experts of one v41
+layer, 2.4 GB per matrix, are far larger than the 60 MB L2), so the bytes come from HBM. Ops:
+`w13` (w1 and w3 in one launch: [E, 2304, 5120] each), `w2` ([E, 5120, 2304]), `wq_b` (FP8
+[32768, 1024], the largest projection of a layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+import dsv41_jax as d
+from experiments.bench_decode import kernel_profile
+from experiments.bench_kernels import copy_bandwidth, random_bytes
+from kernels_pallas import gpu_grouped
+
+SWEEP = [  # (label, kernel keywords): tiles are (tm, tk, tn)
+    ("f32 decode", dict(fast_decode=False)),
+    ("tn32", dict(tiles=(16, 256, 32))),
+    ("tn128", dict(tiles=(16, 256, 128))),
+    ("tk512", dict(tiles=(16, 512, 64))),
+    ("tk512 tn128", dict(tiles=(16, 512, 128))),
+    ("stages2", dict(num_stages=2)),
+    ("stages4", dict(num_stages=4)),
+    ("warps8 tn128", dict(tiles=(16, 256, 128), num_warps=8)),
+    ("warps2 tn32", dict(tiles=(16, 256, 32), num_warps=2)),
+]
+FP8_SWEEP = [("f32 decode", dict(fast_decode=False)), ("tn128", dict(tiles=(16, 256, 128))),
+             ("tk512", dict(tiles=(16, 512, 64))), ("tn32", dict(tiles=(16, 256, 32)))]
+
+
+def expert_data(key, e: int, n: int, k: int):
+    """Random packed FP4 experts uint8 [E, N, K/2] with E8M0 scales near 2**-8 (real layers' range)."""
+    values = random_bytes(key, (e, n, k // 2))
+    scales = jax.random.randint(jax.random.fold_in(key, 1), (e, n, k // 32), 118, 124).astype(jnp.uint8)
+    return values, scales
+
+
+def routed_sizes(key, reps: int, tokens: int, e: int, top_k: int) -> jax.Array:
+    """int32 [reps, E]: rows per expert of `tokens` tokens routed to top_k distinct random experts."""
+    scores = jax.random.uniform(key, (reps, tokens, e))
+    ids = jax.lax.top_k(scores, top_k)[1]
+    return jax.vmap(lambda i: jnp.bincount(i.reshape(-1), length=e))(ids).astype(jnp.int32)
+
+
+def time_loop(call, sizes_re, x, weights, reps: int, kernel_prefix: str, profile_dir: str):
+    """(GPU us per kernel call, wall us per loop iteration) of `call(x, weights, sizes)` over the reps."""
+
+    @jax.jit
+    def loop(x, weights, sizes_re):
+        def body(acc, sizes):
+            ys = call(x, weights, sizes)
+            return acc + sum(y[0, 0] for y in ys), None
+        return jax.lax.scan(body, jnp.float32(0), sizes_re)[0]
+
+    jax.block_until_ready(loop(x, weights, sizes_re))
+    walls = []
+    for _ in range(5):
+        t = time.perf_counter()
+        jax.block_until_ready(loop(x, weights, sizes_re))
+        walls.append((time.perf_counter() - t) / reps)
+    prof = kernel_profile(lambda: jax.block_until_ready(loop(x, weights, sizes_re)), profile_dir, reps, top=50)
+    gpu = sum(r["us_per_step"] for r in prof[1:] if r["name"].startswith(kernel_prefix))
+    return gpu, 1e6 * statistics.median(walls)
+
+
+def run(batches, reps: int, sweep: bool, peak: float) -> list[dict]:
+    cfg = d.preset("v41-flash")
+    e, top_k, dim, inter = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
+    key = jax.random.key(0)
+    w1, w3 = expert_data(jax.random.fold_in(key, 1), e, inter, dim), expert_data(jax.random.fold_in(key, 3), e, inter, dim)
+    w2 = expert_data(jax.random.fold_in(key, 2), e, dim, inter)
+    n_q, k_q = cfg.n_heads * cfg.head_dim, cfg.q_lora_rank
+    fp8_ws = [(random_bytes(jax.random.fold_in(key, 10 + i), (n_q, k_q)) & 0xFE,  # no NaN codes
+               jax.random.randint(key, (n_q // 32, k_q // 32), 114, 118).astype(jnp.uint8)) for i in range(reps)]
+    per_expert = lambda n, k: n * (k // 2 + k // 32)
+    rows = []
+    variants = [("chosen", {})] + (SWEEP if sweep else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        for b in batches:
+            m = b * top_k
+            sizes = routed_sizes(jax.random.fold_in(key, b), reps, b, e, top_k)
+            hit = float(jnp.mean(jnp.sum(sizes > 0, axis=1)))
+            x_d = jax.random.normal(key, (m, dim), jnp.bfloat16)
+            x_i = jax.random.normal(key, (m, inter), jnp.bfloat16)
+            ops = [
+                ("w13", x_d, [w1, w3], 2 * hit * per_expert(inter, dim) + m * dim * 2 + 2 * m * inter * 4,
+                 lambda kw: (lambda x, ws, s: gpu_grouped.grouped_matmuls_fp4(x, ws, s, **kw))),
+                ("w2", x_i, [w2], hit * per_expert(dim, inter) + m * inter * 2 + m * dim * 4,
+                 lambda kw: (lambda x, ws, s: gpu_grouped.grouped_matmuls_fp4(x, ws, s, **kw))),
+            ]
+            for op, x, ws, moved, make in ops:
+                for label, kw in variants:
+                    gpu, wall = time_loop(make(kw), sizes, x, ws, reps, "grouped_matmul_fp4", f"{tmp}/{op}{b}{label}")
+                    rows.append(dict(op=op, batch=b, variant=label, gpu_us=gpu, wall_us=wall, bytes=moved,
+                                     experts_hit=hit, frac_peak=moved / (gpu * 1e-6) / peak))
+            # FP8: a different weight per call (reps x 33.6 MB): HBM, not L2
+            xq = jax.random.normal(key, (b, k_q), jnp.bfloat16)
+            moved = n_q * k_q + (n_q // 32) * (k_q // 32) + b * k_q * 2 + b * n_q * 4
+            for label, kw in [("chosen", {})] + (FP8_SWEEP if sweep else []):
+                @jax.jit
+                def loop(xq, fp8_ws, kw=kw):
+                    return sum(gpu_grouped.fp8_matmul(xq, q, s, **kw)[0, 0] for q, s in fp8_ws)
+                jax.block_until_ready(loop(xq, fp8_ws))
+                prof = kernel_profile(lambda: jax.block_until_ready(loop(xq, fp8_ws)), f"{tmp}/fp8{b}{label}", reps, top=50)
+                gpu = sum(r["us_per_step"] for r in prof[1:] if r["name"].startswith("grouped_matmul_fp8"))
+                rows.append(dict(op="wq_b fp8", batch=b, variant=label, gpu_us=gpu, wall_us=float("nan"),
+                                 bytes=moved, experts_hit=0, frac_peak=moved / (gpu * 1e-6) / peak))
+            for r in rows[-(len(variants) * 2 + 1 + (len(FP8_SWEEP) if sweep else 0)):]:
+                print(f"  {r['op']:9s} b{r['batch']:<3d} {r['variant']:13s} {r['gpu_us']:9.1f} us GPU "
+                      f"{r['wall_us']:9.1f} us wall {r['bytes'] / 1e6:8.1f} MB {100 * r['frac_peak']:5.1f}% of peak",
+                      flush=True)
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--reps", type=int, default=16, help="calls per timed loop, each routed to fresh experts")
+    p.add_argument("--sweep", action="store_true", help="also time the tile / decode variants")
+    p.add_argument("--copy-gb", type=float, default=4.0)
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        raise SystemExit("error: bench_weights times the GPU kernels; run it on a GPU machine")
+    peak = copy_bandwidth(args.copy_gb)
+    print(f"copy bandwidth (read+write, this run): {peak / 1e9:.0f} GB/s", flush=True)
+    rows = run(args.batch, args.reps, args.sweep, peak)
+    print("\n| op | batch | variant | GPU us | wall us/call | MB | % of copy peak |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['op']} | {r['batch']} | {r['variant']} | {r['gpu_us']:.1f} | {r['wall_us']:.1f} | "
+              f"{r['bytes'] / 1e6:.1f} | {100 * r['frac_peak']:.1f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(peak_bw=peak, rows=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
