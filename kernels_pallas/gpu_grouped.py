@@ -100,22 +100,40 @@ def _fp8_weights(vb, sb, dtype):
 FP4_FAST_MAX = 128  # E8M0 byte 128 = 2**1: 2**(1 + 126) is the largest power of two a bf16 holds
 FP8_FAST_MAX = 134  # 2**(7 + 120)
 
-_SPREAD = "prmt.b32 t0, $IN, 0, 0x4140; prmt.b32 t1, $IN, 0, 0x4342;"  # bytes 0,1 / 2,3 -> 16-bit lanes
-_NEG0 = "0x80008000"  # bf16x2 -0.0: fma(a, b, -0) = a * b, signed zeros kept
+_ASM_REGS = "{ .reg .b32 h, t0, t1, m, s, z; mov.b32 z, 0x80008000; "  # z = bf16x2 -0.0: fma(a, b, -0) = a * b
 
-_FP4_ASM = ("{ .reg .b32 t0, t1, a, b, m, s;" + _SPREAD.replace("$IN", "$4") + "".join(
-    f"and.b32 m, {t}, {mask_m}; shl.b32 m, m, {sh_m}; and.b32 s, {t}, {mask_s}; shl.b32 s, s, {sh_s};"
-    f"or.b32 m, m, s; fma.rn.bf16x2 {out}, m, {mult}, {_NEG0};"
-    for out, t, mult, mask_m, sh_m, mask_s, sh_s in (
-        ("$0", "t0", "$5", "0x00070007", 6, "0x00080008", 12),  # low nibbles (even inputs)
-        ("$1", "t1", "$6", "0x00070007", 6, "0x00080008", 12),
-        ("$2", "t0", "$5", "0x00700070", 2, "0x00800080", 8),   # high nibbles (odd inputs)
-        ("$3", "t1", "$6", "0x00700070", 2, "0x00800080", 8))) + "}")
 
-_FP8_ASM = ("{ .reg .b32 t0, t1, m, s;" + _SPREAD.replace("$IN", "$2") + "".join(
-    f"and.b32 m, {t}, 0x007F007F; shl.b32 m, m, 4; and.b32 s, {t}, 0x00800080; shl.b32 s, s, 8;"
-    f"or.b32 m, m, s; fma.rn.bf16x2 {out}, m, {mult}, {_NEG0};"
-    for out, t, mult in (("$0", "t0", "$3"), ("$1", "t1", "$4"))) + "}")
+def _bits_to_bf16x2(out: str, word: str, mult: str, mask_m: str, shift_m: int, mask_s: str, shift_s: int) -> str:
+    """PTX: out = bf16x2((word & mask_m) << shift_m | (word & mask_s) << shift_s) * mult."""
+    return (f"and.b32 m, {word}, {mask_m}; shl.b32 m, m, {shift_m}; and.b32 s, {word}, {mask_s}; "
+            f"shl.b32 s, s, {shift_s}; or.b32 m, m, s; fma.rn.bf16x2 {out}, m, {mult}, z; ")
+
+
+def _fp4_asm(nibble: str) -> str:
+    """Four packed bytes ($2) -> the four low (or high) nibbles' bf16 values times $3/$4, in the order
+    bytes (0, 2, 1, 3): the 16-bit lanes of the word and of the word >> 8 hold bytes 0, 2 and 1, 3, so no
+    byte permute is needed; `fp4_x_order` orders x's columns to match."""
+    mask_m, shift_m, mask_s, shift_s = (("0x00070007", 6, "0x00080008", 12) if nibble == "low" else
+                                        ("0x00700070", 2, "0x00800080", 8))
+    bits = lambda out, w, mult: _bits_to_bf16x2(out, w, mult, mask_m, shift_m, mask_s, shift_s)
+    return _ASM_REGS + "shr.b32 h, $2, 8; " + bits("$0", "$2", "$3") + bits("$1", "h", "$4") + "}"
+
+
+_FP4_ASM = {nib: _fp4_asm(nib) for nib in ("low", "high")}
+_FP8_ASM = (_ASM_REGS + "prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+            + _bits_to_bf16x2("$0", "t0", "$3", "0x007F007F", 4, "0x00800080", 8)
+            + _bits_to_bf16x2("$1", "t1", "$4", "0x007F007F", 4, "0x00800080", 8) + "}")
+
+
+def fp4_x_order(k: int, fast: bool) -> list[jax.Array]:
+    """Column indices of x for the two halves of a packed FP4 tile: (low nibbles, high nibbles).
+
+    Byte j of a row holds inputs 2j (low) and 2j + 1 (high). The f32 decode keeps byte order (even and
+    odd columns); the PTX decode yields bytes in the order 0, 2, 1, 3 within every 4."""
+    j = jnp.arange(k // 2)
+    if fast:
+        j = (j // 4) * 4 + jnp.array([0, 2, 1, 3])[j % 4]
+    return [2 * j, 2 * j + 1]
 
 
 def _pow2_bf16(exp_u8, bias: int):
@@ -125,12 +143,13 @@ def _pow2_bf16(exp_u8, bias: int):
 
 
 def _fp4_weights_fast(vb, sb):
-    """`_fp4_weights` for bf16 through PTX (see above): (even, odd) bf16 [tn, tk/2]."""
+    """`_fp4_weights` for bf16 through PTX (see above): (low, high nibbles) bf16 [tn, tk/2], each in the
+    order of `fp4_x_order(fast=True)`."""
     tn, half = vb.shape
     mult = jnp.broadcast_to(_pow2_bf16(sb, 126)[:, :, None], (tn, half // 16, 16)).reshape(tn, half)
-    out = jax.ShapeDtypeStruct((tn, half), jnp.bfloat16)
-    return tuple(plt.elementwise_inline_asm(_FP4_ASM, args=[vb, mult], constraints="=r,=r,=r,=r,r,r,r", pack=4,
-                                            result_shape_dtypes=[out, out]))
+    out = [jax.ShapeDtypeStruct((tn, half), jnp.bfloat16)]
+    return tuple(plt.elementwise_inline_asm(_FP4_ASM[nib], args=[vb, mult], constraints="=r,=r,r,r,r", pack=4,
+                                            result_shape_dtypes=out)[0] for nib in ("low", "high"))
 
 
 def _fp8_weights_fast(vb, sb):
@@ -182,7 +201,7 @@ def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, n_w: int, tm: int, tk: 
         pl.when((g >= 0) & (which == i))(functools.partial(body, w_refs[2 * i], w_refs[2 * i + 1]))
 
 
-def _call(fmt, x_parts, weights, sizes_g, k, n, tiles, num_warps, num_stages, fast_decode, interpret):
+def _call(fmt, x_parts, weights, sizes_g, k, n, tiles, num_warps, num_stages, fast, interpret):
     """[f32 [M, N] per (values, scales) in `weights`], all read with the same rows and tile map."""
     m = x_parts[0].shape[0]
     tm, tk, tn = tiles
@@ -193,7 +212,7 @@ def _call(fmt, x_parts, weights, sizes_g, k, n, tiles, num_warps, num_stages, fa
     precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
     n_w = len(weights)
     kernel = functools.partial(_kernel, fmt=fmt, n_w=n_w, tm=tm, tk=tk, tn=tn, k=k, n=n,
-                               fast=fast_decode and dt == jnp.bfloat16 and not interpret, precision=precision)
+                               fast=fast, precision=precision)
     y = pl.pallas_call(
         kernel, grid=(grp.shape[0], n_w * (n // tn)), out_shape=jax.ShapeDtypeStruct((m + tm, n_w * n), jnp.float32),
         interpret=interpret, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -221,8 +240,9 @@ def grouped_matmuls_fp4(x_mk: jax.Array, weights, sizes_g: jax.Array, *, tiles: 
         if x_mk.shape[1] != k or values.shape != (g, n, half) or scales.shape != (g, n, k // SCALE_BLOCK):
             raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
     tiles = tiles or choose_tiles(x_mk.shape[0], k, n, g)
-    return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), sizes_g, k, n, tiles, num_warps,
-                 num_stages, fast_decode, interpret)
+    fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
+    return _call("fp4", [x_mk[:, cols] for cols in fp4_x_order(k, fast)], list(weights), sizes_g, k, n, tiles,
+                 num_warps, num_stages, fast, interpret)
 
 
 def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, sizes_g: jax.Array,
@@ -244,5 +264,6 @@ def fp8_matmul(x_mk: jax.Array, q_nk: jax.Array, exp: jax.Array, *, tiles: tuple
     tm, tk, tn = tiles or choose_tiles(m, k, n, 1)
     tn = max(tn, SCALE_BLOCK)  # whole scale blocks per tile
     q = jax.lax.bitcast_convert_type(q_nk, jnp.uint8) if q_nk.dtype != jnp.uint8 else q_nk
+    fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
     return _call("fp8", [x_mk], [(q, exp)], jnp.full((1,), m, jnp.int32), k, n, (tm, tk, tn), num_warps,
-                 num_stages, fast_decode, interpret)[0]
+                 num_stages, fast, interpret)[0]

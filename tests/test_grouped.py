@@ -68,11 +68,12 @@ def test_grouped_fp4_kernel_matches_twin(case, dtype):
     _close(outs[1], grouped.grouped_matmul(x, w2, sizes))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])  # bf16: the PTX decode on a GPU
 @pytest.mark.parametrize("m", [1, 5, 70])
-def test_fp8_matmul_kernel_matches_twin(m):
+def test_fp8_matmul_kernel_matches_twin(m, dtype):
     rng = np.random.default_rng(m)
     q, s = quantize_fp8_blocks(jnp.asarray(rng.normal(size=(96, 128)).astype(np.float32)))
-    x = jnp.asarray(rng.normal(size=(m, 128)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(m, 128)), dtype)
     _close(gpu_grouped.fp8_matmul(x, q, s, interpret=INTERPRET), grouped.fp8_matmul(x, q, s))
 
 
