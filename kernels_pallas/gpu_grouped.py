@@ -100,7 +100,7 @@ def _fp8_weights(vb, sb, dtype):
 FP4_FAST_MAX = 128  # E8M0 byte 128 = 2**1: 2**(1 + 126) is the largest power of two a bf16 holds
 FP8_FAST_MAX = 134  # 2**(7 + 120)
 
-_ASM_REGS = "{ .reg .b32 h, t0, t1, m, s, z; mov.b32 z, 0x80008000; "  # z = bf16x2 -0.0: fma(a, b, -0) = a * b
+_ASM_REGS = "{ .reg .b32 t0, t1, m, s, z; mov.b32 z, 0x80008000; "  # z = bf16x2 -0.0: fma(a, b, -0) = a * b
 
 
 def _bits_to_bf16x2(out: str, word: str, mult: str, mask_m: str, shift_m: int, mask_s: str, shift_s: int) -> str:
@@ -109,31 +109,19 @@ def _bits_to_bf16x2(out: str, word: str, mult: str, mask_m: str, shift_m: int, m
             f"shl.b32 s, s, {shift_s}; or.b32 m, m, s; fma.rn.bf16x2 {out}, m, {mult}, z; ")
 
 
-def _fp4_asm(nibble: str) -> str:
-    """Four packed bytes ($2) -> the four low (or high) nibbles' bf16 values times $3/$4, in the order
-    bytes (0, 2, 1, 3): the 16-bit lanes of the word and of the word >> 8 hold bytes 0, 2 and 1, 3, so no
-    byte permute is needed; `fp4_x_order` orders x's columns to match."""
-    mask_m, shift_m, mask_s, shift_s = (("0x00070007", 6, "0x00080008", 12) if nibble == "low" else
-                                        ("0x00700070", 2, "0x00800080", 8))
-    bits = lambda out, w, mult: _bits_to_bf16x2(out, w, mult, mask_m, shift_m, mask_s, shift_s)
-    return _ASM_REGS + "shr.b32 h, $2, 8; " + bits("$0", "$2", "$3") + bits("$1", "h", "$4") + "}"
+_SPREAD = "prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "  # bytes 0, 1 / 2, 3 -> 16-bit lanes
 
 
-_FP4_ASM = {nib: _fp4_asm(nib) for nib in ("low", "high")}
-_FP8_ASM = (_ASM_REGS + "prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
-            + _bits_to_bf16x2("$0", "t0", "$3", "0x007F007F", 4, "0x00800080", 8)
-            + _bits_to_bf16x2("$1", "t1", "$4", "0x007F007F", 4, "0x00800080", 8) + "}")
+def _decode_asm(mask_m: str, shift_m: int, mask_s: str, shift_s: int) -> str:
+    """PTX for four bytes ($2) -> four bf16 ($0, $1 as bf16x2) times $3/$4. Elementwise: output i comes
+    from byte i only (Triton may group any four elements of a thread into one call)."""
+    return (_ASM_REGS + _SPREAD + _bits_to_bf16x2("$0", "t0", "$3", mask_m, shift_m, mask_s, shift_s)
+            + _bits_to_bf16x2("$1", "t1", "$4", mask_m, shift_m, mask_s, shift_s) + "}")
 
 
-def fp4_x_order(k: int, fast: bool) -> list[jax.Array]:
-    """Column indices of x for the two halves of a packed FP4 tile: (low nibbles, high nibbles).
-
-    Byte j of a row holds inputs 2j (low) and 2j + 1 (high). The f32 decode keeps byte order (even and
-    odd columns); the PTX decode yields bytes in the order 0, 2, 1, 3 within every 4."""
-    j = jnp.arange(k // 2)
-    if fast:
-        j = (j // 4) * 4 + jnp.array([0, 2, 1, 3])[j % 4]
-    return [2 * j, 2 * j + 1]
+_FP4_ASM = {"low": _decode_asm("0x00070007", 6, "0x00080008", 12),  # E2M1 code in bits 0..3
+            "high": _decode_asm("0x00700070", 2, "0x00800080", 8)}  # in bits 4..7
+_FP8_ASM = _decode_asm("0x007F007F", 4, "0x00800080", 8)  # E4M3: sign bit 7 -> 15, bits 0..6 -> 4..10
 
 
 def _pow2_bf16(exp_u8, bias: int):
@@ -143,8 +131,7 @@ def _pow2_bf16(exp_u8, bias: int):
 
 
 def _fp4_weights_fast(vb, sb):
-    """`_fp4_weights` for bf16 through PTX (see above): (low, high nibbles) bf16 [tn, tk/2], each in the
-    order of `fp4_x_order(fast=True)`."""
+    """`_fp4_weights` for bf16 through PTX (see above): (even, odd inputs) bf16 [tn, tk/2]."""
     tn, half = vb.shape
     mult = jnp.broadcast_to(_pow2_bf16(sb, 126)[:, :, None], (tn, half // 16, 16)).reshape(tn, half)
     out = [jax.ShapeDtypeStruct((tn, half), jnp.bfloat16)]
@@ -241,8 +228,8 @@ def grouped_matmuls_fp4(x_mk: jax.Array, weights, sizes_g: jax.Array, *, tiles: 
             raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
     tiles = tiles or choose_tiles(x_mk.shape[0], k, n, g)
     fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
-    return _call("fp4", [x_mk[:, cols] for cols in fp4_x_order(k, fast)], list(weights), sizes_g, k, n, tiles,
-                 num_warps, num_stages, fast, interpret)
+    return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), sizes_g, k, n, tiles, num_warps,
+                 num_stages, fast, interpret)
 
 
 def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, sizes_g: jax.Array,
