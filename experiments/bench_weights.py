@@ -41,8 +41,9 @@ SWEEP = [  # (label, kernel keywords): tiles are (tm, tk, tn)
     ("warps8 tn128", dict(tiles=(16, 256, 128), num_warps=8)),
     ("warps2 tn32", dict(tiles=(16, 256, 32), num_warps=2)),
 ]
-FP8_SWEEP = [("f32 decode", dict(fast_decode=False)), ("tn128", dict(tiles=(16, 256, 128))),
-             ("tk512", dict(tiles=(16, 512, 64))), ("tn32", dict(tiles=(16, 256, 32)))]
+FP8_SWEEP = [("f32 decode", dict(fast_decode=False)), ("tm16 tn128", dict(tiles=(16, 256, 128))),
+             ("tm16 tn64", dict(tiles=(16, 256, 64))), ("tm32 tn128", dict(tiles=(32, 256, 128))),
+             ("tm64 tn128", dict(tiles=(64, 256, 128))), ("tm16 tk512", dict(tiles=(16, 512, 64)))]
 
 
 def expert_data(key, e: int, n: int, k: int):
