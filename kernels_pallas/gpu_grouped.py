@@ -52,6 +52,17 @@ def choose_tiles(m: int, k: int, n: int, n_groups: int) -> tuple[int, int, int]:
     return tm, tk, tn
 
 
+MIN_PROGRAMS = 264  # 2 per SM of an H200: below that, K is split across programs
+
+
+def k_splits(k_steps: int, programs: int) -> int:
+    """How many programs share one output tile's K chunks: the fewest that give MIN_PROGRAMS programs
+    (a divisor of k_steps, so every split has the same trip count). A projection with few output tiles
+    (wq_a: 1024 outputs = 16 tiles of 64) otherwise streams its whole weight through 16 of 132 SMs."""
+    want = -(-MIN_PROGRAMS // max(programs, 1))
+    return next(s for s in range(1, k_steps + 1) if k_steps % s == 0 and (s >= want or s == k_steps))
+
+
 def tile_map(sizes_g: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Row tiles of the sorted rows: (group int32 [T] (-1: no tile), first row [T], end row [T]).
 
@@ -157,10 +168,12 @@ def _fp8_weights_fast(vb, sb):
 
 
 def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, n_w: int, tm: int, tk: int, tn: int, k: int, n: int,
-            fast: bool, precision):
-    """One program: row tile t x output tile j of weight j // (n / tn) (n_w weights share x and the tiles)."""
+            splits: int, fast: bool, precision):
+    """One program: row tile t x output tile j of weight j // (n / tn) (n_w weights share x and the tiles)
+    x K split s: its partial sum over K chunks [s, s + 1) * K / splits goes to o[s]."""
     x_refs, w_refs, o_ref = refs[:-1 - 2 * n_w], refs[-1 - 2 * n_w:-1], refs[-1]
-    t, j = pl.program_id(0), pl.program_id(1)
+    t, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    steps = k // tk // splits
     g = grp_ref[t]
     which, n0 = j // (n // tn), (j % (n // tn)) * tn
 
@@ -170,6 +183,7 @@ def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, n_w: int, tm: int, tk: 
         dt = x_refs[0].dtype
 
         def step(i, acc):
+            i = split * steps + i
             if fmt == "fp4":
                 kb = i * (tk // 2)
                 vb = wv_ref[g, pl.ds(n0, tn), pl.ds(kb, tk // 2)]
@@ -187,8 +201,8 @@ def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, n_w: int, tm: int, tk: 
                                            preferred_element_type=jnp.float32)
             return acc
 
-        acc = jax.lax.fori_loop(0, k // tk, step, jnp.zeros((tm, tn), jnp.float32))
-        plt.store(o_ref.at[pl.ds(r0, tm), pl.ds(which * n + n0, tn)], acc, mask=rows_ok[:, None])
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((tm, tn), jnp.float32))
+        plt.store(o_ref.at[split, pl.ds(r0, tm), pl.ds(which * n + n0, tn)], acc, mask=rows_ok[:, None])
 
     for i in range(n_w):
         pl.when((g >= 0) & (which == i))(functools.partial(body, w_refs[2 * i], w_refs[2 * i + 1]))
@@ -204,15 +218,18 @@ def _call(fmt, x_parts, weights, sizes_g, k, n, tiles, num_warps, num_stages, fa
     dt = x_parts[0].dtype
     precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
     n_w = len(weights)
-    kernel = functools.partial(_kernel, fmt=fmt, n_w=n_w, tm=tm, tk=tk, tn=tn, k=k, n=n,
+    busy_tiles = min(sizes_g.shape[0], m) if sizes_g.shape[0] > 1 else -(-m // tm)
+    splits = k_splits(k // tk, busy_tiles * n_w * (n // tn))
+    kernel = functools.partial(_kernel, fmt=fmt, n_w=n_w, tm=tm, tk=tk, tn=tn, k=k, n=n, splits=splits,
                                fast=fast, precision=precision)
     y = pl.pallas_call(
-        kernel, grid=(grp.shape[0], n_w * (n // tn)), out_shape=jax.ShapeDtypeStruct((m + tm, n_w * n), jnp.float32),
+        kernel, grid=(grp.shape[0], n_w * (n // tn), splits),
+        out_shape=jax.ShapeDtypeStruct((splits, m + tm, n_w * n), jnp.float32),
         interpret=interpret, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"grouped_matmul_{fmt}",
     )(grp, row0, end, *x_parts, *[a for w in weights for a in w])
     # rows no tile writes (past sum(sizes)) are uninitialized in the kernel's output
-    y = jnp.where((jnp.arange(m) < jnp.sum(sizes_g))[:, None], y[:m], 0.0)
+    y = jnp.where((jnp.arange(m) < jnp.sum(sizes_g))[:, None], jnp.sum(y[:, :m], axis=0), 0.0)
     return [y[:, i * n:(i + 1) * n] for i in range(n_w)]
 
 

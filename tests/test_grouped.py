@@ -74,7 +74,11 @@ def test_fp8_matmul_kernel_matches_twin(m, dtype):
     rng = np.random.default_rng(m)
     q, s = quantize_fp8_blocks(jnp.asarray(rng.normal(size=(96, 128)).astype(np.float32)))
     x = jnp.asarray(rng.normal(size=(m, 128)), dtype)
-    _close(gpu_grouped.fp8_matmul(x, q, s, interpret=INTERPRET), grouped.fp8_matmul(x, q, s))
+    ref = grouped.fp8_matmul(x, q, s)
+    _close(gpu_grouped.fp8_matmul(x, q, s, interpret=INTERPRET), ref)
+    # four K chunks: few output tiles, so K is split over 4 programs per tile and summed after
+    assert gpu_grouped.k_splits(4, 3) == 4
+    _close(gpu_grouped.fp8_matmul(x, q, s, tiles=(16, 32, 32), interpret=INTERPRET), ref)
 
 
 def test_tile_map_covers_every_row_once():
