@@ -87,3 +87,29 @@ def test_a_dead_master_is_a_quick_miss(master):
         master.start()  # a client leaves a live master in ~2 s, a dead one in ~11 s
     finally:
         pool.close()
+
+
+@needs_mooncake
+def test_a_slow_store_is_a_miss(master):
+    pool = MooncakePool(master.url, "fp", ttl_s=60, segment_bytes=SEGMENT, timeout_s=0.2, retry_s=60)
+    real = pool.store
+
+    class Slow:  # the client answers, but after the deadline
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def get(self, name):
+            time.sleep(0.6)
+            return real.get(name)
+
+    try:
+        assert pool.put("k", ARRAYS)
+        pool.store = Slow()
+        t0 = time.perf_counter()
+        assert pool.get("k") is None and pool.get("k") is None
+        assert time.perf_counter() - t0 < 0.5  # one deadline, then the back-off
+        assert pool.stats["store_errors"] == 1 and pool.stats["skipped_store_down"] == 1
+    finally:
+        pool.store = real
+        pool.close()
+

@@ -122,6 +122,37 @@ def test_sampling_follows_the_seed(client):
     assert run(7) == a and a != b
 
 
+def test_requests_join_and_leave_without_recompiling(client, greedy):
+    """Continuous batching: requests of other prompt lengths, budgets, temperatures and stops join the
+    running batch and leave it at other steps, and nothing compiles again (after one request of each
+    prefill layer range: a prompt past the first page also runs the bounded-prefill split)."""
+    import concurrent.futures
+
+    import jax
+
+    def run(prompt: str, n: int, **kw):
+        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, stream=True, **kw)
+        return [i for c in chunks for i in c.choices[0].token_ids]
+
+    long = PROMPT * 3  # 135 bytes: two pages of 64
+    assert len(run(long, 4, temperature=0, extra_body=EXACT)) == 4  # may compile its prefill split once
+    compiles = []
+    listener = lambda name, *_, **__: compiles.append(name) if name.endswith("backend_compile_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jobs = [(PROMPT, 20, dict(temperature=0, extra_body=EXACT)),
+                (long, 7, dict(temperature=1.0, seed=3, extra_body=EXACT)),
+                (PROMPT[:9], 13, dict(temperature=0.5, seed=4, stop=["zz"], extra_body=EXACT)),
+                (long[:70], 3, dict(temperature=0, extra_body={"stop_token_ids": [1, 2, 3], **EXACT}))]
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:  # 2 in slots, 2 waiting for one
+            outs = list(pool.map(lambda j: run(*j[:2], **j[2]), jobs))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert outs[0] == greedy.choices[0].token_ids[:20]  # joined with others: still the greedy tokens
+    assert len(outs[1]) == 7 and 1 <= len(outs[2]) <= 13 and 1 <= len(outs[3]) <= 3  # budgets, or a stop
+    assert compiles == []
+
+
 def test_bad_requests_are_400_while_another_request_streams(server, client):
     stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=100, temperature=0, stream=True,
                                        extra_body=EXACT)

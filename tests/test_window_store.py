@@ -59,6 +59,16 @@ def test_a_dead_store_is_a_quick_miss(store):
     assert pool.stats["skipped_store_down"] == 2
 
 
+def test_a_slow_store_is_a_miss(store):
+    pool = RedisPool(store.url, "fp", ttl_s=60, timeout_s=0.2, retry_s=60)
+    assert pool.put("k", ARRAYS)
+    store.client.execute_command("CLIENT", "PAUSE", "1500", "ALL")  # the server holds every command for 1.5 s
+    t0 = time.perf_counter()
+    assert pool.get("k") is None and pool.get("k") is None
+    assert time.perf_counter() - t0 < 1 and pool.stats["store_errors"] == 1  # one timeout, then the back-off
+    assert pool.stats["miss_store_down"] == 2
+
+
 PT, CAP, NEW = 32, 160, 12
 PROMPT = np.random.default_rng(1).integers(0, 320, 90)  # 2 full pages before the last token
 
