@@ -17,7 +17,7 @@ import pytest
 
 from dsv41_jax.serving.text import TextStream, load_chat_template, render_chat
 from dsv41_jax.textio import ByteTokenizer
-from experiments import decode, load_test, serve
+from experiments import decode, load_test, serve, serve_bench
 from tests.http_server import serving
 
 PROMPT = "The quick brown fox jumps over the lazy dog. "
@@ -241,6 +241,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     cases = ((["--checkpoint", tmp_path / "missing"], f"error: --checkpoint {tmp_path / 'missing'}: no such directory"),
              (["--capacity", "100000"], "error: --capacity 100000: exceeds the model's max_seq_len of 4096"),
              (["--window-store", "redis://x"], "error: --window-store: needs --cache-dir"),
+             (["--window-store", "memcached://h:1", "--cache-dir", tmp_path],
+              "error: --window-store 'memcached://h:1': unknown window store; give redis://"),
+             (["--window-store", "mooncake://h", "--cache-dir", tmp_path],
+              "error: --window-store 'mooncake://h': a Mooncake Store URL is mooncake://MASTER_HOST:RPC_PORT"),
              (["--cache-dir", tmp_path / "f.txt", "--port", "1"], f"error: --cache-dir {tmp_path / 'f.txt'}: not "
                                                                    "writable (it is a file"))
     (tmp_path / "f.txt").write_text("x")
@@ -249,6 +253,15 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
             serve.main([str(a) for a in argv])
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 1 and len(err) == 1 and err[0].startswith(message), err
+
+
+def test_serve_bench_reports_a_server_that_does_not_start(tmp_path):
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit, match="the server exited with status 1"):
+        serve_bench.main(["--out", str(out), "--serve-arg=--capacity=100000"])
+    report = json.loads(out.read_text())
+    assert "error: --capacity 100000: exceeds the model's max_seq_len" in report["server_log_tail"]
+    assert report["load_test"] is None and (tmp_path / "r.log").is_file()
 
 
 def test_load_test_against_the_server(server):
