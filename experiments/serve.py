@@ -4,6 +4,7 @@
     python -m experiments.serve --preset small --slots 8 --capacity 2048 --cache-dir /tmp/kv
     python -m experiments.serve --checkpoint DIR --port 8000 --max-queue 256
     python -m experiments.serve --cache-dir /shared/kv --window-store redis://storehost:6379/0   # one of several
+    python -m experiments.serve --cache-dir /shared/kv --window-store mooncake://storehost:50051  # (Mooncake Store)
 
     curl localhost:8000/v1/completions -H 'content-type: application/json' \\
          -d '{"model": "tiny", "prompt": "Hello", "max_tokens": 16, "temperature": 0}'
@@ -56,9 +57,10 @@ def parse_args(argv=None):
     eng.add_argument("--host-pool-gb", type=float, help="window pool size (default: 10%% of host memory)")
     eng.add_argument("--host-ttl-s", type=float, default=300.0)
     eng.add_argument("--window-store", help="keep the window pool in this Redis / Valkey server (redis://host:port/db "
-                     "or unix:///path.sock) instead of in this process, shared by every server of the same weights "
-                     "and --cache-dir: a prefix one served is an exact restore on another; a store that is down is a "
-                     "miss (bounded replay)")
+                     "or unix:///path.sock) or Mooncake Store (mooncake://master_host:port; this server adds "
+                     "--host-pool-gb of its memory to it) instead of in this process, shared by every server of the "
+                     "same weights and --cache-dir: a prefix one served is an exact restore on another; a store that "
+                     "is down is a miss (bounded replay)")
     eng.add_argument("--no-prefix-reuse", action="store_true", help="never read the tiers (cold every time)")
     eng.add_argument("--no-bounded-replay", "--no-replay", dest="no_replay", action="store_true",
                      help="on a disk hit without window state recompute the whole prompt (exact, slower)")
@@ -79,6 +81,7 @@ def build_server(args):
     from dsv41_jax.serving import Engine
     from dsv41_jax.serving.http import Server
     from dsv41_jax.serving.text import load_chat_template
+    from dsv41_jax.tiers.window_store import check_url
 
     cfg = model_config(args)
     tok = tokenizer(args, cfg)
@@ -88,6 +91,11 @@ def build_server(args):
     if args.window_store and not args.cache_dir:
         raise _cli.UserError("--window-store: needs --cache-dir (the window pool holds the state at prefixes whose "
                              "pages are on disk)")
+    if args.window_store:
+        try:
+            check_url(args.window_store)
+        except ValueError as e:
+            raise _cli.UserError(f"--window-store {e}") from None
     ecfg = dataclasses.replace(ecfg, slots=None if args.hbm_budget_gb else args.slots, decode_chunk=args.decode_chunk,
                                window_store=args.window_store)
     try:
@@ -100,7 +108,13 @@ def build_server(args):
     if params is None:
         params = d.init_params(cfg, seed=args.seed)
     name = args.model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint else args.preset)
-    return Server(Engine(cfg, params, ecfg), tok, name, args.max_queue, template)
+    try:
+        engine = Engine(cfg, params, ecfg)
+    except (ImportError, ConnectionError) as e:  # the window store's client is missing, or its store unreachable
+        if not args.window_store:
+            raise
+        raise _cli.UserError(f"--window-store {e}") from None
+    return Server(engine, tok, name, args.max_queue, template)
 
 
 @_cli.entry_point

@@ -28,7 +28,7 @@ def test_constraints_pin_every_dependency_within_its_range():
             name, version = line.split("==")
             pins[name.lower().replace("_", "-")] = version.strip()
     extras = PROJECT["project"]["optional-dependencies"]
-    deps = PROJECT["project"]["dependencies"] + extras["dev"] + extras["serve"]
+    deps = PROJECT["project"]["dependencies"] + extras["dev"] + extras["serve"] + extras["mooncake"]
     for dep in map(Requirement, deps):
         name = dep.name.lower().replace("_", "-")
         if name == PROJECT["project"]["name"].lower().replace("_", "-"):  # dev's "dsv41_jax[serve]": checked above

@@ -17,7 +17,7 @@ import pytest
 
 from dsv41_jax.serving.text import TextStream, load_chat_template, render_chat
 from dsv41_jax.textio import ByteTokenizer
-from experiments import decode, load_test, serve
+from experiments import decode, load_test, serve, serve_bench
 from tests.http_server import serving
 
 PROMPT = "The quick brown fox jumps over the lazy dog. "
@@ -122,6 +122,37 @@ def test_sampling_follows_the_seed(client):
     assert run(7) == a and a != b
 
 
+def test_requests_join_and_leave_without_recompiling(client, greedy):
+    """Continuous batching: requests of other prompt lengths, budgets, temperatures and stops join the
+    running batch and leave it at other steps, and nothing compiles again (after one request of each
+    prefill layer range: a prompt past the first page also runs the bounded-prefill split)."""
+    import concurrent.futures
+
+    import jax
+
+    def run(prompt: str, n: int, **kw):
+        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, stream=True, **kw)
+        return [i for c in chunks for i in c.choices[0].token_ids]
+
+    long = PROMPT * 3  # 135 bytes: two pages of 64
+    assert len(run(long, 4, temperature=0, extra_body=EXACT)) == 4  # may compile its prefill split once
+    compiles = []
+    listener = lambda name, *_, **__: compiles.append(name) if name.endswith("backend_compile_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jobs = [(PROMPT, 20, dict(temperature=0, extra_body=EXACT)),
+                (long, 7, dict(temperature=1.0, seed=3, extra_body=EXACT)),
+                (PROMPT[:9], 13, dict(temperature=0.5, seed=4, stop=["zz"], extra_body=EXACT)),
+                (long[:70], 3, dict(temperature=0, extra_body={"stop_token_ids": [1, 2, 3], **EXACT}))]
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:  # 2 in slots, 2 waiting for one
+            outs = list(pool.map(lambda j: run(*j[:2], **j[2]), jobs))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert outs[0] == greedy.choices[0].token_ids[:20]  # joined with others: still the greedy tokens
+    assert len(outs[1]) == 7 and 1 <= len(outs[2]) <= 13 and 1 <= len(outs[3]) <= 3  # budgets, or a stop
+    assert compiles == []
+
+
 def test_bad_requests_are_400_while_another_request_streams(server, client):
     stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=100, temperature=0, stream=True,
                                        extra_body=EXACT)
@@ -210,6 +241,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     cases = ((["--checkpoint", tmp_path / "missing"], f"error: --checkpoint {tmp_path / 'missing'}: no such directory"),
              (["--capacity", "100000"], "error: --capacity 100000: exceeds the model's max_seq_len of 4096"),
              (["--window-store", "redis://x"], "error: --window-store: needs --cache-dir"),
+             (["--window-store", "memcached://h:1", "--cache-dir", tmp_path],
+              "error: --window-store 'memcached://h:1': unknown window store; give redis://"),
+             (["--window-store", "mooncake://h", "--cache-dir", tmp_path],
+              "error: --window-store 'mooncake://h': a Mooncake Store URL is mooncake://MASTER_HOST:RPC_PORT"),
              (["--cache-dir", tmp_path / "f.txt", "--port", "1"], f"error: --cache-dir {tmp_path / 'f.txt'}: not "
                                                                    "writable (it is a file"))
     (tmp_path / "f.txt").write_text("x")
@@ -218,6 +253,15 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
             serve.main([str(a) for a in argv])
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 1 and len(err) == 1 and err[0].startswith(message), err
+
+
+def test_serve_bench_reports_a_server_that_does_not_start(tmp_path):
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit, match="the server exited with status 1"):
+        serve_bench.main(["--out", str(out), "--serve-arg=--capacity=100000"])
+    report = json.loads(out.read_text())
+    assert "error: --capacity 100000: exceeds the model's max_seq_len" in report["server_log_tail"]
+    assert report["load_test"] is None and (tmp_path / "r.log").is_file()
 
 
 def test_load_test_against_the_server(server):

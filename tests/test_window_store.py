@@ -1,61 +1,32 @@
 """The window pool in Redis: entries round-trip with the disk pages' checksum discipline, a damaged or
 foreign entry and a dead store are misses, and two engines (and two HTTP servers) sharing one store and
 one cache directory restore each other's prefixes exactly (the cold run's greedy tokens) until the store
-dies, after which they fall back to bounded replay without an error.
+dies, after which they fall back to bounded replay without an error (two server *processes*:
+tests/test_two_servers.py).
 
 Each test starts its own `redis-server` on a Unix socket in a fresh temporary directory (no port, no
-other user's data) and stops it; `.ci/run` installs the Debian package.
+other user's data) and stops it (tests/stores.py); `.ci/run` installs the Debian package.
 """
 
-import os
-import shutil
-import subprocess
-import tempfile
 import time
 
 import numpy as np
+import openai
 import pytest
 
 import dsv41_jax as d
 from dsv41_jax.serving import Engine, EngineConfig, Request
 from dsv41_jax.tiers import RedisPool
+from tests.stores import RedisStore, skip_reason
 
-redis = pytest.importorskip("redis", reason="the redis client comes with the [serve] extra")
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                reason="redis-server is not installed: apt-get install redis-server (.ci/run does)")
-
-
-class Store:
-    def __init__(self):
-        # a short directory of its own: a Unix socket path must fit in 107 bytes, which pytest's may not
-        self.dir = tempfile.mkdtemp(prefix="dsv41-redis-")
-        self.sock = os.path.join(self.dir, "redis.sock")
-        self.url = f"unix://{self.sock}"
-        self.proc = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", self.sock, "--unixsocketperm",
-                                      "700", "--save", "", "--appendonly", "no", "--maxmemory", "64mb",
-                                      "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL)
-        client, deadline = redis.Redis.from_url(self.url), time.time() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.RedisError:
-                assert time.time() < deadline and self.proc.poll() is None, "redis-server did not start"
-                time.sleep(0.05)
-        self.client = client
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(10)
+pytestmark = pytest.mark.skipif(skip_reason("redis") is not None, reason=str(skip_reason("redis")))
 
 
 @pytest.fixture
 def store():
-    s = Store()
+    s = RedisStore()
     yield s
-    if s.proc.poll() is None:
-        s.stop()
-    shutil.rmtree(s.dir, ignore_errors=True)
+    s.close()
 
 
 ARRAYS = {"window.values": np.arange(96, dtype=np.uint8).reshape(2, 3, 16), "window_start": np.array([7], np.int32)}
@@ -86,6 +57,16 @@ def test_a_dead_store_is_a_quick_miss(store):
     assert pool.get("k") is None and not pool.put("k", ARRAYS) and pool.get("k") is None
     assert time.perf_counter() - t0 < 2 and pool.stats["store_errors"] == 1  # then it backs off
     assert pool.stats["skipped_store_down"] == 2
+
+
+def test_a_slow_store_is_a_miss(store):
+    pool = RedisPool(store.url, "fp", ttl_s=60, timeout_s=0.2, retry_s=60)
+    assert pool.put("k", ARRAYS)
+    store.client.execute_command("CLIENT", "PAUSE", "1500", "ALL")  # the server holds every command for 1.5 s
+    t0 = time.perf_counter()
+    assert pool.get("k") is None and pool.get("k") is None
+    assert time.perf_counter() - t0 < 1 and pool.stats["store_errors"] == 1  # one timeout, then the back-off
+    assert pool.stats["miss_store_down"] == 2
 
 
 PT, CAP, NEW = 32, 160, 12
@@ -127,8 +108,6 @@ def test_two_engines_share_windows_until_the_store_dies(model, cold, store, tmp_
 def test_two_http_servers_share_one_store(model, cold, store, tmp_path):
     """What a client of two servers behind one store sees: the second serves the first's prefix from the
     store (its metrics say so) with the cold run's tokens; with the store gone, a replay, no error."""
-    import openai
-
     from dsv41_jax.serving.http import Server
     from dsv41_jax.textio import ByteTokenizer
     from tests.http_server import serving
@@ -151,3 +130,5 @@ def test_two_http_servers_share_one_store(model, cold, store, tmp_path):
         store.stop()
         assert len(complete(url_b)) == NEW  # pages from disk, window replayed: no error
         assert metric(b, "dsv41_replays_total") == 1 and metric(b, "dsv41_prefix_hits_total", {"tier": "host"}) == 1
+
+

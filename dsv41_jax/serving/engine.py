@@ -38,8 +38,8 @@ prompt's last token, so the state at P is a reusable prefix:
   measured by `experiments.prefix_reuse`. States derived from a replay are never written back to
   either tier. Pages are the same bytes in either prefill mode; a host-pool entry holds its engine's
   own state (bounded or exact). The in-process pool lives and dies with the engine; with
-  `window_store` (a Redis / Valkey URL, `tiers.window_store`) engines of the same weights and settings
-  (one fingerprint) share it, so a prefix one served is an exact restore on another.
+  `window_store` (a Redis / Valkey or Mooncake Store URL, `tiers.window_store`) engines of the same weights
+  and settings (one fingerprint) share it, so a prefix one served is an exact restore on another.
 Any problem with a tier (damaged/foreign/expired page, full disk, missing directory) is a miss and a
 recompute: the tiers report misses, never raise.
 """
@@ -62,7 +62,7 @@ from dsv41_jax.compile_notice import compiling
 from dsv41_jax.plan import Mode, build_plan, encoder_depth
 from dsv41_jax.serving import slots as rows
 from dsv41_jax.sampling import sample
-from dsv41_jax.tiers import HostPool, PageStore, RedisPool, block_chain, fingerprint
+from dsv41_jax.tiers import PageStore, block_chain, fingerprint, window_pool
 from dsv41_jax.tiers.keys import weights_digest
 
 
@@ -109,7 +109,7 @@ class EngineConfig:
     retention_s: float = 72 * 3600
     host_pool_bytes: int | None = None  # None: 10% of host memory
     host_ttl_s: float = 300.0
-    window_store: str | None = None  # redis://host:port/db or unix:///socket: a window pool shared between engines
+    window_store: str | None = None  # redis://..., unix:///socket or mooncake://master: a pool shared by engines
     prefix_reuse: bool = True
     replay: bool = True  # bounded replay of the last window on a disk hit without window state
     bounded_prefill: bool = True  # decoder-side bounded prefill (see the module docstring)
@@ -168,8 +168,7 @@ class Engine:
             self.store = PageStore(ecfg.cache_dir, self.fp, ecfg.page_tokens, retention_s=ecfg.retention_s)
             # window states differ between the prefill modes: a shared pool keeps them apart
             mode = "bounded" if ecfg.bounded_prefill else "exact"
-            self.host = (RedisPool(ecfg.window_store, f"{self.fp}-{mode}", ecfg.host_ttl_s) if ecfg.window_store
-                         else HostPool(ecfg.host_pool_bytes, ecfg.host_ttl_s))
+            self.host = window_pool(ecfg.window_store, f"{self.fp}-{mode}", ecfg.host_ttl_s, ecfg.host_pool_bytes)
             self.store.gc()
         self.live: dict[int, _Live] = {}
         self.queue: list[_Live] = []

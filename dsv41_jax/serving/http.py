@@ -3,9 +3,10 @@
     app = Server(engine, tokenizer, model_name="tiny", max_queue=64).app
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streaming by server-sent events with
-"stream": true), GET /v1/models, /health and /metrics (Prometheus text format). One driver thread
-(`serving.driver`) owns the engine and batches every running request into each decode step; handlers
-only submit, read tokens and cancel.
+"stream": true), GET /v1/models, /health and /metrics (Prometheus text format: queue, running slots,
+requests by outcome, tokens, TTFT, prefix hits per tier, prefix paths, replays, window-store errors).
+One driver thread (`serving.driver`) owns the engine and batches every running request into each
+decode step; handlers only submit, read tokens and cancel.
 
 Request fields beyond OpenAI's: `stop_token_ids` (ids that end the request, checked on the device),
 `ignore_eos` (do not stop at the tokenizer's end-of-sequence id). Every choice carries `token_ids`,
@@ -101,6 +102,11 @@ class Metrics:
         self.reused = Counter("dsv41_prefix_reused_tokens", "prompt tokens restored from the tiers", registry=r)
         self.replays = Counter("dsv41_replays", "prefix hits that took bounded replay (no window state)",
                                registry=r)
+        self.paths = Counter("dsv41_prefix_paths", "admitted requests by how the state at their cached prefix was "
+                             "obtained: cold, host_restore, bounded_replay, recompute", ["path"], registry=r)
+        Gauge("dsv41_window_store_errors", "failed calls to the shared window store (each one a miss, then a "
+              "back-off)", registry=r).set_function(lambda: driver.engine.host.stats["store_errors"]
+                                                   if driver.engine.host is not None else 0)
 
     def finished(self, res: Result) -> None:
         m = res.metrics
@@ -110,6 +116,8 @@ class Metrics:
             self.prefix_hits.labels("host").inc()
         if m.get("prefix_path") == "bounded_replay":
             self.replays.inc()
+        if "prefix_path" in m:  # not for a request cancelled before it reached a slot
+            self.paths.labels(m["prefix_path"]).inc()
         self.reused.inc(m.get("reused_tokens", 0))
 
 

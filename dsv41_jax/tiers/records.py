@@ -33,9 +33,10 @@ def encode(magic: bytes, fingerprint: str, key: str, arrays: dict[str, np.ndarra
 
 
 def decode(data: bytes, magic: bytes, fingerprint: str, key: str, *, copy: bool = False, expect: dict | None = None,
-           mismatch: str = "header") -> dict[str, np.ndarray] | str:
+           mismatch: str = "header", header_out: dict | None = None) -> dict[str, np.ndarray] | str:
     """The arrays of a record (views of `data`, or writable copies with copy=True), or why the bytes are not
-    the record of `key` by `fingerprint` (`mismatch` when a header field differs from `expect`)."""
+    the record of `key` by `fingerprint` (`mismatch` when a header field differs from `expect`). A dict
+    passed as `header_out` receives the header of a record that decodes (e.g. fields the caller added)."""
     if len(data) < len(magic) + 4 + DIGEST or not data.startswith(magic):
         return "bad_magic"
     h = _h()
@@ -64,4 +65,6 @@ def decode(data: bytes, magic: bytes, fingerprint: str, key: str, *, copy: bool 
         off += n
     if off != len(data) - DIGEST:
         return "payload_size"
+    if header_out is not None:
+        header_out.update(header)
     return out
