@@ -265,6 +265,18 @@ def fixture_config(**overrides):
     return ModelConfig(**base).with_derived_engram()
 
 
+def vision_fixture_config(**overrides):
+    """The parity fixture for images: 2 backbone layers (0 window-only, 1 Full m=2), Engram on both so
+    that its image masking shows, and a 2-block vision tower (width 64, 2 heads, patch 14, 3x3
+    downsample, at most 32 tokens per image); the image placeholder is the last id."""
+    base = dict(n_layers=2, compress_ratios=(0, 2), kv_source_layers=(1,), index_source_layers=(1,),
+                candidate_source_layer=-1, engram_layer_ids=(0, 1), vision_n_layers=2, vision_dim=64,
+                vision_n_heads=2, vision_inter_dim=96, vision_max_n_token=32, vision_min_pixels=84 * 84,
+                image_token_id=383)
+    base.update(overrides)
+    return fixture_config(**base)
+
+
 def bench_config(n_layers: int = 12, engram: bool = True):
     """A multi-GB config for load benchmarks: routed experts dominate the bytes, as in the release.
     engram=False drops the Engram layers (no tokenizer needed, e.g. on a runtime without `tokenizers`)."""
