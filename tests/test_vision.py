@@ -184,3 +184,43 @@ def test_image_spans_must_cover_image_tokens():
     with pytest.raises(ValueError, match="must cover positions holding image_token_id"):
         d.prefill(cfg, None, d.init_cache(cfg, 1, 32), np.zeros((1, 16), np.int32), np.array([16]),
                   images=[[ImageSpan(0, img)]])
+
+
+def test_prefix_keys_include_the_image_content():
+    from dsv41_jax.tiers.keys import block_chain
+
+    ids = np.arange(64) % 7
+    plain = block_chain("fp", ids, 16)
+    a = block_chain("fp", ids, 16, [(20, 30, "digest-a")])
+    b = block_chain("fp", ids, 16, [(20, 30, "digest-b")])
+    assert a[0] == b[0] == plain[0]  # block 0 ends before the image
+    assert all(x != y for x, y in zip(a[1:], b[1:])) and all(x != y for x, y in zip(a[1:], plain[1:]))
+    assert block_chain("fp", ids, 16, [(20, 30, "digest-a")]) == a  # stable
+
+
+def test_engine_never_shares_pages_between_different_images(ckpt, tmp_path):
+    """Equal ids, different images: cold each time (no page, no window of the other image); the same
+    image again restores its own prefix exactly (the cold run's tokens)."""
+    from dsv41_jax.serving import Engine, EngineConfig, Request
+
+    cfg, params = _model(ckpt, quant=False)  # the fixture's 2 layers: short compiles
+    ecfg = EngineConfig(slots=1, capacity=96, prefill_chunk=64, page_tokens=16, cache_dir=str(tmp_path),
+                        progress=False, decode_chunk=4, bounded_prefill=False)
+    eng = Engine(cfg, params, ecfg)
+    rng = np.random.default_rng(3)
+    img = {k: prepare_image(Image.fromarray(rng.integers(0, 256, (84, 84, 3), dtype=np.uint8)), cfg) for k in "ab"}
+    prompt = [1, 40, cfg.image_token_id] + rng.integers(3, 250, 40).tolist()  # the span is in page 0
+    run = lambda k: eng.generate([Request(prompt, max_new_tokens=4, images=(img[k],))])[0]
+    first_a, first_b, again_a = run("a"), run("b"), run("a")
+    for r in (first_a, first_b, again_a):
+        assert r.error is None and r.metrics["image_tokens"] == img["a"].n_tokens
+    assert first_a.metrics["prefix_path"] == first_b.metrics["prefix_path"] == "cold"
+    assert first_b.metrics["disk_pages_hit"] == 0 and not first_b.metrics["host_window_hit"]
+    # the image reaches the output (here through the tokens after the first: the prompt's last position is
+    # a window past the span), so a page shared between the two would show
+    assert first_a.tokens != first_b.tokens
+    assert again_a.metrics["prefix_path"] == "host_restore" and again_a.metrics["reused_tokens"] >= 32
+    assert again_a.tokens == first_a.tokens
+    np.testing.assert_allclose(again_a.first_logits, first_a.first_logits, atol=1e-5)
+    bad = eng.generate([Request(prompt + [cfg.image_token_id], max_new_tokens=4, images=(img["a"],))])[0]
+    assert "2 image placeholder(s)" in bad.error and "1 image(s)" in bad.error
