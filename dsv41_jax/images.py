@@ -139,6 +139,9 @@ def _open_rgb(data: bytes, source: str):
     try:
         with Image.open(io.BytesIO(data)) as img:
             return img.convert("RGB")
+    except Image.UnidentifiedImageError:
+        raise ImageError(f"{source}: not a readable image (unknown format or damaged header); give a PNG, JPEG "
+                         "or another format Pillow decodes") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise ImageError(f"{source}: not a readable image ({type(e).__name__}: {e}); give a PNG, JPEG or "
                          "another format Pillow decodes") from None

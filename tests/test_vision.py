@@ -224,3 +224,25 @@ def test_engine_never_shares_pages_between_different_images(ckpt, tmp_path):
     np.testing.assert_allclose(again_a.first_logits, first_a.first_logits, atol=1e-5)
     bad = eng.generate([Request(prompt + [cfg.image_token_id], max_new_tokens=4, images=(img["a"],))])[0]
     assert "2 image placeholder(s)" in bad.error and "1 image(s)" in bad.error
+
+
+@pytest.mark.parametrize("case", ["unreadable", "too small", "aspect ratio", "placeholders"])
+def test_decode_refuses_bad_images_before_building_the_model(case, tmp_path, capsys, monkeypatch):
+    from experiments import decode
+    from tests.test_cli import fails
+
+    monkeypatch.setattr(d, "init_params", lambda *a, **k: pytest.fail("the model was built before the input was checked"))
+    paths = {"unreadable": tmp_path / "x.png", "too small": tmp_path / "s.png", "aspect ratio": tmp_path / "w.png",
+             "placeholders": tmp_path / "ok.png"}
+    paths["unreadable"].write_bytes(b"\x89PNG\r\n\x1a\n cut short")
+    Image.new("RGB", (13, 200)).save(paths["too small"])
+    Image.new("RGB", (14 * 40, 14)).save(paths["aspect ratio"])
+    Image.new("RGB", (84, 84)).save(paths["placeholders"])
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.array([1, 319, 5, 319]))  # two placeholders of tiny, one image given
+    extra = ["--prompt-ids", ids] if case == "placeholders" else []
+    want = {"unreadable": "x.png: not a readable image", "too small": "image too small (13x200 pixels)",
+            "aspect ratio": "aspect ratio out of range (560x14 pixels, 40:1): at most 31:1",
+            "placeholders": "--image: the prompt has 2 image placeholder(s) (token id 319) but 1 image(s)"}[case]
+    line = fails(decode.main, ["--image", paths[case], *extra], capsys)
+    assert want in line, (want, line)
