@@ -155,7 +155,11 @@ def prepare_image(image, cfg, source: str | None = None) -> PreparedImage:
     """
     if not cfg.vision_n_layers:
         raise ValueError("this model has no vision tower (vision_n_layers == 0): it cannot take images")
-    from PIL import Image, ImageOps
+    try:
+        from PIL import Image, ImageOps
+    except ImportError:
+        raise ImageError("reading images needs Pillow, which is not installed: pip install pillow "
+                         "(constraints.txt pins the tested version)") from None
 
     if isinstance(image, (str, Path)):
         source = source or str(image)
