@@ -12,7 +12,10 @@ every cache array. `generate` runs N decode steps in one compiled call, sampling
 device, so no host work sits between tokens.
 
 `prefill` also continues an existing cache (chunked prefill): it appends lengths[b] tokens to each
-sequence. `prefill(..., layers=plan.encoder_depth(plan))` runs only the layers up to the last kv
+sequence. Images: `images=` gives each sequence's image spans (`dsv41_jax.images.ImageSpan`, from
+`expand_prompt`; positions relative to this call's tokens): their positions take the vision tower's
+embeddings (`encode_image`). A span may be cut between calls (`prefill_chunks` does that): the tower
+sees the whole image either way, so chunked prefill equals one prefill. `prefill(..., layers=plan.encoder_depth(plan))` runs only the layers up to the last kv
 source (decoder-side bounded prefill, see `Transformer.forward`). Inputs are checked here, before XLA
 sees them, whenever they are concrete; inside a user's own `jax.jit` the checks that need values are
 skipped.
@@ -29,12 +32,13 @@ from flax import nnx
 
 from dsv41_jax.cache import Cache, cache_capacity, init_cache
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.images import EncodedSpan
 from dsv41_jax.kernels import resolve
 from dsv41_jax.model import Transformer
 from dsv41_jax.sampling import sample
 
 __all__ = ["init_params", "abstract_params", "prefill", "prefill_chunks", "decode_step", "generate", "forward",
-           "init_cache", "graphdef"]
+           "init_cache", "graphdef", "encode_image", "encode_spans"]
 
 
 def _abstract_model(cfg: ModelConfig) -> Transformer:
@@ -61,11 +65,13 @@ def abstract_params(cfg: ModelConfig) -> nnx.State:
 
 
 def forward(cfg: ModelConfig, params, cache: Cache, tokens_bt, n_new_b, *, all_logits: bool = False,
-            layers: int | None = None, kernels: str = "jnp"):
+            layers: int | None = None, kernels: str = "jnp", image_embeds_btd=None, image_mask_bt=None):
     """Traceable core: T new tokens per sequence (n_new_b real) on top of `cache`, through the first
-    `layers` blocks (None: all)."""
+    `layers` blocks (None: all). image_embeds_btd [B, T, dim] / image_mask_bt bool [B, T]: the
+    image-span rows of these tokens (see `Transformer.forward`), or None for text only."""
     model = nnx.merge(graphdef(cfg), params)
-    return model.forward(cache, tokens_bt, n_new_b, all_logits=all_logits, layers=layers, kernel_backend=kernels)
+    return model.forward(cache, tokens_bt, n_new_b, all_logits=all_logits, layers=layers, kernel_backend=kernels,
+                         image_embeds=image_embeds_btd, image_mask=image_mask_bt)
 
 
 _STATIC = ("cfg", "all_logits", "layers", "kernels")
@@ -81,6 +87,53 @@ def _concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+def _encode(cfg: ModelConfig, params, patches_nc, *, grid: tuple[int, int, int, int]):
+    return nnx.merge(graphdef(cfg), params).image_span(patches_nc, *grid)
+
+
+_encode_jit = jax.jit(_encode, static_argnames=("cfg", "grid"))
+
+
+def encode_image(cfg: ModelConfig, params, image) -> jax.Array:
+    """The embeddings [n_tokens, dim] (activation dtype) of a `PreparedImage`'s prompt span: the vision
+    tower on its patches, then the span layout (dsv41_jax.vision). One compile per patch grid."""
+    if not cfg.vision_n_layers:
+        raise ValueError("this model has no vision tower (vision_n_layers == 0): it cannot take images")
+    grid = (image.n_vit_h, image.n_vit_w, image.n_llm_h, image.n_llm_w)
+    return _encode_jit(cfg, params, jnp.asarray(image.patches.astype(np.float32)), grid=grid)
+
+
+def encode_spans(cfg: ModelConfig, params, spans) -> list[EncodedSpan]:
+    """Each `ImageSpan` with its embeddings on the host (f32), for prefilling it in several calls."""
+    return [EncodedSpan(s.start, np.asarray(encode_image(cfg, params, s.image), np.float32)) for s in spans]
+
+
+def _image_rows(cfg: ModelConfig, params, images, tokens_bt, lengths_b):
+    """(image_embeds f32 [B, T, dim], image_mask bool [B, T]) of `images` (per sequence a list of
+    ImageSpan / EncodedSpan, positions relative to tokens_bt's columns), or (None, None) when no span
+    reaches a real token. ValueError for spans whose positions do not hold image_token_id."""
+    b, t = tokens_bt.shape
+    if len(images) != b:
+        raise ValueError(f"images must hold one list of spans per sequence ({b}), got {len(images)}")
+    if not cfg.vision_n_layers:
+        raise ValueError("this model has no vision tower (vision_n_layers == 0): it cannot take images")
+    tokens, lengths = np.asarray(tokens_bt), np.asarray(lengths_b)
+    emb, mask = np.zeros((b, t, cfg.dim), np.float32), np.zeros((b, t), bool)
+    for row, spans in enumerate(images):
+        for span in spans or ():
+            lo, hi = max(span.start, 0), min(span.stop, int(lengths[row]))
+            if lo >= hi:
+                continue
+            if (tokens[row, lo:hi] != cfg.image_token_id).any() or mask[row, lo:hi].any():
+                raise ValueError(f"sequence {row}: image span at {span.start}..{span.stop - 1} must cover positions "
+                                 f"holding image_token_id {cfg.image_token_id} and no other span; build the prompt "
+                                 "with dsv41_jax.images.expand_prompt")
+            rows = span.embeds if isinstance(span, EncodedSpan) else np.asarray(encode_image(cfg, params, span.image))
+            emb[row, lo:hi] = rows[lo - span.start:hi - span.start]
+            mask[row, lo:hi] = True
+    return (emb, mask) if mask.any() else (None, None)
+
+
 def _check_tokens(cfg: ModelConfig, tokens, name: str) -> None:
     if not jnp.issubdtype(jnp.asarray(tokens).dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array of token ids, got dtype {jnp.asarray(tokens).dtype}")
@@ -91,7 +144,7 @@ def _check_tokens(cfg: ModelConfig, tokens, name: str) -> None:
 
 
 def prefill(cfg: ModelConfig, params, cache: Cache, tokens_bt, lengths_b, *, all_logits: bool = False,
-            layers: int | None = None, kernels: str = "jnp", donate: bool = False):
+            layers: int | None = None, kernels: str = "jnp", donate: bool = False, images=None):
     """Append right-padded prompts to the cache.
 
     tokens_bt: int [B, T] (positions >= lengths_b[b] are padding, any valid id); lengths_b: int [B],
@@ -99,6 +152,9 @@ def prefill(cfg: ModelConfig, params, cache: Cache, tokens_bt, lengths_b, *, all
     or [B, T, V] with all_logits=True. layers=k < n_layers runs blocks [0, k) only and returns
     (None, cache); the later blocks' rings then restart empty at the new length (`Cache.window_start`).
     donate=True updates the cache in place (the argument is consumed; see the module docstring).
+    images: None, or per sequence a list of `ImageSpan`s (positions relative to tokens_bt's columns; a
+    span may reach outside them, those positions come in other calls) whose positions hold
+    image_token_id; they are prefilled with the vision tower's embeddings (module docstring).
     """
     if layers is not None and not (isinstance(layers, int) and 0 < layers <= cfg.n_layers):
         raise ValueError(f"layers must be an int in 1..{cfg.n_layers} (n_layers) or None, got {layers!r}")
@@ -125,23 +181,37 @@ def prefill(cfg: ModelConfig, params, cache: Cache, tokens_bt, lengths_b, *, all
             raise ValueError(f"prompt too long for the cache: cached {have.tolist()} + new {n.tolist()} tokens "
                              f"exceeds its capacity of {cap}; make the cache with a larger capacity")
     layers = None if layers == cfg.n_layers else layers  # one program for "all layers"
+    embeds, mask = _image_rows(cfg, params, images, tokens_bt, lengths_b) if images is not None else (None, None)
     return _run(donate)(cfg, params, cache, tokens_bt.astype(jnp.int32), lengths_b.astype(jnp.int32),
-                        all_logits=all_logits, layers=layers, kernels=resolve(kernels))
+                        all_logits=all_logits, layers=layers, kernels=resolve(kernels), image_embeds_btd=embeds,
+                        image_mask_bt=mask)
 
 
 def prefill_chunks(cfg: ModelConfig, params, cache: Cache, ids_bt, lo: int, hi: int, width: int, *,
-                   all_logits: bool = False, layers: int | None = None, kernels: str = "jnp", donate: bool = False):
+                   all_logits: bool = False, layers: int | None = None, kernels: str = "jnp", donate: bool = False,
+                   images=None):
     """`prefill` of ids_bt[:, lo:hi] (int [B, >= hi], every row the same span) in chunks of `width` tokens,
     the last one right-padded, so every chunk has one shape (one compile). A generator: yields
-    (start, n, logits, cache) after each chunk of n real tokens starting at position `start`."""
+    (start, n, logits, cache) after each chunk of n real tokens starting at position `start`.
+    images: per sequence its `ImageSpan`s / `EncodedSpan`s at positions of ids_bt; each image is
+    encoded once, and a chunk gets the rows of the spans that reach it (chunks without any run the
+    text-only program)."""
     ids_bt = np.asarray(ids_bt)
     b = ids_bt.shape[0]
+    if images is not None:
+        images = [[s if isinstance(s, EncodedSpan) else encode_spans(cfg, params, [s])[0] for s in row or ()]
+                  for row in images]
     for a in range(lo, hi, width):
         n = min(width, hi - a)
         t = np.zeros((b, width), np.int32)
         t[:, :n] = ids_bt[:, a:a + n]
+        here = None
+        if images is not None:  # the spans that reach [a, a + n), shifted to the chunk's columns
+            here = [[EncodedSpan(s.start - a, s.embeds) for s in row if s.start < a + n and s.stop > a]
+                    for row in images]
+            here = here if any(here) else None
         logits, cache = prefill(cfg, params, cache, t, np.full((b,), n, np.int32), all_logits=all_logits,
-                                layers=layers, kernels=kernels, donate=donate)
+                                layers=layers, kernels=kernels, donate=donate, images=here)
         yield a, n, logits, cache
 
 

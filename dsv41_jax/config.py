@@ -95,6 +95,20 @@ class ModelConfig:
     engram_num_embeddings: tuple[int, ...] = (384006168, 384016682)
     engram_pad_id: int = 2
     engram_compressed_vocab_size: int = 99092
+    # vision tower (ViT + aligner, dsv41_jax/vision.py); vision_n_layers == 0 means text only. As in the
+    # release's ModelArgs the tower is off by default; the released config.json (and `v41_flash()`) turn
+    # it on. Read from inference-style config.json only (an HF `text_config` is the text backbone).
+    vision_n_layers: int = 0
+    vision_dim: int = 1024
+    vision_n_heads: int = 16
+    vision_inter_dim: int = 2816
+    vision_patch_size: int = 14  # pixels per patch side
+    vision_rope_theta: float = 10000.0
+    vision_downsample_ratio: int = 3  # the aligner merges r x r patches into one LLM token
+    vision_max_n_token: int = 1024  # LLM tokens per image at most, delimiters included
+    vision_min_pixels: int = 544 * 544  # smaller images are scaled up to this many pixels
+    vision_max_wh_ratio: int | None = None  # wider images are squeezed to this width/height (None: no limit)
+    image_token_id: int = 129264  # every position of an image span carries this id
     # ---- runtime switches (not part of the checkpoint) ----
     dtype: Literal["float32", "bfloat16"] = "bfloat16"  # activations / compute
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"  # random-init params
@@ -207,6 +221,17 @@ class ModelConfig:
             need(len(self.engram_num_embeddings) == len(self.engram_layer_ids),
                  f"engram_num_embeddings has {len(self.engram_num_embeddings)} entries for "
                  f"{len(self.engram_layer_ids)} engram_layer_ids")
+        if self.vision_n_layers:
+            need(self.vision_n_layers > 0, f"vision_n_layers must be >= 0, got {self.vision_n_layers}")
+            need(self.vision_dim % self.vision_n_heads == 0 and (self.vision_dim // self.vision_n_heads) % 4 == 0,
+                 f"vision_dim={self.vision_dim} / vision_n_heads={self.vision_n_heads} must be a head size divisible "
+                 "by 4 (2D RoPE rotates two halves of even size)")
+            need(self.vision_patch_size > 0 and self.vision_downsample_ratio > 0,
+                 "vision_patch_size and vision_downsample_ratio must be positive")
+            need(self.vision_max_n_token >= 4, f"vision_max_n_token={self.vision_max_n_token} must be >= 4 "
+                 "(one token plus its row end and the two span delimiters)")
+            need(0 <= self.image_token_id < self.vocab_size,
+                 f"image_token_id={self.image_token_id} outside the vocabulary (0..{self.vocab_size - 1})")
         build_plan(self)  # CSA2 consistency
 
 
@@ -215,7 +240,8 @@ def tiny() -> ModelConfig:
 
     8 layers: 0-1 window-only; 2 Full (m=2); 3 Reuse; 4 Full (m=1, candidate source); 5 Reuse;
     6 Reindex (scores only inside the pool of 3 blocks x 4 = 12 positions); 7 Reuse.
-    Engram at layers 1 and 3; 4 hyper-connection copies; 8 experts, top-2.
+    Engram at layers 1 and 3; 4 hyper-connection copies; 8 experts, top-2. A 2-block vision tower
+    (patch 14, 3x3 downsample, at most 64 tokens per image); the image token is the last id.
     """
     return ModelConfig(
         vocab_size=320, dim=64, n_layers=8, n_mtp_layers=0,
@@ -231,6 +257,8 @@ def tiny() -> ModelConfig:
         engram_layer_ids=(1, 3), engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=16,
         engram_vocab_size=101, engram_num_embeddings=(), engram_pad_id=2,
         engram_compressed_vocab_size=320,
+        vision_n_layers=2, vision_dim=32, vision_n_heads=2, vision_inter_dim=64, vision_max_n_token=64,
+        vision_min_pixels=84 * 84, image_token_id=319,
         dtype="float32", param_dtype="float32",
     ).with_derived_engram()
 
@@ -239,6 +267,7 @@ def small() -> ModelConfig:
     """About 0.6B parameters for one GPU: the released structure, scaled down.
 
     12 layers: 0-1 window-only; 2, 5 Full (m=2); 7 Full (m=1, candidate source); 9, 11 Reindex.
+    A 4-block vision tower of width 256 (at most 256 tokens per image).
     """
     return ModelConfig(
         vocab_size=129280, dim=1024, n_layers=12, n_mtp_layers=0,
@@ -252,13 +281,15 @@ def small() -> ModelConfig:
         engram_layer_ids=(1, 5), engram_max_ngram_size=3, engram_n_heads=4, engram_head_dim=128,
         engram_vocab_size=16384, engram_num_embeddings=(), engram_compressed_vocab_size=129280,
         max_seq_len=262144,
+        vision_n_layers=4, vision_dim=256, vision_n_heads=4, vision_inter_dim=704, vision_max_n_token=256,
+        vision_min_pixels=224 * 224, image_token_id=129264,
         dtype="bfloat16", param_dtype="bfloat16",
     ).with_derived_engram()
 
 
 def v41_flash() -> ModelConfig:
-    """The released DeepSeek-V4.1-Flash text backbone."""
-    return ModelConfig()
+    """The released DeepSeek-V4.1-Flash: the text backbone and its 32-block vision tower."""
+    return ModelConfig(vision_n_layers=32)
 
 
 PRESETS = {"tiny": tiny, "small": small, "v41-flash": v41_flash}

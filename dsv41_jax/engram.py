@@ -73,9 +73,11 @@ class Engram(nnx.Module):
         rows, scales = got
         return TABLE_FP8.decode({"values": jax.lax.bitcast_convert_type(rows, jnp.uint8), "scales": scales})
 
-    def __call__(self, h_bthd: jax.Array, ids_btc: jax.Array, *, backend: str = "jnp") -> jax.Array:
+    def __call__(self, h_bthd: jax.Array, ids_btc: jax.Array, *, backend: str = "jnp",
+                 image_mask: jax.Array | None = None) -> jax.Array:
         """h: [B, T, hc, dim] stream; ids: int32 [B, T, n_cols] table rows. Returns the new stream.
-        backend: the `dsv41_jax.kernels` switch of the FP8 projection."""
+        backend: the `dsv41_jax.kernels` switch of the FP8 projection. image_mask: bool [B, T], True
+        where the gate is shut (image positions pass through untouched, as released)."""
         b, t = ids_btc.shape[:2]
         emb = self.lookup(ids_btc).reshape(b, t, -1).astype(h_bthd.dtype)
         kv = self.wkv(emb, jnp.float32, backend=backend)
@@ -86,4 +88,6 @@ class Engram(nnx.Module):
         rstd = (jax.lax.rsqrt(jnp.mean(h * h, -1) + self.eps) * jax.lax.rsqrt(jnp.mean(key * key, -1) + self.eps))
         dot = jnp.sum(h * weight * key, -1) * rstd * self.dim ** -0.5
         gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)), dot))
+        if image_mask is not None:
+            gate = jnp.where(image_mask[..., None], 0.0, gate)
         return (h + gate[..., None] * value[:, :, None, :]).astype(h_bthd.dtype)

@@ -1,6 +1,10 @@
-"""The DeepSeek-V4.1 text backbone as Flax NNX modules, and its chunk forward over the cache.
+"""The DeepSeek-V4.1 backbone as Flax NNX modules, and its chunk forward over the cache.
 
 embed -> hc copies -> [Engram] -> blocks (mHC around CSA2 attention and MoE) -> collapse -> norm -> head.
+With a vision tower (`cfg.vision_n_layers`, dsv41_jax/vision.py) the embeddings of image-span positions
+are replaced by the tower's (`image_embeds` / `image_mask` of `forward`), and at those positions, as the
+release does, Engram's gate is shut and its n-grams stop (the position is a dead token in the n-gram
+history), and the routers pick experts with their image bias (`bias_vl`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dsv41_jax.layers import Buffer, Embedding, Linear, RMSNorm
 from dsv41_jax.moe import MoE
 from dsv41_jax.plan import build_plan
 from dsv41_jax.sharding import annotate_params
+from dsv41_jax.vision import build_vision, image_span
 
 
 class Block(nnx.Module):
@@ -31,15 +36,17 @@ class Block(nnx.Module):
         self.hc_attn, self.hc_ffn = mix(), mix()
         self.engram = Engram(cfg, engram_rows, rngs=rngs) if engram_rows else None
 
-    def __call__(self, h, pre_mix, step: Step, engram_ids=None):
-        """h: [B, T, hc, dim]; pre_mix: [B, T, hc] from the previous block. Returns (h, next pre_mix)."""
+    def __call__(self, h, pre_mix, step: Step, engram_ids=None, image_mask=None):
+        """h: [B, T, hc, dim]; pre_mix: [B, T, hc] from the previous block; image_mask: bool [B, T] or
+        None (text only). Returns (h, next pre_mix)."""
         if self.engram is not None:
-            h = self.engram(h, engram_ids, backend=step.kernel_backend)
+            h = self.engram(h, engram_ids, backend=step.kernel_backend, image_mask=image_mask)
         attn_pre, post, comb = self.hc_attn(h)
         x = self.attn(self.attn_norm(collapse(h, pre_mix)), step)
         h = expand(x, h, post, comb)
         ffn_pre, post, comb = self.hc_ffn(h)
-        x = self.ffn(self.ffn_norm(collapse(h, attn_pre)), step.extras, backend=step.kernel_backend)
+        x = self.ffn(self.ffn_norm(collapse(h, attn_pre)), step.extras, backend=step.kernel_backend,
+                     image_mask=image_mask)
         return expand(x, h, post, comb), ffn_pre
 
 
@@ -55,11 +62,15 @@ class Transformer(nnx.Module):
         if cfg.engram_layer_ids:
             # tokenizer-derived compressed vocabulary for the n-gram hashes (identity for random presets)
             self.engram_token_map = Buffer(jnp.arange(cfg.vocab_size, dtype=jnp.int32) % cfg.engram_compressed_vocab_size)
+        if cfg.vision_n_layers:  # built last: the text params draw the same random values with or without it
+            for name, module in build_vision(cfg, rngs=rngs).items():
+                setattr(self, name, module)
         annotate_params(self)  # logical axes (sharding.PARAM_AXES) -> each param's NNX metadata
 
     def forward(self, cache: Cache, tokens_bt: jax.Array, n_new_b: jax.Array, *, all_logits: bool,
                 layers: int | None = None, kernel_backend: str = "jnp", training: bool = False,
-                extras: dict | None = None) -> tuple[jax.Array | None, Cache]:
+                extras: dict | None = None, image_embeds: jax.Array | None = None,
+                image_mask: jax.Array | None = None) -> tuple[jax.Array | None, Cache]:
         """Process T new tokens per sequence on top of `cache`; n_new_b[b] of them are real.
 
         Returns logits f32 ([B, T, V] if all_logits else [B, V] at each sequence's last real token)
@@ -71,6 +82,10 @@ class Transformer(nnx.Module):
         layers=k runs blocks [0, k) only (decoder-side bounded prefill: k = `plan.encoder_depth`):
         the global KV they publish is exact, the skipped blocks' window rings restart empty after
         this chunk (`Cache.window_start`), and there are no logits (None is returned for them).
+
+        image_embeds [B, T, dim] and image_mask bool [B, T] (both or neither): positions where the mask
+        is set take image_embeds instead of their token's embedding and are image positions for Engram
+        and the routers (module docstring). A span may be cut between chunks: its rows are inputs.
         """
         cfg = self.cfg
         b, t = tokens_bt.shape
@@ -90,18 +105,23 @@ class Transformer(nnx.Module):
         engram_ids = None
         if cfg.engram_layer_ids:
             comp = self.engram_token_map[...][tokens_bt]
+            if image_mask is not None:  # dead tokens: n-grams neither include nor reach past them
+                comp = jnp.where(image_mask, -1, comp)
             pad = self.engram_token_map[...][cfg.engram_pad_id]
             win = ngram_windows(comp, history, pad, cfg.engram_max_ngram_size)
             engram_ids = ngram_hash_ids(EngramHashLayout.from_config(cfg), win)  # [B, T, L_e, cols]
             full = jnp.concatenate([history, comp], axis=1)
             keep = n_new_b[:, None] + jnp.arange(history.shape[1])
             history = jnp.take_along_axis(full, keep, axis=1)
-        h = jnp.broadcast_to(self.embed(tokens_bt).astype(dt)[:, :, None, :], (b, t, cfg.hc_mult, cfg.dim))
+        x0 = self.embed(tokens_bt).astype(dt)
+        if image_mask is not None:
+            x0 = jnp.where(image_mask[..., None], image_embeds.astype(dt), x0)
+        h = jnp.broadcast_to(x0[:, :, None, :], (b, t, cfg.hc_mult, cfg.dim))
         pre = jnp.zeros((b, t, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
         e_slot = {l: i for i, l in enumerate(cfg.engram_layer_ids)}
         for layer in range(n_run):
             ids = engram_ids[:, :, e_slot[layer]] if layer in e_slot else None
-            h, pre = self.layers[layer](h, pre, step, ids)
+            h, pre = self.layers[layer](h, pre, step, ids, image_mask)
         new_len = cache.lengths + n_new_b
         start = cache.window_start
         if n_run < len(self.layers):  # skipped rings hold nothing before the new length
@@ -115,3 +135,7 @@ class Transformer(nnx.Module):
             last = jnp.clip(n_new_b - 1, 0, t - 1)
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
         return self.head(self.norm(x).astype(jnp.float32), jnp.float32), new_cache
+
+    def image_span(self, patches_nc: jax.Array, n_vit_h: int, n_vit_w: int, n_llm_h: int, n_llm_w: int) -> jax.Array:
+        """Embeddings [n_span, dim] of one image's prompt span (dsv41_jax.vision.image_span)."""
+        return image_span(self, patches_nc, n_vit_h, n_vit_w, n_llm_h, n_llm_w)

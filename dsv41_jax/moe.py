@@ -35,10 +35,13 @@ class Router(nnx.Module):
         self.weight = nnx.Param(normal_init(rngs, (cfg.n_routed_experts, cfg.dim), jnp.float32))
         # aux-loss-free balancing: steers which experts are picked, never how much they weigh
         self.bias = Buffer(jnp.zeros((cfg.n_routed_experts,), jnp.float32))
+        if cfg.vision_n_layers:  # the same for image-span tokens, trained apart (the release's bias_vl)
+            self.bias_vl = Buffer(jnp.zeros((cfg.n_routed_experts,), jnp.float32))
         self.k, self.func, self.scale = cfg.n_activated_experts, cfg.score_func, cfg.route_scale
 
-    def __call__(self, x_nd: jax.Array):
-        """Returns routing weights f32 [N, k], expert ids int32 [N, k], raw scores f32 [N, E]."""
+    def __call__(self, x_nd: jax.Array, image_mask_n: jax.Array | None = None):
+        """Returns routing weights f32 [N, k], expert ids int32 [N, k], raw scores f32 [N, E].
+        image_mask_n: bool [N], True where the selection uses `bias_vl` (image-span tokens)."""
         logits = jnp.einsum("nd,ed->ne", x_nd.astype(jnp.float32), self.weight[...])
         if self.func == "softmax":
             scores = jax.nn.softmax(logits, axis=-1)
@@ -46,7 +49,10 @@ class Router(nnx.Module):
             scores = jax.nn.sigmoid(logits)
         else:
             scores = jnp.sqrt(jax.nn.softplus(logits))
-        _, ids = jax.lax.top_k(scores + jax.lax.stop_gradient(self.bias[...]), self.k)
+        bias = self.bias[...]
+        if image_mask_n is not None:
+            bias = jnp.where(image_mask_n[:, None], self.bias_vl[...], bias)
+        _, ids = jax.lax.top_k(scores + jax.lax.stop_gradient(bias), self.k)
         w = jnp.take_along_axis(scores, ids, axis=-1)
         if self.k > 1:
             w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
@@ -108,13 +114,15 @@ class MoE(nnx.Module):
         (ys,) = mm(act, "w2")
         return jnp.zeros(x_nd.shape, jnp.float32).at[token_of].add(ys)
 
-    def __call__(self, x_btd: jax.Array, extras: dict | None = None, *, backend: str = "jnp") -> jax.Array:
+    def __call__(self, x_btd: jax.Array, extras: dict | None = None, *, backend: str = "jnp",
+                 image_mask: jax.Array | None = None) -> jax.Array:
         """x [B, T, D] -> [B, T, D]. backend: the `dsv41_jax.kernels` switch of the expert and FP8 matmuls.
         extras: if given, gets this layer's routed load appended to extras["expert_load"] (int32 [E]
-        assignments per expert over all B*T tokens, padding included), for aux-loss-free balancing."""
+        assignments per expert over all B*T tokens, padding included), for aux-loss-free balancing.
+        image_mask: bool [B, T] or None, the image-span tokens (routed with `bias_vl`)."""
         b, t, d = x_btd.shape
         x = x_btd.reshape(b * t, d)
-        w, ids, _ = self.router(x)
+        w, ids, _ = self.router(x, None if image_mask is None else image_mask.reshape(b * t))
         if extras is not None:
             extras.setdefault("expert_load", []).append(jnp.bincount(ids.reshape(-1), length=self.n_experts))
         dt = x.dtype

@@ -9,6 +9,8 @@ from dsv41_jax.plan import build_plan, encoder_depth
 
 
 def _kind(path: str) -> str:
+    if path.startswith(("vision/", "aligner/", "image_")):
+        return "vision"
     if "engram/table" in path:
         return "engram_table"
     if path.startswith("embed/"):
@@ -25,6 +27,8 @@ def param_counts(cfg) -> dict[str, float]:
       looked up; the embedding counts one row (a lookup).
     - prefill: with decoder-side bounded prefill, layers after the last kv source run only on the last
       window of the prompt, so per prompt token only layers up to that source are active.
+    The vision tower (`vision_tower`) runs once per image, not per token: it is in neither count nor
+    in `total`.
     """
     state = abstract_params(cfg)
     per_layer: dict[int, dict[str, int]] = {}
@@ -62,4 +66,5 @@ def param_counts(cfg) -> dict[str, float]:
         "active_decode": active(range(cfg.n_layers)),
         "active_prefill": active(range(encoder_depth(build_plan(cfg)))),
         "engram_active_rows": engram_active,
+        "vision_tower": totals.get("vision", 0),
     }

@@ -51,6 +51,7 @@ def slice_config(**overrides):
     return dataclasses.replace(  # validated by with_derived_engram, once the Engram rows exist
         d.preset("v41-flash"), n_layers=6, compress_ratios=(0, 2, 2, 1, 1, 1), kv_source_layers=(1, 3), index_source_layers=(1, 3, 5),
         candidate_source_layer=3, engram_layer_ids=(1,), engram_vocab_size=100_003, engram_num_embeddings=(),
+        vision_n_layers=0,  # decode speed: the tower runs once per image, in prefill
         **overrides).with_derived_engram()
 
 

@@ -86,7 +86,8 @@ def main(argv=None) -> None:
     print(f"  {'dsv41_jax ' + args.preset:22s} {rows[0]['global_bytes_per_token']:>9,.0f}  (measured)")
     counts = param_counts(cfg)
     print("\nparameters (from jax.eval_shape of the params):")
-    for k in ("backbone_total", "engram_tables", "total", "routed_experts", "active_prefill", "active_decode"):
+    for k in ("backbone_total", "engram_tables", "total", "routed_experts", "active_prefill", "active_decode",
+              "vision_tower"):
         print(f"  {k:16s} {count_label(counts[k]):>11s}")
     if args.json:
         with open(args.json, "w") as f:

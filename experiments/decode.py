@@ -5,6 +5,7 @@
     python -m experiments.decode --prompt-file p.txt --tokenizer tokenizer.json --output-json run.json
     python -m experiments.decode --cache-dir /tmp/kv --repeat 2 --output-json run.json   # serving engine
     python -m experiments.decode --checkpoint DIR --prompt-ids ids.npy --cache-dir /tmp/kv --temperature 0
+    python -m experiments.decode --image cat.png --prompt "Describe the picture."   # images in the prompt
 
 Without --engine / --cache-dir the prompt (and its --batch truncations) runs as one static batch, as
 before. With them it goes through `dsv41_jax.serving.Engine`: fixed decode slots, chunked prefill,
@@ -68,6 +69,10 @@ def parse_args(argv=None):
                     "by b tokens for sequence b, so lengths differ)")
     ap.add_argument("--capacity", type=int, help="cache tokens per sequence (default: prompt + new tokens)")
     ap.add_argument("--tokenizer", help="a tokenizer.json (default: byte-level)")
+    ap.add_argument("--image", action="append", default=[], metavar="PATH",
+                    help="an image for the prompt (repeatable; needs a model with a vision tower). Each goes where "
+                    "the prompt has an image placeholder (image_token_id), in order; a prompt without placeholders "
+                    "gets them all at its start (after a leading <bos>)")
     ap.add_argument("--engram-on-host", action="store_true",
                     help="with --checkpoint: keep the Engram tables in host memory (pinned_host), gathered there")
     ap.add_argument("--seed", type=int, default=0)
@@ -120,6 +125,8 @@ def parse_args(argv=None):
         ap.error("--engram-on-host applies to --checkpoint (presets have random in-memory tables)")
     if args.mesh and args.engine:
         ap.error("--mesh is not supported with the serving engine yet; drop --engine/--cache-dir")
+    if args.image and (args.batch > 1 or args.mesh):
+        ap.error("--image runs one sequence on one device: drop --batch / --mesh (several requests: --engine)")
     return args
 
 
@@ -161,6 +168,36 @@ def prompt_ids(args, tok, vocab_size: int) -> list[np.ndarray]:
     return [ids]
 
 
+def place_images(args, cfg, tok, prompts: list[np.ndarray]):
+    """(prompts with their image spans expanded, the spans of each) for --image; every image is read and
+    checked here, before any weights or compiles (`dsv41_jax.images`: unreadable, too small, too elongated)."""
+    if not args.image:
+        return prompts, [[] for _ in prompts]
+    from dsv41_jax.images import ImageError, expand_prompt, prepare_image
+
+    if not cfg.vision_n_layers:
+        raise _cli.UserError(f"--image {args.image[0]}: this model has no vision tower (vision_n_layers == 0)")
+    try:
+        images = [prepare_image(path, cfg) for path in args.image]
+    except ImageError as e:
+        raise _cli.UserError(f"--image {e}") from None
+    out, spans = [], []
+    for ids in prompts:
+        if not (ids == cfg.image_token_id).any():  # no placeholders: the images lead the prompt
+            at = 1 if ids.size and ids[0] == getattr(tok, "bos_id", None) else 0
+            ids = np.concatenate([ids[:at], np.full(len(images), cfg.image_token_id, np.int32), ids[at:]])
+        try:
+            ids, where = expand_prompt(ids, images, cfg)
+        except ValueError as e:
+            raise _cli.UserError(f"--image: {e}") from None
+        out.append(ids)
+        spans.append(where)
+    for img in images:
+        print(f"[decode] image {img.source}: {img.n_vit_h}x{img.n_vit_w} patches -> {img.n_tokens} prompt tokens",
+              flush=True)
+    return out, spans
+
+
 def cache_capacity(args, cfg, longest: int, default: int) -> int:
     """Tokens per cache row: --capacity, else `default` (>= longest + --max-new-tokens); refused with the
     flag to change when the longest prompt and its new tokens do not fit the model or --capacity."""
@@ -196,6 +233,7 @@ def main(argv=None) -> dict:
     cfg = model_config(args)
     tok = tokenizer(args, cfg)
     prompts = prompt_ids(args, tok, cfg.vocab_size)
+    prompts, spans = place_images(args, cfg, tok, prompts)
     _cli.output_file(args.output_json, "--output-json")
     bad_stops = [t for t in args.stop_token if not 0 <= t < cfg.vocab_size]
     if bad_stops:
@@ -208,18 +246,19 @@ def main(argv=None) -> dict:
         if args.cache_dir:
             _cli.writable_dir(args.cache_dir, "--cache-dir")
         cfg, params = load_weights(args, cfg)
-        return serve(args, cfg, params, tok, prompts, ecfg)
+        return serve(args, cfg, params, tok, prompts, ecfg, spans)
     if len(prompts) > 1:
         raise _cli.UserError(f"--prompt-ids {args.prompt_ids}: several prompts need the serving engine: add --engine")
     capacity = cache_capacity(args, cfg, longest, longest + args.max_new_tokens)
     if args.mesh:
         check_mesh(args, cfg)
     cfg, params = load_weights(args, cfg)
-    return run_batch(args, cfg, params, tok, prompts[0].tolist(), capacity)
+    return run_batch(args, cfg, params, tok, prompts[0].tolist(), capacity, spans[0])
 
 
-def run_batch(args, cfg, params, tok, ids: list[int], capacity: int) -> dict:
-    """The prompt and its --batch truncations as one static batch: prefill, then --max-new-tokens - 1 steps."""
+def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -> dict:
+    """The prompt and its --batch truncations as one static batch: prefill, then --max-new-tokens - 1 steps.
+    spans: the prompt's image spans (--image; batch 1)."""
     b = args.batch
     lengths = np.array([max(1, len(ids) - i) for i in range(b)], np.int32)
     width = -(-len(ids) // 64) * 64  # bucket the padded width so nearby prompt lengths share a compile
@@ -235,7 +274,8 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int) -> dict:
     t_init = time.perf_counter() - t0
     cache = d.init_cache(cfg, b, capacity)
     # the cache is donated: each call updates it in place and returns it
-    prefill = lambda c, t, n: d.prefill(cfg, params, c, t, n, kernels=args.kernels, donate=True)
+    images = [list(spans)] if spans else None
+    prefill = lambda c, t, n: d.prefill(cfg, params, c, t, n, kernels=args.kernels, donate=True, images=images)
     steps = args.max_new_tokens - 1  # cache_capacity made room for all of them
     chunk = max(1, min(args.decode_chunk, steps))
     if args.mesh:
@@ -333,6 +373,14 @@ PATHS = {
 }
 
 
+def collapse_spans(ids: np.ndarray, spans) -> np.ndarray:
+    """The prompt with each expanded image span back to its one placeholder (what `Request` takes)."""
+    keep = np.ones(ids.size, bool)
+    for s in spans:
+        keep[s.start + 1:s.stop] = False
+    return ids[keep]
+
+
 def engine_config(args, cfg, capacity: int, n_requests: int):
     """The EngineConfig of the flags; refused (before any weights exist) when the engine could not use it."""
     from dsv41_jax.serving import EngineConfig, plan_slots
@@ -352,15 +400,19 @@ def engine_config(args, cfg, capacity: int, n_requests: int):
     return ecfg
 
 
-def serve(args, cfg, params, tok, prompts: list[np.ndarray], ecfg) -> dict:
-    """Serve the prompts (each one --batch times, truncated by b tokens) through the engine, --repeat rounds."""
+def serve(args, cfg, params, tok, prompts: list[np.ndarray], ecfg, spans=None) -> dict:
+    """Serve the prompts (each one --batch times, truncated by b tokens) through the engine, --repeat rounds.
+    spans: each prompt's image spans (--image, batch 1): the request gets the prompt with one placeholder per
+    image back, and the images."""
     from dsv41_jax.serving import Engine, Request
 
     if params is None:
         params = d.init_params(cfg, seed=args.seed)
+    spans = spans or [[] for _ in prompts]
+    prompts = [collapse_spans(p, s) for p, s in zip(prompts, spans)]
     reqs = [Request(p[: max(1, p.size - i)], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    seed=args.seed + i, stop_tokens=tuple(args.stop_token))
-            for p in prompts for i in range(args.batch)]
+                    seed=args.seed + i, stop_tokens=tuple(args.stop_token), images=tuple(x.image for x in s))
+            for p, s in zip(prompts, spans) for i in range(args.batch)]
     capacity = ecfg.capacity
     engine = Engine(cfg, params, ecfg)
     print(f"[decode] engine preset={args.preset if not args.checkpoint else args.checkpoint} "

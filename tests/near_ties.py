@@ -92,9 +92,10 @@ class NearTies:
         self._jit = jax.jit(self._forward, static_argnames=("cfg", "all_logits", "layers", "kernels"))
 
     @staticmethod
-    def _forward(cfg, params, cache, tokens_bt, n_new_b, *, all_logits=False, layers=None, kernels="jnp"):
+    def _forward(cfg, params, cache, tokens_bt, n_new_b, *, all_logits=False, layers=None, kernels="jnp",
+                 image_embeds_btd=None, image_mask_bt=None):
         return api.forward(cfg, params, cache, tokens_bt, n_new_b, all_logits=all_logits, layers=layers,
-                           kernels=kernels)
+                           kernels=kernels, image_embeds_btd=image_embeds_btd, image_mask_bt=image_mask_bt)
 
     @contextmanager
     def active(self):

@@ -18,6 +18,7 @@ import dsv41_jax as d
 from dsv41_jax import api
 from dsv41_jax.plan import build_plan, encoder_depth
 from dsv41_jax.serving import Engine, EngineConfig, Request, slots_for_budget
+from dsv41_jax.tiers import block_chain
 
 PT, CHUNK, CAP, NEW = 32, 32, 160, 12
 
@@ -155,8 +156,10 @@ def test_tier_failures_are_a_miss_and_a_correct_recompute(model, cold, tmp_path,
     assert run(eng).tokens == cold.tokens
     files = page_files(tmp_path)
     assert len(files) == 2
+    first = eng.store.path(block_chain(eng.fp, PROMPT, PT)[0])  # page 0 (the listing order is arbitrary)
+    assert first in files
     if how in ("truncate", "flip"):
-        damage(files[0], how)
+        damage(first, how)
     elif how == "fingerprint":
         eng = engine(model, tmp_path, weights_revision="another-revision")
     elif how == "expired":
@@ -167,8 +170,8 @@ def test_tier_failures_are_a_miss_and_a_correct_recompute(model, cold, tmp_path,
             os.unlink(f)
         os.rmdir(os.path.dirname(files[0]))
     elif how == "killed":  # a writer killed mid-write: a temp file, and a torn final page from a non-atomic tool
-        open(os.path.join(os.path.dirname(files[0]), ".tmp-999-x"), "wb").write(open(files[0], "rb").read()[:50])
-        damage(files[0], "truncate")
+        open(os.path.join(os.path.dirname(first), ".tmp-999-x"), "wb").write(open(first, "rb").read()[:50])
+        damage(first, "truncate")
     eng = engine(model, tmp_path, weights_revision=eng.ecfg.weights_revision)  # fresh host pool: disk only
     if how == "full_disk":
         for f in files:

@@ -11,9 +11,10 @@ Two storage forms: "quantized" (the release: dense projections FP8 E4M3 with one
 block, routed experts FP4 packed two per byte in I8 with one E8M0 scale per 32 inputs, Engram tables
 FP8 with one E8M0 scale per 32 channels) or "float" (every weight a plain float, e.g. an HF export).
 
-The draft layers (`mtp.*`), the vision tower (`vision.*`, `aligner.*`, `image_*`) and the routing
-bias for image tokens (`ffn.gate.bias_vl`) are recognised and skipped: the text backbone has no use
-for them.
+The vision tower (`vision.*`, `aligner.*`, `image_start` / `image_newline` / `image_end`, BF16 as
+released, projections with biases) and the routing bias of image tokens (`layers.{L}.ffn.gate.bias_vl`,
+F32) are loaded when the config has one (`vision_n_layers > 0`), and recognised and skipped otherwise.
+The draft layers (`mtp.*`) are recognised and skipped.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from dsv41_jax.plan import build_plan
 FLOATS = ("F32", "BF16", "F16", "F64")
 SKIPPED = {
     r"mtp\.": "DSpark draft layers (speculative decoding; not part of the backbone)",
-    r"(vision|aligner)\.|image_(start|end|newline)$": "vision tower (the backbone is text-only)",
-    r"layers\.\d+\.ffn\.gate\.bias_vl$": "MoE routing bias for image tokens (text-only backbone)",
+    r"(vision|aligner)\.|image_(start|end|newline)$": "vision tower (the config has vision_n_layers == 0)",
+    r"layers\.\d+\.ffn\.gate\.bias_vl$": "MoE routing bias for image tokens (no vision tower in the config)",
 }
 
 
@@ -51,12 +52,34 @@ def _ceil32(n: int) -> int:
     return -(-n // 32)
 
 
+def vision_entries(cfg) -> list[Entry]:
+    """The vision tower's params (all plain float tensors), when the config has one."""
+    c, vd = cfg, cfg.vision_dim
+    if not c.vision_n_layers:
+        return []
+    plain = lambda name, shape: Entry(name.replace(".", "/"), (name,), "plain", shape)
+
+    def biased(name, d_out, d_in):
+        return [plain(name + ".weight", (d_out, d_in)), plain(name + ".bias", (d_out,))]
+
+    out = biased("vision.patch_embed.proj", vd, 3 * c.vision_patch_size ** 2)
+    for i in range(c.vision_n_layers):
+        b = f"vision.blocks.{i}."
+        out += [plain(b + "norm1.weight", (vd,)), plain(b + "norm2.weight", (vd,))]
+        out += biased(b + "attn.wqkv", 3 * vd, vd) + biased(b + "attn.wo", vd, vd)
+        out += [plain(b + "mlp.w1.weight", (2 * c.vision_inter_dim, vd)),
+                plain(b + "mlp.w2.weight", (vd, c.vision_inter_dim))]
+    out += [plain("vision.norm.weight", (vd,))]
+    out += biased("aligner.w1", c.dim, vd * c.vision_downsample_ratio ** 2) + biased("aligner.w2", c.dim, c.dim)
+    return out + [plain(name, (c.dim,)) for name in ("image_start", "image_newline", "image_end")]
+
+
 def entries(cfg) -> list[Entry]:
-    """Every param of the text backbone (except the tokenizer-derived engram_token_map)."""
+    """Every param of the model (except the tokenizer-derived engram_token_map)."""
     c = cfg
     out = [Entry("embed/weight", ("embed.weight",), "plain", (c.vocab_size, c.dim)),
            Entry("head/weight", ("head.weight",), "plain", (c.vocab_size, c.dim)),
-           Entry("norm/weight", ("norm.weight",), "plain", (c.dim,))]
+           Entry("norm/weight", ("norm.weight",), "plain", (c.dim,))] + vision_entries(c)
     mix, hc_dim = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.dim
     rows = dict(zip(c.engram_layer_ids, c.engram_num_embeddings))
     hd, h = c.head_dim, c.n_heads
@@ -97,6 +120,8 @@ def entries(cfg) -> list[Entry]:
                 plain("attn/indexer/k_norm/weight", "attn.indexer.k_norm.weight", (c.index_head_dim,))
         plain("ffn/router/weight", "ffn.gate.weight", (c.n_routed_experts, c.dim))
         plain("ffn/router/bias", "ffn.gate.bias", (c.n_routed_experts,))
+        if c.vision_n_layers:
+            plain("ffn/router/bias_vl", "ffn.gate.bias_vl", (c.n_routed_experts,))
         for w, (d_out, d_in) in (("w1", (c.moe_inter_dim, c.dim)), ("w3", (c.moe_inter_dim, c.dim)),
                                  ("w2", (c.dim, c.moe_inter_dim))):
             names = tuple(f"{r}ffn.experts.{e}.{w}" for e in range(c.n_routed_experts))

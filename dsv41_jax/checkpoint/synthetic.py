@@ -30,7 +30,7 @@ NORM_MEAN = {"attn_norm": 0.025, "ffn_norm": 0.2, "q_norm": 0.97, "kv_norm": 0.4
 GAIN = {"wq_a": 1.6, "wq_b": 0.95, "wkv": 1.8, "wo_a": 1.6, "wo_b": 1.9, "gate": 2.9, "w1": 1.5, "w3": 1.5,
         "w2": 1.05}
 F32_NAMES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-             "attn_sink", "gate.bias", "q_weight", "k_weight")
+             "attn_sink", "gate.bias", "gate.bias_vl", "q_weight", "k_weight")
 
 
 def _e8m0_exponent(x: np.ndarray) -> np.ndarray:
@@ -78,10 +78,13 @@ def make_tensors(cfg, seed: int = 0) -> dict[str, np.ndarray | tuple[str, np.nda
     for e in entries(cfg):
         for key in e.names:
             if e.kind == "plain":
-                if key.endswith("norm.weight"):
+                if key.endswith("norm.weight") or key.startswith("vision.") and key.endswith(("norm1.weight",
+                                                                                               "norm2.weight")):
                     v = _norm_mean(key) * (1 + 0.1 * rng.standard_normal(e.shape))
-                elif key in ("embed.weight",):
+                elif key in ("embed.weight",) or key.startswith("image_"):  # delimiters stand in for embeddings
                     v = EMBED_STD * rng.standard_normal(e.shape)
+                elif key.endswith(".bias") and not key.endswith("gate.bias"):  # the vision tower's biases
+                    v = 0.02 * rng.standard_normal(e.shape)
                 elif len(e.shape) >= 2:
                     v = rng.standard_normal(e.shape) * e.shape[-1] ** -0.5 * _gain(key.rsplit(".weight", 1)[0])
                 else:
@@ -179,6 +182,11 @@ def config_json(cfg, style: str = "hf") -> dict:
         "engram_compressed_vocab_size": cfg.engram_compressed_vocab_size, "dtype": "fp8", "expert_dtype": "fp4",
     }
     if style == "inference":
+        if cfg.vision_n_layers:  # the vision keys exist in the inference style only (ModelConfig.vision_*)
+            ours.update({k: getattr(cfg, k) for k in ("vision_n_layers", "vision_dim", "vision_n_heads",
+                                                      "vision_inter_dim", "vision_patch_size", "vision_rope_theta",
+                                                      "vision_downsample_ratio", "vision_max_n_token",
+                                                      "vision_min_pixels", "vision_max_wh_ratio", "image_token_id")})
         return ours
     hf_names = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
                 "rope_head_dim": "qk_rope_head_dim", "norm_eps": "rms_norm_eps", "window_size": "sliding_window",
@@ -255,6 +263,18 @@ def fixture_config(**overrides):
     )
     base.update(overrides)
     return ModelConfig(**base).with_derived_engram()
+
+
+def vision_fixture_config(**overrides):
+    """The parity fixture for images: 2 backbone layers (0 window-only, 1 Full m=2), Engram on both so
+    that its image masking shows, and a 2-block vision tower (width 64, 2 heads, patch 14, 3x3
+    downsample, at most 32 tokens per image); the image placeholder is the last id."""
+    base = dict(n_layers=2, compress_ratios=(0, 2), kv_source_layers=(1,), index_source_layers=(1,),
+                candidate_source_layer=-1, engram_layer_ids=(0, 1), vision_n_layers=2, vision_dim=64,
+                vision_n_heads=2, vision_inter_dim=96, vision_max_n_token=32, vision_min_pixels=84 * 84,
+                image_token_id=383)
+    base.update(overrides)
+    return fixture_config(**base)
 
 
 def bench_config(n_layers: int = 12, engram: bool = True):

@@ -42,6 +42,13 @@ prompt's last token, so the state at P is a reusable prefix:
   and settings (one fingerprint) share it, so a prefix one served is an exact restore on another.
 Any problem with a tier (damaged/foreign/expired page, full disk, missing directory) is a miss and a
 recompute: the tiers report misses, never raise.
+
+Images (`Request.images`, each a `dsv41_jax.images.PreparedImage`; the prompt holds one
+`image_token_id` placeholder per image): the prompt is expanded to its image spans, each image is
+encoded once per request, and every chunk (replay included) gets the rows of the spans that reach it,
+so spans may straddle chunks and pages. Page and window keys hash each image's content digest with
+the blocks its span reaches (`tiers.keys.block_chain`): two prompts whose ids are equal but whose
+images differ never share a page or a window; the same image again reuses them.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ from tqdm import tqdm
 from dsv41_jax import api
 from dsv41_jax.cache import cache_bytes, init_cache
 from dsv41_jax.compile_notice import compiling
+from dsv41_jax.images import expand_prompt, image_mask
 from dsv41_jax.plan import Mode, build_plan, encoder_depth
 from dsv41_jax.serving import slots as rows
 from dsv41_jax.sampling import sample
@@ -127,6 +135,9 @@ class Request:
     seed: int = 0
     stop_tokens: tuple = ()
     id: str | None = None
+    # PreparedImage per `image_token_id` placeholder of the prompt, in order; without images the prompt is
+    # text, whatever ids it holds (random-id prompts may contain the image token id)
+    images: tuple = ()
 
 
 @dataclass
@@ -146,6 +157,7 @@ class _Live:
     prompt: np.ndarray
     t_submit: float
     t_first: float = 0.0
+    spans: list = field(default_factory=list)  # ImageSpan of each image in `prompt`
 
 
 class Engine:
@@ -177,7 +189,12 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def validate(self, req: Request) -> np.ndarray:
-        """The prompt as int32 [n], or ValueError saying what is wrong with the request."""
+        """The prompt as int32 [n] (image placeholders expanded to their spans), or ValueError saying what
+        is wrong with the request."""
+        return self._checked(req)[0]
+
+    def _checked(self, req: Request) -> tuple[np.ndarray, list]:
+        """(prompt int32 [n] with its image spans expanded, the spans), or ValueError (see `validate`)."""
         p = np.asarray(req.prompt)
         if p.ndim != 1 or p.size == 0:
             raise ValueError(f"empty prompt (shape {p.shape}): give at least one token id")
@@ -186,6 +203,11 @@ class Engine:
         v = self.cfg.vocab_size
         if p.min() < 0 or p.max() >= v:
             raise ValueError(f"prompt has ids outside [0, {v}): min {p.min()}, max {p.max()}")
+        spans = []
+        if req.images:
+            if not self.cfg.vision_n_layers:
+                raise ValueError("this model has no vision tower (vision_n_layers == 0): it cannot take images")
+            p, spans = expand_prompt(p, list(req.images), self.cfg)
         if not isinstance(req.max_new_tokens, (int, np.integer)) or req.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {req.max_new_tokens!r}")
         if p.size + req.max_new_tokens > self.ecfg.capacity:
@@ -196,14 +218,14 @@ class Engine:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if any(not (0 <= int(s) < v) for s in req.stop_tokens):
             raise ValueError(f"stop tokens must be ids in [0, {v}), got {list(req.stop_tokens)}")
-        return p.astype(np.int32)
+        return p.astype(np.int32), spans
 
     def submit(self, req: Request) -> str:
         """Queue a request; raises ValueError (and queues nothing) when it is malformed."""
-        prompt = self.validate(req)
+        prompt, spans = self._checked(req)
         rid = req.id or f"req{self._n}"
         self._n += 1
-        self.queue.append(_Live(req, Result(rid), prompt, time.perf_counter()))
+        self.queue.append(_Live(req, Result(rid), prompt, time.perf_counter(), spans=spans))
         return rid
 
     def generate(self, requests: list[Request]) -> list[Result]:
@@ -298,18 +320,18 @@ class Engine:
         self.done.append(lv.res)
 
     # ------------------------------------------------------------------ prefill and prefix reuse
-    def _chunks(self, row, ids: np.ndarray, lo: int, hi: int, desc: str, layers: int | None = None):
+    def _chunks(self, row, ids: np.ndarray, lo: int, hi: int, desc: str, layers: int | None = None, enc=()):
         """Prefill tokens [lo, hi) of ids onto a device row in fixed-width chunks through the first `layers`
-        layers (None: all); (logits [1, V] | None, row)."""
+        layers (None: all), with the encoded image spans `enc`; (logits [1, V] | None, row)."""
         cw, logits = self.ecfg.prefill_chunk, None
         n_chunks = len(range(lo, hi, cw))
         if not n_chunks:
             return logits, row
         chunks = api.prefill_chunks(self.cfg, self.params, row, ids[None], lo, hi, cw, layers=layers,
-                                    kernels=self.ecfg.kernels)
+                                    kernels=self.ecfg.kernels, images=[list(enc)] if enc else None)
         part = "" if layers in (None, self.cfg.n_layers) else f", layers 0-{layers - 1}"
-        with compiling(("prefill", self.cfg, cw, self.ecfg.capacity, layers, self.ecfg.kernels),
-                       f"prefill [B=1, T={cw}{part}]", self.ecfg.progress):
+        with compiling(("prefill", self.cfg, cw, self.ecfg.capacity, layers, self.ecfg.kernels, bool(enc)),
+                       f"prefill [B=1, T={cw}{part}{', images' if enc else ''}]", self.ecfg.progress):
             _, _, logits, row = next(chunks)
         # the bar starts after the compile, so its rate and ETA are the chunks'
         for _, _, logits, row in tqdm(chunks, total=n_chunks - 1, desc=desc, unit="chunk", file=sys.stderr,
@@ -317,7 +339,7 @@ class Engine:
             pass
         return logits, row
 
-    def _restore(self, ids: np.ndarray, keys: list[str], m: dict):
+    def _restore(self, ids: np.ndarray, keys: list[str], m: dict, enc=()):
         """(device row, reused prefix R, state exact?) from the tiers; R == 0 when nothing is usable."""
         if not (self.store and self.ecfg.prefix_reuse and keys):
             return None, 0, True
@@ -337,24 +359,25 @@ class Engine:
             m["host_window_hit"], m["host_bytes_read"] = True, sum(a.nbytes for a in snap.values())
             row = row.replace(lengths=np.array([r], np.int32), window_start=snap["window_start"],
                               window={k[len("window."):]: v for k, v in snap.items() if k.startswith("window.")},
-                              ngram_history=self._history(ids, r))
+                              ngram_history=self._history(ids, r, enc))
             m["prefix_path"] = "host_restore"
             return jax.device_put(row), r, True
         if not self.replay_ok or r < w:
             m["disk_pages_unused"] = len(pages)  # no window and no replay: recompute from scratch
             m["prefix_path"] = "recompute"
             return None, 0, True
-        row = rows.reset_row(row, r - w).replace(ngram_history=self._history(ids, r - w))
-        _, dev = self._chunks(jax.device_put(row), ids, r - w, r, "replay")
+        row = rows.reset_row(row, r - w).replace(ngram_history=self._history(ids, r - w, enc))
+        _, dev = self._chunks(jax.device_put(row), ids, r - w, r, "replay", enc=enc)
         # the replay recomputed the global rows of [r - w, r) from a partial window: put the exact ones back
         host = rows.fill_from_pages(rows.to_host(dev), pages, self.ratios, pt)
         m["replayed_tokens"], m["prefix_path"] = w, "bounded_replay"
         return jax.device_put(host), r, False
 
-    def _history(self, ids, n):
+    def _history(self, ids, n, enc=()):
         if self.token_map is None:
             return np.zeros((1, 0), np.int32)
-        return rows.ngram_history_at(self.token_map, ids, n, self.hist_width)
+        dead = image_mask(enc, len(ids)) if enc else None  # image positions end every n-gram
+        return rows.ngram_history_at(self.token_map, ids, n, self.hist_width, dead)
 
     def _publish(self, row, ids: np.ndarray, keys: list[str], start: int, split: int, m: dict) -> None:
         """Write the pages of [start, split) and the window at `split` to the tiers (exact states only)."""
@@ -369,9 +392,10 @@ class Engine:
         if self.host.put(keys[split // pt - 1], snap):
             m["host_bytes_written"] = sum(a.nbytes for a in snap.values())
 
-    def prefill(self, ids: np.ndarray) -> tuple[jax.Array, object, dict]:
-        """Prefill one prompt (int32 [n]) through the tiers: (logits f32 [1, V] at its last token, its device
-        row (a batch-1 `Cache`), metrics). Reads and writes the tiers as a request does; occupies no slot.
+    def prefill(self, ids: np.ndarray, spans=()) -> tuple[jax.Array, object, dict]:
+        """Prefill one prompt (int32 [n], image spans `spans` expanded in it) through the tiers: (logits f32
+        [1, V] at its last token, its device row (a batch-1 `Cache`), metrics). Reads and writes the tiers
+        as a request does; occupies no slot.
 
         Metrics: prefix_path (how the state at the cached prefix was obtained: "cold", nothing usable cached;
         "host_restore", pages + window from the host pool, exact; "bounded_replay", pages + the last window
@@ -382,19 +406,22 @@ class Engine:
         """
         pt, n, m = self.ecfg.page_tokens, ids.size, {}
         split = (n - 1) // pt * pt  # the last page boundary before the last prompt token
-        keys = block_chain(self.fp, ids[:split], pt) if self.store else []
+        images = [(s.start, s.stop, s.image.digest) for s in spans]
+        keys = block_chain(self.fp, ids[:split], pt, images) if self.store else []
         m.update(prompt_tokens=int(n), prefix_path="cold", disk_pages_hit=0, host_window_hit=False, replayed_tokens=0,
-                 disk_bytes_read=0, disk_bytes_written=0, host_bytes_read=0, host_bytes_written=0)
-        row, start, exact = self._restore(ids, keys, m)
+                 disk_bytes_read=0, disk_bytes_written=0, host_bytes_read=0, host_bytes_written=0,
+                 image_tokens=int(sum(s.image.n_tokens for s in spans)))
+        enc = api.encode_spans(self.cfg, self.params, spans) if spans else []  # once per request
+        row, start, exact = self._restore(ids, keys, m, enc)
         if row is None:
             row = jax.device_put(self._empty_row)
         m["reused_tokens"] = start
         mid = self._decoder_start(start, split)
-        _, row = self._chunks(row, ids, start, mid, "prefill", layers=self.encoder_depth)
-        _, row = self._chunks(row, ids, mid, split, "prefill")
+        _, row = self._chunks(row, ids, start, mid, "prefill", layers=self.encoder_depth, enc=enc)
+        _, row = self._chunks(row, ids, mid, split, "prefill", enc=enc)
         if self.store and exact and split > start:
             self._publish(row, ids, keys, start, split, m)
-        logits, row = self._chunks(row, ids, split, n, "prefill")
+        logits, row = self._chunks(row, ids, split, n, "prefill", enc=enc)
         m["prefilled_tokens"] = int(n - start) + m["replayed_tokens"]
         m["decoder_prefill_tokens"] = int(n - mid) + m["replayed_tokens"]
         return logits, row, m
@@ -408,7 +435,7 @@ class Engine:
 
     def _admit(self, lv: _Live, slot: int) -> None:
         t0 = time.perf_counter()
-        logits, row, m = self.prefill(lv.prompt)
+        logits, row, m = self.prefill(lv.prompt, lv.spans)
         m = lv.res.metrics = {"queue_s": t0 - lv.t_submit, **m}
         self.cache = rows.put_row(self.cache, slot, row)
         first = int(np.asarray(sample(logits, jnp.asarray([lv.req.temperature], jnp.float32),

@@ -77,12 +77,15 @@ def pages_match(pages: list[dict], tokens: np.ndarray, page_tokens: int, row: Ca
     return all(set(p) == set(want) | {"tokens"} and all(p[n].shape[1:] == s for n, s in want.items()) for p in pages)
 
 
-def ngram_history_at(token_map: np.ndarray, tokens: np.ndarray, n: int, width: int) -> np.ndarray:
-    """int32 [1, width]: the engram history after n tokens (compressed ids of the last `width`, -1 before 0)."""
+def ngram_history_at(token_map: np.ndarray, tokens: np.ndarray, n: int, width: int,
+                     dead: np.ndarray | None = None) -> np.ndarray:
+    """int32 [1, width]: the engram history after n tokens (compressed ids of the last `width`, -1 before 0
+    and at the positions where `dead` (bool [>= n]: image spans) is set)."""
     out = np.full((1, width), -1, np.int32)
     take = min(n, width)
     if take:
-        out[0, width - take:] = token_map[np.asarray(tokens[n - take:n])]
+        comp = token_map[np.asarray(tokens[n - take:n])]
+        out[0, width - take:] = comp if dead is None else np.where(dead[n - take:n], -1, comp)
     return out
 
 

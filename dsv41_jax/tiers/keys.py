@@ -47,18 +47,24 @@ def fingerprint(config, weights: str, page_tokens: int, extra: str = "") -> str:
     return h.hexdigest()
 
 
-def block_chain(fp: str, tokens, page_tokens: int) -> list[str]:
+def block_chain(fp: str, tokens, page_tokens: int, images=()) -> list[str]:
     """Chained hashes of the full blocks of `tokens`: key[k] covers tokens[: (k+1) * page_tokens].
 
-    key[k] = H(key[k-1] | tokens of block k), seeded with the fingerprint, so equal keys mean an equal
-    whole prefix from the same producer, never just an equal block.
+    key[k] = H(key[k-1] | tokens of block k | the images reaching block k), seeded with the fingerprint,
+    so equal keys mean an equal whole prefix from the same producer, never just an equal block.
+    images: (start, stop, content digest) of each image span: every span position holds the same image
+    token id, so the digest is what tells two images apart (a prompt without images hashes as before).
     """
     t = np.asarray(tokens, dtype="<i4").reshape(-1)
     keys, prev = [], fp
     for k in range(len(t) // page_tokens):
+        lo, hi = k * page_tokens, (k + 1) * page_tokens
         h = _h()
         h.update(prev.encode())
-        h.update(t[k * page_tokens:(k + 1) * page_tokens].tobytes())
+        h.update(t[lo:hi].tobytes())
+        for start, stop, digest in images:
+            if start < hi and stop > lo:
+                h.update(f"|image {start} {stop} {digest}".encode())
         prev = h.hexdigest()
         keys.append(prev)
     return keys
