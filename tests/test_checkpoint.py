@@ -148,7 +148,11 @@ def test_released_tensor_list_matches_v41_flash_params():
     inv = check_tensors(cfg, listing)
     assert inv.problems == [] and inv.quantized and inv.scheme == "released"
     notes = " | ".join(inv.notes)
-    assert "2401 tensor(s): DSpark" in notes and "266 tensor(s): vision" in notes and "40 tensor(s): MoE routing bias" in notes
+    # the DSpark stages (2,401 tensors, 3 of them image-routing biases) fill the mtp/* params
+    assert "266 tensor(s): vision" in notes and "43 tensor(s): MoE routing bias" in notes and "DSpark" not in notes
+    assert any(e.param.startswith("mtp/2/markov_head") for e in entries(cfg))
+    no_draft = check_tensors(cfg.replace(n_mtp_layers=0), listing)
+    assert no_draft.problems == [] and "2398 tensor(s): DSpark" in " | ".join(no_draft.notes)
     for fmt in ("fp8", "float"):
         params = set(flat_params(d.abstract_params(cfg.replace(weight_format=fmt))))
         layout = set()
