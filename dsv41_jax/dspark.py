@@ -60,7 +60,7 @@ from dsv41_jax.engram_hash import advance_history
 from dsv41_jax.hyper import collapse
 from dsv41_jax.layers import Embedding, Linear, RMSNorm, released_fp8_linear
 from dsv41_jax.plan import LayerPlan, Mode, build_plan
-from dsv41_jax.quant import fake_quant
+from dsv41_jax.quant import fake_quant, fake_quant_ste
 from dsv41_jax.rope import apply_rope
 
 
@@ -78,19 +78,20 @@ class DSparkAttention(Attention):
         """Main KV rows [B, T, hd] (before FP8) of main_x at positions pos_bt."""
         return apply_rope(self.kv_norm(self.wkv(main_x_btd, backend=backend)), pos_bt, self.inv_freq)
 
-    def draft(self, x_bkd: jax.Array, ring: dict, lengths_b: jax.Array, fmt, backend: str) -> jax.Array:
-        """The block's attention: x [B, K, dim] at positions lengths + [0, K); ring: this stage's
-        records [B, W, ...]. Returns [B, K, dim]."""
+    def draft(self, x_bkd: jax.Array, ring_bwd: jax.Array, filled_bw: jax.Array, lengths_b: jax.Array, fmt,
+              backend: str, ste: bool = False) -> jax.Array:
+        """The block's attention: x [B, K, dim] at positions lengths + [0, K); ring_bwd: this stage's ring
+        keys f32 [B, W, hd] (as stored), filled_bw: which slots hold a position. Returns [B, K, dim].
+        ste: straight-through fake quantization of the block keys (training)."""
         cfg = self.cfg
         b, k, _ = x_bkd.shape
         pos = lengths_b[:, None] + jnp.arange(k, dtype=jnp.int32)
         qr = self.q_norm(self.wq_a(x_bkd, backend=backend))
         q = apply_rope(self.wq_b(qr, backend=backend).reshape(b, k, cfg.n_heads, cfg.head_dim), pos, self.inv_freq)
-        kv = fake_quant(fmt.window_kv, apply_rope(self.kv_norm(self.wkv(x_bkd, backend=backend)), pos,
-                                                  self.inv_freq))
-        keys = jnp.concatenate([fmt.window_kv.decode(ring), kv.astype(jnp.float32)], axis=1)  # [B, W + K, hd]
-        filled = _ring_positions(lengths_b, cfg.window_size) >= 0  # [B, W]
-        mask = jnp.concatenate([filled, jnp.ones((b, k), bool)], axis=1)[:, None, :]
+        kv = apply_rope(self.kv_norm(self.wkv(x_bkd, backend=backend)), pos, self.inv_freq).astype(jnp.float32)
+        kv = (fake_quant_ste if ste else fake_quant)(fmt.window_kv, kv)
+        keys = jnp.concatenate([ring_bwd, kv], axis=1)  # [B, W + K, hd]
+        mask = jnp.concatenate([filled_bw, jnp.ones((b, k), bool)], axis=1)[:, None, :]
         o = ops.attend(q, keys, jnp.broadcast_to(mask, (b, k, keys.shape[1])), self.attn_sink[...], self.scale)
         return self.project_out(o, pos, x_bkd.dtype, backend)
 
@@ -159,6 +160,32 @@ def _draw(logits_bv: jax.Array, temperature_b: jax.Array, keys_b: jax.Array) -> 
     return jnp.where(temperature_b > 0, drawn, jnp.argmax(logits_bv, axis=-1)).astype(jnp.int32)
 
 
+def _stages(model, rings: list, filled_bw, tok_b, lengths_b, backend: str, ste: bool = False) -> jax.Array:
+    """The draft stages over blocks [t0, noise, ...] at positions lengths + [0, K): collapsed hidden
+    [B, K, dim] (before the last stage's norm). rings: per stage, ring keys f32 [B, W, hd]."""
+    cfg = model.cfg
+    k, dt, fmt = cfg.dspark_block_size, jnp.dtype(cfg.dtype), formats_of(cfg)
+    b = tok_b.shape[0]
+    ids = jnp.concatenate([tok_b[:, None], jnp.full((b, k - 1), cfg.dspark_noise_token_id, jnp.int32)], axis=1)
+    h = jnp.broadcast_to(model.embed(ids).astype(dt)[:, :, None, :], (b, k, cfg.hc_mult, cfg.dim))
+    pre = jnp.zeros((b, k, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
+    for stage, ring in zip(model.mtp, rings):
+        attend = lambda x, st=stage, r=ring: st.attn.draft(x, r, filled_bw, lengths_b, fmt, backend, ste)
+        h, pre = stage.mix(h, pre, attend, None, backend)
+    return collapse(h, pre)
+
+
+def _markov(last, prev_b: jax.Array):
+    """(logit bias f32 [B, V], embedding [B, rank]) of the Markov head for the previous tokens."""
+    emb = last.markov_head.embed(prev_b)
+    return last.markov_head.head(emb.astype(jnp.float32), jnp.float32), emb
+
+
+def _confidence(last, x_bkd, embeds_bkr) -> jax.Array:
+    feats = jnp.concatenate([x_bkd, embeds_bkr.astype(x_bkd.dtype)], axis=-1).astype(jnp.float32)
+    return last.confidence_head.proj(feats, jnp.float32)[..., 0]
+
+
 def draft(model, window: dict, tok_b: jax.Array, lengths_b: jax.Array, temperature_b: jax.Array,
           seed_b: jax.Array, step_b: jax.Array, backend: str = "jnp"):
     """Draft K = dspark_block_size tokens after t0 = tok_b (position lengths_b, not cached).
@@ -167,30 +194,63 @@ def draft(model, window: dict, tok_b: jax.Array, lengths_b: jax.Array, temperatu
     softmax(logits[:, i] / temperature)), confidence f32 [B, K] (logits of the confidence head)).
     """
     cfg = model.cfg
-    k, dt = cfg.dspark_block_size, jnp.dtype(cfg.dtype)
-    b = tok_b.shape[0]
     fmt = formats_of(cfg)
-    ids = jnp.concatenate([tok_b[:, None], jnp.full((b, k - 1), cfg.dspark_noise_token_id, jnp.int32)], axis=1)
-    h = jnp.broadcast_to(model.embed(ids).astype(dt)[:, :, None, :], (b, k, cfg.hc_mult, cfg.dim))
-    pre = jnp.zeros((b, k, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
-    for s, stage in enumerate(model.mtp):
-        ring = jax.tree.map(lambda a, s=s: a[s], window)
-        h, pre = stage.mix(h, pre, lambda x, st=stage, r=ring: st.attn.draft(x, r, lengths_b, fmt, backend), None,
-                           backend)
+    rings = [fmt.window_kv.decode(jax.tree.map(lambda a, s=s: a[s], window)) for s in range(cfg.n_mtp_layers)]
+    filled = _ring_positions(lengths_b, cfg.window_size) >= 0  # [B, W]
+    x = _stages(model, rings, filled, tok_b, lengths_b, backend)
     last = model.mtp[-1]
-    x = collapse(h, pre)  # [B, K, dim]
     logits = model.head(last.norm(x).astype(jnp.float32), jnp.float32)
     prev, drafts, biased, embeds = tok_b, [], [], []
-    for i in range(k):  # the Markov bias of slot i depends on the token drawn at slot i - 1
-        emb = last.markov_head.embed(prev)
-        li = logits[:, i] + last.markov_head.head(emb.astype(jnp.float32), jnp.float32)
+    for i in range(cfg.dspark_block_size):  # the Markov bias of slot i depends on the token drawn at slot i - 1
+        bias, emb = _markov(last, prev)
+        li = logits[:, i] + bias
         prev = _draw(li, temperature_b, _row_keys(seed_b, step_b, i))
         drafts.append(prev)
         biased.append(li)
         embeds.append(emb)
-    feats = jnp.concatenate([x, jnp.stack(embeds, axis=1).astype(x.dtype)], axis=-1).astype(jnp.float32)
-    confidence = last.confidence_head.proj(feats, jnp.float32)[..., 0]
-    return jnp.stack(drafts, axis=1), jnp.stack(biased, axis=1), confidence
+    return jnp.stack(drafts, axis=1), jnp.stack(biased, axis=1), _confidence(last, x, jnp.stack(embeds, axis=1))
+
+
+def distill_loss(model, hidden_btf: jax.Array, target_btv: jax.Array, tokens_bt: jax.Array,
+                 anchors: tuple[int, ...]):
+    """Self-distillation loss of the draft stages on a frozen target's forward over tokens_bt [B, T].
+
+    hidden_btf / target_btv: that forward's "main_hidden" and logits (gradients stopped here). For each
+    anchor n (1 <= n <= T - K) the draft sees what it sees at inference with n tokens cached: rings of
+    main KV at positions [n - W, n) (fake-quantized straight-through) and t0 = tokens[n]; slot i is
+    trained towards the target's distribution at position n + i, its Markov bias teacher-forced with
+    tokens[n + i]. The confidence head learns by binary cross-entropy whether the draft's greedy token
+    at each slot and all before it equal the target's (greedy acceptance). Returns (kl + bce, aux).
+    """
+    cfg = model.cfg
+    k, w = cfg.dspark_block_size, cfg.window_size
+    b, t = tokens_bt.shape
+    if not anchors or min(anchors) < 1 or max(anchors) > t - k:
+        raise ValueError(f"anchors {anchors} must lie in 1..{t - k} (T={t}, dspark_block_size={k})")
+    hidden_btf, target_btv = jax.lax.stop_gradient(hidden_btf), jax.lax.stop_gradient(target_btv)
+    fmt = formats_of(cfg)
+    pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    main_x = model.mtp[0].main_norm(model.mtp[0].main_proj(hidden_btf))
+    n = jnp.asarray(anchors, jnp.int32)  # [A]
+    ring_pos = n[:, None] - w + jnp.arange(w)  # [A, W]
+    rings = []
+    for stage in model.mtp:
+        kv = fake_quant_ste(fmt.window_kv, stage.attn.main_kv(main_x, pos_bt, "jnp").astype(jnp.float32))
+        rings.append(kv[:, jnp.clip(ring_pos, 0, t - 1)].reshape(b * len(anchors), w, -1))  # [B*A, W, hd]
+    filled = jnp.tile(ring_pos >= 0, (b, 1))
+    slots = n[:, None] + jnp.arange(k)  # [A, K]
+    prev = tokens_bt[:, slots].reshape(-1, k)  # slot i's previous token: t0, then tokens[n + i]
+    target = target_btv[:, slots].reshape(-1, k, target_btv.shape[-1])
+    x = _stages(model, rings, filled, prev[:, 0], jnp.repeat(n[None], b, 0).reshape(-1), "jnp", ste=True)
+    last = model.mtp[-1]
+    bias, emb = jax.vmap(lambda p: _markov(last, p), in_axes=1, out_axes=1)(prev)
+    logits = model.head(last.norm(x).astype(jnp.float32), jnp.float32) + bias
+    log_p = jax.nn.log_softmax(target, axis=-1)
+    kl = jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - jax.nn.log_softmax(logits, axis=-1)), axis=-1))
+    hit = jnp.cumprod((jnp.argmax(logits, -1) == jnp.argmax(target, -1)).astype(jnp.float32), axis=1)
+    conf = _confidence(last, x, emb)
+    bce = jnp.mean(jnp.maximum(conf, 0) - conf * hit + jnp.log1p(jnp.exp(-jnp.abs(conf))))
+    return kl + bce, {"draft_kl": kl, "confidence_bce": bce, "greedy_acceptance": jnp.mean(jnp.sum(hit, axis=1))}
 
 
 # ----------------------------------------------------------------------------- accept and commit
