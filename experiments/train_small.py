@@ -44,6 +44,7 @@ def study_config(preset: str, plan: str, study: bool) -> ModelConfig:
     """The trained config: the preset cut to the byte vocabulary, f32 master weights, optionally the
     study's selection sizes and the all-Full plan."""
     cfg = d.preset(preset, vocab_size=TOK.size, engram_compressed_vocab_size=TOK.size, param_dtype="float32",
+                   dspark_noise_token_id=TOK.size - 1,
                    sinkhorn_unroll="rolled")  # unrolled, compiles take minutes
     if study:
         cfg = cfg.replace(index_topk=64, candidate_topk_blocks=16, candidate_block_size=8)
