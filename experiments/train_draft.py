@@ -48,7 +48,7 @@ def draft_config(cfg, args):
 
 def with_target(params, target_params):
     """`params` (a draft config's) with every backbone leaf taken from the trained target's."""
-    got = flat_params(target_params)
+    got = {k: v for k, v in flat_params(target_params).items() if not k.startswith("mtp/")}  # its own drafts: not ours
     return jax.tree_util.tree_map_with_path(
         lambda p, x: got.get("/".join(str(k.key) for k in p if isinstance(k, jax.tree_util.DictKey)), x), params)
 
