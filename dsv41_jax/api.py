@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv41_jax import dspark
 from dsv41_jax.cache import Cache, cache_capacity, init_cache
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.images import EncodedSpan
@@ -38,7 +39,8 @@ from dsv41_jax.model import Transformer
 from dsv41_jax.sampling import sample
 
 __all__ = ["init_params", "abstract_params", "prefill", "prefill_chunks", "decode_step", "generate", "forward",
-           "init_cache", "graphdef", "encode_image", "encode_spans"]
+           "init_cache", "graphdef", "encode_image", "encode_spans", "init_draft_window", "speculative_prefill",
+           "speculative_generate"]
 
 
 def _abstract_model(cfg: ModelConfig) -> Transformer:
@@ -301,3 +303,101 @@ def generate(cfg: ModelConfig, params, cache: Cache, tokens_b, n_steps: int, *, 
     return _generate_jit(cfg, params, cache, tokens_b.astype(jnp.int32), per_seq(temperature_b, jnp.float32),
                          per_seq(seed_b, jnp.uint32), per_seq(step_b, jnp.int32), budget, stop, n_steps=n_steps,
                          kernels=resolve(kernels))
+
+
+# ----------------------------------------------------------------------------- DSpark speculative decoding
+def _check_dspark(cfg: ModelConfig) -> None:
+    if not cfg.has_dspark:
+        raise ValueError("this config has no DSpark draft stages (n_mtp_layers or dspark_block_size is 0); "
+                         "speculative decoding needs a config and params with them")
+
+
+def init_draft_window(cfg: ModelConfig, batch: int) -> dict:
+    """Empty DSpark draft rings for `batch` sequences (see dsv41_jax.dspark); they follow the cache's lengths."""
+    _check_dspark(cfg)
+    return dspark.init_draft_window(cfg, batch)
+
+
+def _speculative_prefill(cfg, params, cache, window, tokens_bt, n_new_b, *, kernels):
+    model = nnx.merge(graphdef(cfg), params)
+    extras: dict = {}
+    logits, new_cache = model.forward(cache, tokens_bt, n_new_b, all_logits=False, kernel_backend=kernels,
+                                      extras=extras)
+    window = dspark.write_rings(model, window, extras["main_hidden"], cache.lengths, n_new_b, kernels)
+    return logits, new_cache, window
+
+
+_speculative_prefill_jit = jax.jit(_speculative_prefill, static_argnames=("cfg", "kernels"),
+                                   donate_argnames=("cache", "window"))
+
+
+def speculative_prefill(cfg: ModelConfig, params, cache: Cache, window: dict, tokens_bt, lengths_b, *,
+                        kernels: str = "jnp"):
+    """`prefill` that also fills the DSpark draft rings from the target's hidden streams (one forward).
+
+    Same inputs as `prefill` plus `window` (from `init_draft_window`, or the previous call's); returns
+    (logits f32 [B, V] at each prompt's last token, cache, window). Cache and window are donated.
+    """
+    _check_dspark(cfg)
+    tokens_bt = jnp.asarray(tokens_bt)
+    if tokens_bt.ndim != 2 or tokens_bt.shape[0] != cache.batch or tokens_bt.shape[1] == 0:
+        raise ValueError(f"tokens must be [batch={cache.batch}, tokens >= 1], got shape {tokens_bt.shape}")
+    _check_tokens(cfg, tokens_bt, "tokens")
+    lengths_b = jnp.asarray(lengths_b)
+    if lengths_b.shape != (cache.batch,) or not jnp.issubdtype(lengths_b.dtype, jnp.integer):
+        raise ValueError(f"lengths must be an integer array of shape ({cache.batch},), got {lengths_b.shape}")
+    if _concrete(lengths_b) and ((np.asarray(lengths_b) < 1) | (np.asarray(lengths_b) > tokens_bt.shape[1])).any():
+        raise ValueError(f"lengths must be in 1..{tokens_bt.shape[1]}, got {np.asarray(lengths_b).tolist()}")
+    _check_room(cfg, cache, lengths_b, "")
+    return _speculative_prefill_jit(cfg, params, cache, window, tokens_bt.astype(jnp.int32),
+                                    lengths_b.astype(jnp.int32), kernels=resolve(kernels))
+
+
+def _speculative_generate(cfg, params, cache, window, tokens_b, temperature_b, seed_b, step_b, budget_b, stop_bs,
+                          *, n_steps: int, kernels: str):
+    model = nnx.merge(graphdef(cfg), params)
+
+    def one_step(carry, _):
+        cache, window, tok, count, budget = carry
+        out, n_out, tok, budget, cache, window, stats = dspark.speculative_step(
+            model, cache, window, tok, temperature_b, seed_b, step_b + count, budget, stop_bs, kernels)
+        return (cache, window, tok, count + n_out, budget), (out, n_out, stats["accepted"])
+
+    init = (cache, window, tokens_b, jnp.zeros_like(budget_b), budget_b)
+    (cache, window, tok, _, _), (out, n_out, accepted) = jax.lax.scan(one_step, init, length=n_steps)
+    return out.transpose(1, 0, 2), n_out.T, accepted.T, tok, cache, window
+
+
+_speculative_generate_jit = jax.jit(_speculative_generate, static_argnames=("cfg", "n_steps", "kernels"),
+                                    donate_argnames=("cache", "window"))
+
+
+def speculative_generate(cfg: ModelConfig, params, cache: Cache, window: dict, tokens_b, n_steps: int, *,
+                         temperature_b=0.0, seed_b=0, step_b=0, budget_b=None, stop_ids_bs=None,
+                         kernels: str = "jnp"):
+    """Up to `n_steps` DSpark steps (draft a block, verify it with one target forward, commit the accepted
+    prefix; `dspark.speculative_step`) in one compiled call. Cache and window are donated.
+
+    Arguments as in `generate` (tokens_b: each sequence's newest token, not cached; budget_b: tokens it
+    may still emit, default n_steps * (dspark_block_size + 1)). At temperature 0 the emitted tokens are
+    exactly those of `generate`; when sampling they are distributed as the target's samples.
+    Returns (tokens int32 [B, n_steps, K+1] (-1 padded), n_out int32 [B, n_steps] (tokens emitted per
+    step), accepted int32 [B, n_steps] (drafts accepted per step), next tokens_b, cache, window).
+    """
+    _check_dspark(cfg)
+    tokens_b = _check_next_tokens(cfg, cache, tokens_b)
+    if not isinstance(n_steps, int) or n_steps < 1:
+        raise ValueError(f"n_steps must be a positive int, got {n_steps!r}")
+    b, k = cache.batch, cfg.dspark_block_size
+    per_seq = lambda v, dt: jnp.broadcast_to(jnp.asarray(v, dt), (b,))
+    budget = per_seq(n_steps * (k + 1) if budget_b is None else budget_b, jnp.int32)
+    # a verify forward appends a whole block before the rejected tail is dropped
+    _check_room(cfg, cache, jnp.minimum(budget, n_steps * (k + 1)) + k, f" in {n_steps} speculative steps "
+                f"(each verifies {k + 1} tokens)")
+    stop = jnp.full((b, 1), -1, jnp.int32) if stop_ids_bs is None else jnp.asarray(stop_ids_bs, jnp.int32)
+    if stop.ndim != 2 or stop.shape[0] != b:
+        raise ValueError(f"stop_ids_bs must be [{b}, S] (-1 padded), got shape {stop.shape}")
+    return _speculative_generate_jit(cfg, params, cache, window, tokens_b.astype(jnp.int32),
+                                     per_seq(temperature_b, jnp.float32), per_seq(seed_b, jnp.uint32),
+                                     per_seq(step_b, jnp.int32), budget, stop, n_steps=n_steps,
+                                     kernels=resolve(kernels))

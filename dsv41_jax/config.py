@@ -46,7 +46,7 @@ class ModelConfig:
     vocab_size: int = 129280
     dim: int = 5120
     n_layers: int = 40
-    n_mtp_layers: int = 3  # draft layers: entries of compress_ratios past n_layers, unused here
+    n_mtp_layers: int = 3  # DSpark draft stages (`mtp.*`); their compress_ratios entries (past n_layers) are 0
     # attention: one shared latent KV head (MQA), low-rank query, grouped low-rank output
     n_heads: int = 64
     head_dim: int = 512
@@ -109,6 +109,15 @@ class ModelConfig:
     vision_min_pixels: int = 544 * 544  # smaller images are scaled up to this many pixels
     vision_max_wh_ratio: int | None = None  # wider images are squeezed to this width/height (None: no limit)
     image_token_id: int = 129264  # every position of an image span carries this id
+    # DSpark speculative decoding (dsv41_jax.dspark): n_mtp_layers stages draft dspark_block_size tokens at
+    # once from noise tokens, reading the target's hidden streams at the inputs of dspark_target_layer_ids;
+    # the last stage adds a low-rank Markov head and a confidence head. On iff n_mtp_layers and block > 0.
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128  # 0: the backbone's n_routed_experts
+    dspark_n_activated_experts: int = 3  # 0: the backbone's n_activated_experts
     # ---- runtime switches (not part of the checkpoint) ----
     dtype: Literal["float32", "bfloat16"] = "bfloat16"  # activations / compute
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"  # random-init params
@@ -183,6 +192,17 @@ class ModelConfig:
         return tuple(self.compress_ratios[: self.n_layers])
 
     @property
+    def has_dspark(self) -> bool:
+        """True when the config has DSpark draft stages (the release: 3 stages, blocks of 5)."""
+        return self.n_mtp_layers > 0 and self.dspark_block_size > 0
+
+    def dspark_moe(self) -> "ModelConfig":
+        """This config with the draft stages' expert counts in the backbone's MoE fields."""
+        return dataclasses.replace(
+            self, n_routed_experts=self.dspark_n_routed_experts or self.n_routed_experts,
+            n_activated_experts=self.dspark_n_activated_experts or self.n_activated_experts)
+
+    @property
     def nope_head_dim(self) -> int:
         return self.head_dim - self.rope_head_dim
 
@@ -232,6 +252,21 @@ class ModelConfig:
                  "(one token plus its row end and the two span delimiters)")
             need(0 <= self.image_token_id < self.vocab_size,
                  f"image_token_id={self.image_token_id} outside the vocabulary (0..{self.vocab_size - 1})")
+        if self.has_dspark:
+            extra = self.compress_ratios[self.n_layers:]
+            need(not any(extra), f"compress_ratios past n_layers (the draft stages) must be 0, got {list(extra)}")
+            need(len(self.dspark_target_layer_ids) > 0, "dspark_target_layer_ids is empty: DSpark reads target layers")
+            for l in self.dspark_target_layer_ids:
+                need(0 <= l < self.n_layers, f"dspark_target_layer_ids has layer {l}, outside 0..{self.n_layers - 1}")
+            need(0 <= self.dspark_noise_token_id < self.vocab_size,
+                 f"dspark_noise_token_id={self.dspark_noise_token_id} outside the vocabulary")
+            need(self.dspark_block_size + 1 <= self.window_size,
+                 f"dspark_block_size={self.dspark_block_size} + 1 must fit the window ({self.window_size}): "
+                 "a verified block must not wrap a window ring")
+            need(self.dspark_markov_rank > 0, "dspark_markov_rank must be positive")
+            moe = self.dspark_moe()
+            need(0 < moe.n_activated_experts <= moe.n_routed_experts,
+                 f"dspark experts: {moe.n_activated_experts} activated of {moe.n_routed_experts}")
         build_plan(self)  # CSA2 consistency
 
 
@@ -242,13 +277,14 @@ def tiny() -> ModelConfig:
     6 Reindex (scores only inside the pool of 3 blocks x 4 = 12 positions); 7 Reuse.
     Engram at layers 1 and 3; 4 hyper-connection copies; 8 experts, top-2. A 2-block vision tower
     (patch 14, 3x3 downsample, at most 64 tokens per image); the image token is the last id.
+    DSpark: 2 stages drafting blocks of 3 from the inputs of layers 3 (an Engram layer) and 7.
     """
     return ModelConfig(
-        vocab_size=320, dim=64, n_layers=8, n_mtp_layers=0,
+        vocab_size=320, dim=64, n_layers=8, n_mtp_layers=2,
         n_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=32,
         window_size=16,
         n_routed_experts=8, n_activated_experts=2, moe_inter_dim=32, route_scale=1.5, swiglu_limit=10.0,
-        compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1),
+        compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1, 0, 0),
         kv_source_layers=(2, 4), index_source_layers=(2, 4, 6),
         index_n_heads=4, index_head_dim=32, index_topk=8,
         candidate_source_layer=4, candidate_topk_blocks=3, candidate_block_size=4,
@@ -259,6 +295,8 @@ def tiny() -> ModelConfig:
         engram_compressed_vocab_size=320,
         vision_n_layers=2, vision_dim=32, vision_n_heads=2, vision_inter_dim=64, vision_max_n_token=64,
         vision_min_pixels=84 * 84, image_token_id=319,
+        dspark_block_size=3, dspark_noise_token_id=318, dspark_target_layer_ids=(3, 7), dspark_markov_rank=16,
+        dspark_n_routed_experts=8, dspark_n_activated_experts=2,
         dtype="float32", param_dtype="float32",
     ).with_derived_engram()
 
@@ -268,6 +306,9 @@ def small() -> ModelConfig:
 
     12 layers: 0-1 window-only; 2, 5 Full (m=2); 7 Full (m=1, candidate source); 9, 11 Reindex.
     A 4-block vision tower of width 256 (at most 256 tokens per image).
+    DSpark fields sized for it (one stage, blocks of 4, reading layers 9-11) but no stages
+    (n_mtp_layers=0): `small(n_mtp_layers=1)` adds the stage that `experiments.train_small --dspark`
+    trains on a frozen target.
     """
     return ModelConfig(
         vocab_size=129280, dim=1024, n_layers=12, n_mtp_layers=0,
@@ -280,6 +321,8 @@ def small() -> ModelConfig:
         candidate_source_layer=7, candidate_topk_blocks=512, candidate_block_size=8,
         engram_layer_ids=(1, 5), engram_max_ngram_size=3, engram_n_heads=4, engram_head_dim=128,
         engram_vocab_size=16384, engram_num_embeddings=(), engram_compressed_vocab_size=129280,
+        dspark_block_size=4, dspark_noise_token_id=128799, dspark_target_layer_ids=(9, 10, 11),
+        dspark_markov_rank=64, dspark_n_routed_experts=16, dspark_n_activated_experts=2,
         max_seq_len=262144,
         vision_n_layers=4, vision_dim=256, vision_n_heads=4, vision_inter_dim=704, vision_max_n_token=256,
         vision_min_pixels=224 * 224, image_token_id=129264,

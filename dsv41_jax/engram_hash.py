@@ -152,6 +152,13 @@ def ngram_windows(tokens_bt: jax.Array, history_bh: jax.Array, pad_id: int, max_
     return jnp.stack(cols, axis=-1)
 
 
+def advance_history(history_bh: jax.Array, tokens_bt: jax.Array, n_new_b: jax.Array) -> jax.Array:
+    """The history [B, H] after appending the first n_new_b[b] of tokens_bt (compressed ids) to each row."""
+    full = jnp.concatenate([history_bh, tokens_bt], axis=1)
+    keep = n_new_b[:, None] + jnp.arange(history_bh.shape[1])
+    return jnp.take_along_axis(full, keep, axis=1)
+
+
 def reference_hash_ids_np(layout: EngramHashLayout, windows: np.ndarray) -> np.ndarray:
     """int64 numpy version (the release's arithmetic), for tests."""
     mult = (layout.mult_hi.astype(np.uint64) << np.uint64(32)) | layout.mult_lo.astype(np.uint64)

@@ -16,38 +16,30 @@ from flax import nnx
 from dsv41_jax.attention import Attention, Step, released_key_owner
 from dsv41_jax.cache import Cache, formats_of
 from dsv41_jax.engram import Engram
-from dsv41_jax.engram_hash import EngramHashLayout, ngram_hash_ids, ngram_windows
-from dsv41_jax.hyper import HyperMix, collapse, expand
+from dsv41_jax.engram_hash import EngramHashLayout, advance_history, ngram_hash_ids, ngram_windows
+from dsv41_jax.block import MixedBlock
+from dsv41_jax.dspark import DSparkStage
+from dsv41_jax.hyper import collapse
 from dsv41_jax.layers import Buffer, Embedding, Linear, RMSNorm
-from dsv41_jax.moe import MoE
 from dsv41_jax.plan import build_plan
 from dsv41_jax.sharding import annotate_params
 from dsv41_jax.vision import build_vision, image_span
 
 
-class Block(nnx.Module):
+class Block(MixedBlock):
     def __init__(self, cfg, plan, engram_rows: int | None, *, rngs: nnx.Rngs):
-        self.attn = Attention(cfg, plan, rngs=rngs)
-        self.ffn = MoE(cfg, rngs=rngs)
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        mix = lambda: HyperMix(cfg.dim, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, rngs=rngs,
-                               unroll=cfg.sinkhorn_unroll)
-        self.hc_attn, self.hc_ffn = mix(), mix()
+        self._build(cfg, Attention(cfg, plan, rngs=rngs), cfg, rngs)
         self.engram = Engram(cfg, engram_rows, rngs=rngs) if engram_rows else None
 
-    def __call__(self, h, pre_mix, step: Step, engram_ids=None, image_mask=None):
+    def __call__(self, h, pre_mix, step: Step, engram_ids=None, image_mask=None, capture: list | None = None):
         """h: [B, T, hc, dim]; pre_mix: [B, T, hc] from the previous block; image_mask: bool [B, T] or
-        None (text only). Returns (h, next pre_mix)."""
+        None (text only). Returns (h, next pre_mix). capture: a list that gets this block's input stream
+        (after Engram) averaged over the hc copies, [B, T, dim]: what DSpark reads from its target layers."""
         if self.engram is not None:
             h = self.engram(h, engram_ids, backend=step.kernel_backend, image_mask=image_mask)
-        attn_pre, post, comb = self.hc_attn(h)
-        x = self.attn(self.attn_norm(collapse(h, pre_mix)), step)
-        h = expand(x, h, post, comb)
-        ffn_pre, post, comb = self.hc_ffn(h)
-        x = self.ffn(self.ffn_norm(collapse(h, attn_pre)), step.extras, backend=step.kernel_backend,
-                     image_mask=image_mask)
-        return expand(x, h, post, comb), ffn_pre
+        if capture is not None:
+            capture.append(jnp.mean(h.astype(jnp.float32), axis=2).astype(h.dtype))
+        return self.mix(h, pre_mix, lambda x: self.attn(x, step), step.extras, step.kernel_backend, image_mask)
 
 
 class Transformer(nnx.Module):
@@ -59,6 +51,8 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([Block(cfg, p, rows.get(p.layer), rngs=rngs) for p in plan])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = Linear(cfg.dim, cfg.vocab_size, rngs=rngs, dtype=cfg.param_dtype)
+        if cfg.has_dspark:  # the draft stages share embed and head (dsv41_jax.dspark)
+            self.mtp = nnx.List([DSparkStage(cfg, s, rngs=rngs) for s in range(cfg.n_mtp_layers)])
         if cfg.engram_layer_ids:
             # tokenizer-derived compressed vocabulary for the n-gram hashes (identity for random presets)
             self.engram_token_map = Buffer(jnp.arange(cfg.vocab_size, dtype=jnp.int32) % cfg.engram_compressed_vocab_size)
@@ -110,18 +104,20 @@ class Transformer(nnx.Module):
             pad = self.engram_token_map[...][cfg.engram_pad_id]
             win = ngram_windows(comp, history, pad, cfg.engram_max_ngram_size)
             engram_ids = ngram_hash_ids(EngramHashLayout.from_config(cfg), win)  # [B, T, L_e, cols]
-            full = jnp.concatenate([history, comp], axis=1)
-            keep = n_new_b[:, None] + jnp.arange(history.shape[1])
-            history = jnp.take_along_axis(full, keep, axis=1)
+            history = advance_history(history, comp, n_new_b)
         x0 = self.embed(tokens_bt).astype(dt)
         if image_mask is not None:
             x0 = jnp.where(image_mask[..., None], image_embeds.astype(dt), x0)
         h = jnp.broadcast_to(x0[:, :, None, :], (b, t, cfg.hc_mult, cfg.dim))
         pre = jnp.zeros((b, t, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
         e_slot = {l: i for i, l in enumerate(cfg.engram_layer_ids)}
+        targets = cfg.dspark_target_layer_ids if cfg.has_dspark and extras is not None else ()
+        hidden: list = []
         for layer in range(n_run):
             ids = engram_ids[:, :, e_slot[layer]] if layer in e_slot else None
-            h, pre = self.layers[layer](h, pre, step, ids, image_mask)
+            h, pre = self.layers[layer](h, pre, step, ids, image_mask, hidden if layer in targets else None)
+        if targets and len(hidden) == len(targets):
+            step.extras["main_hidden"] = jnp.concatenate(hidden, axis=-1)
         new_len = cache.lengths + n_new_b
         start = cache.window_start
         if n_run < len(self.layers):  # skipped rings hold nothing before the new length

@@ -24,8 +24,12 @@ What one step trains, as the release does (DeepSeek-V3.2 / V4 recipe):
   each step, bias_e += rate * sign(mean load - load_e) per layer, from the step's routed counts.
 
 `params` is the whole model state of `dsv41_jax.init_params`; the optimizer sees only its
-`nnx.Param` leaves (Buffers: router biases, token maps). Training needs float weights
-(`weight_format="float"`).
+`nnx.Param` leaves (Buffers: router biases, token maps), the DSpark draft stages (`mtp`) excepted.
+Training needs float weights (`weight_format="float"`).
+
+`make_draft_train_step` trains the draft stages alone on a frozen target (self-distillation,
+`dspark.distill_loss`): the target runs its inference forward, the draft learns its distribution at
+the positions it will draft. The draft experts' selection biases are not balanced (left at zero).
 """
 
 from __future__ import annotations
@@ -37,17 +41,30 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from dsv41_jax import dspark
 from dsv41_jax.api import graphdef
 from dsv41_jax.cache import init_cache
 from dsv41_jax.config import ModelConfig
 
 __all__ = ["split_trainable", "init_opt_state", "loss_fn", "indexer_kl", "update_expert_bias",
-           "make_train_step", "save_checkpoint", "restore_checkpoint"]
+           "make_train_step", "split_draft", "init_draft_opt_state", "draft_loss_fn", "make_draft_train_step",
+           "save_checkpoint", "restore_checkpoint"]
+
+_DRAFT = nnx.All(nnx.Param, nnx.PathContains("mtp"))
 
 
 def split_trainable(params: nnx.State) -> tuple[nnx.State, nnx.State]:
-    """(trainable nnx.Param leaves, everything else) of the model state."""
-    return nnx.split_state(params, nnx.Param, ...)
+    """(trainable nnx.Param leaves of the backbone, everything else, draft stages included)."""
+    return nnx.split_state(params, nnx.All(nnx.Param, nnx.Not(nnx.PathContains("mtp"))), ...)
+
+
+def split_draft(params: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(the draft stages' nnx.Param leaves, everything else)."""
+    return nnx.split_state(params, _DRAFT, ...)
+
+
+def init_draft_opt_state(optimizer: optax.GradientTransformation, params: nnx.State):
+    return optimizer.init(split_draft(params)[0])
 
 
 def init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State):
@@ -94,6 +111,38 @@ def loss_fn(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt1:
     kl = (sum(s / jnp.maximum(n, 1.0) for s, n in per_layer) / len(per_layer)) if per_layer else jnp.float32(0)
     aux = {"lm_loss": lm, "indexer_kl": kl, "expert_load": jnp.stack(extras["expert_load"])}
     return lm + kl_weight * kl, aux
+
+
+def draft_loss_fn(draft: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt: jax.Array,
+                  anchors: tuple[int, ...]):
+    """(loss, aux) of the draft stages on the frozen target's forward over tokens_bt int32 [B, T] (one chunk
+    from an empty cache); see `dspark.distill_loss` for the anchors and the loss."""
+    model = nnx.merge(graphdef(cfg), draft, rest)
+    b, t = tokens_bt.shape
+    extras: dict = {}
+    logits, _ = model.forward(init_cache(cfg, b, t), tokens_bt, jnp.full((b,), t, jnp.int32), all_logits=True,
+                              extras=extras)
+    return dspark.distill_loss(model, extras["main_hidden"], logits, tokens_bt, anchors)
+
+
+def make_draft_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, anchors: tuple[int, ...]):
+    """A jitted draft_step(params, opt_state, batch) -> (params, opt_state, metrics) that updates only the
+    draft stages (opt_state from `init_draft_opt_state`). batch: {"tokens": int32 [B, T]}; anchors: the
+    cached lengths at which each sequence is drafted (1 <= n <= T - dspark_block_size)."""
+    _check_trainable(cfg)
+    if not cfg.has_dspark:
+        raise ValueError("this config has no DSpark draft stages to train (n_mtp_layers or dspark_block_size is 0)")
+
+    @jax.jit
+    def draft_step(params, opt_state, batch):
+        draft, rest = split_draft(params)
+        (loss, aux), grads = jax.value_and_grad(draft_loss_fn, has_aux=True)(draft, rest, cfg, batch["tokens"],
+                                                                             anchors)
+        updates, opt_state = optimizer.update(grads, opt_state, draft)
+        draft = optax.apply_updates(draft, updates)
+        return nnx.merge_state(draft, rest), opt_state, {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads)}
+
+    return draft_step
 
 
 def update_expert_bias(rest: nnx.State, load_le: jax.Array, rate: float) -> nnx.State:

@@ -49,7 +49,7 @@ from experiments.bench_kernels import copy_bandwidth, time_op
 def slice_config(**overrides):
     """The released shapes in 6 layers that cover every layer mode (see the module docstring)."""
     return dataclasses.replace(  # validated by with_derived_engram, once the Engram rows exist
-        d.preset("v41-flash"), n_layers=6, compress_ratios=(0, 2, 2, 1, 1, 1), kv_source_layers=(1, 3), index_source_layers=(1, 3, 5),
+        d.preset("v41-flash"), n_layers=6, n_mtp_layers=0, compress_ratios=(0, 2, 2, 1, 1, 1), kv_source_layers=(1, 3), index_source_layers=(1, 3, 5),
         candidate_source_layer=3, engram_layer_ids=(1,), engram_vocab_size=100_003, engram_num_embeddings=(),
         vision_n_layers=0,  # decode speed: the tower runs once per image, in prefill
         **overrides).with_derived_engram()
@@ -58,7 +58,7 @@ def slice_config(**overrides):
 def truncated(cfg, n: int):
     """The first n layers of `cfg` (sources, indexers and Engram past them dropped)."""
     keep = lambda ls: tuple(l for l in ls if l < n)
-    return cfg.replace(n_layers=n, kv_source_layers=keep(cfg.kv_source_layers),
+    return cfg.replace(n_layers=n, n_mtp_layers=0, kv_source_layers=keep(cfg.kv_source_layers),
                        index_source_layers=keep(cfg.index_source_layers),
                        candidate_source_layer=cfg.candidate_source_layer if cfg.candidate_source_layer < n else -1,
                        engram_layer_ids=keep(cfg.engram_layer_ids),

@@ -6,11 +6,19 @@
     python -m experiments.decode --cache-dir /tmp/kv --repeat 2 --output-json run.json   # serving engine
     python -m experiments.decode --checkpoint DIR --prompt-ids ids.npy --cache-dir /tmp/kv --temperature 0
     python -m experiments.decode --image cat.png --prompt "Describe the picture."   # images in the prompt
+    python -m experiments.decode --speculative dspark --batch 4                  # + DSpark, same prompt
 
 Without --engine / --cache-dir the prompt (and its --batch truncations) runs as one static batch, as
 before. With them it goes through `dsv41_jax.serving.Engine`: fixed decode slots, chunked prefill,
 prefix reuse from the host pool and the on-disk page store, per-request metrics in the JSON.
 Random-weight presets produce random text: this measures the machinery, not quality.
+
+`--speculative dspark` (static batch only) decodes the same prompt a second time with DSpark speculative
+decoding (dsv41_jax.dspark: draft a block, verify it with one target forward, commit the accepted prefix)
+and reports acceptance length (tokens per verify step), draft and verify time per step and tokens/s,
+next to the plain decode's tokens/s from the same run, and whether the tokens agree (they must at
+temperature 0). Random draft weights accept almost nothing: trained ones come from --run (a
+`experiments.train_small --dspark` output).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import resource
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +89,10 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the preset's)")
     ap.add_argument("--kernels", default="auto", choices=["auto", "jnp", "pallas"])
     ap.add_argument("--output-json", help="write generated ids and metrics here")
+    ap.add_argument("--speculative", choices=["dspark"], help="also decode with DSpark speculative decoding and "
+                    "compare (needs draft stages: a preset or --run whose config has n_mtp_layers > 0)")
+    ap.add_argument("--run", help="an experiments.train_small output directory (config.json + checkpoint/): "
+                    "its trained weights and config instead of --preset's random ones")
     ap.add_argument("--mesh", help="run sharded on a device mesh, axis=size pairs over data/tensor/expert, "
                     "e.g. data=2,expert=4 (product = device count; see dsv41_jax/sharding.py)")
     ap.add_argument("--layout", default="tp_ep", help="sharding rule set for --mesh (tp_ep or dp)")
@@ -127,6 +140,10 @@ def parse_args(argv=None):
         ap.error("--mesh is not supported with the serving engine yet; drop --engine/--cache-dir")
     if args.image and (args.batch > 1 or args.mesh):
         ap.error("--image runs one sequence on one device: drop --batch / --mesh (several requests: --engine)")
+    if args.speculative and (args.engine or args.mesh):
+        ap.error("--speculative runs on the static batch path: drop --engine/--cache-dir/--mesh")
+    if args.run and args.checkpoint:
+        ap.error("give --run or --checkpoint, not both")
     return args
 
 
@@ -137,11 +154,19 @@ def model_config(args):
         overrides.update(dtype=args.dtype, param_dtype=args.dtype)
     if args.checkpoint:
         return _cli.checkpoint_config(args.checkpoint)
+    if args.run:
+        from experiments.quality import run_config
+
+        return run_config(args.run).replace(sinkhorn_unroll="auto", **overrides)
     return d.preset(args.preset, **overrides)
 
 
 def load_weights(args, cfg):
     """(cfg, params or None for random ones) once the input is known to be usable: the slow part."""
+    if args.run:
+        from experiments.quality import load_run
+
+        return cfg, load_run(Path(args.run), cfg)
     if not args.checkpoint:
         return cfg, None
     loaded = _cli.load_checkpoint(args.checkpoint, dtype=args.dtype or "bfloat16", engram_on_host=args.engram_on_host)
@@ -239,6 +264,10 @@ def main(argv=None) -> dict:
     if bad_stops:
         raise _cli.UserError(f"--stop-token {bad_stops[0]}: not an id of this model (0..{cfg.vocab_size - 1})")
     longest = max(p.size for p in prompts)
+    if args.speculative and not cfg.has_dspark:
+        raise _cli.UserError(f"--speculative dspark: this model has no DSpark draft stages (n_mtp_layers="
+                             f"{cfg.n_mtp_layers}, dspark_block_size={cfg.dspark_block_size}); use --preset tiny or a "
+                             "--run trained with experiments.train_small --dspark")
     if args.engine:
         chunk = args.prefill_chunk
         capacity = cache_capacity(args, cfg, longest, -(-(longest + args.max_new_tokens) // chunk) * chunk)
@@ -249,7 +278,9 @@ def main(argv=None) -> dict:
         return serve(args, cfg, params, tok, prompts, ecfg, spans)
     if len(prompts) > 1:
         raise _cli.UserError(f"--prompt-ids {args.prompt_ids}: several prompts need the serving engine: add --engine")
-    capacity = cache_capacity(args, cfg, longest, longest + args.max_new_tokens)
+    # a speculative verify appends a whole block before the rejected tail is dropped
+    spare = cfg.dspark_block_size + 1 if args.speculative else 0
+    capacity = cache_capacity(args, cfg, longest + spare, longest + spare + args.max_new_tokens)
     if args.mesh:
         check_mesh(args, cfg)
     cfg, params = load_weights(args, cfg)
@@ -351,10 +382,101 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
     print(f"global KV cache       {metrics['global_cache_bytes_per_token']:8.1f} bytes/token  (measured: "
           f"{glob:,d} B in the cache arrays / {b}x{capacity} token slots)")
     print_memory(metrics, peak, peak_kind)
+    if args.speculative:
+        spec_gen, metrics["speculative"] = run_speculative(args, cfg, params, tokens, lengths, capacity, gen, metrics)
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump(dict(generated_ids=gen.tolist(), metrics=metrics), f, indent=2)
+            out = dict(generated_ids=gen.tolist(), metrics=metrics)
+            if args.speculative:
+                out["speculative_generated_ids"] = spec_gen.tolist()
+            json.dump(out, f, indent=2)
     return metrics
+
+
+def run_speculative(args, cfg, params, tokens, lengths, capacity: int, plain_gen: np.ndarray, plain: dict):
+    """The same prompt through DSpark speculative decoding: (generated ids [B, new], metrics)."""
+    from dsv41_jax import api
+
+    b, k = tokens.shape[0], cfg.dspark_block_size
+    temp, seed = jnp.full((b,), args.temperature, jnp.float32), jnp.full((b,), args.seed, jnp.uint32)
+    window = api.init_draft_window(cfg, b)
+    with compiling(("spec_prefill", tokens.shape[1], cfg, b, capacity), "speculative prefill"):
+        logits, cache, window = api.speculative_prefill(cfg, params, d.init_cache(cfg, b, capacity), window, tokens,
+                                                        lengths, kernels=args.kernels)
+    nxt = sample(logits, temp, seed, jnp.zeros((b,), jnp.int32))
+    want = args.max_new_tokens - 1
+    chunk = max(1, min(args.decode_chunk, want))  # speculative steps per compiled call
+    out, n_out, acc, budget, t_loop, timed_steps, t_first = [], [], [], np.full(b, want, np.int32), 0.0, 0, 0.0
+    first = True
+    while (budget > 0).any():
+        t0 = time.perf_counter()
+        with compiling(("spec", chunk, cfg, b, capacity), f"speculative decode [{chunk} steps per call]"):
+            toks, n, a, nxt, cache, window = api.speculative_generate(
+                cfg, params, cache, window, nxt, chunk, temperature_b=temp, seed_b=seed,
+                step_b=1 + want - budget, budget_b=budget, kernels=args.kernels)
+        n = np.asarray(n)
+        dt = time.perf_counter() - t0
+        if first:
+            t_first, first = dt, False
+        else:
+            t_loop, timed_steps = t_loop + dt, timed_steps + chunk
+        out.append(np.asarray(toks))
+        n_out.append(n)
+        acc.append(np.asarray(a))
+        budget = budget - n.sum(1)
+    toks, n_out, acc = np.concatenate(out, 1), np.concatenate(n_out, 1), np.concatenate(acc, 1)
+    gen = np.stack([np.concatenate([plain_gen[i, :1]] + [toks[i, s, :n_out[i, s]] for s in range(toks.shape[1])])
+                    for i in range(b)])
+    live = n_out > 0
+    emitted_timed = n_out[:, -timed_steps:].sum() if timed_steps else 0
+    step_ms = _time_draft_and_verify(cfg, params, cache, window, nxt, temp, seed, args.kernels)
+    m = dict(block_size=k, acceptance_length=float(n_out[live].mean()), accepted_drafts_per_step=float(acc[live].mean()),
+             verify_steps=int(live.sum(1).max()), tokens_per_s=emitted_timed / t_loop if t_loop else float("nan"),
+             plain_tokens_per_s=plain["decode_tokens_per_s"], first_call_s=t_first, **step_ms,
+             same_tokens_as_plain=bool((gen == plain_gen).all()))
+    m["speedup"] = m["tokens_per_s"] / m["plain_tokens_per_s"]
+    print(f"\n--- DSpark speculative decoding (blocks of {k}) ---")
+    print(f"acceptance length     {m['acceptance_length']:8.2f} tokens per verify step ({m['accepted_drafts_per_step']:.2f} "
+          f"drafts accepted of {k}; {m['verify_steps']} steps for {want} tokens)")
+    print(f"draft / verify        {m['draft_ms']:8.2f} / {m['verify_ms']:.2f} ms per step (separately jitted, batch {b})")
+    print(f"speculative decode    {m['tokens_per_s']:8.1f} tokens/s  vs plain {m['plain_tokens_per_s']:.1f} tokens/s "
+          f"(x{m['speedup']:.2f}, after the first compiling call of {t_first:.2f} s)")
+    print(f"tokens                {'identical to' if m['same_tokens_as_plain'] else 'differ from'} plain decode's"
+          + ("" if args.temperature == 0 else " (sampling: equal only in distribution)"))
+    return gen, m
+
+
+def _time_draft_and_verify(cfg, params, cache, window, tok, temp, seed, kernels: str, reps: int = 5) -> dict:
+    """Median ms of the draft and of the verify (target forward over K + 1 tokens, accept, commit) of one
+    step, each its own jitted call, on copies of the final state (budget 0: nothing is committed)."""
+    from flax import nnx
+
+    from dsv41_jax import api, dspark
+
+    b = tok.shape[0]
+    zero = jnp.zeros((b,), jnp.int32)
+
+    @jax.jit
+    def draft(params, cache, window, tok):
+        return dspark.draft(nnx.merge(api.graphdef(cfg), params), window, tok, cache.lengths, temp, seed, zero, kernels)
+
+    @jax.jit
+    def verify(params, cache, window, tok, drafts, q_logits):
+        return dspark.verify(nnx.merge(api.graphdef(cfg), params), cache, window, tok, drafts, q_logits, temp, seed,
+                             zero, zero + 1, jnp.full((b, 1), -1, jnp.int32), kernels)
+
+    def median_ms(f, *a):
+        jax.block_until_ready(f(*a))  # compile
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*a))
+            times.append(time.perf_counter() - t0)
+        return 1e3 * float(np.median(times))
+
+    drafts, q_logits, _ = draft(params, cache, window, tok)
+    return dict(draft_ms=median_ms(draft, params, cache, window, tok),
+                verify_ms=median_ms(verify, params, cache, window, tok, drafts, q_logits))
 
 
 def print_memory(metrics: dict, peak: int, peak_kind: str) -> None:

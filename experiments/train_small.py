@@ -44,6 +44,7 @@ def study_config(preset: str, plan: str, study: bool) -> ModelConfig:
     """The trained config: the preset cut to the byte vocabulary, f32 master weights, optionally the
     study's selection sizes and the all-Full plan."""
     cfg = d.preset(preset, vocab_size=TOK.size, engram_compressed_vocab_size=TOK.size, param_dtype="float32",
+                   dspark_noise_token_id=TOK.size - 1,
                    sinkhorn_unroll="rolled",  # unrolled, compiles take minutes
                    vision_n_layers=0)  # a text study: the byte vocabulary has no image token
     if study:

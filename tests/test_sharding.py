@@ -20,7 +20,7 @@ from dsv41_jax import sharding as S
 # A 4-layer cut of tiny (window, Full m=2, Full m=1 candidate source, Reindex; Engram; 8 experts) keeps
 # every sharded array kind while halving compile time on 8 simulated devices.
 _TINY = d.preset("tiny")
-CFG = _TINY.replace(n_layers=4, compress_ratios=(0, 2, 1, 1), kv_source_layers=(1, 2), index_source_layers=(1, 2, 3),
+CFG = _TINY.replace(n_layers=4, n_mtp_layers=0, compress_ratios=(0, 2, 1, 1), kv_source_layers=(1, 2), index_source_layers=(1, 2, 3),
                     candidate_source_layer=2, engram_layer_ids=(0,),
                     engram_num_embeddings=_TINY.engram_num_embeddings[:1], quantize_cache=False)
 GOLDEN = Path(__file__).parent / "golden_sharding"

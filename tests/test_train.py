@@ -18,7 +18,7 @@ from dsv41_jax.quant import MAIN_KV, WINDOW_KV, fake_quant
 CFG = d.preset("tiny")
 # every layer mode of tiny in 5 layers (half the compile time): 0 window, 1 Full m=2, 2 Reuse,
 # 3 Full m=1 (candidate source), 4 Reindex inside the pool
-MICRO = dataclasses.replace(CFG, n_layers=5, compress_ratios=(0, 2, 2, 1, 1), kv_source_layers=(1, 3),
+MICRO = dataclasses.replace(CFG, n_layers=5, n_mtp_layers=0, compress_ratios=(0, 2, 2, 1, 1), kv_source_layers=(1, 3),
                             index_source_layers=(1, 3, 4), candidate_source_layer=3, engram_layer_ids=(1,),
                             engram_num_embeddings=()).with_derived_engram()
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(3, 259, (2, 41)), jnp.int32)  # [B, T + 1]
@@ -116,7 +116,7 @@ def test_bias_update_moves_load_towards_balance():
 def test_training_forward_quantizes_under_jit():
     """Layer 0 as a ratio-2 kv source (its input does not depend on quantization): its window KV and
     latent as the training forward uses them are the FP8 / FP4 round trips of the unquantized values."""
-    small = CFG.replace(n_layers=2, compress_ratios=(2, 2), kv_source_layers=(0,), index_source_layers=(0,),
+    small = CFG.replace(n_layers=2, n_mtp_layers=0, compress_ratios=(2, 2), kv_source_layers=(0,), index_source_layers=(0,),
                         candidate_source_layer=-1, engram_layer_ids=(), engram_num_embeddings=())
     params = d.init_params(small, seed=0)
 

@@ -11,10 +11,14 @@ Two storage forms: "quantized" (the release: dense projections FP8 E4M3 with one
 block, routed experts FP4 packed two per byte in I8 with one E8M0 scale per 32 inputs, Engram tables
 FP8 with one E8M0 scale per 32 channels) or "float" (every weight a plain float, e.g. an HF export).
 
-The vision tower (`vision.*`, `aligner.*`, `image_start` / `image_newline` / `image_end`, BF16 as
-released, projections with biases) and the routing bias of image tokens (`layers.{L}.ffn.gate.bias_vl`,
-F32) are loaded when the config has one (`vision_n_layers > 0`), and recognised and skipped otherwise.
-The draft layers (`mtp.*`) are recognised and skipped.
+The DSpark draft stages (`mtp.{s}.*`: mHC blocks like the backbone's, window-only attention, their own
+expert counts; stage 0 adds `main_proj` / `main_norm`, the last stage `norm`, `markov_head.{embed,head}`
+and `confidence_head.proj`; embed and head are the backbone's) fill the `mtp/{s}/...` params of a config
+with draft stages and are skipped with a note otherwise; their image-routing biases are always skipped
+(drafts read text). The vision tower (`vision.*`, `aligner.*`, `image_start` / `image_newline` /
+`image_end`, BF16 as released, projections with biases) and the routing bias of image tokens
+(`layers.{L}.ffn.gate.bias_vl`, F32) are loaded when the config has one (`vision_n_layers > 0`), and
+recognised and skipped otherwise.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from dsv41_jax.plan import build_plan
 
 FLOATS = ("F32", "BF16", "F16", "F64")
 SKIPPED = {
-    r"mtp\.": "DSpark draft layers (speculative decoding; not part of the backbone)",
+    r"mtp\.\d+\.ffn\.gate\.bias_vl$": "DSpark stages' routing bias for image tokens (drafts read text only)",
     r"(vision|aligner)\.|image_(start|end|newline)$": "vision tower (the config has vision_n_layers == 0)",
     r"layers\.\d+\.ffn\.gate\.bias_vl$": "MoE routing bias for image tokens (no vision tower in the config)",
+    r"mtp\.": "DSpark draft layers (this config has no draft stages: n_mtp_layers or dspark_block_size is 0)",
 }
 
 
@@ -74,15 +79,52 @@ def vision_entries(cfg) -> list[Entry]:
     return out + [plain(name, (c.dim,)) for name in ("image_start", "image_newline", "image_end")]
 
 
+def _block_entries(out: list, c, P: str, r: str, n_experts: int, image_bias: bool = False) -> None:
+    """What every mHC block holds (backbone layer or draft stage): norms, hyper-connections, the
+    attention's query / window KV / output / sink, the router (with the image-token bias `bias_vl`
+    if image_bias), routed and shared experts."""
+    mix, hc_dim = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.dim
+    hd, h = c.head_dim, c.n_heads
+
+    def plain(param, name, shape):
+        out.append(Entry(P + param, (r + name,), "plain", shape))
+
+    def dense(param, name, d_out, d_in, kind="dense"):
+        out.append(Entry(P + param, (r + name,), kind, (d_out, d_in)))
+
+    plain("attn_norm/weight", "attn_norm.weight", (c.dim,))
+    plain("ffn_norm/weight", "ffn_norm.weight", (c.dim,))
+    for site in ("attn", "ffn"):
+        plain(f"hc_{site}/fn", f"hc_{site}_fn", (mix, hc_dim))
+        plain(f"hc_{site}/base", f"hc_{site}_base", (mix,))
+        plain(f"hc_{site}/scale", f"hc_{site}_scale", (3,))
+    dense("attn/wq_a", "attn.wq_a", c.q_lora_rank, c.dim)
+    plain("attn/q_norm/weight", "attn.q_norm.weight", (c.q_lora_rank,))
+    dense("attn/wq_b", "attn.wq_b", h * hd, c.q_lora_rank)
+    dense("attn/wkv", "attn.wkv", hd, c.dim)
+    plain("attn/kv_norm/weight", "attn.kv_norm.weight", (hd,))
+    dense("attn/wo_a", "attn.wo_a", c.o_groups * c.o_lora_rank, h * hd // c.o_groups, "dense_dequant")
+    dense("attn/wo_b", "attn.wo_b", c.dim, c.o_groups * c.o_lora_rank)
+    plain("attn/attn_sink", "attn.attn_sink", (h,))
+    plain("ffn/router/weight", "ffn.gate.weight", (n_experts, c.dim))
+    plain("ffn/router/bias", "ffn.gate.bias", (n_experts,))
+    if image_bias:
+        plain("ffn/router/bias_vl", "ffn.gate.bias_vl", (n_experts,))
+    for w, (d_out, d_in) in (("w1", (c.moe_inter_dim, c.dim)), ("w3", (c.moe_inter_dim, c.dim)),
+                             ("w2", (c.dim, c.moe_inter_dim))):
+        names = tuple(f"{r}ffn.experts.{e}.{w}" for e in range(n_experts))
+        out.append(Entry(P + f"ffn/{w}", names, "experts", (d_out, d_in)))
+        dense(f"ffn/shared_{w}", f"ffn.shared_experts.{w}", d_out, d_in)
+
+
 def entries(cfg) -> list[Entry]:
-    """Every param of the model (except the tokenizer-derived engram_token_map)."""
+    """Every param of the model (except the tokenizer-derived engram_token_map), draft stages included."""
     c = cfg
     out = [Entry("embed/weight", ("embed.weight",), "plain", (c.vocab_size, c.dim)),
            Entry("head/weight", ("head.weight",), "plain", (c.vocab_size, c.dim)),
            Entry("norm/weight", ("norm.weight",), "plain", (c.dim,))] + vision_entries(c)
-    mix, hc_dim = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.dim
     rows = dict(zip(c.engram_layer_ids, c.engram_num_embeddings))
-    hd, h = c.head_dim, c.n_heads
+    hd = c.head_dim
     for p in build_plan(c):
         L, r = p.layer, f"layers.{p.layer}."
         P = f"layers/{L}/"
@@ -93,20 +135,7 @@ def entries(cfg) -> list[Entry]:
         def dense(param, name, d_out, d_in, kind="dense"):
             out.append(Entry(P + param, (r + name,), kind, (d_out, d_in)))
 
-        plain("attn_norm/weight", "attn_norm.weight", (c.dim,))
-        plain("ffn_norm/weight", "ffn_norm.weight", (c.dim,))
-        for site in ("attn", "ffn"):
-            plain(f"hc_{site}/fn", f"hc_{site}_fn", (mix, hc_dim))
-            plain(f"hc_{site}/base", f"hc_{site}_base", (mix,))
-            plain(f"hc_{site}/scale", f"hc_{site}_scale", (3,))
-        dense("attn/wq_a", "attn.wq_a", c.q_lora_rank, c.dim)
-        plain("attn/q_norm/weight", "attn.q_norm.weight", (c.q_lora_rank,))
-        dense("attn/wq_b", "attn.wq_b", h * hd, c.q_lora_rank)
-        dense("attn/wkv", "attn.wkv", hd, c.dim)
-        plain("attn/kv_norm/weight", "attn.kv_norm.weight", (hd,))
-        dense("attn/wo_a", "attn.wo_a", c.o_groups * c.o_lora_rank, h * hd // c.o_groups, "dense_dequant")
-        dense("attn/wo_b", "attn.wo_b", c.dim, c.o_groups * c.o_lora_rank)
-        plain("attn/attn_sink", "attn.attn_sink", (h,))
+        _block_entries(out, c, P, r, c.n_routed_experts, image_bias=c.vision_n_layers > 0)
         if p.compresses:
             plain("attn/compressor/wkv/weight", "attn.compressor.wkv.weight", (hd, c.dim))
             if p.ratio > 1:
@@ -118,21 +147,35 @@ def entries(cfg) -> list[Entry]:
             if p.compresses:
                 plain("attn/indexer/wk/weight", "attn.indexer.wk.weight", (c.index_head_dim, hd))
                 plain("attn/indexer/k_norm/weight", "attn.indexer.k_norm.weight", (c.index_head_dim,))
-        plain("ffn/router/weight", "ffn.gate.weight", (c.n_routed_experts, c.dim))
-        plain("ffn/router/bias", "ffn.gate.bias", (c.n_routed_experts,))
-        if c.vision_n_layers:
-            plain("ffn/router/bias_vl", "ffn.gate.bias_vl", (c.n_routed_experts,))
-        for w, (d_out, d_in) in (("w1", (c.moe_inter_dim, c.dim)), ("w3", (c.moe_inter_dim, c.dim)),
-                                 ("w2", (c.dim, c.moe_inter_dim))):
-            names = tuple(f"{r}ffn.experts.{e}.{w}" for e in range(c.n_routed_experts))
-            out.append(Entry(P + f"ffn/{w}", names, "experts", (d_out, d_in)))
-            dense(f"ffn/shared_{w}", f"ffn.shared_experts.{w}", d_out, d_in)
         if L in rows:
             n_cols = (c.engram_max_ngram_size - 1) * c.engram_n_heads
             out.append(Entry(P + "engram/table", (r + "engram.embed",), "table", (rows[L], c.engram_head_dim)))
             dense("engram/wkv", "engram.wkv", c.dim * (c.hc_mult + 1), n_cols * c.engram_head_dim)
             plain("engram/q_weight", "engram.q_weight", (c.hc_mult, c.dim))
             plain("engram/k_weight", "engram.k_weight", (c.hc_mult, c.dim))
+    if c.has_dspark:
+        out += _dspark_entries(c)
+    return out
+
+
+def _dspark_entries(c) -> list[Entry]:
+    out: list[Entry] = []
+    rank = c.dspark_markov_rank
+    for s in range(c.n_mtp_layers):
+        P, r = f"mtp/{s}/", f"mtp.{s}."
+        _block_entries(out, c, P, r, c.dspark_moe().n_routed_experts)
+        if s == 0:
+            out.append(Entry(P + "main_proj", (r + "main_proj",), "dense",
+                             (c.dim, c.dim * len(c.dspark_target_layer_ids))))
+            out.append(Entry(P + "main_norm/weight", (r + "main_norm.weight",), "plain", (c.dim,)))
+        if s == c.n_mtp_layers - 1:
+            out.append(Entry(P + "norm/weight", (r + "norm.weight",), "plain", (c.dim,)))
+            out.append(Entry(P + "markov_head/embed/weight", (r + "markov_head.embed.weight",), "plain",
+                             (c.vocab_size, rank)))
+            out.append(Entry(P + "markov_head/head/weight", (r + "markov_head.head.weight",), "plain",
+                             (c.vocab_size, rank)))
+            out.append(Entry(P + "confidence_head/proj/weight", (r + "confidence_head.proj.weight",), "plain",
+                             (1, c.dim + rank)))
     return out
 
 

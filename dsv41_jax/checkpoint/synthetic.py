@@ -33,6 +33,10 @@ F32_NAMES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn
              "attn_sink", "gate.bias", "gate.bias_vl", "q_weight", "k_weight")
 
 
+DSPARK_FIELDS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
+                 "dspark_n_routed_experts", "dspark_n_activated_experts")
+
+
 def _e8m0_exponent(x: np.ndarray) -> np.ndarray:
     """uint8 biased exponent of 2^ceil(log2(x)) for positive f32 x (the release's scale rounding)."""
     bits = np.asarray(x, np.float32).view(np.int32)
@@ -181,6 +185,8 @@ def config_json(cfg, style: str = "hf") -> dict:
         "engram_num_embeddings": list(cfg.engram_num_embeddings), "engram_pad_id": cfg.engram_pad_id,
         "engram_compressed_vocab_size": cfg.engram_compressed_vocab_size, "dtype": "fp8", "expert_dtype": "fp4",
     }
+    if cfg.has_dspark:
+        ours.update({f: (list(v) if isinstance(v, tuple) else v) for f in DSPARK_FIELDS for v in [getattr(cfg, f)]})
     if style == "inference":
         if cfg.vision_n_layers:  # the vision keys exist in the inference style only (ModelConfig.vision_*)
             ours.update({k: getattr(cfg, k) for k in ("vision_n_layers", "vision_dim", "vision_n_heads",
@@ -275,6 +281,12 @@ def vision_fixture_config(**overrides):
                 image_token_id=383)
     base.update(overrides)
     return fixture_config(**base)
+def dspark_fixture_config():
+    """`fixture_config` with two DSpark draft stages (blocks of 3, reading layers 1 and 5, Markov rank 32,
+    4 experts top-2 of their own) and no Engram: the DSpark parity goldens' checkpoint."""
+    return fixture_config(engram_layer_ids=(), n_mtp_layers=2, compress_ratios=(0, 2, 2, 1, 1, 1, 0, 0),
+                          dspark_block_size=3, dspark_noise_token_id=383, dspark_target_layer_ids=(1, 5),
+                          dspark_markov_rank=32, dspark_n_routed_experts=4, dspark_n_activated_experts=2)
 
 
 def bench_config(n_layers: int = 12, engram: bool = True):

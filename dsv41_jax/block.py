@@ -1,0 +1,44 @@
+"""One transformer block's two sub-layers wrapped in hyper-connections (mHC): attention, then the MoE.
+
+Shared by the backbone's `model.Block` and the DSpark draft stages (`dspark.DSparkStage`), which differ
+only in what their attention reads. Parameter names are the released ones (`attn`, `ffn`,
+`attn_norm`, `ffn_norm`, `hc_attn_*`, `hc_ffn_*`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from flax import nnx
+
+from dsv41_jax.hyper import HyperMix, collapse, expand
+from dsv41_jax.layers import RMSNorm
+from dsv41_jax.moe import MoE
+
+
+class MixedBlock(nnx.Module):
+    """attn_norm -> attention -> mHC expand, then ffn_norm -> MoE -> mHC expand."""
+
+    def _build(self, cfg, attn: nnx.Module, moe_cfg, rngs: nnx.Rngs) -> None:
+        """Create the sub-layers (in the backbone's order of random draws); `attn` is built by the caller."""
+        self.attn = attn
+        self.ffn = MoE(moe_cfg, rngs=rngs)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        mix = lambda: HyperMix(cfg.dim, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, rngs=rngs,
+                               unroll=cfg.sinkhorn_unroll)
+        self.hc_attn, self.hc_ffn = mix(), mix()
+
+    def mix(self, h, pre_mix, attend: Callable[[jax.Array], jax.Array], extras: dict | None, backend: str,
+            image_mask: jax.Array | None = None):
+        """h: [B, T, hc, dim]; pre_mix: [B, T, hc] from the previous block; attend: [B, T, dim] -> [B, T, dim];
+        image_mask: bool [B, T] (image-span tokens, routed with `bias_vl`) or None.
+        Returns (h, next pre_mix): as in the release, each sub-layer collapses with the `pre` the
+        previous one computed."""
+        attn_pre, post, comb = self.hc_attn(h)
+        x = attend(self.attn_norm(collapse(h, pre_mix)))
+        h = expand(x, h, post, comb)
+        ffn_pre, post, comb = self.hc_ffn(h)
+        x = self.ffn(self.ffn_norm(collapse(h, attn_pre)), extras, backend=backend, image_mask=image_mask)
+        return expand(x, h, post, comb), ffn_pre
