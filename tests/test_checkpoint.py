@@ -140,7 +140,7 @@ def test_truncated_shard_is_reported(released, tmp_path):
 
 def test_released_tensor_list_matches_v41_flash_params():
     """The full release (96,085 tensors, from the public header audit) fills exactly our v41-flash params,
-    the vision tower (266 tensors), the routers' image bias (40) and the DSpark stages included."""
+    the vision tower (266 tensors), the routers' image bias (40 + 3 in the DSpark stages) and the stages included."""
     with gzip.open(DATA / "dsv41_flash_tensors.json.gz", "rt") as f:
         listing = {k: (v[0], tuple(v[1])) for k, v in json.load(f).items()}
     assert len(listing) == 96085
@@ -148,15 +148,14 @@ def test_released_tensor_list_matches_v41_flash_params():
     assert cfg == d.preset("v41-flash")
     inv = check_tensors(cfg, listing)
     assert inv.problems == [] and inv.quantized and inv.scheme == "released"
-    # the DSpark stages fill the mtp/* params; only their 3 image-routing biases are skipped (drafts read text)
-    assert inv.notes == ["skipped 3 tensor(s): DSpark stages' routing bias for image tokens (drafts read text only)"]
+    assert inv.notes == []  # every tensor has its param, the DSpark stages' (mtp/*) included
     assert any(e.param.startswith("mtp/2/markov_head") for e in entries(cfg))
     vision = [n for e in entries(cfg) for n in e.names if n.startswith(("vision.", "aligner.", "image_"))]
-    assert len(vision) == 266 and sum(n.endswith("gate.bias_vl") for e in entries(cfg) for n in e.names) == 40
+    assert len(vision) == 266 and sum(n.endswith("gate.bias_vl") for e in entries(cfg) for n in e.names) == 43
     text_only = check_tensors(cfg.replace(vision_n_layers=0), listing)  # a text-only config skips them
     assert text_only.problems == [] and "skipped 266 tensor(s): vision tower" in " | ".join(text_only.notes)
     no_draft = check_tensors(cfg.replace(n_mtp_layers=0), listing)
-    assert no_draft.problems == [] and "2398 tensor(s): DSpark" in " | ".join(no_draft.notes)
+    assert no_draft.problems == [] and "2401 tensor(s): DSpark" in " | ".join(no_draft.notes)
     for fmt in ("fp8", "float"):
         params = set(flat_params(d.abstract_params(cfg.replace(weight_format=fmt))))
         layout = set()

@@ -14,10 +14,9 @@ FP8 with one E8M0 scale per 32 channels) or "float" (every weight a plain float,
 The DSpark draft stages (`mtp.{s}.*`: mHC blocks like the backbone's, window-only attention, their own
 expert counts; stage 0 adds `main_proj` / `main_norm`, the last stage `norm`, `markov_head.{embed,head}`
 and `confidence_head.proj`; embed and head are the backbone's) fill the `mtp/{s}/...` params of a config
-with draft stages and are skipped with a note otherwise; their image-routing biases are always skipped
-(drafts read text). The vision tower (`vision.*`, `aligner.*`, `image_start` / `image_newline` /
+with draft stages and are skipped with a note otherwise. The vision tower (`vision.*`, `aligner.*`, `image_start` / `image_newline` /
 `image_end`, BF16 as released, projections with biases) and the routing bias of image tokens
-(`layers.{L}.ffn.gate.bias_vl`, F32) are loaded when the config has one (`vision_n_layers > 0`), and
+(`layers.{L}.ffn.gate.bias_vl` and the stages' `mtp.{s}.ffn.gate.bias_vl`, F32) are loaded when the config has one (`vision_n_layers > 0`), and
 recognised and skipped otherwise.
 """
 
@@ -30,10 +29,10 @@ from dsv41_jax.plan import build_plan
 
 FLOATS = ("F32", "BF16", "F16", "F64")
 SKIPPED = {
-    r"mtp\.\d+\.ffn\.gate\.bias_vl$": "DSpark stages' routing bias for image tokens (drafts read text only)",
     r"(vision|aligner)\.|image_(start|end|newline)$": "vision tower (the config has vision_n_layers == 0)",
     r"layers\.\d+\.ffn\.gate\.bias_vl$": "MoE routing bias for image tokens (no vision tower in the config)",
-    r"mtp\.": "DSpark draft layers (this config has no draft stages: n_mtp_layers or dspark_block_size is 0)",
+    r"mtp\.": "DSpark draft-stage tensors this config does not use (no draft stages: n_mtp_layers or "
+               "dspark_block_size is 0; or the stages' image biases without a vision tower)",
 }
 
 
@@ -79,10 +78,12 @@ def vision_entries(cfg) -> list[Entry]:
     return out + [plain(name, (c.dim,)) for name in ("image_start", "image_newline", "image_end")]
 
 
-def _block_entries(out: list, c, P: str, r: str, n_experts: int, image_bias: bool = False) -> None:
+def _block_entries(out: list, c, P: str, r: str, n_experts: int, image_bias: bool = False,
+                   attention_extra: list[Entry] = ()) -> None:
     """What every mHC block holds (backbone layer or draft stage): norms, hyper-connections, the
-    attention's query / window KV / output / sink, the router (with the image-token bias `bias_vl`
-    if image_bias), routed and shared experts."""
+    attention's query / window KV / output / sink, then `attention_extra` (a layer's compressor and
+    indexer), the router (with the image-token bias `bias_vl` if image_bias), routed and shared experts.
+    The order is the synthetic fixtures' draw order: the parity goldens depend on it."""
     mix, hc_dim = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.dim
     hd, h = c.head_dim, c.n_heads
 
@@ -106,6 +107,7 @@ def _block_entries(out: list, c, P: str, r: str, n_experts: int, image_bias: boo
     dense("attn/wo_a", "attn.wo_a", c.o_groups * c.o_lora_rank, h * hd // c.o_groups, "dense_dequant")
     dense("attn/wo_b", "attn.wo_b", c.dim, c.o_groups * c.o_lora_rank)
     plain("attn/attn_sink", "attn.attn_sink", (h,))
+    out.extend(attention_extra)
     plain("ffn/router/weight", "ffn.gate.weight", (n_experts, c.dim))
     plain("ffn/router/bias", "ffn.gate.bias", (n_experts,))
     if image_bias:
@@ -129,13 +131,14 @@ def entries(cfg) -> list[Entry]:
         L, r = p.layer, f"layers.{p.layer}."
         P = f"layers/{L}/"
 
-        def plain(param, name, shape):
-            out.append(Entry(P + param, (r + name,), "plain", shape))
+        extra: list[Entry] = []  # the compressor and indexer, between the attention and the MoE
 
-        def dense(param, name, d_out, d_in, kind="dense"):
-            out.append(Entry(P + param, (r + name,), kind, (d_out, d_in)))
+        def plain(param, name, shape, to=extra):
+            to.append(Entry(P + param, (r + name,), "plain", shape))
 
-        _block_entries(out, c, P, r, c.n_routed_experts, image_bias=c.vision_n_layers > 0)
+        def dense(param, name, d_out, d_in, kind="dense", to=extra):
+            to.append(Entry(P + param, (r + name,), kind, (d_out, d_in)))
+
         if p.compresses:
             plain("attn/compressor/wkv/weight", "attn.compressor.wkv.weight", (hd, c.dim))
             if p.ratio > 1:
@@ -147,12 +150,13 @@ def entries(cfg) -> list[Entry]:
             if p.compresses:
                 plain("attn/indexer/wk/weight", "attn.indexer.wk.weight", (c.index_head_dim, hd))
                 plain("attn/indexer/k_norm/weight", "attn.indexer.k_norm.weight", (c.index_head_dim,))
+        _block_entries(out, c, P, r, c.n_routed_experts, c.vision_n_layers > 0, extra)
         if L in rows:
             n_cols = (c.engram_max_ngram_size - 1) * c.engram_n_heads
             out.append(Entry(P + "engram/table", (r + "engram.embed",), "table", (rows[L], c.engram_head_dim)))
-            dense("engram/wkv", "engram.wkv", c.dim * (c.hc_mult + 1), n_cols * c.engram_head_dim)
-            plain("engram/q_weight", "engram.q_weight", (c.hc_mult, c.dim))
-            plain("engram/k_weight", "engram.k_weight", (c.hc_mult, c.dim))
+            dense("engram/wkv", "engram.wkv", c.dim * (c.hc_mult + 1), n_cols * c.engram_head_dim, to=out)
+            plain("engram/q_weight", "engram.q_weight", (c.hc_mult, c.dim), to=out)
+            plain("engram/k_weight", "engram.k_weight", (c.hc_mult, c.dim), to=out)
     if c.has_dspark:
         out += _dspark_entries(c)
     return out
@@ -163,7 +167,7 @@ def _dspark_entries(c) -> list[Entry]:
     rank = c.dspark_markov_rank
     for s in range(c.n_mtp_layers):
         P, r = f"mtp/{s}/", f"mtp.{s}."
-        _block_entries(out, c, P, r, c.dspark_moe().n_routed_experts)
+        _block_entries(out, c, P, r, c.dspark_moe().n_routed_experts, image_bias=c.vision_n_layers > 0)
         if s == 0:
             out.append(Entry(P + "main_proj", (r + "main_proj",), "dense",
                              (c.dim, c.dim * len(c.dspark_target_layer_ids))))
