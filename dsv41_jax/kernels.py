@@ -129,3 +129,20 @@ def fp8_matmul(x_mk, q_nk, exp, *, backend="jnp"):
     if n % 32 == 0 and k % 32 == 0 and _weight_kernels(backend, x_mk.shape[0]):
         return _kp().fp8_matmul(x_mk, q_nk, exp)
     return grouped.fp8_matmul(x_mk, q_nk, exp)
+
+
+def scales_beyond_fast_decode(flat_params) -> list[str]:
+    """Paths of the E8M0 scale params (routed experts `.../w{1,2,3}_scale`, FP8 projections `.../scale`) whose
+    largest byte is beyond what the GPU weight kernels' bf16 decode can fold into one bf16 factor
+    (`kernels_pallas.gpu_grouped.FP4_FAST_MAX` / `FP8_FAST_MAX`: weights of magnitude 12 / 57344 and up).
+    Released checkpoints are far inside; the checkpoint loader reports any such param."""
+    from kernels_pallas.gpu_grouped import FP4_FAST_MAX, FP8_FAST_MAX
+
+    out = []
+    for path, arr in flat_params.items():
+        leaf = path.rsplit("/", 1)[-1]
+        limit = FP4_FAST_MAX if leaf in ("w1_scale", "w2_scale", "w3_scale") else FP8_FAST_MAX if leaf == "scale" else None
+        if limit is not None and int(jax.numpy.max(arr)) > limit:
+            out.append(path)
+    return out
+

@@ -181,3 +181,16 @@ def test_prefill_sized_inputs_keep_the_xla_path(monkeypatch):
     assert not calls
     with pytest.raises(pytest.fail.Exception):
         kernels.fp8_matmul(x[:kernels.WEIGHT_KERNEL_ROWS], q, s, backend="pallas")
+
+
+def test_scales_beyond_the_fast_decode_are_reported():
+    """The GPU kernels' bf16 decode folds 2**(E + 126) (FP4) / 2**(E + 120) (FP8) into one bf16: the loader
+    names every param whose scales exceed that, and only those."""
+    ok = {"layers/0/ffn/w1_scale": jnp.full((2, 4), gpu_grouped.FP4_FAST_MAX, jnp.uint8),
+          "layers/0/attn/wq_a/scale": jnp.full((2, 2), gpu_grouped.FP8_FAST_MAX, jnp.uint8),
+          "layers/0/engram/table_scale": jnp.full((2, 2), 250, jnp.uint8)}  # not read by these kernels
+    assert kernels.scales_beyond_fast_decode(ok) == []
+    bad = ok | {"layers/1/ffn/w2_scale": jnp.full((2, 4), gpu_grouped.FP4_FAST_MAX + 1, jnp.uint8),
+                "layers/1/attn/wo_b/scale": jnp.full((2, 2), gpu_grouped.FP8_FAST_MAX + 1, jnp.uint8)}
+    assert kernels.scales_beyond_fast_decode(bad) == ["layers/1/ffn/w2_scale", "layers/1/attn/wo_b/scale"]
+

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dsv41_jax import quant
+from dsv41_jax import kernels, quant
 from dsv41_jax.api import abstract_params
 from dsv41_jax.checkpoint.config import with_formats
 from dsv41_jax.checkpoint.layout import Entry, entries, expected_tensors, skip_reason, to_released_name
@@ -320,7 +321,13 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
     missing = sorted(set(abstract) - set(sink.values))
     if missing:
         raise AssertionError(f"internal: the layout left params unfilled: {missing[:10]}")
-    return Loaded(cfg, _fill(state, sink.values), inv.notes, total, seconds)
+    notes = list(inv.notes)
+    wide = kernels.scales_beyond_fast_decode(sink.values)
+    if wide:
+        notes.append(f"{len(wide)} weight(s) with E8M0 scales beyond the GPU weight kernels' bf16 decode (e.g. "
+                     f"{wide[0]}): run bf16 decode with kernels='jnp' on this checkpoint")
+        warnings.warn(notes[-1])
+    return Loaded(cfg, _fill(state, sink.values), notes, total, seconds)
 
 
 def _prefetch(jobs, workers: int = 4, window_bytes: int = 1 << 30):
