@@ -39,11 +39,11 @@ import numpy as np
 from flax import nnx
 
 import dsv41_jax as d
-from dsv41_jax import api, kernels
+from dsv41_jax import api
 from dsv41_jax.kernels import resolve
 from dsv41_jax.cache import init_cache
 from dsv41_jax.plan import Mode, build_plan
-from experiments.bench_kernels import copy_bandwidth, time_op
+from experiments.bench_kernels import copy_bandwidth
 
 
 def slice_config(**overrides):
@@ -240,39 +240,6 @@ def kernel_profile(run, out_dir: str, steps: int, top: int = 15) -> list[dict]:
     return [total] + rows[:top]
 
 
-def weight_kernel_rows(cfg, batches, peak_bw: float) -> list[dict]:
-    """The weight matmuls alone at this config's shapes: the routed experts' w1 ([E, inter, dim] FP4) for
-    batch x top-k uniformly routed rows, and the largest FP8 projection (attention wq_b), GPU kernel vs jnp
-    twin; bytes = stored weight bytes read (experts hit only) + activations."""
-    rows = []
-    e, k, d_in, inter = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
-    key = jax.random.key(3)
-    values = jax.random.bits(key, (e, inter, d_in // 2), jnp.uint8)
-    scales = jax.random.randint(key, (e, inter, d_in // 32), 118, 121).astype(jnp.uint8)
-    fp8_w = jnp.clip(40 * jax.random.normal(key, (cfg.n_heads * cfg.head_dim, cfg.q_lora_rank)), -448, 448
-                     ).astype(jnp.float8_e4m3fn)
-    fp8_s = jax.random.randint(key, (fp8_w.shape[0] // 32, fp8_w.shape[1] // 32), 114, 117).astype(jnp.uint8)
-    for b in batches:
-        ids = jnp.sort(jax.random.randint(jax.random.fold_in(key, b), (b * k,), 0, e))
-        sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
-        x = jax.random.normal(key, (b * k, d_in), jnp.bfloat16)
-        hit = int((sizes > 0).sum())
-        moved = hit * inter * (d_in // 2 + d_in // 32) + x.size * 2 + b * k * inter * 4
-        for impl in ("pallas", "jnp"):  # weights as arguments: a closure would make them XLA constants
-            t = time_op(lambda x, s, v, sc: kernels.grouped_matmul(x, {"values": v, "scales": sc}, s, backend=impl),
-                        (x, sizes, values, scales), perturb=0)
-            rows.append(dict(op="experts_w1", batch=b, impl=impl, us=1e6 * t, bytes=moved, frac_peak=moved / t / peak_bw))
-        xf = jax.random.normal(key, (b, fp8_w.shape[1]), jnp.bfloat16)
-        moved = fp8_w.size + fp8_s.size + xf.size * 2 + b * fp8_w.shape[0] * 4
-        for impl in ("pallas", "jnp"):
-            t = time_op(lambda x, w, sc: kernels.fp8_matmul(x, w, sc, backend=impl), (xf, fp8_w, fp8_s), perturb=0)
-            rows.append(dict(op="fp8_wq_b", batch=b, impl=impl, us=1e6 * t, bytes=moved, frac_peak=moved / t / peak_bw))
-    for r in rows:
-        print(f"  {r['op']:10s} batch {r['batch']:3d} {r['impl']:6s} {r['us']:9.1f} us  {r['bytes'] / 1e6:8.1f} MB  "
-              f"{100 * r['frac_peak']:5.1f}% of peak", flush=True)
-    return rows
-
-
 def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> dict:
     cache = random_cache(cfg, batch, context)
     tokens = jax.random.randint(jax.random.key(2), (batch,), 0, cfg.vocab_size)
@@ -340,7 +307,6 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per point (median)")
     p.add_argument("--chunk", type=int, default=10, help="steps per api.generate call")
     p.add_argument("--copy-gb", type=float, default=4.0, help="GiB of the copy that measures the peak bandwidth")
-    p.add_argument("--weight-kernels", action="store_true", help="also time the expert / FP8 matmuls alone")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="trace one --chunk loop per point into DIR and print GPU time per kernel")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -361,8 +327,6 @@ def main(argv=None) -> list[dict]:
           f"device {jax.devices()[0].device_kind}", flush=True)
     peak = copy_bandwidth(args.copy_gb)
     print(f"copy bandwidth (read+write, this run): {peak / 1e9:.0f} GB/s", flush=True)
-    if args.weight_kernels:
-        weight_kernel_rows(cfg, args.batch, peak)
     t = time.perf_counter()
     params = random_params(cfg)
     jax.block_until_ready(params)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import dsv41_jax as d
+from experiments import _cli
 from experiments.bench_decode import kernel_profile
 from experiments.bench_kernels import copy_bandwidth, random_bytes
 from kernels_pallas import gpu_grouped
@@ -130,6 +131,7 @@ def run(batches, reps: int, sweep: bool, peak: float) -> list[dict]:
     return rows
 
 
+@_cli.entry_point
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
@@ -139,7 +141,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
-        raise SystemExit("error: bench_weights times the GPU kernels; run it on a GPU machine")
+        raise _cli.UserError(f"bench_weights times the GPU kernels and this backend is {jax.default_backend()}: "
+                             "run it on a GPU machine")
     peak = copy_bandwidth(args.copy_gb)
     print(f"copy bandwidth (read+write, this run): {peak / 1e9:.0f} GB/s", flush=True)
     rows = run(args.batch, args.reps, args.sweep, peak)

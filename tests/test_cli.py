@@ -24,7 +24,7 @@ import pytest
 import dsv41_jax as d
 from dsv41_jax import compile_notice
 from dsv41_jax.checkpoint.synthetic import fixture_config, make_tensors, write_checkpoint
-from experiments import (bench_kernels, bench_sharding, cache_bytes, decode, logits, plan_deployment, prefix_reuse,
+from experiments import (bench_kernels, bench_sharding, bench_weights, cache_bytes, decode, logits, plan_deployment, prefix_reuse,
                          quality, train_small)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,6 +161,7 @@ def test_other_entry_points_refuse_bad_input(tmp_path, capsys, no_model):
         f"error: --out {a_file}: not writable")
     if jax.default_backend() != "gpu":
         assert fails(bench_kernels.main, [], capsys).startswith("error: bench_kernels times the Triton kernels")
+        assert fails(bench_weights.main, [], capsys).startswith("error: bench_weights times the GPU kernels")
     with pytest.raises(SystemExit) as e:  # argparse's own usage errors stay exit 2
         bench_kernels.main(["--contexts", "many"])
     assert e.value.code == 2 and "--contexts" in capsys.readouterr().err
