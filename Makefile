@@ -1,4 +1,4 @@
-# Two entry points, each self-contained on a fresh machine: `make run` and `make test`.
+# Two entry points, each self-contained on a fresh machine: `make run` and `make test` (lint, then the tests).
 # The venv is built with Python 3.12 (pyenv's 3.12.1 where pyenv is present), with the exact versions
 # of constraints.txt (pyproject.toml only declares compatible ranges).
 VENV   ?= .venv
@@ -7,7 +7,7 @@ export PYENV_VERSION ?= 3.12.1
 PY      = $(VENV)/bin/python
 ARGS   ?=
 
-.PHONY: venv run test clean
+.PHONY: venv run test lint clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY312) -m venv $(VENV)
@@ -20,8 +20,11 @@ venv: $(VENV)/.installed
 run: venv
 	$(PY) -m experiments.decode $(ARGS)
 
-test: venv
+test: lint
 	$(PY) -m pytest -q -n 2 tests
+
+lint: venv
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) *.egg-info

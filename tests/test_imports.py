@@ -1,0 +1,92 @@
+"""No import cycles between the project's modules, and every module imports on its own.
+
+The graph is read from the source, every `import` / `from ... import` statement, those inside functions
+included (a late import that dodges a cycle at import time is still a cycle in the design), so a cycle is
+found whatever the import order of a particular run. Each module is then imported in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("dsv41_jax", "kernels_pallas")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _edges(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules that `name` imports, anywhere in its source."""
+    is_pkg = path.name == "__init__.py"
+    here = name if is_pkg else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import mod` imports the submodule when there is one, else a name of pkg
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:  # `import a.b.c` runs a, a.b, a.b.c: the deepest project module
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {m: _edges(m, p, modules) for m, p in modules.items()}
+    # a package's __init__ re-exporting its submodules is not a cycle with them: drop submodule -> own
+    # package edges (Python imports the package first, then the submodule)
+    for m in graph:
+        graph[m] = {t for t in graph[m] if not m.startswith(t + ".")}
+    state, stack, cycles = {}, [], []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_every_module_imports_alone():
+    """Each module in a fresh interpreter (one process for all, each import after clearing the project's
+    modules), so none depends on another having been imported first."""
+    names = sorted(_modules())
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    for m in [m for m in sys.modules if m.split('.')[0] in ('dsv41_jax', 'kernels_pallas')]:\n"
+        "        del sys.modules[m]\n"
+        "    importlib.import_module(name)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-3000:]
