@@ -22,7 +22,7 @@ from dsv41_jax.checkpoint.orbax_io import flat_params, restore_params, save_para
 from dsv41_jax.checkpoint.safetensors_io import INDEX_FILE, write_safetensors
 from dsv41_jax.checkpoint.synthetic import (fixture_config, make_tensors, to_hf_float, tokenizer_vocab,
                                             write_checkpoint)
-from dsv41_jax.tokenizer import compressed_token_map
+from dsv41_jax.engram_vocab import compressed_token_map
 
 DATA = Path(__file__).parent / "data"
 CFG = fixture_config()

@@ -38,7 +38,7 @@ from dsv41_jax.checkpoint.safetensors_io import TensorInfo, list_checkpoint, map
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.engram import HOST_MEMORY_KIND
 from dsv41_jax.pytree_paths import flat_params, unflatten_like
-from dsv41_jax.tokenizer import engram_token_map
+from dsv41_jax.engram_vocab import engram_token_map
 
 Shardings = Mapping[str, jax.sharding.Sharding] | Callable[[str, tuple], jax.sharding.Sharding] | None
 
