@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41_jax.config import ModelConfig
+
 
 def _is_prime(n: int) -> bool:
     if n < 2:
@@ -72,7 +74,7 @@ class EngramHashLayout:
     chunk_bits: int  # bits folded per modular step
 
     @classmethod
-    def from_config(cls, cfg) -> "EngramHashLayout":
+    def from_config(cls, cfg: ModelConfig) -> "EngramHashLayout":
         primes = np.array(engram_primes(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads,
                                         cfg.engram_vocab_size), dtype=np.int64)
         flat = primes.reshape(len(cfg.engram_layer_ids), -1)

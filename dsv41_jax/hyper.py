@@ -1,5 +1,7 @@
 """Manifold-constrained hyper-connections (mHC): the residual stream is `hc` parallel copies.
 
+Shape letters: c = the hc copies of the stream (h is kept for attention heads everywhere else), d = dim.
+
 Each sub-layer (attention, FFN) derives three coefficient sets from its normalized input stream:
 `pre` [hc] (how to collapse the copies into one input), `post` [hc] (how to spread the output back),
 `comb` [hc, hc] (how copies mix into each other: made doubly stochastic by Sinkhorn iterations).
@@ -50,20 +52,21 @@ class HyperMix(nnx.Module):
         self.scale = nnx.Param(jnp.full((3,), 0.1, jnp.float32))
         self.hc, self.iters, self.eps, self.norm_eps, self.unroll = hc, iters, eps, norm_eps, unroll
 
-    def __call__(self, x_bthd: jax.Array):
-        x = x_bthd.reshape(*x_bthd.shape[:-2], -1).astype(jnp.float32)
+    def __call__(self, x_btcd: jax.Array):
+        """x [B, T, hc, D] -> pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc] (f32)."""
+        x = x_btcd.reshape(*x_btcd.shape[:-2], -1).astype(jnp.float32)
         rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.norm_eps)
         mixes = jnp.einsum("...i,mi->...m", x, self.fn[...]) * rstd
         return sinkhorn_split(mixes, self.scale[...], self.base[...], self.hc, self.iters, self.eps, self.unroll)
 
 
-def collapse(x_bthd: jax.Array, pre_bth: jax.Array) -> jax.Array:
+def collapse(x_btcd: jax.Array, pre_btc: jax.Array) -> jax.Array:
     """[B, T, hc, D] x [B, T, hc] -> [B, T, D]."""
-    return jnp.einsum("bthd,bth->btd", x_bthd.astype(jnp.float32), pre_bth).astype(x_bthd.dtype)
+    return jnp.einsum("btcd,btc->btd", x_btcd.astype(jnp.float32), pre_btc).astype(x_btcd.dtype)
 
 
-def expand(y_btd: jax.Array, residual_bthd: jax.Array, post_bth: jax.Array, comb_bthk: jax.Array) -> jax.Array:
-    """out[j] = post[j] * y + sum_i comb[i, j] * residual[i]."""
-    out = post_bth[..., None] * y_btd[:, :, None, :].astype(jnp.float32)
-    out = out + jnp.einsum("btij,btid->btjd", comb_bthk, residual_bthd.astype(jnp.float32))
+def expand(y_btd: jax.Array, residual_btcd: jax.Array, post_btc: jax.Array, comb_btcc: jax.Array) -> jax.Array:
+    """out[j] = post[j] * y + sum_i comb[i, j] * residual[i]: [B, T, D] -> [B, T, hc, D] (comb: copy i -> j)."""
+    out = post_btc[..., None] * y_btd[:, :, None, :].astype(jnp.float32)
+    out = out + jnp.einsum("btij,btid->btjd", comb_btcc, residual_btcd.astype(jnp.float32))
     return out.astype(y_btd.dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from flax import nnx
 
 from dsv41_jax.api import abstract_params
+from dsv41_jax.config import ModelConfig
 from dsv41_jax.plan import build_plan, encoder_depth
 
 
@@ -20,7 +21,7 @@ def _kind(path: str) -> str:
     return "dense"
 
 
-def param_counts(cfg) -> dict[str, float]:
+def param_counts(cfg: ModelConfig) -> dict[str, float]:
     """Totals by kind, and parameters active per token.
 
     - decode: every dense weight, the k routed experts picked per layer (k/E of them), the Engram rows

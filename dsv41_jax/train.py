@@ -193,38 +193,18 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _named(tree) -> dict:
-    """Flat {path string: array} of a pytree (orbax stores plain dicts of arrays)."""
-    return {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
 def save_checkpoint(path: str | Path, params: nnx.State, opt_state, step: int) -> None:
     """Write params, optimizer state and the step number to directory `path` (orbax; must not exist)."""
-    import orbax.checkpoint as ocp
+    from dsv41_jax.checkpoint.orbax_io import save_tree
 
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(Path(path).absolute(), {"params": _named(params), "opt_state": _named(opt_state),
-                                          "step": jnp.int32(step)})
+    save_tree(path, {"params": params, "opt_state": opt_state, "step": jnp.int32(step)})
 
 
 def restore_checkpoint(path: str | Path, params_like: nnx.State, opt_state_like):
     """(params, opt_state, step) from `save_checkpoint`, shaped like the templates given (e.g. fresh
     `init_params` / `init_opt_state` of the same config and optimizer). Values restore bit-exactly."""
-    import orbax.checkpoint as ocp
+    from dsv41_jax.checkpoint.orbax_io import restore_tree
 
-    abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype),
-                                         _named(tree))
-    target = {"params": abstract(params_like), "opt_state": abstract(opt_state_like),
-              "step": jax.ShapeDtypeStruct((), jnp.int32)}
-    with ocp.StandardCheckpointer() as ckpt:
-        got = ckpt.restore(Path(path).absolute(), target)
-
-    def unflatten(like, named):
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
-        missing = [jax.tree_util.keystr(p) for p, _ in leaves if jax.tree_util.keystr(p) not in named]
-        if missing:
-            raise ValueError(f"checkpoint {path} lacks {len(missing)} leaves of the template, e.g. {missing[:3]}; "
-                             "restore with templates made from the same config and optimizer")
-        return jax.tree_util.tree_unflatten(treedef, [named[jax.tree_util.keystr(p)] for p, _ in leaves])
-
-    return unflatten(params_like, got["params"]), unflatten(opt_state_like, got["opt_state"]), int(got["step"])
+    got = restore_tree(path, {"params": params_like, "opt_state": opt_state_like, "step": jnp.int32(0)},
+                       hint="; restore with templates made from the same config and optimizer")
+    return got["params"], got["opt_state"], int(got["step"])

@@ -114,7 +114,7 @@ def output_file(path: str | None, flag: str) -> None:
 
 def tokenizer(path: str | None, vocab_size: int, flag: str = "--tokenizer"):
     """The byte-level tokenizer (path None) or a tokenizer.json that fits the model's vocabulary."""
-    from dsv41_jax.textio import load_tokenizer
+    from dsv41_jax.text_tokenizers import load_tokenizer
 
     try:
         return load_tokenizer(path, vocab_size)

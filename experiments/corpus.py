@@ -1,7 +1,7 @@
 """Text for training and evaluating small models offline: the Python standard library's own sources as
 bytes, and a passkey-retrieval task built on top of them (shared by train_small and quality).
 
-Token ids are those of `dsv41_jax.textio.ByteTokenizer` (bytes + 3, <bos> = 1).
+Token ids are those of `dsv41_jax.text_tokenizers.ByteTokenizer` (bytes + 3, <bos> = 1).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv41_jax.textio import ByteTokenizer
+from dsv41_jax.text_tokenizers import ByteTokenizer
 from experiments._cli import UserError
 
 TOK = ByteTokenizer()

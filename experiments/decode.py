@@ -574,8 +574,7 @@ def serve(args, cfg, params, tok, prompts: list[np.ndarray], ecfg, spans=None) -
     metrics = dict(preset=args.preset, backend=jax.default_backend(), slots=engine.n_slots, cache_capacity=capacity,
                    global_cache_bytes_per_token=glob / (engine.n_slots * capacity),
                    window_bytes_per_sequence=live["window"] / engine.n_slots, peak_memory_bytes=peak,
-                   peak_memory_kind=peak_kind, tiers={k: dict(v.stats) for k, v in
-                                                      (("disk", engine.store), ("host", engine.host)) if v})
+                   peak_memory_kind=peak_kind, tiers=engine.prefix.stats() if engine.prefix else {})
     print(f"throughput            {rounds[-1]['tokens_per_s']:8.1f} tokens/s over the last round (all requests)")
     print(f"global KV cache       {metrics['global_cache_bytes_per_token']:8.1f} bytes/token  (measured: "
           f"{glob:,d} B in the cache arrays / {engine.n_slots}x{capacity} token slots)")

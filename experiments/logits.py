@@ -20,10 +20,11 @@ import time
 
 import numpy as np
 
+from dsv41_jax.config import ModelConfig
 from experiments import _cli
 
 
-def input_ids(args, cfg) -> tuple[np.ndarray, int]:
+def input_ids(args, cfg: ModelConfig) -> tuple[np.ndarray, int]:
     """(ids [batch, tokens] of --input-ids, tokens to prefill), checked against the model and --decode-from."""
     ids = _cli.load_ids(args.input_ids, "--input-ids")
     _cli.check_ids(ids, cfg.vocab_size, "--input-ids", args.input_ids)

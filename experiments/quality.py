@@ -39,6 +39,7 @@ from tqdm import tqdm
 import dsv41_jax as d
 from dsv41_jax import train
 from dsv41_jax.cache import Cache
+from dsv41_jax.config import ModelConfig
 from dsv41_jax.serving import slots as rows
 from experiments import _cli
 from experiments.corpus import KEY_DIGITS, PASSKEY_MIN_LENGTH, load_corpus, passkey_batch, windows
@@ -68,7 +69,7 @@ def run_config(run: str):
         raise _cli.UserError(f"--run {run}: config.json: {e}") from None
 
 
-def lengths_and_capacity(args, cfg) -> tuple[list[int], int]:
+def lengths_and_capacity(args, cfg: ModelConfig) -> tuple[list[int], int]:
     """(retrieval lengths, cache capacity) that fit the run's model: the defaults beyond its max_seq_len are
     dropped (with a note); explicit --ppl-len / --retrieval-lengths beyond it are refused."""
     top = cfg.max_seq_len
@@ -92,7 +93,7 @@ def lengths_and_capacity(args, cfg) -> tuple[list[int], int]:
     return kept, max([args.ppl_len, *kept])
 
 
-def load_run(run: Path, cfg):
+def load_run(run: Path, cfg: ModelConfig):
     """params of a train_small output directory whose config is `cfg`."""
     like = d.init_params(cfg, seed=0)
     params, _, step = train.restore_checkpoint(run / "checkpoint", like, train.init_opt_state(make_optimizer(1.0, 1), like))
@@ -100,13 +101,13 @@ def load_run(run: Path, cfg):
     return params
 
 
-def empty_cache(cfg, batch: int, capacity: int) -> Cache:
+def empty_cache(cfg: ModelConfig, batch: int, capacity: int) -> Cache:
     """An empty cache committed to the default device, as the restored params are: an uncommitted first
     chunk and the committed caches that follow it would be two programs, compiled twice."""
     return jax.device_put(d.init_cache(cfg, batch, capacity), jax.devices()[0])
 
 
-def run_chunks(cfg, params, cache: Cache, ids_bt: np.ndarray, lo: int, hi: int, chunk: int,
+def run_chunks(cfg: ModelConfig, params, cache: Cache, ids_bt: np.ndarray, lo: int, hi: int, chunk: int,
                keep: tuple[int, int] | None = None):
     """Prefill ids[:, lo:hi] (every row the same span) in chunks; (f32 logits of positions keep[0]..keep[1]
     as [B, n, V] or None, cache)."""
@@ -118,7 +119,7 @@ def run_chunks(cfg, params, cache: Cache, ids_bt: np.ndarray, lo: int, hi: int, 
     return (np.concatenate(kept, axis=1) if kept else None), cache
 
 
-def cold_and_replayed(cfg, params, ids_bt, p: int, chunk: int, capacity: int) -> tuple[Cache, Cache]:
+def cold_and_replayed(cfg: ModelConfig, params, ids_bt, p: int, chunk: int, capacity: int) -> tuple[Cache, Cache]:
     """Caches after ids[:, :p]: exact, and with the last window [p - W, p) replayed on the cached global KV."""
     w = cfg.window_size
     b = ids_bt.shape[0]
@@ -137,7 +138,7 @@ def nll(logits_btv: np.ndarray, targets_bt: np.ndarray) -> float:
     return float(np.mean(np.asarray(lse) - picked))
 
 
-def perplexity(cfg, params, batches: list[np.ndarray], chunk: int, capacity: int) -> dict:
+def perplexity(cfg: ModelConfig, params, batches: list[np.ndarray], chunk: int, capacity: int) -> dict:
     t = batches[0].shape[1] - 1
     vals = []
     for ids in batches:
@@ -148,7 +149,7 @@ def perplexity(cfg, params, batches: list[np.ndarray], chunk: int, capacity: int
     return {"nll": round(x, 4), "bits_per_byte": round(x / math.log(2), 4), "ppl": round(math.exp(x), 3)}
 
 
-def replay_drift(cfg, params, batches: list[np.ndarray], tail: int, chunk: int, capacity: int) -> dict:
+def replay_drift(cfg: ModelConfig, params, batches: list[np.ndarray], tail: int, chunk: int, capacity: int) -> dict:
     t = batches[0].shape[1] - 1
     p = (t - tail) // cfg.window_size * cfg.window_size
     cold, rep, dmax, agree = [], [], 0.0, []
@@ -175,7 +176,7 @@ def key_scores(logits_bkv: np.ndarray, ids_bt: np.ndarray, answer: int):
     return right.all(-1), right, lse - np.take_along_axis(logits_bkv, key[..., None], axis=-1)[..., 0]
 
 
-def retrieval(cfg, params, sets: dict[int, list[tuple[np.ndarray, int]]], chunk: int, capacity: int,
+def retrieval(cfg: ModelConfig, params, sets: dict[int, list[tuple[np.ndarray, int]]], chunk: int, capacity: int,
               replay: bool) -> dict:
     """{length: {key_acc, digit_acc, key_nll}} over the examples of each length (cold, or with a bounded
     replay of the last window before the question); key_nll: mean nats per key digit."""
@@ -287,7 +288,7 @@ def main(argv=None) -> dict:
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=1))
 
-    def evaluate(model: str, cfg, params, variants):
+    def evaluate(model: str, cfg: ModelConfig, params, variants):
         for name in tqdm(variants, desc=model, file=sys.stderr):
             v = cfg.replace(**VARIANTS[name](capacity))
             res["rows"].append({"model": model, "variant": name,

@@ -30,6 +30,7 @@ import optax
 import dsv41_jax as d
 from dsv41_jax import train
 from dsv41_jax.checkpoint.orbax_io import flat_params
+from dsv41_jax.pytree_paths import path_str
 from dsv41_jax.compile_notice import compiling
 from experiments import _cli
 from experiments.corpus import load_corpus, windows
@@ -49,8 +50,7 @@ def draft_config(cfg, args):
 def with_target(params, target_params):
     """`params` (a draft config's) with every backbone leaf taken from the trained target's."""
     got = {k: v for k, v in flat_params(target_params).items() if not k.startswith("mtp/")}  # its own drafts: not ours
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: got.get("/".join(str(k.key) for k in p if isinstance(k, jax.tree_util.DictKey)), x), params)
+    return jax.tree_util.tree_map_with_path(lambda p, x: got.get(path_str(p), x), params)
 
 
 def parse_args(argv=None):

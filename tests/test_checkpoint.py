@@ -22,7 +22,7 @@ from dsv41_jax.checkpoint.orbax_io import flat_params, restore_params, save_para
 from dsv41_jax.checkpoint.safetensors_io import INDEX_FILE, write_safetensors
 from dsv41_jax.checkpoint.synthetic import (fixture_config, make_tensors, to_hf_float, tokenizer_vocab,
                                             write_checkpoint)
-from dsv41_jax.tokenizer import compressed_token_map
+from dsv41_jax.engram_vocab import compressed_token_map
 
 DATA = Path(__file__).parent / "data"
 CFG = fixture_config()
@@ -191,6 +191,43 @@ def test_orbax_round_trip_is_exact(released, tmp_path):
         np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8), err_msg=k)
     with pytest.raises(ValueError, match="unexpected"):
         restore_params(tmp_path / "p", loaded.cfg.replace(weight_format="float"))
+
+
+def test_training_checkpoints_use_the_flat_format_and_read_the_earlier_one(tmp_path):
+    """save_checkpoint writes one flat {path_str: array} dict, as save_params does; a checkpoint of the
+    earlier layout ({"params": {jax keystr: array}, "opt_state": {...}, "step"}) still restores bit-exactly."""
+    import optax
+    import orbax.checkpoint as ocp
+
+    from dsv41_jax import train
+    from dsv41_jax.checkpoint.orbax_io import restore_tree
+
+    rng = np.random.default_rng(0)
+    params = {"layers": {"0": {"w": jax.numpy.asarray(rng.normal(size=(3, 4)), jax.numpy.float32)}},
+              "embed": {"weight": jax.numpy.asarray(rng.normal(size=(5, 2)), jax.numpy.bfloat16)}}
+    opt_state = optax.adam(1e-3).init(params)
+    opt_state = jax.tree.map(lambda x: x + 1, opt_state)  # not the template's zeros
+    train.save_checkpoint(tmp_path / "new", params, opt_state, step=7)
+    with ocp.StandardCheckpointer() as ckpt:
+        names = set(ckpt.metadata((tmp_path / "new").absolute()).item_metadata)
+    assert {"params/layers/0/w", "params/embed/weight", "opt_state/0/count", "opt_state/0/mu/layers/0/w",
+            "step"} <= names
+    def keystr(tree):
+        return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save((tmp_path / "old").absolute(), {"params": keystr(params), "opt_state": keystr(opt_state),
+                                                  "step": jax.numpy.int32(7)})
+    like = jax.tree.map(jax.numpy.zeros_like, (params, opt_state))
+    for run in ("new", "old"):
+        p, o, step = train.restore_checkpoint(tmp_path / run, *like)
+        assert step == 7
+        for a, b in zip(jax.tree.leaves((params, opt_state)), jax.tree.leaves((p, o))):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="1 missing"):
+        restore_tree(tmp_path / "old", {"params": {**like[0], "extra": jax.numpy.zeros(2)}, "opt_state": like[1],
+                                        "step": jax.numpy.int32(0)})
 
 
 def _host_placed(params) -> dict[str, str]:

@@ -156,7 +156,7 @@ def test_tier_failures_are_a_miss_and_a_correct_recompute(model, cold, tmp_path,
     assert run(eng).tokens == cold.tokens
     files = page_files(tmp_path)
     assert len(files) == 2
-    first = eng.store.path(block_chain(eng.fp, PROMPT, PT)[0])  # page 0 (the listing order is arbitrary)
+    first = eng.prefix.store.path(block_chain(eng.prefix.fp, PROMPT, PT)[0])  # page 0 (the listing order is arbitrary)
     assert first in files
     if how in ("truncate", "flip"):
         damage(first, how)
@@ -178,12 +178,12 @@ def test_tier_failures_are_a_miss_and_a_correct_recompute(model, cold, tmp_path,
             os.unlink(f)
         def enospc(fd, data):
             raise OSError(errno.ENOSPC, "No space left on device")
-        monkeypatch.setattr(eng.store, "_write_all", enospc)
+        monkeypatch.setattr(eng.prefix.store, "_write_all", enospc)
     r = run(eng)
     assert r.error is None and r.tokens == cold.tokens
     assert r.metrics["reused_tokens"] == 0 and r.metrics["replayed_tokens"] == 0
     if how == "full_disk":
-        assert eng.store.stats["write_errors"] == 1 and page_files(tmp_path) == []
+        assert eng.prefix.store.stats["write_errors"] == 1 and page_files(tmp_path) == []
 
 
 def test_slots_join_and_leave_without_recompiling(model, cold):

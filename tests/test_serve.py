@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from dsv41_jax.serving.text import TextStream, load_chat_template, render_chat
-from dsv41_jax.textio import ByteTokenizer
+from dsv41_jax.text_tokenizers import ByteTokenizer
 from experiments import decode, load_test, serve, serve_bench
 from tests.http_server import serving
 

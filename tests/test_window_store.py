@@ -109,7 +109,7 @@ def test_two_http_servers_share_one_store(model, cold, store, tmp_path):
     """What a client of two servers behind one store sees: the second serves the first's prefix from the
     store (its metrics say so) with the cold run's tokens; with the store gone, a replay, no error."""
     from dsv41_jax.serving.http import Server
-    from dsv41_jax.textio import ByteTokenizer
+    from dsv41_jax.text_tokenizers import ByteTokenizer
     from tests.http_server import serving
 
     shared = dict(cache_dir=str(tmp_path / "kv"), window_store=store.url)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from dsv41_jax.config import ModelConfig
 from dsv41_jax.plan import build_plan
 
 FLOATS = ("F32", "BF16", "F16", "F64")
@@ -56,7 +57,7 @@ def _ceil32(n: int) -> int:
     return -(-n // 32)
 
 
-def vision_entries(cfg) -> list[Entry]:
+def vision_entries(cfg: ModelConfig) -> list[Entry]:
     """The vision tower's params (all plain float tensors), when the config has one."""
     c, vd = cfg, cfg.vision_dim
     if not c.vision_n_layers:
@@ -119,7 +120,7 @@ def _block_entries(out: list, c, P: str, r: str, n_experts: int, image_bias: boo
         dense(f"ffn/shared_{w}", f"ffn.shared_experts.{w}", d_out, d_in)
 
 
-def entries(cfg) -> list[Entry]:
+def entries(cfg: ModelConfig) -> list[Entry]:
     """Every param of the model (except the tokenizer-derived engram_token_map), draft stages included."""
     c = cfg
     out = [Entry("embed/weight", ("embed.weight",), "plain", (c.vocab_size, c.dim)),
@@ -192,7 +193,7 @@ class Expect:
     optional: bool = False
 
 
-def expected_tensors(cfg, quantized: bool) -> dict[str, Expect]:
+def expected_tensors(cfg: ModelConfig, quantized: bool) -> dict[str, Expect]:
     """Released name -> Expect, for a quantized (as released) or all-float checkpoint."""
     out: dict[str, Expect] = {}
     for e in entries(cfg):

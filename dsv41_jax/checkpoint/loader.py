@@ -21,9 +21,10 @@ import json
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Callable, Mapping
 
 import jax
 import numpy as np
@@ -36,10 +37,10 @@ from dsv41_jax.checkpoint.layout import Entry, entries, expected_tensors, skip_r
 from dsv41_jax.checkpoint.safetensors_io import TensorInfo, list_checkpoint, map_tensor, read_tensor
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.engram import HOST_MEMORY_KIND
-from dsv41_jax.tokenizer import engram_token_map
+from dsv41_jax.pytree_paths import flat_params, unflatten_like
+from dsv41_jax.engram_vocab import engram_token_map
 
 Shardings = Mapping[str, jax.sharding.Sharding] | Callable[[str, tuple], jax.sharding.Sharding] | None
-MMAP = "mmap"  # a job's destination: map the tensor from its file instead of reading it into a buffer
 
 
 class CheckpointError(ValueError):
@@ -161,8 +162,9 @@ class _Sink:
         want = self.abstract[path]
         return self.stacks.setdefault(path, (np.empty(want.shape, want.dtype), set()))[0][index]
 
-    def filled(self, path: str, index: int, n: int) -> None:
-        """Slice `index` of `n` is written; the stack goes to the device when all are."""
+    def filled(self, path: str, index: int, n: int, read: np.ndarray | None = None) -> None:
+        """Slice `index` of `n` is written (`read`: that slice, as a job that read into it delivers it);
+        the stack goes to the device when all are."""
         buf, seen = self.stacks[path]
         seen.add(index)
         if len(seen) == n:
@@ -185,22 +187,37 @@ def host_sharding(s: jax.sharding.Sharding | None = None) -> jax.sharding.Shardi
     return s.with_memory_kind(HOST_MEMORY_KIND)
 
 
-def _param_paths(state) -> dict[str, jax.ShapeDtypeStruct]:
-    out = {}
+@dataclass(frozen=True)
+class Job:
+    """One checkpoint tensor to read, and what receives it. Jobs run in file order; `deliver` gets the
+    array read (for `into` jobs: the filled buffer slice, already in place)."""
 
-    def visit(path, leaf):
-        out["/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))] = leaf
-        return leaf
-
-    jax.tree_util.tree_map_with_path(visit, state)
-    return out
+    info: TensorInfo
+    deliver: Callable[[np.ndarray], None]
+    into: Callable[[], np.ndarray] | None = None  # the buffer to read into (a slice of a stacked param)
+    mmap: bool = False  # map the tensor from its file instead of reading it (engram_on_host tables)
 
 
-def _fill(state, values: dict[str, jax.Array]):
-    def pick(path, leaf):
-        return values["/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))]
+@dataclass
+class _Pair:
+    """A quantized weight and its scale, read as two jobs and converted together once both arrived."""
 
-    return jax.tree_util.tree_map_with_path(pick, state)
+    convert: Callable[[np.ndarray, np.ndarray], None]  # (weight, scale) -> puts the result in the sink
+    weight: np.ndarray | None = None
+    scale: np.ndarray | None = None
+
+    def got_weight(self, arr: np.ndarray) -> None:
+        self.weight = arr
+        self._maybe_done()
+
+    def got_scale(self, arr: np.ndarray) -> None:
+        self.scale = arr
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        if self.weight is not None and self.scale is not None:
+            w, s, self.weight, self.scale = self.weight, self.scale, None, None  # release the buffers
+            self.convert(w, s)
 
 
 @dataclass
@@ -266,7 +283,7 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
                                quantize_cache=quantize_cache, weight_format="fp8" if fp8 else "float",
                                activation_quant=inv.quantized if activation_quant is None else activation_quant)
     state = abstract_params(cfg)
-    abstract = _param_paths(state)
+    abstract = flat_params(state)
     tables = [e.param for e in entries(cfg) if e.kind == "table"]
     host_paths = frozenset(p for t in tables for p in (t, t + "_scale") if p in abstract) if engram_on_host \
         else frozenset()
@@ -274,33 +291,15 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
     for path in sorted(host_paths):
         sink._sharding(path, abstract[path].shape)  # no host memory here: refuse before reading anything
 
-    # one job per checkpoint tensor: (TensorInfo, handler(array), destination() or None or MMAP);
-    # scales travel with their weights; a destination lets the read land in its stacked param directly
-    jobs: list[tuple] = []
-    pending: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
-
-    def tensor(released: str) -> TensorInfo:
-        return tensors[inv.names[released]]
-
-    def want_pair(key: str, done: Callable, dest=None):
-        """Collect `key`.weight and `key`.scale (quantized form) before converting them together."""
-        def got(part):
-            def handle(arr):
-                pending[key][part] = arr
-                if len(pending[key]) == 2:
-                    parts = pending.pop(key)
-                    done(parts["weight"], parts["scale"])
-            return handle
-        jobs.append((tensor(key + ".weight"), got("weight"), dest))
-        jobs.append((tensor(key + ".scale"), got("scale"), dest))
-
-    for e in entries(cfg):
-        _plan_entry(e, inv.quantized, fp8, sink, tensor, want_pair, jobs, mmap=e.param in host_paths)
+    # one job per checkpoint tensor; scales travel with their weights
+    tensor = {released: tensors[name] for released, name in inv.names.items()}
+    jobs = [job for e in entries(cfg)
+            for job in _entry_jobs(e, tensor, sink, inv.quantized, fp8, mmap=e.param in host_paths)]
     if token_map is not None:
         sink.put("engram_token_map", token_map)
 
-    total = sum(job[0].nbytes for job in jobs)
-    jobs.sort(key=lambda j: (str(j[0].file), j[0].begin))  # shard by shard, sequential reads
+    total = sum(job.info.nbytes for job in jobs)
+    jobs.sort(key=lambda j: (str(j.info.file), j.info.begin))  # shard by shard, sequential reads
     bar = None
     if progress:
         try:
@@ -310,10 +309,10 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
     if progress and tqdm is not None:
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"loading {directory.name}")
     t0 = time.perf_counter()
-    for (info, handle, _), arr in _prefetch(jobs):
-        handle(arr)
+    for job, arr in _prefetch(jobs):
+        job.deliver(arr)
         if bar is not None:
-            bar.update(info.nbytes)
+            bar.update(job.info.nbytes)
     jax.block_until_ready(list(sink.values.values()))
     seconds = time.perf_counter() - t0
     if bar is not None:
@@ -327,71 +326,85 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
         notes.append(f"{len(wide)} weight(s) with E8M0 scales beyond the GPU weight kernels' bf16 decode (e.g. "
                      f"{wide[0]}): run bf16 decode with kernels='jnp' on this checkpoint")
         warnings.warn(notes[-1])
-    return Loaded(cfg, _fill(state, sink.values), notes, total, seconds)
+    return Loaded(cfg, unflatten_like(state, sink.values), notes, total, seconds)
 
 
-def _prefetch(jobs, workers: int = 4, window_bytes: int = 1 << 30):
+def _read(job: Job) -> np.ndarray:
+    if job.mmap:
+        return map_tensor(job.info)
+    return read_tensor(job.info, job.into() if job.into is not None else None)
+
+
+def _prefetch(jobs: list[Job], workers: int = 4, window_bytes: int = 1 << 30):
     """(job, array) in job order, read by a thread pool up to `window_bytes` ahead (bounds host memory)."""
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
-    def read(job):
-        info, _, dest = job
-        if isinstance(dest, str) and dest == MMAP:
-            return map_tensor(info)
-        return read_tensor(info, dest() if dest is not None else None)
-
     with ThreadPoolExecutor(workers) as pool:
         queue, ahead, it = deque(), 0, iter(jobs)
         for job in it:
-            queue.append((job, pool.submit(read, job)))
-            ahead += job[0].nbytes
+            queue.append((job, pool.submit(_read, job)))
+            ahead += job.info.nbytes
             while ahead > window_bytes or (queue and len(queue) > 4 * workers):
                 done, fut = queue.popleft()
-                ahead -= done[0].nbytes
+                ahead -= done.info.nbytes
                 yield done, fut.result()
         while queue:
             done, fut = queue.popleft()
             yield done, fut.result()
 
 
-def _plan_entry(e: Entry, quantized: bool, fp8: bool, sink: _Sink, tensor, want_pair, jobs,
-                mmap: bool = False) -> None:
-    """Queue the reads that fill the params of one layout entry (mmap: map its tensors, see MMAP)."""
+def _pair(tensor: Mapping[str, TensorInfo], key: str, convert: Callable[[np.ndarray, np.ndarray], None],
+          mmap: bool = False) -> list[Job]:
+    """The jobs of `key`.weight and `key`.scale (quantized form), converted together by `convert`."""
+    pair = _Pair(convert)
+    return [Job(tensor[key + ".weight"], pair.got_weight, mmap=mmap),
+            Job(tensor[key + ".scale"], pair.got_scale, mmap=mmap)]
+
+
+def _put_dequant(sink: _Sink, path: str, dequant: Callable, w: np.ndarray, s: np.ndarray) -> None:
+    """Param `path` from a weight and its scale through `dequant` (one of the _dequant_* above)."""
+    sink.put(path, dequant(w, s))
+
+
+def _put_expert(sink: _Sink, path: str, index: int, n: int, w: np.ndarray) -> None:
+    """Expert `index` of `n` of stacked param `path` from its checkpoint weight [out, in] (float)."""
+    sink.put_slice(path, index, n, w.T)
+
+
+def _put_fp4_expert(sink: _Sink, path: str, index: int, n: int, w: np.ndarray, s: np.ndarray) -> None:
+    """Expert `index` of `n` of stacked param `path` from its FP4 weight and E8M0 scale, dequantized."""
+    _put_expert(sink, path, index, n, _dequant_fp4(w, s))
+
+
+def _entry_jobs(e: Entry, tensor: Mapping[str, TensorInfo], sink: _Sink, quantized: bool, fp8: bool,
+                mmap: bool = False) -> list[Job]:
+    """The reads that fill the params of one layout entry (mmap: map its tensors from their files)."""
     if e.kind == "plain":
-        jobs.append((tensor(e.names[0]), lambda arr, p=e.param: sink.put(p, arr), None))
-    elif e.kind in ("dense", "dense_dequant"):
-        key = e.names[0]
+        return [Job(tensor[e.names[0]], partial(sink.put, e.param))]
+    key = e.names[0]
+    if e.kind in ("dense", "dense_dequant"):
         if not quantized:
-            jobs.append((tensor(key + ".weight"), lambda arr, p=e.param: sink.put(p + "/weight", arr), None))
-        elif fp8 and e.kind == "dense":
-            def keep(w, s, p=e.param):
-                sink.put(p + "/weight", w)
-                sink.put(p + "/scale", s)
-            want_pair(key, keep)
-        else:
-            want_pair(key, lambda w, s, p=e.param: sink.put(p + "/weight", _dequant_dense(w, s)))
-    elif e.kind == "experts":
-        n = len(e.names)
+            return [Job(tensor[key + ".weight"], partial(sink.put, e.param + "/weight"))]
+        if fp8 and e.kind == "dense":
+            return [Job(tensor[key + ".weight"], partial(sink.put, e.param + "/weight")),
+                    Job(tensor[key + ".scale"], partial(sink.put, e.param + "/scale"))]
+        return _pair(tensor, key, partial(_put_dequant, sink, e.param + "/weight", _dequant_dense))
+    if e.kind == "experts":
+        n, jobs = len(e.names), []
         for i, key in enumerate(e.names):
             if not quantized:
-                jobs.append((tensor(key + ".weight"),
-                             lambda arr, i=i, p=e.param: sink.put_slice(p, i, n, arr.T), None))
+                jobs.append(Job(tensor[key + ".weight"], partial(_put_expert, sink, e.param, i, n)))
             elif fp8:  # the dominant bytes: read straight into the stacked buffers
-                for part, dest in ((".weight", e.param), (".scale", e.param + "_scale")):
-                    jobs.append((tensor(key + part), lambda arr, i=i, p=dest: sink.filled(p, i, n),
-                                 lambda i=i, p=dest: sink.slot(p, i)))
+                for part, p in ((".weight", e.param), (".scale", e.param + "_scale")):
+                    jobs.append(Job(tensor[key + part], partial(sink.filled, p, i, n), into=partial(sink.slot, p, i)))
             else:
-                want_pair(key, lambda w, s, i=i, p=e.param: sink.put_slice(p, i, n, _dequant_fp4(w, s).T))
-    else:  # table
-        key = e.names[0]
-        dest = MMAP if mmap else None
-        if not quantized:
-            jobs.append((tensor(key + ".weight"), lambda arr, p=e.param: sink.put(p, arr), dest))
-        elif fp8:
-            def keep(w, s, p=e.param):
-                sink.put(p, w)
-                sink.put(p + "_scale", s)
-            want_pair(key, keep, dest)
-        else:
-            want_pair(key, lambda w, s, p=e.param: sink.put(p, _dequant_rows(w, s)), dest)
+                jobs += _pair(tensor, key, partial(_put_fp4_expert, sink, e.param, i, n))
+        return jobs
+    # table
+    if not quantized:
+        return [Job(tensor[key + ".weight"], partial(sink.put, e.param), mmap=mmap)]
+    if fp8:
+        return [Job(tensor[key + ".weight"], partial(sink.put, e.param), mmap=mmap),
+                Job(tensor[key + ".scale"], partial(sink.put, e.param + "_scale"), mmap=mmap)]
+    return _pair(tensor, key, partial(_put_dequant, sink, e.param, _dequant_rows), mmap=mmap)

@@ -20,6 +20,7 @@ import numpy as np
 
 from dsv41_jax.checkpoint.layout import entries
 from dsv41_jax.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE, write_safetensors
+from dsv41_jax.config import ModelConfig
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -75,7 +76,7 @@ def _gain(key: str) -> float:
     return GAIN.get(key.rsplit(".", 1)[-1], 1.0)
 
 
-def make_tensors(cfg, seed: int = 0) -> dict[str, np.ndarray | tuple[str, np.ndarray]]:
+def make_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray | tuple[str, np.ndarray]]:
     """Every backbone tensor in the released names and dtypes ((dtype name, array) where numpy has none)."""
     rng = np.random.default_rng(seed)
     out: dict = {}
@@ -162,7 +163,7 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     Tokenizer(models.WordLevel(vocab, unk_token="<pad>")).save(str(path))
 
 
-def config_json(cfg, style: str = "hf") -> dict:
+def config_json(cfg: ModelConfig, style: str = "hf") -> dict:
     """The config as the release writes it: HF (`text_config`, HF key names) or inference style."""
     ours = {
         "vocab_size": cfg.vocab_size, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_mtp_layers": cfg.n_mtp_layers,
@@ -220,7 +221,7 @@ def _shard_key(name: str) -> str:
     return {"embed": "a_embed", "head": "z_head", "lm_head": "z_head", "norm": "z_head"}.get(parts[0], "z_other")
 
 
-def write_checkpoint(directory: str | Path, cfg, tensors: dict, *, sharded: bool = True,
+def write_checkpoint(directory: str | Path, cfg: ModelConfig, tensors: dict, *, sharded: bool = True,
                      config_style: str = "hf") -> int:
     """Write `tensors` (from make_tensors / to_hf_float) with config.json and tokenizer.json.
 

@@ -24,24 +24,10 @@ prompt's last token, so the state at P is a reusable prefix:
   cone fits, n - (P - W) >= D (W - 1) + 1 (tiny: 46 tokens); otherwise it drifts (released: D = 19,
   a 2,414-token cone, so always): measured by `experiments.prefix_reuse`, bounded in
   tests/test_engine.py. bounded_prefill=False runs every layer on every token.
-- after [0, P) the global KV of every full page goes to the disk tier (`PageStore`) and the window
-  rings at P to the host tier (`HostPool`), both keyed by the chained hash of the tokens (tiers/keys);
-- a later prompt that starts with cached pages loads their global KV instead of recomputing it; with
-  the window of that prefix in the host pool the state at the prefix is restored exactly (same bytes,
-  so greedy tokens equal a cold run), else *bounded replay* (`replay`, on by default; off: recompute
-  the whole prompt) recomputes the last window of the prefix on top of the cached global KV:
-  lengths = R - W, every window ring empty before R - W (`Cache.window_start`), n-gram history
-  recomputed for R - W, prefill of tokens [R - W, R), then the cached (exact) global rows of [R - W, R)
-  are put back over the replay's recomputed ones. The pending compressor group is empty at R - W
-  because W and the page size are multiples of every ratio. Replay is an approximation (the first
-  replayed queries see a window missing its older half; the exact cone grows by a window per layer),
-  measured by `experiments.prefix_reuse`. States derived from a replay are never written back to
-  either tier. Pages are the same bytes in either prefill mode; a host-pool entry holds its engine's
-  own state (bounded or exact). The in-process pool lives and dies with the engine; with
-  `window_store` (a Redis / Valkey or Mooncake Store URL, `tiers.window_store`) engines of the same weights
-  and settings (one fingerprint) share it, so a prefix one served is an exact restore on another.
-Any problem with a tier (damaged/foreign/expired page, full disk, missing directory) is a miss and a
-recompute: the tiers report misses, never raise.
+- after [0, P) the pages of global KV and the window rings at P go to the tiers, and a later prompt
+  that starts with cached pages restores the state at its prefix from them, exactly (with the window)
+  or by bounded replay: the protocol is `PrefixCache`'s (serving/prefix_cache.py), the engine runs the
+  model work it asks for.
 
 Images (`Request.images`, each a `dsv41_jax.images.PreparedImage`; the prompt holds one
 `image_token_id` placeholder per image): the prompt is expanded to its image spans, each image is
@@ -64,22 +50,22 @@ import numpy as np
 from tqdm import tqdm
 
 from dsv41_jax import api
-from dsv41_jax.cache import cache_bytes, init_cache
+from dsv41_jax.cache import Cache, cache_bytes, init_cache
 from dsv41_jax.compile_notice import compiling
-from dsv41_jax.images import expand_prompt, image_mask
-from dsv41_jax.plan import Mode, build_plan, encoder_depth
-from dsv41_jax.serving import slots as rows
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.images import expand_prompt
+from dsv41_jax.plan import build_plan, encoder_depth
 from dsv41_jax.sampling import sample
-from dsv41_jax.tiers import PageStore, block_chain, fingerprint, window_pool
-from dsv41_jax.tiers.keys import weights_digest
+from dsv41_jax.serving import slots as rows
+from dsv41_jax.serving.prefix_cache import PrefixCache, full_ratios
 
 
-def slot_bytes(cfg, capacity: int) -> int:
+def slot_bytes(cfg: ModelConfig, capacity: int) -> int:
     """Measured bytes of one slot row (every cache array, from the abstract cache)."""
     return sum(cache_bytes(jax.eval_shape(lambda: init_cache(cfg, 1, capacity))).values())
 
 
-def slots_for_budget(cfg, capacity: int, budget_bytes: int, max_slots: int = 256) -> int:
+def slots_for_budget(cfg: ModelConfig, capacity: int, budget_bytes: int, max_slots: int = 256) -> int:
     per = slot_bytes(cfg, capacity)
     n = min(max_slots, budget_bytes // per)
     if n < 1:
@@ -88,10 +74,10 @@ def slots_for_budget(cfg, capacity: int, budget_bytes: int, max_slots: int = 256
     return int(n)
 
 
-def plan_slots(cfg, ecfg: "EngineConfig") -> int:
+def plan_slots(cfg: ModelConfig, ecfg: EngineConfig) -> int:
     """The slot count an engine of `ecfg` gets for `cfg`; ValueError saying what to change when it cannot
     serve it. Cheap (no weights, nothing allocated): callers can check settings before the slow setup."""
-    lcm = math.lcm(*_full_ratios(cfg))  # 1 without Full layers
+    lcm = math.lcm(*full_ratios(cfg))  # 1 without Full layers
     if ecfg.page_tokens < 1 or ecfg.page_tokens % lcm:
         raise ValueError(f"page_tokens={ecfg.page_tokens} must be a positive multiple of every compression ratio "
                          f"(lcm {lcm}) so a page ends on complete groups")
@@ -100,10 +86,6 @@ def plan_slots(cfg, ecfg: "EngineConfig") -> int:
     if ecfg.capacity > cfg.max_seq_len:
         raise ValueError(f"capacity={ecfg.capacity} exceeds the model's max_seq_len={cfg.max_seq_len}")
     return ecfg.slots or slots_for_budget(cfg, ecfg.capacity, ecfg.hbm_budget_bytes or 1 << 30)
-
-
-def _full_ratios(cfg) -> tuple[int, ...]:
-    return tuple(p.ratio for p in build_plan(cfg) if p.mode is Mode.FULL)
 
 
 @dataclass
@@ -161,27 +143,14 @@ class _Live:
 
 
 class Engine:
-    def __init__(self, cfg, params, ecfg: EngineConfig = EngineConfig()):
+    def __init__(self, cfg: ModelConfig, params, ecfg: EngineConfig = EngineConfig()):
         self.cfg, self.params, self.ecfg = cfg, params, ecfg
         self.n_slots = plan_slots(cfg, ecfg)
-        self.ratios = _full_ratios(cfg)
         self.cache = init_cache(cfg, self.n_slots, ecfg.capacity)
         self._empty_row = rows.to_host(rows.take_row(self.cache, 0))
-        self.replay_ok = ecfg.replay and cfg.window_size % math.lcm(*self.ratios) == 0
         self.encoder_depth = encoder_depth(build_plan(cfg))
-        tm = params["engram_token_map"][...] if cfg.engram_layer_ids else None
-        self.token_map = None if tm is None else np.asarray(tm)
-        self.hist_width = self._empty_row.ngram_history.shape[1]
-        self.store = self.host = None
-        self.fp = None
-        if ecfg.cache_dir:
-            weights = ecfg.weights_revision or weights_digest(jax.tree.leaves(params))
-            self.fp = fingerprint(cfg, weights, ecfg.page_tokens, extra=f"capacity-independent;{self.ratios}")
-            self.store = PageStore(ecfg.cache_dir, self.fp, ecfg.page_tokens, retention_s=ecfg.retention_s)
-            # window states differ between the prefill modes: a shared pool keeps them apart
-            mode = "bounded" if ecfg.bounded_prefill else "exact"
-            self.host = window_pool(ecfg.window_store, f"{self.fp}-{mode}", ecfg.host_ttl_s, ecfg.host_pool_bytes)
-            self.store.gc()
+        # the tiers below HBM (None: no cache_dir, no prefix reuse)
+        self.prefix = PrefixCache(cfg, params, ecfg, self._empty_row) if ecfg.cache_dir else None
         self.live: dict[int, _Live] = {}
         self.queue: list[_Live] = []
         self.done: list[Result] = []
@@ -320,7 +289,7 @@ class Engine:
         self.done.append(lv.res)
 
     # ------------------------------------------------------------------ prefill and prefix reuse
-    def _chunks(self, row, ids: np.ndarray, lo: int, hi: int, desc: str, layers: int | None = None, enc=()):
+    def _chunks(self, row: Cache, ids: np.ndarray, lo: int, hi: int, desc: str, layers: int | None = None, enc=()):
         """Prefill tokens [lo, hi) of ids onto a device row in fixed-width chunks through the first `layers`
         layers (None: all), with the encoded image spans `enc`; (logits [1, V] | None, row)."""
         cw, logits = self.ecfg.prefill_chunk, None
@@ -339,60 +308,7 @@ class Engine:
             pass
         return logits, row
 
-    def _restore(self, ids: np.ndarray, keys: list[str], m: dict, enc=()):
-        """(device row, reused prefix R, state exact?) from the tiers; R == 0 when nothing is usable."""
-        if not (self.store and self.ecfg.prefix_reuse and keys):
-            return None, 0, True
-        pt, w = self.ecfg.page_tokens, self.cfg.window_size
-        r0 = dict(self.store.stats)
-        pages = self.store.lookup(keys)
-        m["disk_bytes_read"] = self.store.stats["bytes_read"] - r0.get("bytes_read", 0)
-        m["disk_pages_hit"] = len(pages)
-        if pages and not rows.pages_match(pages, ids, pt, self._empty_row):
-            m["disk_pages_rejected"], pages = len(pages), []
-        r = len(pages) * pt
-        if r == 0:
-            return None, 0, True
-        row = rows.fill_from_pages(jax.tree.map(np.copy, self._empty_row), pages, self.ratios, pt)
-        snap = self.host.get(keys[len(pages) - 1])
-        if snap is not None:
-            m["host_window_hit"], m["host_bytes_read"] = True, sum(a.nbytes for a in snap.values())
-            row = row.replace(lengths=np.array([r], np.int32), window_start=snap["window_start"],
-                              window={k[len("window."):]: v for k, v in snap.items() if k.startswith("window.")},
-                              ngram_history=self._history(ids, r, enc))
-            m["prefix_path"] = "host_restore"
-            return jax.device_put(row), r, True
-        if not self.replay_ok or r < w:
-            m["disk_pages_unused"] = len(pages)  # no window and no replay: recompute from scratch
-            m["prefix_path"] = "recompute"
-            return None, 0, True
-        row = rows.reset_row(row, r - w).replace(ngram_history=self._history(ids, r - w, enc))
-        _, dev = self._chunks(jax.device_put(row), ids, r - w, r, "replay", enc=enc)
-        # the replay recomputed the global rows of [r - w, r) from a partial window: put the exact ones back
-        host = rows.fill_from_pages(rows.to_host(dev), pages, self.ratios, pt)
-        m["replayed_tokens"], m["prefix_path"] = w, "bounded_replay"
-        return jax.device_put(host), r, False
-
-    def _history(self, ids, n, enc=()):
-        if self.token_map is None:
-            return np.zeros((1, 0), np.int32)
-        dead = image_mask(enc, len(ids)) if enc else None  # image positions end every n-gram
-        return rows.ngram_history_at(self.token_map, ids, n, self.hist_width, dead)
-
-    def _publish(self, row, ids: np.ndarray, keys: list[str], start: int, split: int, m: dict) -> None:
-        """Write the pages of [start, split) and the window at `split` to the tiers (exact states only)."""
-        pt = self.ecfg.page_tokens
-        host = rows.to_host(row)
-        w0 = self.store.stats["bytes_written"]
-        for k in range(start // pt, split // pt):
-            if not self.store.put(keys[k], k * pt, rows.page_arrays(host, self.ratios, ids, k * pt, pt)):
-                break  # a failed write (e.g. full disk): later pages would not be reachable anyway
-        m["disk_bytes_written"] = self.store.stats["bytes_written"] - w0
-        snap = {f"window.{k}": v for k, v in host.window.items()} | {"window_start": host.window_start}
-        if self.host.put(keys[split // pt - 1], snap):
-            m["host_bytes_written"] = sum(a.nbytes for a in snap.values())
-
-    def prefill(self, ids: np.ndarray, spans=()) -> tuple[jax.Array, object, dict]:
+    def prefill(self, ids: np.ndarray, spans=()) -> tuple[jax.Array, Cache, dict]:
         """Prefill one prompt (int32 [n], image spans `spans` expanded in it) through the tiers: (logits f32
         [1, V] at its last token, its device row (a batch-1 `Cache`), metrics). Reads and writes the tiers
         as a request does; occupies no slot.
@@ -406,21 +322,25 @@ class Engine:
         """
         pt, n, m = self.ecfg.page_tokens, ids.size, {}
         split = (n - 1) // pt * pt  # the last page boundary before the last prompt token
-        images = [(s.start, s.stop, s.image.digest) for s in spans]
-        keys = block_chain(self.fp, ids[:split], pt, images) if self.store else []
+        keys = self.prefix.keys(ids[:split], spans) if self.prefix else []
         m.update(prompt_tokens=int(n), prefix_path="cold", disk_pages_hit=0, host_window_hit=False, replayed_tokens=0,
                  disk_bytes_read=0, disk_bytes_written=0, host_bytes_read=0, host_bytes_written=0,
                  image_tokens=int(sum(s.image.n_tokens for s in spans)))
         enc = api.encode_spans(self.cfg, self.params, spans) if spans else []  # once per request
-        row, start, exact = self._restore(ids, keys, m, enc)
+        row, start, exact = None, 0, True
+        if self.prefix:
+            def replay(dev: Cache, lo: int, hi: int) -> Cache:
+                return self._chunks(dev, ids, lo, hi, "replay", enc=enc)[1]
+
+            row, start, exact = self.prefix.restore(ids, keys, m, replay, enc)
         if row is None:
             row = jax.device_put(self._empty_row)
         m["reused_tokens"] = start
         mid = self._decoder_start(start, split)
         _, row = self._chunks(row, ids, start, mid, "prefill", layers=self.encoder_depth, enc=enc)
         _, row = self._chunks(row, ids, mid, split, "prefill", enc=enc)
-        if self.store and exact and split > start:
-            self._publish(row, ids, keys, start, split, m)
+        if self.prefix and exact and split > start:
+            self.prefix.publish(row, ids, keys, start, split, m)
         logits, row = self._chunks(row, ids, split, n, "prefill", enc=enc)
         m["prefilled_tokens"] = int(n - start) + m["replayed_tokens"]
         m["decoder_prefill_tokens"] = int(n - mid) + m["replayed_tokens"]

@@ -105,8 +105,8 @@ class Metrics:
         self.paths = Counter("dsv41_prefix_paths", "admitted requests by how the state at their cached prefix was "
                              "obtained: cold, host_restore, bounded_replay, recompute", ["path"], registry=r)
         Gauge("dsv41_window_store_errors", "failed calls to the shared window store (each one a miss, then a "
-              "back-off)", registry=r).set_function(lambda: driver.engine.host.stats["store_errors"]
-                                                   if driver.engine.host is not None else 0)
+              "back-off)", registry=r).set_function(lambda: driver.engine.prefix.host.stats["store_errors"]
+                                                   if driver.engine.prefix is not None else 0)
 
     def finished(self, res: Result) -> None:
         m = res.metrics

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv41_jax.textio import read_tokenizer_json
+from dsv41_jax.text_tokenizers import read_tokenizer_json
 
 _SPACE_SENTINEL = "\ue000"  # private-use char: keeps a lone space from being stripped to ""
 
