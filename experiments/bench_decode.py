@@ -340,8 +340,8 @@ def main(argv=None) -> list[dict]:
             rows.append(r)
             print(f"  {r['ms_step']:.3f} ms/step ({r['ms_step_loop']:.3f} in the loop), roofline {r['roofline_ms']:.3f} "
                   f"ms, compile {r['compile_s']:.1f} s", flush=True)
-    print(f"\n| batch | context | ms/step | ms/step (loop) | must move GB | roofline ms | step/roof | loop/roof | "
-          f"experts hit | launches | peak GiB |")
+    print("\n| batch | context | ms/step | ms/step (loop) | must move GB | roofline ms | step/roof | loop/roof | "
+          "experts hit | launches | peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['context']} | {r['ms_step']:.3f} | {r['ms_step_loop']:.3f} | "

@@ -66,7 +66,8 @@ async def run(args) -> dict:
     try:
         model = (await api.models.list()).data[0].id
     except openai.APIConnectionError:
-        raise _cli.UserError(f"--url {args.url}: no server answers there; start one with python -m experiments.serve")
+        raise _cli.UserError(f"--url {args.url}: no server answers there; start one with python -m experiments.serve"
+                             ) from None
     out, errors = [], []
     await client(api, model, argparse.Namespace(**{**vars(args), "requests": 1}), random.Random(-1), [], errors)
     if errors:  # the warm-up request (it pays for the compiles) failed: the server cannot serve this load

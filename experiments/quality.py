@@ -112,7 +112,8 @@ def run_chunks(cfg: ModelConfig, params, cache: Cache, ids_bt: np.ndarray, lo: i
     """Prefill ids[:, lo:hi] (every row the same span) in chunks; (f32 logits of positions keep[0]..keep[1]
     as [B, n, V] or None, cache)."""
     kept = []
-    for a, n, logits, cache in d.prefill_chunks(cfg, params, cache, ids_bt, lo, hi, chunk, all_logits=True):
+    for a, n, logits, chunk_cache in d.prefill_chunks(cfg, params, cache, ids_bt, lo, hi, chunk, all_logits=True):
+        cache = chunk_cache  # the cache after this chunk (the input one is donated)
         if keep is not None and a < keep[1] and a + n > keep[0]:
             s, e = max(keep[0], a) - a, min(keep[1], a + n) - a
             kept.append(np.asarray(logits[:, s:e], np.float32))

@@ -153,7 +153,7 @@ def test_chunked_prefill_across_images_equals_one_prefill(ckpt):
     """Chunks of 8 cut both images; the tower sees each image whole, so the logits are one prefill's."""
     cfg, params = _model(ckpt, quant=False)
     out = []
-    for a, n, logits, _ in api.prefill_chunks(cfg, params, d.init_cache(cfg, B, T), IDS, 0, T, 8, all_logits=True,
+    for _, n, logits, _ in api.prefill_chunks(cfg, params, d.init_cache(cfg, B, T), IDS, 0, T, 8, all_logits=True,
                                               images=_spans(cfg)):
         out.append(np.asarray(logits)[:, :n])
     ref = G["f32_bf16_prefill"]

@@ -325,7 +325,7 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
     if wide:
         notes.append(f"{len(wide)} weight(s) with E8M0 scales beyond the GPU weight kernels' bf16 decode (e.g. "
                      f"{wide[0]}): run bf16 decode with kernels='jnp' on this checkpoint")
-        warnings.warn(notes[-1])
+        warnings.warn(notes[-1], stacklevel=2)
     return Loaded(cfg, unflatten_like(state, sink.values), notes, total, seconds)
 
 

@@ -143,7 +143,8 @@ class _Live:
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, params, ecfg: EngineConfig = EngineConfig()):
+    def __init__(self, cfg: ModelConfig, params, ecfg: EngineConfig | None = None):
+        ecfg = EngineConfig() if ecfg is None else ecfg
         self.cfg, self.params, self.ecfg = cfg, params, ecfg
         self.n_slots = plan_slots(cfg, ecfg)
         self.cache = init_cache(cfg, self.n_slots, ecfg.capacity)
@@ -303,9 +304,9 @@ class Engine:
                        f"prefill [B=1, T={cw}{part}{', images' if enc else ''}]", self.ecfg.progress):
             _, _, logits, row = next(chunks)
         # the bar starts after the compile, so its rate and ETA are the chunks'
-        for _, _, logits, row in tqdm(chunks, total=n_chunks - 1, desc=desc, unit="chunk", file=sys.stderr,
-                                      leave=False, disable=not self.ecfg.progress or n_chunks < 8):
-            pass
+        for chunk_out in tqdm(chunks, total=n_chunks - 1, desc=desc, unit="chunk", file=sys.stderr,
+                              leave=False, disable=not self.ecfg.progress or n_chunks < 8):
+            _, _, logits, row = chunk_out
         return logits, row
 
     def prefill(self, ids: np.ndarray, spans=()) -> tuple[jax.Array, Cache, dict]:

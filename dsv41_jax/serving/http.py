@@ -289,9 +289,10 @@ class Server:
     @staticmethod
     async def _collect(pieces):
         text, toks, finish = [], [], None
-        async for delta, ids, finish in pieces:
+        async for delta, ids, reason in pieces:
             text.append(delta)
             toks += ids
+            finish = reason
         return "".join(text), toks, finish
 
     @staticmethod

@@ -131,7 +131,7 @@ def check(t: dict) -> None:
     assert per_layer[0] == 2334 and per_layer[1] == 2340 and per_layer[2] == per_layer[8] == 2342
     assert per_layer[14] == 2348 and per_layer[20] == 2341 and per_layer[24] == 2337, per_layer
     per_shard = {}
-    for dtype, shape, shard in t.values():
+    for _dtype, _shape, shard in t.values():
         per_shard[shard] = per_shard.get(shard, 0) + 1
     assert per_shard[43] == 2 and (per_shard[44], per_shard[45], per_shard[46]) == (801, 798, 802)
     assert per_shard[47] == per_shard[48] == 6 and sorted(per_shard) == list(range(1, 49))
