@@ -37,6 +37,7 @@ from flax.core import spmd as flax_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dsv41_jax.cache import Cache, init_cache
+from dsv41_jax.config import ModelConfig
 
 MESH_AXES = ("data", "tensor", "expert")
 
@@ -93,7 +94,8 @@ def parse_mesh(text: str) -> dict[str, int]:
     return out
 
 
-def check_mesh(cfg, sizes: dict[str, int], batch: int | None = None, n_devices: int | None = None) -> None:
+def check_mesh(cfg: ModelConfig, sizes: dict[str, int], batch: int | None = None,
+               n_devices: int | None = None) -> None:
     """Refuse a mesh that cannot hold this model, with the reason, before anything is compiled."""
     n_devices = len(jax.devices()) if n_devices is None else n_devices
     total = math.prod(sizes.values())
@@ -112,7 +114,7 @@ def check_mesh(cfg, sizes: dict[str, int], batch: int | None = None, n_devices: 
             raise MeshError(f"mesh axis {axis}={size} does not divide {name}={value}; choose a size that divides it")
 
 
-def make_mesh(cfg, spec: str | dict[str, int], batch: int | None = None, devices=None) -> Mesh:
+def make_mesh(cfg: ModelConfig, spec: str | dict[str, int], batch: int | None = None, devices=None) -> Mesh:
     sizes = parse_mesh(spec) if isinstance(spec, str) else dict(spec)
     devices = list(jax.devices() if devices is None else devices)
     check_mesh(cfg, sizes, batch, len(devices))
@@ -238,7 +240,7 @@ class Placement:
         return jax.device_put(jax.numpy.asarray(x, np.int32), self.rows)
 
 
-def place(cfg, params, mesh: Mesh, layout: str = "tp_ep", *, batch: int) -> Placement:
+def place(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp_ep", *, batch: int) -> Placement:
     """The shardings of `params` (abstract or real) and of `cfg`'s caches for `batch` sequences on
     `mesh` by the layout's rules; a bad layout or mesh is refused first."""
     _rules(layout)

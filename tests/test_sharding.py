@@ -132,7 +132,7 @@ def test_shardings_come_from_the_metadata_and_the_layout_rules():
 
 
 def test_every_layout_has_a_rule_for_every_logical_axis():
-    used = {a for _, axes in S.PARAM_AXES for a in axes if a} | {"batch"}
+    used = {a for table in (S.PARAM_AXES, S.CACHE_AXES) for _, axes in table for a in axes if a}
     for layout, rules in S.LAYOUTS.items():
         assert {logical for logical, _ in rules} == used, layout
         assert all(m is None or m in S.MESH_AXES for _, m in rules), layout
