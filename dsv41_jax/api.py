@@ -19,6 +19,11 @@ sees the whole image either way, so chunked prefill equals one prefill. `prefill
 source (decoder-side bounded prefill, see `Transformer.forward`). Inputs are checked here, before XLA
 sees them, whenever they are concrete; inside a user's own `jax.jit` the checks that need values are
 skipped.
+
+On a mesh: `placement=` (a `partitioning.Placement`, from `sharding.shard_model`, with the params placed
+there) runs `prefill`, `decode_step` and `generate` on the mesh -- the same checks, the same `kernels`,
+the same traced code; the inputs are put on the mesh and the outputs (logits, sampled ids, cache) stay
+split as the placement says.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.images import EncodedSpan
 from dsv41_jax.kernels import resolve
 from dsv41_jax.model import Transformer
+from dsv41_jax.partitioning import Placement
 from dsv41_jax.sampling import sample
 
 __all__ = ["init_params", "abstract_params", "prefill", "prefill_chunks", "decode_step", "generate", "forward",
@@ -45,8 +51,8 @@ __all__ = ["init_params", "abstract_params", "prefill", "prefill_chunks", "decod
 
 def _abstract_model(cfg: ModelConfig) -> Transformer:
     """The model with ShapeDtypeStruct leaves. Built outside any ambient mesh: under `jax.set_mesh`
-    (ShardedModel) nnx.eval_shape would turn the params' logical-axis metadata into mesh shardings and
-    fail on names that are not mesh axes; the sharding module resolves those names itself."""
+    (a `placement=` call) nnx.eval_shape would turn the params' logical-axis metadata into mesh shardings
+    and fail on names that are not mesh axes; the partitioning module resolves those names itself."""
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
         return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
 
@@ -81,7 +87,24 @@ _forward_jit = jax.jit(forward, static_argnames=_STATIC)
 _forward_donating = jax.jit(forward, static_argnames=_STATIC, donate_argnames=("cache",))
 
 
-def _run(donate: bool):
+@lru_cache(maxsize=32)
+def _jit_on_mesh(fn, static_argnames: tuple, donate: bool, placement: Placement, n_rows: int):
+    """`fn` jitted to run on `placement`'s mesh: its first n_rows outputs split like the sequences, the
+    last one (the cache) as the placement puts caches. The mesh is set while it runs: the routed experts
+    read it (moe.py)."""
+    jitted = jax.jit(fn, static_argnames=static_argnames, donate_argnames=("cache",) if donate else (),
+                     out_shardings=(*(placement.rows,) * n_rows, placement.cache))
+
+    def run(*args, **kwargs):
+        with jax.set_mesh(placement.mesh):
+            return jitted(*args, **kwargs)
+
+    return run
+
+
+def _run(donate: bool, placement: Placement | None):
+    if placement is not None:
+        return _jit_on_mesh(forward, _STATIC, donate, placement, 1)
     return _forward_donating if donate else _forward_jit
 
 
@@ -136,6 +159,14 @@ def _image_rows(cfg: ModelConfig, params, images, tokens_bt, lengths_b):
     return (emb, mask) if mask.any() else (None, None)
 
 
+def _onto(placement: Placement | None, cache: Cache, *rows):
+    """(cache, *rows) put on the placement's mesh (rows: int arrays that lead with the batch); as they
+    are without a placement."""
+    if placement is None:
+        return (cache, *rows)
+    return (placement.put_cache(cache), *map(placement.put_rows, rows))
+
+
 def _check_tokens(cfg: ModelConfig, tokens, name: str) -> None:
     if not jnp.issubdtype(jnp.asarray(tokens).dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array of token ids, got dtype {jnp.asarray(tokens).dtype}")
@@ -146,7 +177,8 @@ def _check_tokens(cfg: ModelConfig, tokens, name: str) -> None:
 
 
 def prefill(cfg: ModelConfig, params, cache: Cache, tokens_bt, lengths_b, *, all_logits: bool = False,
-            layers: int | None = None, kernels: str = "jnp", donate: bool = False, images=None):
+            layers: int | None = None, kernels: str = "jnp", donate: bool = False, images=None,
+            placement: Placement | None = None):
     """Append right-padded prompts to the cache.
 
     tokens_bt: int [B, T] (positions >= lengths_b[b] are padding, any valid id); lengths_b: int [B],
@@ -157,6 +189,7 @@ def prefill(cfg: ModelConfig, params, cache: Cache, tokens_bt, lengths_b, *, all
     images: None, or per sequence a list of `ImageSpan`s (positions relative to tokens_bt's columns; a
     span may reach outside them, those positions come in other calls) whose positions hold
     image_token_id; they are prefilled with the vision tower's embeddings (module docstring).
+    placement: run on a mesh (module docstring); logits and cache come back split there.
     """
     if layers is not None and not (isinstance(layers, int) and 0 < layers <= cfg.n_layers):
         raise ValueError(f"layers must be an int in 1..{cfg.n_layers} (n_layers) or None, got {layers!r}")
@@ -184,14 +217,15 @@ def prefill(cfg: ModelConfig, params, cache: Cache, tokens_bt, lengths_b, *, all
                              f"exceeds its capacity of {cap}; make the cache with a larger capacity")
     layers = None if layers == cfg.n_layers else layers  # one program for "all layers"
     embeds, mask = _image_rows(cfg, params, images, tokens_bt, lengths_b) if images is not None else (None, None)
-    return _run(donate)(cfg, params, cache, tokens_bt.astype(jnp.int32), lengths_b.astype(jnp.int32),
-                        all_logits=all_logits, layers=layers, kernels=resolve(kernels), image_embeds_btd=embeds,
-                        image_mask_bt=mask)
+    cache, tokens_bt, lengths_b = _onto(placement, cache, tokens_bt, lengths_b)
+    return _run(donate, placement)(cfg, params, cache, tokens_bt.astype(jnp.int32), lengths_b.astype(jnp.int32),
+                                   all_logits=all_logits, layers=layers, kernels=resolve(kernels),
+                                   image_embeds_btd=embeds, image_mask_bt=mask)
 
 
 def prefill_chunks(cfg: ModelConfig, params, cache: Cache, ids_bt, lo: int, hi: int, width: int, *,
                    all_logits: bool = False, layers: int | None = None, kernels: str = "jnp", donate: bool = False,
-                   images=None):
+                   images=None, placement: Placement | None = None):
     """`prefill` of ids_bt[:, lo:hi] (int [B, >= hi], every row the same span) in chunks of `width` tokens,
     the last one right-padded, so every chunk has one shape (one compile). A generator: yields
     (start, n, logits, cache) after each chunk of n real tokens starting at position `start`.
@@ -213,7 +247,7 @@ def prefill_chunks(cfg: ModelConfig, params, cache: Cache, ids_bt, lo: int, hi: 
                     for row in images]
             here = here if any(here) else None
         logits, cache = prefill(cfg, params, cache, t, np.full((b,), n, np.int32), all_logits=all_logits,
-                                layers=layers, kernels=kernels, donate=donate, images=here)
+                                layers=layers, kernels=kernels, donate=donate, images=here, placement=placement)
         yield a, n, logits, cache
 
 
@@ -242,20 +276,22 @@ def _check_room(cfg: ModelConfig, cache: Cache, n_new_b, when: str) -> None:
 
 
 def decode_step(cfg: ModelConfig, params, cache: Cache, tokens_b, active_b=None, *, kernels: str = "jnp",
-                validate: bool = True, donate: bool = False):
+                validate: bool = True, donate: bool = False, placement: Placement | None = None):
     """Append one token per sequence; returns (logits f32 [B, V], cache).
 
     active_b: optional bool [B]; inactive sequences are left untouched (their logits are garbage).
     validate=False skips the value checks (ids in range, room in the cache), which read device arrays
     back to the host: a generation loop that feeds sampled ids and tracks lengths itself can skip them.
-    donate=True updates the cache in place (the argument is consumed).
+    donate=True updates the cache in place (the argument is consumed). placement: run on a mesh (module
+    docstring); tokens_b may be the previous step's output there.
     """
     tokens_b = _check_next_tokens(cfg, cache, tokens_b, validate)
     n_new = jnp.ones_like(cache.lengths) if active_b is None else jnp.asarray(active_b).astype(jnp.int32)
     if validate:
         _check_room(cfg, cache, n_new, "")
-    return _run(donate)(cfg, params, cache, tokens_b.astype(jnp.int32)[:, None], n_new, all_logits=False,
-                        kernels=resolve(kernels))
+    cache, tokens_b, n_new = _onto(placement, cache, tokens_b, n_new)
+    return _run(donate, placement)(cfg, params, cache, tokens_b.astype(jnp.int32)[:, None], n_new, all_logits=False,
+                                   kernels=resolve(kernels))
 
 
 def _generate(cfg, params, cache, tokens_b, temperature_b, seed_b, step_b, budget_b, stop_bs, *, n_steps: int,
@@ -275,11 +311,12 @@ def _generate(cfg, params, cache, tokens_b, temperature_b, seed_b, step_b, budge
     return toks.T, emitted.T, cache
 
 
-_generate_jit = jax.jit(_generate, static_argnames=("cfg", "n_steps", "kernels"), donate_argnames=("cache",))
+_GENERATE_STATIC = ("cfg", "n_steps", "kernels")
+_generate_jit = jax.jit(_generate, static_argnames=_GENERATE_STATIC, donate_argnames=("cache",))
 
 
 def generate(cfg: ModelConfig, params, cache: Cache, tokens_b, n_steps: int, *, temperature_b=0.0, seed_b=0,
-             step_b=0, budget_b=None, stop_ids_bs=None, kernels: str = "jnp"):
+             step_b=0, budget_b=None, stop_ids_bs=None, kernels: str = "jnp", placement: Placement | None = None):
     """Up to `n_steps` decode steps in one compiled call: feed tokens_b, sample the next token on device
     (`sampling.sample`: greedy at temperature 0), feed it, and so on. The cache is donated.
 
@@ -288,7 +325,7 @@ def generate(cfg: ModelConfig, params, cache: Cache, tokens_b, n_steps: int, *, 
     counting that sequence's sampled tokens), budget_b int [B] (tokens it may still sample; 0 = idle;
     default n_steps), stop_ids_bs int [B, S] (-1 padded): a sampled stop id ends the sequence (it is
     emitted, never fed). Returns (tokens int32 [B, n_steps], emitted bool [B, n_steps]: True where
-    the token is a real sample of that sequence, cache).
+    the token is a real sample of that sequence, cache). placement: run on a mesh (module docstring).
     """
     tokens_b = _check_next_tokens(cfg, cache, tokens_b)
     if not isinstance(n_steps, int) or n_steps < 1:
@@ -300,9 +337,11 @@ def generate(cfg: ModelConfig, params, cache: Cache, tokens_b, n_steps: int, *, 
     stop = jnp.full((b, 1), -1, jnp.int32) if stop_ids_bs is None else jnp.asarray(stop_ids_bs, jnp.int32)
     if stop.ndim != 2 or stop.shape[0] != b:
         raise ValueError(f"stop_ids_bs must be [{b}, S] (-1 padded), got shape {stop.shape}")
-    return _generate_jit(cfg, params, cache, tokens_b.astype(jnp.int32), per_seq(temperature_b, jnp.float32),
-                         per_seq(seed_b, jnp.uint32), per_seq(step_b, jnp.int32), budget, stop, n_steps=n_steps,
-                         kernels=resolve(kernels))
+    cache, tokens_b = _onto(placement, cache, tokens_b)
+    run = _generate_jit if placement is None else _jit_on_mesh(_generate, _GENERATE_STATIC, True, placement, 2)
+    return run(cfg, params, cache, tokens_b.astype(jnp.int32), per_seq(temperature_b, jnp.float32),
+               per_seq(seed_b, jnp.uint32), per_seq(step_b, jnp.int32), budget, stop, n_steps=n_steps,
+               kernels=resolve(kernels))
 
 
 # ----------------------------------------------------------------------------- DSpark speculative decoding

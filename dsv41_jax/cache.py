@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.config import ModelConfig
 from dsv41_jax.plan import Mode, build_plan
 from dsv41_jax.quant import cache_formats
 
@@ -58,11 +59,11 @@ class Cache:
         return Cache(**{**self.__dict__, **kw})
 
 
-def formats_of(cfg):
+def formats_of(cfg: ModelConfig):
     return cache_formats(cfg.quantize_cache, "float32" if cfg.dtype == "float32" else "bfloat16")
 
 
-def init_cache(cfg, batch: int, capacity: int) -> Cache:
+def init_cache(cfg: ModelConfig, batch: int, capacity: int) -> Cache:
     """An empty cache for `batch` sequences of up to `capacity` tokens each (all arrays zero)."""
     if batch <= 0 or capacity <= 0:
         raise ValueError(f"batch and capacity must be positive, got batch={batch}, capacity={capacity}")
@@ -92,7 +93,7 @@ def init_cache(cfg, batch: int, capacity: int) -> Cache:
     )
 
 
-def cache_capacity(cache: Cache, cfg) -> int:
+def cache_capacity(cache: Cache, cfg: ModelConfig) -> int:
     """Token capacity implied by the first source's entry count (or unbounded for window-only models)."""
     plan = [p for p in build_plan(cfg) if p.mode is Mode.FULL]
     if not plan:
@@ -115,7 +116,7 @@ def cache_bytes(cache: Cache) -> dict[str, int]:
     }
 
 
-def global_bytes_per_token(cfg, capacity: int = 1 << 16) -> float:
+def global_bytes_per_token(cfg: ModelConfig, capacity: int = 1 << 16) -> float:
     """Global KV bytes per token, measured from the abstract cache the code would allocate."""
     shapes = jax.eval_shape(lambda: init_cache(cfg, 1, capacity))
     b = cache_bytes(shapes)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from dsv41_jax.plan import build_plan  # the layer plan carries the CSA2 checks (plan.py imports config for types only)
+
 # HF `text_config` name -> our (inference-code) name. Keys not listed are shared by both styles.
 _HF_KEYS = {
     "hidden_size": "dim",
@@ -208,8 +210,6 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the field (and layer) of the first inconsistency found."""
-        from dsv41_jax.plan import build_plan  # the layer plan carries the CSA2 checks
-
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ValueError(f"invalid ModelConfig: {msg}")

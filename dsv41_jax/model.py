@@ -22,7 +22,7 @@ from dsv41_jax.dspark import DSparkStage
 from dsv41_jax.hyper import collapse
 from dsv41_jax.layers import Buffer, Embedding, Linear, RMSNorm
 from dsv41_jax.plan import build_plan
-from dsv41_jax.sharding import annotate_params
+from dsv41_jax.partitioning import annotate_params
 from dsv41_jax.vision import build_vision, image_span
 
 
@@ -59,7 +59,7 @@ class Transformer(nnx.Module):
         if cfg.vision_n_layers:  # built last: the text params draw the same random values with or without it
             for name, module in build_vision(cfg, rngs=rngs).items():
                 setattr(self, name, module)
-        annotate_params(self)  # logical axes (sharding.PARAM_AXES) -> each param's NNX metadata
+        annotate_params(self)  # logical axes (partitioning.PARAM_AXES) -> each param's NNX metadata
 
     def forward(self, cache: Cache, tokens_bt: jax.Array, n_new_b: jax.Array, *, all_logits: bool,
                 layers: int | None = None, kernel_backend: str = "jnp", training: bool = False,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -52,8 +53,13 @@ class LayerPlan:
         return self.mode is Mode.FULL
 
 
+@lru_cache(maxsize=64)
 def build_plan(cfg: "ModelConfig") -> tuple[LayerPlan, ...]:
-    """Derive the per-layer plan. Raises ValueError naming the field and layer of an inconsistency."""
+    """Derive the per-layer plan. Raises ValueError naming the field and layer of an inconsistency.
+
+    Computed once per config: `ModelConfig` is frozen and hashable, equal configs share one plan (an
+    immutable tuple), so every caller -- model construction, cache sizing, the api's checks -- asks here
+    instead of keeping its own copy."""
     n = cfg.n_layers
     ratios = cfg.compress_ratios[:n]
     kv_src, idx_src = tuple(cfg.kv_source_layers), tuple(cfg.index_source_layers)

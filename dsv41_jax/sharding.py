@@ -1,260 +1,62 @@
-"""Multi-device decode on JAX's own machinery: logical axes -> mesh axes, in two small tables.
+"""Sharded entry points: a model placed on a mesh, run through the same checked `api` as on one device.
 
-1. `PARAM_AXES` / `cache_axes`: the logical axes of every parameter and cache array (first matching
-   path pattern wins; unlisted params are replicated). `annotate_params`, run at the end of
-   `Transformer.__init__`, writes each param's axes into its Flax NNX metadata (`out_sharding`, with
-   `eager_sharding=False`: the names are logical, nothing is placed at construction), so every params
-   State -- `init_params`, `abstract_params`, a loaded checkpoint -- carries them.
-2. `LAYOUTS`: for each layout, a Flax logical-axis rule set: (logical axis, mesh axis) pairs.
+    mesh = partitioning.make_mesh(cfg, "data=2,expert=4", batch=8)
+    model = shard_model(cfg, params, mesh, "tp_ep", batch=8)
+    logits, cache = model.prefill(model.init_cache(capacity=256), tokens_bt, lengths_b, kernels="auto")
+    toks, emitted, cache = model.generate(cache, next_b, 32, kernels="auto")
 
-`param_shardings` resolves the params' metadata through the layout's rules with
-`nnx.get_partition_spec` under `nnx.logical_axis_rules`; cache arrays are plain pytrees, so their
-`cache_axes` go through the same rule lookup (`flax.core.spmd.from_sharding_rules`, what
-`nnx.get_partition_spec` applies to a Variable's `out_sharding`). A mesh axis the mesh lacks, of size 1,
-or that does not divide the dimension (derived scale blocks) leaves that dimension replicated.
-
-The mesh has up to three axes: `data` (sequences), `tensor` (attention / indexer heads, shared-expert
-hidden units, vocabulary) and `expert` (routed experts, Engram table rows). Collectives come from
-GSPMD (`jax.jit` with `NamedSharding`s) except for the routed experts, which run inside `jax.shard_map`
-over the `expert` axis (moe.py). A bad mesh is refused here, before anything is traced.
+Each method is the `api` function of the same name with this model's cfg, params and `placement`:
+the same input checks, the same `kernels` switch, the same traced code (`api.forward`); only where
+the arrays live differs (`partitioning.Placement`, from the layout's rules).
 """
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
-from functools import partial
 
 import jax
-import numpy as np
-from flax import nnx
-from flax.core import spmd as flax_spmd
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
+from dsv41_jax import api
 from dsv41_jax.cache import Cache
-
-MESH_AXES = ("data", "tensor", "expert")
-
-# Logical axes per parameter, by path ("layers/3/attn/wq_b/weight"). FP8 `scale` blocks and FP4
-# `*_scale` arrays follow their weight's axes.
-PARAM_AXES: tuple[tuple[str, tuple], ...] = (
-    (r"^embed/weight$", ("vocab", None)),
-    (r"^head/(weight|scale)$", ("vocab", None)),
-    (r"attn/wq_b/(weight|scale)$", ("heads", None)),  # [H*hd, q_lora]
-    (r"attn/wo_a/(weight|scale)$", ("heads", None)),  # [G*o_lora, H*hd/G]: whole groups per shard
-    (r"attn/wo_b/(weight|scale)$", (None, "heads")),  # [dim, G*o_lora]
-    (r"attn/attn_sink$", ("heads",)),
-    (r"indexer/wq_b/(weight|scale)$", ("index_heads", None)),
-    (r"indexer/weights_proj/(weight|scale)$", ("index_heads", None)),
-    (r"ffn/w[123](_scale)?$", ("experts", None, None)),
-    (r"ffn/shared_w[13]/(weight|scale)$", ("mlp", None)),
-    (r"ffn/shared_w2/(weight|scale)$", (None, "mlp")),
-    (r"engram/(table|table_scale|embed/weight|embed/scale)$", ("table_rows", None)),
-)
-
-# Flax logical-axis rules per layout. Every logical axis has a rule in every layout (None: replicated).
-LAYOUTS: dict[str, tuple[tuple[str, str | None], ...]] = {
-    # tensor + expert + data parallel decode (the 8-GPU host / TPU slice plan)
-    "tp_ep": (("batch", "data"), ("heads", "tensor"), ("index_heads", "tensor"), ("mlp", "tensor"),
-              ("vocab", "tensor"), ("experts", "expert"), ("table_rows", "expert")),
-    # weights replicated, sequences split: for models that fit one device
-    "dp": (("batch", "data"), ("heads", None), ("index_heads", None), ("mlp", None), ("vocab", None),
-           ("experts", None), ("table_rows", None)),
-}
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.partitioning import Placement, place
 
 
-def cache_axes(path: str, ndim: int) -> tuple:
-    """Window rings are [L, B, W, ...]; every other cache array leads with the batch."""
-    if path.startswith("window"):
-        return (None, "batch") + (None,) * (ndim - 2)
-    return ("batch",) + (None,) * (ndim - 1)
-
-
-class MeshError(ValueError):
-    """A mesh that cannot be built or cannot hold the model: bad input, which command lines report in one line."""
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """'data=2,expert=4' -> {'data': 2, 'expert': 4}."""
-    out: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, size = part.partition("=")
-        if name not in MESH_AXES or not size.isdigit() or int(size) < 1:
-            raise MeshError(f"bad mesh entry {part!r}: expected axis=size with axis in {MESH_AXES} and size >= 1")
-        if name in out:
-            raise MeshError(f"mesh axis {name!r} given twice in {text!r}")
-        out[name] = int(size)
-    return out
-
-
-def check_mesh(cfg, sizes: dict[str, int], batch: int | None = None, n_devices: int | None = None) -> None:
-    """Refuse a mesh that cannot hold this model, with the reason, before anything is compiled."""
-    n_devices = len(jax.devices()) if n_devices is None else n_devices
-    total = math.prod(sizes.values())
-    if total != n_devices:
-        raise MeshError(f"mesh {sizes} has {total} devices but {n_devices} are available; "
-                         "make the product of the axis sizes equal the device count")
-    tp, ep, dp = sizes.get("tensor", 1), sizes.get("expert", 1), sizes.get("data", 1)
-    checks = [("n_heads", cfg.n_heads, tp), ("o_groups", cfg.o_groups, tp), ("index_n_heads", cfg.index_n_heads, tp),
-              ("moe_inter_dim", cfg.moe_inter_dim, tp), ("vocab_size", cfg.vocab_size, tp),
-              ("n_routed_experts", cfg.n_routed_experts, ep)]
-    if batch is not None:
-        checks.append(("batch", batch, dp))
-    for name, value, size in checks:
-        if value % size:
-            axis = "expert" if name == "n_routed_experts" else "data" if name == "batch" else "tensor"
-            raise MeshError(f"mesh axis {axis}={size} does not divide {name}={value}; choose a size that divides it")
-
-
-def make_mesh(cfg, spec: str | dict[str, int], batch: int | None = None, devices=None) -> Mesh:
-    sizes = parse_mesh(spec) if isinstance(spec, str) else dict(spec)
-    devices = list(jax.devices() if devices is None else devices)
-    check_mesh(cfg, sizes, batch, len(devices))
-    names = tuple(a for a in MESH_AXES if a in sizes) or ("data",)
-    shape = tuple(sizes.get(a, 1) for a in names)
-    return Mesh(np.asarray(devices).reshape(shape), names)
-
-
-def _rules(layout: str):
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {sorted(LAYOUTS)}")
-    return LAYOUTS[layout]
-
-
-def _on_mesh(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """A resolved spec, each mesh axis kept where this mesh splits that dimension evenly."""
-    out = []
-    for m, dim in zip(spec, shape):
-        if isinstance(m, str) and m not in MESH_AXES:
-            raise ValueError(f"logical axis {m!r} has no rule in this layout; add one to LAYOUTS")
-        # a derived array (scale blocks) whose dim the mesh does not divide stays replicated there
-        out.append(m if m in mesh.shape and mesh.shape[m] > 1 and dim % mesh.shape[m] == 0 else None)
-    return P(*out)
-
-
-def logical_to_mesh(logical: tuple, layout: str) -> P:
-    """Logical axis names -> mesh axis names by the layout's rules: the lookup `nnx.get_partition_spec`
-    applies to a Variable's `out_sharding` (`flax.core.spmd.from_sharding_rules`)."""
-    return P(*flax_spmd.from_sharding_rules(logical, _rules(layout)))
-
-
-def _path_name(path) -> str:
-    """'layers/3/attn/wq_b/weight' from a pytree key path (the Variable's own `.value` key dropped)."""
-    parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-    return "/".join(parts[:-1] if parts and parts[-1] == "value" else parts)
-
-
-def param_logical_axes(path: str) -> tuple | None:
-    """The `PARAM_AXES` entry of a param path (None: not listed, replicated)."""
-    for pattern, axes in PARAM_AXES:
-        if re.search(pattern, path):
-            return axes
-    return None
-
-
-def annotate_params(model: nnx.Module) -> None:
-    """Write `PARAM_AXES` into the NNX metadata of `model`'s variables: `out_sharding` = logical axes.
-
-    `eager_sharding=False`: the names are logical (resolved per layout by `param_specs`), so a Variable
-    re-created from this metadata (e.g. optimizer state) is not placed on a mesh by Flax."""
-    for path, var in nnx.iter_graph(model):
-        if isinstance(var, nnx.Variable):
-            axes = param_logical_axes("/".join(map(str, path)))
-            if axes is not None:
-                var.set_metadata(out_sharding=axes, eager_sharding=False)
-
-
-def param_specs(params, mesh, layout: str = "tp_ep"):
-    """PartitionSpec of every leaf of an (abstract or real) params State: each Variable's `out_sharding`
-    metadata resolved through the layout's rules by `nnx.get_partition_spec` (no metadata: replicated),
-    then fitted to `mesh` (a `Mesh` or an `AbstractMesh`)."""
-    with nnx.logical_axis_rules(_rules(layout)):
-        specs = nnx.get_partition_spec(params)
-    return jax.tree.map(lambda spec, leaf: _on_mesh(spec, leaf.shape, mesh), specs, params)
-
-
-def param_shardings(params, mesh: Mesh, layout: str = "tp_ep"):
-    """NamedSharding for every leaf of an (abstract or real) params State, from `param_specs`.
-
-    A leaf that lives in host memory (Engram tables loaded with `engram_on_host=True`) keeps its
-    memory kind: it is split over the mesh like any other but stays out of device memory."""
-
-    def one(spec, leaf):
-        kind = getattr(getattr(leaf, "sharding", None), "memory_kind", None)
-        return NamedSharding(mesh, spec, memory_kind=kind if kind and "host" in kind else None)
-
-    return jax.tree.map(one, param_specs(params, mesh, layout), params)
-
-
-def cache_specs(cache: Cache, mesh, layout: str = "tp_ep"):
-    """PartitionSpec of every cache array: `cache_axes` through the layout's rules, fitted to `mesh`."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _on_mesh(logical_to_mesh(cache_axes(_path_name(path), leaf.ndim), layout), leaf.shape, mesh),
-        cache)
-
-
-def cache_shardings(cache: Cache, mesh: Mesh, layout: str = "tp_ep"):
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), cache_specs(cache, mesh, layout))
-
-
-@dataclass
+@dataclass(frozen=True)
 class ShardedModel:
-    """Params and cache placed on a mesh, with jitted prefill / decode steps that keep them there."""
+    """Params placed on a mesh and the placement of its caches."""
 
-    cfg: object
-    mesh: Mesh
-    layout: str
+    cfg: ModelConfig
     params: object
-    param_sh: object
-    cache_sh: object
-    batch_axis: str | None  # mesh axis the sequences are split over (None: replicated)
+    placement: Placement
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.placement.mesh
+
+    def init_cache(self, capacity: int) -> Cache:
+        """An empty cache for the placement's batch, on the mesh."""
+        return self.placement.put_cache(api.init_cache(self.cfg, self.placement.batch, capacity))
 
     def place_cache(self, cache: Cache) -> Cache:
-        return jax.device_put(cache, self.cache_sh)
+        return self.placement.put_cache(cache)
 
-    def _put(self, x, ndim: int):
-        spec = P(self.batch_axis, *([None] * (ndim - 1)))
-        return jax.device_put(jax.numpy.asarray(x, np.int32), NamedSharding(self.mesh, spec))
+    def prefill(self, cache: Cache, tokens_bt, lengths_b, **kw):
+        """`api.prefill` on the mesh (keywords as there)."""
+        return api.prefill(self.cfg, self.params, cache, tokens_bt, lengths_b, placement=self.placement, **kw)
 
-    def _step(self, all_logits: bool):
-        key = (all_logits,)
-        if key not in self._steps:
-            from dsv41_jax.api import forward
+    def decode_step(self, cache: Cache, tokens_b, active_b=None, **kw):
+        """`api.decode_step` on the mesh (keywords as there); tokens may be the previous step's output."""
+        return api.decode_step(self.cfg, self.params, cache, tokens_b, active_b, placement=self.placement, **kw)
 
-            b = self.batch_axis
-            logits = P(b, None, None) if all_logits else P(b, None)
-            self._steps[key] = jax.jit(
-                partial(forward, self.cfg, all_logits=all_logits),
-                in_shardings=(self.param_sh, self.cache_sh, NamedSharding(self.mesh, P(b, None)),
-                              NamedSharding(self.mesh, P(b))),
-                out_shardings=(NamedSharding(self.mesh, logits), self.cache_sh))
-        return self._steps[key]
-
-    def __post_init__(self):
-        self._steps: dict = {}
-
-    def prefill(self, cache: Cache, tokens_bt, lengths_b, all_logits: bool = False):
-        """As `api.prefill` (right-padded prompts appended to the cache), on the mesh."""
-        with jax.set_mesh(self.mesh):
-            return self._step(all_logits)(self.params, cache, self._put(tokens_bt, 2), self._put(lengths_b, 1))
-
-    def decode_step(self, cache: Cache, tokens_b, active_b=None):
-        """As `api.decode_step`, on the mesh; tokens may be the previous step's sharded output."""
-        b = cache.lengths.shape[0]
-        n_new = np.ones((b,), np.int32) if active_b is None else np.asarray(active_b, np.int32)
-        tokens = jax.numpy.reshape(self._put(tokens_b, 1), (b, 1))
-        with jax.set_mesh(self.mesh):
-            return self._step(False)(self.params, cache, tokens, self._put(n_new, 1))
+    def generate(self, cache: Cache, tokens_b, n_steps: int, **kw):
+        """`api.generate` on the mesh (keywords as there); the cache is donated."""
+        return api.generate(self.cfg, self.params, cache, tokens_b, n_steps, placement=self.placement, **kw)
 
 
-def shard_model(cfg, params, mesh: Mesh, layout: str = "tp_ep", *, batch: int, capacity: int) -> ShardedModel:
-    """Place params on `mesh` by the layout's rules and prepare steps for caches of this batch/capacity."""
-    from dsv41_jax.cache import init_cache
-
-    _rules(layout)  # an unknown layout is refused before anything is placed
-    check_mesh(cfg, dict(mesh.shape), batch, mesh.size)
-    p_sh = param_shardings(params, mesh, layout)
-    c_sh = cache_shardings(jax.eval_shape(lambda: init_cache(cfg, batch, capacity)), mesh, layout)
-    axis = _on_mesh(logical_to_mesh(("batch",), layout), (batch,), mesh)[0]
-    return ShardedModel(cfg, mesh, layout, jax.device_put(params, p_sh), p_sh, c_sh, axis)
+def shard_model(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp_ep", *, batch: int) -> ShardedModel:
+    """Place params on `mesh` by the layout's rules, for caches of `batch` sequences (a bad layout or
+    mesh is refused before anything is placed)."""
+    placement = place(cfg, params, mesh, layout, batch=batch)
+    return ShardedModel(cfg, jax.device_put(params, placement.params), placement)

@@ -2,8 +2,9 @@
 
     python -m experiments.bench_sharding [--preset small] [--mesh data=1] [--batch 8] [--steps 64]
 
-Times the decode step of `api.decode_step` and of `sharding.ShardedModel.decode_step` on the same
-params and prompts and checks their logits agree. The two paths alternate in --rounds rounds of
+Times the decode step of `api.decode_step` without and with a mesh placement
+(`sharding.ShardedModel.decode_step`, the same checked call with `placement=`) on the same params and
+prompts and checks their logits agree. The two paths alternate in --rounds rounds of
 --steps steps each (warm-up excluded): a slow phase of the shared machine then hits both, and the
 overhead is the median over rounds of (sharded median / plain median) - 1.
 """
@@ -18,7 +19,8 @@ import jax
 import numpy as np
 
 import dsv41_jax as d
-from dsv41_jax import sharding as S
+from dsv41_jax import partitioning as S
+from dsv41_jax.sharding import shard_model
 from experiments import _cli
 
 
@@ -65,9 +67,9 @@ def main(argv=None):
 
     _, c_plain = d.prefill(cfg, params, d.init_cache(cfg, a.batch, cap), tok, lens)
     plain = lambda c, t: d.decode_step(cfg, params, c, t, validate=False)
-    m = S.shard_model(cfg, params, S.make_mesh(cfg, a.mesh, batch=a.batch), a.layout, batch=a.batch, capacity=cap)
-    _, c_shard = m.prefill(m.place_cache(d.init_cache(cfg, a.batch, cap)), tok, lens)
-    sharded = lambda c, t: m.decode_step(c, t)
+    m = shard_model(cfg, params, S.make_mesh(cfg, a.mesh, batch=a.batch), a.layout, batch=a.batch)
+    _, c_shard = m.prefill(m.init_cache(cap), tok, lens)
+    sharded = lambda c, t: m.decode_step(c, t, validate=False)
     _median_step(plain, c_plain, nxt, 3)  # compile + warm-up
     _median_step(sharded, c_shard, nxt, 3)
     rounds = []

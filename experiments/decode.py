@@ -70,7 +70,7 @@ def parse_args(argv=None):
                     "its tokenizer.json is used unless --tokenizer is given")
     ap.add_argument("--decode-chunk", type=int, default=16,
                     help="decode steps per compiled call (api.generate: sampling on device, no host work between "
-                         "tokens); the sharded path (--mesh) runs one step per call")
+                         "tokens), with or without --mesh")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per sequence; prompt + "
                     "these must fit the cache (--capacity, at most the model's max_seq_len)")
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -94,7 +94,7 @@ def parse_args(argv=None):
     ap.add_argument("--run", help="an experiments.train_small output directory (config.json + checkpoint/): "
                     "its trained weights and config instead of --preset's random ones")
     ap.add_argument("--mesh", help="run sharded on a device mesh, axis=size pairs over data/tensor/expert, "
-                    "e.g. data=2,expert=4 (product = device count; see dsv41_jax/sharding.py)")
+                    "e.g. data=2,expert=4 (product = device count; see dsv41_jax/partitioning.py)")
     ap.add_argument("--layout", default="tp_ep", help="sharding rule set for --mesh (tp_ep or dp)")
     ap.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first "
                     "(multi-host: one process per host, coordinator from the environment)")
@@ -241,11 +241,11 @@ def cache_capacity(args, cfg, longest: int, default: int) -> int:
 
 
 def check_mesh(args, cfg) -> None:
-    from dsv41_jax import sharding
+    from dsv41_jax import partitioning
 
     try:
-        sharding.check_mesh(cfg, sharding.parse_mesh(args.mesh), batch=args.batch)
-    except sharding.MeshError as e:
+        partitioning.check_mesh(cfg, partitioning.parse_mesh(args.mesh), batch=args.batch)
+    except partitioning.MeshError as e:
         raise _cli.UserError(f"--mesh {args.mesh}: {e}") from None
 
 
@@ -303,32 +303,26 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
     params = d.init_params(cfg, seed=args.seed) if params is None else params
     jax.block_until_ready(params)
     t_init = time.perf_counter() - t0
+    placement = None  # one device; with --mesh, where the params, caches and rows live on the mesh
+    if args.mesh:
+        from dsv41_jax import partitioning, sharding
+
+        mesh = partitioning.make_mesh(cfg, args.mesh, batch=b)
+        sharded = sharding.shard_model(cfg, params, mesh, args.layout, batch=b)
+        params, placement = sharded.params, sharded.placement
+        print(f"[decode] mesh {dict(mesh.shape)} layout {args.layout} on {mesh.size} device(s)", flush=True)
     cache = d.init_cache(cfg, b, capacity)
     # the cache is donated: each call updates it in place and returns it
     images = [list(spans)] if spans else None
-    prefill = lambda c, t, n: d.prefill(cfg, params, c, t, n, kernels=args.kernels, donate=True, images=images)
+    prefill = lambda c, t, n: d.prefill(cfg, params, c, t, n, kernels=args.kernels, donate=True, images=images,
+                                        placement=placement)
     steps = args.max_new_tokens - 1  # cache_capacity made room for all of them
     chunk = max(1, min(args.decode_chunk, steps))
-    if args.mesh:
-        from dsv41_jax import sharding
 
-        mesh = sharding.make_mesh(cfg, args.mesh, batch=b)
-        sharded = sharding.shard_model(cfg, params, mesh, args.layout, batch=b, capacity=capacity)
-        cache, prefill = sharded.place_cache(cache), sharded.prefill
-        print(f"[decode] mesh {dict(mesh.shape)} layout {args.layout} on {mesh.size} device(s)", flush=True)
-
-        def decode_chunk(cache, nxt, done: int, n: int):  # the sharded path still runs one step per call
-            toks = []
-            for i in range(n):
-                logits, cache = sharded.decode_step(cache, nxt)
-                nxt = sample(logits, temp, seed, jnp.full((b,), 1 + done + i, jnp.int32))
-                toks.append(nxt)
-            return jnp.stack(toks, axis=1), cache
-    else:
-        def decode_chunk(cache, nxt, done: int, n: int):  # n steps in one call, sampling on device
-            toks, _, cache = d.generate(cfg, params, cache, nxt, chunk, temperature_b=temp, seed_b=seed,
-                                        step_b=1 + done, budget_b=n, kernels=args.kernels)
-            return toks[:, :n], cache
+    def decode_chunk(cache, nxt, done: int, n: int):  # n steps in one call, sampling on device
+        toks, _, cache = d.generate(cfg, params, cache, nxt, chunk, temperature_b=temp, seed_b=seed,
+                                    step_b=1 + done, budget_b=n, kernels=args.kernels, placement=placement)
+        return toks[:, :n], cache
     temp, seed = jnp.full((b,), args.temperature, jnp.float32), jnp.full((b,), args.seed, jnp.uint32)
     shape = (cfg, b, capacity, args.kernels, args.mesh, args.layout)  # what a compiled program depends on
 

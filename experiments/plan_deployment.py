@@ -5,7 +5,7 @@
 
 Weights are counted in the released formats (FP8 dense blocks, FP4 routed experts); the Engram tables
 are planned in host memory (their lookups depend only on token ids, so rows can be prefetched). Every
-number comes from `jax.eval_shape` of the real constructors and the `dsv41_jax.sharding` tables.
+number comes from `jax.eval_shape` of the real constructors and the `dsv41_jax.partitioning` tables.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 import dsv41_jax as d
-from dsv41_jax import sharding as S
+from dsv41_jax import partitioning as S
 from dsv41_jax.cache import init_cache
 from experiments import _cli
 
@@ -53,7 +53,7 @@ def plan(preset: str, mesh_spec: str, layout: str, batch: int, context: int) -> 
     specs = jax.tree.leaves(S.param_specs(params, mesh, layout))  # the params' logical-axes metadata
     dev, host = [], []
     for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs, strict=True):
-        (host if "engram/table" in S._path_name(path) else dev).append((leaf, spec))
+        (host if "engram/table" in S.path_name(path) else dev).append((leaf, spec))
     w_total, w_dev = _per_device_bytes(dev, mesh)
     e_total = sum(math.prod(l.shape) * l.dtype.itemsize for l, _ in host)
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, context))

@@ -1,10 +1,14 @@
 """Config reading (both key styles), the CSA2 plan, validation errors, and the 890 B/token budget."""
 
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 import dsv41_jax as d
+from dsv41_jax import api
+from dsv41_jax.cache import cache_capacity
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.engram_hash import engram_primes
 from dsv41_jax.plan import Mode, build_plan
@@ -85,6 +89,20 @@ def test_tiny_keeps_every_structural_feature():
     # the pool (blocks x block size) is smaller than the context a test uses, and larger than top-k
     assert cfg.index_topk < cfg.candidate_topk_blocks * cfg.candidate_block_size < 40
     assert cfg.engram_layer_ids and cfg.hc_mult > 1 and cfg.n_routed_experts > cfg.n_activated_experts
+
+
+def test_the_plan_is_derived_once_per_config():
+    """build_plan is cached by the frozen config: an equal config (another object) gets the same plan,
+    and the cache and the api's checked calls reuse it instead of deriving it again."""
+    cfg = d.preset("tiny", window_size=24)  # a config no other test derives
+    plan = build_plan(cfg)
+    assert build_plan(dataclasses.replace(cfg)) is plan
+    derived = build_plan.cache_info().misses
+    cache = d.init_cache(cfg, 2, 8)
+    assert cache_capacity(cache, cfg) == 8
+    with pytest.raises(ValueError, match="exceeds its capacity of 8"):  # checked before anything is traced
+        api.prefill(cfg, None, cache, np.zeros((2, 9), np.int32), np.full(2, 9))
+    assert build_plan.cache_info().misses == derived
 
 
 @pytest.mark.parametrize("change,words", [

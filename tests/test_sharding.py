@@ -12,7 +12,8 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 import dsv41_jax as d
-from dsv41_jax import sharding as S
+from dsv41_jax import partitioning as S
+from dsv41_jax.sharding import shard_model
 
 # Cache quantization off: partitioned reductions change float summation order, and with the FP4/FP8
 # cache a value on a rounding boundary can flip a code and then a top-k choice (SPEC: ties), which would
@@ -44,14 +45,14 @@ def reference():
 
 def _specs(tree) -> dict[str, str]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {S._path_name(p): str(leaf.sharding.spec) for p, leaf in flat}
+    return {S.path_name(p): str(leaf.sharding.spec) for p, leaf in flat}
 
 
 @pytest.mark.parametrize("layout,mesh", MESHES)
 def test_sharded_matches_one_device_and_golden_placement(reference, layout, mesh):
     params, tok, lens, nxt, full, step = reference
-    m = S.shard_model(CFG, params, S.make_mesh(CFG, mesh, batch=B), layout, batch=B, capacity=CAP)
-    cache = m.place_cache(d.init_cache(CFG, B, CAP))
+    m = shard_model(CFG, params, S.make_mesh(CFG, mesh, batch=B), layout, batch=B)
+    cache = m.init_cache(CAP)
     logits, cache = m.prefill(cache, tok, lens, all_logits=True)
     out, cache = m.decode_step(cache, nxt)
     scale = np.abs(full).max()
@@ -97,7 +98,7 @@ def test_params_carry_logical_axes_metadata():
 
 
 def test_model_structure_builds_inside_a_mesh_context():
-    """ShardedModel traces under jax.set_mesh; the model's structure (api.graphdef, first built lazily
+    """A `placement=` call traces under jax.set_mesh; the model's structure (api.graphdef, first built lazily
     there) must not try to place the logical-axis metadata on that mesh."""
     from dsv41_jax import api
 
@@ -105,7 +106,7 @@ def test_model_structure_builds_inside_a_mesh_context():
     api.graphdef.cache_clear()
     built = []
 
-    def trace():  # what ShardedModel's jitted prefill does first
+    def trace():  # what a `placement=` call's jitted prefill does first
         built.append((api.graphdef(cfg), d.abstract_params(cfg)))
         return 0
 
@@ -131,7 +132,7 @@ def test_shardings_come_from_the_metadata_and_the_layout_rules():
 
 
 def test_every_layout_has_a_rule_for_every_logical_axis():
-    used = {a for _, axes in S.PARAM_AXES for a in axes if a} | {"batch"}
+    used = {a for table in (S.PARAM_AXES, S.CACHE_AXES) for _, axes in table for a in axes if a}
     for layout, rules in S.LAYOUTS.items():
         assert {logical for logical, _ in rules} == used, layout
         assert all(m is None or m in S.MESH_AXES for _, m in rules), layout
@@ -158,3 +159,79 @@ def test_bad_meshes_are_refused_before_compiling(mesh, words):
 def test_batch_must_divide_the_data_axis():
     with pytest.raises(ValueError, match="data=4 does not divide batch=6"):
         S.check_mesh(CFG, {"data": 4, "expert": 2}, batch=6, n_devices=8)
+
+
+def test_mesh_decode_calls_the_same_kernels_as_one_device(reference, monkeypatch):
+    """`kernels=` reaches the model on a mesh as on one device: a decode step with kernels="pallas"
+    (interpret mode on CPU) enters the same Pallas kernels -- checked by spying on every kernel entry
+    that `dsv41_jax.kernels` dispatches to -- and gives the same logits. Two devices splitting the
+    attention heads (the kernels' inputs) and an empty cache keep the compiles short."""
+    import kernels_pallas
+
+    cfg = CFG.replace(quantize_cache=True)  # the released record formats, which the kernels read
+    params, nxt = reference[0], reference[3]  # the params do not depend on the cache format
+    calls: list[str] = []
+
+    def spy(name, fn):
+        def entry(*args, **kwargs):
+            calls.append(name)  # at trace time: each kernel the traced step enters
+            return fn(*args, **kwargs)
+        return entry
+
+    for name in kernels_pallas.__all__:
+        if name != "platform":
+            monkeypatch.setattr(kernels_pallas, name, spy(name, getattr(kernels_pallas, name)))
+    cache = d.init_cache(cfg, B, CAP)  # the first token: a prefill would only add a compile
+    plain, _ = d.decode_step(cfg, params, cache, nxt, kernels="pallas")
+    on_one, calls[:] = sorted(calls), []
+    m = shard_model(cfg, params, S.make_mesh(cfg, "tensor=2", batch=B, devices=jax.devices()[:2]), batch=B)
+    sharded, _ = m.decode_step(m.place_cache(cache), nxt, kernels="pallas")
+    assert {"sparse_attention_decode", "indexer_scores_decode", "select_topk"} <= set(on_one)
+    assert sorted(calls) == on_one
+    # partitioned sums may round the new token's FP8 window record differently: a loose, honest bound
+    scale = np.abs(np.asarray(plain)).max()
+    assert np.abs(np.asarray(sharded) - np.asarray(plain)).max() <= 1e-2 * scale
+
+
+def test_mesh_calls_are_checked_like_one_device(reference):
+    """The mesh path is the api's checked call: bad inputs are refused with the api's messages, and a
+    cache of another batch than the placement's is refused, before anything is compiled."""
+    params = reference[0]
+    m = shard_model(CFG, params, S.make_mesh(CFG, "data=2", batch=B, devices=jax.devices()[:2]), batch=B)
+    cache = m.init_cache(CAP)
+    assert cache.window["values"].sharding.spec == jax.P(None, "data", None, None)
+    with pytest.raises(ValueError, match="outside"):
+        m.decode_step(cache, np.full(B, CFG.vocab_size))
+    with pytest.raises(ValueError, match="exceeds its capacity"):
+        m.prefill(cache, np.zeros((B, CAP + 1), np.int32), np.full(B, CAP + 1))
+    with pytest.raises(ValueError, match="placed for batch 8"):
+        m.decode_step(d.init_cache(CFG, 2, CAP), np.zeros(2, np.int32))
+
+
+def test_decode_cli_takes_one_path_with_or_without_a_mesh(monkeypatch, capsys):
+    """`experiments.decode --mesh` runs the api entry points the plain run does (prefill, then generate
+    in chunks), with the same `kernels`, plus the placement on the mesh asked for. The entry points
+    are recorded and stubbed: what they compute is checked above."""
+    from experiments import decode
+
+    seen = []
+
+    def prefill(cfg, params, cache, tokens_bt, lengths_b, **kw):
+        seen.append(("prefill", kw["kernels"], kw["placement"]))
+        return jax.numpy.zeros((cache.batch, cfg.vocab_size)), cache
+
+    def generate(cfg, params, cache, tokens_b, n_steps, **kw):
+        seen.append(("generate", kw["kernels"], kw["placement"]))
+        return jax.numpy.zeros((cache.batch, n_steps), np.int32), None, cache
+
+    monkeypatch.setattr(d, "prefill", prefill)
+    monkeypatch.setattr(d, "generate", generate)
+    argv = ["--preset", "tiny", "--prompt", "hello", "--batch", "8", "--max-new-tokens", "5", "--decode-chunk", "2",
+            "--kernels", "pallas"]
+    decode.main(argv)
+    plain, seen[:] = list(seen), []
+    decode.main(argv + ["--mesh", "data=2,expert=4"])
+    assert [(name, k) for name, k, _ in seen] == [(name, k) for name, k, _ in plain] == \
+        [("prefill", "pallas"), ("generate", "pallas"), ("generate", "pallas")]
+    assert all(p is None for *_, p in plain)
+    assert all(dict(p.mesh.shape) == {"data": 2, "expert": 4} and p.layout == "tp_ep" for *_, p in seen)

@@ -1,0 +1,257 @@
+"""Partitioning rules: logical axes -> mesh axes, in one place (the tables at the top of this file).
+
+1. `PARAM_AXES` / `CACHE_AXES`: the logical axes of every parameter and cache array (first matching
+   path pattern wins; unlisted params are replicated). `annotate_params`, run at the end of
+   `Transformer.__init__`, writes each param's axes into its Flax NNX metadata (`out_sharding`, with
+   `eager_sharding=False`: the names are logical, nothing is placed at construction), so every params
+   State -- `init_params`, `abstract_params`, a loaded checkpoint -- carries them.
+2. `LAYOUTS`: for each layout, a Flax logical-axis rule set: (logical axis, mesh axis) pairs.
+
+`param_shardings` resolves the params' metadata through the layout's rules with
+`nnx.get_partition_spec` under `nnx.logical_axis_rules`; cache arrays are plain pytrees, so their
+`CACHE_AXES` go through the same rule lookup (`flax.core.spmd.from_sharding_rules`, what
+`nnx.get_partition_spec` applies to a Variable's `out_sharding`). A mesh axis the mesh lacks, of size 1,
+or that does not divide the dimension (derived scale blocks) leaves that dimension replicated.
+
+The mesh has up to three axes: `data` (sequences), `tensor` (attention / indexer heads, shared-expert
+hidden units, vocabulary) and `expert` (routed experts, Engram table rows). Collectives come from
+GSPMD (`jax.jit` with `NamedSharding`s) except for the routed experts, which run inside `jax.shard_map`
+over the `expert` axis (moe.py). A bad mesh is refused here (`check_mesh`), before anything is traced.
+
+`place` turns a mesh and a layout into a `Placement`: the shardings of one model's params and caches,
+which `api`'s entry points take as `placement=` (see `sharding.shard_model`). This module imports no
+model code: the model imports it while it is built.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.core import spmd as flax_spmd
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dsv41_jax.cache import Cache, init_cache
+from dsv41_jax.config import ModelConfig
+
+MESH_AXES = ("data", "tensor", "expert")
+
+# Logical axes per parameter, by path ("layers/3/attn/wq_b/weight"). FP8 `scale` blocks and FP4
+# `*_scale` arrays follow their weight's axes.
+PARAM_AXES: tuple[tuple[str, tuple], ...] = (
+    (r"^embed/weight$", ("vocab", None)),
+    (r"^head/(weight|scale)$", ("vocab", None)),
+    (r"attn/wq_b/(weight|scale)$", ("heads", None)),  # [H*hd, q_lora]
+    (r"attn/wo_a/(weight|scale)$", ("heads", None)),  # [G*o_lora, H*hd/G]: whole groups per shard
+    (r"attn/wo_b/(weight|scale)$", (None, "heads")),  # [dim, G*o_lora]
+    (r"attn/attn_sink$", ("heads",)),
+    (r"indexer/wq_b/(weight|scale)$", ("index_heads", None)),
+    (r"indexer/weights_proj/(weight|scale)$", ("index_heads", None)),
+    (r"ffn/w[123](_scale)?$", ("experts", None, None)),
+    (r"ffn/shared_w[13]/(weight|scale)$", ("mlp", None)),
+    (r"ffn/shared_w2/(weight|scale)$", (None, "mlp")),
+    (r"engram/(table|table_scale|embed/weight|embed/scale)$", ("table_rows", None)),
+)
+
+# Logical axes per cache array, by path ("window/values", "sources/0/entries/scale"), padded with None to
+# the array's rank. Window rings [L, B, W, ...] and window_start [L, B] lead with the layer; every other
+# cache array leads with the batch.
+CACHE_AXES: tuple[tuple[str, tuple], ...] = (
+    (r"^window", (None, "batch")),
+    (r".", ("batch",)),
+)
+
+# Flax logical-axis rules per layout. Every logical axis has a rule in every layout (None: replicated).
+LAYOUTS: dict[str, tuple[tuple[str, str | None], ...]] = {
+    # tensor + expert + data parallel decode (the 8-GPU host / TPU slice plan)
+    "tp_ep": (("batch", "data"), ("heads", "tensor"), ("index_heads", "tensor"), ("mlp", "tensor"),
+              ("vocab", "tensor"), ("experts", "expert"), ("table_rows", "expert")),
+    # weights replicated, sequences split: for models that fit one device
+    "dp": (("batch", "data"), ("heads", None), ("index_heads", None), ("mlp", None), ("vocab", None),
+           ("experts", None), ("table_rows", None)),
+}
+
+
+class MeshError(ValueError):
+    """A mesh that cannot be built or cannot hold the model: bad input, which command lines report in one line."""
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'data=2,expert=4' -> {'data': 2, 'expert': 4}."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, size = part.partition("=")
+        if name not in MESH_AXES or not size.isdigit() or int(size) < 1:
+            raise MeshError(f"bad mesh entry {part!r}: expected axis=size with axis in {MESH_AXES} and size >= 1")
+        if name in out:
+            raise MeshError(f"mesh axis {name!r} given twice in {text!r}")
+        out[name] = int(size)
+    return out
+
+
+def check_mesh(cfg: ModelConfig, sizes: dict[str, int], batch: int | None = None,
+               n_devices: int | None = None) -> None:
+    """Refuse a mesh that cannot hold this model, with the reason, before anything is compiled."""
+    n_devices = len(jax.devices()) if n_devices is None else n_devices
+    total = math.prod(sizes.values())
+    if total != n_devices:
+        raise MeshError(f"mesh {sizes} has {total} devices but {n_devices} are available; "
+                         "make the product of the axis sizes equal the device count")
+    tp, ep, dp = sizes.get("tensor", 1), sizes.get("expert", 1), sizes.get("data", 1)
+    checks = [("n_heads", cfg.n_heads, tp), ("o_groups", cfg.o_groups, tp), ("index_n_heads", cfg.index_n_heads, tp),
+              ("moe_inter_dim", cfg.moe_inter_dim, tp), ("vocab_size", cfg.vocab_size, tp),
+              ("n_routed_experts", cfg.n_routed_experts, ep)]
+    if batch is not None:
+        checks.append(("batch", batch, dp))
+    for name, value, size in checks:
+        if value % size:
+            axis = "expert" if name == "n_routed_experts" else "data" if name == "batch" else "tensor"
+            raise MeshError(f"mesh axis {axis}={size} does not divide {name}={value}; choose a size that divides it")
+
+
+def make_mesh(cfg: ModelConfig, spec: str | dict[str, int], batch: int | None = None, devices=None) -> Mesh:
+    sizes = parse_mesh(spec) if isinstance(spec, str) else dict(spec)
+    devices = list(jax.devices() if devices is None else devices)
+    check_mesh(cfg, sizes, batch, len(devices))
+    names = tuple(a for a in MESH_AXES if a in sizes) or ("data",)
+    shape = tuple(sizes.get(a, 1) for a in names)
+    return Mesh(np.asarray(devices).reshape(shape), names)
+
+
+def _rules(layout: str):
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {sorted(LAYOUTS)}")
+    return LAYOUTS[layout]
+
+
+def _on_mesh(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """A resolved spec, each mesh axis kept where this mesh splits that dimension evenly."""
+    out = []
+    for m, dim in zip(spec, shape):
+        if isinstance(m, str) and m not in MESH_AXES:
+            raise ValueError(f"logical axis {m!r} has no rule in this layout; add one to LAYOUTS")
+        # a derived array (scale blocks) whose dim the mesh does not divide stays replicated there
+        out.append(m if m in mesh.shape and mesh.shape[m] > 1 and dim % mesh.shape[m] == 0 else None)
+    return P(*out)
+
+
+def logical_to_mesh(logical: tuple, layout: str) -> P:
+    """Logical axis names -> mesh axis names by the layout's rules: the lookup `nnx.get_partition_spec`
+    applies to a Variable's `out_sharding` (`flax.core.spmd.from_sharding_rules`)."""
+    return P(*flax_spmd.from_sharding_rules(logical, _rules(layout)))
+
+
+def path_name(path) -> str:
+    """'layers/3/attn/wq_b/weight' from a pytree key path (the Variable's own `.value` key dropped)."""
+    parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    return "/".join(parts[:-1] if parts and parts[-1] == "value" else parts)
+
+
+def _first_match(table, path: str) -> tuple | None:
+    return next((axes for pattern, axes in table if re.search(pattern, path)), None)
+
+
+def param_logical_axes(path: str) -> tuple | None:
+    """The `PARAM_AXES` entry of a param path (None: not listed, replicated)."""
+    return _first_match(PARAM_AXES, path)
+
+
+def cache_logical_axes(path: str, ndim: int) -> tuple:
+    """The `CACHE_AXES` entry of a cache array's path, padded with None to `ndim` axes."""
+    axes = _first_match(CACHE_AXES, path)
+    return axes + (None,) * (ndim - len(axes))
+
+
+def annotate_params(model: nnx.Module) -> None:
+    """Write `PARAM_AXES` into the NNX metadata of `model`'s variables: `out_sharding` = logical axes.
+
+    `eager_sharding=False`: the names are logical (resolved per layout by `param_specs`), so a Variable
+    re-created from this metadata (e.g. optimizer state) is not placed on a mesh by Flax."""
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Variable):
+            axes = param_logical_axes("/".join(map(str, path)))
+            if axes is not None:
+                var.set_metadata(out_sharding=axes, eager_sharding=False)
+
+
+def param_specs(params, mesh, layout: str = "tp_ep"):
+    """PartitionSpec of every leaf of an (abstract or real) params State: each Variable's `out_sharding`
+    metadata resolved through the layout's rules by `nnx.get_partition_spec` (no metadata: replicated),
+    then fitted to `mesh` (a `Mesh` or an `AbstractMesh`)."""
+    with nnx.logical_axis_rules(_rules(layout)):
+        specs = nnx.get_partition_spec(params)
+    return jax.tree.map(lambda spec, leaf: _on_mesh(spec, leaf.shape, mesh), specs, params)
+
+
+def param_shardings(params, mesh: Mesh, layout: str = "tp_ep"):
+    """NamedSharding for every leaf of an (abstract or real) params State, from `param_specs`.
+
+    A leaf that lives in host memory (Engram tables loaded with `engram_on_host=True`) keeps its
+    memory kind: it is split over the mesh like any other but stays out of device memory."""
+
+    def one(spec, leaf):
+        kind = getattr(getattr(leaf, "sharding", None), "memory_kind", None)
+        return NamedSharding(mesh, spec, memory_kind=kind if kind and "host" in kind else None)
+
+    return jax.tree.map(one, param_specs(params, mesh, layout), params)
+
+
+def cache_specs(cache: Cache, mesh, layout: str = "tp_ep"):
+    """PartitionSpec of every cache array: `CACHE_AXES` through the layout's rules, fitted to `mesh`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _on_mesh(logical_to_mesh(cache_logical_axes(path_name(path), leaf.ndim), layout),
+                                    leaf.shape, mesh),
+        cache)
+
+
+def cache_shardings(cache: Cache, mesh: Mesh, layout: str = "tp_ep"):
+    """NamedSharding for every cache array, from `cache_specs`."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), cache_specs(cache, mesh, layout))
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Where one model's arrays live on a mesh, for caches of `batch` sequences (any capacity: only
+    the batch dimension of a cache array is split). `api`'s entry points take it as `placement=`:
+    they put the inputs there and compile programs whose outputs stay there. Compared by identity,
+    so it keys those compiled programs."""
+
+    mesh: Mesh
+    layout: str
+    batch: int
+    params: Any  # NamedSharding per params leaf
+    cache: Any  # NamedSharding per cache leaf (a Cache pytree)
+    rows: NamedSharding  # arrays that lead with the batch (tokens, lengths, logits, sampled ids)
+
+    def put_cache(self, cache: Cache) -> Cache:
+        """`cache` on the mesh (arrays already there stay as they are)."""
+        if cache.batch != self.batch:
+            raise ValueError(f"the cache holds {cache.batch} sequences but the model was placed for batch "
+                             f"{self.batch}; make the cache with that batch or place the model again")
+        leaves, want = jax.tree.leaves(cache), jax.tree.leaves(self.cache)
+        if all(getattr(a, "sharding", None) == s for a, s in zip(leaves, want)):
+            return cache  # the previous call's output: a device_put of the whole tree costs more than this check
+        return jax.device_put(cache, self.cache)
+
+    def put_rows(self, x):
+        """An int32 array that leads with the batch, split over the mesh like the sequences."""
+        if isinstance(x, jax.Array) and x.dtype == np.int32 and x.sharding == self.rows:
+            return x
+        return jax.device_put(np.asarray(x, np.int32) if not isinstance(x, jax.Array) else x.astype(np.int32),
+                              self.rows)
+
+
+def place(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp_ep", *, batch: int) -> Placement:
+    """The shardings of `params` (abstract or real) and of `cfg`'s caches for `batch` sequences on
+    `mesh` by the layout's rules; a bad layout or mesh is refused first."""
+    _rules(layout)
+    check_mesh(cfg, dict(mesh.shape), batch, mesh.size)
+    abstract_cache = jax.eval_shape(lambda: init_cache(cfg, batch, 1))  # capacity does not change the specs
+    axis = _on_mesh(logical_to_mesh(("batch",), layout), (batch,), mesh)[0]
+    return Placement(mesh, layout, batch, param_shardings(params, mesh, layout),
+                     cache_shardings(abstract_cache, mesh, layout), NamedSharding(mesh, P(axis)))
