@@ -232,7 +232,7 @@ class ModelConfig:
         need(self.weight_format in ("float", "fp8"), f"weight_format must be float|fp8, got {self.weight_format!r}")
         need(self.sinkhorn_unroll in ("auto", "unrolled", "rolled"),
              f"sinkhorn_unroll must be auto|unrolled|rolled, got {self.sinkhorn_unroll!r}")
-        need(self.window_size > 0, f"window_size must be positive")
+        need(self.window_size > 0, "window_size must be positive")
         for name in ("engram_layer_ids",):
             for l in getattr(self, name):
                 need(0 <= l < self.n_layers, f"{name} has layer {l}, outside 0..{self.n_layers - 1}")

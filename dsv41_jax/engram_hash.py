@@ -12,13 +12,15 @@ carried as (hi, lo) uint32 limbs and the modulus is taken `w` bits at a time wit
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from functools import lru_cache
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax.config import ModelConfig
+if TYPE_CHECKING:  # annotations only: config imports engram_primes from here
+    from dsv41_jax.config import ModelConfig
 
 
 def _is_prime(n: int) -> bool:

@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dsv41_jax.cache import Cache, init_cache
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.pytree_paths import path_str
 
 MESH_AXES = ("data", "tensor", "expert")
 
@@ -146,12 +147,6 @@ def logical_to_mesh(logical: tuple, layout: str) -> P:
     return P(*flax_spmd.from_sharding_rules(logical, _rules(layout)))
 
 
-def path_name(path) -> str:
-    """'layers/3/attn/wq_b/weight' from a pytree key path (the Variable's own `.value` key dropped)."""
-    parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-    return "/".join(parts[:-1] if parts and parts[-1] == "value" else parts)
-
-
 def _first_match(table, path: str) -> tuple | None:
     return next((axes for pattern, axes in table if re.search(pattern, path)), None)
 
@@ -204,7 +199,7 @@ def param_shardings(params, mesh: Mesh, layout: str = "tp_ep"):
 def cache_specs(cache: Cache, mesh, layout: str = "tp_ep"):
     """PartitionSpec of every cache array: `CACHE_AXES` through the layout's rules, fitted to `mesh`."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _on_mesh(logical_to_mesh(cache_logical_axes(path_name(path), leaf.ndim), layout),
+        lambda path, leaf: _on_mesh(logical_to_mesh(cache_logical_axes(path_str(path), leaf.ndim), layout),
                                     leaf.shape, mesh),
         cache)
 

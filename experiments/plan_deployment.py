@@ -19,6 +19,7 @@ from jax.sharding import AbstractMesh
 import dsv41_jax as d
 from dsv41_jax import partitioning as S
 from dsv41_jax.cache import init_cache
+from dsv41_jax.pytree_paths import path_str
 from experiments import _cli
 
 
@@ -53,7 +54,7 @@ def plan(preset: str, mesh_spec: str, layout: str, batch: int, context: int) -> 
     specs = jax.tree.leaves(S.param_specs(params, mesh, layout))  # the params' logical-axes metadata
     dev, host = [], []
     for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs, strict=True):
-        (host if "engram/table" in S.path_name(path) else dev).append((leaf, spec))
+        (host if "engram/table" in path_str(path) else dev).append((leaf, spec))
     w_total, w_dev = _per_device_bytes(dev, mesh)
     e_total = sum(math.prod(l.shape) * l.dtype.itemsize for l, _ in host)
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, context))

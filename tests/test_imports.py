@@ -1,7 +1,8 @@
 """No import cycles between the project's modules, and every module imports on its own.
 
 The graph is read from the source, every `import` / `from ... import` statement, those inside functions
-included (a late import that dodges a cycle at import time is still a cycle in the design), so a cycle is
+included (a late import that dodges a cycle at import time is still a cycle in the design; imports under
+`if TYPE_CHECKING:` are for annotations and are not edges), so a cycle is
 found whatever the import order of a particular run. Each module is then imported in a fresh interpreter.
 """
 
@@ -25,12 +26,22 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def _edges(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """Project modules that `name` imports, anywhere in its source."""
     is_pkg = path.name == "__init__.py"
     here = name if is_pkg else name.rsplit(".", 1)[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
+                 for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in type_only:  # `if TYPE_CHECKING:` imports exist for annotations only
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -14,7 +14,8 @@ import pytest
 
 from dsv41_jax.tiers import records
 from dsv41_jax.tiers.mooncake_pool import MooncakePool, parse_url
-from dsv41_jax.tiers.window_store import MAGIC, check_url, window_pool
+from dsv41_jax.tiers.shared_pool import MAGIC
+from dsv41_jax.tiers.window_store import check_url, window_pool
 from tests.stores import MooncakeMaster, skip_reason
 
 needs_mooncake = pytest.mark.skipif(skip_reason("mooncake") is not None, reason=str(skip_reason("mooncake")))

@@ -13,6 +13,7 @@ from jax.sharding import AbstractMesh
 
 import dsv41_jax as d
 from dsv41_jax import partitioning as S
+from dsv41_jax.pytree_paths import path_str
 from dsv41_jax.sharding import shard_model
 
 # Cache quantization off: partitioned reductions change float summation order, and with the FP4/FP8
@@ -45,7 +46,7 @@ def reference():
 
 def _specs(tree) -> dict[str, str]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {S.path_name(p): str(leaf.sharding.spec) for p, leaf in flat}
+    return {path_str(p): str(leaf.sharding.spec) for p, leaf in flat}
 
 
 @pytest.mark.parametrize("layout,mesh", MESHES)

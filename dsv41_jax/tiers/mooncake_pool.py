@@ -33,7 +33,7 @@ import os
 from urllib.parse import parse_qs, urlsplit
 
 from dsv41_jax.tiers.host_pool import default_capacity_bytes
-from dsv41_jax.tiers.window_store import SharedPool, StoreDown
+from dsv41_jax.tiers.shared_pool import SharedPool, StoreDown
 
 LOCAL_BUFFER_BYTES = 64 << 20  # the client's staging buffer: bounds one entry (v41-flash: 2.7 MB)
 
