@@ -138,11 +138,14 @@ def scales_beyond_fast_decode(flat_params) -> list[str]:
     Released checkpoints are far inside; the checkpoint loader reports any such param."""
     from kernels_pallas.gpu_grouped import FP4_FAST_MAX, FP8_FAST_MAX
 
-    out = []
-    for path, arr in flat_params.items():
+    limits = {}
+    for path in flat_params:
         leaf = path.rsplit("/", 1)[-1]
-        limit = FP4_FAST_MAX if leaf in ("w1_scale", "w2_scale", "w3_scale") else FP8_FAST_MAX if leaf == "scale" else None
-        if limit is not None and int(jax.numpy.max(arr)) > limit:
-            out.append(path)
-    return out
+        if leaf in ("w1_scale", "w2_scale", "w3_scale"):
+            limits[path] = FP4_FAST_MAX
+        elif leaf == "scale":
+            limits[path] = FP8_FAST_MAX
+    # every maximum computed on its array's device, then one transfer (not one host sync per array)
+    maxima = jax.device_get({p: jax.numpy.max(flat_params[p]) for p in limits})
+    return [p for p in limits if int(maxima[p]) > limits[p]]
 

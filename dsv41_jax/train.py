@@ -125,6 +125,15 @@ def draft_loss_fn(draft: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt
     return dspark.distill_loss(model, extras["main_hidden"], logits, tokens_bt, anchors)
 
 
+def _optimizer_step(loss, split, optimizer, params, opt_state, *args):
+    """One optimizer step on the part of `params` that `split` puts first: (updated part, the rest,
+    opt_state, loss value, loss aux, grads). loss(part, rest, *args) -> (value, aux)."""
+    part, rest = split(params)
+    (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(part, rest, *args)
+    updates, opt_state = optimizer.update(grads, opt_state, part)
+    return optax.apply_updates(part, updates), rest, opt_state, value, aux, grads
+
+
 def make_draft_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, anchors: tuple[int, ...]):
     """A jitted draft_step(params, opt_state, batch) -> (params, opt_state, metrics) that updates only the
     draft stages (opt_state from `init_draft_opt_state`). batch: {"tokens": int32 [B, T]}; anchors: the
@@ -135,11 +144,8 @@ def make_draft_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformat
 
     @jax.jit
     def draft_step(params, opt_state, batch):
-        draft, rest = split_draft(params)
-        (loss, aux), grads = jax.value_and_grad(draft_loss_fn, has_aux=True)(draft, rest, cfg, batch["tokens"],
-                                                                             anchors)
-        updates, opt_state = optimizer.update(grads, opt_state, draft)
-        draft = optax.apply_updates(draft, updates)
+        draft, rest, opt_state, loss, aux, grads = _optimizer_step(draft_loss_fn, split_draft, optimizer, params,
+                                                                   opt_state, cfg, batch["tokens"], anchors)
         return nnx.merge_state(draft, rest), opt_state, {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads)}
 
     return draft_step
@@ -177,11 +183,8 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
 
     @jax.jit
     def train_step(params, opt_state, batch):
-        trainable, rest = split_trainable(params)
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, rest, cfg, batch["tokens"],
-                                                                      kl_weight)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        trainable = optax.apply_updates(trainable, updates)
+        trainable, rest, opt_state, loss, aux, grads = _optimizer_step(loss_fn, split_trainable, optimizer, params,
+                                                                       opt_state, cfg, batch["tokens"], kl_weight)
         load = aux["expert_load"].astype(jnp.float32)
         rest = update_expert_bias(rest, load, bias_rate)
         metrics = {"loss": loss, "lm_loss": aux["lm_loss"], "indexer_kl": aux["indexer_kl"],

@@ -43,8 +43,8 @@ def choose_tiles(m: int, k: int, n: int, n_groups: int) -> tuple[int, int, int]:
     else:
         tm = 16 if m <= 4 * n_groups else 64
     tk = _pick(k, (256, 128, 64, 32))
-    # wide output tiles once there are programs enough to fill the GPU (measured on the H200: w2 at
-    # batch 64 72% of the copy peak with 128, 67% with 64; at batch 1, 128 leaves SMs idle)
+    # wide output tiles once there are programs enough to fill the GPU (H200, `experiments.bench_weights
+    # --sweep`: w2 at batch 64 70% of the copy peak with 128, 67% with 64; at batch 1, 128 leaves SMs idle)
     wide = min(n_groups, m) * (n // 128) >= 1024 or (n_groups == 1 and m > 16)  # FP8 at batch 64: 45% vs 32%
     tn = _pick(n, (128, 64, 32, 16) if wide else (64, 32, 16))
     if tk is None or tn is None:
@@ -108,8 +108,10 @@ def _fp8_weights(vb, sb, dtype):
 # Every weight byte is spread into a 16-bit lane (prmt), its code bits are moved to where they make a bf16
 # whose value is the decoded weight times a fixed power of two (subnormals included: an E2M1 code c placed
 # as sign << 15 | mag << 6 is E2M1(c) * 2**-126; an E4M3 byte as sign << 15 | rest << 4 is E4M3 * 2**-120),
-# and one fma.rn.bf16x2 by 2**(E + 126) (resp. 2**(E + 120)) applies the block scale 2**E: two weights per
-# instruction, ~2.3 instructions per weight where the f32 path takes ~9 (the ALU bound of this kernel). The
+# and one fma.rn.bf16x2 by 2**(E + 126) (resp. 2**(E + 120)) applies the block scale 2**E: 15 PTX
+# instructions per four weights as written (before ptxas merges mask/shift/or into LOP3), where the f32 path
+# spends ~9 per weight counted the same way; measured: 1.8-2x faster on the H200, 48-70% of the copy peak
+# (`python -m experiments.bench_weights --sweep`, docs/BENCHMARKS.md). The
 # product is exact; its factor must be a finite bf16, so the fast path needs E8M0 bytes <= FP4_FAST_MAX
 # (weights below 12 in magnitude) / FP8_FAST_MAX (below 57344); released checkpoints are far inside
 # (`dsv41_jax.grouped.check_fast_scales` checks at load time). Only compiled on the GPU (interpret mode

@@ -312,7 +312,7 @@ assert b["embed/weight"].sharding.mesh.size == 4 and len(b["embed/weight"].addre
 # Engram tables in host memory, split over the mesh; shard_model's shardings keep them there
 from flax import nnx
 from dsv41_jax.api import graphdef
-from dsv41_jax.sharding import param_shardings
+from dsv41_jax.partitioning import param_shardings
 host = load_checkpoint(src, progress=False, shardings=rows(new_mesh), engram_on_host=True)
 h = flat_params(host.params)
 for k in ("layers/0/engram/table", "layers/1/engram/table_scale"):

@@ -81,6 +81,26 @@ def test_fp8_matmul_kernel_matches_twin(m, dtype):
     _close(gpu_grouped.fp8_matmul(x, q, s, tiles=(16, 32, 32), interpret=INTERPRET), ref)
 
 
+def test_every_code_and_scale_decodes_exactly():
+    """One-hot bf16 rows make the kernels output their decoded weights: every FP4 / E4M3 byte value at every
+    scale byte up to the fast decode's limit equals the twin's decode exactly (on a GPU: the PTX decode)."""
+    rng = np.random.default_rng(0)
+    n, k = 64, 128
+    vals = jnp.asarray(np.tile(np.arange(256, dtype=np.uint8), n * k // 2 // 256).reshape(1, n, k // 2))
+    sc = jnp.asarray(rng.integers(gpu_grouped.FP4_FAST_MAX - 12, gpu_grouped.FP4_FAST_MAX + 1, (1, n, k // 32)),
+                     jnp.uint8)
+    eye = jnp.eye(k, dtype=jnp.bfloat16)
+    want = grouped.dequantize_experts({"values": vals, "scales": sc}, jnp.float32)[0]  # [K, N]
+    got = gpu_grouped.grouped_matmul_fp4(eye, vals, sc, jnp.array([k], jnp.int32), interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    q = jnp.asarray(np.tile(np.arange(256, dtype=np.uint8) & 0xFE, n * k // 256).reshape(n, k))  # no NaN codes
+    e = jnp.asarray(rng.integers(gpu_grouped.FP8_FAST_MAX - 20, gpu_grouped.FP8_FAST_MAX + 1, (n // 32, k // 32)),
+                    jnp.uint8)
+    want = grouped.dequantize_fp8_blocks(jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn), e).T
+    got = gpu_grouped.fp8_matmul(eye, q, e, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_tile_map_covers_every_row_once():
     sizes = jnp.asarray([3, 0, 40, 1, 0, 17], jnp.int32)
     grp, row0, end = gpu_grouped.tile_map(sizes, int(sizes.sum()), 16)

@@ -16,7 +16,7 @@ from dsv41_jax.tiers import records
 from dsv41_jax.tiers.mooncake_pool import MooncakePool, parse_url
 from dsv41_jax.tiers.shared_pool import MAGIC
 from dsv41_jax.tiers.window_store import check_url, window_pool
-from tests.stores import MooncakeMaster, skip_reason
+from tests.stores import ARRAYS, MooncakeMaster, skip_reason
 
 needs_mooncake = pytest.mark.skipif(skip_reason("mooncake") is not None, reason=str(skip_reason("mooncake")))
 
@@ -28,9 +28,6 @@ def master():
     m = MooncakeMaster()
     yield m
     m.close()
-
-
-ARRAYS = {"window.values": np.arange(96, dtype=np.uint8).reshape(2, 3, 16), "window_start": np.array([7], np.int32)}
 
 
 def test_urls():

@@ -13,7 +13,6 @@ plan of 13 image sizes under this config, the released one, and the released one
 vision_max_wh_ratio = 4.
 """
 
-import hashlib
 import io
 import shutil
 from functools import lru_cache
@@ -29,6 +28,7 @@ from dsv41_jax.checkpoint import load_checkpoint
 from dsv41_jax.checkpoint.synthetic import make_tensors, vision_fixture_config, write_checkpoint
 from dsv41_jax.images import ImageError, ImageSpan, expand_prompt, plan_grid, prepare_image, span_types
 from tests.near_ties import NearTies
+from tests.test_parity import _fixture_hash
 
 G = np.load(Path(__file__).parent / "golden" / "vision_fixture.npz")
 CFG = vision_fixture_config()
@@ -41,15 +41,6 @@ def _png(pixels: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="PNG")
     return buf.getvalue()
-
-
-def _fixture_hash(tensors) -> str:
-    h = hashlib.sha256()
-    for k in sorted(tensors):
-        v = tensors[k]
-        h.update(k.encode())
-        h.update(np.ascontiguousarray(v[1] if isinstance(v, tuple) else v).view(np.uint8).tobytes())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 import dsv41_jax as d
 from dsv41_jax.serving import Engine, EngineConfig, Request
 from dsv41_jax.tiers import RedisPool
-from tests.stores import RedisStore, skip_reason
+from tests.stores import ARRAYS, RedisStore, skip_reason
 
 pytestmark = pytest.mark.skipif(skip_reason("redis") is not None, reason=str(skip_reason("redis")))
 
@@ -27,9 +27,6 @@ def store():
     s = RedisStore()
     yield s
     s.close()
-
-
-ARRAYS = {"window.values": np.arange(96, dtype=np.uint8).reshape(2, 3, 16), "window_start": np.array([7], np.int32)}
 
 
 def test_entries_round_trip_and_bad_ones_are_misses(store):
