@@ -286,7 +286,7 @@ def decode_step(cfg: ModelConfig, params, cache: Cache, tokens_b, active_b=None,
     docstring); tokens_b may be the previous step's output there.
     """
     tokens_b = _check_next_tokens(cfg, cache, tokens_b, validate)
-    n_new = jnp.ones_like(cache.lengths) if active_b is None else jnp.asarray(active_b).astype(jnp.int32)
+    n_new = _rows(cache.batch, 1, "int32") if active_b is None else jnp.asarray(active_b).astype(jnp.int32)
     if validate:
         _check_room(cfg, cache, n_new, "")
     cache, tokens_b, n_new = _onto(placement, cache, tokens_b, n_new)
@@ -315,8 +315,25 @@ _GENERATE_STATIC = ("cfg", "n_steps", "kernels")
 _generate_jit = jax.jit(_generate, static_argnames=_GENERATE_STATIC, donate_argnames=("cache",))
 
 
+@lru_cache(maxsize=256)
+def _rows(b: int, value, dtype: str, width: int | None = None) -> jax.Array:
+    """A device array [b] (or [b, width]) filled with a Python scalar, made once: inputs that keep their
+    buffers from call to call let the GPU reuse the recorded command buffers of a compiled step (new
+    buffers make XLA update them: milliseconds per call at the released width)."""
+    return jnp.full((b,) if width is None else (b, width), value, dtype)
+
+
+def _per_seq(v, b: int, dtype: str) -> jax.Array:
+    """A per-sequence argument as a [b] array of `dtype`: a Python scalar from `_rows`, an array as is."""
+    if isinstance(v, (int, float, np.integer, np.floating)):
+        return _rows(b, v.item() if isinstance(v, np.generic) else v, dtype)
+    v = jnp.asarray(v)
+    return (v if v.shape == (b,) else jnp.broadcast_to(v, (b,))).astype(dtype)
+
+
 def generate(cfg: ModelConfig, params, cache: Cache, tokens_b, n_steps: int, *, temperature_b=0.0, seed_b=0,
-             step_b=0, budget_b=None, stop_ids_bs=None, kernels: str = "jnp", placement: Placement | None = None):
+             step_b=0, budget_b=None, stop_ids_bs=None, kernels: str = "jnp", validate: bool = True,
+             placement: Placement | None = None):
     """Up to `n_steps` decode steps in one compiled call: feed tokens_b, sample the next token on device
     (`sampling.sample`: greedy at temperature 0), feed it, and so on. The cache is donated.
 
@@ -326,21 +343,23 @@ def generate(cfg: ModelConfig, params, cache: Cache, tokens_b, n_steps: int, *, 
     default n_steps), stop_ids_bs int [B, S] (-1 padded): a sampled stop id ends the sequence (it is
     emitted, never fed). Returns (tokens int32 [B, n_steps], emitted bool [B, n_steps]: True where
     the token is a real sample of that sequence, cache). placement: run on a mesh (module docstring).
+    validate=False skips the checks that read device values back to the host (ids in range, room in
+    the cache), as `decode_step`'s: the host can then queue the next call while this one runs.
     """
-    tokens_b = _check_next_tokens(cfg, cache, tokens_b)
+    tokens_b = _check_next_tokens(cfg, cache, tokens_b, validate)
     if not isinstance(n_steps, int) or n_steps < 1:
         raise ValueError(f"n_steps must be a positive int, got {n_steps!r}")
     b = cache.batch
-    per_seq = lambda v, dt: jnp.broadcast_to(jnp.asarray(v, dt), (b,))
-    budget = per_seq(n_steps if budget_b is None else budget_b, jnp.int32)
-    _check_room(cfg, cache, jnp.minimum(budget, n_steps), f" in {n_steps} steps")
-    stop = jnp.full((b, 1), -1, jnp.int32) if stop_ids_bs is None else jnp.asarray(stop_ids_bs, jnp.int32)
+    budget = _per_seq(n_steps if budget_b is None else budget_b, b, "int32")
+    if validate:
+        _check_room(cfg, cache, np.minimum(np.asarray(budget), n_steps), f" in {n_steps} steps")
+    stop = _rows(b, -1, "int32", 1) if stop_ids_bs is None else jnp.asarray(stop_ids_bs, jnp.int32)
     if stop.ndim != 2 or stop.shape[0] != b:
         raise ValueError(f"stop_ids_bs must be [{b}, S] (-1 padded), got shape {stop.shape}")
     cache, tokens_b = _onto(placement, cache, tokens_b)
     run = _generate_jit if placement is None else _jit_on_mesh(_generate, _GENERATE_STATIC, True, placement, 2)
-    return run(cfg, params, cache, tokens_b.astype(jnp.int32), per_seq(temperature_b, jnp.float32),
-               per_seq(seed_b, jnp.uint32), per_seq(step_b, jnp.int32), budget, stop, n_steps=n_steps,
+    return run(cfg, params, cache, tokens_b.astype(jnp.int32), _per_seq(temperature_b, b, "float32"),
+               _per_seq(seed_b, b, "uint32"), _per_seq(step_b, b, "int32"), budget, stop, n_steps=n_steps,
                kernels=resolve(kernels))
 
 

@@ -250,6 +250,7 @@ def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> 
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
     n_launch = launches(compiled)
+    print(f"  compiled in {compile_s:.1f} s, {n_launch} launches; warming up", flush=True)
     step = lambda c, t: api.decode_step(cfg, params, c, t, kernels=args.kernels, validate=False, donate=True)
     for _ in range(3):
         logits, cache = step(cache, tokens)
@@ -261,8 +262,9 @@ def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> 
         logits.block_until_ready()
         times.append(time.perf_counter() - t)
     ms = 1e3 * statistics.median(times)
+    print(f"  {ms:.3f} ms/step; timing the jitted loop", flush=True)
     # the jitted loop: --chunk steps per call
-    gen = lambda c: api.generate(cfg, params, c, tokens, args.chunk, kernels=args.kernels)
+    gen = lambda c: api.generate(cfg, params, c, tokens, args.chunk, kernels=args.kernels, validate=False)
     toks, _, cache = gen(cache)
     toks.block_until_ready()
     gtimes = []
@@ -278,7 +280,7 @@ def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> 
             nonlocal cache
             toks, _, cache = gen(cache)
             toks.block_until_ready()
-        prof = kernel_profile(run, os.path.join(args.profile, f"b{batch}_c{context}"), args.chunk)
+        prof = kernel_profile(run, os.path.join(args.profile, f"b{batch}_c{context}"), args.chunk, args.profile_top)
         for r in prof:
             print(f"    {r['us_per_step']:9.1f} us/step {r['calls_per_step']:6.1f} calls  {r['name'][:110]}", flush=True)
     w = weight_bytes(cfg, params, hit)
@@ -309,6 +311,7 @@ def parse_args(argv=None):
     p.add_argument("--copy-gb", type=float, default=4.0, help="GiB of the copy that measures the peak bandwidth")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="trace one --chunk loop per point into DIR and print GPU time per kernel")
+    p.add_argument("--profile-top", type=int, default=15, help="kernels listed per profiled point")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     return p.parse_args(argv)
 

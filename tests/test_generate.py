@@ -87,3 +87,17 @@ def test_donated_decode_consumes_the_cache_and_matches():
     got, new = d.decode_step(CFG, PARAMS, cache, tok, donate=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert cache.lengths.is_deleted() and not new.lengths.is_deleted()
+
+
+def test_scalar_arguments_keep_their_buffers_and_validate_false_changes_nothing():
+    # the same device buffers from call to call let the GPU replay its recorded command buffers
+    from dsv41_jax import api
+    assert api._per_seq(0.0, B, "float32") is api._per_seq(0.0, B, "float32")
+    assert api._per_seq(np.int64(3), B, "int32") is api._per_seq(3, B, "int32")
+    np.testing.assert_array_equal(api._per_seq(np.array([1, 2, 3]), B, "uint32"), [1, 2, 3])
+    logits, cache = _prefilled()
+    tok = np.asarray(jnp.argmax(logits, -1)).astype(np.int32)
+    checked, _, _ = d.generate(CFG, PARAMS, cache, tok, 3)
+    _, cache = _prefilled()
+    unchecked, _, _ = d.generate(CFG, PARAMS, cache, tok, 3, validate=False)
+    np.testing.assert_array_equal(np.asarray(checked), np.asarray(unchecked))
