@@ -1,0 +1,192 @@
+"""Where a decode step's GPU time goes, by the model code that launched each kernel.
+
+    python -m experiments.profile_step                      # the v41 slice, batch 1, 4K, 5 steps per call
+    python -m experiments.profile_step --preset small --batch 8 --out /tmp/prof
+
+Every method of the dsv41_jax modules runs under a `jax.named_scope` of its class and name
+("MoE._routed"), so the op name XLA keeps on each fused kernel says which code made it. One
+`api.generate` call (the jitted loop, cache donated) is traced with `jax.profiler`; each kernel of the
+trace is matched to its HLO instruction and so to the innermost two scopes and the primitive at the
+fusion's root ("MoE.__call__/MoE._routed:select_n"). Pallas kernels keep their own names. Prints kernels
+and GPU microseconds per step by source and by scope, largest first, and the step time outside the
+profiler (the profiler runs kernels one by one, without command buffers: its gaps are not the real ones).
+Weights and cache are random, as in `experiments.bench_decode`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import functools
+import glob
+import gzip
+import importlib
+import inspect
+import json
+import os
+import pkgutil
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import dsv41_jax
+from dsv41_jax import api
+from experiments import bench_decode as bd
+
+
+def _scoped(name: str, fn):
+    @functools.wraps(fn)
+    def inner(*a, **k):
+        with jax.named_scope(name):
+            return fn(*a, **k)
+    return inner
+
+
+@contextlib.contextmanager
+def scoped_methods():
+    """Every method of every nnx.Module class in dsv41_jax runs under a named scope "Class.method" inside
+    the block (for what is traced there); yields how many were wrapped, restores them after."""
+    saved = []
+    for info in pkgutil.walk_packages(dsv41_jax.__path__, "dsv41_jax."):
+        try:
+            mod = importlib.import_module(info.name)
+        except ImportError:  # an optional extra (server, stores) that is not installed: not in the model
+            continue
+        for cname, cls in vars(mod).items():
+            if not (inspect.isclass(cls) and issubclass(cls, nnx.Module) and cls.__module__ == mod.__name__):
+                continue
+            for fname, fn in list(vars(cls).items()):
+                if inspect.isfunction(fn) and (fname == "__call__" or not fname.startswith("__")):
+                    saved.append((cls, fname, fn))
+                    setattr(cls, fname, _scoped(f"{cname}.{fname}", fn))
+    try:
+        yield len(saved)
+    finally:
+        for cls, fname, fn in saved:
+            setattr(cls, fname, fn)
+
+
+_SCOPE = re.compile(r"^[A-Z]\w*\.\w+$")
+
+
+def kernel_sources(hlo_text: str) -> dict[str, str]:
+    """Kernel name (the HLO instruction name with . and - as _) -> "Outer.scope/Inner.scope:primitive"."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+        op = re.search(r'op_name="([^"]+)"', line)
+        if not m or not op:
+            continue
+        parts = op.group(1).split("/")
+        scopes = [p for p in parts if _SCOPE.match(p)]
+        where = "/".join(scopes[-2:]) + ":" + parts[-1] if scopes else "/".join(parts[-2:])
+        out[re.sub(r"[.\-]", "_", m.group(1))] = where
+    return out
+
+
+def gpu_kernels(trace_dir: str) -> list[dict]:
+    """Kernel events ({name, ts, dur} in us) of the GPU rows of the newest Perfetto trace in trace_dir."""
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in str(e.get("args", {}).get("name", ""))}
+    return sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in gpu), key=lambda e: e["ts"])
+
+
+def attribute(kernels: list[dict], sources: dict[str, str], steps: int) -> dict[str, list[float]]:
+    """{source: [kernels per step, GPU us per step]}; unmatched kernels keep their own name."""
+    by = collections.defaultdict(lambda: [0.0, 0.0])
+    for e in kernels:
+        where = sources.get(e["name"], e["name"])
+        by[where][0] += 1 / steps
+        by[where][1] += e["dur"] / steps
+    return dict(by)
+
+
+def _table(title: str, rows: dict[str, list[float]], top: int) -> None:
+    print(f"\n| {title} | kernels / step | GPU us / step |\n|---|---|---|")
+    for k, (n, us) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"| {k} | {n:.1f} | {us:.1f} |")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="v41-slice", choices=["v41-slice", "small", "tiny"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--chunk", type=int, default=5, help="decode steps per traced call")
+    p.add_argument("--kernels", default="auto", choices=["auto", "jnp", "pallas"])
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--out", default="/tmp/profile_step", help="trace, HLO text and JSON rows go here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    with scoped_methods() as n:
+        print(f"named scopes on {n} methods", flush=True)
+        return _profile(args)
+
+
+def _profile(args) -> dict:
+    cfg = bd.slice_config(weight_format="fp8") if args.preset == "v41-slice" else dsv41_jax.preset(args.preset)
+    if args.context + 256 > cfg.max_seq_len:
+        raise SystemExit(f"error: --context {args.context} exceeds the preset's max_seq_len {cfg.max_seq_len} - 256")
+    params = bd.random_params(cfg)
+    cache = bd.random_cache(cfg, args.batch, args.context)
+    tokens = jax.random.randint(jax.random.key(2), (args.batch,), 0, cfg.vocab_size)
+    os.makedirs(args.out, exist_ok=True)
+
+    def call():
+        nonlocal cache
+        toks, _, cache = api.generate(cfg, params, cache, tokens, args.chunk, kernels=args.kernels, validate=False)
+        jax.block_until_ready(toks)
+
+    t = time.perf_counter()
+    call()
+    print(f"compiled and ran one call in {time.perf_counter() - t:.1f} s", flush=True)
+    times = []
+    for _ in range(8):
+        t = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t) / args.chunk * 1e3)
+    step_ms = statistics.median(times)
+    b = args.batch
+    one = lambda v, dt: jnp.full((b,), v, dt)
+    hlo = api._generate_jit.lower(cfg, params, cache, tokens, one(0, jnp.float32), one(0, jnp.uint32),
+                                  one(0, jnp.int32), one(args.chunk, jnp.int32), jnp.full((b, 1), -1, jnp.int32),
+                                  n_steps=args.chunk, kernels=api.resolve(args.kernels)).compile().as_text()
+    with open(os.path.join(args.out, "hlo.txt"), "w") as f:
+        f.write(hlo)
+    trace_dir = os.path.join(args.out, "trace")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        call()
+    kernels = gpu_kernels(trace_dir)
+    if not kernels:
+        raise SystemExit("the trace has no GPU kernels: run this on a GPU")
+    rows = attribute(kernels, kernel_sources(hlo), args.chunk)
+    busy = sum(us for _, us in rows.values())
+    print(f"\n{args.preset} batch {b}, context {args.context}: {step_ms:.3f} ms/step (loop, not profiled); "
+          f"{len(kernels) / args.chunk:.0f} kernels and {busy / 1e3:.3f} ms of GPU time per step")
+    _table("source", rows, args.top)
+    scopes = collections.defaultdict(lambda: [0.0, 0.0])
+    for k, (n, us) in rows.items():
+        key = k.split(":")[0] if ":" in k else k
+        scopes[key][0] += n
+        scopes[key][1] += us
+    _table("scope", dict(scopes), args.top)
+    result = {"step_ms": step_ms, "kernels_per_step": len(kernels) / args.chunk, "gpu_us_per_step": busy,
+              "by_source": rows}
+    with open(os.path.join(args.out, "attribution.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""experiments.profile_step: kernels attributed to the model code that made them (the parts that run on CPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import dsv41_jax as d
+from dsv41_jax import api
+from dsv41_jax.moe import MoE
+from experiments import profile_step as ps
+
+CFG = d.preset("tiny")
+
+
+def test_op_names_carry_the_class_and_method_and_the_patch_is_undone():
+    original = MoE.__call__
+    params = d.init_params(CFG, seed=0)
+    cache = d.init_cache(CFG, 2, 32)
+    with ps.scoped_methods() as n:
+        assert n > 20 and MoE.__call__ is not original
+        hlo = jax.jit(lambda p, c, t: api.forward(CFG, p, c, t, jnp.ones((2,), jnp.int32))[0]).lower(
+            params, cache, jnp.zeros((2, 1), jnp.int32)).compile().as_text()
+    assert MoE.__call__ is original
+    sources = ps.kernel_sources(hlo)
+    where = set(sources.values())
+    assert any(w.startswith("MoE.__call__/Router.__call__:") for w in where), sorted(where)[:20]
+    assert any("Attention." in w for w in where)
+    # every instruction name is matched with . and - spelled _ (as the profiler names kernels)
+    assert all("." not in k and "-" not in k for k in sources)
+
+
+def test_attribute_sums_per_step_and_keeps_unknown_names():
+    events = [{"name": "fusion_1", "dur": 4.0}, {"name": "fusion_1", "dur": 6.0}, {"name": "MemcpyD2D", "dur": 2.0}]
+    rows = ps.attribute(events, {"fusion_1": "MoE.__call__/MoE._routed:add"}, steps=2)
+    assert rows == {"MoE.__call__/MoE._routed:add": [1.0, 5.0], "MemcpyD2D": [0.5, 1.0]}
