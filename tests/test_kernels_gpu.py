@@ -18,33 +18,54 @@ import numpy as np
 import pytest
 
 from dsv41_jax import ops, quant
-from kernels_pallas import gpu_attention, gpu_indexer, gpu_select
+from kernels_pallas import decode, gpu_attention, gpu_indexer, gpu_select
 from tests.kernel_checks import assert_scan_matches, check_pool_scan, index_case
 
 INTERPRET = jax.default_backend() == "cpu"
 
 
+@pytest.mark.parametrize("variant", gpu_indexer.VARIANTS)
 @pytest.mark.parametrize("b,h,d,n,reach,block", [
     (3, 4, 32, 37, [37, 5, 0], 4),  # tiny-config heads/dims, N not a multiple of the tile, empty row
     (2, 32, 128, 1000, [1000, 517], 8),  # released heads/dims, unequal lengths
     (1, 16, 128, 1, [1], None),  # one entry
 ])
-def test_indexer_scores(b, h, d, n, reach, block):
+def test_indexer_scores(b, h, d, n, reach, block, variant):
     q, w, rec = index_case(n + h, b, h, d, n)
     reach = jnp.array(reach, jnp.int32)
     ref = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
     out = gpu_indexer.indexer_scores(q, w, rec["values"], rec["scales"], reach, block=block, block_n=64,
-                                     interpret=INTERPRET)
+                                     variant=variant, interpret=INTERPRET)
     assert_scan_matches(out, ref, n, block)
 
 
+@pytest.mark.parametrize("variant", gpu_indexer.VARIANTS)
 @pytest.mark.parametrize("b,h,d,n,reach,block,n_blocks,block_n", [
     (4, 4, 32, 37, [37, 13, 1, 0], 4, 3, 8),  # tiny config: partial last block, one-entry and empty rows
     (2, 32, 128, 1001, [1001, 517], 8, 40, 256),  # released heads and block; N % 8 != 0; partial program
 ])
-def test_indexer_scores_pool(b, h, d, n, reach, block, n_blocks, block_n):
-    scan = functools.partial(gpu_indexer.indexer_scores_pool, block=block, block_n=block_n, interpret=INTERPRET)
+def test_indexer_scores_pool(b, h, d, n, reach, block, n_blocks, block_n, variant):
+    scan = functools.partial(gpu_indexer.indexer_scores_pool, block=block, block_n=block_n, variant=variant,
+                             interpret=INTERPRET)
     check_pool_scan(scan, b, h, d, n, reach, block, n_blocks)
+
+
+def test_fp8_key_bits_are_e2m1_exactly():
+    """Every packed byte's two nibbles, moved into E5M2 bits, are their E2M1 values times 2**-14."""
+    kb = jnp.arange(256, dtype=jnp.uint8)[None, :]
+    got = jax.lax.bitcast_convert_type(gpu_indexer._fp8_keys(kb, asm=False), jnp.float8_e5m2).astype(jnp.float32)
+    lo, hi = decode.nibbles(kb)
+    want = jnp.stack([decode.fp4_f32(lo), decode.fp4_f32(hi)], axis=-1).reshape(1, 512) * 2.0 ** -14
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fp8_query_is_exact_on_the_fp4_grid():
+    """FP4-grid queries (group exponents 20 binades apart) survive the E5M2 query exactly."""
+    q = quant.fake_quant(quant.INDEX_KEY, jax.random.normal(jax.random.key(0), (2, 4, 128))
+                         * jnp.exp2(-5.0 * jnp.arange(4)).repeat(32))
+    q8, wn = gpu_indexer.prepare_query_fp8(q, jnp.ones((2, 4)))
+    back = jax.lax.bitcast_convert_type(q8, jnp.float8_e5m2).astype(jnp.float32)[:, :4]
+    np.testing.assert_array_equal(back * (wn[:, :4, None] * 2.0 ** -14), q)
 
 
 def _rows(name, rng):
