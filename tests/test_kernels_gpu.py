@@ -6,7 +6,7 @@ batches of unequal lengths, ties, -inf rows and signed zeros. Tolerances:
   the f32 summation order differs, so |err| <= 1e-5 * max|score|.
 - selection: exact equality (same top set, same tie order, same -1 padding).
 - attention: float16 tensor-core operands (q rounded to 2**-11 after a per-head power of two, p to
-  2**-11; keys exact), so <= 5e-3 relative (norm per sequence); measured ~4e-4.
+  2**-11, twice in the split variant; keys exact), so <= 5e-3 relative (norm per sequence); measured ~4e-4.
 """
 
 from __future__ import annotations
@@ -140,19 +140,22 @@ def _attention_case(seed, b, h, d, w, n, k):
     return q, window, valid, entries, idx, sink
 
 
-@pytest.mark.parametrize("b,h,d,w,n,k,splits,block_k,two_pass", [
-    (3, 4, 64, 16, 37, 8, 1, 16, False),  # tiny config
-    (3, 4, 64, 16, 37, 8, 3, 16, True),
-    (2, 64, 512, 128, 300, 512, 4, 64, False),  # released shapes
-    (3, 64, 512, 128, 300, 512, 1, 32, True),
+@pytest.mark.parametrize("b,h,d,w,n,k,variant,splits,block_k,head_block", [
+    (3, 4, 64, 16, 37, 8, "flash", 1, 16, None),  # tiny config
+    (3, 4, 64, 16, 37, 8, "split", 3, 16, None),
+    (2, 64, 512, 128, 300, 512, "flash", 4, 64, None),  # released shapes
+    (3, 64, 512, 128, 300, 512, "flash", 1, 32, 16),  # head blocks
+    (2, 64, 512, 128, 300, 512, "flash", 3, 32, 32),
+    (3, 64, 512, 128, 300, 512, "split", 1, 32, None),
+    (2, 64, 512, 128, 300, 500, "split", 4, 64, None),  # K not a multiple of the key tile
 ])
-def test_sparse_attention(b, h, d, w, n, k, splits, block_k, two_pass):
+def test_sparse_attention(b, h, d, w, n, k, variant, splits, block_k, head_block):
     q, window, valid, entries, idx, sink = _attention_case(d + splits, b, h, d, w, n, k)
     scale = d ** -0.5
     ref = ops.sparse_attention_decode(q, window, valid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, scale)
     out = gpu_attention.sparse_attention(q, window["values"], window["scales"], valid, entries["values"],
-                                         entries["scales"], idx, sink, scale, splits=splits, block_k=block_k,
-                                         two_pass=two_pass, interpret=INTERPRET)
+                                         entries["scales"], idx, sink, scale, variant=variant, splits=splits,
+                                         block_k=block_k, head_block=head_block, interpret=INTERPRET)
     np.testing.assert_array_equal(out[0], 0.0)
     for i in range(1, b):
         err = float(jnp.linalg.norm(out[i] - ref[i]) / jnp.linalg.norm(ref[i]))
