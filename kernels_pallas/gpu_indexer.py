@@ -28,6 +28,8 @@ How it maps to the hardware (why it is shaped like this):
   tensor cores' reduced accumulation width; the group's 2**(e_g - e_max) is applied to its f32 result.
 - "fp8-asm": "fp8" with the bit moves in PTX on four bytes per 32-bit register (5 instructions per
   8 nibbles). PTX only runs compiled; interpreted it is "fp8" (same bits).
+- "fp8-asm-gl": "fp8-asm" with one load per scale group (16 bytes of each row) instead of one load of
+  the tile split in registers (the pool scan, whose rows are gathered, splits as "fp8-asm").
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from jax.experimental.pallas import triton as plt
 from kernels_pallas import decode
 
 KEY_SCALE_BLOCK = 32  # channels per E8M0 scale of the released index key (quant.INDEX_KEY)
-VARIANTS = ("f16", "fp8", "fp8-asm")
+VARIANTS = ("f16", "fp8", "fp8-asm", "fp8-asm-gl")
 FP8_Q_TOP = 15  # q in E5M2 is scaled to max |q| in [2**14, 2**15) (E5M2 max 57344, min subnormal 2**-16)
 
 
@@ -84,25 +86,32 @@ def prepare_query_fp8(q_bhd: jax.Array, w_bh: jax.Array, min_heads: int = 16):
     return q8, jnp.pad(wn, ((0, 0), (0, hp - h)))
 
 
-def _tile_scores(kb, e, q_ref, b, w, groups: int, variant: str) -> jax.Array:
+def _tile_scores(kb, e, q_ref, b, w, groups: int, variant: str, asm: bool) -> jax.Array:
     """Scores f32 [TN] of TN key rows, before any masking: packed FP4 bytes kb uint8 [TN, D/2], E8M0
     exponents e int32 [TN, D/32], the queries q_ref (f16 q^T [B, D, Hp] from `prepare_query`, or for the
-    fp8 variants E5M2 bits [B, Hp, D] from `prepare_query_fp8`) of which sequence b's, and its w' f32 [Hp]."""
+    fp8 variants E5M2 bits [B, Hp, D] from `prepare_query_fp8`) of which sequence b's, and its w' f32 [Hp].
+    asm: the PTX bit moves (compiled runs only; interpreted, "fp8-asm" runs the jnp ones: same bits)."""
     if variant == "f16":
         e_max, rel = _group_scales(e)
         logits = jnp.dot(_decoded_keys(kb, rel, groups), q_ref[b], preferred_element_type=jnp.float32)
-    else:
-        e_max = jnp.max(e, axis=1)
-        rel = jax.lax.bitcast_convert_type(jnp.maximum(e - e_max[:, None] + 127, 1) << 23, jnp.float32)
-        # per scale group: its 16 bytes -> 32 E5M2 keys in channel order (split before the decode: half the data)
-        b_parts = jnp.split(kb, groups, axis=1) if groups > 1 else [kb]
-        s_parts = jnp.split(rel, groups, axis=1) if groups > 1 else [rel]
-        logits = 0.0
-        for g, (bg, sg) in enumerate(zip(b_parts, s_parts)):
-            kg = jax.lax.bitcast_convert_type(_fp8_keys(bg, variant == "fp8-asm"), jnp.float8_e5m2)  # [TN, 32]
-            qg = jax.lax.bitcast_convert_type(q_ref[b, :, pl.ds(g * KEY_SCALE_BLOCK, KEY_SCALE_BLOCK)], jnp.float8_e5m2)
-            dot = jax.lax.dot_general(kg, qg, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            logits = logits + dot * sg  # [TN, Hp] * [TN, 1]
+        return jnp.sum(jnp.maximum(logits, 0.0) * w[None, :], axis=1) * decode.e8m0_f32(e_max)
+    # per scale group: its 16 bytes (split before the decode: half the data of a split after it)
+    b_parts = jnp.split(kb, groups, axis=1) if groups > 1 else [kb]
+    e_parts = [x.reshape(-1) for x in jnp.split(e, groups, axis=1)] if groups > 1 else [e.reshape(-1)]
+    return _fp8_scores(b_parts, e_parts, q_ref, b, w, asm)
+
+
+def _fp8_scores(b_parts, e_parts, q_ref, b, w, asm: bool) -> jax.Array:
+    """`_tile_scores` of the fp8 variants from per-group pieces: bytes uint8 [TN, 16] and exponents int32
+    [TN] of each 32-channel scale group."""
+    e_max = functools.reduce(jnp.maximum, e_parts)
+    logits = 0.0
+    for g, (bg, eg) in enumerate(zip(b_parts, e_parts)):
+        rel = jax.lax.bitcast_convert_type(jnp.maximum(eg - e_max + 127, 1) << 23, jnp.float32)  # 2**(e_g - e_max)
+        kg = jax.lax.bitcast_convert_type(_fp8_keys(bg, asm), jnp.float8_e5m2)  # [TN, 32] in channel order
+        qg = jax.lax.bitcast_convert_type(q_ref[b, :, pl.ds(g * KEY_SCALE_BLOCK, KEY_SCALE_BLOCK)], jnp.float8_e5m2)
+        dot = jax.lax.dot_general(kg, qg, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        logits = logits + dot * rel[:, None]  # [TN, Hp]
     return jnp.sum(jnp.maximum(logits, 0.0) * w[None, :], axis=1) * decode.e8m0_f32(e_max)
 
 
@@ -143,14 +152,22 @@ def _decoded_keys(kb, rel, groups: int) -> jax.Array:
 
 
 def _kernel(reach_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *bmax_refs, n: int, tn: int, groups: int,
-            block: int | None, variant: str):
+            block: int | None, variant: str, asm: bool):
     b, t = pl.program_id(0), pl.program_id(1)
     n0 = t * tn
     rows = n0 + jnp.arange(tn)
     in_range = rows < n
-    kb = plt.load(kv_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=0)  # [TN, D/2]
-    e = plt.load(ks_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=127).astype(jnp.int32)
-    s = _tile_scores(kb, e, qt_ref, b, w_ref[b, :], groups, variant)
+    if variant == "fp8-asm-gl":  # one load per scale group: no split of the loaded tile
+        half = KEY_SCALE_BLOCK // 2
+        b_parts = [plt.load(kv_ref.at[b, pl.ds(n0, tn), pl.ds(g * half, half)], mask=in_range[:, None], other=0)
+                   for g in range(groups)]
+        e_parts = [plt.load(ks_ref.at[b, pl.ds(n0, tn), pl.ds(g, 1)], mask=in_range[:, None], other=127)
+                   .astype(jnp.int32).reshape(tn) for g in range(groups)]
+        s = _fp8_scores(b_parts, e_parts, qt_ref, b, w_ref[b, :], asm)
+    else:
+        kb = plt.load(kv_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=0)  # [TN, D/2]
+        e = plt.load(ks_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=127).astype(jnp.int32)
+        s = _tile_scores(kb, e, qt_ref, b, w_ref[b, :], groups, variant, asm)
     s = jnp.where(rows < reach_ref[b], s, -jnp.inf)
     plt.store(s_ref.at[b, pl.ds(n0, tn)], s, mask=in_range)
     if block is not None:
@@ -161,7 +178,7 @@ def _kernel(reach_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *bmax_refs, n: int,
 
 
 def _pool_kernel(reach_ref, blocks_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *, n: int, n_blocks: int, block: int,
-                 per_program: int, groups: int, variant: str):
+                 per_program: int, groups: int, variant: str, asm: bool):
     b, t = pl.program_id(0), pl.program_id(1)
     tn = per_program * block
     slot = t * per_program + jnp.arange(per_program)
@@ -170,15 +187,10 @@ def _pool_kernel(reach_ref, blocks_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *,
     ok = jnp.broadcast_to(bid[:, None] >= 0, (per_program, block)).reshape(tn) & (pos < n)
     rows = jnp.where(ok, pos, 0)  # a gather of whole blocks of consecutive rows
     s = _tile_scores(kv_ref[b, rows, :], ks_ref[b, rows, :].astype(jnp.int32), qt_ref, b, w_ref[b, :], groups,
-                     variant)
+                     variant, asm)
     s = jnp.where(ok & (pos < reach_ref[b]), s, -jnp.inf)
     out = t * tn + jnp.arange(tn)
     plt.store(s_ref.at[b, pl.ds(t * tn, tn)], s, mask=out < n_blocks * block)
-
-
-def _compiled(variant: str, interpret: bool) -> str:
-    """The variant the kernel body runs: PTX cannot run interpreted, where "fp8-asm" is "fp8" (same bits)."""
-    return "fp8" if interpret and variant == "fp8-asm" else variant
 
 
 def _check_keys(d: int, key_values: jax.Array, key_scales: jax.Array, variant: str) -> None:
@@ -220,7 +232,8 @@ def indexer_scores(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key
     if block is not None:
         out_shape.append(jax.ShapeDtypeStruct((b, -(-n // block)), jnp.float32))
     kernel = functools.partial(_kernel, n=n, tn=tn, groups=d // KEY_SCALE_BLOCK, block=block,
-                               variant=_compiled(variant, interpret))
+                               variant=variant,
+                               asm=variant.startswith("fp8-asm") and not interpret)
     outs = pl.pallas_call(
         kernel, grid=(b, pl.cdiv(n, tn)), out_shape=out_shape, interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -250,7 +263,8 @@ def indexer_scores_pool(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array
     qt, wn = _query(q_bhd, w_bh, variant)
     per_program = block_n // block
     kernel = functools.partial(_pool_kernel, n=n, n_blocks=k, block=block, per_program=per_program,
-                               groups=d // KEY_SCALE_BLOCK, variant=_compiled(variant, interpret))
+                               groups=d // KEY_SCALE_BLOCK, variant=variant,
+                               asm=variant.startswith("fp8-asm") and not interpret)
     return pl.pallas_call(
         kernel, grid=(b, pl.cdiv(k, per_program)), out_shape=jax.ShapeDtypeStruct((b, k * block), jnp.float32),
         interpret=interpret, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
