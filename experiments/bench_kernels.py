@@ -98,7 +98,7 @@ def l2_flush(buf, x):
     )(buf, x)
 
 
-PALLAS_NAMES = ("indexer_scores", "sparse_attention")  # kernel names (pallas_call name=) counted as "pallas_us"
+PALLAS_NAMES = ("indexer_scores", "sparse_attention", "scan_")  # kernel names (pallas_call name=) in "pallas_us"
 
 
 def time_hbm(fn, args, perturb: int, reps: int = 20) -> tuple[float, dict]:
