@@ -190,11 +190,13 @@ def _logits_kernel(q_ref, qs_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_r
     hp, d = q_ref.shape[1], q_ref.shape[2]
     window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k, fast)
 
+    q_chunks = [q_ref[b, :, pl.ds(c0, dc)] for c0 in range(0, d, dc)]  # loaded once, not once per key tile
+
     def emit(tile_fn, t, slot):
         logits = jnp.zeros((hp, tk), jnp.float32)
-        for c0 in range(0, d, dc):
-            ok, kv = tile_fn(t, c0, dc)
-            logits += jnp.dot(q_ref[b, :, pl.ds(c0, dc)], kv.T, preferred_element_type=jnp.float32)
+        for i, qc in enumerate(q_chunks):
+            ok, kv = tile_fn(t, i * dc, dc)
+            logits += jnp.dot(qc, kv.T, preferred_element_type=jnp.float32)
         logits = jnp.where(ok[None, :], logits * qs[:, None], -jnp.inf)
         m = jnp.maximum(jnp.max(logits, axis=1), M_FLOOR)
         p = jnp.exp(logits - m[:, None])
