@@ -13,6 +13,7 @@ How it maps to the hardware:
 - q is scaled by one power of two per head to fit float16 (relative error 2**-11), the power of two
   goes back in with the softmax scale; p is rounded to float16 for the second dot (2**-11). So the
   output agrees with the float32 reference to ~1e-3 relative (tests use 5e-3).
+
 Two ways to split the work (`variant`), so that no program holds a [64 heads x 512] f32 accumulator
 (128 KB: more than Triton keeps in registers; the one-program form spilled and ran at 7% of the copy
 rate):
