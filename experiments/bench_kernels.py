@@ -274,7 +274,8 @@ def bench_pool(rec_rows: Rows, key, args):
     q, w, rec = index_data(key, b, ctx)
     blocks = pool_data(jax.random.fold_in(key, 1), b, ctx)
     scan = lambda q, w, v, s, bl, r: gpu_indexer.indexer_scores_pool(q, w, v, s, bl, r, block=BLOCK,
-                                                                      block_n=args.block_n, num_warps=args.warps, **KW)
+                                                                      block_n=args.block_n, num_warps=args.warps,
+                                                                      variant=args.scan_variant, **KW)
     ref_scan = lambda q, w, v, s, bl, r: ops.indexer_scores_pool_decode(q, w, {"values": v, "scales": s}, bl, BLOCK,
                                                                          r, quant.INDEX_KEY)
     args_ = (q, w, rec["values"], rec["scales"], blocks, reach)
@@ -284,7 +285,7 @@ def bench_pool(rec_rows: Rows, key, args):
     same_inf = bool(jnp.array_equal(fin, jnp.isfinite(scores)))
     pool_rows = b * N_BLOCKS * BLOCK  # score slots written; keys are read for the non-empty blocks only
     moved = int(jnp.sum(blocks >= 0)) * BLOCK * (D_IDX // 2 + D_IDX // 32) + pool_rows * 4 + nbytes(blocks, q, w)
-    full = next((r for r in rec_rows.rows if r["piece"] == "indexer" and r["impl"] == "pallas"), {})
+    full = next((r for r in rec_rows.rows if r["piece"] == "indexer" and r["impl"].startswith("pallas")), {})
     t = time_op(scan, args_)
     rec_rows.add("pool-scan", "pallas", t, moved, max_rel_err=err, same_inf=same_inf,
                  frac_of_full_scan=t / full["us"] * 1e6 if full else None)
