@@ -6,11 +6,14 @@ Per (context, batch): the indexer scan over `context` compressed positions (a ra
 largest), the selection (top-512 positions + top-2048 candidate blocks of 8 from the scan's block
 maxima), a Reindex layer's pool scan (only the 2048 x 8 pool positions of that context, gathered by
 block) with its top-512, and the sparse attention (64 heads x 512, 512 selected entries + 128-entry
-window). Every timing is the median over several runs of a jitted loop that calls the op many times
-on random data (an input is perturbed by the loop counter so nothing is hoisted); bytes are counted
-from the arrays before timing. Peak bandwidth is a device copy measured in the same run. Dense
-reference: `jax.nn.dot_product_attention` (cuDNN) over the uncompressed context, 64 heads x 128 dims
-MQA, bf16.
+window). Bytes are counted from the arrays before timing. Peak bandwidth is a device copy measured in
+the same run. Dense reference: `jax.nn.dot_product_attention` (cuDNN) over the uncompressed context,
+64 heads x 128 dims MQA, bf16.
+
+Scan and attention are timed from HBM (`time_hbm`): before every call a Pallas kernel rewrites a
+256 MB buffer (over 4x the H200's L2), so no input is left in L2, and the time is the GPU time of the
+call's own kernels in a profiler trace (the flush excluded). Selection and pool rows use `time_op`,
+the median wall time per call of a jitted loop of calls (inputs may stay in L2 there).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import functools
 import gc
 import json
 import statistics
+import tempfile
 import time
 
 import jax
@@ -69,6 +73,73 @@ def time_op(fn, args, perturb: int = 0, runs: int = 5, budget_s: float = 0.4):
         jax.block_until_ready(f(iters, *args))
         times.append((time.perf_counter() - t0) / iters)
     return statistics.median(times)
+
+
+FLUSH_BYTES = 256 * 2**20  # > 4x the H200's 60 MB L2
+_FLUSH_BLOCK = 8192  # uint32 per flush program
+
+
+def _flush_kernel(buf_ref, x_ref, buf_out, x_out):
+    buf_out[...] = buf_ref[...] ^ jnp.uint32(1)
+    x_out[...] = x_ref[...]
+
+
+def l2_flush(buf, x):
+    """(buf ^ 1, x): rewrites the uint32 buffer (evicting the L2) and passes the small array x through,
+    so that a call that reads x runs after the flush. One Pallas kernel named l2_flush; x's dims must be
+    powers of two (Triton blocks)."""
+    full = lambda i: (0,) * x.ndim
+    chunk = pl.BlockSpec((_FLUSH_BLOCK,), lambda i: (i,))
+    return pl.pallas_call(
+        _flush_kernel, grid=(buf.shape[0] // _FLUSH_BLOCK,), in_specs=[chunk, pl.BlockSpec(x.shape, full)],
+        out_specs=[chunk, pl.BlockSpec(x.shape, full)],
+        out_shape=[jax.ShapeDtypeStruct(buf.shape, buf.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype)],
+        input_output_aliases={0: 0}, compiler_params=plt.CompilerParams(num_warps=4), name="l2_flush", **KW,
+    )(buf, x)
+
+
+PALLAS_NAMES = ("indexer_scores", "sparse_attention", "scan_")  # kernel names (pallas_call name=) in "pallas_us"
+
+
+def time_hbm(fn, args, perturb: int, reps: int = 20) -> tuple[float, dict]:
+    """(GPU seconds per call of fn(*args), details) with the L2 flushed before every call.
+
+    A jitted loop of `reps` x (l2_flush, fn), fn's args[perturb] passed through the flush (pick a small
+    array with power-of-two dims); from a profiler trace: all GPU time except the flush's (the call's
+    kernels: the Pallas kernels and XLA's small ones around them), per call. details: us of the kernels
+    named in PALLAS_NAMES and kernels per call. With --smoke (CPU),
+    wall time per call of the same loop.
+    """
+    from experiments.bench_decode import kernel_profile  # imported here: bench_decode imports this module
+
+    out_struct = jax.eval_shape(fn, *args)
+
+    def loop(buf, *a):
+        def body(i, carry):
+            buf, x, _ = carry
+            buf, x = l2_flush(buf, x)
+            return buf, x, fn(*a[:perturb], x, *a[perturb + 1:])
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_struct)
+        return jax.lax.fori_loop(0, reps, body, (buf, a[perturb], zeros))
+
+    f = jax.jit(loop, donate_argnums=0)
+    buf = jnp.zeros((FLUSH_BYTES // 4 if not KW else _FLUSH_BLOCK,), jnp.uint32)
+    buf = jax.block_until_ready(f(buf, *args))[0]  # compile + warm-up
+    if KW:  # smoke run on CPU: no GPU trace
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(buf, *args))
+        return (time.perf_counter() - t0) / reps, {}
+    state = {"buf": buf}
+
+    def run():
+        state["buf"] = jax.block_until_ready(f(state["buf"], *args))[0]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = kernel_profile(run, tmp, reps, top=1000)[1:]
+    mine = [r for r in rows if not r["name"].startswith("l2_flush")]
+    us = sum(r["us_per_step"] for r in mine)
+    pallas = sum(r["us_per_step"] for r in mine if r["name"].startswith(PALLAS_NAMES))
+    return us * 1e-6, {"pallas_us": round(pallas, 2), "kernels": round(sum(r["calls_per_step"] for r in mine), 1)}
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:
@@ -143,18 +214,19 @@ def bench_scan_and_select(rec_rows: Rows, key, args):
     reach = jnp.full((b,), ctx, jnp.int32)
     q, w, rec = index_data(key, b, ctx)
     scan = lambda q, w, v, s, r: gpu_indexer.indexer_scores(q, w, v, s, r, block=BLOCK, block_n=args.block_n,
-                                                             num_warps=args.warps, **KW)
+                                                             num_warps=args.warps, variant=args.scan_variant, **KW)
     scan_args = (q, w, rec["values"], rec["scales"], reach)
     scores, bmax = scan(*scan_args)
     moved = nbytes(rec) + b * ctx * 4 + b * (ctx // BLOCK) * 4 + nbytes(q, w)
-    t_scan = rec_rows.add("indexer", "pallas", time_op(scan, scan_args), moved)
+    t, info = time_hbm(scan, scan_args, perturb=1)
+    t_scan = rec_rows.add("indexer", f"pallas {args.scan_variant}", t, moved, **info)
     if b * ctx * (D_IDX * 4 + H_IDX * 4) < args.ref_limit_gb * 1e9:
         ref_fn = lambda q, w, v, s, r: ops.indexer_scores_decode(q, w, {"values": v, "scales": s}, r,
                                                                  quant.INDEX_KEY)
         ref = ref_fn(*scan_args)
         err = float(jnp.max(jnp.abs(ref - scores)) / jnp.max(jnp.abs(ref)))
         del ref
-        t_ref = time_op(ref_fn, scan_args)
+        t_ref = time_hbm(ref_fn, scan_args, perturb=1)[0]
         rec_rows.add("indexer", "xla-ref", t_ref, moved, speedup=t_ref / t_scan, max_rel_err=err)
     else:
         rec_rows.note("indexer", "xla-ref", skipped=f"jnp temporaries over {args.ref_limit_gb} GB")
@@ -202,7 +274,8 @@ def bench_pool(rec_rows: Rows, key, args):
     q, w, rec = index_data(key, b, ctx)
     blocks = pool_data(jax.random.fold_in(key, 1), b, ctx)
     scan = lambda q, w, v, s, bl, r: gpu_indexer.indexer_scores_pool(q, w, v, s, bl, r, block=BLOCK,
-                                                                      block_n=args.block_n, num_warps=args.warps, **KW)
+                                                                      block_n=args.block_n, num_warps=args.warps,
+                                                                      variant=args.scan_variant, **KW)
     ref_scan = lambda q, w, v, s, bl, r: ops.indexer_scores_pool_decode(q, w, {"values": v, "scales": s}, bl, BLOCK,
                                                                          r, quant.INDEX_KEY)
     args_ = (q, w, rec["values"], rec["scales"], blocks, reach)
@@ -212,7 +285,7 @@ def bench_pool(rec_rows: Rows, key, args):
     same_inf = bool(jnp.array_equal(fin, jnp.isfinite(scores)))
     pool_rows = b * N_BLOCKS * BLOCK  # score slots written; keys are read for the non-empty blocks only
     moved = int(jnp.sum(blocks >= 0)) * BLOCK * (D_IDX // 2 + D_IDX // 32) + pool_rows * 4 + nbytes(blocks, q, w)
-    full = next((r for r in rec_rows.rows if r["piece"] == "indexer" and r["impl"] == "pallas"), {})
+    full = next((r for r in rec_rows.rows if r["piece"] == "indexer" and r["impl"].startswith("pallas")), {})
     t = time_op(scan, args_)
     rec_rows.add("pool-scan", "pallas", t, moved, max_rel_err=err, same_inf=same_inf,
                  frac_of_full_scan=t / full["us"] * 1e6 if full else None)
@@ -237,14 +310,12 @@ def bench_attention(rec_rows: Rows, key, args):
     scale = D_ATT ** -0.5
     rows_read = {"values": entries["values"][:, :TOPK], "scales": entries["scales"][:, :TOPK]}
     moved = nbytes(q, window, wvalid, rows_read, idx) + b * H_ATT * D_ATT * 4
-    splits = args.splits or max(1, min(8, -(-132 // b)))
+    splits = args.splits or gpu_attention.default_splits(b)
 
-    def attn_fn(two_pass):
-        def attn(q, wv, ws, ok, ev, es, idx, sink):
-            return gpu_attention.sparse_attention(q, wv, ws, ok, ev, es, idx, sink, scale, splits=splits,
-                                                  block_k=args.block_k, num_warps=args.att_warps,
-                                                  two_pass=two_pass, **KW)
-        return attn
+    def attn(q, wv, ws, ok, ev, es, idx, sink):
+        return gpu_attention.sparse_attention(q, wv, ws, ok, ev, es, idx, sink, scale, variant=args.att_variant,
+                                              splits=splits, block_k=args.block_k, head_block=args.head_block,
+                                              channel_block=args.channel_block, num_warps=args.att_warps, **KW)
 
     def attn_ref(q, wv, ws, ok, ev, es, idx, sink):
         return ops.sparse_attention_decode(q, {"values": wv, "scales": ws}, ok, quant.WINDOW_KV,
@@ -252,16 +323,11 @@ def bench_attention(rec_rows: Rows, key, args):
 
     a_args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
     ref = attn_ref(*a_args)
-    t_att = None
-    for two_pass in (False, True):  # both kernels; the faster one is "pallas" in the summary
-        attn = attn_fn(two_pass)
-        err = float(jnp.linalg.norm(attn(*a_args) - ref) / jnp.linalg.norm(ref))
-        t = time_op(attn, a_args)
-        name = f"pallas{'-2pass' if two_pass else '-1pass'} (splits={splits})"
-        rec_rows.add("attention", name, t, moved, rel_err=err)
-        t_att = t if t_att is None else min(t_att, t)
+    err = float(jnp.linalg.norm(attn(*a_args) - ref) / jnp.linalg.norm(ref))
     del ref
-    t_ref = time_op(attn_ref, a_args)
+    t_att, info = time_hbm(attn, a_args, perturb=7)
+    rec_rows.add("attention", f"pallas {args.att_variant} (splits={splits})", t_att, moved, rel_err=err, **info)
+    t_ref = time_hbm(attn_ref, a_args, perturb=7)[0]
     rec_rows.add("attention", "xla-ref", t_ref, moved, speedup=t_ref / t_att)
     del a_args, q, window, entries
     gc.collect()
@@ -393,6 +459,10 @@ def main(argv=None):
     p.add_argument("--block-k", type=int, default=32)
     p.add_argument("--att-warps", type=int, default=8)
     p.add_argument("--splits", type=int, default=0, help="attention splits (0: fill the GPU)")
+    p.add_argument("--scan-variant", default="f16", choices=gpu_indexer.VARIANTS)
+    p.add_argument("--att-variant", default="flash", choices=("flash", "split"))
+    p.add_argument("--head-block", type=int, default=None, help="flash attention: heads per program")
+    p.add_argument("--channel-block", type=int, default=128, help="split attention: channels per p.v program")
     p.add_argument("--ref-limit-gb", type=float, default=40.0, help="skip the jnp indexer above this temp size")
     p.add_argument("--dense-limit-gb", type=float, default=40.0)
     p.add_argument("--only", default="indexer,select,pool,attention", type=pieces,

@@ -13,9 +13,22 @@ How it maps to the hardware:
 - q is scaled by one power of two per head to fit float16 (relative error 2**-11), the power of two
   goes back in with the softmax scale; p is rounded to float16 for the second dot (2**-11). So the
   output agrees with the float32 reference to ~1e-3 relative (tests use 5e-3).
-- Flash-decoding: the key list (window tiles, then entry tiles) is cut into `splits` contiguous
-  ranges, one program each, combined outside with their (max, sum) and the sink. With one split the
-  program finishes the softmax itself.
+
+Two ways to split the work (`variant`), so that no program holds a [64 heads x 512] f32 accumulator
+(128 KB: more than Triton keeps in registers; the one-program form spilled and ran at 7% of the copy
+rate):
+- "flash": flash-decoding. The key list (window tiles, then entry tiles) is cut into `splits`
+  contiguous ranges and the heads into blocks of `head_block`, one program per (sequence, range, head
+  block), each with an [head_block, D] accumulator; ranges are combined outside with their (max, sum)
+  and the sink. With one split the program finishes the softmax itself. Every head block decodes the
+  same keys again (from L2).
+- "split": two kernels. `_logits_kernel` decodes each key tile once over all channels and writes
+  p = exp(logit - tile max) as float16 [Hp, TK] with the tile's max and sum; a tiny XLA step turns the
+  tile maxima into one weight per (tile, head) (softmax normalization and sink included); then
+  `_pv_kernel` runs one program per (sequence, `channel_block` slice, key range) with an
+  [Hp, channel_block] accumulator, decoding only its channel slice of each key. Keys are decoded
+  twice in all (not once per head block), at the cost of writing and reading p (2 bytes per head
+  and key).
 """
 
 from __future__ import annotations
@@ -47,34 +60,104 @@ def prepare_query(q_bhd: jax.Array, scale: float, min_heads: int = 16):
     return jnp.pad(q16, (*pad, (0, 0))), jnp.pad(jnp.exp2(e) * scale, pad)
 
 
-def _window_tile(wv_ref, ws_ref, b, t0, tk, c0=0, dc=None):
+def _window_tile(wv_ref, ws_ref, b, t0, tk, c0=0, dc=None, fast=False):
     """Window rows t0..t0+tk, channels c0..c0+dc, decoded to float16 [tk, dc]."""
     dc = dc or wv_ref.shape[-1]
     raw = wv_ref[b, pl.ds(t0, tk), pl.ds(c0, dc)]
     sc = decode.e8m0_f32(ws_ref[b, pl.ds(t0, tk), pl.ds(c0 // WINDOW_SCALE_BLOCK, dc // WINDOW_SCALE_BLOCK)])
+    if fast:  # E4M3 * 2**-8 as float16 bits, times 2**(E + 8) in float16
+        mult = jnp.broadcast_to((sc * 2.0 ** 8).astype(jnp.float16)[:, :, None], (tk, dc // WINDOW_SCALE_BLOCK,
+                                                                                 WINDOW_SCALE_BLOCK))
+        return _asm_f16(_WINDOW_ASM, raw, mult.reshape(tk, dc))
     v = decode.e4m3_f32(raw).reshape(tk, dc // WINDOW_SCALE_BLOCK, WINDOW_SCALE_BLOCK) * sc[:, :, None]
     return v.reshape(tk, dc).astype(jnp.float16)
 
 
-def _entry_tile(ev_ref, es_ref, rows, tk, c0=0, dc=None):
+def _entry_tile(ev_ref, es_ref, rows, tk, c0=0, dc=None, fast=False):
     """Gathered entry rows (b, r[tk]), channels c0..c0+dc, decoded to float16 [tk, dc]."""
     dc = dc or ev_ref.shape[-1] * 2
     b, r = rows
-    lo, hi = decode.nibbles(ev_ref[b, r, pl.ds(c0 // 2, dc // 2)])
-    codes = jnp.stack([lo, hi], axis=-1).reshape(tk, dc)  # low nibble = even channel
+    raw = ev_ref[b, r, pl.ds(c0 // 2, dc // 2)]
     sc = decode.e4m3_f32(es_ref[b, r, pl.ds(c0 // ENTRY_SCALE_BLOCK, dc // ENTRY_SCALE_BLOCK)])
+    if fast:  # E2M1 * 2**-14 as float16 bits, times 2**14, times the E4M3 scale (both exact in float16)
+        half = ENTRY_SCALE_BLOCK // 2
+        mult = jnp.broadcast_to(sc.astype(jnp.float16)[:, :, None], (tk, dc // ENTRY_SCALE_BLOCK, half))
+        mult = mult.reshape(tk, dc // 2)
+        lo, hi = (_asm_f16(_ENTRY_ASM[nib], raw, mult) for nib in ("low", "high"))
+        return jnp.stack([lo, hi], axis=-1).reshape(tk, dc)
+    lo, hi = decode.nibbles(raw)
+    codes = jnp.stack([lo, hi], axis=-1).reshape(tk, dc)  # low nibble = even channel
     v = decode.fp4_as_f16(codes).astype(jnp.float32).reshape(tk, dc // ENTRY_SCALE_BLOCK, ENTRY_SCALE_BLOCK)
     return (v * (sc * decode.FP4_F16_SHIFT)[:, :, None]).reshape(tk, dc).astype(jnp.float16)
 
 
-def _kernel(q_ref, qs_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, *out_refs,
-            tk: int, n_wt: int, n_et: int, k: int, per_split: int, final: bool):
-    b, s = pl.program_id(0), pl.program_id(1)
-    q = q_ref[b]
-    qs = qs_ref[b]
-    hp, d = q.shape
+# -- the decode in PTX (fast=True; compiled only: interpret mode cannot run PTX, the f32 forms above are
+# its twins and the GPU tests compare both against the jnp reference). Four bytes ($2) are spread into
+# 16-bit lanes (prmt), their bits moved to where they make a float16 (an E2M1 code c as sign << 15 |
+# mag << 9 is E2M1(c) * 2**-14; an E4M3 byte as sign << 15 | rest << 7 is E4M3 * 2**-8, subnormals
+# included), and packed float16x2 multiplies apply the scale ($3, $4): four values in ~12 instructions
+# where Triton's per-element integer/f32 code takes ~10 per value. Exact: every product is a float16
+# with at most 5 significant bits inside the normal range (window values while |x| < 65504, as above).
+_SPREAD = "prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "  # bytes 0, 1 / 2, 3 -> 16-bit lanes
 
-    def update(kv, ok, carry):
+
+def _lanes(out, t, mult, shift_m, mask_m, shift_s, pre=""):
+    return (f"shl.b32 a, {t}, {shift_m}; and.b32 a, a, {mask_m}; shl.b32 s, {t}, {shift_s}; "
+            f"and.b32 s, s, 0x80008000; or.b32 a, a, s; {pre}mul.rn.f16x2 {out}, a, {mult}; ")
+
+
+def _f16_asm(shift_m, mask_m, shift_s, pre=""):
+    return ("{ .reg .b32 t0, t1, a, s, k; mov.b32 k, 0x74007400; " + _SPREAD
+            + _lanes("$0", "t0", "$3", shift_m, mask_m, shift_s, pre)
+            + _lanes("$1", "t1", "$4", shift_m, mask_m, shift_s, pre) + "}")
+
+
+_TIMES_2_14 = "mul.rn.f16x2 a, a, k; "  # k = float16x2 2**14: E2M1 * 2**-14 -> E2M1 (exact)
+_ENTRY_ASM = {"low": _f16_asm(9, "0x0E000E00", 12, _TIMES_2_14),  # E2M1 in bits 0..3
+              "high": _f16_asm(5, "0x0E000E00", 8, _TIMES_2_14)}  # in bits 4..7
+_WINDOW_ASM = _f16_asm(7, "0x3F803F80", 8)  # E4M3: bits 0..6 -> 7..13, sign 7 -> 15
+
+
+def _asm_f16(asm: str, raw_u8, mult_f16):
+    """float16 [shape of raw]: `asm` on the bytes raw uint8 with per-element multipliers float16."""
+    out = [jax.ShapeDtypeStruct(raw_u8.shape, jnp.float16)]
+    return plt.elementwise_inline_asm(asm, args=[raw_u8, mult_f16], constraints="=r,=r,r,r,r", pack=4,
+                                      result_shape_dtypes=out)[0]
+
+
+def _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk: int, n_wt: int, n_et: int, k: int,
+               fast: bool):
+    """(window, entry): for key tile t of sequence b, fn(t, c0, dc) -> (valid bool [tk], float16 [tk, dc]
+    of channels c0..c0+dc). Window tiles are t in [0, n_wt), entry tiles t in [0, n_et) (gathered by idx);
+    fast: the PTX decode."""
+    def window(t, c0, dc):
+        return wok_ref[b, pl.ds(t * tk, tk)] != 0, _window_tile(wv_ref, ws_ref, b, t * tk, tk, c0, dc, fast)
+
+    def entry(t, c0, dc):
+        pos = t * tk + jnp.arange(tk)
+        ids = plt.load(idx_ref.at[b, pl.ds(t * tk, tk)], mask=pos < k, other=-1)
+        return ids >= 0, _entry_tile(ev_ref, es_ref, (b, jnp.maximum(ids, 0)), tk, c0, dc, fast)
+
+    return window, entry
+
+
+def _over_tiles(first, last, n_wt: int, n_et: int, window_fn, entry_fn, carry):
+    """Runs fn(t, carry) over the key tiles [first, last) of the list (window tiles, then entry tiles)."""
+    carry = jax.lax.fori_loop(jnp.minimum(first, n_wt), jnp.minimum(last, n_wt), window_fn, carry)
+    return jax.lax.fori_loop(jnp.clip(first - n_wt, 0, n_et), jnp.clip(last - n_wt, 0, n_et), entry_fn, carry)
+
+
+def _flash_kernel(q_ref, qs_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, *out_refs,
+                  tk: int, n_wt: int, n_et: int, k: int, per_split: int, hb: int, final: bool, fast: bool):
+    b, s, hblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    heads = pl.ds(hblk * hb, hb)
+    q = q_ref[b, heads, :]
+    qs = qs_ref[b, heads]
+    d = q.shape[1]
+    window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k, fast)
+
+    def update(tile, carry):
+        ok, kv = tile
         m, l, acc = carry
         logits = jnp.dot(q, kv.T, preferred_element_type=jnp.float32) * qs[:, None]
         logits = jnp.where(ok[None, :], logits, -jnp.inf)
@@ -84,102 +167,75 @@ def _kernel(q_ref, qs_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, id
         acc = acc * alpha[:, None] + jnp.dot(p.astype(jnp.float16), kv, preferred_element_type=jnp.float32)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
-    def window_body(t, carry):
-        ok = wok_ref[b, pl.ds(t * tk, tk)] != 0
-        return update(_window_tile(wv_ref, ws_ref, b, t * tk, tk), ok, carry)
-
-    def entry_body(t, carry):
-        pos = t * tk + jnp.arange(tk)
-        ids = plt.load(idx_ref.at[b, pl.ds(t * tk, tk)], mask=pos < k, other=-1)
-        ok = ids >= 0
-        return update(_entry_tile(ev_ref, es_ref, (b, jnp.maximum(ids, 0)), tk), ok, carry)
-
-    first, last = s * per_split, (s + 1) * per_split
-    carry = (jnp.full((hp,), M_FLOOR, jnp.float32), jnp.zeros((hp,), jnp.float32),
-             jnp.zeros((hp, d), jnp.float32))
-    carry = jax.lax.fori_loop(jnp.minimum(first, n_wt), jnp.minimum(last, n_wt), window_body, carry)
-    carry = jax.lax.fori_loop(jnp.clip(first - n_wt, 0, n_et), jnp.clip(last - n_wt, 0, n_et), entry_body,
-                              carry)
-    m, l, acc = carry
+    carry = (jnp.full((hb,), M_FLOOR, jnp.float32), jnp.zeros((hb,), jnp.float32), jnp.zeros((hb, d), jnp.float32))
+    m, l, acc = _over_tiles(s * per_split, (s + 1) * per_split, n_wt, n_et,
+                            lambda t, c: update(window(t, 0, d), c), lambda t, c: update(entry(t, 0, d), c), carry)
     if final:
-        sink = sink_ref[...]
+        sink = sink_ref[heads]
         m_all = jnp.maximum(m, sink)
         c = jnp.exp(m - m_all)
-        out_refs[0][b] = acc * (c / (l * c + jnp.exp(sink - m_all)))[:, None]
+        out_refs[0][b, heads, :] = acc * (c / (l * c + jnp.exp(sink - m_all)))[:, None]
     else:
         o_ref, m_ref, l_ref = out_refs
-        o_ref[b, s] = acc
-        m_ref[b, s] = m
-        l_ref[b, s] = l
+        o_ref[b, s, heads, :] = acc
+        m_ref[b, s, heads] = m
+        l_ref[b, s, heads] = l
 
 
-def _kernel_two_pass(q_ref, qs_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, *out_refs,
-                     tk: int, n_wt: int, n_et: int, k: int, per_split: int, final: bool, dc: int):
-    """Same result as `_kernel` with [H, dc] accumulators instead of [H, D]: pass 1 computes the
-    logits of the split's keys (channel chunks of q against channel chunks of the keys) into a
-    scratch output and the running max / sum; pass 2 accumulates p.v one channel chunk at a time,
-    decoding the keys again (from L2). Trades a second decode for far fewer live registers."""
-    logit_ref, o_refs = out_refs[-1], out_refs[:-1]
+def _logits_kernel(q_ref, qs_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, p_ref, m_ref, l_ref, *,
+                   tk: int, n_wt: int, n_et: int, k: int, per_split: int, dc: int, fast: bool):
+    """Program (b, s): for each key tile t of range s, p = exp(logit - m_t) float16 [Hp, tk] into
+    p_ref[b, :, t * tk:], the tile max m_t and the sum of its p (f32 [Hp]) into m_ref / l_ref[b, t]."""
     b, s = pl.program_id(0), pl.program_id(1)
     qs = qs_ref[b]
     hp, d = q_ref.shape[1], q_ref.shape[2]
-    chunks = range(0, d, dc)
-    first, last = s * per_split, (s + 1) * per_split
-    wt = (jnp.minimum(first, n_wt), jnp.minimum(last, n_wt))
-    et = (jnp.clip(first - n_wt, 0, n_et), jnp.clip(last - n_wt, 0, n_et))
+    window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k, fast)
 
-    def entry_rows(t):
-        pos = t * tk + jnp.arange(tk)
-        ids = plt.load(idx_ref.at[b, pl.ds(t * tk, tk)], mask=pos < k, other=-1)
-        return ids >= 0, (b, jnp.maximum(ids, 0))
+    q_chunks = [q_ref[b, :, pl.ds(c0, dc)] for c0 in range(0, d, dc)]  # loaded once, not once per key tile
 
-    def logits_pass(tile, slot, ok, carry):
-        m, l = carry
+    def emit(tile_fn, t, slot):
         logits = jnp.zeros((hp, tk), jnp.float32)
-        for c0 in chunks:
-            logits += jnp.dot(q_ref[b, :, pl.ds(c0, dc)], tile(c0).T, preferred_element_type=jnp.float32)
+        for i, qc in enumerate(q_chunks):
+            ok, kv = tile_fn(t, i * dc, dc)
+            logits += jnp.dot(qc, kv.T, preferred_element_type=jnp.float32)
         logits = jnp.where(ok[None, :], logits * qs[:, None], -jnp.inf)
-        logit_ref[b, s, :, pl.ds(slot * tk, tk)] = logits
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-        return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits - m_new[:, None]), axis=1)
+        m = jnp.maximum(jnp.max(logits, axis=1), M_FLOOR)
+        p = jnp.exp(logits - m[:, None])
+        p_ref[b, :, pl.ds(slot * tk, tk)] = p.astype(jnp.float16)
+        m_ref[b, slot, :] = m
+        l_ref[b, slot, :] = jnp.sum(p, axis=1)
+        return 0
 
-    def w1(t, carry):
-        ok = wok_ref[b, pl.ds(t * tk, tk)] != 0
-        return logits_pass(lambda c0: _window_tile(wv_ref, ws_ref, b, t * tk, tk, c0, dc), t - first, ok, carry)
+    _over_tiles(s * per_split, (s + 1) * per_split, n_wt, n_et, lambda t, c: emit(window, t, t),
+                lambda t, c: emit(entry, t, t + n_wt), 0)
 
-    def e1(t, carry):
-        ok, rows = entry_rows(t)
-        return logits_pass(lambda c0: _entry_tile(ev_ref, es_ref, rows, tk, c0, dc), t + n_wt - first, ok, carry)
 
-    carry = (jnp.full((hp,), M_FLOOR, jnp.float32), jnp.zeros((hp,), jnp.float32))
-    carry = jax.lax.fori_loop(*wt, w1, carry)
-    m, l = jax.lax.fori_loop(*et, e1, carry)
-    if not final:
-        o_refs[1][b, s] = m
-        o_refs[2][b, s] = l
-    else:
-        sink = sink_ref[...]
-        m_all = jnp.maximum(m, sink)
-        c = jnp.exp(m - m_all)
-        norm = c / (l * c + jnp.exp(sink - m_all))
+def _pv_kernel(p_ref, wt_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, o_ref, *, tk: int, n_wt: int,
+               n_et: int, k: int, per_split: int, dc: int, fast: bool):
+    """Program (b, c, s): o[b, s, :, c * dc:] = sum over the key tiles t of range s of
+    (p_t * weight_t) @ keys_t[:, channel slice c] (weights from `_tile_weights`)."""
+    b, c, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    c0 = c * dc
+    hp = p_ref.shape[1]
+    window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k, fast)
 
-    for c0 in chunks:
-        def pv(tile, slot, acc):
-            p = jnp.exp(logit_ref[b, s, :, pl.ds(slot * tk, tk)] - m[:, None]).astype(jnp.float16)
-            return acc + jnp.dot(p, tile, preferred_element_type=jnp.float32)
+    def accumulate(tile_fn, t, slot, acc):
+        _, kv = tile_fn(t, c0, dc)
+        p = p_ref[b, :, pl.ds(slot * tk, tk)].astype(jnp.float32) * wt_ref[b, slot, :][:, None]
+        return acc + jnp.dot(p.astype(jnp.float16), kv, preferred_element_type=jnp.float32)
 
-        def w2(t, acc, c0=c0):
-            return pv(_window_tile(wv_ref, ws_ref, b, t * tk, tk, c0, dc), t - first, acc)
+    acc = _over_tiles(s * per_split, (s + 1) * per_split, n_wt, n_et,
+                      lambda t, a: accumulate(window, t, t, a), lambda t, a: accumulate(entry, t, t + n_wt, a),
+                      jnp.zeros((hp, dc), jnp.float32))
+    o_ref[b, s, :, pl.ds(c0, dc)] = acc
 
-        def e2(t, acc, c0=c0):
-            return pv(_entry_tile(ev_ref, es_ref, entry_rows(t)[1], tk, c0, dc), t + n_wt - first, acc)
 
-        acc = jax.lax.fori_loop(*wt, w2, jnp.zeros((hp, dc), jnp.float32))
-        acc = jax.lax.fori_loop(*et, e2, acc)
-        if final:
-            o_refs[0][b, :, pl.ds(c0, dc)] = acc * norm[:, None]
-        else:
-            o_refs[0][b, s, :, pl.ds(c0, dc)] = acc
+def _tile_weights(m_btk: jax.Array, l_btk: jax.Array, sink_h: jax.Array) -> jax.Array:
+    """f32 [B, T, Hp]: exp(m_t - m) / (sum_t l_t exp(m_t - m) + exp(sink - m)), m the max over tiles and sink."""
+    m_all = jnp.maximum(jnp.max(m_btk, axis=1), sink_h[None, :])
+    c = jnp.exp(m_btk - m_all[:, None, :])
+    den = jnp.sum(l_btk * c, axis=1) + jnp.exp(sink_h[None, :] - m_all)
+    return c / den[:, None, :]
 
 
 def combine(acc_bshd: jax.Array, m_bsh: jax.Array, l_bsh: jax.Array, sink_h: jax.Array) -> jax.Array:
@@ -190,14 +246,25 @@ def combine(acc_bshd: jax.Array, m_bsh: jax.Array, l_bsh: jax.Array, sink_h: jax
     return jnp.sum(acc_bshd * c[..., None], axis=1) / den[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "num_warps", "num_stages",
-                                             "two_pass", "interpret"))
+def default_splits(b: int, programs: int = 132) -> int:
+    """Key ranges per sequence for about `programs` programs in all (an H200 has 132 SMs), at most 8."""
+    return max(1, min(8, -(-programs // b)))
+
+
+_STATIC = ("scale", "variant", "splits", "block_k", "head_block", "channel_block", "num_warps", "num_stages",
+           "fast_decode", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
-                     sink_h, scale: float, *, splits: int = 1, block_k: int = 32, num_warps: int = 8,
-                     num_stages: int = 2, two_pass: bool = False, interpret: bool = False):
+                     sink_h, scale: float, *, variant: str = "flash", splits: int = 1, block_k: int = 32,
+                     head_block: int | None = None, channel_block: int = 128, num_warps: int = 8,
+                     num_stages: int = 2, fast_decode: bool = True, interpret: bool = False):
     """f32 [B, H, D]. Window records [B, W, D] + [B, W, D/32]; entries [B, N, D/2] + [B, N, D/16].
 
-    `two_pass` selects `_kernel_two_pass` (channel-chunked accumulators) over the one-pass kernel."""
+    variant "flash": `splits` key ranges x heads in blocks of `head_block` (default all); "split": the
+    logits kernel over `splits` key ranges, then p.v over channel slices of `channel_block` x `splits`
+    key ranges (module doc). fast_decode: the PTX decode (compiled runs only; interpreted, the f32 one)."""
     b, h, d = q_bhd.shape
     w, k = window_values.shape[1], idx_bk.shape[1]
     tk = block_k
@@ -206,11 +273,36 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
     if entry_values.shape[-1] * 2 != d or window_values.shape[-1] != d:
         raise ValueError(f"records do not match head_dim {d}: window {window_values.shape}, "
                          f"entries {entry_values.shape}")
+    if variant not in ("flash", "split"):
+        raise ValueError(f"attention variant must be 'flash' or 'split', got {variant!r}")
     q16, qs = prepare_query(q_bhd, scale)
     hp = q16.shape[1]
+    hb = head_block or hp
+    dc = min(channel_block, d)
+    if hp % hb or hb % 16 or d % dc or dc % WINDOW_SCALE_BLOCK:
+        raise ValueError(f"head_block {hb} must be a multiple of 16 dividing the padded heads {hp}, and "
+                         f"channel_block {dc} a multiple of {WINDOW_SCALE_BLOCK} dividing head_dim {d}")
     sink = jnp.pad(sink_h.astype(jnp.float32), (0, hp - h))
     n_wt, n_et = w // tk, -(-k // tk)
     per_split = -(-(n_wt + n_et) // splits)
+    keys = (window_values, window_scales, window_valid.astype(jnp.int8), entry_values, entry_scales,
+            idx_bk.astype(jnp.int32))
+    tiles = dict(tk=tk, n_wt=n_wt, n_et=n_et, k=k, per_split=per_split, fast=fast_decode and not interpret)
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    if variant == "split":
+        n_t = n_wt + n_et
+        p, m, l = pl.pallas_call(
+            functools.partial(_logits_kernel, dc=dc, **tiles), grid=(b, splits), interpret=interpret,
+            out_shape=[jax.ShapeDtypeStruct((b, hp, n_t * tk), jnp.float16),
+                       jax.ShapeDtypeStruct((b, n_t, hp), jnp.float32), jax.ShapeDtypeStruct((b, n_t, hp), jnp.float32)],
+            compiler_params=params, name="sparse_attention_logits",
+        )(q16, qs, *keys)
+        out = pl.pallas_call(
+            functools.partial(_pv_kernel, dc=dc, **tiles), grid=(b, d // dc, splits), interpret=interpret,
+            out_shape=jax.ShapeDtypeStruct((b, splits, hp, d), jnp.float32), compiler_params=params,
+            name="sparse_attention_pv",
+        )(p, _tile_weights(m, l, sink), *keys)
+        return jnp.sum(out, axis=1)[:, :h]
     final = splits == 1
     if final:
         out_shape = [jax.ShapeDtypeStruct((b, hp, d), jnp.float32)]
@@ -218,17 +310,9 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
         out_shape = [jax.ShapeDtypeStruct((b, splits, hp, d), jnp.float32),
                      jax.ShapeDtypeStruct((b, splits, hp), jnp.float32),
                      jax.ShapeDtypeStruct((b, splits, hp), jnp.float32)]
-    args = dict(tk=tk, n_wt=n_wt, n_et=n_et, k=k, per_split=per_split, final=final)
-    if two_pass:
-        kernel = functools.partial(_kernel_two_pass, dc=min(d, 128), **args)
-        out_shape.append(jax.ShapeDtypeStruct((b, splits, hp, per_split * tk), jnp.float32))  # logits scratch
-    else:
-        kernel = functools.partial(_kernel, **args)
     outs = pl.pallas_call(
-        kernel, grid=(b, splits), out_shape=out_shape, interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name="sparse_attention",
-    )(q16, qs, sink, window_values, window_scales, window_valid.astype(jnp.int8), entry_values, entry_scales,
-      idx_bk.astype(jnp.int32))
-    out = outs[0] if final else combine(*outs[:3], sink)
+        functools.partial(_flash_kernel, hb=hb, final=final, **tiles), grid=(b, splits, hp // hb),
+        out_shape=out_shape, interpret=interpret, compiler_params=params, name="sparse_attention",
+    )(q16, qs, sink, *keys)
+    out = outs[0] if final else combine(*outs, sink)
     return out[:, :h]

@@ -3,10 +3,14 @@
 Checked in interpret mode only (no TPU here); not tuned on hardware.
 
 Layout choices for the TPU: one grid step scores a tile of TN positions of one sequence from VMEM
-blocks (the pipeline streams the key bytes from HBM once). Keys are decoded with f32 arithmetic
-(`decode.fp4_f32_arith`, no f16/fp8 on older TPUs) and scaled per 32-channel group; FP4 x 2**e is
-exact in bf16, so the MXU runs bf16 x bf16 -> f32 on exact operands (q is on the FP4 grid too). As on
-GPU the key bytes are not interleaved: even/odd channels of q meet the low/high nibbles. Scores are
+blocks (the pipeline streams the key bytes from HBM once). The MXU takes int8 x int8 -> int32 (v5e and
+later), so the FP4 decode is integer only and no value is scaled before the dot: a key nibble becomes
+2 * E2M1, an integer in [-12, 12] (`_fp4_times2`, five int ops), and q (on the FP4 grid: the model
+fake-quantizes it) becomes integers |q / s_q| < 64 with one power of two s_q per (head, 32-channel
+group), exact for FP4-grid values (7 significant bits otherwise). Per group the int32 dot is exact; its
+f32 value times the key's 2**(e - 127) / 2 and the query's s_q is exact too, so only the f32 sum over
+the groups rounds, as in the reference. As on GPU the key bytes are not interleaved: even/odd channels
+of q meet the low/high nibbles. Scores are
 written lane-dense as [B, 1, N]; the reachable counts arrive by scalar prefetch. The pool scan
 (`indexer_scores_pool`) runs the same tile body on rows it gathers from HBM by DMA, block by block.
 """
@@ -25,26 +29,34 @@ from kernels_pallas import decode
 KEY_SCALE_BLOCK = 32
 
 
-def _tile_scores(kv_ref, ks_ref, qe_ref, qo_ref, w_ref) -> jax.Array:
+def _fp4_times2(code_i32: jax.Array) -> jax.Array:
+    """E2M1 codes (int32 0..15) -> int32 2 * E2M1 in [-12, 12]: magnitudes 0..7 -> 0, 1, 2, 3, 4, 6, 8, 12."""
+    mag = code_i32 & 0x7
+    v = mag + jnp.maximum(mag - 4, 0) + 2 * jnp.maximum(mag - 6, 0)
+    return jnp.where((code_i32 & 0x8) != 0, -v, v)
+
+
+def _tile_scores(kv_ref, ks_ref, qe_ref, qo_ref, hs_ref) -> jax.Array:
     """Scores f32 [1, TN] (lane-dense) of the TN key rows in VMEM, before any masking: packed FP4 bytes
-    kv_ref uint8 [TN, D/2], E8M0 exponents ks_ref uint8 [TN, D/32]; q's even / odd channels qe_ref,
-    qo_ref bf16 [D/2, Hp]; head weights w_ref f32 [1, Hp]."""
+    kv_ref uint8 [TN, D/2], E8M0 exponents ks_ref uint8 [TN, D/32]; q's even / odd channels as integers
+    qe_ref, qo_ref int8 [D/2, Hp]; per-head scalars hs_ref f32 [1 + D/32, Hp] (`_query_operands`)."""
     half = KEY_SCALE_BLOCK // 2
-    acc = jnp.zeros((kv_ref.shape[0], w_ref.shape[-1]), jnp.float32)
+    acc = jnp.zeros((kv_ref.shape[0], hs_ref.shape[-1]), jnp.float32)
     for g in range(ks_ref.shape[-1]):
         lo, hi = decode.nibbles(kv_ref[:, g * half:(g + 1) * half])
-        sc = decode.e8m0_f32(ks_ref[:, g:g + 1])  # [TN, 1]
-        klo = (decode.fp4_f32_arith(lo) * sc).astype(jnp.bfloat16)
-        khi = (decode.fp4_f32_arith(hi) * sc).astype(jnp.bfloat16)
-        acc += jnp.dot(klo, qe_ref[g * half:(g + 1) * half, :], preferred_element_type=jnp.float32)
-        acc += jnp.dot(khi, qo_ref[g * half:(g + 1) * half, :], preferred_element_type=jnp.float32)
-    return jnp.sum(jnp.maximum(acc, 0.0) * w_ref[...], axis=1)[None, :]
+        dot = jnp.dot(_fp4_times2(lo).astype(jnp.int8), qe_ref[g * half:(g + 1) * half, :],
+                      preferred_element_type=jnp.int32)
+        dot += jnp.dot(_fp4_times2(hi).astype(jnp.int8), qo_ref[g * half:(g + 1) * half, :],
+                       preferred_element_type=jnp.int32)
+        sk = decode.e8m0_f32(ks_ref[:, g:g + 1]) * 0.5  # [TN, 1]: the key's scale over the 2 in 2 * E2M1
+        acc += dot.astype(jnp.float32) * sk * hs_ref[1 + g:2 + g, :]
+    return jnp.sum(jnp.maximum(acc, 0.0) * hs_ref[0:1, :], axis=1)[None, :]
 
 
-def _kernel(reach_ref, qe_ref, qo_ref, w_ref, kv_ref, ks_ref, s_ref, *bmax_refs, n: int, tn: int,
+def _kernel(reach_ref, qe_ref, qo_ref, hs_ref, kv_ref, ks_ref, s_ref, *bmax_refs, n: int, tn: int,
             block: int | None):
     b, t = pl.program_id(0), pl.program_id(1)
-    s = _tile_scores(kv_ref, ks_ref, qe_ref, qo_ref, w_ref)
+    s = _tile_scores(kv_ref, ks_ref, qe_ref, qo_ref, hs_ref)
     pos = t * tn + jax.lax.broadcasted_iota(jnp.int32, (1, tn), 1)
     s = jnp.where(pos < reach_ref[b], s, -jnp.inf)
     s_ref[...] = s
@@ -54,7 +66,7 @@ def _kernel(reach_ref, qe_ref, qo_ref, w_ref, kv_ref, ks_ref, s_ref, *bmax_refs,
         bmax_refs[0][...] = jnp.max(s.reshape(tn // block, block), axis=1)[None, :]
 
 
-def _pool_kernel(reach_ref, blocks_smem, pos_ref, qe_ref, qo_ref, w_ref, kv_hbm, ks_hbm, s_ref, kv_buf, ks_buf,
+def _pool_kernel(reach_ref, blocks_smem, pos_ref, qe_ref, qo_ref, hs_ref, kv_hbm, ks_hbm, s_ref, kv_buf, ks_buf,
                  sem, *, n: int, block: int, per_program: int):
     b, t = pl.program_id(0), pl.program_id(1)
 
@@ -86,7 +98,7 @@ def _pool_kernel(reach_ref, blocks_smem, pos_ref, qe_ref, qo_ref, w_ref, kv_hbm,
 
     each_block(lambda cp: cp.start())
     each_block(lambda cp: cp.wait())
-    s = _tile_scores(kv_buf, ks_buf, qe_ref, qo_ref, w_ref)
+    s = _tile_scores(kv_buf, ks_buf, qe_ref, qo_ref, hs_ref)
     pos = pos_ref[...]  # [1, TN] absolute positions, negative in empty blocks
     s_ref[...] = jnp.where((pos >= 0) & (pos < jnp.minimum(reach_ref[b], n)), s, -jnp.inf)
 
@@ -97,12 +109,22 @@ def _check_keys(d: int, key_values) -> None:
 
 
 def _query_operands(q_bhd, w_bh):
-    """(q even channels, q odd channels) bf16 [B, D/2, Hp] and w f32 [B, 1, Hp], heads padded to 128 lanes."""
-    b, h, _ = q_bhd.shape
+    """(q even channels, q odd channels) int8 [B, D/2, Hp] of q / s_q, and per-head scalars f32
+    [B, 1 + D/32, Hp]: the head weights, then s_q of each 32-channel group; heads padded to 128 lanes.
+
+    s_q = 2**(e - 6) for the group's max |q| = f * 2**e, f in [0.5, 1): |q / s_q| < 64, and for FP4-grid q
+    (each a multiple of half its group's scale, which is >= max / 6) an integer (module doc)."""
+    b, h, d = q_bhd.shape
     hp = -(-h // 128) * 128  # heads on the lanes of the MXU result
-    q = jnp.pad(q_bhd.astype(jnp.float32), ((0, 0), (0, hp - h), (0, 0))).astype(jnp.bfloat16)
+    q = jnp.pad(q_bhd.astype(jnp.float32), ((0, 0), (0, hp - h), (0, 0)))
+    g = q.reshape(b, hp, d // KEY_SCALE_BLOCK, KEY_SCALE_BLOCK)
+    amax = jnp.max(jnp.abs(g), axis=-1)
+    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))
+    sq = jnp.exp2(e.astype(jnp.float32) - 6)  # [B, Hp, G]
+    qi = jnp.round(g / sq[..., None]).astype(jnp.int8).reshape(b, hp, d)
     w = jnp.pad(w_bh.astype(jnp.float32), ((0, 0), (0, hp - h)))[:, None, :]
-    return jnp.swapaxes(q[:, :, 0::2], 1, 2), jnp.swapaxes(q[:, :, 1::2], 1, 2), w
+    hs = jnp.concatenate([w, jnp.swapaxes(sq, 1, 2)], axis=1)
+    return jnp.swapaxes(qi[:, :, 0::2], 1, 2), jnp.swapaxes(qi[:, :, 1::2], 1, 2), hs
 
 
 @functools.partial(jax.jit, static_argnames=("block", "block_n", "interpret"))
@@ -115,12 +137,12 @@ def indexer_scores(q_bhd, w_bh, key_values, key_scales, reachable_b, *, block: i
     tn = block_n
     if block is not None and (tn // block) % 128 and tn // block != -(-n // block):
         raise ValueError(f"block_n {tn} / block {block} must be a multiple of 128 lanes")
-    qe, qo, w = _query_operands(q_bhd, w_bh)
-    hp = w.shape[-1]
+    qe, qo, hs = _query_operands(q_bhd, w_bh)
+    hp = qe.shape[-1]
     nt = pl.cdiv(n, tn)
     in_specs = [pl.BlockSpec((None, d // 2, hp), lambda i, j, r: (i, 0, 0)),
                 pl.BlockSpec((None, d // 2, hp), lambda i, j, r: (i, 0, 0)),
-                pl.BlockSpec((None, 1, hp), lambda i, j, r: (i, 0, 0)),
+                pl.BlockSpec((None, 1 + d // KEY_SCALE_BLOCK, hp), lambda i, j, r: (i, 0, 0)),
                 pl.BlockSpec((None, tn, d // 2), lambda i, j, r: (i, j, 0)),
                 pl.BlockSpec((None, tn, d // KEY_SCALE_BLOCK), lambda i, j, r: (i, j, 0))]
     out_specs = [pl.BlockSpec((None, 1, tn), lambda i, j, r: (i, 0, j))]
@@ -136,7 +158,7 @@ def indexer_scores(q_bhd, w_bh, key_values, key_scales, reachable_b, *, block: i
         out_shape=out_shape, interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         name="indexer_scores_tpu",
-    )(reachable_b.astype(jnp.int32), qe, qo, w, key_values, key_scales)
+    )(reachable_b.astype(jnp.int32), qe, qo, hs, key_values, key_scales)
     outs = [o[:, 0] for o in outs]
     return outs[0] if block is None else tuple(outs)
 
@@ -163,8 +185,8 @@ def indexer_scores_pool(q_bhd, w_bh, key_values, key_scales, blocks_bk, reachabl
     blocks = jnp.pad(blocks_bk.astype(jnp.int32), ((0, 0), (0, nt * per_program - k)), constant_values=-1)
     pos = blocks[:, :, None] * block + jnp.arange(block, dtype=jnp.int32)
     pos = jnp.where(blocks[:, :, None] >= 0, pos, -1).reshape(b, 1, nt * tn)
-    qe, qo, w = _query_operands(q_bhd, w_bh)
-    hp = w.shape[-1]
+    qe, qo, hs = _query_operands(q_bhd, w_bh)
+    hp = qe.shape[-1]
     per_seq = lambda *shape: pl.BlockSpec((None, *shape), lambda i, j, *_: (i,) + (0,) * len(shape))
     hbm = pl.BlockSpec(memory_space=pltpu.MemorySpace.HBM)
     out = pl.pallas_call(
@@ -172,7 +194,7 @@ def indexer_scores_pool(q_bhd, w_bh, key_values, key_scales, blocks_bk, reachabl
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(b, nt),
             in_specs=[pl.BlockSpec((None, 1, tn), lambda i, j, *_: (i, 0, j)),
-                      per_seq(d // 2, hp), per_seq(d // 2, hp), per_seq(1, hp), hbm, hbm],
+                      per_seq(d // 2, hp), per_seq(d // 2, hp), per_seq(1 + d // KEY_SCALE_BLOCK, hp), hbm, hbm],
             out_specs=pl.BlockSpec((None, 1, tn), lambda i, j, *_: (i, 0, j)),
             scratch_shapes=[pltpu.VMEM((tn, d // 2), jnp.uint8), pltpu.VMEM((tn, d // KEY_SCALE_BLOCK), jnp.uint8),
                             pltpu.SemaphoreType.DMA((2,))]),
@@ -180,5 +202,5 @@ def indexer_scores_pool(q_bhd, w_bh, key_values, key_scales, blocks_bk, reachabl
         interpret=pltpu.InterpretParams() if interpret else False,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         name="indexer_scores_pool_tpu",
-    )(reachable_b.astype(jnp.int32), blocks, pos, qe, qo, w, key_values, key_scales)
+    )(reachable_b.astype(jnp.int32), blocks, pos, qe, qo, hs, key_values, key_scales)
     return out[:, 0, :k * block]

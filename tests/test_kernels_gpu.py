@@ -6,7 +6,7 @@ batches of unequal lengths, ties, -inf rows and signed zeros. Tolerances:
   the f32 summation order differs, so |err| <= 1e-5 * max|score|.
 - selection: exact equality (same top set, same tie order, same -1 padding).
 - attention: float16 tensor-core operands (q rounded to 2**-11 after a per-head power of two, p to
-  2**-11; keys exact), so <= 5e-3 relative (norm per sequence); measured ~4e-4.
+  2**-11, twice in the split variant; keys exact), so <= 5e-3 relative (norm per sequence); measured ~4e-4.
 """
 
 from __future__ import annotations
@@ -18,33 +18,54 @@ import numpy as np
 import pytest
 
 from dsv41_jax import ops, quant
-from kernels_pallas import gpu_attention, gpu_indexer, gpu_select
+from kernels_pallas import decode, gpu_attention, gpu_indexer, gpu_select
 from tests.kernel_checks import assert_scan_matches, check_pool_scan, index_case
 
 INTERPRET = jax.default_backend() == "cpu"
 
 
+@pytest.mark.parametrize("variant", gpu_indexer.VARIANTS)
 @pytest.mark.parametrize("b,h,d,n,reach,block", [
     (3, 4, 32, 37, [37, 5, 0], 4),  # tiny-config heads/dims, N not a multiple of the tile, empty row
     (2, 32, 128, 1000, [1000, 517], 8),  # released heads/dims, unequal lengths
     (1, 16, 128, 1, [1], None),  # one entry
 ])
-def test_indexer_scores(b, h, d, n, reach, block):
+def test_indexer_scores(b, h, d, n, reach, block, variant):
     q, w, rec = index_case(n + h, b, h, d, n)
     reach = jnp.array(reach, jnp.int32)
     ref = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
     out = gpu_indexer.indexer_scores(q, w, rec["values"], rec["scales"], reach, block=block, block_n=64,
-                                     interpret=INTERPRET)
+                                     variant=variant, interpret=INTERPRET)
     assert_scan_matches(out, ref, n, block)
 
 
+@pytest.mark.parametrize("variant", gpu_indexer.VARIANTS)
 @pytest.mark.parametrize("b,h,d,n,reach,block,n_blocks,block_n", [
     (4, 4, 32, 37, [37, 13, 1, 0], 4, 3, 8),  # tiny config: partial last block, one-entry and empty rows
     (2, 32, 128, 1001, [1001, 517], 8, 40, 256),  # released heads and block; N % 8 != 0; partial program
 ])
-def test_indexer_scores_pool(b, h, d, n, reach, block, n_blocks, block_n):
-    scan = functools.partial(gpu_indexer.indexer_scores_pool, block=block, block_n=block_n, interpret=INTERPRET)
+def test_indexer_scores_pool(b, h, d, n, reach, block, n_blocks, block_n, variant):
+    scan = functools.partial(gpu_indexer.indexer_scores_pool, block=block, block_n=block_n, variant=variant,
+                             interpret=INTERPRET)
     check_pool_scan(scan, b, h, d, n, reach, block, n_blocks)
+
+
+def test_fp8_key_bits_are_e2m1_exactly():
+    """Every packed byte's two nibbles, moved into E5M2 bits, are their E2M1 values times 2**-14."""
+    kb = jnp.arange(256, dtype=jnp.uint8)[None, :]
+    got = jax.lax.bitcast_convert_type(gpu_indexer._fp8_keys(kb, asm=False), jnp.float8_e5m2).astype(jnp.float32)
+    lo, hi = decode.nibbles(kb)
+    want = jnp.stack([decode.fp4_f32(lo), decode.fp4_f32(hi)], axis=-1).reshape(1, 512) * 2.0 ** -14
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fp8_query_is_exact_on_the_fp4_grid():
+    """FP4-grid queries (group exponents 20 binades apart) survive the E5M2 query exactly."""
+    q = quant.fake_quant(quant.INDEX_KEY, jax.random.normal(jax.random.key(0), (2, 4, 128))
+                         * jnp.exp2(-5.0 * jnp.arange(4)).repeat(32))
+    q8, wn = gpu_indexer.prepare_query_fp8(q, jnp.ones((2, 4)))
+    back = jax.lax.bitcast_convert_type(q8, jnp.float8_e5m2).astype(jnp.float32)[:, :4]
+    np.testing.assert_array_equal(back * (wn[:, :4, None] * 2.0 ** -14), q)
 
 
 def _rows(name, rng):
@@ -119,19 +140,26 @@ def _attention_case(seed, b, h, d, w, n, k):
     return q, window, valid, entries, idx, sink
 
 
-@pytest.mark.parametrize("b,h,d,w,n,k,splits,block_k,two_pass", [
-    (3, 4, 64, 16, 37, 8, 1, 16, False),  # tiny config
-    (3, 4, 64, 16, 37, 8, 3, 16, True),
-    (2, 64, 512, 128, 300, 512, 4, 64, False),  # released shapes
-    (3, 64, 512, 128, 300, 512, 1, 32, True),
+@pytest.mark.parametrize("b,h,d,w,n,k,variant,splits,block_k,head_block,fast", [
+    (3, 4, 64, 16, 37, 8, "flash", 1, 16, None, True),  # tiny config
+    (3, 4, 64, 16, 37, 8, "split", 3, 16, None, True),
+    (2, 64, 512, 128, 300, 512, "flash", 4, 64, None, True),  # released shapes
+    (2, 64, 512, 128, 300, 512, "flash", 4, 64, None, False),  # the f32 decode (interpreted: the same run)
+    (3, 64, 512, 128, 300, 512, "flash", 1, 32, 16, True),  # head blocks
+    (2, 64, 512, 128, 300, 512, "flash", 3, 32, 32, True),
+    (3, 64, 512, 128, 300, 512, "split", 1, 32, None, True),
+    (2, 64, 512, 128, 300, 500, "split", 4, 64, None, True),  # K not a multiple of the key tile
 ])
-def test_sparse_attention(b, h, d, w, n, k, splits, block_k, two_pass):
+def test_sparse_attention(b, h, d, w, n, k, variant, splits, block_k, head_block, fast):
+    if INTERPRET and not fast:
+        pytest.skip("interpreted, the f32 decode is what every case runs")
     q, window, valid, entries, idx, sink = _attention_case(d + splits, b, h, d, w, n, k)
     scale = d ** -0.5
     ref = ops.sparse_attention_decode(q, window, valid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, scale)
     out = gpu_attention.sparse_attention(q, window["values"], window["scales"], valid, entries["values"],
-                                         entries["scales"], idx, sink, scale, splits=splits, block_k=block_k,
-                                         two_pass=two_pass, interpret=INTERPRET)
+                                         entries["scales"], idx, sink, scale, variant=variant, splits=splits,
+                                         block_k=block_k, head_block=head_block, fast_decode=fast,
+                                         interpret=INTERPRET)
     np.testing.assert_array_equal(out[0], 0.0)
     for i in range(1, b):
         err = float(jnp.linalg.norm(out[i] - ref[i]) / jnp.linalg.norm(ref[i]))
