@@ -259,12 +259,13 @@ _STATIC = ("scale", "variant", "splits", "block_k", "head_block", "channel_block
 def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                      sink_h, scale: float, *, variant: str = "flash", splits: int = 1, block_k: int = 32,
                      head_block: int | None = None, channel_block: int = 128, num_warps: int = 8,
-                     num_stages: int = 2, fast_decode: bool = True, interpret: bool = False):
+                     num_stages: int = 2, fast_decode: bool = False, interpret: bool = False):
     """f32 [B, H, D]. Window records [B, W, D] + [B, W, D/32]; entries [B, N, D/2] + [B, N, D/16].
 
     variant "flash": `splits` key ranges x heads in blocks of `head_block` (default all); "split": the
     logits kernel over `splits` key ranges, then p.v over channel slices of `channel_block` x `splits`
-    key ranges (module doc). fast_decode: the PTX decode (compiled runs only; interpreted, the f32 one)."""
+    key ranges (module doc). fast_decode: the PTX decode (compiled runs only; interpreted, the f32 one). Off by default until
+    it has been compiled and checked on a GPU (written and emulated on CPU only: docs/BENCHMARKS.md)."""
     b, h, d = q_bhd.shape
     w, k = window_values.shape[1], idx_bk.shape[1]
     tk = block_k
