@@ -13,7 +13,8 @@ before. With them it goes through `dsv41_jax.serving.Engine`: fixed decode slots
 prefix reuse from the host pool and the on-disk page store, per-request metrics in the JSON.
 Random-weight presets produce random text: this measures the machinery, not quality.
 
-`--speculative dspark` (static batch only) decodes the same prompt a second time with DSpark speculative
+`--speculative dspark` with --engine runs the engine's decode as DSpark draft-verify steps (per-request
+`acceptance_length` in the JSON). Without --engine it decodes the same prompt a second time with DSpark speculative
 decoding (dsv41_jax.dspark: draft a block, verify it with one target forward, commit the accepted prefix)
 and reports acceptance length (tokens per verify step), draft and verify time per step and tokens/s,
 next to the plain decode's tokens/s from the same run, and whether the tokens agree (they must at
@@ -140,8 +141,8 @@ def parse_args(argv=None):
         ap.error("--mesh is not supported with the serving engine yet; drop --engine/--cache-dir")
     if args.image and (args.batch > 1 or args.mesh):
         ap.error("--image runs one sequence on one device: drop --batch / --mesh (several requests: --engine)")
-    if args.speculative and (args.engine or args.mesh):
-        ap.error("--speculative runs on the static batch path: drop --engine/--cache-dir/--mesh")
+    if args.speculative and args.mesh:
+        ap.error("--speculative runs on one device: drop --mesh")
     if args.run and args.checkpoint:
         ap.error("give --run or --checkpoint, not both")
     return args
@@ -270,7 +271,8 @@ def main(argv=None) -> dict:
                              "--run trained with experiments.train_small --dspark")
     if args.engine:
         chunk = args.prefill_chunk
-        capacity = cache_capacity(args, cfg, longest, -(-(longest + args.max_new_tokens) // chunk) * chunk)
+        spare = cfg.dspark_block_size if args.speculative else 0  # a verify appends a whole block
+        capacity = cache_capacity(args, cfg, longest, -(-(longest + args.max_new_tokens + spare) // chunk) * chunk)
         ecfg = engine_config(args, cfg, capacity, len(prompts) * args.batch)
         if args.cache_dir:
             _cli.writable_dir(args.cache_dir, "--cache-dir")
@@ -509,7 +511,7 @@ def engine_config(args, cfg, capacity: int, n_requests: int):
                         host_pool_bytes=int(args.host_pool_gb * 2**30) if args.host_pool_gb else None,
                         host_ttl_s=args.host_ttl_s, prefix_reuse=not args.no_prefix_reuse,
                         replay=not args.no_replay, bounded_prefill=not args.no_bounded_prefill,
-                        kernels=args.kernels)
+                        kernels=args.kernels, speculative=args.speculative)
     try:
         plan_slots(cfg, ecfg)
     except ValueError as e:

@@ -29,6 +29,14 @@ prompt's last token, so the state at P is a reusable prefix:
   or by bounded replay: the protocol is `PrefixCache`'s (serving/prefix_cache.py), the engine runs the
   model work it asks for.
 
+Speculative decoding (`EngineConfig.speculative="dspark"`, a model with DSpark stages): each compiled
+decode call runs `decode_chunk` draft-verify steps (`api.speculative_generate`) instead of plain steps,
+emitting 1 to dspark_block_size + 1 tokens per step; at temperature 0 the tokens are exactly the plain
+engine's. Each slot has its draft rings beside its cache row; a prompt's tail after its last page
+boundary is prefilled with `api.speculative_prefill`, which fills them, and the decode keeps them
+filled (the rings of a slot start from that tail, so the first drafts after a long prompt see fewer
+tokens than `experiments.decode --speculative` gives them). Text prompts only.
+
 Images (`Request.images`, each a `dsv41_jax.images.PreparedImage`; the prompt holds one
 `image_token_id` placeholder per image): the prompt is expanded to its image spans, each image is
 encoded once per request, and every chunk (replay included) gets the rows of the spans that reach it,
@@ -85,6 +93,11 @@ def plan_slots(cfg: ModelConfig, ecfg: EngineConfig) -> int:
         raise ValueError(f"need capacity >= 2 and prefill_chunk >= 1, got {ecfg.capacity}, {ecfg.prefill_chunk}")
     if ecfg.capacity > cfg.max_seq_len:
         raise ValueError(f"capacity={ecfg.capacity} exceeds the model's max_seq_len={cfg.max_seq_len}")
+    if ecfg.speculative not in (None, "dspark"):
+        raise ValueError(f"speculative must be None or 'dspark', got {ecfg.speculative!r}")
+    if ecfg.speculative and not cfg.has_dspark:
+        raise ValueError("speculative='dspark' needs a model with DSpark draft stages (n_mtp_layers and "
+                         "dspark_block_size > 0); this config has none")
     return ecfg.slots or slots_for_budget(cfg, ecfg.capacity, ecfg.hbm_budget_bytes or 1 << 30)
 
 
@@ -106,6 +119,7 @@ class EngineConfig:
     weights_revision: str | None = None  # None: a digest of the parameter bytes
     kernels: str = "jnp"
     decode_chunk: int = 8  # decode steps per compiled call (api.generate); requests join between calls
+    speculative: str | None = None  # "dspark": draft-verify decode steps (module docstring)
     progress: bool = True  # chunk bars and "compiling ..." notices on stderr
 
 
@@ -148,6 +162,8 @@ class Engine:
         self.cfg, self.params, self.ecfg = cfg, params, ecfg
         self.n_slots = plan_slots(cfg, ecfg)
         self.cache = init_cache(cfg, self.n_slots, ecfg.capacity)
+        self.window = api.init_draft_window(cfg, self.n_slots) if ecfg.speculative else None
+        self._window_row = None  # speculative: the draft rings the last prefill filled (batch 1)
         self._empty_row = rows.to_host(rows.take_row(self.cache, 0))
         self.encoder_depth = encoder_depth(build_plan(cfg))
         # the tiers below HBM (None: no cache_dir, no prefix reuse)
@@ -180,9 +196,14 @@ class Engine:
             p, spans = expand_prompt(p, list(req.images), self.cfg)
         if not isinstance(req.max_new_tokens, (int, np.integer)) or req.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {req.max_new_tokens!r}")
-        if p.size + req.max_new_tokens > self.ecfg.capacity:
-            raise ValueError(f"request too long: {p.size} prompt + {req.max_new_tokens} new tokens exceeds the slot "
-                             f"capacity of {self.ecfg.capacity}; shorten it or run the engine with a larger capacity")
+        if self.ecfg.speculative and spans:
+            raise ValueError("speculative decoding takes text prompts only; run an engine without speculative "
+                             "for requests with images")
+        spare = self.cfg.dspark_block_size if self.ecfg.speculative else 0  # a verify appends a whole block
+        if p.size + req.max_new_tokens + spare > self.ecfg.capacity:
+            raise ValueError(f"request too long: {p.size} prompt + {req.max_new_tokens} new tokens"
+                             f"{f' + {spare} for a speculative block' if spare else ''} exceeds the slot capacity of "
+                             f"{self.ecfg.capacity}; shorten it or run the engine with a larger capacity")
         t = req.temperature
         if not isinstance(t, (int, float, np.floating)) or not np.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
@@ -258,6 +279,9 @@ class Engine:
             tok[s], budget[s] = lv.res.tokens[-1], lv.req.max_new_tokens - len(lv.res.tokens)
             temp[s], seed[s], count[s] = lv.req.temperature, lv.req.seed, len(lv.res.tokens)
             stops[s, :len(lv.req.stop_tokens)] = lv.req.stop_tokens
+        if self.ecfg.speculative:
+            self._speculative_chunk(tok, temp, seed, count, budget, stops)
+            return
         with compiling(("decode", self.cfg, b, n, stops.shape[1], self.ecfg.capacity, self.ecfg.kernels),
                        f"decode [B={b}, capacity={self.ecfg.capacity}, {n} steps per call]", self.ecfg.progress):
             toks, emitted, self.cache = api.generate(self.cfg, self.params, self.cache, tok, n, temperature_b=temp,
@@ -267,6 +291,26 @@ class Engine:
         for s in list(self.live):
             for t in toks[s][emitted[s]]:  # the device stopped each sequence where _emit finishes it
                 self._emit(s, int(t))
+
+    def _speculative_chunk(self, tok, temp, seed, count, budget, stops) -> None:
+        """`decode_chunk` DSpark steps for all live slots (`api.speculative_generate`), their tokens emitted."""
+        b, n, k = self.n_slots, self.ecfg.decode_chunk, self.cfg.dspark_block_size
+        with compiling(("speculative", self.cfg, b, n, stops.shape[1], self.ecfg.capacity, self.ecfg.kernels),
+                       f"speculative decode [B={b}, capacity={self.ecfg.capacity}, {n} steps per call]",
+                       self.ecfg.progress):
+            toks, n_out, accepted, _, self.cache, self.window = api.speculative_generate(
+                self.cfg, self.params, self.cache, self.window, tok, n, temperature_b=temp, seed_b=seed,
+                step_b=count, budget_b=np.minimum(budget, n * (k + 1)), stop_ids_bs=stops, kernels=self.ecfg.kernels)
+        toks, n_out, accepted = np.asarray(toks), np.asarray(n_out), np.asarray(accepted)
+        for s in list(self.live):
+            m = self.live[s].res.metrics
+            steps = n_out[s] > 0
+            m["speculative_steps"] = m.get("speculative_steps", 0) + int(steps.sum())
+            m["accepted_drafts"] = m.get("accepted_drafts", 0) + int(accepted[s][steps].sum())
+            for i in np.flatnonzero(steps):
+                for t in toks[s, i, :n_out[s, i]]:
+                    if s in self.live:  # the device emits nothing past a stop or the budget
+                        self._emit(s, int(t))
 
     def _emit(self, slot: int, token: int) -> None:
         lv = self.live[slot]
@@ -286,6 +330,8 @@ class Engine:
         n = len(lv.res.tokens)
         m.update(generated_tokens=n, total_s=now - lv.t_submit,
                  decode_tokens_per_s=(n - 1) / (now - lv.t_first) if n > 1 and now > lv.t_first else float("nan"))
+        if m.get("speculative_steps"):  # tokens per verify step: accepted drafts + the target's own token
+            m["acceptance_length"] = (n - 1) / m["speculative_steps"]
         lv.res.stop_reason = reason
         self.done.append(lv.res)
 
@@ -342,10 +388,27 @@ class Engine:
         _, row = self._chunks(row, ids, mid, split, "prefill", enc=enc)
         if self.prefix and exact and split > start:
             self.prefix.publish(row, ids, keys, start, split, m)
-        logits, row = self._chunks(row, ids, split, n, "prefill", enc=enc)
+        if self.ecfg.speculative:
+            logits, row, self._window_row = self._speculative_tail(row, ids, split, n)
+        else:
+            logits, row = self._chunks(row, ids, split, n, "prefill", enc=enc)
         m["prefilled_tokens"] = int(n - start) + m["replayed_tokens"]
         m["decoder_prefill_tokens"] = int(n - mid) + m["replayed_tokens"]
         return logits, row, m
+
+    def _speculative_tail(self, row: Cache, ids: np.ndarray, lo: int, hi: int):
+        """Prefill tokens [lo, hi) (>= 1 of them) with `api.speculative_prefill` in fixed-width chunks, filling
+        fresh draft rings: (logits [1, V], row, the rings of batch 1)."""
+        cw, window = self.ecfg.prefill_chunk, api.init_draft_window(self.cfg, 1)
+        for a in range(lo, hi, cw):
+            t = np.zeros((1, cw), np.int32)
+            t[0, :min(cw, hi - a)] = ids[a:min(a + cw, hi)]
+            with compiling(("spec_prefill", self.cfg, cw, self.ecfg.capacity, self.ecfg.kernels),
+                           f"speculative prefill [B=1, T={cw}]", self.ecfg.progress):
+                logits, row, window = api.speculative_prefill(self.cfg, self.params, row, window, t,
+                                                              np.array([min(cw, hi - a)], np.int32),
+                                                              kernels=self.ecfg.kernels)
+        return logits, row, window
 
     def _decoder_start(self, start: int, split: int) -> int:
         """First token the layers after the last kv source run on, when the prompt's new tokens are
@@ -359,6 +422,8 @@ class Engine:
         logits, row, m = self.prefill(lv.prompt, lv.spans)
         m = lv.res.metrics = {"queue_s": t0 - lv.t_submit, **m}
         self.cache = rows.put_row(self.cache, slot, row)
+        if self.window is not None:
+            self.window = rows.put_window_row(self.window, slot, self._window_row)
         first = int(np.asarray(sample(logits, jnp.asarray([lv.req.temperature], jnp.float32),
                                       jnp.asarray([lv.req.seed], jnp.uint32), jnp.zeros(1, jnp.int32)))[0])
         lv.t_first = time.perf_counter()

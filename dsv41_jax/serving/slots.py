@@ -40,6 +40,14 @@ def put_row(cache: Cache, slot, row: Cache) -> Cache:
                         cache, row, _axes(cache))
 
 
+@partial(jax.jit, donate_argnums=0)
+def put_window_row(window: dict, slot, row: dict) -> dict:
+    """DSpark draft rings ([stages, B, W, ...], `api.init_draft_window`) with slot `slot` replaced by `row`
+    (batch 1)."""
+    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=1),
+                        window, row)
+
+
 def to_host(row: Cache) -> Cache:
     return jax.tree.map(lambda a: np.array(a), row)
 
