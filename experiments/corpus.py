@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from dsv41_jax.text_tokenizers import ByteTokenizer
+from experiments import recall_task
 from experiments._cli import UserError
 
 TOK = ByteTokenizer()
@@ -84,11 +85,17 @@ def passkey_batch(filler: np.ndarray, batch: int, length: int, depth: float | No
     return np.stack([r[0] for r in rows]), rows[0][1]
 
 
-def training_batches(ids: np.ndarray, batch: int, seq: int, retrieval_frac: float, rng: np.random.Generator):
+def training_batches(ids: np.ndarray, batch: int, seq: int, retrieval_frac: float, rng: np.random.Generator,
+                     recall_frac: float = 0.0, recall_pairs: int = 8, max_distance=lambda: None):
     """Endless int32 [batch, seq + 1] rows: random windows of `ids`, a `retrieval_frac` share of them
-    replaced by passkey examples (filler from the same ids)."""
+    replaced by passkey examples and a `recall_frac` share by multi-query recall examples
+    (`experiments.recall_task`, `recall_pairs` pairs each, within `max_distance()` tokens of their queries:
+    read per batch, so a caller can grow it), filler from the same ids."""
     while True:
         rows = windows(ids, batch, seq + 1, rng)
-        for r in np.flatnonzero(rng.random(batch) < retrieval_frac):
+        u = rng.random(batch)
+        for r in np.flatnonzero(u < retrieval_frac):
             rows[r] = passkey(ids, seq + 1, rng.uniform(0, 0.9), rng)[0]
+        for r in np.flatnonzero((u >= retrieval_frac) & (u < retrieval_frac + recall_frac)):
+            rows[r] = recall_task.example(ids, seq + 1, recall_pairs, max_distance(), rng)[0]
         yield rows

@@ -36,7 +36,7 @@ import dsv41_jax as d
 from dsv41_jax import train
 from dsv41_jax.compile_notice import compiling
 from dsv41_jax.config import RUNTIME_FIELDS, ModelConfig
-from experiments import _cli
+from experiments import _cli, recall_task
 from experiments.corpus import PASSKEY_MIN_LENGTH, TOK, load_corpus, training_batches, windows
 
 
@@ -118,6 +118,12 @@ def parse_args(argv=None):
                     help="dense: train with every compressed entry attended (the release's dense warm-up form; the "
                          "indexer still learns by KL), evaluate with the sparse config saved in config.json")
     ap.add_argument("--retrieval-frac", type=float, default=0.25, help="share of passkey rows per batch")
+    ap.add_argument("--recall-frac", type=float, default=0.0,
+                    help="share of multi-query associative recall rows per batch (experiments/recall_task.py)")
+    ap.add_argument("--recall-pairs", type=int, default=8, help="key-value pairs per recall row")
+    ap.add_argument("--recall-distance", type=int, nargs=2, default=None, metavar=("START", "END"),
+                    help="curriculum: the recall pairs' max distance grows from START to END tokens over the first "
+                         "half of the run (default: anywhere in the row)")
     ap.add_argument("--steps", type=int, default=None, help="stop after this many steps")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
     ap.add_argument("--batch", type=int, default=8)
@@ -141,6 +147,15 @@ def parse_args(argv=None):
         ap.error("--steps must be >= 1 and --minutes > 0")
     if min(args.batch, args.seq, args.eval_every, args.eval_batches) < 1 or not 0 <= args.retrieval_frac <= 1:
         ap.error("--batch, --seq, --eval-every and --eval-batches must be >= 1, --retrieval-frac in [0, 1]")
+    if not 0 <= args.recall_frac <= 1 - args.retrieval_frac:
+        ap.error("--recall-frac must be in [0, 1 - --retrieval-frac]")
+    if args.recall_frac and args.seq + 1 < recall_task.min_length(args.recall_pairs):
+        ap.error(f"--seq {args.seq}: recall rows of {args.recall_pairs} pairs need at least "
+                 f"{recall_task.min_length(args.recall_pairs) - 1}; raise --seq or lower --recall-pairs")
+    lo = recall_task.min_distance(args.recall_pairs)
+    if args.recall_distance and not lo <= args.recall_distance[0] <= args.recall_distance[1]:
+        ap.error(f"--recall-distance START END: need {lo} <= START <= END ({args.recall_pairs} pairs and their "
+                 "queries must fit)")
     if args.retrieval_frac and args.seq + 1 < PASSKEY_MIN_LENGTH:
         ap.error(f"--seq {args.seq}: passkey rows need at least {PASSKEY_MIN_LENGTH - 1}; raise --seq or pass "
                  "--retrieval-frac 0")
@@ -174,7 +189,15 @@ def main(argv=None) -> dict:
     step_fn = train.make_train_step(train_cfg, opt, kl_weight=args.kl_weight, bias_rate=args.bias_rate)
     eval_fn = jax.jit(lambda p, tokens: train.loss_fn(*train.split_trainable(p), train_cfg, tokens)[1]["lm_loss"])
     rng = np.random.default_rng(args.seed)
-    data = training_batches(train_ids, args.batch, args.seq, args.retrieval_frac, rng)
+    progress = {"frac": 0.0}  # of the run, by steps or by time, whichever is further
+
+    def max_distance():
+        if not args.recall_distance:
+            return None
+        return recall_task.curriculum(int(1000 * progress["frac"]), 1000, *args.recall_distance)
+
+    data = training_batches(train_ids, args.batch, args.seq, args.retrieval_frac, rng, args.recall_frac,
+                            args.recall_pairs, max_distance)
     val_rng = np.random.default_rng(args.seed + 1)
     val = [windows(val_ids, args.batch, args.seq + 1, val_rng) for _ in range(args.eval_batches)]
 
@@ -192,6 +215,7 @@ def main(argv=None) -> dict:
             params, opt_state, m = step_fn(params, opt_state, {"tokens": jnp.asarray(next(data))})
         m = jax.tree.map(float, m)
         step += 1
+        progress["frac"] = max(step / total if total else 0.0, (time.perf_counter() - t0) / budget)
         if compile_s is None:  # the bar starts after the compile, so its rate and ETA are the steps'
             compile_s = time.perf_counter() - t0
             bar = tqdm(total=total, initial=1, unit="step", file=sys.stderr)

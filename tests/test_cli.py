@@ -25,7 +25,7 @@ import dsv41_jax as d
 from dsv41_jax import compile_notice
 from dsv41_jax.checkpoint.synthetic import fixture_config, make_tensors, write_checkpoint
 from experiments import (bench_kernels, bench_sharding, bench_weights, cache_bytes, decode, logits, plan_deployment, prefix_reuse,
-                         quality, train_small)
+                         quality, recall, train_small)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -297,6 +297,18 @@ def tiny_run(tmp_path_factory):
     opt_state = train.init_opt_state(train_small.make_optimizer(1.0, 1), params)
     train.save_checkpoint(run / "checkpoint", params, opt_state, 0)
     return run
+
+
+def test_recall_counts_every_query_once_per_variant(tiny_run, capsys):
+    res = call(recall.main, "--run", tiny_run, "--lengths", 300, "--pairs", 2, "--examples", 2, "--batch", 2,
+               "--chunk", 128, "--variants", "base", "--corpus-mb", 0.3)
+    assert [r["variant"] for r in res["rows"]] == [quality.BASE, "bounded replay of the queries' window"]
+    for row in res["rows"]:
+        assert sum(b["n"] for b in row["by_distance"]) == 4 and 0 <= row["accuracy"] <= 1
+    assert "| " + quality.BASE in res["markdown"]
+    capsys.readouterr()
+    assert fails(recall.main, ["--run", tiny_run, "--lengths", 1024], capsys) == \
+        "error: --lengths 1024: beyond the run's max_seq_len (512)"
 
 
 def test_quality_keeps_the_retrieval_lengths_the_run_allows(tiny_run, capsys):

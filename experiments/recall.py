@@ -1,0 +1,148 @@
+"""Retrieval accuracy against distance under the inference approximations (issue 20's study).
+
+    python -m experiments.train_small --preset small --study --recall-frac 0.5 --recall-distance 256 8192 \\
+        --seq 8192 --minutes 40 --out runs/recall
+    python -m experiments.recall --run runs/recall --lengths 2048 8192 16384 --out runs/recall/recall.json
+
+Multi-query associative recall examples (`experiments/recall_task.py`: --pairs key-value pairs scattered
+through held-out stdlib text, every one queried at the end) go through the inference path
+(`dsv41_jax.api.prefill`, chunks of --chunk tokens) under each configuration of `experiments.quality`
+(FP4 vs BF16 cache, sparse vs dense, pool vs flat indexer) and cold vs after a bounded replay of the
+window before the queries. A query is right when all its value digits are the argmax; accuracy is
+reported per distance bin (tokens from the planted value to the query) with a 95% Wilson interval, so a
+2-point difference is visible once a bin holds ~2,000 queries (--examples). Writes the JSON rows,
+a markdown table and, when matplotlib imports, accuracy-vs-distance plots (PNG) next to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from experiments import _cli, recall_task as rt
+from experiments.corpus import load_corpus
+from experiments.quality import BASE, VARIANTS, cold_and_replayed, empty_cache, load_run, run_chunks, run_config
+
+EDGES = [0, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+
+
+def evaluate(cfg, params, ids_bt: np.ndarray, n_pairs: int, chunk: int, capacity: int, replay: bool):
+    """(right bool [B, Q], nll [B, Q]) of one batch of examples (cold, or with the queries' window replayed)."""
+    length = ids_bt.shape[1]
+    ans = rt.answer_positions(length, n_pairs)
+    keep = (int(ans.min()) - 1, int(ans.max()))  # the logits that predict the answer digits
+    if replay:
+        p = (keep[0] - 1) // cfg.window_size * cfg.window_size
+        _, state = cold_and_replayed(cfg, params, ids_bt, p, chunk, capacity)
+        logits, _ = run_chunks(cfg, params, state, ids_bt, p, length, chunk, keep=keep)
+    else:
+        logits, _ = run_chunks(cfg, params, empty_cache(cfg, ids_bt.shape[0], capacity), ids_bt, 0, length, chunk,
+                               keep=keep)
+    return rt.scores(logits[:, ans - 1 - keep[0]], ids_bt, length, n_pairs)
+
+
+def markdown(res: dict) -> str:
+    bins = [(lo, hi) for lo, hi in zip(EDGES[:-1], EDGES[1:]) if any(
+        r["lo"] == lo and r["n"] for row in res["rows"] for r in row["by_distance"])]
+    head = "| model / inference | " + " | ".join(f"{lo}-{hi}" for lo, hi in bins) + " |"
+    lines = [head, "|" + "---|" * (1 + len(bins))]
+    for row in res["rows"]:
+        cells = {r["lo"]: r for r in row["by_distance"]}
+        lines.append(f"| {row['variant']} | " + " | ".join(
+            f"{cells[lo]['acc']:.3f} [{cells[lo]['ci95'][0]:.3f}, {cells[lo]['ci95'][1]:.3f}] (n={cells[lo]['n']})"
+            if cells[lo]["n"] else "-" for lo, _ in bins) + " |")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: pip install matplotlib (or the [plot] extra)", file=sys.stderr)
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for row in res["rows"]:
+        pts = [r for r in row["by_distance"] if r["n"]]
+        x = [np.sqrt(r["lo"] * r["hi"]) if r["lo"] else r["hi"] / 2 for r in pts]
+        y = [r["acc"] for r in pts]
+        err = [[r["acc"] - r["ci95"][0] for r in pts], [r["ci95"][1] - r["acc"] for r in pts]]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=row["variant"])
+    ax.set_xscale("log")
+    ax.set_xlabel("distance (tokens from the planted value to its query)")
+    ax.set_ylabel("whole-value accuracy (95% CI)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return str(path)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", required=True, help="train_small output directory (config.json + checkpoint/)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192], help="example lengths (tokens)")
+    ap.add_argument("--pairs", type=int, default=8, help="key-value pairs (and queries) per example")
+    ap.add_argument("--examples", type=int, default=256, help="examples per length (x --pairs queries)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk width")
+    ap.add_argument("--variants", default="all", choices=["all", "base"])
+    ap.add_argument("--no-replay", dest="replay", action="store_false", help="skip the bounded-replay row")
+    ap.add_argument("--corpus-mb", type=float, default=64.0)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--out", default=None, help="write the results to this JSON file (plot: same name, .png)")
+    args = ap.parse_args(argv)
+    if min(args.lengths) < rt.min_length(args.pairs):
+        ap.error(f"--lengths {min(args.lengths)}: {args.pairs} pairs need at least {rt.min_length(args.pairs)} tokens")
+    if min(args.examples, args.batch, args.chunk, args.pairs) < 1:
+        ap.error("--examples, --batch, --chunk and --pairs must be >= 1")
+    return args
+
+
+@_cli.entry_point
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    cfg = run_config(args.run)
+    capacity = -(-max(args.lengths) // args.chunk) * args.chunk
+    if capacity > cfg.max_seq_len:
+        raise _cli.UserError(f"--lengths {max(args.lengths)}: beyond the run's max_seq_len ({cfg.max_seq_len})")
+    _cli.output_file(args.out, "--out")
+    _, val_ids = load_corpus(int(args.corpus_mb * 2**20))
+    rng = np.random.default_rng(args.seed)
+    sets = [rt.batch(val_ids, args.batch, n, args.pairs, None, rng) for n in args.lengths
+            for _ in range(-(-args.examples // args.batch))]
+    params = load_run(Path(args.run), cfg)
+    res = {"args": vars(args), "edges": EDGES, "rows": []}
+    t0 = time.perf_counter()
+    runs = [(name, False) for name in (VARIANTS if args.variants == "all" else [BASE])]
+    runs += [("bounded replay of the queries' window", True)] if args.replay else []
+    for name, replay in tqdm(runs, desc="variants", file=sys.stderr):
+        v = cfg if replay else cfg.replace(**VARIANTS[name](capacity))
+        right, dist, nll = [], [], []
+        for ids, d in sets:
+            r, n = evaluate(v, params, ids, args.pairs, args.chunk, capacity, replay)
+            right.append(r.ravel())
+            nll.append(n.ravel())
+            dist.append(d.ravel())
+        right, dist = np.concatenate(right), np.concatenate(dist)
+        res["rows"].append({"variant": name, "accuracy": float(right.mean()), "value_nll": float(np.concatenate(nll).mean()),
+                            "by_distance": rt.by_distance(right, dist, EDGES)})
+        print(json.dumps(res["rows"][-1]), file=sys.stderr)
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    res["markdown"] = markdown(res)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        res["plot"] = plot(res, Path(args.out).with_suffix(".png"))
+    print(res["markdown"])
+    return res
+
+
+if __name__ == "__main__":
+    main()
