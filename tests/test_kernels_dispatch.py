@@ -115,9 +115,9 @@ def test_decode_pool_path_equals_masked_full_scan(monkeypatch):
     new = decode()
     assert pool_widths == [cfg.candidate_topk_blocks * cfg.candidate_block_size]  # 12 of 64 positions
 
-    def full_scan_masked(q, w, key_rec, blocks, block, reach, codec, *, backend):
+    def full_scan_masked(q, w, key_rec, blocks, block, reach, codec, **switch):
         n = jax.tree.leaves(key_rec)[0].shape[1]
-        scores = kernels.indexer_scores_decode(q, w, key_rec, reach, codec, kernels=kernels)
+        scores = kernels.indexer_scores_decode(q, w, key_rec, reach, codec, **switch)
         return jnp.where(ops.blocks_to_mask(blocks, n, block), scores, ops.NEG_INF)
 
     monkeypatch.setattr(kernels, "indexer_scores_pool_decode", full_scan_masked)
