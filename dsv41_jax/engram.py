@@ -21,6 +21,7 @@ from flax import nnx
 from jax.experimental.compute_on import compute_on
 
 from dsv41_jax import quant
+from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers import released_fp8_linear, normal_init, weights_fp8
 
 TABLE_FP8 = quant.Fp8Codec(block=32)
@@ -46,7 +47,7 @@ def host_rows(tables: tuple, ids: jax.Array) -> tuple:
 
 
 class Engram(nnx.Module):
-    def __init__(self, cfg, rows: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rows: int, *, rngs: nnx.Rngs):
         n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         self.fp8 = weights_fp8(cfg)
         table = normal_init(rngs, (rows, cfg.engram_head_dim), jnp.float32 if self.fp8 else cfg.param_dtype, std=1.0)

@@ -26,8 +26,8 @@ def _model():
     return nnx.merge(graphdef(CFG), PARAMS)
 
 
-def _prefilled(n=np.array([21, 14])):
-    _, cache = d.prefill(CFG, PARAMS, d.init_cache(CFG, B, CAP), TOKENS, n)
+def _prefilled():
+    _, cache = d.prefill(CFG, PARAMS, d.init_cache(CFG, B, CAP), TOKENS, np.array([21, 14]))
     return cache
 
 
