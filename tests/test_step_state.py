@@ -106,8 +106,21 @@ def test_decode_equals_the_prefill_form():
     np.testing.assert_array_equal(dec.lengths, pre.lengths)
     scale = np.abs(np.asarray(pre_logits)).max()
     np.testing.assert_allclose(dec_logits, pre_logits, rtol=0, atol=1e-5 * scale)
-    for got, want in zip(jax.tree.leaves((dec.window, dec.sources)), jax.tree.leaves((pre.window, pre.sources))):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    def close(got, want):
+        want = np.asarray(want, np.float32)
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=1e-5 * np.abs(want).max(initial=0))
+
+    jax.tree.map(close, dec.window, pre.window)
+    # entries at or past a sequence's reachable count (and pending rows past the group's fill) are garbage
+    # by the cache's contract: the padding token of the chunk form went into them
+    new_len = np.asarray(dec.lengths)
+    for m, got, want in zip([p.ratio for p in build_plan(cfg) if p.compresses], dec.sources, pre.sources):
+        for b in range(B):
+            rows = lambda tree, n: jax.tree.map(lambda a: np.asarray(a)[b, :n], tree)
+            jax.tree.map(close, rows((got.entries, got.index_keys), new_len[b] // m),
+                         rows((want.entries, want.index_keys), new_len[b] // m))
+            jax.tree.map(close, rows((got.pend_kv, got.pend_score), new_len[b] % m),
+                         rows((want.pend_kv, want.pend_score), new_len[b] % m))
 
 
 def test_forward_aux():
