@@ -15,17 +15,21 @@ written in place, so following the cache through a step means following return v
 expert load (balancing, benchmarks), the quantization-aware training views and indexer records (the
 indexer's KL loss), the DSpark target's hidden streams and the compressors' pending extensions (the
 speculative commit).
+
+All are frozen dataclasses registered as pytrees (switches and formats static), so they can cross
+`jax.jit` boundaries, e.g. a jitted forward returning its `ForwardAux`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 
 from dsv41_jax.quant import CacheFormats
 
 
+@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepInputs:
     """The chunk's inputs, the same for every layer. B sequences, T new tokens each, L layers."""
@@ -34,14 +38,16 @@ class StepInputs:
     lengths_b: jax.Array  # int32 [B] tokens in the cache before this chunk
     n_new_b: jax.Array  # int32 [B] real tokens in this chunk (the rest is right padding)
     window_start_lb: jax.Array  # int32 [L, B]: layer l's ring holds no position below (Cache.window_start)
-    fmt: CacheFormats
-    decode: bool  # T == 1 and not training: read packed records through the decode-form ops
-    kernels: str = "jnp"  # the dsv41_jax.kernels switch
+    fmt: CacheFormats = field(metadata={"static": True})
+    # T == 1 and not training: read packed records through the decode-form ops
+    decode: bool = field(metadata={"static": True})
+    kernels: str = field(default="jnp", metadata={"static": True})  # the dsv41_jax.kernels switch
     # quantization-aware training (dsv41_jax.train): attention reads straight-through fake-quant views
     # (f32) of what the chunk writes, and the indexer's inputs are detached
-    training: bool = False
+    training: bool = field(default=False, metadata={"static": True})
 
 
+@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Published:
     """What the layers so far have published for the later ones."""
@@ -55,17 +61,19 @@ class Published:
     key_owner_b: jax.Array | None = None  # int32 [B] "released" decode: slot whose index keys are read
 
 
+@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class IndexerRecord:
     """One indexing layer's training record for the indexer's KL objective (`train.indexer_kl`)."""
 
-    layer: int
+    layer: int = field(metadata={"static": True})
     scores_btn: jax.Array  # f32 [B, T, N], -inf outside the support
     q_bthd: jax.Array  # the layer's attention queries
     keys_bnd: jax.Array  # the compressed entries it attends (f32 views)
-    scale: float
+    scale: float = field(metadata={"static": True})
 
 
+@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class LayerAux:
     """By-products of one layer: its attention's (training views and records, the compressor's
@@ -80,6 +88,7 @@ class LayerAux:
     hidden_btd: jax.Array | None = None  # the block's input stream (after Engram) averaged over hc, when captured
 
 
+@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class ForwardAux:
     """By-products of `Transformer.forward(..., with_aux=True)`."""

@@ -32,9 +32,9 @@ def _prefilled():
 
 
 def test_inputs_and_published_are_frozen():
-    cache = _prefilled()
+    cache = d.init_cache(CFG, B, CAP)
     inp = StepInputs(pos_bt=cache.lengths[:, None], lengths_b=cache.lengths, n_new_b=jnp.ones((B,), jnp.int32),
-                     window_start_lb=cache.window_start, fmt=None, decode=True)
+                     window_start_lb=cache.window_start, fmt=formats_of(CFG), decode=True)
     pub = Published(sources=cache.sources, views=(None,) * len(cache.sources))
     for obj, field in ((inp, "decode"), (inp, "pos_bt"), (inp, "kernels"), (pub, "topk_btk"), (pub, "sources")):
         with pytest.raises(dataclasses.FrozenInstanceError):
@@ -96,10 +96,12 @@ def test_cache_is_what_the_layers_return(monkeypatch, t):
 def test_decode_equals_the_prefill_form():
     """One token through the decode path (T == 1: packed reads, pool scan, decode kernels' jnp twins)
     and through the chunk path (the same token right-padded to T == 2): same cache writes, logits
-    within float rounding (quantization off so that no code can flip)."""
+    within float rounding (quantization off so that no code can flip). The prompt goes in as chunks of
+    the chunk form's width (one program for both)."""
     cfg = CFG.replace(quantize_cache=False)
     params = d.init_params(cfg, seed=4)
-    _, cache = d.prefill(cfg, params, d.init_cache(cfg, B, CAP), TOKENS, np.array([21, 14]))
+    chunks = d.prefill_chunks(cfg, params, d.init_cache(cfg, B, CAP), TOKENS, 0, 17, 2)  # 17: a group pending
+    cache = [c for *_, c in chunks][-1]
     tok = np.array([7, 11], np.int32)
     dec_logits, dec = d.decode_step(cfg, params, cache, tok)
     pre_logits, pre = d.prefill(cfg, params, cache, np.stack([tok, tok], 1), np.array([1, 1]))
@@ -130,10 +132,9 @@ def test_forward_aux():
     model, cache = _model(), _prefilled()
     n_new = jnp.array([5, 3])
     tok = jnp.asarray(TOKENS[:, :5])
-    fwd = jax.jit(lambda c, with_aux: model.forward(c, tok, n_new, all_logits=True, with_aux=with_aux),
-                  static_argnums=1)
-    logits, new = fwd(cache, False)
-    logits_aux, new_aux, aux = fwd(cache, True)
+    # one program for both: a with_aux that changed the computation would not fold into the other
+    fwd = jax.jit(lambda c: tuple(model.forward(c, tok, n_new, all_logits=True, with_aux=w) for w in (False, True)))
+    (logits, new), (logits_aux, new_aux, aux) = fwd(cache)
     assert isinstance(aux, ForwardAux)
     np.testing.assert_array_equal(logits, logits_aux)
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(new_aux)):
