@@ -179,9 +179,8 @@ class Attention(nnx.Module):
         the rope dims, then the grouped low-rank projection (wo_a per group of heads, then wo_b)."""
         cfg = self.cfg
         b, t, h, hd = o_bthd.shape
-        o = apply_rope(o_bthd, pos_bt, self.inv_freq, inverse=True).astype(dtype)
         g = cfg.o_groups
-        o = o.reshape(b, t, g, h * hd // g)
-        wo_a = self.wo_a.weight[...].reshape(g, cfg.o_lora_rank, -1).astype(o.dtype)
-        o = jnp.einsum("btgd,grd->btgr", o, wo_a, preferred_element_type=jnp.float32).astype(o.dtype)
-        return self.wo_b(o.reshape(b, t, g * cfg.o_lora_rank), kernels=kernels)
+        o_btgd = apply_rope(o_bthd, pos_bt, self.inv_freq, inverse=True).astype(dtype).reshape(b, t, g, h * hd // g)
+        wo_a_grd = self.wo_a.weight[...].reshape(g, cfg.o_lora_rank, -1).astype(dtype)
+        o_btgr = jnp.einsum("btgd,grd->btgr", o_btgd, wo_a_grd, preferred_element_type=jnp.float32).astype(dtype)
+        return self.wo_b(o_btgr.reshape(b, t, g * cfg.o_lora_rank), kernels=kernels)
