@@ -78,7 +78,7 @@ def forward(cfg: ModelConfig, params, cache: Cache, tokens_bt, n_new_b, *, all_l
     `layers` blocks (None: all). image_embeds_btd [B, T, dim] / image_mask_bt bool [B, T]: the
     image-span rows of these tokens (see `Transformer.forward`), or None for text only."""
     model = nnx.merge(graphdef(cfg), params)
-    return model.forward(cache, tokens_bt, n_new_b, all_logits=all_logits, layers=layers, kernel_backend=kernels,
+    return model.forward(cache, tokens_bt, n_new_b, all_logits=all_logits, layers=layers, kernels=kernels,
                          image_embeds=image_embeds_btd, image_mask=image_mask_bt)
 
 
@@ -294,7 +294,7 @@ def decode_step(cfg: ModelConfig, params, cache: Cache, tokens_b, active_b=None,
                                    kernels=resolve(kernels))
 
 
-def _generate(cfg, params, cache, tokens_b, temperature_b, seed_b, step_b, budget_b, stop_bs, *, n_steps: int,
+def _generate(cfg: ModelConfig, params, cache, tokens_b, temperature_b, seed_b, step_b, budget_b, stop_bs, *, n_steps: int,
               kernels: str):
     def one_step(carry, _):
         cache, tok, count = carry
@@ -376,12 +376,11 @@ def init_draft_window(cfg: ModelConfig, batch: int) -> dict:
     return dspark.init_draft_window(cfg, batch)
 
 
-def _speculative_prefill(cfg, params, cache, window, tokens_bt, n_new_b, *, kernels):
+def _speculative_prefill(cfg: ModelConfig, params, cache, window, tokens_bt, n_new_b, *, kernels):
     model = nnx.merge(graphdef(cfg), params)
-    extras: dict = {}
-    logits, new_cache = model.forward(cache, tokens_bt, n_new_b, all_logits=False, kernel_backend=kernels,
-                                      extras=extras)
-    window = dspark.write_rings(model, window, extras["main_hidden"], cache.lengths, n_new_b, kernels)
+    logits, new_cache, aux = model.forward(cache, tokens_bt, n_new_b, all_logits=False, kernels=kernels,
+                                           with_aux=True)
+    window = dspark.write_rings(model, window, aux.hidden_btf, cache.lengths, n_new_b, kernels)
     return logits, new_cache, window
 
 
@@ -411,7 +410,7 @@ def speculative_prefill(cfg: ModelConfig, params, cache: Cache, window: dict, to
                                     lengths_b.astype(jnp.int32), kernels=resolve(kernels))
 
 
-def _speculative_generate(cfg, params, cache, window, tokens_b, temperature_b, seed_b, step_b, budget_b, stop_bs,
+def _speculative_generate(cfg: ModelConfig, params, cache, window, tokens_b, temperature_b, seed_b, step_b, budget_b, stop_bs,
                           *, n_steps: int, kernels: str):
     model = nnx.merge(graphdef(cfg), params)
 

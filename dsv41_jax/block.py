@@ -7,11 +7,12 @@ only in what their attention reads. Parameter names are the released ones (`attn
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 from flax import nnx
 
+from dsv41_jax.config import ModelConfig
 from dsv41_jax.hyper import HyperMix, collapse, expand
 from dsv41_jax.layers import RMSNorm
 from dsv41_jax.moe import MoE
@@ -20,7 +21,7 @@ from dsv41_jax.moe import MoE
 class MixedBlock(nnx.Module):
     """attn_norm -> attention -> mHC expand, then ffn_norm -> MoE -> mHC expand."""
 
-    def _build(self, cfg, attn: nnx.Module, moe_cfg, rngs: nnx.Rngs) -> None:
+    def _build(self, cfg: ModelConfig, attn: nnx.Module, moe_cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         """Create the sub-layers (in the backbone's order of random draws); `attn` is built by the caller."""
         self.attn = attn
         self.ffn = MoE(moe_cfg, rngs=rngs)
@@ -30,15 +31,16 @@ class MixedBlock(nnx.Module):
                                unroll=cfg.sinkhorn_unroll)
         self.hc_attn, self.hc_ffn = mix(), mix()
 
-    def mix(self, h, pre_mix, attend: Callable[[jax.Array], jax.Array], extras: dict | None, backend: str,
-            image_mask: jax.Array | None = None):
-        """h: [B, T, hc, dim]; pre_mix: [B, T, hc] from the previous block; attend: [B, T, dim] -> [B, T, dim];
-        image_mask: bool [B, T] (image-span tokens, routed with `bias_vl`) or None.
-        Returns (h, next pre_mix): as in the release, each sub-layer collapses with the `pre` the
-        previous one computed."""
-        attn_pre, post, comb = self.hc_attn(h)
-        x = attend(self.attn_norm(collapse(h, pre_mix)))
-        h = expand(x, h, post, comb)
-        ffn_pre, post, comb = self.hc_ffn(h)
-        x = self.ffn(self.ffn_norm(collapse(h, attn_pre)), extras, backend=backend, image_mask=image_mask)
-        return expand(x, h, post, comb), ffn_pre
+    def mix(self, h_btcd, pre_mix_btc, attend: Callable[[jax.Array], tuple[jax.Array, Any]], kernels: str,
+            image_mask_bt: jax.Array | None = None):
+        """h: [B, T, hc, dim]; pre_mix: [B, T, hc] from the previous block; attend: x [B, T, dim] ->
+        (y [B, T, dim], whatever else the attention returns); image_mask: bool [B, T] (image-span tokens,
+        routed with `bias_vl`) or None.
+        Returns (h, next pre_mix, attend's other return, the MoE's routed load int32 [E]): as in the
+        release, each sub-layer collapses with the `pre` the previous one computed."""
+        attn_pre, post, comb = self.hc_attn(h_btcd)
+        x_btd, attn_state = attend(self.attn_norm(collapse(h_btcd, pre_mix_btc)))
+        h_btcd = expand(x_btd, h_btcd, post, comb)
+        ffn_pre, post, comb = self.hc_ffn(h_btcd)
+        x_btd, load_e = self.ffn(self.ffn_norm(collapse(h_btcd, attn_pre)), kernels=kernels, image_mask=image_mask_bt)
+        return expand(x_btd, h_btcd, post, comb), ffn_pre, attn_state, load_e

@@ -3,7 +3,7 @@ lossless draft-verify-commit step around them.
 
 The draft (the release's `forward_spec`, decode branch). Sequence b holds n = lengths[b] tokens in the
 target's cache and t0 = its newest token, not cached yet (position n). Stage 0 turns the target's hidden
-streams (`Transformer.forward` extras "main_hidden": the inputs of `dspark_target_layer_ids`, averaged
+streams (`Transformer.forward`'s aux `hidden_btf`: the inputs of `dspark_target_layer_ids`, averaged
 over the hc copies) into main_x = main_norm(main_proj(hidden)); every stage s keeps a window ring of its
 own main KV of main_x at the committed positions (FP8 like the backbone's rings; positions implied by
 the target's lengths: slot r holds the newest p < n with p % W == r). A block of K = dspark_block_size
@@ -36,7 +36,7 @@ them one by one) differs from the verified cache only where the rejected tail wr
 - compressed entries and index keys: the tail wrote only entries at or past the reachable count of
   the new length, garbage by the cache's contract (masked on read, rewritten when their group completes);
 - the pending group of a ratio > 1 source: re-cut from the verify forward's [pending ++ block]
-  projections (`attention.pending_rows`) for e tokens instead of K+1;
+  projections (`compressor.pending_rows`, from the forward's aux `pending_ext`) for e tokens instead of K+1;
 - lengths and the Engram n-gram history: recomputed for e tokens.
 
 The draft rings get main KV for the e committed positions from the same forward's hidden streams. The
@@ -53,9 +53,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax import ops
-from dsv41_jax.attention import Attention, Step, _ring_positions, pending_rows
+from dsv41_jax.attention import Attention, ring_positions, write_ring
 from dsv41_jax.block import MixedBlock
 from dsv41_jax.cache import Cache, SourceCache, formats_of
+from dsv41_jax.compressor import pending_rows
+from dsv41_jax.config import ModelConfig
 from dsv41_jax.engram_hash import advance_history
 from dsv41_jax.hyper import collapse
 from dsv41_jax.layers import Embedding, Linear, RMSNorm, released_fp8_linear
@@ -70,36 +72,36 @@ class DSparkAttention(Attention):
     whose keys are its ring of main KV (the target's hidden at committed positions) and the block's own
     keys. `plan.layer` is the stage index: its slot in the draft rings."""
 
-    def __init__(self, cfg, stage: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, stage: int, *, rngs: nnx.Rngs):
         plan = LayerPlan(stage, Mode.WINDOW, 0, -1, -1, -1, False, False, cfg.rope_theta, False)
         super().__init__(cfg, plan, rngs=rngs)
 
-    def main_kv(self, main_x_btd: jax.Array, pos_bt: jax.Array, backend: str) -> jax.Array:
+    def main_kv(self, main_x_btd: jax.Array, pos_bt: jax.Array, kernels: str) -> jax.Array:
         """Main KV rows [B, T, hd] (before FP8) of main_x at positions pos_bt."""
-        return apply_rope(self.kv_norm(self.wkv(main_x_btd, backend=backend)), pos_bt, self.inv_freq)
+        return apply_rope(self.kv_norm(self.wkv(main_x_btd, kernels=kernels)), pos_bt, self.inv_freq)
 
     def draft(self, x_bkd: jax.Array, ring_bwd: jax.Array, filled_bw: jax.Array, lengths_b: jax.Array, fmt,
-              backend: str, ste: bool = False) -> jax.Array:
+              kernels: str, ste: bool = False) -> jax.Array:
         """The block's attention: x [B, K, dim] at positions lengths + [0, K); ring_bwd: this stage's ring
         keys f32 [B, W, hd] (as stored), filled_bw: which slots hold a position. Returns [B, K, dim].
         ste: straight-through fake quantization of the block keys (training)."""
         cfg = self.cfg
         b, k, _ = x_bkd.shape
         pos = lengths_b[:, None] + jnp.arange(k, dtype=jnp.int32)
-        qr = self.q_norm(self.wq_a(x_bkd, backend=backend))
-        q = apply_rope(self.wq_b(qr, backend=backend).reshape(b, k, cfg.n_heads, cfg.head_dim), pos, self.inv_freq)
-        kv = apply_rope(self.kv_norm(self.wkv(x_bkd, backend=backend)), pos, self.inv_freq).astype(jnp.float32)
+        qr = self.q_norm(self.wq_a(x_bkd, kernels=kernels))
+        q = apply_rope(self.wq_b(qr, kernels=kernels).reshape(b, k, cfg.n_heads, cfg.head_dim), pos, self.inv_freq)
+        kv = apply_rope(self.kv_norm(self.wkv(x_bkd, kernels=kernels)), pos, self.inv_freq).astype(jnp.float32)
         kv = (fake_quant_ste if ste else fake_quant)(fmt.window_kv, kv)
         keys = jnp.concatenate([ring_bwd, kv], axis=1)  # [B, W + K, hd]
         mask = jnp.concatenate([filled_bw, jnp.ones((b, k), bool)], axis=1)[:, None, :]
         o = ops.attend(q, keys, jnp.broadcast_to(mask, (b, k, keys.shape[1])), self.attn_sink[...], self.scale)
-        return self.project_out(o, pos, x_bkd.dtype, backend)
+        return self.project_out(o, pos, x_bkd.dtype, kernels)
 
 
 class MarkovHead(nnx.Module):
     """Low-rank bigram bias: logits_bias[v] = head(embed(previous token)), rank dspark_markov_rank."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.embed = Embedding(cfg.vocab_size, cfg.dspark_markov_rank, rngs=rngs, dtype=cfg.param_dtype)
         self.head = Linear(cfg.dspark_markov_rank, cfg.vocab_size, rngs=rngs, dtype=cfg.param_dtype)
 
@@ -107,7 +109,7 @@ class MarkovHead(nnx.Module):
 class ConfidenceHead(nnx.Module):
     """One f32 logit per slot from [hidden, Markov embedding] (adaptive block length)."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.proj = Linear(cfg.dim + cfg.dspark_markov_rank, 1, rngs=rngs, dtype=cfg.param_dtype)
 
 
@@ -115,7 +117,7 @@ class DSparkStage(MixedBlock):
     """Draft stage s (`mtp.{s}.*`): an mHC block with a DSparkAttention and its own MoE sizes; stage 0
     also has main_proj / main_norm, the last stage norm / markov_head / confidence_head."""
 
-    def __init__(self, cfg, stage: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, stage: int, *, rngs: nnx.Rngs):
         self._build(cfg, DSparkAttention(cfg, stage, rngs=rngs), cfg.dspark_moe(), rngs)
         if stage == 0:
             self.main_proj = released_fp8_linear(cfg, cfg.dim * len(cfg.dspark_target_layer_ids), cfg.dim, rngs=rngs)
@@ -127,25 +129,26 @@ class DSparkStage(MixedBlock):
 
 
 # ----------------------------------------------------------------------------- draft rings and draft forward
-def init_draft_window(cfg, batch: int) -> dict:
+def init_draft_window(cfg: ModelConfig, batch: int) -> dict:
     """Empty draft rings: window records [n_mtp_layers, B, W, ...] in the window-KV format."""
     shapes = formats_of(cfg).window_kv.shapes((cfg.n_mtp_layers, batch, cfg.window_size), cfg.head_dim)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def write_rings(model, window: dict, hidden_btf: jax.Array, lengths_b: jax.Array, n_new_b: jax.Array,
-                backend: str = "jnp") -> dict:
+                kernels: str = "jnp") -> dict:
     """Append the main KV of n_new_b[b] positions (lengths_b[b] + [0, T)) to every stage's ring.
-    hidden_btf: the target's "main_hidden" for those positions [B, T, n_targets * dim]."""
+    hidden_btf: the target forward's aux `hidden_btf` for those positions [B, T, n_targets * dim]."""
     cfg = model.cfg
     t = hidden_btf.shape[1]
     pos = lengths_b[:, None] + jnp.arange(t, dtype=jnp.int32)
-    main_x = model.mtp[0].main_norm(model.mtp[0].main_proj(hidden_btf, backend=backend))
-    step = Step(pos=pos, lengths=lengths_b, n_new=n_new_b, fmt=formats_of(cfg), window=window,
-                window_start=jnp.zeros((cfg.n_mtp_layers,) + lengths_b.shape, jnp.int32), sources=[], decode=False)
-    for stage in model.mtp:
-        stage.attn._window(stage.attn.main_kv(main_x, pos, backend), step)
-    return step.window
+    main_x = model.mtp[0].main_norm(model.mtp[0].main_proj(hidden_btf, kernels=kernels))
+    fmt = formats_of(cfg)
+    for s, stage in enumerate(model.mtp):
+        ring = jax.tree.map(lambda a, s=s: a[s], window)
+        _, ring = write_ring(ring, stage.attn.main_kv(main_x, pos, kernels), lengths_b, n_new_b, fmt.window_kv)
+        window = jax.tree.map(lambda a, r, s=s: a.at[s].set(r), window, ring)
+    return window
 
 
 def _row_keys(seed_b: jax.Array, step_b: jax.Array, tag: int) -> jax.Array:
@@ -160,7 +163,7 @@ def _draw(logits_bv: jax.Array, temperature_b: jax.Array, keys_b: jax.Array) -> 
     return jnp.where(temperature_b > 0, drawn, jnp.argmax(logits_bv, axis=-1)).astype(jnp.int32)
 
 
-def _stages(model, rings: list, filled_bw, tok_b, lengths_b, backend: str, ste: bool = False) -> jax.Array:
+def _stages(model, rings: list, filled_bw, tok_b, lengths_b, kernels: str, ste: bool = False) -> jax.Array:
     """The draft stages over blocks [t0, noise, ...] at positions lengths + [0, K): collapsed hidden
     [B, K, dim] (before the last stage's norm). rings: per stage, ring keys f32 [B, W, hd]."""
     cfg = model.cfg
@@ -170,8 +173,8 @@ def _stages(model, rings: list, filled_bw, tok_b, lengths_b, backend: str, ste: 
     h = jnp.broadcast_to(model.embed(ids).astype(dt)[:, :, None, :], (b, k, cfg.hc_mult, cfg.dim))
     pre = jnp.zeros((b, k, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
     for stage, ring in zip(model.mtp, rings):
-        attend = lambda x, st=stage, r=ring: st.attn.draft(x, r, filled_bw, lengths_b, fmt, backend, ste)
-        h, pre = stage.mix(h, pre, attend, None, backend)
+        attend = lambda x, st=stage, r=ring: (st.attn.draft(x, r, filled_bw, lengths_b, fmt, kernels, ste), None)
+        h, pre, _, _ = stage.mix(h, pre, attend, kernels)
     return collapse(h, pre)
 
 
@@ -187,7 +190,7 @@ def _confidence(last, x_bkd, embeds_bkr) -> jax.Array:
 
 
 def draft(model, window: dict, tok_b: jax.Array, lengths_b: jax.Array, temperature_b: jax.Array,
-          seed_b: jax.Array, step_b: jax.Array, backend: str = "jnp"):
+          seed_b: jax.Array, step_b: jax.Array, kernels: str = "jnp"):
     """Draft K = dspark_block_size tokens after t0 = tok_b (position lengths_b, not cached).
 
     Returns (drafts int32 [B, K], logits f32 [B, K, V] (Markov bias included; slot i's distribution is
@@ -196,8 +199,8 @@ def draft(model, window: dict, tok_b: jax.Array, lengths_b: jax.Array, temperatu
     cfg = model.cfg
     fmt = formats_of(cfg)
     rings = [fmt.window_kv.decode(jax.tree.map(lambda a, s=s: a[s], window)) for s in range(cfg.n_mtp_layers)]
-    filled = _ring_positions(lengths_b, cfg.window_size) >= 0  # [B, W]
-    x = _stages(model, rings, filled, tok_b, lengths_b, backend)
+    filled = ring_positions(lengths_b, cfg.window_size) >= 0  # [B, W]
+    x = _stages(model, rings, filled, tok_b, lengths_b, kernels)
     last = model.mtp[-1]
     logits = model.head(last.norm(x).astype(jnp.float32), jnp.float32)
     prev, drafts, biased, embeds = tok_b, [], [], []
@@ -215,7 +218,7 @@ def distill_loss(model, hidden_btf: jax.Array, target_btv: jax.Array, tokens_bt:
                  anchors: tuple[int, ...]):
     """Self-distillation loss of the draft stages on a frozen target's forward over tokens_bt [B, T].
 
-    hidden_btf / target_btv: that forward's "main_hidden" and logits (gradients stopped here). For each
+    hidden_btf / target_btv: that forward's aux `hidden_btf` and logits (gradients stopped here). For each
     anchor n (1 <= n <= T - K) the draft sees what it sees at inference with n tokens cached: rings of
     main KV at positions [n - W, n) (fake-quantized straight-through) and t0 = tokens[n]; slot i is
     trained towards the target's distribution at position n + i, its Markov bias teacher-forced with
@@ -284,11 +287,12 @@ def accept(drafts_bk, q_logits_bkv, p_logits_bkv, temperature_b, seed_b, step_b)
 def commit(model, before: Cache, verified: Cache, pending_ext: list, block_bt: jax.Array,
            n_commit_b: jax.Array) -> Cache:
     """The cache `before` with the first n_commit_b[b] tokens of block_bt appended, from `verified` (the
-    forward of the whole block on `before`) and its recorded compressor extensions (module docstring).
+    forward of the whole block on `before`) and its compressor extensions (`ForwardAux.pending_ext`, module
+    docstring).
     Bit-identical to forward(before, block_bt, n_commit_b)'s cache."""
     cfg = model.cfg
     new_len = before.lengths + n_commit_b
-    fresh = _ring_positions(new_len, cfg.window_size) >= before.lengths[:, None]  # [B, W]: slots of this step
+    fresh = ring_positions(new_len, cfg.window_size) >= before.lengths[:, None]  # [B, W]: slots of this step
 
     def ring(old, new):
         sel = fresh.reshape(1, *fresh.shape, *([1] * (old.ndim - 3)))
@@ -311,21 +315,21 @@ def commit(model, before: Cache, verified: Cache, pending_ext: list, block_bt: j
 
 
 def speculative_step(model, cache: Cache, window: dict, tok_b, temperature_b, seed_b, step_b, budget_b, stop_bs,
-                     backend: str = "jnp"):
+                     kernels: str = "jnp"):
     """One draft-verify-commit step (module docstring) for every sequence with budget_b > 0.
 
     tok_b int32 [B]: newest token, not cached. step_b: tokens the row has sampled so far (PRNG stream).
     budget_b: tokens the row may still emit (0: idle, untouched). stop_bs int32 [B, S] (-1 padded).
     Returns `verify`'s tuple, with the draft's confidence f32 [B, K] added to its stats.
     """
-    drafts, q_logits, confidence = draft(model, window, tok_b, cache.lengths, temperature_b, seed_b, step_b, backend)
+    drafts, q_logits, confidence = draft(model, window, tok_b, cache.lengths, temperature_b, seed_b, step_b, kernels)
     *rest, stats = verify(model, cache, window, tok_b, drafts, q_logits, temperature_b, seed_b, step_b, budget_b,
-                          stop_bs, backend)
+                          stop_bs, kernels)
     return (*rest, {**stats, "confidence": confidence})
 
 
 def verify(model, cache: Cache, window: dict, tok_b, drafts_bk, q_logits_bkv, temperature_b, seed_b, step_b,
-           budget_b, stop_bs, backend: str = "jnp"):
+           budget_b, stop_bs, kernels: str = "jnp"):
     """Verify drafts [B, K] (drawn from softmax(q_logits / temperature) slot by slot) with one target
     forward, accept, emit and commit (module docstring).
 
@@ -335,13 +339,12 @@ def verify(model, cache: Cache, window: dict, tok_b, drafts_bk, q_logits_bkv, te
     k = drafts_bk.shape[1]
     live = budget_b > 0
     block = jnp.concatenate([tok_b[:, None], drafts_bk], axis=1)  # [B, K+1]
-    extras: dict = {"pending_ext": []}
-    p_logits, verified = model.forward(cache, block, jnp.where(live, k + 1, 0).astype(jnp.int32), all_logits=True,
-                                       kernel_backend=backend, extras=extras)
+    p_logits, verified, aux = model.forward(cache, block, jnp.where(live, k + 1, 0).astype(jnp.int32),
+                                            all_logits=True, kernels=kernels, with_aux=True)
     accepted, nxt = accept(drafts_bk, q_logits_bkv, p_logits, temperature_b, seed_b, step_b)
     out, n_out, new_tok, budget = emit(drafts_bk, accepted, nxt, tok_b, budget_b, stop_bs)
-    new_cache = commit(model, cache, verified, extras["pending_ext"], block, n_commit_b=n_out)
-    window = write_rings(model, window, extras["main_hidden"], cache.lengths, n_out, backend)
+    new_cache = commit(model, cache, verified, aux.pending_ext, block, n_commit_b=n_out)
+    window = write_rings(model, window, aux.hidden_btf, cache.lengths, n_out, kernels)
     return out, n_out, new_tok, budget, new_cache, window, {"accepted": jnp.where(live, accepted, 0)}
 
 

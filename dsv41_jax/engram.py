@@ -21,6 +21,7 @@ from flax import nnx
 from jax.experimental.compute_on import compute_on
 
 from dsv41_jax import quant
+from dsv41_jax.config import ModelConfig
 from dsv41_jax.layers import released_fp8_linear, normal_init, weights_fp8
 
 TABLE_FP8 = quant.Fp8Codec(block=32)
@@ -46,7 +47,7 @@ def host_rows(tables: tuple, ids: jax.Array) -> tuple:
 
 
 class Engram(nnx.Module):
-    def __init__(self, cfg, rows: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rows: int, *, rngs: nnx.Rngs):
         n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         self.fp8 = weights_fp8(cfg)
         table = normal_init(rngs, (rows, cfg.engram_head_dim), jnp.float32 if self.fp8 else cfg.param_dtype, std=1.0)
@@ -73,14 +74,14 @@ class Engram(nnx.Module):
         rows, scales = got
         return TABLE_FP8.decode({"values": jax.lax.bitcast_convert_type(rows, jnp.uint8), "scales": scales})
 
-    def __call__(self, h_bthd: jax.Array, ids_btc: jax.Array, *, backend: str = "jnp",
+    def __call__(self, h_bthd: jax.Array, ids_btc: jax.Array, *, kernels: str = "jnp",
                  image_mask: jax.Array | None = None) -> jax.Array:
         """h: [B, T, hc, dim] stream; ids: int32 [B, T, n_cols] table rows. Returns the new stream.
-        backend: the `dsv41_jax.kernels` switch of the FP8 projection. image_mask: bool [B, T], True
+        kernels: the `dsv41_jax.kernels` switch of the FP8 projection. image_mask: bool [B, T], True
         where the gate is shut (image positions pass through untouched, as released)."""
         b, t = ids_btc.shape[:2]
         emb = self.lookup(ids_btc).reshape(b, t, -1).astype(h_bthd.dtype)
-        kv = self.wkv(emb, jnp.float32, backend=backend)
+        kv = self.wkv(emb, jnp.float32, kernels=kernels)
         key = kv[..., : self.hc * self.dim].reshape(b, t, self.hc, self.dim)
         value = kv[..., self.hc * self.dim:]
         h = h_bthd.astype(jnp.float32)

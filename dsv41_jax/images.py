@@ -40,6 +40,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from dsv41_jax.config import ModelConfig
+
 TEXT = -1
 IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = range(4)
 
@@ -98,7 +100,7 @@ def _fit_budget(height: float, width: float, p: int, r: int, max_tokens: int) ->
     return math.floor(height * beta / p) * p, math.floor(width * beta / p) * p
 
 
-def plan_grid(width: int, height: int, cfg) -> tuple[int, int, int, int]:
+def plan_grid(width: int, height: int, cfg: ModelConfig) -> tuple[int, int, int, int]:
     """(n_llm_h, n_llm_w, pixel height, pixel width) the release plans for an image of this size."""
     p, r, n_max = cfg.vision_patch_size, cfg.vision_downsample_ratio, cfg.vision_max_n_token
     w, h = width, height
@@ -115,12 +117,12 @@ def plan_grid(width: int, height: int, cfg) -> tuple[int, int, int, int]:
     return n_h, n_w, best_h, best_w
 
 
-def max_aspect(cfg) -> float:
+def max_aspect(cfg: ModelConfig) -> float:
     """Long side / short side beyond which an image is refused (module docstring)."""
     return (cfg.vision_max_n_token - 2) / 2
 
 
-def check_size(width: int, height: int, cfg, source: str) -> None:
+def check_size(width: int, height: int, cfg: ModelConfig, source: str) -> None:
     """ImageError unless an image of this pixel size can go into a prompt of this model."""
     p = cfg.vision_patch_size
     if min(width, height) < p:
@@ -147,7 +149,7 @@ def _open_rgb(data: bytes, source: str):
                          "another format Pillow decodes") from None
 
 
-def prepare_image(image, cfg, source: str | None = None) -> PreparedImage:
+def prepare_image(image, cfg: ModelConfig, source: str | None = None) -> PreparedImage:
     """A path, encoded bytes or a PIL image -> PreparedImage for `cfg`'s vision tower (module docstring).
 
     Raises ImageError for an unreadable, too small or too elongated image, and ValueError when the model
@@ -219,7 +221,7 @@ class EncodedSpan:
         return self.start + self.embeds.shape[0]
 
 
-def expand_prompt(ids, images, cfg) -> tuple[np.ndarray, list[ImageSpan]]:
+def expand_prompt(ids, images, cfg: ModelConfig) -> tuple[np.ndarray, list[ImageSpan]]:
     """Replace the k-th `image_token_id` of `ids` by the span of images[k].
 
     Returns (int32 [n'] prompt ids, every span position `image_token_id`; the spans). ValueError when

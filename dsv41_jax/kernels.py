@@ -1,6 +1,6 @@
 """One switch between the plain-jnp reference ops and the Pallas kernels.
 
-`backend` is "jnp" (reference, any device), "pallas" (kernels_pallas; GPU or TPU, or interpret mode
+`kernels` is "jnp" (reference, any device), "pallas" (kernels_pallas; GPU or TPU, or interpret mode
 on CPU) or "auto": the kernels on GPU/TPU when the record formats are the released packed ones
 (`quant.Fp4Codec` / `quant.Fp8Codec` with the released scale blocks), jnp otherwise (CPU, or e.g.
 `RawCodec` caches). The model passes `ModelConfig.kernels`; users override it with
@@ -34,22 +34,22 @@ _KERNEL_FORMATS = {  # what the kernels decode: the released record layouts
 }
 
 
-def resolve(backend: str) -> str:
-    """Validate `backend`; "auto" stays "auto" on GPU/TPU (decided per call from the codecs), else "jnp"."""
-    if backend not in ("auto", "jnp", "pallas"):
-        raise ValueError(f"kernel backend must be auto|jnp|pallas, got {backend!r}")
-    if backend == "auto":
+def resolve(kernels: str) -> str:
+    """Validate `kernels`; "auto" stays "auto" on GPU/TPU (decided per call from the codecs), else "jnp"."""
+    if kernels not in ("auto", "jnp", "pallas"):
+        raise ValueError(f"kernels must be auto|jnp|pallas, got {kernels!r}")
+    if kernels == "auto":
         return "auto" if jax.default_backend() in ("gpu", "cuda", "tpu") else "jnp"
-    return backend
+    return kernels
 
 
-def _pallas(backend: str, **codecs) -> bool:
+def _pallas(kernels: str, **codecs) -> bool:
     """True when this call runs the Pallas kernels; "pallas" with other record formats is an error."""
-    backend = resolve(backend)
-    if backend == "jnp":
+    kernels = resolve(kernels)
+    if kernels == "jnp":
         return False
     odd = [f"{name}={codec!r}" for name, codec in codecs.items() if codec != _KERNEL_FORMATS[name]]
-    if odd and backend == "pallas":
+    if odd and kernels == "pallas":
         raise ValueError(f"the Pallas kernels read the released packed formats only, got {', '.join(odd)}; "
                          "use kernels='jnp' or 'auto' with these cache formats")
     return not odd
@@ -61,42 +61,42 @@ def _kp():
     return kernels_pallas
 
 
-def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec, *, block=None, backend="jnp"):
+def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec, *, block=None, kernels="jnp"):
     """f32 [B, N] decode scores (`ops.indexer_scores_decode`); with `block`, also their block maxima
     f32 [B, ceil(N / block)], which the Pallas scan writes in the same pass."""
-    if _pallas(backend, index_key=codec):
+    if _pallas(kernels, index_key=codec):
         return _kp().indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, block=block)
     scores = ops.indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec)
     return scores if block is None else (scores, ops.block_maxima(scores, block))
 
 
-def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b, codec, *, backend="jnp"):
+def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b, codec, *, kernels="jnp"):
     """f32 [B, K * block] scores of the pool positions only (`ops.indexer_scores_pool_decode`)."""
-    if _pallas(backend, index_key=codec):
+    if _pallas(kernels, index_key=codec):
         return _kp().indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b)
     return ops.indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b, codec)
 
 
-def select_topk(scores, k, *, backend="jnp"):
-    if _pallas(backend):
+def select_topk(scores, k, *, kernels="jnp"):
+    if _pallas(kernels):
         return _kp().select_topk(scores, k)
     return ops.select_topk(scores, k)
 
 
-def select_pool_topk(scores_bp, blocks_bk, block, k, *, backend="jnp"):
+def select_pool_topk(scores_bp, blocks_bk, block, k, *, kernels="jnp"):
     """int32 [B, k] absolute positions: the top-k of pool scores [B, K * block], ascending, -1 padded."""
-    return ops.pool_topk_positions(select_topk(scores_bp, k, backend=backend), blocks_bk, block)
+    return ops.pool_topk_positions(select_topk(scores_bp, k, kernels=kernels), blocks_bk, block)
 
 
-def candidate_blocks(bmax, reachable, n_blocks, block, *, backend="jnp"):
+def candidate_blocks(bmax, reachable, n_blocks, block, *, kernels="jnp"):
     """int32 [..., n_blocks] pool block ids from block maxima [..., NB]: `ops.candidate_blocks` after its
     `ops.block_maxima` step."""
-    return select_topk(ops.pin_newest_block(bmax, reachable, block), n_blocks, backend=backend)
+    return select_topk(ops.pin_newest_block(bmax, reachable, block), n_blocks, kernels=kernels)
 
 
 def sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry_rec, idx_bk, entry_codec,
-                            sink_h, scale, *, backend="jnp"):
-    if _pallas(backend, window_kv=window_codec, main_kv=entry_codec):
+                            sink_h, scale, *, kernels="jnp"):
+    if _pallas(kernels, window_kv=window_codec, main_kv=entry_codec):
         return _kp().sparse_attention_decode(q_bhd, window_rec, window_valid, entry_rec, idx_bk, sink_h, scale)
     return ops.sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry_rec, idx_bk,
                                        entry_codec, sink_h, scale)
@@ -105,28 +105,28 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry
 WEIGHT_KERNEL_ROWS = 384  # rows of x up to which the weight matmuls run the kernels (see the module doc)
 
 
-def _weight_kernels(backend: str, rows: int) -> bool:
+def _weight_kernels(kernels: str, rows: int) -> bool:
     """True when the weight-matmul kernels run (GPU / TPU, or interpret mode on CPU with "pallas")."""
-    return rows <= WEIGHT_KERNEL_ROWS and resolve(backend) != "jnp"
+    return rows <= WEIGHT_KERNEL_ROWS and resolve(kernels) != "jnp"
 
 
-def grouped_matmuls(x_mk, ws, sizes_e, *, backend="jnp"):
+def grouped_matmuls(x_mk, ws, sizes_e, *, kernels="jnp"):
     """[f32 [M, N] per weight in `ws`]: rows sorted by expert times their expert's stored weight
     (`grouped.grouped_matmul`); on the kernels, weights of one shape share one launch (w1 and w3)."""
-    if all(grouped.is_packed(w) for w in ws) and _weight_kernels(backend, x_mk.shape[0]):
+    if all(grouped.is_packed(w) for w in ws) and _weight_kernels(kernels, x_mk.shape[0]):
         return _kp().grouped_matmuls_fp4(x_mk, [(w["values"], w["scales"]) for w in ws], sizes_e)
     return [grouped.grouped_matmul(x_mk, w, sizes_e) for w in ws]
 
 
-def grouped_matmul(x_mk, w, sizes_e, *, backend="jnp"):
+def grouped_matmul(x_mk, w, sizes_e, *, kernels="jnp"):
     """`grouped_matmuls` for one weight."""
-    return grouped_matmuls(x_mk, [w], sizes_e, backend=backend)[0]
+    return grouped_matmuls(x_mk, [w], sizes_e, kernels=kernels)[0]
 
 
-def fp8_matmul(x_mk, q_nk, exp, *, backend="jnp"):
+def fp8_matmul(x_mk, q_nk, exp, *, kernels="jnp"):
     """f32 [M, N] = x @ W^T for an FP8 block-format weight (`grouped.fp8_matmul`)."""
     n, k = q_nk.shape
-    if n % 32 == 0 and k % 32 == 0 and _weight_kernels(backend, x_mk.shape[0]):
+    if n % 32 == 0 and k % 32 == 0 and _weight_kernels(kernels, x_mk.shape[0]):
         return _kp().fp8_matmul(x_mk, q_nk, exp)
     return grouped.fp8_matmul(x_mk, q_nk, exp)
 

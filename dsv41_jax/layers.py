@@ -21,18 +21,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import kernels, quant
+from dsv41_jax import quant
+from dsv41_jax.config import ModelConfig
 from dsv41_jax.grouped import FP8_BLOCK
+from dsv41_jax.kernels import fp8_matmul
 
 ACT_FP8 = quant.Fp8Codec(block=FP8_BLOCK)  # the release's act_quant: E4M3, power-of-two scale, amax >= 1e-4
 
 
-def weights_fp8(cfg) -> bool:
+def weights_fp8(cfg: ModelConfig) -> bool:
     """True when params keep the release's FP8 / FP4 weight formats (config switch `weight_format`)."""
     return cfg.weight_format == "fp8"
 
 
-def activation_quant(cfg) -> bool:
+def activation_quant(cfg: ModelConfig) -> bool:
     """True when FP8/FP4 projections round their inputs to FP8 first (the release's `fp8` mode)."""
     return cfg.activation_quant
 
@@ -89,20 +91,20 @@ class Linear(nnx.Module):
         self.fp8 = fp8
         self.act_quant = act_quant
 
-    def __call__(self, x: jax.Array, out_dtype=None, *, backend: str = "jnp") -> jax.Array:
-        """x [..., in] -> [..., out] in out_dtype (default x's). backend: `dsv41_jax.kernels` switch; an
+    def __call__(self, x: jax.Array, out_dtype=None, *, kernels: str = "jnp") -> jax.Array:
+        """x [..., in] -> [..., out] in out_dtype (default x's). kernels: the `dsv41_jax.kernels` switch; an
         FP8 weight is then read in its stored bytes by the GPU kernel (no dequantized copy)."""
         if self.act_quant:
             x = quantize_activation(x)
         if self.fp8:
-            y = kernels.fp8_matmul(x.reshape(-1, x.shape[-1]), self.weight[...], self.scale[...], backend=backend)
+            y = fp8_matmul(x.reshape(-1, x.shape[-1]), self.weight[...], self.scale[...], kernels=kernels)
             y = y.reshape(*x.shape[:-1], y.shape[-1])
         else:
             y = jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype), preferred_element_type=jnp.float32)
         return y.astype(out_dtype or x.dtype)
 
 
-def released_fp8_linear(cfg, d_in: int, d_out: int, *, rngs: nnx.Rngs) -> Linear:
+def released_fp8_linear(cfg: ModelConfig, d_in: int, d_out: int, *, rngs: nnx.Rngs) -> Linear:
     """A projection the release ships in FP8 (and runs W8A8 in its fp8 mode), formatted per `cfg`."""
     return Linear(d_in, d_out, rngs=rngs, dtype=cfg.param_dtype, fp8=weights_fp8(cfg),
                   act_quant=activation_quant(cfg))

@@ -9,41 +9,55 @@ history), and the routers pick experts with their image bias (`bias_vl`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax.attention import Attention, Step, released_key_owner
+from dsv41_jax.attention import Attention
 from dsv41_jax.cache import Cache, formats_of
+from dsv41_jax.config import ModelConfig
 from dsv41_jax.engram import Engram
 from dsv41_jax.engram_hash import EngramHashLayout, advance_history, ngram_hash_ids, ngram_windows
 from dsv41_jax.block import MixedBlock
 from dsv41_jax.dspark import DSparkStage
 from dsv41_jax.hyper import collapse
+from dsv41_jax.indexer import released_key_owner
 from dsv41_jax.layers import Buffer, Embedding, Linear, RMSNorm
 from dsv41_jax.plan import build_plan
 from dsv41_jax.partitioning import annotate_params
+from dsv41_jax.step import ForwardAux, Published, StepInputs
 from dsv41_jax.vision import build_vision, image_span
 
 
 class Block(MixedBlock):
-    def __init__(self, cfg, plan, engram_rows: int | None, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, plan, engram_rows: int | None, *, rngs: nnx.Rngs):
         self._build(cfg, Attention(cfg, plan, rngs=rngs), cfg, rngs)
         self.engram = Engram(cfg, engram_rows, rngs=rngs) if engram_rows else None
 
-    def __call__(self, h, pre_mix, step: Step, engram_ids=None, image_mask=None, capture: list | None = None):
-        """h: [B, T, hc, dim]; pre_mix: [B, T, hc] from the previous block; image_mask: bool [B, T] or
-        None (text only). Returns (h, next pre_mix). capture: a list that gets this block's input stream
-        (after Engram) averaged over the hc copies, [B, T, dim]: what DSpark reads from its target layers."""
+    def __call__(self, h_btcd, pre_mix_btc, inp: StepInputs, ring: dict, pub: Published, engram_ids=None,
+                 image_mask_bt=None, capture: bool = False):
+        """h: [B, T, hc, dim]; pre_mix: [B, T, hc] from the previous block; ring: this layer's window ring
+        before the chunk; pub: what the earlier layers published; image_mask: bool [B, T] or None (text
+        only). Returns (h, next pre_mix, ring after the chunk, `Published` for the next layer,
+        `LayerAux`). capture: also return this block's input stream (after Engram) averaged over the
+        hc copies, [B, T, dim] (`LayerAux.hidden_btd`): what DSpark reads from its target layers."""
         if self.engram is not None:
-            h = self.engram(h, engram_ids, backend=step.kernel_backend, image_mask=image_mask)
-        if capture is not None:
-            capture.append(jnp.mean(h.astype(jnp.float32), axis=2).astype(h.dtype))
-        return self.mix(h, pre_mix, lambda x: self.attn(x, step), step.extras, step.kernel_backend, image_mask)
+            h_btcd = self.engram(h_btcd, engram_ids, kernels=inp.kernels, image_mask=image_mask_bt)
+        hidden = jnp.mean(h_btcd.astype(jnp.float32), axis=2).astype(h_btcd.dtype) if capture else None
+
+        def attend(x_btd):
+            out_btd, ring_after, pub_after, aux = self.attn(x_btd, inp, ring, pub)
+            return out_btd, (ring_after, pub_after, aux)
+
+        h_btcd, pre_mix_btc, (ring, pub, aux), load_e = self.mix(h_btcd, pre_mix_btc, attend, inp.kernels,
+                                                                 image_mask_bt)
+        return h_btcd, pre_mix_btc, ring, pub, dataclasses.replace(aux, expert_load_e=load_e, hidden_btd=hidden)
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         plan = build_plan(cfg)
         rows = dict(zip(cfg.engram_layer_ids, cfg.engram_num_embeddings))
@@ -62,16 +76,16 @@ class Transformer(nnx.Module):
         annotate_params(self)  # logical axes (partitioning.PARAM_AXES) -> each param's NNX metadata
 
     def forward(self, cache: Cache, tokens_bt: jax.Array, n_new_b: jax.Array, *, all_logits: bool,
-                layers: int | None = None, kernel_backend: str = "jnp", training: bool = False,
-                extras: dict | None = None, image_embeds: jax.Array | None = None,
-                image_mask: jax.Array | None = None) -> tuple[jax.Array | None, Cache]:
+                layers: int | None = None, kernels: str = "jnp", training: bool = False, with_aux: bool = False,
+                image_embeds: jax.Array | None = None, image_mask: jax.Array | None = None):
         """Process T new tokens per sequence on top of `cache`; n_new_b[b] of them are real.
 
-        Returns logits f32 ([B, T, V] if all_logits else [B, V] at each sequence's last real token)
-        and the updated cache. training=True runs the quantization-aware training forward (see
-        `attention.Step.training`; one-token chunks then take the dense path too). `extras`, when
-        given, receives the by-products the layers record (`Step.extras`; "expert_load": one int32
-        [E] count of routed assignments per layer), which dsv41_jax.train reads.
+        Returns (logits, cache), or (logits, cache, `step.ForwardAux`) with with_aux=True: logits f32
+        ([B, T, V] if all_logits else [B, V] at each sequence's last real token) and the updated cache.
+        training=True runs the quantization-aware training forward (`step.StepInputs.training`;
+        one-token chunks then take the dense path too); its views and indexer records are in the aux,
+        which dsv41_jax.train reads, as are the routed expert loads, the DSpark target layers' hidden
+        streams (a model with draft stages) and the compressors' pending extensions (dsv41_jax.dspark).
 
         layers=k runs blocks [0, k) only (decoder-side bounded prefill: k = `plan.encoder_depth`):
         the global KV they publish is exact, the skipped blocks' window rings restart empty after
@@ -87,14 +101,14 @@ class Transformer(nnx.Module):
         n_run = len(self.layers) if layers is None else layers
         if not 0 < n_run <= len(self.layers):
             raise ValueError(f"layers={layers} must be in 1..{len(self.layers)} (n_layers)")
-        step = Step(pos=cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32), lengths=cache.lengths,
-                    n_new=n_new_b, fmt=formats_of(cfg), window=cache.window, window_start=cache.window_start,
-                    sources=list(cache.sources),
-                    decode=(t == 1 and not training), kernel_backend=kernel_backend, training=training,
-                    extras={} if extras is None else extras)
-        if cfg.index_keys == "released" and t == 1 and step.sources:
+        inp = StepInputs(pos_bt=cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32), lengths_b=cache.lengths,
+                         n_new_b=n_new_b, window_start_lb=cache.window_start, fmt=formats_of(cfg),
+                         decode=(t == 1 and not training), kernels=kernels, training=training)
+        key_owner_b = None
+        if cfg.index_keys == "released" and t == 1 and cache.sources:
             ratios = tuple(p.ratio for p in build_plan(cfg) if p.compresses)
-            step.key_owner = released_key_owner(ratios, cache.lengths)
+            key_owner_b = released_key_owner(ratios, cache.lengths)
+        pub = Published(sources=tuple(cache.sources), views=(None,) * len(cache.sources), key_owner_b=key_owner_b)
         history = cache.ngram_history
         engram_ids = None
         if cfg.engram_layer_ids:
@@ -111,26 +125,35 @@ class Transformer(nnx.Module):
         h = jnp.broadcast_to(x0[:, :, None, :], (b, t, cfg.hc_mult, cfg.dim))
         pre = jnp.zeros((b, t, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
         e_slot = {l: i for i, l in enumerate(cfg.engram_layer_ids)}
-        targets = cfg.dspark_target_layer_ids if cfg.has_dspark and extras is not None else ()
-        hidden: list = []
+        targets = cfg.dspark_target_layer_ids if cfg.has_dspark and with_aux else ()
+        window, layer_aux = cache.window, []
         for layer in range(n_run):
             ids = engram_ids[:, :, e_slot[layer]] if layer in e_slot else None
-            h, pre = self.layers[layer](h, pre, step, ids, image_mask, hidden if layer in targets else None)
-        if targets and len(hidden) == len(targets):
-            step.extras["main_hidden"] = jnp.concatenate(hidden, axis=-1)
+            ring = jax.tree.map(lambda a, l=layer: a[l], window)
+            h, pre, ring, pub, aux = self.layers[layer](h, pre, inp, ring, pub, ids, image_mask, layer in targets)
+            window = jax.tree.map(lambda a, r, l=layer: a.at[l].set(r), window, ring)  # the cache takes the slice
+            layer_aux.append(aux)
         new_len = cache.lengths + n_new_b
         start = cache.window_start
         if n_run < len(self.layers):  # skipped rings hold nothing before the new length
             start = start.at[n_run:].set(jnp.where(n_new_b > 0, new_len, start[n_run:]))
-        new_cache = Cache(lengths=new_len, window=step.window, window_start=start, sources=tuple(step.sources),
+        new_cache = Cache(lengths=new_len, window=window, window_start=start, sources=pub.sources,
                           ngram_history=history)
-        if n_run < len(self.layers):
-            return None, new_cache
-        x = collapse(h, pre)
-        if not all_logits:
-            last = jnp.clip(n_new_b - 1, 0, t - 1)
-            x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-        return self.head(self.norm(x).astype(jnp.float32), jnp.float32), new_cache
+        logits = None
+        if n_run == len(self.layers):
+            x = collapse(h, pre)
+            if not all_logits:
+                last = jnp.clip(n_new_b - 1, 0, t - 1)
+                x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+            logits = self.head(self.norm(x).astype(jnp.float32), jnp.float32)
+        if not with_aux:
+            return logits, new_cache
+        hidden = [a.hidden_btd for a in layer_aux if a.hidden_btd is not None]
+        aux = ForwardAux(expert_load_le=jnp.stack([a.expert_load_e for a in layer_aux]), layers=tuple(layer_aux),
+                         views=pub.views,
+                         hidden_btf=jnp.concatenate(hidden, axis=-1) if targets and len(hidden) == len(targets)
+                         else None)
+        return logits, new_cache, aux
 
     def image_span(self, patches_nc: jax.Array, n_vit_h: int, n_vit_w: int, n_llm_h: int, n_llm_w: int) -> jax.Array:
         """Embeddings [n_span, dim] of one image's prompt span (dsv41_jax.vision.image_span)."""

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import kernels
+from dsv41_jax.config import ModelConfig
 from dsv41_jax.grouped import EXPERT_FP4
+from dsv41_jax.kernels import grouped_matmuls
 from dsv41_jax.layers import (Buffer, activation_quant, normal_init, quantize_activation, released_fp8_linear,
                               weights_fp8)
 
@@ -31,7 +32,7 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 
 
 class Router(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.weight = nnx.Param(normal_init(rngs, (cfg.n_routed_experts, cfg.dim), jnp.float32))
         # aux-loss-free balancing: steers which experts are picked, never how much they weigh
         self.bias = Buffer(jnp.zeros((cfg.n_routed_experts,), jnp.float32))
@@ -63,7 +64,7 @@ class MoE(nnx.Module):
     """Routed experts stored stacked and input-major: w1/w3 [E, dim, inter], w2 [E, inter, dim]
     (or packed FP4, output-major, with `weight_format="fp8"`: see the module docstring)."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         e, d, f, dt = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, cfg.param_dtype
         self.router = Router(cfg, rngs=rngs)
         self.fp4 = weights_fp8(cfg)
@@ -91,7 +92,7 @@ class MoE(nnx.Module):
         """One expert matrix in the form `grouped` takes: FP4 records or the float [E, in, out] array."""
         return {"values": raw[name], "scales": raw[name + "_scale"]} if self.fp4 else raw[name]
 
-    def _routed(self, x_nd, w_nk, ids_nk, raw, first_expert, n_local: int, backend: str) -> jax.Array:
+    def _routed(self, x_nd, w_nk, ids_nk, raw, first_expert, n_local: int, kernels: str) -> jax.Array:
         """Sum over each token's assignments to experts [first_expert, first_expert + n_local): f32 [N, D].
 
         Assignments to other experts sort last and fall outside the ragged groups (zero rows).
@@ -105,8 +106,7 @@ class MoE(nnx.Module):
         sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
         dt = x_nd.dtype
         xs = x_nd[token_of]
-        mm = lambda a, *names: kernels.grouped_matmuls(a, [self._stored(raw, n) for n in names], sizes,
-                                                      backend=backend)
+        mm = lambda a, *names: grouped_matmuls(a, [self._stored(raw, n) for n in names], sizes, kernels=kernels)
         h1, h3 = mm(xs, "w1", "w3")
         act = (swiglu(h1, h3, self.limit) * w_nk.reshape(-1)[order][:, None]).astype(dt)
         if self.act_quant:  # the release weights the activation before quantizing it for w2
@@ -114,31 +114,30 @@ class MoE(nnx.Module):
         (ys,) = mm(act, "w2")
         return jnp.zeros(x_nd.shape, jnp.float32).at[token_of].add(ys)
 
-    def __call__(self, x_btd: jax.Array, extras: dict | None = None, *, backend: str = "jnp",
-                 image_mask: jax.Array | None = None) -> jax.Array:
-        """x [B, T, D] -> [B, T, D]. backend: the `dsv41_jax.kernels` switch of the expert and FP8 matmuls.
-        extras: if given, gets this layer's routed load appended to extras["expert_load"] (int32 [E]
-        assignments per expert over all B*T tokens, padding included), for aux-loss-free balancing.
-        image_mask: bool [B, T] or None, the image-span tokens (routed with `bias_vl`)."""
+    def __call__(self, x_btd: jax.Array, *, kernels: str = "jnp",
+                 image_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """x [B, T, D] -> (y [B, T, D], this layer's routed load int32 [E]: assignments per expert over all
+        B*T tokens, padding included, for aux-loss-free balancing). kernels: the `dsv41_jax.kernels`
+        switch of the expert and FP8 matmuls. image_mask: bool [B, T] or None, the image-span tokens
+        (routed with `bias_vl`)."""
         b, t, d = x_btd.shape
         x = x_btd.reshape(b * t, d)
         w, ids, _ = self.router(x, None if image_mask is None else image_mask.reshape(b * t))
-        if extras is not None:
-            extras.setdefault("expert_load", []).append(jnp.bincount(ids.reshape(-1), length=self.n_experts))
+        load_e = jnp.bincount(ids.reshape(-1), length=self.n_experts)
         dt = x.dtype
         xq = quantize_activation(x) if self.act_quant else x  # per token, so before the gather
         mesh = jax.sharding.get_abstract_mesh()
         ep = mesh.shape.get("expert", 1) if not mesh.empty else 1
         if ep > 1:
-            y = self._routed_expert_parallel(xq, w, ids, mesh, ep, backend)
+            y = self._routed_expert_parallel(xq, w, ids, mesh, ep, kernels)
         else:
-            y = self._routed(xq, w, ids, self._raw_experts(), 0, self.n_experts, backend)
-        up = lambda lin: lin(x, jnp.float32, backend=backend)
+            y = self._routed(xq, w, ids, self._raw_experts(), 0, self.n_experts, kernels)
+        up = lambda lin: lin(x, jnp.float32, kernels=kernels)
         shared = self.shared_w2(swiglu(up(self.shared_w1), up(self.shared_w3), self.limit).astype(dt), jnp.float32,
-                                backend=backend)
-        return (y + shared).astype(dt).reshape(b, t, d)
+                                kernels=kernels)
+        return (y + shared).astype(dt).reshape(b, t, d), load_e
 
-    def _routed_expert_parallel(self, x_nd, w_nk, ids_nk, mesh, ep: int, backend: str) -> jax.Array:
+    def _routed_expert_parallel(self, x_nd, w_nk, ids_nk, mesh, ep: int, kernels: str) -> jax.Array:
         """Expert parallelism: each device of the `expert` mesh axis holds E/ep experts. Tokens (sharded
         over `data`, replicated over `expert`) are all present on every expert shard, each shard computes
         its own experts' assignments, and a psum over `expert` combines them."""
@@ -150,7 +149,7 @@ class MoE(nnx.Module):
 
         def body(x, w, ids, raw_local):
             first = jax.lax.axis_index("expert") * n_local
-            return jax.lax.psum(self._routed(x, w, ids, raw_local, first, n_local, backend), "expert")
+            return jax.lax.psum(self._routed(x, w, ids, raw_local, first, n_local, kernels), "expert")
 
         return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, jax.tree.map(lambda _: P("expert"), raw)),
                              out_specs=tok, check_vma=False)(x_nd, w_nk, ids_nk, raw)

@@ -45,6 +45,7 @@ from dsv41_jax import dspark
 from dsv41_jax.api import graphdef
 from dsv41_jax.cache import init_cache
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.step import IndexerRecord
 
 __all__ = ["split_trainable", "init_opt_state", "loss_fn", "indexer_kl", "update_expert_bias",
            "make_train_step", "split_draft", "init_draft_opt_state", "draft_loss_fn", "make_draft_train_step",
@@ -71,18 +72,19 @@ def init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State):
     return optimizer.init(split_trainable(params)[0])
 
 
-def indexer_kl(rec: dict) -> tuple[jax.Array, jax.Array]:
+def indexer_kl(rec: IndexerRecord) -> tuple[jax.Array, jax.Array]:
     """KL(main attention || indexer) of one indexing layer, summed over queries with a non-empty
     support, and the number of those queries (f32 scalars).
 
-    rec: {"scores" f32 [B, T, N] (-inf outside the support), "q" [B, T, H, hd], "keys" [B, N, hd],
-    "scale"}, as `attention.Step.training` records it.
+    rec: the layer's scores f32 [B, T, N] (-inf outside the support), attention queries [B, T, H, hd],
+    the entries they attend [B, N, hd] and the softmax scale, as the training forward returns it
+    (`ForwardAux.indexer`).
     """
-    scores = rec["scores"]
+    scores = rec.scores_btn
     support = scores > -jnp.inf  # [B, T, N]
-    q = jax.lax.stop_gradient(rec["q"]).astype(jnp.float32)
-    k = jax.lax.stop_gradient(rec["keys"]).astype(jnp.float32)
-    logits = jnp.einsum("bthd,bnd->bthn", q, k) * rec["scale"]
+    q = jax.lax.stop_gradient(rec.q_bthd).astype(jnp.float32)
+    k = jax.lax.stop_gradient(rec.keys_bnd).astype(jnp.float32)
+    logits = jnp.einsum("bthd,bnd->bthn", q, k) * rec.scale
     # a finite fill keeps empty rows NaN-free; they are dropped below
     p_heads = jax.nn.softmax(jnp.where(support[:, :, None], logits, -1e30), axis=-1)
     target = jnp.where(support, p_heads.mean(axis=2), 0.0)
@@ -103,13 +105,12 @@ def loss_fn(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt1:
     model = nnx.merge(graphdef(cfg), trainable, rest)
     inputs, targets = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
     b, t = inputs.shape
-    extras: dict = {}
-    logits, _ = model.forward(init_cache(cfg, b, t), inputs, jnp.full((b,), t, jnp.int32), all_logits=True,
-                              training=True, extras=extras)
+    logits, _, fwd = model.forward(init_cache(cfg, b, t), inputs, jnp.full((b,), t, jnp.int32), all_logits=True,
+                                   training=True, with_aux=True)
     lm = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-    per_layer = [indexer_kl(r) for r in extras.get("indexer", [])]
+    per_layer = [indexer_kl(r) for r in fwd.indexer]
     kl = (sum(s / jnp.maximum(n, 1.0) for s, n in per_layer) / len(per_layer)) if per_layer else jnp.float32(0)
-    aux = {"lm_loss": lm, "indexer_kl": kl, "expert_load": jnp.stack(extras["expert_load"])}
+    aux = {"lm_loss": lm, "indexer_kl": kl, "expert_load": fwd.expert_load_le}
     return lm + kl_weight * kl, aux
 
 
@@ -119,10 +120,9 @@ def draft_loss_fn(draft: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt
     from an empty cache); see `dspark.distill_loss` for the anchors and the loss."""
     model = nnx.merge(graphdef(cfg), draft, rest)
     b, t = tokens_bt.shape
-    extras: dict = {}
-    logits, _ = model.forward(init_cache(cfg, b, t), tokens_bt, jnp.full((b,), t, jnp.int32), all_logits=True,
-                              extras=extras)
-    return dspark.distill_loss(model, extras["main_hidden"], logits, tokens_bt, anchors)
+    logits, _, fwd = model.forward(init_cache(cfg, b, t), tokens_bt, jnp.full((b,), t, jnp.int32), all_logits=True,
+                                   with_aux=True)
+    return dspark.distill_loss(model, fwd.hidden_btf, logits, tokens_bt, anchors)
 
 
 def _optimizer_step(loss, split, optimizer, params, opt_state, *args):

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv41_jax.config import ModelConfig
 from dsv41_jax.images import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, span_types
 from dsv41_jax.layers import Linear, RMSNorm, normal_init
 
@@ -67,7 +68,7 @@ def rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class VisionAttention(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, dt = cfg.vision_dim, cfg.param_dtype
         self.n_heads, self.head_dim = cfg.vision_n_heads, d // cfg.vision_n_heads
         self.wqkv = BiasedLinear(d, 3 * d, rngs=rngs, dtype=dt)
@@ -84,7 +85,7 @@ class VisionAttention(nnx.Module):
 
 
 class VisionMLP(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, dt = cfg.vision_dim, cfg.vision_inter_dim, cfg.param_dtype
         self.w1 = Linear(d, 2 * f, rngs=rngs, dtype=dt)  # [gate; up]
         self.w2 = Linear(f, d, rngs=rngs, dtype=dt)
@@ -95,7 +96,7 @@ class VisionMLP(nnx.Module):
 
 
 class VisionBlock(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.norm1 = RMSNorm(cfg.vision_dim, VISION_NORM_EPS)
         self.attn = VisionAttention(cfg, rngs=rngs)
         self.norm2 = RMSNorm(cfg.vision_dim, VISION_NORM_EPS)
@@ -107,7 +108,7 @@ class VisionBlock(nnx.Module):
 
 
 class PatchEmbed(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.proj = BiasedLinear(3 * cfg.vision_patch_size ** 2, cfg.vision_dim, rngs=rngs, dtype=cfg.param_dtype)
 
     def __call__(self, patches_nc: jax.Array) -> jax.Array:
@@ -117,7 +118,7 @@ class PatchEmbed(nnx.Module):
 class ViT(nnx.Module):
     """Full bidirectional attention over one image's patches with 2D RoPE."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.patch_embed = PatchEmbed(cfg, rngs=rngs)
         self.blocks = nnx.List([VisionBlock(cfg, rngs=rngs) for _ in range(cfg.vision_n_layers)])
         self.norm = RMSNorm(cfg.vision_dim, VISION_NORM_EPS)
@@ -133,7 +134,7 @@ class ViT(nnx.Module):
 
 
 class Aligner(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.r = cfg.vision_downsample_ratio
         self.w1 = BiasedLinear(cfg.vision_dim * self.r ** 2, cfg.dim, rngs=rngs, dtype=cfg.param_dtype)
         self.w2 = BiasedLinear(cfg.dim, cfg.dim, rngs=rngs, dtype=cfg.param_dtype)
@@ -147,7 +148,7 @@ class Aligner(nnx.Module):
         return self.w2(jax.nn.gelu(self.w1(cells), approximate=False))
 
 
-def build_vision(cfg, *, rngs: nnx.Rngs) -> dict:
+def build_vision(cfg: ModelConfig, *, rngs: nnx.Rngs) -> dict:
     """The vision modules and params a Transformer holds under the checkpoint's top-level names:
     `vision`, `aligner`, `image_start`, `image_newline`, `image_end`."""
     delim = lambda: nnx.Param(normal_init(rngs, (cfg.dim,), cfg.param_dtype, std=0.12))

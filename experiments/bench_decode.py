@@ -195,9 +195,8 @@ def experts_hit(cfg, params, cache, tokens) -> list[int]:
     """Distinct routed experts per layer in one decode step on this cache (from the router's load)."""
     def load(params, cache, tokens):
         m = nnx.merge(api.graphdef(cfg), params)
-        extras = {}
-        m.forward(cache, tokens[:, None], jnp.ones_like(cache.lengths), all_logits=False, extras=extras)
-        return jnp.stack(extras["expert_load"])
+        _, _, aux = m.forward(cache, tokens[:, None], jnp.ones_like(cache.lengths), all_logits=False, with_aux=True)
+        return aux.expert_load_le
     counts = jax.jit(load)(params, cache, tokens)
     return [int(c) for c in np.asarray((counts > 0).sum(-1))]
 

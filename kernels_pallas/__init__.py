@@ -3,7 +3,7 @@
 GPU kernels lower through Triton (`gpu_*`), TPU kernels through Mosaic TPU (`tpu_*`); on a CPU both
 run in interpret mode (that is how CI checks them). The functions below take the cache records of
 `dsv41_jax.quant` in the released packed formats and pick the platform from the default backend
-unless `platform` is given.
+unless `family` ("gpu" | "tpu") is given.
 """
 
 from __future__ import annotations
@@ -17,41 +17,42 @@ __all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk",
            "grouped_matmuls_fp4", "fp8_matmul", "platform"]
 
 
-def platform(override: str | None = None) -> tuple[str, bool]:
-    """(kernel family "gpu" | "tpu", interpret?) for the default backend; CPU runs GPU kernels interpreted."""
+def platform(family: str | None = None) -> tuple[str, bool]:
+    """(kernel family "gpu" | "tpu", interpret?): `family`, or the default backend's; CPU runs the GPU
+    kernels interpreted, and a family other than the backend's runs interpreted too."""
     backend = jax.default_backend()
-    fam = override or ("tpu" if backend == "tpu" else "gpu")
+    fam = family or ("tpu" if backend == "tpu" else "gpu")
     if fam not in ("gpu", "tpu"):
-        raise ValueError(f"kernel platform must be gpu|tpu, got {fam!r}")
+        raise ValueError(f"kernel family must be gpu|tpu, got {fam!r}")
     return fam, backend == "cpu" or (fam == "tpu") != (backend == "tpu")
 
 
-def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | None = None, platform_=None):
+def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | None = None, family=None):
     """f32 [B, N] scores, -inf past reachable (and block maxima [B, ceil(N/block)] with `block`)."""
-    fam, interpret = platform(platform_)
+    fam, interpret = platform(family)
     mod = tpu_indexer if fam == "tpu" else gpu_indexer
     return mod.indexer_scores(q_bhd, w_bh, key_rec["values"], key_rec["scales"], reachable_b, block=block,
                               interpret=interpret)
 
 
-def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block: int, reachable_b, *, platform_=None):
+def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block: int, reachable_b, *, family=None):
     """f32 [B, K * block] scores of the candidate pool's positions only (`ops.indexer_scores_pool_decode`)."""
-    fam, interpret = platform(platform_)
+    fam, interpret = platform(family)
     mod = tpu_indexer if fam == "tpu" else gpu_indexer
     return mod.indexer_scores_pool(q_bhd, w_bh, key_rec["values"], key_rec["scales"], blocks_bk, reachable_b,
                                    block=block, interpret=interpret)
 
 
-def select_topk(scores, k: int, *, platform_=None):
+def select_topk(scores, k: int, *, family=None):
     """int32 [..., k] (`ops.select_topk`); candidate blocks are this over `ops.pin_newest_block` maxima."""
-    fam, interpret = platform(platform_)
+    fam, interpret = platform(family)
     mod = tpu_select if fam == "tpu" else gpu_select
     return mod.select_topk(scores, k, interpret=interpret)
 
 
 def sparse_attention_decode(q_bhd, window_rec, window_valid_bw, entry_rec, idx_bk, sink_h, scale: float, *,
-                            platform_=None):
-    fam, interpret = platform(platform_)
+                            family=None):
+    fam, interpret = platform(family)
     args = (q_bhd, window_rec["values"], window_rec["scales"], window_valid_bw, entry_rec["values"],
             entry_rec["scales"], idx_bk, sink_h, float(scale))
     if fam == "tpu":
@@ -66,17 +67,17 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid_bw, entry_rec, idx_b
     return gpu_attention.sparse_attention(*args, splits=splits, block_k=block_k, interpret=interpret)
 
 
-def grouped_matmuls_fp4(x_mk, weights, sizes_e, *, platform_=None):
+def grouped_matmuls_fp4(x_mk, weights, sizes_e, *, family=None):
     """[f32 [M, N] per (values, scales) in `weights`]: sorted rows times their expert's packed FP4 weight
     (`dsv41_jax.grouped` contract); on GPU one launch for all the weights."""
-    fam, interpret = platform(platform_)
+    fam, interpret = platform(family)
     if fam == "tpu":
         return [tpu_grouped.grouped_matmul_fp4(x_mk, v, s, sizes_e, interpret=interpret) for v, s in weights]
     return gpu_grouped.grouped_matmuls_fp4(x_mk, weights, sizes_e, interpret=interpret)
 
 
-def fp8_matmul(x_mk, q_nk, exp, *, platform_=None):
+def fp8_matmul(x_mk, q_nk, exp, *, family=None):
     """f32 [M, N] = x @ W^T, W in the released FP8 block format (E4M3 [N, K], E8M0 [N/32, K/32])."""
-    fam, interpret = platform(platform_)
+    fam, interpret = platform(family)
     mod = tpu_grouped if fam == "tpu" else gpu_grouped
     return mod.fp8_matmul(x_mk, q_nk, exp, interpret=interpret)

@@ -57,9 +57,9 @@ def _verify(params, cache, window, tok, drafts, budget):
 @jax.jit
 def _replay(params, cache, window, block, n_new):
     """What the commit must equal: the accepted tokens appended as one chunk, rings from its own hidden."""
-    model, extras = _model(params), {}
-    _, after = model.forward(cache, block, n_new, all_logits=True, extras=extras)
-    return after, dspark.write_rings(model, window, extras["main_hidden"], cache.lengths, n_new)
+    model = _model(params)
+    _, after, aux = model.forward(cache, block, n_new, all_logits=True, with_aux=True)
+    return after, dspark.write_rings(model, window, aux.hidden_btf, cache.lengths, n_new)
 
 
 def test_commit_is_the_chunk_replay_and_greedy_tokens_are_plain_decode(plain):

@@ -60,9 +60,9 @@ def _ours(ckpt: str, mode: str):
 
     @jax.jit
     def step(params, cache, window, tok, t0):
-        model, extras, one = nnx.merge(api.graphdef(cfg), params), {}, jnp.ones((B,), jnp.int32)
-        logits, after = model.forward(cache, tok[:, None], one, all_logits=False, extras=extras)
-        window = dspark.write_rings(model, window, extras["main_hidden"], cache.lengths, one)
+        model, one = nnx.merge(api.graphdef(cfg), params), jnp.ones((B,), jnp.int32)
+        logits, after, aux = model.forward(cache, tok[:, None], one, all_logits=False, with_aux=True)
+        window = dspark.write_rings(model, window, aux.hidden_btf, cache.lengths, one)
         zero = jnp.zeros((B,), jnp.int32)
         drafts, q_logits, conf = dspark.draft(model, window, t0, after.lengths, jnp.zeros((B,), jnp.float32),
                                               zero.astype(jnp.uint32), zero)

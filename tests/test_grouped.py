@@ -149,8 +149,8 @@ def test_moe_paths_agree(act_quant, tokens):
     old = _old_routed(moe, xin, w, ids)
     scale = float(jnp.abs(old).max())
     assert float(jnp.abs(new - old).max()) <= 1e-6 * scale
-    y_jnp = moe(x, backend="jnp")
-    y_kernel = moe(x, backend="pallas")  # the GPU kernels (interpreted on CPU) for experts and FP8 projections
+    y_jnp, _ = moe(x, kernels="jnp")
+    y_kernel, _ = moe(x, kernels="pallas")  # the GPU kernels (interpreted on CPU) for experts and FP8 projections
     _close(y_kernel, y_jnp, rel=1e-5)
 
 
@@ -176,7 +176,7 @@ def test_model_logits_with_weight_kernels(monkeypatch, act_quant):
         return np.concatenate([np.asarray(o) for o in out], axis=1)
 
     want = run()
-    monkeypatch.setattr(kernels, "_weight_kernels", lambda backend, rows: True)
+    monkeypatch.setattr(kernels, "_weight_kernels", lambda kernels, rows: True)
     jax.clear_caches()  # the api's jitted forward must retrace with the kernels in it
     got = run()
     jax.clear_caches()
@@ -187,20 +187,20 @@ def test_model_logits_with_weight_kernels(monkeypatch, act_quant):
 
 def test_prefill_sized_inputs_keep_the_xla_path(monkeypatch):
     """Above WEIGHT_KERNEL_ROWS rows (prefill chunks) the weight matmuls do not call the kernels, even with
-    backend="pallas"; at or below it they do."""
+    kernels="pallas"; at or below it they do."""
     calls = []
     monkeypatch.setattr(kernels, "_kp", lambda: calls.append(1) or pytest.fail("kernel called"))
     w = _experts(k=32, n=16)
     rows = kernels.WEIGHT_KERNEL_ROWS + 1
     sizes = jnp.asarray([rows, 0, 0, 0, 0, 0, 0, 0], jnp.int32)
     x = jnp.ones((rows, 32), jnp.float32)
-    np.testing.assert_array_equal(kernels.grouped_matmul(x, w, sizes, backend="pallas"),
+    np.testing.assert_array_equal(kernels.grouped_matmul(x, w, sizes, kernels="pallas"),
                                   grouped.grouped_matmul(x, w, sizes))
     q, s = quantize_fp8_blocks(jnp.ones((32, 32)))
-    kernels.fp8_matmul(x, q, s, backend="pallas")
+    kernels.fp8_matmul(x, q, s, kernels="pallas")
     assert not calls
     with pytest.raises(pytest.fail.Exception):
-        kernels.fp8_matmul(x[:kernels.WEIGHT_KERNEL_ROWS], q, s, backend="pallas")
+        kernels.fp8_matmul(x[:kernels.WEIGHT_KERNEL_ROWS], q, s, kernels="pallas")
 
 
 def test_scales_beyond_the_fast_decode_are_reported():

@@ -1,5 +1,5 @@
 """The kernel switch in dsv41_jax.kernels: backend resolution, format checks, each dispatched op with
-backend="pallas" (interpret mode on CPU) against the jnp path on the tiny model's shapes, and the
+kernels="pallas" (interpret mode on CPU) against the jnp path on the tiny model's shapes, and the
 candidate-pool decode path of a Reindex layer against the masked full scan it replaces."""
 
 from __future__ import annotations
@@ -28,22 +28,22 @@ def test_raw_formats_stay_on_jnp_unless_forced():
     raw = quant.RawCodec()
     q, w = jnp.ones((1, 4, 32)), jnp.ones((1, 4))
     rec = raw.encode(jnp.ones((1, 5, 32)))
-    want = kernels.indexer_scores_decode(q, w, rec, jnp.array([3]), raw, backend="jnp")
-    np.testing.assert_array_equal(kernels.indexer_scores_decode(q, w, rec, jnp.array([3]), raw, backend="auto"), want)
+    want = kernels.indexer_scores_decode(q, w, rec, jnp.array([3]), raw, kernels="jnp")
+    np.testing.assert_array_equal(kernels.indexer_scores_decode(q, w, rec, jnp.array([3]), raw, kernels="auto"), want)
     with pytest.raises(ValueError, match="released packed formats"):
-        kernels.indexer_scores_decode(q, w, rec, jnp.array([3]), raw, backend="pallas")
+        kernels.indexer_scores_decode(q, w, rec, jnp.array([3]), raw, kernels="pallas")
     blocks = jnp.array([[0, -1]])
     np.testing.assert_array_equal(
-        kernels.indexer_scores_pool_decode(q, w, rec, blocks, 4, jnp.array([3]), raw, backend="auto"),
+        kernels.indexer_scores_pool_decode(q, w, rec, blocks, 4, jnp.array([3]), raw, kernels="auto"),
         ops.indexer_scores_pool_decode(q, w, rec, blocks, 4, jnp.array([3]), raw))
     with pytest.raises(ValueError, match="released packed formats"):
-        kernels.indexer_scores_pool_decode(q, w, rec, blocks, 4, jnp.array([3]), raw, backend="pallas")
+        kernels.indexer_scores_pool_decode(q, w, rec, blocks, 4, jnp.array([3]), raw, kernels="pallas")
 
 
 def test_pallas_backend_matches_jnp_on_tiny_shapes():
     q, w, rec = index_case(0, 2, 4, 32, 37)
     reach = jnp.array([37, 12], jnp.int32)
-    run = lambda f, *a, **kw: (f(*a, **kw, backend="pallas"), f(*a, **kw, backend="jnp"))
+    run = lambda f, *a, **kw: (f(*a, **kw, kernels="pallas"), f(*a, **kw, kernels="jnp"))
     got, want = run(kernels.indexer_scores_decode, q, w, rec, reach, quant.INDEX_KEY, block=4)
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
@@ -65,20 +65,20 @@ def _pool_inputs():
     return q, w, rec, jnp.array([37, 10, 1, 0, 29], jnp.int32)
 
 
-@pytest.mark.parametrize("backend", ["jnp", "pallas"])
-def test_pool_selection_equals_masked_full_scan(backend):
+@pytest.mark.parametrize("kernels_", ["jnp", "pallas"])
+def test_pool_selection_equals_masked_full_scan(kernels_):
     """The candidate source's scan maxima -> pool blocks -> pool scan -> top-k mapped back to positions
     selects exactly what the top-k over the full scan masked to the pool selects."""
     q, w, rec, reach = _pool_inputs()
     n, block, n_blocks, k = 37, 4, 3, 8
-    scores, bmax = kernels.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY, block=block, backend=backend)
-    blocks = kernels.candidate_blocks(bmax, reach, n_blocks, block, backend=backend)
+    scores, bmax = kernels.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY, block=block, kernels=kernels_)
+    blocks = kernels.candidate_blocks(bmax, reach, n_blocks, block, kernels=kernels_)
     np.testing.assert_array_equal(blocks, ops.candidate_blocks(scores[:, None], reach[:, None], n_blocks, block)[:, 0])
     masked = jnp.where(ops.blocks_to_mask(blocks, n, block), scores, ops.NEG_INF)
-    old = kernels.select_topk(masked, k, backend=backend)
-    pool = kernels.indexer_scores_pool_decode(q, w, rec, blocks, block, reach, quant.INDEX_KEY, backend=backend)
+    old = kernels.select_topk(masked, k, kernels=kernels_)
+    pool = kernels.indexer_scores_pool_decode(q, w, rec, blocks, block, reach, quant.INDEX_KEY, kernels=kernels_)
     assert pool.shape == (5, n_blocks * block)
-    new = kernels.select_pool_topk(pool, blocks, block, k, backend=backend)
+    new = kernels.select_pool_topk(pool, blocks, block, k, kernels=kernels_)
     np.testing.assert_array_equal(new, old)
     np.testing.assert_array_equal(new[2], [0] + [-1] * 7)  # one entry
     np.testing.assert_array_equal(new[3], -1)  # nothing reachable
@@ -115,14 +115,14 @@ def test_decode_pool_path_equals_masked_full_scan(monkeypatch):
     new = decode()
     assert pool_widths == [cfg.candidate_topk_blocks * cfg.candidate_block_size]  # 12 of 64 positions
 
-    def full_scan_masked(q, w, key_rec, blocks, block, reach, codec, *, backend):
+    def full_scan_masked(q, w, key_rec, blocks, block, reach, codec, **switch):
         n = jax.tree.leaves(key_rec)[0].shape[1]
-        scores = kernels.indexer_scores_decode(q, w, key_rec, reach, codec, backend=backend)
+        scores = kernels.indexer_scores_decode(q, w, key_rec, reach, codec, **switch)
         return jnp.where(ops.blocks_to_mask(blocks, n, block), scores, ops.NEG_INF)
 
     monkeypatch.setattr(kernels, "indexer_scores_pool_decode", full_scan_masked)
-    monkeypatch.setattr(kernels, "select_pool_topk", lambda s, blocks, block, k, *, backend:
-                        kernels.select_topk(s, k, backend=backend))
+    monkeypatch.setattr(kernels, "select_pool_topk", lambda s, blocks, block, k, **switch:
+                        kernels.select_topk(s, k, **switch))
     old = decode()
     live = np.asarray(active, bool)
     np.testing.assert_allclose(new[live], old[live], rtol=0, atol=1e-6 * np.abs(old[live]).max())

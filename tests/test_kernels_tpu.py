@@ -85,7 +85,7 @@ def test_grouped_fp4(case, dtype):
     with jax.default_matmul_precision("highest"):
         ref = grouped.grouped_matmul(x, w, sizes)
     # the chosen tiles (one K chunk, one column tile) through the dispatcher
-    (out,) = kernels_pallas.grouped_matmuls_fp4(x, [(w["values"], w["scales"])], sizes, platform_="tpu")
+    (out,) = kernels_pallas.grouped_matmuls_fp4(x, [(w["values"], w["scales"])], sizes, family="tpu")
     _close(out, ref)
     if dtype == jnp.float32:  # two K chunks, two column tiles, groups sharing row tiles (1 s per compile)
         _close(tpu_grouped.grouped_matmul_fp4(x, w["values"], w["scales"], sizes, tiles=(16, 256, 128),

@@ -97,10 +97,9 @@ def test_bias_update_moves_load_towards_balance():
 
     @jax.jit
     def load(p):
-        extras = {}
-        nnx.merge(graph, p).forward(d.init_cache(MICRO, 2, 40), TOKENS[:, :-1], jnp.array([40, 40]),
-                                    all_logits=False, extras=extras)
-        return jnp.stack(extras["expert_load"]).astype(jnp.float32)  # [L, E]
+        _, _, aux = nnx.merge(graph, p).forward(d.init_cache(MICRO, 2, 40), TOKENS[:, :-1], jnp.array([40, 40]),
+                                                all_logits=False, with_aux=True)
+        return aux.expert_load_le.astype(jnp.float32)  # [L, E]
 
     imbalance = lambda l: float(jnp.mean(jnp.abs(l - l.mean(-1, keepdims=True))))
     trainable, rest = train.split_trainable(params)
@@ -123,10 +122,10 @@ def test_training_forward_quantizes_under_jit():
     def views(cfg):
         @jax.jit
         def run(p):
-            extras = {}
-            nnx.merge(graphdef(cfg), p).forward(d.init_cache(cfg, 2, 40), TOKENS[:, :-1], jnp.array([40, 40]),
-                                                all_logits=True, training=True, extras=extras)
-            return extras[("window", 0)], extras[("main", 0)]
+            _, _, aux = nnx.merge(graphdef(cfg), p).forward(d.init_cache(cfg, 2, 40), TOKENS[:, :-1],
+                                                            jnp.array([40, 40]), all_logits=True, training=True,
+                                                            with_aux=True)
+            return aux.layers[0].window_view_btd, aux.views[0][0]
         return run(params)
 
     (win_q, main_q), (win_raw, main_raw) = views(small), views(small.replace(quantize_cache=False))
