@@ -12,11 +12,13 @@ With `activation_quant` the expert and shared-expert inputs are rounded to FP8 f
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import kernels
+from dsv41_jax import expert_parallel, kernels
 from dsv41_jax.grouped import EXPERT_FP4
 from dsv41_jax.layers import (Buffer, activation_quant, normal_init, quantize_activation, released_fp8_linear,
                               weights_fp8)
@@ -129,28 +131,11 @@ class MoE(nnx.Module):
         xq = quantize_activation(x) if self.act_quant else x  # per token, so before the gather
         mesh = jax.sharding.get_abstract_mesh()
         ep = mesh.shape.get("expert", 1) if not mesh.empty else 1
-        if ep > 1:
-            y = self._routed_expert_parallel(xq, w, ids, mesh, ep, backend)
+        if ep > 1:  # tokens to their experts' devices and back (expert_parallel.py)
+            y = expert_parallel.routed(partial(self._routed, backend=backend), xq, w, ids, self._raw_experts(), mesh)
         else:
             y = self._routed(xq, w, ids, self._raw_experts(), 0, self.n_experts, backend)
         up = lambda lin: lin(x, jnp.float32, backend=backend)
         shared = self.shared_w2(swiglu(up(self.shared_w1), up(self.shared_w3), self.limit).astype(dt), jnp.float32,
                                 backend=backend)
         return (y + shared).astype(dt).reshape(b, t, d)
-
-    def _routed_expert_parallel(self, x_nd, w_nk, ids_nk, mesh, ep: int, backend: str) -> jax.Array:
-        """Expert parallelism: each device of the `expert` mesh axis holds E/ep experts. Tokens (sharded
-        over `data`, replicated over `expert`) are all present on every expert shard, each shard computes
-        its own experts' assignments, and a psum over `expert` combines them."""
-        from jax.sharding import PartitionSpec as P
-
-        n_local = self.n_experts // ep
-        tok = P("data") if mesh.shape.get("data", 1) > 1 else P()
-        raw = self._raw_experts()
-
-        def body(x, w, ids, raw_local):
-            first = jax.lax.axis_index("expert") * n_local
-            return jax.lax.psum(self._routed(x, w, ids, raw_local, first, n_local, backend), "expert")
-
-        return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, jax.tree.map(lambda _: P("expert"), raw)),
-                             out_specs=tok, check_vma=False)(x_nd, w_nk, ids_nk, raw)
