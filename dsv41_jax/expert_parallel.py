@@ -72,14 +72,23 @@ def _exchange(x_jn, send_j, recv_j, kind: str):
     return out.reshape(x_jn.shape)
 
 
+def dispatch_plan(ids_nk: jax.Array, n_local: int, ep: int) -> tuple[jax.Array, jax.Array]:
+    """Which tokens go to which shard: (send_j int32 [ep]: how many tokens shard j gets, order_jn int32
+    [ep, n]: row p < send_j[j] of block j is the token index sent there, in token order).
+
+    A token goes once to each shard that owns at least one of its experts (shard = id // n_local);
+    ids -1 (padding) go nowhere."""
+    shard_nk = jnp.where(ids_nk >= 0, ids_nk // n_local, -1)
+    need_nj = (shard_nk[:, :, None] == jnp.arange(ep)).any(axis=1)
+    order_jn = jnp.argsort(~need_nj.T, axis=-1, stable=True).astype(jnp.int32)  # bound for j first
+    return need_nj.sum(axis=0).astype(jnp.int32), order_jn
+
+
 def _group_step(expert_fn, x_nd, w_nk, ids_nk, experts, n_local: int, ep: int, kind: str) -> jax.Array:
     """One device's dispatch, compute and combine (inside shard_map): f32 [n, D] routed output of its
     n tokens. ids -1: a padding token, sent nowhere."""
     n, k = ids_nk.shape
-    shard_nk = jnp.where(ids_nk >= 0, ids_nk // n_local, -1)
-    need_nj = (shard_nk[:, :, None] == jnp.arange(ep)).any(axis=1)
-    send_j = need_nj.sum(axis=0).astype(jnp.int32)
-    order_jn = jnp.argsort(~need_nj.T, axis=-1, stable=True)  # tokens bound for shard j first, in order
+    send_j, order_jn = dispatch_plan(ids_nk, n_local, ep)
     recv_j = jax.lax.all_to_all(send_j, AXIS, 0, 0, tiled=True)
     meta_nk2 = jnp.concatenate([ids_nk, jax.lax.bitcast_convert_type(w_nk.astype(jnp.float32), jnp.int32)], -1)
     x_in = _exchange(x_nd[order_jn], send_j, recv_j, kind)
