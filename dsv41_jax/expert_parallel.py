@@ -13,7 +13,11 @@ every expert shard holds the same tokens, takes its 1/ep slice, and the outputs 
    ids and weights (not once per assignment);
 3. compute: the shard's grouped matmul over what it received (`expert_fn`: moe.MoE._routed with the
    shard's first expert; assignments to other shards' experts fall outside its groups), f32 [rows, D]
-   per received token, summed over that shard's assignments of the token;
+   per received token, summed over that shard's assignments of the token. The receive buffer holds
+   ep x n tokens x k assignment slots (the static worst case); when that exceeds
+   `kernels.WEIGHT_KERNEL_ROWS` but one sender's block does not (decode at batch 64 per device, ep = 2:
+   768 vs 384), each sender's block is its own call, so the decode kernels still run (an expert hit
+   from two blocks is then read twice);
 4. combine: those rows go back to the token's device, which adds them up (f32).
 
 Buffers are static: block j of the send buffer [ep, n, ...] holds the c_j tokens bound for shard j
@@ -40,6 +44,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from dsv41_jax import kernels
 
 AXIS = "expert"
 _TOKEN_AXES = contextvars.ContextVar("expert_parallel_token_axes", default=("data",))
@@ -97,7 +103,12 @@ def _group_step(expert_fn, x_nd, w_nk, ids_nk, experts, n_local: int, ep: int, k
     ids_in = jnp.where(valid, meta_in[..., :k].reshape(ep * n, k), -1)
     w_in = jnp.where(valid, jax.lax.bitcast_convert_type(meta_in[..., k:], jnp.float32).reshape(ep * n, k), 0.0)
     first = jax.lax.axis_index(AXIS) * n_local
-    y_in = expert_fn(x_in.reshape(ep * n, -1), w_in, ids_in, experts, first, n_local)  # zero on masked rows
+    x_in = x_in.reshape(ep * n, -1)
+    if ep * n * k > kernels.WEIGHT_KERNEL_ROWS >= n * k:  # one call per sender keeps the decode kernels
+        y_in = jnp.concatenate([expert_fn(x_in[s * n:(s + 1) * n], w_in[s * n:(s + 1) * n], ids_in[s * n:(s + 1) * n],
+                                          experts, first, n_local) for s in range(ep)])
+    else:
+        y_in = expert_fn(x_in, w_in, ids_in, experts, first, n_local)  # zero on masked rows
     y_back = _exchange(y_in.reshape(ep, n, -1), recv_j, send_j, kind)  # rows past send_j: zero either way
     return jnp.zeros((n, y_back.shape[-1]), jnp.float32).at[order_jn.reshape(-1)].add(
         y_back.reshape(ep * n, -1))
