@@ -129,24 +129,37 @@ def tokens_split_over(axes: tuple[str, ...]):
         _TOKEN_AXES.reset(token)
 
 
+def _token_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes (size > 1) that split the sequences, as `tokens_split_over` says."""
+    return tuple(a for a in _TOKEN_AXES.get() if a in mesh.shape and mesh.shape[a] > 1)
+
+
+def applies(mesh) -> bool:
+    """True when the routed experts of a model traced on `mesh` (the ambient abstract mesh; empty off
+    a mesh) run here: experts split over `expert`, or tokens split over the mesh (each device then
+    sorts and multiplies its own tokens; under plain GSPMD the sort over all tokens gathers them)."""
+    return not mesh.empty and (mesh.shape.get(AXIS, 1) > 1 or bool(_token_axes(mesh)))
+
+
 def routed(expert_fn: Callable, x_nd: jax.Array, w_nk: jax.Array, ids_nk: jax.Array, experts: dict,
            mesh) -> jax.Array:
-    """Routed-expert output f32 [N, D] of N tokens on `mesh` (its `expert` axis of size ep > 1).
+    """Routed-expert output f32 [N, D] of N tokens on `mesh` (where `applies(mesh)`).
 
     x_nd: [N, D] expert inputs (activation dtype); w_nk f32 / ids_nk int32 [N, k]: routing weights and
     global expert ids; experts: the stored expert arrays, each leading with E (split over `expert`).
     expert_fn(x [M, D], w [M, k], ids [M, k], experts_local, first_expert, n_local) -> f32 [M, D]: the
-    local computation (moe.MoE._routed), run on each shard for the tokens it received.
+    local computation (moe.MoE._routed), run on each shard for the tokens it holds or received.
     Tokens come and go split as `tokens_split_over` says; when that leaves them whole on every expert
     shard (`tp_ep`), each shard takes its 1/ep slice and the outputs are gathered over `expert` at the end.
+    Without an expert axis (`dp`) each device runs its own tokens through all experts, nothing moves.
     """
-    ep = mesh.shape[AXIS]
+    ep = mesh.shape.get(AXIS, 1)
     n_experts = jax.tree.leaves(experts)[0].shape[0]
     if n_experts % ep:
         raise ValueError(f"mesh axis expert={ep} does not divide the {n_experts} routed experts; "
                          "choose an expert axis size that divides them")
-    axes = tuple(a for a in _TOKEN_AXES.get() if a in mesh.shape and mesh.shape[a] > 1)
-    whole = AXIS not in axes  # every expert shard holds the same tokens: slice here, gather at the end
+    axes = _token_axes(mesh)
+    whole = ep > 1 and AXIS not in axes  # every expert shard holds the same tokens: slice, gather at the end
     shards = math.prod(mesh.shape[a] for a in axes) * (ep if whole else 1)
     n = x_nd.shape[0]
     pad = -n % shards  # a token count the shards do not divide (a short prefill): padding goes nowhere
@@ -156,6 +169,8 @@ def routed(expert_fn: Callable, x_nd: jax.Array, w_nk: jax.Array, ids_nk: jax.Ar
         ids_nk = jnp.pad(ids_nk, ((0, pad), (0, 0)), constant_values=-1)
 
     def body(x, w, ids, experts_local):
+        if ep == 1:
+            return expert_fn(x, w, ids, experts_local, 0, n_experts)
         if whole:
             mine = lambda a: jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(AXIS) * (a.shape[0] // ep),
                                                           a.shape[0] // ep)
@@ -163,7 +178,7 @@ def routed(expert_fn: Callable, x_nd: jax.Array, w_nk: jax.Array, ids_nk: jax.Ar
         y = _group_step(expert_fn, x, w, ids, experts_local, n_experts // ep, ep, transport())
         return jax.lax.all_gather(y, AXIS, tiled=True) if whole else y
 
-    tok = P(axes)
-    y = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, jax.tree.map(lambda _: P(AXIS), experts)),
+    tok, ex = P(axes), P(AXIS) if ep > 1 else P()
+    y = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, jax.tree.map(lambda _: ex, experts)),
                       out_specs=tok, check_vma=False)(x_nd, w_nk, ids_nk, experts)
     return y[:n]

@@ -130,8 +130,7 @@ class MoE(nnx.Module):
         dt = x.dtype
         xq = quantize_activation(x) if self.act_quant else x  # per token, so before the gather
         mesh = jax.sharding.get_abstract_mesh()
-        ep = mesh.shape.get("expert", 1) if not mesh.empty else 1
-        if ep > 1:  # tokens to their experts' devices and back (expert_parallel.py)
+        if expert_parallel.applies(mesh):  # on a mesh: tokens to their experts' devices and back
             y = expert_parallel.routed(partial(self._routed, backend=backend), xq, w, ids, self._raw_experts(), mesh)
         else:
             y = self._routed(xq, w, ids, self._raw_experts(), 0, self.n_experts, backend)
