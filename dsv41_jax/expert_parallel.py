@@ -4,7 +4,7 @@ that own their experts and the partial outputs sent back (dispatch / combine by 
 
 The devices that differ only in their `expert` coordinate form an expert group: each holds
 E / ep experts and its own slice of the group's tokens. In `dp_ep` the sequences are already split
-that way (over `data` and `expert`: `tokens_split_over`), so nothing moves to get there; in `tp_ep`
+that way (over `data` and `expert`: `sequence_split`), so nothing moves to get there; in `tp_ep`
 every expert shard holds the same tokens, takes its 1/ep slice, and the outputs are all-gathered over
 `expert` at the end. One call:
 
@@ -36,19 +36,16 @@ to every shard and summed [N, D] partial outputs with a psum.
 
 from __future__ import annotations
 
-import contextvars
 import math
-from contextlib import contextmanager
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dsv41_jax import kernels
+from dsv41_jax import kernels, sequence_split
 
 AXIS = "expert"
-_TOKEN_AXES = contextvars.ContextVar("expert_parallel_token_axes", default=("data",))
 
 # "auto": ragged_all_to_all on GPU (moves only the routed rows), all_to_all with full capacity elsewhere
 TRANSPORT = "auto"
@@ -114,31 +111,11 @@ def _group_step(expert_fn, x_nd, w_nk, ids_nk, experts, n_local: int, ep: int, k
         y_back.reshape(ep * n, -1))
 
 
-@contextmanager
-def tokens_split_over(axes: tuple[str, ...]):
-    """Trace the model with its sequences split over these mesh axes (a layout's batch axes: `data` in
-    `tp_ep`, `data` and `expert` in `dp_ep`), so that the expert-parallel MoE takes its tokens where
-    they already are. `partitioning.Placement.active` sets it with the mesh; without it: `("data",)`.
-
-    A program traced under it must be cached per layout: `api` compiles one per `Placement`, whose
-    output shardings differ between two layouts whenever the expert axis splits anything."""
-    token = _TOKEN_AXES.set(tuple(axes))
-    try:
-        yield
-    finally:
-        _TOKEN_AXES.reset(token)
-
-
-def _token_axes(mesh) -> tuple[str, ...]:
-    """The mesh axes (size > 1) that split the sequences, as `tokens_split_over` says."""
-    return tuple(a for a in _TOKEN_AXES.get() if a in mesh.shape and mesh.shape[a] > 1)
-
-
 def applies(mesh) -> bool:
     """True when the routed experts of a model traced on `mesh` (the ambient abstract mesh; empty off
     a mesh) run here: experts split over `expert`, or tokens split over the mesh (each device then
     sorts and multiplies its own tokens; under plain GSPMD the sort over all tokens gathers them)."""
-    return not mesh.empty and (mesh.shape.get(AXIS, 1) > 1 or bool(_token_axes(mesh)))
+    return not mesh.empty and (mesh.shape.get(AXIS, 1) > 1 or bool(sequence_split.axes(mesh)))
 
 
 def routed(expert_fn: Callable, x_nd: jax.Array, w_nk: jax.Array, ids_nk: jax.Array, experts: dict,
@@ -149,7 +126,7 @@ def routed(expert_fn: Callable, x_nd: jax.Array, w_nk: jax.Array, ids_nk: jax.Ar
     global expert ids; experts: the stored expert arrays, each leading with E (split over `expert`).
     expert_fn(x [M, D], w [M, k], ids [M, k], experts_local, first_expert, n_local) -> f32 [M, D]: the
     local computation (moe.MoE._routed), run on each shard for the tokens it holds or received.
-    Tokens come and go split as `tokens_split_over` says; when that leaves them whole on every expert
+    Tokens come and go split as `sequence_split` says; when that leaves them whole on every expert
     shard (`tp_ep`), each shard takes its 1/ep slice and the outputs are gathered over `expert` at the end.
     Without an expert axis (`dp`) each device runs its own tokens through all experts, nothing moves.
     """
@@ -158,7 +135,7 @@ def routed(expert_fn: Callable, x_nd: jax.Array, w_nk: jax.Array, ids_nk: jax.Ar
     if n_experts % ep:
         raise ValueError(f"mesh axis expert={ep} does not divide the {n_experts} routed experts; "
                          "choose an expert axis size that divides them")
-    axes = _token_axes(mesh)
+    axes = sequence_split.axes(mesh)
     whole = ep > 1 and AXIS not in axes  # every expert shard holds the same tokens: slice, gather at the end
     shards = math.prod(mesh.shape[a] for a in axes) * (ep if whole else 1)
     n = x_nd.shape[0]

@@ -41,7 +41,7 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dsv41_jax import expert_parallel
+from dsv41_jax import sequence_split
 from dsv41_jax.cache import Cache, init_cache
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.pytree_paths import path_str
@@ -251,9 +251,9 @@ class Placement:
 
     @contextmanager
     def active(self):
-        """Trace and run on this placement: its mesh set, and the expert-parallel MoE told which mesh
-        axes split the sequences (`expert_parallel.tokens_split_over`)."""
-        with jax.set_mesh(self.mesh), expert_parallel.tokens_split_over(batch_axes(self.layout)):
+        """Trace and run on this placement: its mesh set, and the traced model told which mesh
+        axes split the sequences (`sequence_split.split_over`)."""
+        with jax.set_mesh(self.mesh), sequence_split.split_over(batch_axes(self.layout)):
             yield
 
     def put_cache(self, cache: Cache) -> Cache:
