@@ -93,9 +93,10 @@ def _resize_rows(rec: dict, n: int) -> dict:
 
 
 def _scatter_rows(arr: jax.Array, j_bg: jax.Array, rows: jax.Array) -> jax.Array:
-    """arr[b, j[b, g]] = rows[b, g]; rows past the end of arr are dropped."""
-    b = jnp.arange(arr.shape[0])[:, None]
-    return arr.at[b, j_bg].set(rows.astype(arr.dtype), mode="drop")
+    """arr[b, j[b, g]] = rows[b, g]; rows past the end of arr are dropped. Written per sequence (vmap: the
+    batch is a batching dimension of the scatter), so that a mesh splitting the sequences keeps it local
+    (global batch indices made GSPMD gather indices and rows onto every device)."""
+    return jax.vmap(lambda a, j, r: a.at[j].set(r, mode="drop"))(arr, j_bg, rows.astype(arr.dtype))
 
 
 def _ring_positions(length_b: jax.Array, w: int) -> jax.Array:

@@ -84,9 +84,10 @@ def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable
 
 
 def select_topk(scores, k, *, backend="jnp"):
+    """Per device on its own sequences on a mesh, either way: GSPMD gathers the rows of a top-k."""
     if _pallas(backend):
         return per_sequence(lambda s: _kp().select_topk(s, k), scores)
-    return ops.select_topk(scores, k)
+    return per_sequence(lambda s: ops.select_topk(s, k), scores)
 
 
 def select_pool_topk(scores_bp, blocks_bk, block, k, *, backend="jnp"):

@@ -22,6 +22,7 @@ from dsv41_jax import expert_parallel, kernels
 from dsv41_jax.grouped import EXPERT_FP4
 from dsv41_jax.layers import (Buffer, activation_quant, normal_init, quantize_activation, released_fp8_linear,
                               weights_fp8)
+from dsv41_jax.sequence_split import per_sequence
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -54,7 +55,8 @@ class Router(nnx.Module):
         bias = self.bias[...]
         if image_mask_n is not None:
             bias = jnp.where(image_mask_n[:, None], self.bias_vl[...], bias)
-        _, ids = jax.lax.top_k(scores + jax.lax.stop_gradient(bias), self.k)
+        # per device on its own tokens on a mesh: GSPMD would gather the rows of a top-k
+        _, ids = per_sequence(lambda s: jax.lax.top_k(s, self.k), scores + jax.lax.stop_gradient(bias))
         w = jnp.take_along_axis(scores, ids, axis=-1)
         if self.k > 1:
             w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
