@@ -17,6 +17,10 @@ from dsv41_jax.sharding import shard_model
 
 # released packed FP4 experts (E8M0 / 32) and FP8 shared expert; 16 experts, top-4: the routing spreads
 MOE_CFG = d.preset("tiny").replace(weight_format="fp8", n_routed_experts=16, n_activated_experts=4)
+# a 2-layer cut of tiny (window, Full m=1 candidate source): short compiles for whole-model checks
+TWO_LAYERS = d.preset("tiny").replace(n_layers=2, n_mtp_layers=0, compress_ratios=(0, 1), kv_source_layers=(1,),
+                                      index_source_layers=(1,), candidate_source_layer=1, engram_layer_ids=(),
+                                      engram_num_embeddings=())
 
 
 @pytest.fixture(autouse=True)
@@ -114,9 +118,7 @@ def test_greedy_tokens_and_logits_equal_one_device_in_every_layout():
     """float32, a 2-layer cut of tiny: on 2 devices -- data=2 (dp), expert=2 (tp_ep) and expert=2
     (dp_ep) -- the prefill logits agree with one device's to 1e-5 x scale and greedy generation emits
     the single-device tokens."""
-    cfg = d.preset("tiny").replace(n_layers=2, n_mtp_layers=0, compress_ratios=(0, 1), kv_source_layers=(1,),
-                                   index_source_layers=(1,), candidate_source_layer=1, engram_layer_ids=(),
-                                   engram_num_embeddings=(), quantize_cache=False)
+    cfg = TWO_LAYERS.replace(quantize_cache=False)
     b, cap, steps = 4, 24, 6
     params = d.init_params(cfg, seed=5)
     tok = np.random.default_rng(1).integers(0, cfg.vocab_size, (b, 7))
@@ -156,9 +158,7 @@ def test_kernels_run_per_device_on_their_own_sequences(monkeypatch):
     logits match one device's. An empty cache keeps the compile short."""
     import kernels_pallas
 
-    cfg = d.preset("tiny").replace(n_layers=2, n_mtp_layers=0, compress_ratios=(0, 1), kv_source_layers=(1,),
-                                   index_source_layers=(1,), candidate_source_layer=1, engram_layer_ids=(),
-                                   engram_num_embeddings=(), weight_format="fp8")
+    cfg = TWO_LAYERS.replace(weight_format="fp8")
     b = 4
     params = d.init_params(cfg, seed=5)
     nxt = np.arange(b, dtype=np.int32) + 3
@@ -185,3 +185,25 @@ def test_kernels_run_per_device_on_their_own_sequences(monkeypatch):
     # the combine's summation order may round the next layer's FP8 window record differently (as in
     # test_sharding's kernel test): a loose, honest bound
     assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-2 * np.abs(np.asarray(want)).max()
+
+
+@pytest.mark.parametrize("layout,mesh,want", [("dp_ep", "expert=2", {"all-to-all": 8}), ("dp", "data=2", {})])
+def test_data_parallel_decode_moves_only_routed_tokens(layout, mesh, want):
+    """The compiled decode step of `dp_ep` has no collective but the MoE's all-to-alls (per layer: the
+    counts, the rows, their routing, the combine); `dp` has none at all. GSPMD's own choices (a top-k or
+    a scatter with global batch indices) would add all-gathers of the batch."""
+    import re
+    from collections import Counter
+
+    from dsv41_jax import api
+
+    b = 4
+    m = shard_model(TWO_LAYERS, d.init_params(TWO_LAYERS),
+                    S.make_mesh(TWO_LAYERS, mesh, batch=b, devices=jax.devices()[:2], layout=layout), layout, batch=b)
+    cache, tok = m.init_cache(16), m.placement.put_rows(np.zeros(b, np.int32))
+    step = jax.jit(api.forward, static_argnames=api._STATIC, out_shardings=(m.placement.rows, m.placement.cache))
+    with m.placement.active():
+        text = step.lower(TWO_LAYERS, m.params, cache, tok[:, None], jnp.ones(b, jnp.int32),
+                          kernels="jnp").compile().as_text()
+    ops = r" (all-to-all|ragged-all-to-all|all-gather|all-reduce|reduce-scatter|collective-permute)(?:-start)?\("
+    assert dict(Counter(re.findall(ops, text))) == want
