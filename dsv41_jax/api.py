@@ -90,13 +90,13 @@ _forward_donating = jax.jit(forward, static_argnames=_STATIC, donate_argnames=("
 @lru_cache(maxsize=32)
 def _jit_on_mesh(fn, static_argnames: tuple, donate: bool, placement: Placement, n_rows: int):
     """`fn` jitted to run on `placement`'s mesh: its first n_rows outputs split like the sequences, the
-    last one (the cache) as the placement puts caches. The mesh is set while it runs: the routed experts
-    read it (moe.py)."""
+    last one (the cache) as the placement puts caches. The placement is active while it runs: the routed
+    experts read its mesh and sequence split (moe.py, expert_parallel.py)."""
     jitted = jax.jit(fn, static_argnames=static_argnames, donate_argnames=("cache",) if donate else (),
                      out_shardings=(*(placement.rows,) * n_rows, placement.cache))
 
     def run(*args, **kwargs):
-        with jax.set_mesh(placement.mesh):
+        with placement.active():
             return jitted(*args, **kwargs)
 
     return run

@@ -23,9 +23,10 @@ def take_rows(a_bnd: jax.Array, rows_bk: jax.Array) -> jax.Array:
 
 
 def scatter_rows(arr_bn: jax.Array, j_bg: jax.Array, rows_bg: jax.Array) -> jax.Array:
-    """arr[b, j[b, g]] = rows[b, g]; rows past the end of arr are dropped."""
-    b = jnp.arange(arr_bn.shape[0])[:, None]
-    return arr_bn.at[b, j_bg].set(rows_bg.astype(arr_bn.dtype), mode="drop")
+    """arr[b, j[b, g]] = rows[b, g]; rows past the end of arr are dropped. Written per sequence (vmap: the
+    batch is a batching dimension of the scatter), so that a mesh splitting the sequences keeps it local
+    (global batch indices made GSPMD gather indices and rows onto every device)."""
+    return jax.vmap(lambda a, j, r: a.at[j].set(r, mode="drop"))(arr_bn, j_bg, rows_bg.astype(arr_bn.dtype))
 
 
 def _ext_index(v_bk: jax.Array, lengths_b: jax.Array, m: int, t: int) -> jax.Array:

@@ -15,6 +15,10 @@ Prefill chunks keep the XLA path (dequantize, then one GEMM), whose speed is wha
 the kernels. Their outputs agree with jnp to f32 summation order (the decoded weights are exact in the
 compute dtype).
 
+On a mesh that splits the sequences (and nothing else splits the operands), each kernel runs inside
+`jax.shard_map` on each device's own sequences (`sequence_split.per_sequence`): a Pallas kernel is a
+custom call that GSPMD would otherwise run on the gathered whole batch on every device.
+
 Agreement with jnp (tests/test_kernels_*.py): selection is exact; indexer scores (full scan and pool
 scan) agree to ~1e-7 relative (FP4-grid operands make every product exact, only the summation order
 differs); attention to ~1e-4 relative on GPU (float16 tensor-core operands) and ~1e-5 on TPU (bf16
@@ -26,6 +30,7 @@ from __future__ import annotations
 import jax
 
 from dsv41_jax import grouped, ops, quant
+from dsv41_jax.sequence_split import per_sequence
 
 _KERNEL_FORMATS = {  # what the kernels decode: the released record layouts
     "index_key": quant.INDEX_KEY,
@@ -65,7 +70,7 @@ def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec, *, block=Non
     """f32 [B, N] decode scores (`ops.indexer_scores_decode`); with `block`, also their block maxima
     f32 [B, ceil(N / block)], which the Pallas scan writes in the same pass."""
     if _pallas(kernels, index_key=codec):
-        return _kp().indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, block=block)
+        return per_sequence(lambda *a: _kp().indexer_scores_decode(*a, block=block), q_bhd, w_bh, key_rec, reachable_b)
     scores = ops.indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec)
     return scores if block is None else (scores, ops.block_maxima(scores, block))
 
@@ -73,14 +78,16 @@ def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec, *, block=Non
 def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b, codec, *, kernels="jnp"):
     """f32 [B, K * block] scores of the pool positions only (`ops.indexer_scores_pool_decode`)."""
     if _pallas(kernels, index_key=codec):
-        return _kp().indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b)
+        return per_sequence(lambda q, w, k, b, r: _kp().indexer_scores_pool_decode(q, w, k, b, block, r),
+                            q_bhd, w_bh, key_rec, blocks_bk, reachable_b)
     return ops.indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b, codec)
 
 
 def select_topk(scores, k, *, kernels="jnp"):
+    """Per device on its own sequences on a mesh, either way: GSPMD gathers the rows of a top-k."""
     if _pallas(kernels):
-        return _kp().select_topk(scores, k)
-    return ops.select_topk(scores, k)
+        return per_sequence(lambda s: _kp().select_topk(s, k), scores)
+    return per_sequence(lambda s: ops.select_topk(s, k), scores)
 
 
 def select_pool_topk(scores_bp, blocks_bk, block, k, *, kernels="jnp"):
@@ -97,7 +104,8 @@ def candidate_blocks(bmax, reachable, n_blocks, block, *, kernels="jnp"):
 def sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry_rec, idx_bk, entry_codec,
                             sink_h, scale, *, kernels="jnp"):
     if _pallas(kernels, window_kv=window_codec, main_kv=entry_codec):
-        return _kp().sparse_attention_decode(q_bhd, window_rec, window_valid, entry_rec, idx_bk, sink_h, scale)
+        return per_sequence(lambda q, w, v, e, i, sink: _kp().sparse_attention_decode(q, w, v, e, i, sink, scale),
+                            q_bhd, window_rec, window_valid, entry_rec, idx_bk, shared=(sink_h,))
     return ops.sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry_rec, idx_bk,
                                        entry_codec, sink_h, scale)
 
@@ -127,7 +135,7 @@ def fp8_matmul(x_mk, q_nk, exp, *, kernels="jnp"):
     """f32 [M, N] = x @ W^T for an FP8 block-format weight (`grouped.fp8_matmul`)."""
     n, k = q_nk.shape
     if n % 32 == 0 and k % 32 == 0 and _weight_kernels(kernels, x_mk.shape[0]):
-        return _kp().fp8_matmul(x_mk, q_nk, exp)
+        return per_sequence(_kp().fp8_matmul, x_mk, shared=(q_nk, exp))
     return grouped.fp8_matmul(x_mk, q_nk, exp)
 
 

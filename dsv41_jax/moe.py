@@ -12,15 +12,19 @@ With `activation_quant` the expert and shared-expert inputs are rounded to FP8 f
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsv41_jax import expert_parallel
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.grouped import EXPERT_FP4
 from dsv41_jax.kernels import grouped_matmuls
 from dsv41_jax.layers import (Buffer, activation_quant, normal_init, quantize_activation, released_fp8_linear,
                               weights_fp8)
+from dsv41_jax.sequence_split import per_sequence
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -53,7 +57,8 @@ class Router(nnx.Module):
         bias = self.bias[...]
         if image_mask_n is not None:
             bias = jnp.where(image_mask_n[:, None], self.bias_vl[...], bias)
-        _, ids = jax.lax.top_k(scores + jax.lax.stop_gradient(bias), self.k)
+        # per device on its own tokens on a mesh: GSPMD would gather the rows of a top-k
+        _, ids = per_sequence(lambda s: jax.lax.top_k(s, self.k), scores + jax.lax.stop_gradient(bias))
         w = jnp.take_along_axis(scores, ids, axis=-1)
         if self.k > 1:
             w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
@@ -127,29 +132,11 @@ class MoE(nnx.Module):
         dt = x.dtype
         xq = quantize_activation(x) if self.act_quant else x  # per token, so before the gather
         mesh = jax.sharding.get_abstract_mesh()
-        ep = mesh.shape.get("expert", 1) if not mesh.empty else 1
-        if ep > 1:
-            y = self._routed_expert_parallel(xq, w, ids, mesh, ep, kernels)
+        if expert_parallel.applies(mesh):  # on a mesh: tokens to their experts' devices and back
+            y = expert_parallel.routed(partial(self._routed, kernels=kernels), xq, w, ids, self._raw_experts(), mesh)
         else:
             y = self._routed(xq, w, ids, self._raw_experts(), 0, self.n_experts, kernels)
         up = lambda lin: lin(x, jnp.float32, kernels=kernels)
         shared = self.shared_w2(swiglu(up(self.shared_w1), up(self.shared_w3), self.limit).astype(dt), jnp.float32,
                                 kernels=kernels)
         return (y + shared).astype(dt).reshape(b, t, d), load_e
-
-    def _routed_expert_parallel(self, x_nd, w_nk, ids_nk, mesh, ep: int, kernels: str) -> jax.Array:
-        """Expert parallelism: each device of the `expert` mesh axis holds E/ep experts. Tokens (sharded
-        over `data`, replicated over `expert`) are all present on every expert shard, each shard computes
-        its own experts' assignments, and a psum over `expert` combines them."""
-        from jax.sharding import PartitionSpec as P
-
-        n_local = self.n_experts // ep
-        tok = P("data") if mesh.shape.get("data", 1) > 1 else P()
-        raw = self._raw_experts()
-
-        def body(x, w, ids, raw_local):
-            first = jax.lax.axis_index("expert") * n_local
-            return jax.lax.psum(self._routed(x, w, ids, raw_local, first, n_local, kernels), "expert")
-
-        return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, jax.tree.map(lambda _: P("expert"), raw)),
-                             out_specs=tok, check_vma=False)(x_nd, w_nk, ids_nk, raw)

@@ -14,9 +14,13 @@
 or that does not divide the dimension (derived scale blocks) leaves that dimension replicated.
 
 The mesh has up to three axes: `data` (sequences), `tensor` (attention / indexer heads, shared-expert
-hidden units, vocabulary) and `expert` (routed experts, Engram table rows). Collectives come from
-GSPMD (`jax.jit` with `NamedSharding`s) except for the routed experts, which run inside `jax.shard_map`
-over the `expert` axis (moe.py). A bad mesh is refused here (`check_mesh`), before anything is traced.
+hidden units, vocabulary) and `expert` (routed experts, Engram table rows; in `dp_ep` also sequences).
+Layouts: `tp_ep` (heads over `tensor`, experts over `expert`, sequences over `data`), `dp` (everything
+replicated, sequences over `data`) and `dp_ep` (the DeepSeek serving layout: sequences over `data` x
+`expert`, dense weights replicated, experts over `expert`). Collectives come from GSPMD (`jax.jit` with
+`NamedSharding`s) except for the routed experts, which run inside `jax.shard_map` over the `expert` axis
+with an all-to-all dispatch / combine (expert_parallel.py). A bad mesh is refused here (`check_mesh`),
+before anything is traced.
 
 `place` turns a mesh and a layout into a `Placement`: the shardings of one model's params and caches,
 which `api`'s entry points take as `placement=` (see `sharding.shard_model`). This module imports no
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +41,7 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from dsv41_jax import sequence_split
 from dsv41_jax.cache import Cache, init_cache
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.pytree_paths import path_str
@@ -75,6 +81,11 @@ LAYOUTS: dict[str, tuple[tuple[str, str | None], ...]] = {
     # weights replicated, sequences split: for models that fit one device
     "dp": (("batch", "data"), ("heads", None), ("index_heads", None), ("mlp", None), ("vocab", None),
            ("experts", None), ("table_rows", None)),
+    # the DeepSeek serving layout: attention data-parallel over every device (each its own sequences and
+    # their caches; the dense weights, shared expert and head replicated), routed experts and Engram rows
+    # split over `expert`, tokens sent to their experts by all-to-all (expert_parallel.py)
+    "dp_ep": (("batch", ("data", "expert")), ("heads", None), ("index_heads", None), ("mlp", None),
+              ("vocab", None), ("experts", "expert"), ("table_rows", "expert")),
 }
 
 
@@ -95,30 +106,38 @@ def parse_mesh(text: str) -> dict[str, int]:
     return out
 
 
+def batch_axes(layout: str) -> tuple[str, ...]:
+    """The mesh axes that split the sequences in `layout`."""
+    axes = dict(_rules(layout))["batch"]
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
 def check_mesh(cfg: ModelConfig, sizes: dict[str, int], batch: int | None = None,
-               n_devices: int | None = None) -> None:
+               n_devices: int | None = None, layout: str = "tp_ep") -> None:
     """Refuse a mesh that cannot hold this model, with the reason, before anything is compiled."""
     n_devices = len(jax.devices()) if n_devices is None else n_devices
     total = math.prod(sizes.values())
     if total != n_devices:
         raise MeshError(f"mesh {sizes} has {total} devices but {n_devices} are available; "
                          "make the product of the axis sizes equal the device count")
-    tp, ep, dp = sizes.get("tensor", 1), sizes.get("expert", 1), sizes.get("data", 1)
-    checks = [("n_heads", cfg.n_heads, tp), ("o_groups", cfg.o_groups, tp), ("index_n_heads", cfg.index_n_heads, tp),
-              ("moe_inter_dim", cfg.moe_inter_dim, tp), ("vocab_size", cfg.vocab_size, tp),
-              ("n_routed_experts", cfg.n_routed_experts, ep)]
+    tp, ep = sizes.get("tensor", 1), sizes.get("expert", 1)
+    checks = [("tensor", "n_heads", cfg.n_heads, tp), ("tensor", "o_groups", cfg.o_groups, tp),
+              ("tensor", "index_n_heads", cfg.index_n_heads, tp), ("tensor", "moe_inter_dim", cfg.moe_inter_dim, tp),
+              ("tensor", "vocab_size", cfg.vocab_size, tp), ("expert", "n_routed_experts", cfg.n_routed_experts, ep)]
     if batch is not None:
-        checks.append(("batch", batch, dp))
-    for name, value, size in checks:
+        split = [a for a in batch_axes(layout) if sizes.get(a, 1) > 1] or ["data"]
+        checks.append(("*".join(split), "batch", batch, math.prod(sizes.get(a, 1) for a in split)))
+    for axis, name, value, size in checks:
         if value % size:
-            axis = "expert" if name == "n_routed_experts" else "data" if name == "batch" else "tensor"
-            raise MeshError(f"mesh axis {axis}={size} does not divide {name}={value}; choose a size that divides it")
+            raise MeshError(f"mesh axis {axis}={size} does not divide {name}={value}; choose a size that divides it"
+                            + (f" (layout {layout} splits the sequences over {axis})" if name == "batch" else ""))
 
 
-def make_mesh(cfg: ModelConfig, spec: str | dict[str, int], batch: int | None = None, devices=None) -> Mesh:
+def make_mesh(cfg: ModelConfig, spec: str | dict[str, int], batch: int | None = None, devices=None,
+              layout: str = "tp_ep") -> Mesh:
     sizes = parse_mesh(spec) if isinstance(spec, str) else dict(spec)
     devices = list(jax.devices() if devices is None else devices)
-    check_mesh(cfg, sizes, batch, len(devices))
+    check_mesh(cfg, sizes, batch, len(devices), layout)
     names = tuple(a for a in MESH_AXES if a in sizes) or ("data",)
     shape = tuple(sizes.get(a, 1) for a in names)
     return Mesh(np.asarray(devices).reshape(shape), names)
@@ -131,13 +150,20 @@ def _rules(layout: str):
 
 
 def _on_mesh(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """A resolved spec, each mesh axis kept where this mesh splits that dimension evenly."""
+    """A resolved spec, each mesh axis kept where this mesh splits that dimension evenly (a dimension
+    split over several axes keeps those that this mesh has, if their product divides it)."""
     out = []
     for m, dim in zip(spec, shape):
-        if isinstance(m, str) and m not in MESH_AXES:
-            raise ValueError(f"logical axis {m!r} has no rule in this layout; add one to LAYOUTS")
+        names = (m,) if isinstance(m, str) else tuple(m or ())
+        for a in names:
+            if a not in MESH_AXES:
+                raise ValueError(f"logical axis {a!r} has no rule in this layout; add one to LAYOUTS")
+        names = tuple(a for a in names if a in mesh.shape and mesh.shape[a] > 1)
         # a derived array (scale blocks) whose dim the mesh does not divide stays replicated there
-        out.append(m if m in mesh.shape and mesh.shape[m] > 1 and dim % mesh.shape[m] == 0 else None)
+        if not names or dim % math.prod(mesh.shape[a] for a in names):
+            out.append(None)
+        else:
+            out.append(names[0] if len(names) == 1 else names)
     return P(*out)
 
 
@@ -223,6 +249,13 @@ class Placement:
     cache: Any  # NamedSharding per cache leaf (a Cache pytree)
     rows: NamedSharding  # arrays that lead with the batch (tokens, lengths, logits, sampled ids)
 
+    @contextmanager
+    def active(self):
+        """Trace and run on this placement: its mesh set, and the traced model told which mesh
+        axes split the sequences (`sequence_split.split_over`)."""
+        with jax.set_mesh(self.mesh), sequence_split.split_over(batch_axes(self.layout)):
+            yield
+
     def put_cache(self, cache: Cache) -> Cache:
         """`cache` on the mesh (arrays already there stay as they are)."""
         if cache.batch != self.batch:
@@ -245,7 +278,7 @@ def place(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp_ep", *, batch:
     """The shardings of `params` (abstract or real) and of `cfg`'s caches for `batch` sequences on
     `mesh` by the layout's rules; a bad layout or mesh is refused first."""
     _rules(layout)
-    check_mesh(cfg, dict(mesh.shape), batch, mesh.size)
+    check_mesh(cfg, dict(mesh.shape), batch, mesh.size, layout)
     abstract_cache = jax.eval_shape(lambda: init_cache(cfg, batch, 1))  # capacity does not change the specs
     axis = _on_mesh(logical_to_mesh(("batch",), layout), (batch,), mesh)[0]
     return Placement(mesh, layout, batch, param_shardings(params, mesh, layout),

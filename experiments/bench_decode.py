@@ -4,6 +4,7 @@
     python -m experiments.bench_decode --batch 64 --context 131072
     python -m experiments.bench_decode --preset small --weight-format float
     python -m experiments.bench_decode --preset v41-flash --layers 40   # the whole model (needs the memory)
+    python -m experiments.bench_decode --mesh expert=2 --layout dp_ep --batch 128 --profile /tmp/p   # 2 devices
 
 Weights are random in the released formats (`--weight-format fp8`: FP8 + E8M0/32x32 projections, packed
 FP4 + E8M0/32 routed experts), generated on the device leaf by leaf; the cache is filled with random
@@ -18,6 +19,13 @@ program outside fusions) and the peak device memory.
 The `v41-slice` preset is 6 layers of the released shapes: window / Full m=2 with Engram / Reuse /
 Full m=1 candidate source / Reuse / Reindex. Engram tables are shrunk (a lookup reads B x rows, not the
 table, so the size does not change what a step moves).
+
+`--mesh` runs the same steps sharded (`partitioning.place` with `--layout`, default `dp_ep`) over the
+devices at hand; `--batch` is then the whole batch, split as the layout says. Extra columns: tokens/s
+in all and per device, and with `--profile` the communication per step (GPU time of the collective
+kernels -- NCCL, all-to-all, all-gather, ... -- per device; it includes waiting for the slowest device)
+and its share of the device's busy time and of the step. The bytes-to-move / roofline columns stay one
+device's model of the whole batch.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import time
 
@@ -39,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 import dsv41_jax as d
-from dsv41_jax import api
+from dsv41_jax import api, partitioning
 from dsv41_jax.kernels import resolve
 from dsv41_jax.cache import init_cache
 from dsv41_jax.plan import Mode, build_plan
@@ -218,9 +227,14 @@ def launches(compiled) -> int:
     return n
 
 
-def kernel_profile(run, out_dir: str, steps: int, top: int = 15) -> list[dict]:
-    """GPU time per step by kernel name over `run()` (which does `steps` decode steps), from a jax.profiler
-    trace (its Perfetto JSON): [{name, us_per_step, calls_per_step}], largest first, and a "total" row."""
+COLLECTIVE = re.compile(r"nccl|all.?to.?all|ragged|all.?gather|all.?reduce|reduce.?scatter|collective|"
+                        r"send.?recv|ptop|peer", re.IGNORECASE)  # kernel names of inter-device traffic
+
+
+def kernel_profile(run, out_dir: str, steps: int, top: int = 15, devices: int = 1) -> list[dict]:
+    """GPU time per step and device by kernel name over `run()` (which does `steps` decode steps on
+    `devices` GPUs), from a jax.profiler trace (its Perfetto JSON): [{name, us_per_step, calls_per_step}],
+    largest first, after a "total" row and a "communication" row (the kernels `COLLECTIVE` matches)."""
     with jax.profiler.trace(out_dir, create_perfetto_trace=True):
         run()
     path = sorted(glob.glob(os.path.join(out_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
@@ -232,25 +246,44 @@ def kernel_profile(run, out_dir: str, steps: int, top: int = 15) -> list[dict]:
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu:
             by_name.setdefault(e["name"], []).append(float(e.get("dur", 0)))
-    rows = sorted(({"name": n, "us_per_step": sum(v) / steps, "calls_per_step": len(v) / steps}
+    per = steps * devices
+    rows = sorted(({"name": n, "us_per_step": sum(v) / per, "calls_per_step": len(v) / per}
                    for n, v in by_name.items()), key=lambda r: -r["us_per_step"])
-    total = {"name": "total", "us_per_step": sum(r["us_per_step"] for r in rows),
-             "calls_per_step": sum(r["calls_per_step"] for r in rows)}
-    return [total] + rows[:top]
+    sums = lambda name, rs: {"name": name, "us_per_step": sum(r["us_per_step"] for r in rs),
+                             "calls_per_step": sum(r["calls_per_step"] for r in rs)}
+    return [sums("total", rows), sums("communication", [r for r in rows if COLLECTIVE.search(r["name"])])] + rows[:top]
+
+
+def on_mesh(cfg, params, cache, tokens, args):
+    """(params, cache, tokens, placement) on `args.mesh` by `args.layout`'s rules."""
+    mesh = partitioning.make_mesh(cfg, args.mesh, batch=cache.batch, layout=args.layout)
+    placement = partitioning.place(cfg, params, mesh, args.layout, batch=cache.batch)
+    return jax.device_put(params, placement.params), placement.put_cache(cache), placement.put_rows(tokens), placement
 
 
 def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> dict:
     cache = random_cache(cfg, batch, context)
     tokens = jax.random.randint(jax.random.key(2), (batch,), 0, cfg.vocab_size)
     hit = experts_hit(cfg, params, cache, tokens)
-    lowered = api._forward_donating.lower(cfg, params, cache, tokens[:, None], jnp.ones((batch,), jnp.int32),
-                                          all_logits=False, kernels=resolve(args.kernels))
-    t0 = time.perf_counter()
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - t0
-    n_launch = launches(compiled)
+    placement, n_dev = None, 1
+    if args.mesh:  # the same steps on the mesh: params placed there, the cache and tokens split
+        params, cache, tokens, placement = on_mesh(cfg, params, cache, tokens, args)
+        n_dev, n_launch = placement.mesh.size, None
+    else:
+        lowered = api._forward_donating.lower(cfg, params, cache, tokens[:, None], jnp.ones((batch,), jnp.int32),
+                                              all_logits=False, kernels=resolve(args.kernels))
+        t0 = time.perf_counter()
+        compiled = lowered.compile()
+        compile_s = time.perf_counter() - t0
+        n_launch = launches(compiled)
+    step = lambda c, t: api.decode_step(cfg, params, c, t, kernels=args.kernels, validate=False, donate=True,
+                                        placement=placement)
+    if placement is not None:  # no lowering on a mesh here: the first call's time, compile included
+        t0 = time.perf_counter()
+        logits, cache = step(cache, tokens)
+        logits.block_until_ready()
+        compile_s = time.perf_counter() - t0
     print(f"  compiled in {compile_s:.1f} s, {n_launch} launches; warming up", flush=True)
-    step = lambda c, t: api.decode_step(cfg, params, c, t, kernels=args.kernels, validate=False, donate=True)
     for _ in range(3):
         logits, cache = step(cache, tokens)
     logits.block_until_ready()
@@ -263,7 +296,8 @@ def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> 
     ms = 1e3 * statistics.median(times)
     print(f"  {ms:.3f} ms/step; timing the jitted loop", flush=True)
     # the jitted loop: --chunk steps per call
-    gen = lambda c: api.generate(cfg, params, c, tokens, args.chunk, kernels=args.kernels, validate=False)
+    gen = lambda c: api.generate(cfg, params, c, tokens, args.chunk, kernels=args.kernels, validate=False,
+                                 placement=placement)
     toks, _, cache = gen(cache)
     toks.block_until_ready()
     gtimes = []
@@ -279,7 +313,8 @@ def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> 
             nonlocal cache
             toks, _, cache = gen(cache)
             toks.block_until_ready()
-        prof = kernel_profile(run, os.path.join(args.profile, f"b{batch}_c{context}"), args.chunk, args.profile_top)
+        prof = kernel_profile(run, os.path.join(args.profile, f"b{batch}_c{context}"), args.chunk, args.profile_top,
+                              n_dev)
         for r in prof:
             print(f"    {r['us_per_step']:9.1f} us/step {r['calls_per_step']:6.1f} calls  {r['name'][:110]}", flush=True)
     w = weight_bytes(cfg, params, hit)
@@ -289,7 +324,12 @@ def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> 
     roof_ms = 1e3 * must / peak_bw
     stats = jax.devices()[0].memory_stats() or {}
     del cache
-    return dict(batch=batch, context=context, ms_step=ms, ms_step_loop=loop_ms, roofline_ms=roof_ms,
+    comm_us = prof[1]["us_per_step"] if prof and prof[0]["us_per_step"] else None  # None: no GPU kernels traced
+    return dict(batch=batch, context=context, devices=n_dev, mesh=args.mesh, layout=args.layout if args.mesh else None,
+                tokens_per_s=batch * 1e3 / loop_ms, tokens_per_s_per_device=batch * 1e3 / loop_ms / n_dev,
+                comm_us_step=comm_us, comm_share=None if comm_us is None else comm_us / prof[0]["us_per_step"],
+                comm_share_of_step=None if comm_us is None else comm_us / (1e3 * loop_ms),
+                ms_step=ms, ms_step_loop=loop_ms, roofline_ms=roof_ms,
                 ratio=ms / roof_ms, ratio_loop=loop_ms / roof_ms, bytes_must_move=must, dense_bytes=w["dense"],
                 expert_bytes=w["experts"], cache_bytes_read=c_bytes, experts_hit=hit, launches=n_launch,
                 compile_s=compile_s, profile=prof, peak_bytes=stats.get("peak_bytes_in_use"), logit_absmax=float(jnp.abs(logits).max()))
@@ -311,8 +351,23 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="trace one --chunk loop per point into DIR and print GPU time per kernel")
     p.add_argument("--profile-top", type=int, default=15, help="kernels listed per profiled point")
+    p.add_argument("--mesh", default=None, help="run sharded over the devices at hand, e.g. expert=2 or data=2 "
+                   "(axes data/tensor/expert; the product must equal the device count)")
+    p.add_argument("--layout", default="dp_ep", choices=sorted(partitioning.LAYOUTS), help="rules for --mesh")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     return p.parse_args(argv)
+
+
+def mesh_table(rows, args) -> None:
+    print("\n| mesh | layout | batch | devices | ms/step (loop) | tokens/s | tokens/s/device | comm us/step/device "
+          "| comm / busy | comm / step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"
+    for r in rows:
+        comm = "-" if r["comm_us_step"] is None else f"{r['comm_us_step']:.0f}"
+        print(f"| {args.mesh} | {args.layout} | {r['batch']} | {r['devices']} | {r['ms_step_loop']:.3f} | "
+              f"{r['tokens_per_s']:.0f} | {r['tokens_per_s_per_device']:.0f} | {comm} | {pct(r['comm_share'])} | "
+              f"{pct(r['comm_share_of_step'])} |")
 
 
 def main(argv=None) -> list[dict]:
@@ -325,8 +380,15 @@ def main(argv=None) -> list[dict]:
         cfg = truncated(cfg, args.layers)
     if max(args.context) + 256 > cfg.max_seq_len:
         raise SystemExit(f"error: --context {max(args.context)} exceeds the preset's max_seq_len {cfg.max_seq_len} - 256")
+    if args.mesh:
+        try:  # before the params exist
+            for b in args.batch:
+                partitioning.check_mesh(cfg, partitioning.parse_mesh(args.mesh), b, layout=args.layout)
+        except partitioning.MeshError as e:
+            raise SystemExit(f"error: --mesh {args.mesh}: {e}") from None
     print(f"{args.preset}: {cfg.n_layers} layers, weight_format={cfg.weight_format}, kernels={args.kernels}, "
-          f"device {jax.devices()[0].device_kind}", flush=True)
+          f"device {jax.devices()[0].device_kind}" + (f", mesh {args.mesh} layout {args.layout}" if args.mesh else ""),
+          flush=True)
     peak = copy_bandwidth(args.copy_gb)
     print(f"copy bandwidth (read+write, this run): {peak / 1e9:.0f} GB/s", flush=True)
     t = time.perf_counter()
@@ -348,7 +410,9 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         print(f"| {r['batch']} | {r['context']} | {r['ms_step']:.3f} | {r['ms_step_loop']:.3f} | "
               f"{r['bytes_must_move'] / 1e9:.3f} | {r['roofline_ms']:.3f} | {r['ratio']:.2f} | {r['ratio_loop']:.2f} | "
-              f"{sum(r['experts_hit'])} | {r['launches']} | {(r['peak_bytes'] or 0) / 2**30:.1f} |")
+              f"{sum(r['experts_hit'])} | {r['launches'] or '-'} | {(r['peak_bytes'] or 0) / 2**30:.1f} |")
+    if args.mesh:
+        mesh_table(rows, args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

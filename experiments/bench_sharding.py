@@ -52,7 +52,7 @@ def main(argv=None):
         ap.error("--batch, --prompt, --steps and --rounds must be >= 1")
     cfg = d.preset(a.preset, sinkhorn_unroll=a.sinkhorn)
     try:  # before the parameters exist: `small` takes a while to initialize
-        S.check_mesh(cfg, S.parse_mesh(a.mesh), batch=a.batch)
+        S.check_mesh(cfg, S.parse_mesh(a.mesh), batch=a.batch, layout=a.layout)
     except S.MeshError as e:
         raise _cli.UserError(f"--mesh {a.mesh}: {e}") from None
     if a.prompt + a.steps + 8 > cfg.max_seq_len:
@@ -67,7 +67,7 @@ def main(argv=None):
 
     _, c_plain = d.prefill(cfg, params, d.init_cache(cfg, a.batch, cap), tok, lens)
     plain = lambda c, t: d.decode_step(cfg, params, c, t, validate=False)
-    m = shard_model(cfg, params, S.make_mesh(cfg, a.mesh, batch=a.batch), a.layout, batch=a.batch)
+    m = shard_model(cfg, params, S.make_mesh(cfg, a.mesh, batch=a.batch, layout=a.layout), a.layout, batch=a.batch)
     _, c_shard = m.prefill(m.init_cache(cap), tok, lens)
     sharded = lambda c, t: m.decode_step(c, t, validate=False)
     _median_step(plain, c_plain, nxt, 3)  # compile + warm-up

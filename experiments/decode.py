@@ -96,7 +96,8 @@ def parse_args(argv=None):
                     "its trained weights and config instead of --preset's random ones")
     ap.add_argument("--mesh", help="run sharded on a device mesh, axis=size pairs over data/tensor/expert, "
                     "e.g. data=2,expert=4 (product = device count; see dsv41_jax/partitioning.py)")
-    ap.add_argument("--layout", default="tp_ep", help="sharding rule set for --mesh (tp_ep or dp)")
+    ap.add_argument("--layout", default="tp_ep", choices=["tp_ep", "dp", "dp_ep"],
+                    help="sharding rule set for --mesh (dp_ep: attention data-parallel, experts expert-parallel)")
     ap.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first "
                     "(multi-host: one process per host, coordinator from the environment)")
     eng = ap.add_argument_group("serving engine (on with --engine or --cache-dir)", WARM_PATHS)
@@ -245,7 +246,7 @@ def check_mesh(args, cfg) -> None:
     from dsv41_jax import partitioning
 
     try:
-        partitioning.check_mesh(cfg, partitioning.parse_mesh(args.mesh), batch=args.batch)
+        partitioning.check_mesh(cfg, partitioning.parse_mesh(args.mesh), batch=args.batch, layout=args.layout)
     except partitioning.MeshError as e:
         raise _cli.UserError(f"--mesh {args.mesh}: {e}") from None
 
@@ -309,7 +310,7 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
     if args.mesh:
         from dsv41_jax import partitioning, sharding
 
-        mesh = partitioning.make_mesh(cfg, args.mesh, batch=b)
+        mesh = partitioning.make_mesh(cfg, args.mesh, batch=b, layout=args.layout)
         sharded = sharding.shard_model(cfg, params, mesh, args.layout, batch=b)
         params, placement = sharded.params, sharded.placement
         print(f"[decode] mesh {dict(mesh.shape)} layout {args.layout} on {mesh.size} device(s)", flush=True)

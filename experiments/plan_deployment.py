@@ -48,7 +48,7 @@ def weight_config(preset: str):
 def plan(preset: str, mesh_spec: str, layout: str, batch: int, context: int) -> dict:
     cfg, params, not_fp8 = weight_config(preset)
     sizes = S.parse_mesh(mesh_spec)
-    S.check_mesh(cfg, sizes, batch, math.prod(sizes.values()))
+    S.check_mesh(cfg, sizes, batch, math.prod(sizes.values()), layout)
     names = tuple(a for a in S.MESH_AXES if a in sizes)
     mesh = AbstractMesh(tuple(sizes[a] for a in names), names)
     specs = jax.tree.leaves(S.param_specs(params, mesh, layout))  # the params' logical-axes metadata
