@@ -512,7 +512,7 @@ def engine_config(args, cfg, capacity: int, n_requests: int):
                         host_pool_bytes=int(args.host_pool_gb * 2**30) if args.host_pool_gb else None,
                         host_ttl_s=args.host_ttl_s, prefix_reuse=not args.no_prefix_reuse,
                         replay=not args.no_replay, bounded_prefill=not args.no_bounded_prefill,
-                        kernels=args.kernels, speculative=args.speculative)
+                        kernels=args.kernels, speculative=getattr(args, "speculative", None))
     try:
         plan_slots(cfg, ecfg)
     except ValueError as e:

@@ -23,6 +23,7 @@ from dsv41_jax.checkpoint.safetensors_io import INDEX_FILE, write_safetensors
 from dsv41_jax.checkpoint.synthetic import (fixture_config, make_tensors, to_hf_float, tokenizer_vocab,
                                             write_checkpoint)
 from dsv41_jax.engram_vocab import compressed_token_map
+from tests.conftest import COLLECTIVE_PATIENCE
 
 DATA = Path(__file__).parent / "data"
 CFG = fixture_config()
@@ -334,7 +335,8 @@ print("OK")
 
 
 def test_orbax_restore_onto_another_mesh(released, tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {COLLECTIVE_PATIENCE}",
+               JAX_PLATFORMS="cpu")
     run = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(released[0]), str(tmp_path / "p")],
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]
