@@ -2,6 +2,8 @@
 
     python -m experiments.plan_deployment --preset v41-flash --mesh tensor=8 --batch 64 --context 131072
     python -m experiments.plan_deployment --preset v41-flash --mesh data=4,expert=16 --devices-per-host 4 --hbm-gib 95
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.plan_deployment --mesh expert=8 \
+        --layout dp_ep --compile          # a dry run: XLA compiles the sharded step, its bytes beside the plan's
 
 Weights are counted in the released formats (FP8 dense blocks, FP4 routed experts); the Engram tables
 are planned in host memory (their lookups depend only on token ids, so rows can be prefetched). Every
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 
 import jax
 from jax.sharding import AbstractMesh
@@ -28,7 +31,8 @@ def _per_device_bytes(pairs, mesh) -> tuple[float, float]:
     total = per_dev = 0.0
     for leaf, spec in pairs:
         n = math.prod(leaf.shape) * leaf.dtype.itemsize
-        split = math.prod(mesh.shape[a] for a in spec if a is not None)
+        axes = [a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))]
+        split = math.prod(mesh.shape[a] for a in axes)  # an entry may split one dim over several axes (dp_ep)
         total += n
         per_dev += n / split
     return total, per_dev
@@ -62,7 +66,39 @@ def plan(preset: str, mesh_spec: str, layout: str, batch: int, context: int) -> 
                                            strict=True), mesh)
     return dict(preset=preset, mesh=sizes, layout=layout, batch=batch, context=context, devices=mesh.size,
                 weights_total=w_total, weights_per_device=w_dev, cache_total=c_total, cache_per_device=c_dev,
-                engram_host_total=e_total, weights_not_fp8=not_fp8)
+                engram_host_total=e_total, engram_if_on_device=_per_device_bytes(host, mesh)[1],
+                weights_not_fp8=not_fp8)
+
+
+def compile_decode(preset: str, mesh_spec: str, layout: str, batch: int, context: int) -> dict:
+    """Compile one sharded decode step of `preset` for the devices present (no weights allocated: every
+    input is abstract) and return XLA's bytes per device: arguments (weights, Engram tables on the device,
+    cache, tokens), temporaries, outputs, and the compile time. On CPUs, simulate the devices with
+    XLA_FLAGS=--xla_force_host_platform_device_count=N."""
+    from dsv41_jax import api
+
+    cfg, params, _ = weight_config(preset)
+    sizes = S.parse_mesh(mesh_spec)
+    need = math.prod(sizes.values())
+    if jax.device_count() < need:
+        raise _cli.UserError(f"--compile: mesh {mesh_spec} needs {need} devices, {jax.device_count()} present; on a "
+                             f"CPU start with XLA_FLAGS=--xla_force_host_platform_device_count={need}")
+    mesh = S.make_mesh(cfg, sizes, batch=batch, devices=jax.devices()[:need], layout=layout)
+    where = S.place(cfg, params, mesh, layout, batch=batch)
+    on = lambda tree, shardings: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                             tree, shardings)
+    cache = on(jax.eval_shape(lambda: init_cache(cfg, batch, context)), where.cache)
+    rows = lambda *shape: jax.ShapeDtypeStruct((batch, *shape), jax.numpy.int32, sharding=where.rows)
+    # keep_unused: the draft stages and the vision tower, idle in a decode step, are resident all the same
+    step = jax.jit(api.forward, static_argnames=("cfg", "all_logits", "kernels"), donate_argnames=("cache",), keep_unused=True,
+                   out_shardings=(where.rows, where.cache))
+    t0 = time.perf_counter()
+    with where.active():
+        compiled = step.lower(cfg, on(params, where.params), cache, rows(1), rows(), all_logits=False,
+                              kernels="jnp").compile()
+    m = compiled.memory_analysis()
+    return dict(compile_s=time.perf_counter() - t0, arguments_per_device=m.argument_size_in_bytes,
+                temporaries_per_device=m.temp_size_in_bytes, outputs_per_device=m.output_size_in_bytes)
 
 
 def size(n: float) -> str:
@@ -96,6 +132,9 @@ def main(argv=None):
                     "max_seq_len when smaller)")
     ap.add_argument("--hbm-gib", type=float, default=141.0, help="memory per device (H200: 141; TPU v5p: 95)")
     ap.add_argument("--devices-per-host", type=int, default=8)
+    ap.add_argument("--compile", action="store_true",
+                    help="also compile one decode step on the devices present (simulated on a CPU: see above) and "
+                         "put XLA's bytes per device next to the plan's")
     a = ap.parse_args(argv)
     if a.batch < 1 or (a.context is not None and a.context < 1) or a.devices_per_host < 1:
         ap.error("--batch, --context and --devices-per-host must be >= 1")
@@ -124,6 +163,15 @@ def main(argv=None):
     verdict = "fits" if need <= a.hbm_gib else "does NOT fit"
     print(f"  per device: {size(need * 2**30).strip()} of {a.hbm_gib:.0f} GiB -> {verdict} (activations and workspace "
           "not counted)")
+    if a.compile:
+        c = compile_decode(a.preset, a.mesh, a.layout, a.batch, a.context)
+        # what XLA's arguments hold: the plan's weights and cache, the Engram tables (on the device here) and tokens
+        plan_args = p["weights_per_device"] + p["cache_per_device"] + p["engram_if_on_device"]
+        print(f"  compiled decode step ({c['compile_s']:.0f} s): arguments {size(c['arguments_per_device']).strip()} "
+              f"per device (plan, Engram tables on the device: {size(plan_args).strip()}, ratio "
+              f"{c['arguments_per_device'] / plan_args:.3f}); temporaries {size(c['temporaries_per_device']).strip()}, "
+              f"outputs {size(c['outputs_per_device']).strip()}")
+        p.update(c, plan_arguments_per_device=plan_args)
     return p
 
 

@@ -275,6 +275,15 @@ def test_plan_deployment_runs_on_tiny(capsys):
         "error: --context 8192: more than tiny's max_seq_len (4096)"
 
 
+def test_plan_deployment_compile_agrees_with_the_plan(capsys):
+    # XLA's per-device argument bytes of the compiled sharded step (8 simulated devices, conftest) against the
+    # plan's tables: weights, cache and Engram tables per device, plus a few bytes of tokens
+    p = plan_deployment.main(["--preset", "tiny", "--mesh", "data=2,expert=2", "--layout", "dp_ep", "--batch", "4",
+                              "--context", "64", "--compile"])
+    assert abs(p["arguments_per_device"] / p["plan_arguments_per_device"] - 1) < 0.01
+    assert p["temporaries_per_device"] > 0 and "compiled decode step" in capsys.readouterr().out
+
+
 def test_cache_bytes_labels_what_it_measured(capsys):
     cache_bytes.main(["--preset", "tiny"])
     out = capsys.readouterr().out
