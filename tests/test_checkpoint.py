@@ -298,18 +298,18 @@ from dsv41_jax.checkpoint import load_checkpoint
 from dsv41_jax.checkpoint.orbax_io import flat_params, restore_params, save_params
 src, out = sys.argv[1], sys.argv[2]
 devs = np.array(jax.devices())
-assert len(devs) == 4
+assert len(devs) == 2  # two device threads: on a 2-core CI machine four could wait on each other
 rows = lambda mesh: (lambda path, shape: NamedSharding(mesh, P("x") if shape and shape[0] % mesh.size == 0 else P()))
-save_mesh = Mesh(devs[:2], ("x",))
+save_mesh = Mesh(devs[:1], ("x",))
 loaded = load_checkpoint(src, progress=False, shardings=rows(save_mesh))
-assert flat_params(loaded.params)["embed/weight"].sharding.mesh.size == 2
+assert flat_params(loaded.params)["embed/weight"].sharding.mesh.size == 1
 save_params(out, loaded.params)
 new_mesh = Mesh(devs, ("x",))
 back = restore_params(out, loaded.cfg, rows(new_mesh))
 a, b = flat_params(loaded.params), flat_params(back)
 for k in a:
     np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8))
-assert b["embed/weight"].sharding.mesh.size == 4 and len(b["embed/weight"].addressable_shards) == 4
+assert b["embed/weight"].sharding.mesh.size == 2 and len(b["embed/weight"].addressable_shards) == 2
 # Engram tables in host memory, split over the mesh; shard_model's shardings keep them there
 from flax import nnx
 from dsv41_jax.api import graphdef
@@ -318,7 +318,7 @@ host = load_checkpoint(src, progress=False, shardings=rows(new_mesh), engram_on_
 h = flat_params(host.params)
 for k in ("layers/0/engram/table", "layers/1/engram/table_scale"):
     assert h[k].sharding.memory_kind == "pinned_host" and h[k].sharding.spec == P("x"), (k, h[k].sharding)
-    assert len(h[k].addressable_shards) == 4
+    assert len(h[k].addressable_shards) == 2
 placed = jax.device_put(host.params, param_shardings(host.params, new_mesh))
 assert {k for k, v in flat_params(placed).items() if v.sharding.memory_kind != "device"} == {
     f"layers/{l}/engram/{t}" for l in host.cfg.engram_layer_ids for t in ("table", "table_scale")}
@@ -335,7 +335,7 @@ print("OK")
 
 
 def test_orbax_restore_onto_another_mesh(released, tmp_path):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {COLLECTIVE_PATIENCE}",
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {COLLECTIVE_PATIENCE}",
                JAX_PLATFORMS="cpu")
     run = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(released[0]), str(tmp_path / "p")],
                          env=env, capture_output=True, text=True, timeout=300)
