@@ -1,0 +1,175 @@
+"""Issue 15 on a 2-H200 host: PYTHONPATH=. python3 -m experiments.device_runs.issue15_two_gpus [bench|equal|extra]; logs and JSON under $OUT.
+
+Three runs of < 5 min each (parts in priority order, each in its own process with a timeout; a failed
+part is reported and the next one runs; the table comes last):
+  bench (default): bench_decode on the v41 slice, 4K context, decode in api.generate chunks, one process
+         per point: 1 GPU (CUDA_VISIBLE_DEVICES=0) at batch 64, 2 GPUs --mesh expert=2 --layout dp_ep at
+         batch 128 (64 per GPU, weak scaling) with --profile (communication per step), then 1 GPU at
+         batch 8 and 2 GPUs at batch 16.
+  equal: float32 `small` (matmul precision "highest", cache quantization off as in CI), batch 16:
+         prefill logits and 8 greedy tokens on 1 GPU vs data=2 (dp), expert=2 (tp_ep), expert=2 (dp_ep):
+         max |dlogits| / max |logits| and the first diverging token. GPU: ragged_all_to_all transport.
+  extra: the 1-GPU rows again, then dp_ep with the routed experts in one kernel call of 768 rows
+         (kernels.WEIGHT_KERNEL_ROWS raised to 1024), dp_ep with the dense all-to-all transport, dp data=2.
+  small: `small` at 2K context: 1 GPU batch 16; 2 GPUs dp_ep batch 16 and 32 (profiled); tp_ep batch 16.
+Dry run of `equal` on CPU: I15_PRESET=tiny JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+OUT = os.environ.get("OUT", "/tmp/out_i15")
+os.makedirs(OUT, exist_ok=True)
+T0 = time.time()
+BUDGET_S = 285
+BENCH = ["-m", "experiments.bench_decode", "--context", "4096", "--steps", "10", "--chunk", "8", "--copy-gb", "1"]
+
+
+def equal_mode():
+    import jax
+    import numpy as np
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    import dsv41_jax as d
+    from dsv41_jax import partitioning as S
+    from dsv41_jax.sharding import shard_model
+
+    cfg = d.preset(os.environ.get("I15_PRESET", "small"), dtype="float32", param_dtype="float32", quantize_cache=False, sinkhorn_unroll="rolled")
+    b, prompt, steps = 16, 24, 8
+    params = d.init_params(cfg, seed=0)
+    tok = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, prompt))
+    lens = np.random.default_rng(1).integers(8, prompt + 1, b)
+    cap = prompt + steps + 8
+
+    def greedy(m):
+        t = time.time()
+        if m is None:
+            logits, cache = d.prefill(cfg, params, d.init_cache(cfg, b, cap), tok, lens)
+            toks, _, _ = d.generate(cfg, params, cache, np.asarray(logits).argmax(-1), steps)
+        else:
+            logits, cache = m.prefill(m.init_cache(cap), tok, lens)
+            toks, _, _ = m.generate(cache, np.asarray(logits).argmax(-1), steps)
+        return np.asarray(logits), np.asarray(toks), time.time() - t
+
+    ref_logits, ref_toks, s = greedy(None)
+    print(f"one GPU: {s:.1f} s", flush=True)
+    scale = float(np.abs(ref_logits).max())
+    for layout, mesh in (("dp_ep", "expert=2"), ("tp_ep", "expert=2"), ("dp", "data=2")):
+        if time.time() - T0 > BUDGET_S - 20:
+            print(f"{layout} {mesh}: skipped, out of time", flush=True)
+            continue
+        try:
+            m = shard_model(cfg, params, S.make_mesh(cfg, mesh, batch=b, layout=layout), layout, batch=b)
+            logits, toks, s = greedy(m)
+            same = (toks == ref_toks).all(0)
+            row = dict(layout=layout, mesh=mesh, rel_logit_err=float(np.abs(logits - ref_logits).max()) / scale,
+                       tokens_equal=bool(same.all()), first_diverging_step=None if same.all() else int(np.argmin(same)),
+                       seconds=s)
+        except Exception as e:  # noqa: BLE001 -- report and go on with the next layout
+            row = dict(layout=layout, mesh=mesh, error=f"{type(e).__name__}: {e}"[:300])
+        print(json.dumps(row), flush=True)
+        with open(os.path.join(OUT, "equal.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def part(name: str, argv: list[str], timeout: int, env: dict | None = None) -> None:
+    left = BUDGET_S - (time.time() - T0)
+    if left < 30:
+        print(f"[{name}] skipped: {left:.0f} s of the budget left", flush=True)
+        return
+    t = time.time()
+    with open(os.path.join(OUT, f"{name}.log"), "w") as log:
+        try:
+            rc = subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": ".", **(env or {})},
+                                timeout=min(timeout, left)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    print(f"[{name}] rc={rc} in {time.time() - t:.0f} s (log {name}.log)", flush=True)
+
+
+def with_setting(setting: str, args: list[str]) -> list[str]:
+    """python -c: apply `setting` (module attribute) before bench_decode runs."""
+    return ["-c", f"{setting}; from experiments.bench_decode import main; main({args!r})"]
+
+
+def load(name):
+    try:
+        with open(os.path.join(OUT, f"{name}.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return []
+
+
+def table():
+    print("\n## float32 equality, `small`, batch 16, 8 greedy tokens (vs 1 GPU)")
+    print("| layout | mesh | max|dlogits|/scale | tokens equal | first diverging step | s |")
+    print("|---|---|---|---|---|---|")
+    try:
+        rows = [json.loads(line) for line in open(os.path.join(OUT, "equal.jsonl"))]
+    except OSError:
+        rows = []
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['layout']} | {r['mesh']} | error: {r['error'][:80]} | | | |")
+        else:
+            print(f"| {r['layout']} | {r['mesh']} | {r['rel_logit_err']:.2e} | {r['tokens_equal']} | "
+                  f"{r['first_diverging_step']} | {r['seconds']:.0f} |")
+    one = {(r["preset"], r["batch"]): r for name in ("one_b64", "one_b8", "small_one") for r in load(name)}
+    print("\n## decode in api.generate chunks (vs 1 GPU at the same batch per GPU: weak scaling)")
+    print("| run | preset | batch/GPU | ms/step | tokens/s | vs 1 GPU | comm us/step/GPU | comm/busy | comm/step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"
+    for name in ("one_b64", "dp_ep_b128", "one_b8", "dp_ep_b16", "dp_ep_rows1024", "dp_ep_dense", "dp", "small_one",
+                 "small_dp_ep", "small_tp_ep"):
+        for r in load(name):
+            per = r["batch"] // r.get("devices", 1)
+            tps = r["batch"] * 1e3 / r["ms_step_loop"]
+            base = one.get((r["preset"], per))
+            ratio = f"{tps / (base['batch'] * 1e3 / base['ms_step_loop']):.2f}x" if base and r.get("devices", 1) > 1 else "-"
+            comm = "-" if r.get("comm_us_step") is None else f"{r['comm_us_step']:.0f}"
+            print(f"| {name} | {r['preset']} | {per} | {r['ms_step_loop']:.3f} | {tps:.0f} | {ratio} | {comm} | "
+                  f"{pct(r.get('comm_share'))} | {pct(r.get('comm_share_of_step'))} |")
+
+
+def main():
+    mode = sys.argv[1] if len(sys.argv) > 1 else "bench"
+    if mode == "equal-child":
+        return equal_mode()
+    one = lambda b, t: part(f"one_b{b}", BENCH + ["--batch", str(b), "--out", f"{OUT}/one_b{b}.json"], t,
+                            {"CUDA_VISIBLE_DEVICES": "0"})
+    ep = lambda b, t: part(f"dp_ep_b{b}", BENCH + ["--mesh", "expert=2", "--layout", "dp_ep", "--batch", str(b),
+                                                    "--profile", f"{OUT}/prof_dp_ep", "--out", f"{OUT}/dp_ep_b{b}.json"], t)
+    mesh = ["--mesh", "expert=2", "--batch", "16", "128"]
+    if mode == "bench":  # one process per point: a point that fails or runs out of time loses only itself
+        one(64, 80)
+        ep(128, 100)
+        one(8, 60)
+        ep(16, 60)
+    elif mode == "equal":
+        part("equal", [__file__, "equal-child"], BUDGET_S)
+    elif mode == "extra":
+        one(64, 70)
+        part("dp_ep_rows1024", with_setting("import dsv41_jax.kernels as K; K.WEIGHT_KERNEL_ROWS = 1024",
+                                            BENCH[2:] + mesh + ["--layout", "dp_ep", "--out", f"{OUT}/dp_ep_rows1024.json"]), 100)
+        part("dp_ep_dense", with_setting("import dsv41_jax.expert_parallel as E; E.TRANSPORT = 'dense'",
+                                         BENCH[2:] + mesh + ["--layout", "dp_ep", "--out", f"{OUT}/dp_ep_dense.json"]), 100)
+        part("dp", BENCH + ["--mesh", "data=2", "--layout", "dp", "--batch", "16", "128", "--out", f"{OUT}/dp.json"], 90)
+    elif mode == "small":  # the issue's first measurement: `small`, 1 GPU vs 2 (strong and weak scaling)
+        small = BENCH + ["--preset", "small", "--context", "2048"]
+        part("small_one", small + ["--batch", "16", "--out", f"{OUT}/small_one.json"], 90, {"CUDA_VISIBLE_DEVICES": "0"})
+        part("small_dp_ep", small + ["--mesh", "expert=2", "--layout", "dp_ep", "--batch", "16", "32", "--profile",
+                                     f"{OUT}/prof_small", "--out", f"{OUT}/small_dp_ep.json"], 120)
+        part("small_tp_ep", small + ["--mesh", "expert=2", "--layout", "tp_ep", "--batch", "16", "--out",
+                                     f"{OUT}/small_tp_ep.json"], 70)
+    else:
+        raise SystemExit(f"usage: {sys.argv[0]} [bench|equal|extra|small]")
+    print(f"total {time.time() - T0:.0f} s")
+    table()
+
+
+if __name__ == "__main__":
+    main()
