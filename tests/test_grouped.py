@@ -170,9 +170,8 @@ def test_model_logits_with_weight_kernels(monkeypatch, act_quant):
         cache = d.init_cache(cfg, 2, 64)
         logits, cache = d.prefill(cfg, params, cache, ids, np.array([12, 7]), all_logits=True)
         out = [logits]
-        for t in range(2):
-            step, cache = d.decode_step(cfg, params, cache, ids[:, t])
-            out.append(step[:, None])
+        step, cache = d.decode_step(cfg, params, cache, ids[:, 0])  # one step: the kernels' decode-sized path
+        out.append(step[:, None])
         return np.concatenate([np.asarray(o) for o in out], axis=1)
 
     want = run()
