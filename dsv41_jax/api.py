@@ -446,15 +446,14 @@ def speculative_generate(cfg: ModelConfig, params, cache: Cache, window: dict, t
     if not isinstance(n_steps, int) or n_steps < 1:
         raise ValueError(f"n_steps must be a positive int, got {n_steps!r}")
     b, k = cache.batch, cfg.dspark_block_size
-    per_seq = lambda v, dt: jnp.broadcast_to(jnp.asarray(v, dt), (b,))
-    budget = per_seq(n_steps * (k + 1) if budget_b is None else budget_b, jnp.int32)
+    budget = _per_seq(n_steps * (k + 1) if budget_b is None else budget_b, b, "int32")
     # a verify forward appends a whole block before the rejected tail is dropped
     _check_room(cfg, cache, jnp.minimum(budget, n_steps * (k + 1)) + k, f" in {n_steps} speculative steps "
                 f"(each verifies {k + 1} tokens)")
-    stop = jnp.full((b, 1), -1, jnp.int32) if stop_ids_bs is None else jnp.asarray(stop_ids_bs, jnp.int32)
+    stop = _rows(b, -1, "int32", 1) if stop_ids_bs is None else jnp.asarray(stop_ids_bs, jnp.int32)
     if stop.ndim != 2 or stop.shape[0] != b:
         raise ValueError(f"stop_ids_bs must be [{b}, S] (-1 padded), got shape {stop.shape}")
     return _speculative_generate_jit(cfg, params, cache, window, tokens_b.astype(jnp.int32),
-                                     per_seq(temperature_b, jnp.float32), per_seq(seed_b, jnp.uint32),
-                                     per_seq(step_b, jnp.int32), budget, stop, n_steps=n_steps,
+                                     _per_seq(temperature_b, b, "float32"), _per_seq(seed_b, b, "uint32"),
+                                     _per_seq(step_b, b, "int32"), budget, stop, n_steps=n_steps,
                                      kernels=resolve(kernels))
