@@ -18,8 +18,8 @@ Random-weight presets produce random text: this measures the machinery, not qual
 decoding (dsv41_jax.dspark: draft a block, verify it with one target forward, commit the accepted prefix)
 and reports acceptance length (tokens per verify step), draft and verify time per step and tokens/s,
 next to the plain decode's tokens/s from the same run, and whether the tokens agree (they must at
-temperature 0). Random draft weights accept almost nothing: trained ones come from --run (a
-`experiments.train_small --dspark` output).
+temperature 0). Random draft weights accept almost nothing: trained ones come from --run (an
+`experiments.train_draft` output).
 """
 
 from __future__ import annotations

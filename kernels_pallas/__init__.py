@@ -57,14 +57,19 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid_bw, entry_rec, idx_b
             entry_rec["scales"], idx_bk, sink_h, float(scale))
     if fam == "tpu":
         return tpu_attention.sparse_attention(*args, interpret=interpret)
-    # enough splits to fill an H200-sized GPU (132 SMs) with one program per split; the largest key
-    # tile that divides the window (64 measured fastest on the H200)
-    splits = max(1, min(8, -(-132 // q_bhd.shape[0])))
-    w = window_rec["values"].shape[1]
-    block_k = next((t for t in (64, 32, 16) if w % t == 0), None)
+    # Tiles measured on the H200 at 128K (docs/BENCHMARKS.md, issue 21): a few sequences are latency-bound,
+    # so heads go in blocks of 16 with 32-key tiles and 4 warps, and enough key ranges to give ~132 SMs
+    # one program each (batch 1: 20.8 us against 35.1 us for the batch-64 tiles); many sequences fill the
+    # GPU by themselves and keep all heads in one program (64-key tiles, 8 warps; 87.5 us at batch 64).
+    b, w = q_bhd.shape[0], window_rec["values"].shape[1]
+    few = b <= 8
+    block_k = next((t for t in ((32, 16) if few else (64, 32, 16)) if w % t == 0), None)
     if block_k is None:
         raise ValueError(f"the GPU attention kernel needs a window size that is a multiple of 16, got {w}")
-    return gpu_attention.sparse_attention(*args, splits=splits, block_k=block_k, interpret=interpret)
+    head_blocks = gpu_attention.padded_heads(q_bhd.shape[1]) // 16 if few else 1
+    splits = max(1, min(20 if few else 8, -(-132 // (b * head_blocks))))
+    return gpu_attention.sparse_attention(*args, splits=splits, block_k=block_k, head_block=16 if few else None,
+                                          num_warps=4 if few else 8, interpret=interpret)
 
 
 def grouped_matmuls_fp4(x_mk, weights, sizes_e, *, family=None):

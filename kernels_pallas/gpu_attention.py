@@ -47,10 +47,15 @@ ENTRY_SCALE_BLOCK = 16  # channels per E4M3 scale of a main KV entry (quant.MAIN
 M_FLOOR = -1e30  # finite running-max start: a fully masked tile then gives p = 0, never NaN
 
 
-def prepare_query(q_bhd: jax.Array, scale: float, min_heads: int = 16):
+def padded_heads(h: int) -> int:
+    """Heads as the kernels see them: padded to a multiple of 16 (the tensor cores' M), at least 16."""
+    return max(16, -(-h // 16) * 16)
+
+
+def prepare_query(q_bhd: jax.Array, scale: float):
     """q [B, H, D] -> (q16 [B, Hp, D] float16 with max |q| per head in [0.5, 1), logit scale [B, Hp])."""
     b, h, _ = q_bhd.shape
-    hp = max(min_heads, -(-h // 16) * 16)
+    hp = padded_heads(h)
     q = q_bhd.astype(jnp.float32)
     amax = jnp.max(jnp.abs(q), axis=-1)
     _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))
@@ -60,83 +65,37 @@ def prepare_query(q_bhd: jax.Array, scale: float, min_heads: int = 16):
     return jnp.pad(q16, (*pad, (0, 0))), jnp.pad(jnp.exp2(e) * scale, pad)
 
 
-def _window_tile(wv_ref, ws_ref, b, t0, tk, c0=0, dc=None, fast=False):
+def _window_tile(wv_ref, ws_ref, b, t0, tk, c0=0, dc=None):
     """Window rows t0..t0+tk, channels c0..c0+dc, decoded to float16 [tk, dc]."""
     dc = dc or wv_ref.shape[-1]
     raw = wv_ref[b, pl.ds(t0, tk), pl.ds(c0, dc)]
     sc = decode.e8m0_f32(ws_ref[b, pl.ds(t0, tk), pl.ds(c0 // WINDOW_SCALE_BLOCK, dc // WINDOW_SCALE_BLOCK)])
-    if fast:  # E4M3 * 2**-8 as float16 bits, times 2**(E + 8) in float16
-        mult = jnp.broadcast_to((sc * 2.0 ** 8).astype(jnp.float16)[:, :, None], (tk, dc // WINDOW_SCALE_BLOCK,
-                                                                                 WINDOW_SCALE_BLOCK))
-        return _asm_f16(_WINDOW_ASM, raw, mult.reshape(tk, dc))
     v = decode.e4m3_f32(raw).reshape(tk, dc // WINDOW_SCALE_BLOCK, WINDOW_SCALE_BLOCK) * sc[:, :, None]
     return v.reshape(tk, dc).astype(jnp.float16)
 
 
-def _entry_tile(ev_ref, es_ref, rows, tk, c0=0, dc=None, fast=False):
+def _entry_tile(ev_ref, es_ref, rows, tk, c0=0, dc=None):
     """Gathered entry rows (b, r[tk]), channels c0..c0+dc, decoded to float16 [tk, dc]."""
     dc = dc or ev_ref.shape[-1] * 2
     b, r = rows
     raw = ev_ref[b, r, pl.ds(c0 // 2, dc // 2)]
     sc = decode.e4m3_f32(es_ref[b, r, pl.ds(c0 // ENTRY_SCALE_BLOCK, dc // ENTRY_SCALE_BLOCK)])
-    if fast:  # E2M1 * 2**-14 as float16 bits, times 2**14, times the E4M3 scale (both exact in float16)
-        half = ENTRY_SCALE_BLOCK // 2
-        mult = jnp.broadcast_to(sc.astype(jnp.float16)[:, :, None], (tk, dc // ENTRY_SCALE_BLOCK, half))
-        mult = mult.reshape(tk, dc // 2)
-        lo, hi = (_asm_f16(_ENTRY_ASM[nib], raw, mult) for nib in ("low", "high"))
-        return jnp.stack([lo, hi], axis=-1).reshape(tk, dc)
     lo, hi = decode.nibbles(raw)
     codes = jnp.stack([lo, hi], axis=-1).reshape(tk, dc)  # low nibble = even channel
     v = decode.fp4_as_f16(codes).astype(jnp.float32).reshape(tk, dc // ENTRY_SCALE_BLOCK, ENTRY_SCALE_BLOCK)
     return (v * (sc * decode.FP4_F16_SHIFT)[:, :, None]).reshape(tk, dc).astype(jnp.float16)
 
 
-# -- the decode in PTX (fast=True; compiled only: interpret mode cannot run PTX, the f32 forms above are
-# its twins and the GPU tests compare both against the jnp reference). Four bytes ($2) are spread into
-# 16-bit lanes (prmt), their bits moved to where they make a float16 (an E2M1 code c as sign << 15 |
-# mag << 9 is E2M1(c) * 2**-14; an E4M3 byte as sign << 15 | rest << 7 is E4M3 * 2**-8, subnormals
-# included), and packed float16x2 multiplies apply the scale ($3, $4): four values in ~12 instructions
-# where Triton's per-element integer/f32 code takes ~10 per value. Exact: every product is a float16
-# with at most 5 significant bits inside the normal range (window values while |x| < 65504, as above).
-_SPREAD = "prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "  # bytes 0, 1 / 2, 3 -> 16-bit lanes
-
-
-def _lanes(out, t, mult, shift_m, mask_m, shift_s, pre=""):
-    return (f"shl.b32 a, {t}, {shift_m}; and.b32 a, a, {mask_m}; shl.b32 s, {t}, {shift_s}; "
-            f"and.b32 s, s, 0x80008000; or.b32 a, a, s; {pre}mul.rn.f16x2 {out}, a, {mult}; ")
-
-
-def _f16_asm(shift_m, mask_m, shift_s, pre=""):
-    return ("{ .reg .b32 t0, t1, a, s, k; mov.b32 k, 0x74007400; " + _SPREAD
-            + _lanes("$0", "t0", "$3", shift_m, mask_m, shift_s, pre)
-            + _lanes("$1", "t1", "$4", shift_m, mask_m, shift_s, pre) + "}")
-
-
-_TIMES_2_14 = "mul.rn.f16x2 a, a, k; "  # k = float16x2 2**14: E2M1 * 2**-14 -> E2M1 (exact)
-_ENTRY_ASM = {"low": _f16_asm(9, "0x0E000E00", 12, _TIMES_2_14),  # E2M1 in bits 0..3
-              "high": _f16_asm(5, "0x0E000E00", 8, _TIMES_2_14)}  # in bits 4..7
-_WINDOW_ASM = _f16_asm(7, "0x3F803F80", 8)  # E4M3: bits 0..6 -> 7..13, sign 7 -> 15
-
-
-def _asm_f16(asm: str, raw_u8, mult_f16):
-    """float16 [shape of raw]: `asm` on the bytes raw uint8 with per-element multipliers float16."""
-    out = [jax.ShapeDtypeStruct(raw_u8.shape, jnp.float16)]
-    return plt.elementwise_inline_asm(asm, args=[raw_u8, mult_f16], constraints="=r,=r,r,r,r", pack=4,
-                                      result_shape_dtypes=out)[0]
-
-
-def _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk: int, n_wt: int, n_et: int, k: int,
-               fast: bool):
+def _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk: int, n_wt: int, n_et: int, k: int):
     """(window, entry): for key tile t of sequence b, fn(t, c0, dc) -> (valid bool [tk], float16 [tk, dc]
-    of channels c0..c0+dc). Window tiles are t in [0, n_wt), entry tiles t in [0, n_et) (gathered by idx);
-    fast: the PTX decode."""
+    of channels c0..c0+dc). Window tiles are t in [0, n_wt), entry tiles t in [0, n_et) (gathered by idx)."""
     def window(t, c0, dc):
-        return wok_ref[b, pl.ds(t * tk, tk)] != 0, _window_tile(wv_ref, ws_ref, b, t * tk, tk, c0, dc, fast)
+        return wok_ref[b, pl.ds(t * tk, tk)] != 0, _window_tile(wv_ref, ws_ref, b, t * tk, tk, c0, dc)
 
     def entry(t, c0, dc):
         pos = t * tk + jnp.arange(tk)
         ids = plt.load(idx_ref.at[b, pl.ds(t * tk, tk)], mask=pos < k, other=-1)
-        return ids >= 0, _entry_tile(ev_ref, es_ref, (b, jnp.maximum(ids, 0)), tk, c0, dc, fast)
+        return ids >= 0, _entry_tile(ev_ref, es_ref, (b, jnp.maximum(ids, 0)), tk, c0, dc)
 
     return window, entry
 
@@ -148,13 +107,13 @@ def _over_tiles(first, last, n_wt: int, n_et: int, window_fn, entry_fn, carry):
 
 
 def _flash_kernel(q_ref, qs_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, *out_refs,
-                  tk: int, n_wt: int, n_et: int, k: int, per_split: int, hb: int, final: bool, fast: bool):
+                  tk: int, n_wt: int, n_et: int, k: int, per_split: int, hb: int, final: bool):
     b, s, hblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads = pl.ds(hblk * hb, hb)
     q = q_ref[b, heads, :]
     qs = qs_ref[b, heads]
     d = q.shape[1]
-    window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k, fast)
+    window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k)
 
     def update(tile, carry):
         ok, kv = tile
@@ -183,17 +142,17 @@ def _flash_kernel(q_ref, qs_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_r
 
 
 def _logits_kernel(q_ref, qs_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, p_ref, m_ref, l_ref, *,
-                   tk: int, n_wt: int, n_et: int, k: int, per_split: int, dc: int, fast: bool):
+                   tk: int, n_wt: int, n_et: int, k: int, per_split: int, dc: int):
     """Program (b, s): for each key tile t of range s, p = exp(logit - m_t) float16 [Hp, tk] into
     p_ref[b, :, t * tk:], the tile max m_t and the sum of its p (f32 [Hp]) into m_ref / l_ref[b, t]."""
     b, s = pl.program_id(0), pl.program_id(1)
     qs = qs_ref[b]
     hp, d = q_ref.shape[1], q_ref.shape[2]
-    window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k, fast)
+    window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k)
 
     q_chunks = [q_ref[b, :, pl.ds(c0, dc)] for c0 in range(0, d, dc)]  # loaded once, not once per key tile
 
-    def emit(tile_fn, t, slot):
+    def emit(tile_fn, t, slot, carry):
         logits = jnp.zeros((hp, tk), jnp.float32)
         for i, qc in enumerate(q_chunks):
             ok, kv = tile_fn(t, i * dc, dc)
@@ -204,20 +163,20 @@ def _logits_kernel(q_ref, qs_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_r
         p_ref[b, :, pl.ds(slot * tk, tk)] = p.astype(jnp.float16)
         m_ref[b, slot, :] = m
         l_ref[b, slot, :] = jnp.sum(p, axis=1)
-        return 0
+        return carry  # a dummy passed through: a literal loop result does not lower on the GPU (scf.yield)
 
-    _over_tiles(s * per_split, (s + 1) * per_split, n_wt, n_et, lambda t, c: emit(window, t, t),
-                lambda t, c: emit(entry, t, t + n_wt), 0)
+    _over_tiles(s * per_split, (s + 1) * per_split, n_wt, n_et, lambda t, c: emit(window, t, t, c),
+                lambda t, c: emit(entry, t, t + n_wt, c), jnp.int32(0))
 
 
 def _pv_kernel(p_ref, wt_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, o_ref, *, tk: int, n_wt: int,
-               n_et: int, k: int, per_split: int, dc: int, fast: bool):
+               n_et: int, k: int, per_split: int, dc: int):
     """Program (b, c, s): o[b, s, :, c * dc:] = sum over the key tiles t of range s of
     (p_t * weight_t) @ keys_t[:, channel slice c] (weights from `_tile_weights`)."""
     b, c, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     c0 = c * dc
     hp = p_ref.shape[1]
-    window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k, fast)
+    window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k)
 
     def accumulate(tile_fn, t, slot, acc):
         _, kv = tile_fn(t, c0, dc)
@@ -252,20 +211,19 @@ def default_splits(b: int, programs: int = 132) -> int:
 
 
 _STATIC = ("scale", "variant", "splits", "block_k", "head_block", "channel_block", "num_warps", "num_stages",
-           "fast_decode", "interpret")
+           "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                      sink_h, scale: float, *, variant: str = "flash", splits: int = 1, block_k: int = 32,
                      head_block: int | None = None, channel_block: int = 128, num_warps: int = 8,
-                     num_stages: int = 2, fast_decode: bool = False, interpret: bool = False):
+                     num_stages: int = 2, interpret: bool = False):
     """f32 [B, H, D]. Window records [B, W, D] + [B, W, D/32]; entries [B, N, D/2] + [B, N, D/16].
 
     variant "flash": `splits` key ranges x heads in blocks of `head_block` (default all); "split": the
     logits kernel over `splits` key ranges, then p.v over channel slices of `channel_block` x `splits`
-    key ranges (module doc). fast_decode: the PTX decode (compiled runs only; interpreted, the f32 one). Off by default until
-    it has been compiled and checked on a GPU (written and emulated on CPU only: docs/BENCHMARKS.md)."""
+    key ranges (module doc)."""
     b, h, d = q_bhd.shape
     w, k = window_values.shape[1], idx_bk.shape[1]
     tk = block_k
@@ -288,7 +246,7 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
     per_split = -(-(n_wt + n_et) // splits)
     keys = (window_values, window_scales, window_valid.astype(jnp.int8), entry_values, entry_scales,
             idx_bk.astype(jnp.int32))
-    tiles = dict(tk=tk, n_wt=n_wt, n_et=n_et, k=k, per_split=per_split, fast=fast_decode and not interpret)
+    tiles = dict(tk=tk, n_wt=n_wt, n_et=n_et, k=k, per_split=per_split)
     params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     if variant == "split":
         n_t = n_wt + n_et

@@ -127,9 +127,11 @@ def _fp8_keys(kb, asm: bool) -> jax.Array:
     """Packed FP4 bytes uint8 [TN, D/2] -> E5M2 bits uint8 [TN, D] in channel order, E2M1 * 2**-14."""
     tn, half = kb.shape
     if asm:
-        out = [jax.ShapeDtypeStruct(kb.shape, jnp.uint8)]
-        lo, hi = (plt.elementwise_inline_asm(_E5M2_ASM[nib], args=[kb], constraints="=r,r", pack=4,
-                                             result_shape_dtypes=out)[0] for nib in ("low", "high"))
+        # int8 results: Triton's inline asm accepts signless integers only (uint8 fails to parse on the GPU)
+        out = [jax.ShapeDtypeStruct(kb.shape, jnp.int8)]
+        lo, hi = (jax.lax.bitcast_convert_type(plt.elementwise_inline_asm(
+            _E5M2_ASM[nib], args=[kb], constraints="=r,r", pack=4, result_shape_dtypes=out)[0], jnp.uint8)
+            for nib in ("low", "high"))
     else:
         lo = ((kb & 0x07) << 1) | ((kb & 0x08) << 4)
         hi = ((kb >> 3) & 0x0E) | (kb & 0x80)

@@ -140,25 +140,22 @@ def _attention_case(seed, b, h, d, w, n, k):
     return q, window, valid, entries, idx, sink
 
 
-@pytest.mark.parametrize("b,h,d,w,n,k,variant,splits,block_k,head_block,fast", [
-    (3, 4, 64, 16, 37, 8, "flash", 1, 16, None, True),  # tiny config
-    (3, 4, 64, 16, 37, 8, "split", 3, 16, None, True),
-    (2, 64, 512, 128, 300, 512, "flash", 4, 64, None, True),  # released shapes
-    (2, 64, 512, 128, 300, 512, "flash", 4, 64, None, False),  # the f32 decode (interpreted: the same run)
-    (3, 64, 512, 128, 300, 512, "flash", 1, 32, 16, True),  # head blocks
-    (2, 64, 512, 128, 300, 512, "flash", 3, 32, 32, True),
-    (3, 64, 512, 128, 300, 512, "split", 1, 32, None, True),
-    (2, 64, 512, 128, 300, 500, "split", 4, 64, None, True),  # K not a multiple of the key tile
+@pytest.mark.parametrize("b,h,d,w,n,k,variant,splits,block_k,head_block", [
+    (3, 4, 64, 16, 37, 8, "flash", 1, 16, None),  # tiny config
+    (3, 4, 64, 16, 37, 8, "split", 3, 16, None),
+    (2, 64, 512, 128, 300, 512, "flash", 4, 64, None),  # released shapes
+    (3, 64, 512, 128, 300, 512, "flash", 1, 32, 16),  # head blocks
+    (2, 64, 512, 128, 300, 512, "flash", 3, 32, 32),
+    (3, 64, 512, 128, 300, 512, "split", 1, 32, None),
+    (2, 64, 512, 128, 300, 500, "split", 4, 64, None),  # K not a multiple of the key tile
 ])
-def test_sparse_attention(b, h, d, w, n, k, variant, splits, block_k, head_block, fast):
-    if INTERPRET and not fast:
-        pytest.skip("interpreted, the f32 decode is what every case runs")
+def test_sparse_attention(b, h, d, w, n, k, variant, splits, block_k, head_block):
     q, window, valid, entries, idx, sink = _attention_case(d + splits, b, h, d, w, n, k)
     scale = d ** -0.5
     ref = ops.sparse_attention_decode(q, window, valid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, scale)
     out = gpu_attention.sparse_attention(q, window["values"], window["scales"], valid, entries["values"],
                                          entries["scales"], idx, sink, scale, variant=variant, splits=splits,
-                                         block_k=block_k, head_block=head_block, fast_decode=fast,
+                                         block_k=block_k, head_block=head_block,
                                          interpret=INTERPRET)
     np.testing.assert_array_equal(out[0], 0.0)
     for i in range(1, b):
