@@ -307,7 +307,7 @@ def small() -> ModelConfig:
     12 layers: 0-1 window-only; 2, 5 Full (m=2); 7 Full (m=1, candidate source); 9, 11 Reindex.
     A 4-block vision tower of width 256 (at most 256 tokens per image).
     DSpark fields sized for it (one stage, blocks of 4, reading layers 9-11) but no stages
-    (n_mtp_layers=0): `small(n_mtp_layers=1)` adds the stage that `experiments.train_small --dspark`
+    (n_mtp_layers=0): `small(n_mtp_layers=1)` adds the stage that `experiments.train_draft`
     trains on a frozen target.
     """
     return ModelConfig(

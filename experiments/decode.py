@@ -269,7 +269,7 @@ def main(argv=None) -> dict:
     if args.speculative and not cfg.has_dspark:
         raise _cli.UserError(f"--speculative dspark: this model has no DSpark draft stages (n_mtp_layers="
                              f"{cfg.n_mtp_layers}, dspark_block_size={cfg.dspark_block_size}); use --preset tiny or a "
-                             "--run trained with experiments.train_small --dspark")
+                             "--run made by experiments.train_draft")
     if args.engine:
         chunk = args.prefill_chunk
         spare = cfg.dspark_block_size if args.speculative else 0  # a verify appends a whole block
