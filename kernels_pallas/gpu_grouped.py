@@ -74,7 +74,9 @@ def tile_map(sizes_g: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Array,
     per_group = (sizes + tm - 1) // tm
     last = jnp.cumsum(per_group)
     t = jnp.arange(n_tiles, dtype=jnp.int32)
-    grp = jnp.searchsorted(last, t, side="right").astype(jnp.int32)
+    # searchsorted(last, t, side="right") as one compare-and-count fusion: jnp.searchsorted's default is a
+    # loop, which on a GPU is a while loop per call (kernels per iteration and a predicate read by the host)
+    grp = jnp.sum(last[None, :] <= t[:, None], axis=1, dtype=jnp.int32)
     valid = grp < g
     grp = jnp.minimum(grp, g - 1)
     offsets = jnp.cumsum(sizes) - sizes

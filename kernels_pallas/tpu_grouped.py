@@ -86,7 +86,8 @@ def tile_map(sizes_g: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Array,
     done = jnp.cumsum(per_group)  # visits of groups <= g
     count = done[-1]
     t = jnp.minimum(jnp.arange(pl.cdiv(m, tm) + min(g, m) - 1, dtype=jnp.int32), jnp.maximum(count - 1, 0))
-    grp = jnp.minimum(jnp.searchsorted(done, t, side="right"), g - 1).astype(jnp.int32)
+    # searchsorted(done, t, side="right") without jnp.searchsorted's loop (gpu_grouped.tile_map says why)
+    grp = jnp.minimum(jnp.sum(done[None, :] <= t[:, None], axis=1, dtype=jnp.int32), g - 1)
     tile = first[grp] + t - (done[grp] - per_group[grp])
     empty = count == 0
     return jnp.where(empty, 0, grp), jnp.where(empty, 0, tile), count[None]
