@@ -72,14 +72,16 @@ def tile_map(sizes_g: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Array,
     n_tiles = m // tm + min(g, m) + 1
     sizes = sizes_g.astype(jnp.int32)
     per_group = (sizes + tm - 1) // tm
-    last = jnp.cumsum(per_group)
+    # The cumulative sums in a kernel of their own: XLA fused the first into the [T, G] count below,
+    # recomputing a G-long window per element (18 us per call at batch 1 on the H200, 4.4 us apart).
+    last, ends = jax.lax.optimization_barrier((jnp.cumsum(per_group), jnp.cumsum(sizes)))
     t = jnp.arange(n_tiles, dtype=jnp.int32)
     # searchsorted(last, t, side="right") as one compare-and-count fusion: jnp.searchsorted's default is a
     # loop, which on a GPU is a while loop per call (kernels per iteration and a predicate read by the host)
     grp = jnp.sum(last[None, :] <= t[:, None], axis=1, dtype=jnp.int32)
     valid = grp < g
     grp = jnp.minimum(grp, g - 1)
-    offsets = jnp.cumsum(sizes) - sizes
+    offsets = ends - sizes
     row0 = offsets[grp] + (t - (last[grp] - per_group[grp])) * tm
     return jnp.where(valid, grp, -1), row0, offsets[grp] + sizes[grp]
 
