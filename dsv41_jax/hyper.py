@@ -60,13 +60,19 @@ class HyperMix(nnx.Module):
         return sinkhorn_split(mixes, self.scale[...], self.base[...], self.hc, self.iters, self.eps, self.unroll)
 
 
+# collapse and expand contract over the hc = 4 copies: written as products and sums, not einsums, so that
+# XLA fuses them with their neighbours (a dot over 4 is a kernel of its own: 4 per layer per decode step
+# on the GPU, each reading and writing the whole stream)
 def collapse(x_btcd: jax.Array, pre_btc: jax.Array) -> jax.Array:
     """[B, T, hc, D] x [B, T, hc] -> [B, T, D]."""
-    return jnp.einsum("btcd,btc->btd", x_btcd.astype(jnp.float32), pre_btc).astype(x_btcd.dtype)
+    x = x_btcd.astype(jnp.float32)
+    return sum(x[:, :, i] * pre_btc[:, :, i, None] for i in range(x.shape[2])).astype(x_btcd.dtype)
 
 
 def expand(y_btd: jax.Array, residual_btcd: jax.Array, post_btc: jax.Array, comb_btcc: jax.Array) -> jax.Array:
     """out[j] = post[j] * y + sum_i comb[i, j] * residual[i]: [B, T, D] -> [B, T, hc, D] (comb: copy i -> j)."""
     out = post_btc[..., None] * y_btd[:, :, None, :].astype(jnp.float32)
-    out = out + jnp.einsum("btij,btid->btjd", comb_btcc, residual_btcd.astype(jnp.float32))
+    res = residual_btcd.astype(jnp.float32)
+    for i in range(res.shape[2]):
+        out = out + comb_btcc[:, :, i, :, None] * res[:, :, i, None, :]
     return out.astype(y_btd.dtype)

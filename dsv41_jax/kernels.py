@@ -6,7 +6,7 @@ on CPU) or "auto": the kernels on GPU/TPU when the record formats are the releas
 `RawCodec` caches). The model passes `ModelConfig.kernels`; users override it with
 `cfg.replace(kernels=...)`.
 
-The weight matmuls (`grouped_matmul` for routed experts, `fp8_matmul` for FP8 projections) use the
+The weight matmuls (`grouped_matmul` for routed experts, `fp8_matmuls` for FP8 projections) use the
 kernels for the released packed weight formats (GPU: `gpu_grouped`, compiled and measured on an H200;
 TPU: `tpu_grouped`, interpret-tested only), for decode-sized inputs only: up to `WEIGHT_KERNEL_ROWS`
 rows: the expert kernel was measured on the H200 up to 384 rows (batch 64 x top-6), the FP8 one up
@@ -131,12 +131,18 @@ def grouped_matmul(x_mk, w, sizes_e, *, kernels="jnp"):
     return grouped_matmuls(x_mk, [w], sizes_e, kernels=kernels)[0]
 
 
+def fp8_matmuls(x_mk, weights, *, kernels="jnp"):
+    """[f32 [M, N_i] = x @ W_i^T] for FP8 block-format (E4M3, E8M0) pairs in `weights` (`grouped.fp8_matmul`);
+    on the kernels, projections of one input share one launch."""
+    k = x_mk.shape[1]
+    if all(q.shape[0] % 32 == 0 for q, _ in weights) and k % 32 == 0 and _weight_kernels(kernels, x_mk.shape[0]):
+        return per_sequence(_kp().fp8_matmuls, x_mk, shared=([tuple(w) for w in weights],))
+    return [grouped.fp8_matmul(x_mk, q, e) for q, e in weights]
+
+
 def fp8_matmul(x_mk, q_nk, exp, *, kernels="jnp"):
-    """f32 [M, N] = x @ W^T for an FP8 block-format weight (`grouped.fp8_matmul`)."""
-    n, k = q_nk.shape
-    if n % 32 == 0 and k % 32 == 0 and _weight_kernels(kernels, x_mk.shape[0]):
-        return per_sequence(_kp().fp8_matmul, x_mk, shared=(q_nk, exp))
-    return grouped.fp8_matmul(x_mk, q_nk, exp)
+    """`fp8_matmuls` for one weight."""
+    return fp8_matmuls(x_mk, [(q_nk, exp)], kernels=kernels)[0]
 
 
 def scales_beyond_fast_decode(flat_params) -> list[str]:

@@ -24,7 +24,7 @@ from flax import nnx
 from dsv41_jax import quant
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.grouped import FP8_BLOCK
-from dsv41_jax.kernels import fp8_matmul
+from dsv41_jax.kernels import fp8_matmuls
 
 ACT_FP8 = quant.Fp8Codec(block=FP8_BLOCK)  # the release's act_quant: E4M3, power-of-two scale, amax >= 1e-4
 
@@ -94,14 +94,24 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array, out_dtype=None, *, kernels: str = "jnp") -> jax.Array:
         """x [..., in] -> [..., out] in out_dtype (default x's). kernels: the `dsv41_jax.kernels` switch; an
         FP8 weight is then read in its stored bytes by the GPU kernel (no dequantized copy)."""
-        if self.act_quant:
-            x = quantize_activation(x)
-        if self.fp8:
-            y = fp8_matmul(x.reshape(-1, x.shape[-1]), self.weight[...], self.scale[...], kernels=kernels)
-            y = y.reshape(*x.shape[:-1], y.shape[-1])
-        else:
-            y = jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype), preferred_element_type=jnp.float32)
-        return y.astype(out_dtype or x.dtype)
+        return linears(x, [self], out_dtype, kernels=kernels)[0]
+
+
+def linears(x: jax.Array, lins: list[Linear], out_dtype=None, *, kernels: str = "jnp") -> list[jax.Array]:
+    """[lin(x, out_dtype) for lin in lins]; FP8 projections of the same input (wq_a and wkv, the shared
+    expert's w1 and w3) share one weight-kernel launch instead of one each."""
+    first = lins[0]
+    if len(lins) > 1 and not all(lin.fp8 and lin.act_quant == first.act_quant for lin in lins):
+        return [linears(x, [lin], out_dtype, kernels=kernels)[0] for lin in lins]
+    if first.act_quant:
+        x = quantize_activation(x)
+    if first.fp8:
+        ys = fp8_matmuls(x.reshape(-1, x.shape[-1]), [(lin.weight[...], lin.scale[...]) for lin in lins],
+                         kernels=kernels)
+        ys = [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
+    else:
+        ys = [jnp.einsum("...i,oi->...o", x, first.weight[...].astype(x.dtype), preferred_element_type=jnp.float32)]
+    return [y.astype(out_dtype or x.dtype) for y in ys]
 
 
 def released_fp8_linear(cfg: ModelConfig, d_in: int, d_out: int, *, rngs: nnx.Rngs) -> Linear:

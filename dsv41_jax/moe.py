@@ -22,8 +22,8 @@ from dsv41_jax import expert_parallel
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.grouped import EXPERT_FP4
 from dsv41_jax.kernels import grouped_matmuls
-from dsv41_jax.layers import (Buffer, activation_quant, normal_init, quantize_activation, released_fp8_linear,
-                              weights_fp8)
+from dsv41_jax.layers import (Buffer, activation_quant, linears, normal_init, quantize_activation,
+                              released_fp8_linear, weights_fp8)
 from dsv41_jax.sequence_split import per_sequence
 
 
@@ -136,7 +136,6 @@ class MoE(nnx.Module):
             y = expert_parallel.routed(partial(self._routed, kernels=kernels), xq, w, ids, self._raw_experts(), mesh)
         else:
             y = self._routed(xq, w, ids, self._raw_experts(), 0, self.n_experts, kernels)
-        up = lambda lin: lin(x, jnp.float32, kernels=kernels)
-        shared = self.shared_w2(swiglu(up(self.shared_w1), up(self.shared_w3), self.limit).astype(dt), jnp.float32,
-                                kernels=kernels)
+        h1, h3 = linears(x, [self.shared_w1, self.shared_w3], jnp.float32, kernels=kernels)
+        shared = self.shared_w2(swiglu(h1, h3, self.limit).astype(dt), jnp.float32, kernels=kernels)
         return (y + shared).astype(dt).reshape(b, t, d), load_e

@@ -14,7 +14,7 @@ from kernels_pallas import (gpu_attention, gpu_grouped, gpu_indexer, gpu_select,
                             tpu_indexer, tpu_select)
 
 __all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode",
-           "grouped_matmuls_fp4", "fp8_matmul", "platform"]
+           "grouped_matmuls_fp4", "fp8_matmuls", "platform"]
 
 
 def platform(family: str | None = None) -> tuple[str, bool]:
@@ -81,8 +81,10 @@ def grouped_matmuls_fp4(x_mk, weights, sizes_e, *, family=None):
     return gpu_grouped.grouped_matmuls_fp4(x_mk, weights, sizes_e, interpret=interpret)
 
 
-def fp8_matmul(x_mk, q_nk, exp, *, family=None):
-    """f32 [M, N] = x @ W^T, W in the released FP8 block format (E4M3 [N, K], E8M0 [N/32, K/32])."""
+def fp8_matmuls(x_mk, weights, *, family=None):
+    """[f32 [M, N_i] = x @ W_i^T] for (E4M3 [N_i, K], E8M0 [N_i/32, K/32]) pairs in the released FP8 block
+    format; on GPU one launch for all of them."""
     fam, interpret = platform(family)
-    mod = tpu_grouped if fam == "tpu" else gpu_grouped
-    return mod.fp8_matmul(x_mk, q_nk, exp, interpret=interpret)
+    if fam == "tpu":
+        return [tpu_grouped.fp8_matmul(x_mk, q, e, interpret=interpret) for q, e in weights]
+    return gpu_grouped.fp8_matmuls(x_mk, list(weights), interpret=interpret)

@@ -173,17 +173,20 @@ def _fp8_weights_fast(vb, sb):
     return w
 
 
-def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, n_w: int, tm: int, tk: int, tn: int, k: int, n: int,
-            splits: int, fast: bool, precision):
-    """One program: row tile t x output tile j of weight j // (n / tn) (n_w weights share x and the tiles)
-    x K split s: its partial sum over K chunks [s, s + 1) * K / splits goes to o[s]."""
+def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, col0: tuple[int, ...], tm: int, tk: int, tn: int,
+            k: int, splits: int, fast: bool, precision):
+    """One program: row tile t x output tile j x K split s: its partial sum over K chunks [s, s + 1) * K /
+    splits goes to o[s]. The weights (sharing x and the tiles) sit side by side in the output, weight i
+    at columns [col0[i], col0[i + 1]): tile j is columns [j * tn, j * tn + tn) of the weight they fall in."""
+    n_w = len(col0) - 1
     x_refs, w_refs, o_ref = refs[:-1 - 2 * n_w], refs[-1 - 2 * n_w:-1], refs[-1]
     t, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     steps = k // tk // splits
     g = grp_ref[t]
-    which, n0 = j // (n // tn), (j % (n // tn)) * tn
+    which = sum((j >= c // tn).astype(jnp.int32) for c in col0[1:-1]) if n_w > 1 else 0
 
-    def body(wv_ref, ws_ref):
+    def body(i, wv_ref, ws_ref):
+        n0 = j * tn - col0[i]
         r0 = row0_ref[t]
         rows_ok = (r0 + jnp.arange(tm)) < end_ref[t]
         dt = x_refs[0].dtype
@@ -208,16 +211,18 @@ def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, n_w: int, tm: int, tk: 
             return acc
 
         acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((tm, tn), jnp.float32))
-        plt.store(o_ref.at[split, pl.ds(r0, tm), pl.ds(which * n + n0, tn)], acc, mask=rows_ok[:, None])
+        plt.store(o_ref.at[split, pl.ds(r0, tm), pl.ds(j * tn, tn)], acc, mask=rows_ok[:, None])
 
     for i in range(n_w):
-        pl.when((g >= 0) & (which == i))(functools.partial(body, w_refs[2 * i], w_refs[2 * i + 1]))
+        pl.when((g >= 0) & (which == i))(functools.partial(body, i, w_refs[2 * i], w_refs[2 * i + 1]))
 
 
-def _call(fmt, x_parts, weights, sizes_g, k, n, tiles, num_warps, num_stages, fast, interpret):
-    """[f32 [M, N] per (values, scales) in `weights`], all read with the same rows and tile map."""
+def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, fast, interpret):
+    """[f32 [M, N_i] per (values, scales) in `weights`, N_i = ns[i], multiples of tn], all read with the same
+    rows and tile map in one launch."""
     m = x_parts[0].shape[0]
     tm, tk, tn = tiles
+    col0 = tuple(sum(ns[:i]) for i in range(len(ns) + 1))
     grp, row0, end = tile_map(sizes_g, m, tm)
     # Compiled, a tile's rows past the arrays are masked off in its loads and stores (never touched).
     # Interpreted, a slice that would run past an array is clamped back into it (moving the valid rows
@@ -226,20 +231,19 @@ def _call(fmt, x_parts, weights, sizes_g, k, n, tiles, num_warps, num_stages, fa
     x_parts = [jnp.pad(x, ((0, pad), (0, 0))) for x in x_parts] if pad else x_parts
     dt = x_parts[0].dtype
     precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
-    n_w = len(weights)
     busy_tiles = min(sizes_g.shape[0], m) if sizes_g.shape[0] > 1 else -(-m // tm)
-    splits = k_splits(k // tk, busy_tiles * n_w * (n // tn))
-    kernel = functools.partial(_kernel, fmt=fmt, n_w=n_w, tm=tm, tk=tk, tn=tn, k=k, n=n, splits=splits,
+    splits = k_splits(k // tk, busy_tiles * (col0[-1] // tn))
+    kernel = functools.partial(_kernel, fmt=fmt, col0=col0, tm=tm, tk=tk, tn=tn, k=k, splits=splits,
                                fast=fast, precision=precision)
     y = pl.pallas_call(
-        kernel, grid=(grp.shape[0], n_w * (n // tn), splits),
-        out_shape=jax.ShapeDtypeStruct((splits, m + pad, n_w * n), jnp.float32),
+        kernel, grid=(grp.shape[0], col0[-1] // tn, splits),
+        out_shape=jax.ShapeDtypeStruct((splits, m + pad, col0[-1]), jnp.float32),
         interpret=interpret, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"grouped_matmul_{fmt}",
     )(grp, row0, end, *x_parts, *[a for w in weights for a in w])
     # rows no tile writes (past sum(sizes)) are uninitialized in the kernel's output
     y = jnp.where((jnp.arange(m) < jnp.sum(sizes_g))[:, None], jnp.sum(y[:, :m], axis=0), 0.0)
-    return [y[:, i * n:(i + 1) * n] for i in range(n_w)]
+    return [y[:, a:b] for a, b in zip(col0[:-1], col0[1:])]
 
 
 _STATIC = ("tiles", "num_warps", "num_stages", "fast_decode", "interpret")
@@ -260,8 +264,8 @@ def grouped_matmuls_fp4(x_mk: jax.Array, weights, sizes_g: jax.Array, *, tiles: 
             raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
     tiles = tiles or choose_tiles(x_mk.shape[0], k, n, g)
     fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
-    return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), sizes_g, k, n, tiles, num_warps,
-                 num_stages, fast, interpret)
+    return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), sizes_g, k, (n,) * len(weights), tiles,
+                 num_warps, num_stages, fast, interpret)
 
 
 def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, sizes_g: jax.Array,
@@ -271,18 +275,26 @@ def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, si
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def fp8_matmul(x_mk: jax.Array, q_nk: jax.Array, exp: jax.Array, *, tiles: tuple[int, int, int] | None = None,
-               num_warps: int = 4, num_stages: int = 3, fast_decode: bool = True,
-               interpret: bool = False) -> jax.Array:
-    """y f32 [M, N] = x [M, K] @ W^T for W in the released FP8 block format: E4M3 bytes uint8 (or
-    float8_e4m3fn) [N, K], E8M0 exponents uint8 [N/32, K/32]. N and K must be multiples of 32."""
-    n, k = q_nk.shape
-    m = x_mk.shape[0]
-    if n % SCALE_BLOCK or k % SCALE_BLOCK or x_mk.shape[1] != k:
-        raise ValueError(f"the GPU FP8 matmul needs N, K multiples of 32 matching x; got W {q_nk.shape}, x {x_mk.shape}")
-    tm, tk, tn = tiles or choose_tiles(m, k, n, 1)
-    tn = max(tn, SCALE_BLOCK)  # whole scale blocks per tile
-    q = jax.lax.bitcast_convert_type(q_nk, jnp.uint8) if q_nk.dtype != jnp.uint8 else q_nk
+def fp8_matmuls(x_mk: jax.Array, weights, *, tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
+                num_stages: int = 3, fast_decode: bool = True, interpret: bool = False) -> list[jax.Array]:
+    """[y f32 [M, N_i] = x [M, K] @ W_i^T] in one launch, for W_i in the released FP8 block format: E4M3 bytes
+    uint8 (or float8_e4m3fn) [N_i, K], E8M0 exponents uint8 [N_i/32, K/32], one pair per entry of `weights`
+    (projections of the same input: wq_a and wkv, the shared expert's w1 and w3). N_i and K multiples of 32."""
+    m, k = x_mk.shape
+    ns = tuple(q.shape[0] for q, _ in weights)
+    for q, e in weights:
+        n = q.shape[0]
+        if n % SCALE_BLOCK or k % SCALE_BLOCK or q.shape[1] != k or e.shape != (n // SCALE_BLOCK, k // SCALE_BLOCK):
+            raise ValueError(f"the GPU FP8 matmul needs N, K multiples of 32 matching x; got W {q.shape}, "
+                             f"scales {e.shape}, x {x_mk.shape}")
+    tm, tk, tn = tiles or choose_tiles(m, k, min(ns), 1)
+    tn = max(next(t for t in (tn, 64, 32) if all(n % t == 0 for n in ns)), SCALE_BLOCK)  # whole scale blocks
+    weights = [(jax.lax.bitcast_convert_type(q, jnp.uint8) if q.dtype != jnp.uint8 else q, e) for q, e in weights]
     fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
-    return _call("fp8", [x_mk], [(q, exp)], jnp.full((1,), m, jnp.int32), k, n, (tm, tk, tn), num_warps,
-                 num_stages, fast, interpret)[0]
+    return _call("fp8", [x_mk], weights, jnp.full((1,), m, jnp.int32), k, ns, (tm, tk, tn), num_warps,
+                 num_stages, fast, interpret)
+
+
+def fp8_matmul(x_mk: jax.Array, q_nk: jax.Array, exp: jax.Array, **kw) -> jax.Array:
+    """`fp8_matmuls` for one weight."""
+    return fp8_matmuls(x_mk, [(q_nk, exp)], **kw)[0]

@@ -174,12 +174,12 @@ def test_kernels_run_per_device_on_their_own_sequences(monkeypatch):
         if name != "platform":
             monkeypatch.setattr(kernels_pallas, name, spy(name, getattr(kernels_pallas, name)))
     want, _ = d.decode_step(cfg, params, d.init_cache(cfg, b, 16), nxt, kernels="pallas")
-    assert {"sparse_attention_decode", "indexer_scores_decode", "select_topk", "fp8_matmul"} <= set(rows)
+    assert {"sparse_attention_decode", "indexer_scores_decode", "select_topk", "fp8_matmuls"} <= set(rows)
     rows.clear()
     m = shard_model(cfg, params, S.make_mesh(cfg, "expert=2", batch=b, devices=jax.devices()[:2], layout="dp_ep"),
                     "dp_ep", batch=b)
     got, _ = m.decode_step(m.init_cache(16), nxt, kernels="pallas")
-    for name in ("sparse_attention_decode", "indexer_scores_decode", "select_topk", "fp8_matmul"):
+    for name in ("sparse_attention_decode", "indexer_scores_decode", "select_topk", "fp8_matmuls"):
         assert rows[name] == {b // 2}, (name, rows[name])
     assert rows["grouped_matmuls_fp4"] <= {b // 2 * cfg.n_activated_experts * 2}  # a shard's receive buffer
     # the combine's summation order may round the next layer's FP8 window record differently (as in

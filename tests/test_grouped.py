@@ -79,6 +79,12 @@ def test_fp8_matmul_kernel_matches_twin(m, dtype):
     # four K chunks: few output tiles, so K is split over 4 programs per tile and summed after
     assert gpu_grouped.k_splits(4, 3) == 4
     _close(gpu_grouped.fp8_matmul(x, q, s, tiles=(16, 32, 32), interpret=INTERPRET), ref)
+    # projections of one input in one launch (wq_a + wkv): widths 96 and 32 side by side, 32-wide tiles
+    q2, s2 = quantize_fp8_blocks(jnp.asarray(rng.normal(size=(32, 128)).astype(np.float32)))
+    both = gpu_grouped.fp8_matmuls(x, [(q, s), (q2, s2)], interpret=INTERPRET)
+    assert [y.shape for y in both] == [(m, 96), (m, 32)]
+    _close(both[0], ref)
+    _close(both[1], grouped.fp8_matmul(x, q2, s2))
 
 
 def test_every_code_and_scale_decodes_exactly():
