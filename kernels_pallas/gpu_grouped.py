@@ -222,6 +222,8 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
     rows and tile map in one launch."""
     m = x_parts[0].shape[0]
     tm, tk, tn = tiles
+    if any(n % tn for n in ns):
+        raise ValueError(f"output widths {ns} must be multiples of the output tile {tn}")
     col0 = tuple(sum(ns[:i]) for i in range(len(ns) + 1))
     grp, row0, end = tile_map(sizes_g, m, tm)
     # Compiled, a tile's rows past the arrays are masked off in its loads and stores (never touched).
