@@ -22,9 +22,11 @@ from kernels_pallas import decode, gpu_attention, gpu_indexer, gpu_select
 from tests.kernel_checks import assert_scan_matches, check_pool_scan, index_case
 
 INTERPRET = jax.default_backend() == "cpu"
+# interpreted, "fp8-asm" runs the jnp bit moves of "fp8" (PTX needs a GPU): the same computation twice
+SCAN_VARIANTS = [v for v in gpu_indexer.VARIANTS if not (INTERPRET and v == "fp8-asm")]
 
 
-@pytest.mark.parametrize("variant", gpu_indexer.VARIANTS)
+@pytest.mark.parametrize("variant", SCAN_VARIANTS)
 @pytest.mark.parametrize("b,h,d,n,reach,block", [
     (3, 4, 32, 37, [37, 5, 0], 4),  # tiny-config heads/dims, N not a multiple of the tile, empty row
     (2, 32, 128, 1000, [1000, 517], 8),  # released heads/dims, unequal lengths
@@ -39,7 +41,7 @@ def test_indexer_scores(b, h, d, n, reach, block, variant):
     assert_scan_matches(out, ref, n, block)
 
 
-@pytest.mark.parametrize("variant", gpu_indexer.VARIANTS)
+@pytest.mark.parametrize("variant", SCAN_VARIANTS)
 @pytest.mark.parametrize("b,h,d,n,reach,block,n_blocks,block_n", [
     (4, 4, 32, 37, [37, 13, 1, 0], 4, 3, 8),  # tiny config: partial last block, one-entry and empty rows
     (2, 32, 128, 1001, [1001, 517], 8, 40, 256),  # released heads and block; N % 8 != 0; partial program
