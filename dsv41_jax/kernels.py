@@ -136,7 +136,7 @@ def fp8_matmuls(x_mk, weights, *, kernels="jnp"):
     on the kernels, projections of one input share one launch."""
     k = x_mk.shape[1]
     if all(q.shape[0] % 32 == 0 for q, _ in weights) and k % 32 == 0 and _weight_kernels(kernels, x_mk.shape[0]):
-        return per_sequence(_kp().fp8_matmuls, x_mk, shared=([tuple(w) for w in weights],))
+        return per_sequence(_kp().fp8_matmuls, x_mk, shared=(list(weights),))
     return [grouped.fp8_matmul(x_mk, q, e) for q, e in weights]
 
 
