@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -42,7 +43,9 @@ def choose_tiles(m: int, k: int, n: int, n_groups: int) -> tuple[int, int, int]:
         tm = next(t for t in (16, 32, 64) if m <= t or t == 64)
     else:
         tm = 16 if m <= 4 * n_groups else 64
-    tk = _pick(k, (256, 128, 64, 32))
+    # a decode-sized projection streams narrower K chunks (H200, `experiments.bench_weights --fp8-only --sweep`
+    # at batch 1: tk 128 vs 256 within noise for wo_b / shared w1+w3, 4-11% faster for wq_b, wq_a+wkv, w2)
+    tk = _pick(k, (128, 64, 32) if n_groups == 1 and m <= 16 else (256, 128, 64, 32))
     # wide output tiles once there are programs enough to fill the GPU (H200, `experiments.bench_weights
     # --sweep`: w2 at batch 64 70% of the copy peak with 128, 67% with 64; at batch 1, 128 leaves SMs idle)
     wide = min(n_groups, m) * (n // 128) >= 1024 or (n_groups == 1 and m > 16)  # FP8 at batch 64: 45% vs 32%
@@ -63,6 +66,12 @@ def k_splits(k_steps: int, programs: int) -> int:
     return next(s for s in range(1, k_steps + 1) if k_steps % s == 0 and (s >= want or s == k_steps))
 
 
+def inclusive_sum(x_g: jax.Array) -> jax.Array:
+    """jnp.cumsum(x_g) of a short int vector as one parallel reduction (no scan)."""
+    i = jnp.arange(x_g.shape[0])
+    return jnp.sum(jnp.where(i[None, :] <= i[:, None], x_g[None, :], 0), axis=1, dtype=x_g.dtype)
+
+
 def tile_map(sizes_g: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Row tiles of the sorted rows: (group int32 [T] (-1: no tile), first row [T], end row [T]).
 
@@ -72,9 +81,10 @@ def tile_map(sizes_g: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Array,
     n_tiles = m // tm + min(g, m) + 1
     sizes = sizes_g.astype(jnp.int32)
     per_group = (sizes + tm - 1) // tm
-    # The cumulative sums in a kernel of their own: XLA fused the first into the [T, G] count below,
-    # recomputing a G-long window per element (18 us per call at batch 1 on the H200, 4.4 us apart).
-    last, ends = jax.lax.optimization_barrier((jnp.cumsum(per_group), jnp.cumsum(sizes)))
+    # Cumulative sums as [G, G] masked row sums: XLA's GPU cumsum over G = 384 is a two-level reduce-window
+    # that ran 19 us per call on the H200 (a serial scan); behind a barrier so that they are computed once,
+    # not fused into every element of the [T, G] count below.
+    last, ends = jax.lax.optimization_barrier((inclusive_sum(per_group), inclusive_sum(sizes)))
     t = jnp.arange(n_tiles, dtype=jnp.int32)
     # searchsorted(last, t, side="right") as one compare-and-count fusion: jnp.searchsorted's default is a
     # loop, which on a GPU is a while loop per call (kernels per iteration and a predicate read by the host)
@@ -217,15 +227,21 @@ def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, col0: tuple[int, ...], 
         pl.when((g >= 0) & (which == i))(functools.partial(body, i, w_refs[2 * i], w_refs[2 * i + 1]))
 
 
-def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, fast, interpret):
+def dense_tile_map(m: int, tm: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`tile_map` of one group of m rows, as constants: a dense projection's rows need no device work."""
+    t = np.arange(-(-m // tm), dtype=np.int32)
+    return np.zeros_like(t), t * tm, np.full_like(t, m)
+
+
+def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, fast, interpret, splits=None):
     """[f32 [M, N_i] per (values, scales) in `weights`, N_i = ns[i], multiples of tn], all read with the same
-    rows and tile map in one launch."""
+    rows and tile map in one launch. sizes_g None: one dense group of all M rows (a projection)."""
     m = x_parts[0].shape[0]
     tm, tk, tn = tiles
     if any(n % tn for n in ns):
         raise ValueError(f"output widths {ns} must be multiples of the output tile {tn}")
     col0 = tuple(sum(ns[:i]) for i in range(len(ns) + 1))
-    grp, row0, end = tile_map(sizes_g, m, tm)
+    grp, row0, end = dense_tile_map(m, tm) if sizes_g is None else tile_map(sizes_g, m, tm)
     # Compiled, a tile's rows past the arrays are masked off in its loads and stores (never touched).
     # Interpreted, a slice that would run past an array is clamped back into it (moving the valid rows
     # too), so there the rows are padded by a tile first: a pad kernel per call saved on the GPU.
@@ -233,32 +249,36 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
     x_parts = [jnp.pad(x, ((0, pad), (0, 0))) for x in x_parts] if pad else x_parts
     dt = x_parts[0].dtype
     precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
-    busy_tiles = min(sizes_g.shape[0], m) if sizes_g.shape[0] > 1 else -(-m // tm)
-    splits = k_splits(k // tk, busy_tiles * (col0[-1] // tn))
+    busy_tiles = -(-m // tm) if sizes_g is None else min(sizes_g.shape[0], m)
+    splits = splits or k_splits(k // tk, busy_tiles * (col0[-1] // tn))
+    if (k // tk) % splits:
+        raise ValueError(f"splits={splits} must divide the {k // tk} K chunks of {tk}")
     kernel = functools.partial(_kernel, fmt=fmt, col0=col0, tm=tm, tk=tk, tn=tn, k=k, splits=splits,
                                fast=fast, precision=precision)
     y = pl.pallas_call(
         kernel, grid=(grp.shape[0], col0[-1] // tn, splits),
         out_shape=jax.ShapeDtypeStruct((splits, m + pad, col0[-1]), jnp.float32),
         interpret=interpret, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"grouped_matmul_{fmt}",
+        name=f"grouped_matmul_{fmt}_{col0[-1]}x{k}",  # the shape in the name: profiles tell the calls apart
     )(grp, row0, end, *x_parts, *[a for w in weights for a in w])
-    # rows no tile writes (past sum(sizes)) are uninitialized in the kernel's output
-    y = jnp.where((jnp.arange(m) < jnp.sum(sizes_g))[:, None], jnp.sum(y[:, :m], axis=0), 0.0)
+    y = jnp.sum(y[:, :m], axis=0) if splits > 1 else y[0, :m]
+    if sizes_g is not None:  # rows no tile writes (past sum(sizes)) are uninitialized in the kernel's output
+        y = jnp.where((jnp.arange(m) < jnp.sum(sizes_g))[:, None], y, 0.0)
     return [y[:, a:b] for a, b in zip(col0[:-1], col0[1:])]
 
 
-_STATIC = ("tiles", "num_warps", "num_stages", "fast_decode", "interpret")
+_STATIC = ("tiles", "num_warps", "num_stages", "fast_decode", "interpret", "splits")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def grouped_matmuls_fp4(x_mk: jax.Array, weights, sizes_g: jax.Array, *, tiles: tuple[int, int, int] | None = None,
                         num_warps: int = 4, num_stages: int = 3, fast_decode: bool = True,
-                        interpret: bool = False) -> list[jax.Array]:
+                        interpret: bool = False, splits: int | None = None) -> list[jax.Array]:
     """[y f32 [M, N] per weight]: rows of x [M, K] (bf16 or f32, sorted by group) times their expert's FP4
     weight, for each (values uint8 [G, N, K/2], scales uint8 [G, N, K/32] E8M0) in `weights` (same shapes;
     one launch and one tile map for all, e.g. w1 and w3). sizes_g int [G]; rows past sum(sizes) are zero.
-    fast_decode: the PTX decode for bf16 x (see above; False: the f32 decode, for comparison)."""
+    fast_decode: the PTX decode for bf16 x (see above; False: the f32 decode, for comparison). splits: programs
+    sharing one output tile's K chunks (default `k_splits`; a divisor of K / tk)."""
     g, n, half = weights[0][0].shape
     k = 2 * half
     for values, scales in weights:
@@ -267,7 +287,7 @@ def grouped_matmuls_fp4(x_mk: jax.Array, weights, sizes_g: jax.Array, *, tiles: 
     tiles = tiles or choose_tiles(x_mk.shape[0], k, n, g)
     fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
     return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), sizes_g, k, (n,) * len(weights), tiles,
-                 num_warps, num_stages, fast, interpret)
+                 num_warps, num_stages, fast, interpret, splits)
 
 
 def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, sizes_g: jax.Array,
@@ -278,7 +298,8 @@ def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, si
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def fp8_matmuls(x_mk: jax.Array, weights, *, tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
-                num_stages: int = 3, fast_decode: bool = True, interpret: bool = False) -> list[jax.Array]:
+                num_stages: int = 3, fast_decode: bool = True, interpret: bool = False,
+                splits: int | None = None) -> list[jax.Array]:
     """[y f32 [M, N_i] = x [M, K] @ W_i^T] in one launch, for W_i in the released FP8 block format: E4M3 bytes
     uint8 (or float8_e4m3fn) [N_i, K], E8M0 exponents uint8 [N_i/32, K/32], one pair per entry of `weights`
     (projections of the same input: wq_a and wkv, the shared expert's w1 and w3). N_i and K multiples of 32."""
@@ -293,8 +314,7 @@ def fp8_matmuls(x_mk: jax.Array, weights, *, tiles: tuple[int, int, int] | None 
     tn = max(next(t for t in (tn, 64, 32) if all(n % t == 0 for n in ns)), SCALE_BLOCK)  # whole scale blocks
     weights = [(jax.lax.bitcast_convert_type(q, jnp.uint8) if q.dtype != jnp.uint8 else q, e) for q, e in weights]
     fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
-    return _call("fp8", [x_mk], weights, jnp.full((1,), m, jnp.int32), k, ns, (tm, tk, tn), num_warps,
-                 num_stages, fast, interpret)
+    return _call("fp8", [x_mk], weights, None, k, ns, (tm, tk, tn), num_warps, num_stages, fast, interpret, splits)
 
 
 def fp8_matmul(x_mk: jax.Array, q_nk: jax.Array, exp: jax.Array, **kw) -> jax.Array:

@@ -118,6 +118,9 @@ def test_tile_map_covers_every_row_once():
         assert (owner[rows] == -1).all()
         owner[rows] = g
     np.testing.assert_array_equal(owner, np.repeat(np.arange(6), np.asarray(sizes)))
+    # the scan-free cumulative sum it is built on, and the constant map of a dense projection
+    np.testing.assert_array_equal(gpu_grouped.inclusive_sum(sizes), np.cumsum(np.asarray(sizes)))
+    np.testing.assert_array_equal(np.stack(gpu_grouped.dense_tile_map(40, 16)), [[0, 0, 0], [0, 16, 32], [40] * 3])
 
 
 def _moe_cfg(**kw):
