@@ -1,0 +1,72 @@
+"""Issue 17 on one H200, in two calls on one warm machine (the run directories live in /tmp there):
+
+    PYTHONPATH=. python3 -m experiments.device_runs.issue17_dspark train    # ~8 min: target, then its draft
+    PYTHONPATH=. python3 -m experiments.device_runs.issue17_dspark decode   # ~4 min: batch 1 and 16
+
+`train`: `small` trained for TARGET_MIN minutes (compile included; batch 8 x 128 tokens, the setting whose
+compile took 73 s on the H200), then DSpark draft stages on it for DRAFT_MIN minutes. `decode`: the same
+held-out prompt (the start of the stdlib's json/decoder.py) decoded plainly and speculatively at batch 1
+and 16 (`experiments.decode --speculative dspark`), 128 new tokens. Each step runs under a timeout sized
+from this session's H200 timings, so that a slow step leaves the others their time; logs and JSONs under
+$OUT, the acceptance / tokens/s table printed last. I17_DRY=1: the same steps with `tiny` for seconds
+(a CPU check of this script).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+OUT = os.environ.get("OUT") or "/tmp/i17_out"
+RUNS = "/tmp/i17"
+DRY = bool(os.environ.get("I17_DRY"))
+PRESET, TARGET_MIN, DRAFT_MIN = ("tiny", 0.3, 0.3) if DRY else ("small", 4.0, 2.3)
+
+
+def step(name: str, args: list[str], timeout_s: int) -> int:
+    """Run `python -m args` with its output in $OUT/name.log; returns its exit code (124: timed out)."""
+    t = time.time()
+    with open(os.path.join(OUT, f"{name}.log"), "w") as log:
+        try:
+            rc = subprocess.run([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONPATH="."), timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    print(f"{name}: rc {rc} in {time.time() - t:.0f} s", flush=True)
+    return rc
+
+
+def train() -> None:
+    if step("train_small", ["experiments.train_small", "--preset", PRESET, "--study", "--minutes", str(TARGET_MIN),
+                            "--eval-every", "100000", "--eval-batches", "2", "--out", f"{RUNS}/small"], 330):
+        return
+    step("train_draft", ["experiments.train_draft", "--run", f"{RUNS}/small", "--out", f"{RUNS}/small_dspark",
+                         "--minutes", str(DRAFT_MIN)], 200)
+    for name in ("small/summary.json", "small_dspark/summary.json"):
+        if os.path.exists(f"{RUNS}/{name}"):
+            print(name, open(f"{RUNS}/{name}").read()[:1500])
+
+
+def decode() -> None:
+    prompt = os.path.join(os.path.dirname(json.__file__), "decoder.py")  # Python source, as the training text
+    with open(prompt, "rb") as f, open("/tmp/i17_prompt.txt", "wb") as g:
+        g.write(f.read(1200))
+    rows = []
+    for b in (1, 2) if DRY else (1, 16):
+        path = os.path.join(OUT, f"dspark_b{b}.json")
+        step(f"decode_b{b}", ["experiments.decode", "--run", f"{RUNS}/small_dspark", "--speculative", "dspark",
+                              "--batch", str(b), "--prompt-file", "/tmp/i17_prompt.txt", "--max-new-tokens", "12" if DRY else "128",
+                              "--output-json", path], 150)
+        if os.path.exists(path):
+            rows.append((b, json.load(open(path))["metrics"]["speculative"]))
+    print("\n| batch | acceptance length | draft ms | verify ms | spec tokens/s | plain tokens/s | speedup | same tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b, m in rows:
+        print(f"| {b} | {m['acceptance_length']:.2f} | {m['draft_ms']:.2f} | {m['verify_ms']:.2f} | "
+              f"{m['tokens_per_s']:.1f} | {m['plain_tokens_per_s']:.1f} | {m['speedup']:.2f} | {m['same_tokens_as_plain']} |")
+
+
+if __name__ == "__main__":
+    os.makedirs(OUT, exist_ok=True)
+    {"train": train, "decode": decode}[sys.argv[1] if len(sys.argv) > 1 else "train"]()
