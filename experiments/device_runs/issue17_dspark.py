@@ -14,27 +14,13 @@ $OUT, the acceptance / tokens/s table printed last. I17_DRY=1: the same steps wi
 
 import json
 import os
-import subprocess
 import sys
-import time
 
-OUT = os.environ.get("OUT") or "/tmp/i17_out"
+from experiments.device_runs._steps import OUT, step
+
 RUNS = "/tmp/i17"
 DRY = bool(os.environ.get("I17_DRY"))
 PRESET, TARGET_MIN, DRAFT_MIN = ("tiny", 0.3, 0.3) if DRY else ("small", 4.0, 2.3)
-
-
-def step(name: str, args: list[str], timeout_s: int) -> int:
-    """Run `python -m args` with its output in $OUT/name.log; returns its exit code (124: timed out)."""
-    t = time.time()
-    with open(os.path.join(OUT, f"{name}.log"), "w") as log:
-        try:
-            rc = subprocess.run([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONPATH="."), timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    print(f"{name}: rc {rc} in {time.time() - t:.0f} s", flush=True)
-    return rc
 
 
 def train() -> None:
@@ -68,5 +54,4 @@ def decode() -> None:
 
 
 if __name__ == "__main__":
-    os.makedirs(OUT, exist_ok=True)
     {"train": train, "decode": decode}[sys.argv[1] if len(sys.argv) > 1 else "train"]()
