@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from dsv41_jax import api
@@ -60,3 +61,17 @@ def shard_model(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp_ep", *, 
     mesh is refused before anything is placed)."""
     placement = place(cfg, params, mesh, layout, batch=batch)
     return ShardedModel(cfg, jax.device_put(params, placement.params), placement)
+
+
+def greedy(cfg: ModelConfig, params, tokens_bt, lengths_b, capacity: int, n_steps: int,
+           model: ShardedModel | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(prefill logits [B, V], n_steps greedy tokens int [B, n_steps]) as host arrays, on one device or on
+    `model`'s mesh (same cfg and params): what a layout must not change (tests/test_expert_parallel.py and
+    the 2-GPU session script compare the two)."""
+    if model is None:
+        logits, cache = api.prefill(cfg, params, api.init_cache(cfg, len(lengths_b), capacity), tokens_bt, lengths_b)
+        toks, _, _ = api.generate(cfg, params, cache, np.asarray(logits).argmax(-1), n_steps)
+    else:
+        logits, cache = model.prefill(model.init_cache(capacity), tokens_bt, lengths_b)
+        toks, _, _ = model.generate(cache, np.asarray(logits).argmax(-1), n_steps)
+    return np.asarray(logits), np.asarray(toks)

@@ -13,7 +13,7 @@ from dsv41_jax import expert_parallel as EP
 from dsv41_jax import partitioning as S
 from dsv41_jax.moe import MoE
 from dsv41_jax.sequence_split import split_over
-from dsv41_jax.sharding import shard_model
+from dsv41_jax.sharding import greedy, shard_model
 
 # released packed FP4 experts (E8M0 / 32) and FP8 shared expert; 16 experts, top-4: the routing spreads
 MOE_CFG = d.preset("tiny").replace(weight_format="fp8", n_routed_experts=16, n_activated_experts=4)
@@ -124,20 +124,11 @@ def test_greedy_tokens_and_logits_equal_one_device_in_every_layout():
     tok = np.random.default_rng(1).integers(0, cfg.vocab_size, (b, 7))
     lens = np.array([7, 3, 5, 6])
 
-    def greedy(model=None):
-        if model is None:
-            logits, cache = d.prefill(cfg, params, d.init_cache(cfg, b, cap), tok, lens)
-            toks, _, _ = d.generate(cfg, params, cache, np.asarray(logits).argmax(-1), steps)
-        else:
-            logits, cache = model.prefill(model.init_cache(cap), tok, lens)
-            toks, _, _ = model.generate(cache, np.asarray(logits).argmax(-1), steps)
-        return np.asarray(toks), np.asarray(logits)
-
-    want_toks, want_logits = greedy()
+    want_logits, want_toks = greedy(cfg, params, tok, lens, cap, steps)
     for layout, mesh in (("dp", "data=2"), ("tp_ep", "expert=2"), ("dp_ep", "expert=2")):
         m = shard_model(cfg, params, S.make_mesh(cfg, mesh, batch=b, devices=jax.devices()[:2], layout=layout),
                         layout, batch=b)
-        toks, logits = greedy(m)
+        logits, toks = greedy(cfg, params, tok, lens, cap, steps, m)
         np.testing.assert_array_equal(toks, want_toks, err_msg=f"{layout} {mesh}")
         assert np.abs(logits - want_logits).max() <= 1e-5 * np.abs(want_logits).max(), (layout, mesh)
 

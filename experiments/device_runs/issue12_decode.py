@@ -25,7 +25,7 @@ def last_table(log: str, name: str) -> str:
 
 if __name__ == "__main__":
     for name, args, timeout_s in POINTS:
-        step(name, ["experiments.bench_decode", *args, "--out", os.path.join(OUT, f"{name}.json")], timeout_s)
-    step("profile_b1", ["experiments.profile_step", "--batch", "1", "--top", "30", "--out", "/tmp/i12_prof"], 90)
+        step(name, ["-m", "experiments.bench_decode", *args, "--out", os.path.join(OUT, f"{name}.json")], timeout_s)
+    step("profile_b1", ["-m", "experiments.profile_step", "--batch", "1", "--top", "30", "--out", "/tmp/i12_prof"], 90)
     for name in [p[0] for p in POINTS] + ["profile_b1"]:
         print(f"\n== {name}\n{last_table(open(os.path.join(OUT, f'{name}.log')).read(), name)}")

@@ -17,12 +17,11 @@ Dry run of `equal` on CPU: I15_PRESET=tiny JAX_PLATFORMS=cpu XLA_FLAGS=--xla_for
 
 import json
 import os
-import subprocess
 import sys
 import time
 
-OUT = os.environ.get("OUT", "/tmp/out_i15")
-os.makedirs(OUT, exist_ok=True)
+from experiments.device_runs._steps import OUT, step
+
 T0 = time.time()
 BUDGET_S = 285
 BENCH = ["-m", "experiments.bench_decode", "--context", "4096", "--steps", "10", "--chunk", "8", "--copy-gb", "1"]
@@ -35,7 +34,7 @@ def equal_mode():
     jax.config.update("jax_default_matmul_precision", "highest")
     import dsv41_jax as d
     from dsv41_jax import partitioning as S
-    from dsv41_jax.sharding import shard_model
+    from dsv41_jax.sharding import greedy, shard_model
 
     cfg = d.preset(os.environ.get("I15_PRESET", "small"), dtype="float32", param_dtype="float32", quantize_cache=False, sinkhorn_unroll="rolled")
     b, prompt, steps = 16, 24, 8
@@ -44,17 +43,11 @@ def equal_mode():
     lens = np.random.default_rng(1).integers(8, prompt + 1, b)
     cap = prompt + steps + 8
 
-    def greedy(m):
+    def timed(m):
         t = time.time()
-        if m is None:
-            logits, cache = d.prefill(cfg, params, d.init_cache(cfg, b, cap), tok, lens)
-            toks, _, _ = d.generate(cfg, params, cache, np.asarray(logits).argmax(-1), steps)
-        else:
-            logits, cache = m.prefill(m.init_cache(cap), tok, lens)
-            toks, _, _ = m.generate(cache, np.asarray(logits).argmax(-1), steps)
-        return np.asarray(logits), np.asarray(toks), time.time() - t
+        return (*greedy(cfg, params, tok, lens, cap, steps, m), time.time() - t)
 
-    ref_logits, ref_toks, s = greedy(None)
+    ref_logits, ref_toks, s = timed(None)
     print(f"one GPU: {s:.1f} s", flush=True)
     scale = float(np.abs(ref_logits).max())
     for layout, mesh in (("dp_ep", "expert=2"), ("tp_ep", "expert=2"), ("dp", "data=2")):
@@ -63,7 +56,7 @@ def equal_mode():
             continue
         try:
             m = shard_model(cfg, params, S.make_mesh(cfg, mesh, batch=b, layout=layout), layout, batch=b)
-            logits, toks, s = greedy(m)
+            logits, toks, s = timed(m)
             same = (toks == ref_toks).all(0)
             row = dict(layout=layout, mesh=mesh, rel_logit_err=float(np.abs(logits - ref_logits).max()) / scale,
                        tokens_equal=bool(same.all()), first_diverging_step=None if same.all() else int(np.argmin(same)),
@@ -80,15 +73,7 @@ def part(name: str, argv: list[str], timeout: int, env: dict | None = None) -> N
     if left < 30:
         print(f"[{name}] skipped: {left:.0f} s of the budget left", flush=True)
         return
-    t = time.time()
-    with open(os.path.join(OUT, f"{name}.log"), "w") as log:
-        try:
-            rc = subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": ".", **(env or {})},
-                                timeout=min(timeout, left)).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    print(f"[{name}] rc={rc} in {time.time() - t:.0f} s (log {name}.log)", flush=True)
+    step(name, argv, min(timeout, left), env)
 
 
 def with_setting(setting: str, args: list[str]) -> list[str]:

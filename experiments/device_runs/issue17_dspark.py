@@ -24,10 +24,10 @@ PRESET, TARGET_MIN, DRAFT_MIN = ("tiny", 0.3, 0.3) if DRY else ("small", 4.0, 2.
 
 
 def train() -> None:
-    if step("train_small", ["experiments.train_small", "--preset", PRESET, "--study", "--minutes", str(TARGET_MIN),
+    if step("train_small", ["-m", "experiments.train_small", "--preset", PRESET, "--study", "--minutes", str(TARGET_MIN),
                             "--eval-every", "100000", "--eval-batches", "2", "--out", f"{RUNS}/small"], 330):
         return
-    step("train_draft", ["experiments.train_draft", "--run", f"{RUNS}/small", "--out", f"{RUNS}/small_dspark",
+    step("train_draft", ["-m", "experiments.train_draft", "--run", f"{RUNS}/small", "--out", f"{RUNS}/small_dspark",
                          "--minutes", str(DRAFT_MIN)], 200)
     for name in ("small/summary.json", "small_dspark/summary.json"):
         if os.path.exists(f"{RUNS}/{name}"):
@@ -41,7 +41,7 @@ def decode() -> None:
     rows = []
     for b in (1, 2) if DRY else (1, 16):
         path = os.path.join(OUT, f"dspark_b{b}.json")
-        step(f"decode_b{b}", ["experiments.decode", "--run", f"{RUNS}/small_dspark", "--speculative", "dspark",
+        step(f"decode_b{b}", ["-m", "experiments.decode", "--run", f"{RUNS}/small_dspark", "--speculative", "dspark",
                               "--batch", str(b), "--prompt-file", "/tmp/i17_prompt.txt", "--max-new-tokens", "12" if DRY else "128",
                               "--output-json", path], 150)
         if os.path.exists(path):
