@@ -96,6 +96,20 @@ def indexer_kl(rec: IndexerRecord) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(jnp.where(rows, kl_bt, 0.0)), jnp.sum(rows).astype(jnp.float32)
 
 
+def _training_forward(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt: jax.Array):
+    """(logits f32 [B, T, V], forward aux) of tokens_bt int32 [B, T] as one chunk from an empty cache."""
+    model = nnx.merge(graphdef(cfg), trainable, rest)
+    b, t = tokens_bt.shape
+    logits, _, fwd = model.forward(init_cache(cfg, b, t), tokens_bt, jnp.full((b,), t, jnp.int32), all_logits=True,
+                                   training=True, with_aux=True)
+    return logits, fwd
+
+
+def forward_logits(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt: jax.Array) -> jax.Array:
+    """Logits f32 [B, T, V] of the training forward (what `loss_fn` scores), e.g. for a teacher-forced probe."""
+    return _training_forward(trainable, rest, cfg, tokens_bt)[0]
+
+
 def loss_fn(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt1: jax.Array,
             kl_weight: float = 1.0):
     """(lm_loss + kl_weight * indexer_kl, aux) for full sequences tokens_bt1 int32 [B, T + 1].
@@ -103,11 +117,8 @@ def loss_fn(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt1:
     aux: lm_loss, indexer_kl (mean over indexing layers and queries) and expert_load int32 [L, E].
     Each sequence is one chunk from an empty cache (capacity T).
     """
-    model = nnx.merge(graphdef(cfg), trainable, rest)
     inputs, targets = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
-    b, t = inputs.shape
-    logits, _, fwd = model.forward(init_cache(cfg, b, t), inputs, jnp.full((b,), t, jnp.int32), all_logits=True,
-                                   training=True, with_aux=True)
+    logits, fwd = _training_forward(trainable, rest, cfg, inputs)
     lm = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     per_layer = [indexer_kl(r) for r in fwd.indexer]
     kl = (sum(s / jnp.maximum(n, 1.0) for s, n in per_layer) / len(per_layer)) if per_layer else jnp.float32(0)

@@ -101,6 +101,9 @@ def write_curve(out: Path, rows: list[dict]) -> str:
     if val:
         ax.plot(*zip(*val), "o-", label="validation LM loss")
     ax.plot(steps, [r["indexer_kl"] for r in rows], label="indexer KL")
+    recall = [(r["step"], r["val_recall_acc"]) for r in rows if r.get("val_recall_acc", "") != ""]
+    if recall:
+        ax.plot(*zip(*recall), "s-", label="held-out recall accuracy (whole values)")
     ax.set_xlabel("step")
     ax.legend()
     fig.tight_layout()
@@ -171,6 +174,22 @@ def output_dir(args) -> Path:
     return _cli.writable_dir(str(out), "--out")
 
 
+def recall_probe(args, cfg: ModelConfig, filler: np.ndarray, rng: np.random.Generator):
+    """params -> (whole-value accuracy, value NLL in nats) on `args.batch` held-out recall rows at the
+    curriculum's final distance, teacher-forced through the training forward: the retrieval learning curve."""
+    end = args.recall_distance[1] if args.recall_distance else None
+    ids, _ = recall_task.batch(filler, args.batch, args.seq + 1, args.recall_pairs, end, rng)
+    before = recall_task.answer_positions(args.seq + 1, args.recall_pairs) - 1  # [Q, D]: logits that predict them
+    fn = jax.jit(lambda p, t: train.forward_logits(*train.split_trainable(p), cfg, t)[:, before])
+
+    def probe(params) -> tuple[float, float]:
+        with compiling(("recall", cfg, args.batch, args.seq), f"recall probe [B={args.batch}, T={args.seq}]"):
+            logits = np.asarray(fn(params, jnp.asarray(ids[:, :-1])), np.float32)
+        right, nll = recall_task.scores(logits, ids, args.seq + 1, args.recall_pairs)
+        return round(float(right.mean()), 5), round(float(nll.mean()), 5)
+    return probe
+
+
 @_cli.entry_point
 def main(argv=None) -> dict:
     args = parse_args(argv)
@@ -201,6 +220,8 @@ def main(argv=None) -> dict:
     val_rng = np.random.default_rng(args.seed + 1)
     val = [windows(val_ids, args.batch, args.seq + 1, val_rng) for _ in range(args.eval_batches)]
 
+    probe = recall_probe(args, train_cfg, val_ids, val_rng) if args.recall_frac else None
+
     def evaluate() -> float:
         with compiling(("eval", train_cfg, args.batch, args.seq), f"validation loss [B={args.batch}, T={args.seq}]"):
             first = eval_fn(params, jnp.asarray(val[0]))
@@ -222,13 +243,18 @@ def main(argv=None) -> dict:
         else:
             bar.update()
         last = step == total
+        due = step % args.eval_every == 0 or last
         row = {"step": step, "seconds": round(time.perf_counter() - t0, 2), **{k: round(v, 5) for k, v in m.items()},
-               "val_lm_loss": round(evaluate(), 5) if step % args.eval_every == 0 or last else ""}
+               "val_lm_loss": round(evaluate(), 5) if due else ""}
+        if probe:
+            row.update(zip(("val_recall_acc", "val_recall_nll"), probe(params) if due else ("", "")))
         rows.append(row)
         bar.set_postfix(loss=f"{m['lm_loss']:.3f}", kl=f"{m['indexer_kl']:.3f}")
     bar.close()
     if rows[-1]["val_lm_loss"] == "":
         rows[-1]["val_lm_loss"] = round(evaluate(), 5)
+        if probe:
+            rows[-1].update(zip(("val_recall_acc", "val_recall_nll"), probe(params)))
     train_s = time.perf_counter() - t0
     train.save_checkpoint(out / "checkpoint", params, opt_state, step)
     curve = write_curve(out, rows)
@@ -241,7 +267,8 @@ def main(argv=None) -> dict:
                                                         max(train_s - compile_s, 1e-9), 1),
                "first_lm_loss": rows[0]["lm_loss"], "last_lm_loss": rows[-1]["lm_loss"],
                "val_lm_loss": rows[-1]["val_lm_loss"], "val_bits_per_byte": round(rows[-1]["val_lm_loss"] / np.log(2), 4),
-               "last_indexer_kl": rows[-1]["indexer_kl"], "curve": curve, "checkpoint": str(out / "checkpoint"),
+               "last_indexer_kl": rows[-1]["indexer_kl"],
+               **({k: rows[-1][k] for k in ("val_recall_acc", "val_recall_nll")} if probe else {}), "curve": curve, "checkpoint": str(out / "checkpoint"),
                "args": vars(args)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))

@@ -345,9 +345,15 @@ def test_train_small_output_default_and_loss_curve(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(train, "make_train_step", lambda cfg, opt, **kw: lambda p, s, batch: (
         p, s, {"lm_loss": jnp.float32(5.0), "indexer_kl": jnp.float32(0.1)}))
     monkeypatch.setattr(train, "loss_fn", lambda tr, rest, cfg, tokens: (0.0, {"lm_loss": jnp.float32(5.0)}))
+    # the recall probe's forward: uniform logits, so no value is right and each digit costs log(V) nats
+    monkeypatch.setattr(train, "forward_logits", lambda tr, rest, cfg, t: jnp.zeros((*t.shape, cfg.vocab_size)))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as when it is not installed
-    summary = call(train_small.main, "--steps", 2, "--batch", 1, "--eval-batches", 1, "--corpus-mb", 0.2)
+    summary = call(train_small.main, "--steps", 2, "--batch", 1, "--eval-batches", 1, "--corpus-mb", 0.2,
+                   "--recall-frac", 0.5, "--recall-pairs", 2)
+    vocab = train_small.study_config("tiny", "csa2", False).vocab_size
+    assert summary["val_recall_acc"] == 0.0 and summary["val_recall_nll"] == pytest.approx(4 * np.log(vocab), rel=1e-4)
     out = tmp_path / "runs" / "train_small_tiny"
+    assert "val_recall_acc" in (out / "loss_curve.csv").read_text().splitlines()[0]
     assert summary["curve"] == str(Path("runs/train_small_tiny/loss_curve.csv")) and (out / "loss_curve.csv").is_file()
     assert "pip install matplotlib" in capsys.readouterr().err
     assert fails(train_small.main, ["--steps", 1], capsys) == f"error: --out {Path('runs/train_small_tiny')}: holds " \
