@@ -159,7 +159,10 @@ def scales_beyond_fast_decode(flat_params) -> list[str]:
             limits[path] = FP4_FAST_MAX
         elif leaf == "scale":
             limits[path] = FP8_FAST_MAX
-    # every maximum computed on its array's device, then one transfer (not one host sync per array)
-    maxima = jax.device_get({p: jax.numpy.max(flat_params[p]) for p in limits})
+    # all maxima in one program, then one transfer: one small program per array, dispatched back to back,
+    # let two mesh-sharded reductions run their all-reduces in opposite orders on two CPU device threads
+    # (a deadlock, seen under load with 2 simulated devices)
+    maxima = jax.device_get(jax.jit(lambda arrays: {p: jax.numpy.max(a) for p, a in arrays.items()})(
+        {p: flat_params[p] for p in limits}))
     return [p for p in limits if int(maxima[p]) > limits[p]]
 
