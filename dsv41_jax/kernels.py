@@ -159,10 +159,18 @@ def scales_beyond_fast_decode(flat_params) -> list[str]:
             limits[path] = FP4_FAST_MAX
         elif leaf == "scale":
             limits[path] = FP8_FAST_MAX
-    # all maxima in one program, then one transfer: one small program per array, dispatched back to back,
-    # let two mesh-sharded reductions run their all-reduces in opposite orders on two CPU device threads
-    # (a deadlock, seen under load with 2 simulated devices)
-    maxima = jax.device_get(jax.jit(lambda arrays: {p: jax.numpy.max(a) for p, a in arrays.items()})(
-        {p: flat_params[p] for p in limits}))
+    # One program per set of devices, each finished before the next: one small program per array, dispatched
+    # back to back, let two mesh-sharded reductions run their all-reduces in opposite orders on two CPU
+    # device threads (a deadlock, seen under load with 2 simulated devices).
+    groups: dict = {}
+    for p in limits:
+        a = flat_params[p]
+        groups.setdefault(frozenset(a.devices()) if isinstance(a, jax.Array) else None, {})[p] = a
+    maxima = {}
+    for arrays in groups.values():
+        maxima.update(jax.device_get(_maxima(arrays)))
     return [p for p in limits if int(maxima[p]) > limits[p]]
+
+
+_maxima = jax.jit(lambda arrays: {p: jax.numpy.max(a) for p, a in arrays.items()})  # {path: max} of a dict
 
