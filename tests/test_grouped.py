@@ -18,6 +18,7 @@ import dsv41_jax as d
 from dsv41_jax import grouped, kernels
 from dsv41_jax.layers import quantize_activation, quantize_fp8_blocks
 from dsv41_jax.moe import MoE, swiglu
+from experiments.bench_decode import truncated
 from kernels_pallas import gpu_grouped
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -167,12 +168,13 @@ def test_moe_paths_agree(act_quant, tokens):
     pytest.param(False, marks=pytest.mark.skipif(INTERPRET, reason="60 s interpreted; the W4A8 case covers CPU")),
     True])
 def test_model_logits_with_weight_kernels(monkeypatch, act_quant):
-    """The whole model, f32, released weight formats: decode logits with the expert and FP8 kernels (forced
-    on, everything else jnp) against the jnp twins, to 1e-5 of the logit scale, from the same prefilled
-    cache (prefill-sized inputs of the kernels: the kernel tests above, 70-row FP8, 40-token MoE)."""
+    """The model, f32, released weight formats: decode logits with the expert and FP8 kernels (forced on,
+    everything else jnp) against the jnp twins, to 1e-5 of the logit scale, from the same prefilled cache
+    (prefill-sized inputs of the kernels: the kernel tests above, 70-row FP8, 40-token MoE). tiny's first
+    3 layers (window, window + Engram, Full with an indexer) launch every kind of weight kernel the model has."""
     tiny = d.preset("tiny")
-    cfg = _moe_cfg(activation_quant=act_quant, engram_layer_ids=tiny.engram_layer_ids, engram_head_dim=32,
-                   engram_num_embeddings=tiny.engram_num_embeddings)  # FP8 Engram tables need 32-wide heads
+    cfg = truncated(_moe_cfg(activation_quant=act_quant, engram_layer_ids=tiny.engram_layer_ids, engram_head_dim=32,
+                             engram_num_embeddings=tiny.engram_num_embeddings), 3)  # FP8 Engram needs 32-wide heads
     params = d.init_params(cfg, seed=0)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 6)).astype(np.int32)
     _, cache = d.prefill(cfg, params, d.init_cache(cfg, 2, 64), ids, np.array([6, 5]))

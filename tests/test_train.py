@@ -50,6 +50,13 @@ def test_train_steps_reduce_loss(run):
     # the biases moved outside the optimizer (Buffers, not Params)
     moved = [k for k, v in _flat(run["params"]).items() if k.endswith("router/bias") and np.abs(v).sum() > 0]
     assert len(moved) == CFG.n_layers, moved
+    # every part the LM loss trains got gradient, so adam moved it: attention, compressor, MoE, mHC, Engram,
+    # embedding (the indexer learns from its KL only: test_indexer_gets_gradient_from_kl_only)
+    before, after = _flat(run["params0"]), _flat(run["params"])
+    for name in ("layers/2/attn/compressor/wkv", "layers/3/ffn/w1", "layers/0/hc_attn/fn", "layers/1/engram/table",
+                 "embed/weight", "layers/7/attn/wo_b"):
+        keys = [k for k in after if k.startswith(name)]
+        assert keys and any(not np.array_equal(before[k], after[k]) for k in keys), name
 
 
 def test_checkpoint_round_trip_is_bit_exact(run, tmp_path):
