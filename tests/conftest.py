@@ -8,3 +8,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 COLLECTIVE_PATIENCE = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=8 "
                       + COLLECTIVE_PATIENCE)
+
+# One persistent compilation cache for the whole run, made by the first process (pytest itself, before its
+# xdist workers start: they inherit it, as do the scripts tests run as subprocesses) and removed at its exit.
+# The workers and the tests compile many identical programs (tiny's prefill and decode at the same shapes):
+# compiled once per run instead of once per process, the suite takes ~1/4 less time.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not os.environ.get("PYTEST_XDIST_WORKER"):
+    import atexit
+    import shutil
+    import tempfile
+
+    _JIT_CACHE = tempfile.mkdtemp(prefix="dsv41_jax_test_jit_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _JIT_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    atexit.register(shutil.rmtree, _JIT_CACHE, ignore_errors=True)
