@@ -159,18 +159,8 @@ def scales_beyond_fast_decode(flat_params) -> list[str]:
             limits[path] = FP4_FAST_MAX
         elif leaf == "scale":
             limits[path] = FP8_FAST_MAX
-    # One program per set of devices, each finished before the next: one small program per array, dispatched
-    # back to back, let two mesh-sharded reductions run their all-reduces in opposite orders on two CPU
-    # device threads (a deadlock, seen under load with 2 simulated devices).
-    groups: dict = {}
-    for p in limits:
-        a = flat_params[p]
-        groups.setdefault(frozenset(a.devices()) if isinstance(a, jax.Array) else None, {})[p] = a
-    maxima = {}
-    for arrays in groups.values():
-        maxima.update(jax.device_get(_maxima(arrays)))
-    return [p for p in limits if int(maxima[p]) > limits[p]]
-
-
-_maxima = jax.jit(lambda arrays: {p: jax.numpy.max(a) for p, a in arrays.items()})  # {path: max} of a dict
-
+    # One reduction at a time, each read back before the next starts: dispatched back to back, two
+    # mesh-sharded reductions could run their all-reduces in opposite orders on two CPU device threads (a
+    # deadlock, seen under load with 2 simulated devices). One jitted program over all of them would also
+    # serialize them, but compiles per checkpoint layout (hundreds of inputs for the full model).
+    return [p for p in limits if int(jax.numpy.max(flat_params[p])) > limits[p]]

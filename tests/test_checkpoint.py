@@ -338,8 +338,8 @@ def test_orbax_restore_onto_another_mesh(released, tmp_path):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {COLLECTIVE_PATIENCE}",
                JAX_PLATFORMS="cpu")
     # The script used to stall in an all-reduce under load: the loader's scale check launched one sharded
-    # reduction per array, and two in flight could meet their device threads in opposite orders (now one
-    # program; 0 stalls in 26 loaded runs, against 2 in 14 before)
+    # reduction per array back to back, and two in flight could meet their device threads in opposite orders
+    # (now one at a time; 0 stalls in 26 runs beside a loaded pytest, against 2 in 14 before)
     run = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(released[0]), str(tmp_path / "p")],
                          env=env, capture_output=True, text=True, timeout=150)
     assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]
