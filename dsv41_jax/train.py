@@ -97,17 +97,17 @@ def indexer_kl(rec: IndexerRecord) -> tuple[jax.Array, jax.Array]:
 
 
 def _training_forward(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt: jax.Array):
-    """(logits f32 [B, T, V], forward aux) of tokens_bt int32 [B, T] as one chunk from an empty cache."""
+    """(model, logits f32 [B, T, V], forward aux) of tokens_bt int32 [B, T] as one chunk from an empty cache."""
     model = nnx.merge(graphdef(cfg), trainable, rest)
     b, t = tokens_bt.shape
     logits, _, fwd = model.forward(init_cache(cfg, b, t), tokens_bt, jnp.full((b,), t, jnp.int32), all_logits=True,
                                    training=True, with_aux=True)
-    return logits, fwd
+    return model, logits, fwd
 
 
 def forward_logits(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt: jax.Array) -> jax.Array:
     """Logits f32 [B, T, V] of the training forward (what `loss_fn` scores), e.g. for a teacher-forced probe."""
-    return _training_forward(trainable, rest, cfg, tokens_bt)[0]
+    return _training_forward(trainable, rest, cfg, tokens_bt)[1]
 
 
 def loss_fn(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt1: jax.Array,
@@ -118,7 +118,7 @@ def loss_fn(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt1:
     Each sequence is one chunk from an empty cache (capacity T).
     """
     inputs, targets = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
-    logits, fwd = _training_forward(trainable, rest, cfg, inputs)
+    _, logits, fwd = _training_forward(trainable, rest, cfg, inputs)
     lm = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     per_layer = [indexer_kl(r) for r in fwd.indexer]
     kl = (sum(s / jnp.maximum(n, 1.0) for s, n in per_layer) / len(per_layer)) if per_layer else jnp.float32(0)
@@ -130,13 +130,10 @@ def draft_loss_fn(draft: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt
                   anchors: tuple[int, ...]):
     """(loss, aux) of the draft stages on the frozen target's forward over tokens_bt int32 [B, T] (one chunk
     from an empty cache); see `dspark.distill_loss` for the anchors and the loss."""
-    model = nnx.merge(graphdef(cfg), draft, rest)
-    b, t = tokens_bt.shape
     # The training forward: for one chunk from an empty cache it gives the inference forward's logits and
     # hidden streams (tests/test_dspark.py), and compiles in a fraction of its time on a GPU (the inference
     # forward of `small` at batch 8 x 256 did not compile within 220 s on the H200).
-    logits, _, fwd = model.forward(init_cache(cfg, b, t), tokens_bt, jnp.full((b,), t, jnp.int32), all_logits=True,
-                                   training=True, with_aux=True)
+    model, logits, fwd = _training_forward(draft, rest, cfg, tokens_bt)
     return dspark.distill_loss(model, fwd.hidden_btf, logits, tokens_bt, anchors)
 
 

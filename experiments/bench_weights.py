@@ -98,6 +98,13 @@ def time_loop(call, sizes_re, x, weights, reps: int, kernel_prefix: str, profile
     return gpu, 1e6 * statistics.median(walls)
 
 
+def splits_fit(kw: dict, m: int, k: int, n: int, groups: int) -> bool:
+    """False for a sweep entry whose K split does not divide the K chunks of its tiles (explicit, or
+    `choose_tiles`'), which the kernel refuses (w2: 2304 / 256 = 9 chunks)."""
+    tk = (kw.get("tiles") or gpu_grouped.choose_tiles(m, k, n, groups))[1]
+    return (k // tk) % kw.get("splits", 1) == 0
+
+
 def fp8_rows(cfg, batches, reps: int, sweep: list, peak: float, tmp: str) -> list[dict]:
     """Rows of the FP8 projections (`fp8_ops`), a different random weight per call (reps x the weight: HBM)."""
     key, rows = jax.random.key(7), []
@@ -109,7 +116,7 @@ def fp8_rows(cfg, batches, reps: int, sweep: list, peak: float, tmp: str) -> lis
             x = jax.random.normal(jax.random.fold_in(key, b), (b, k), jnp.bfloat16)
             moved = sum(n * k + (n // 32) * (k // 32) for n in ns) + b * k * 2 + b * sum(ns) * 4
             for label, kw in [("chosen", {})] + sweep:
-                if (k // (kw.get("tiles") or (16, 128, 64))[1]) % kw.get("splits", 1):
+                if not splits_fit(kw, b, k, min(ns), 1):
                     continue
 
                 @jax.jit
@@ -158,8 +165,8 @@ def expert_rows(cfg, batches, reps: int, sweep: list, peak: float) -> list[dict]
             ]
             for op, x, ws, moved, make in ops:
                 for label, kw in variants:
-                    if (x.shape[1] // (kw.get("tiles") or (16, 256, 64))[1]) % kw.get("splits", 1):
-                        continue  # a K split must divide the K chunks (w2: 2304 / 256 = 9)
+                    if not splits_fit(kw, m, x.shape[1], ws[0][0].shape[1], e):
+                        continue
                     gpu, wall = time_loop(make(kw), sizes, x, ws, reps, "grouped_matmul_fp4", f"{tmp}/{op}{b}{label}")
                     rows.append(dict(op=op, batch=b, variant=label, gpu_us=gpu, wall_us=wall, bytes=moved,
                                      experts_hit=hit, frac_peak=moved / (gpu * 1e-6) / peak))

@@ -99,22 +99,6 @@ def gpu_kernels(trace_dir: str) -> list[dict]:
     return sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in gpu), key=lambda e: e["ts"])
 
 
-def host_events(trace_dir: str, top: int) -> list[tuple[str, float, int]]:
-    """(name, total ms, count) of the host-side events of the newest trace, largest first (nested events
-    each count their own time: a pass inside a pipeline is in both): where a compile spends its time."""
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
-    with gzip.open(path) as f:
-        events = json.load(f)["traceEvents"]
-    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "GPU" in str(e.get("args", {}).get("name", ""))}
-    by = collections.defaultdict(lambda: [0.0, 0])
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") not in gpu:
-            by[e["name"]][0] += float(e.get("dur", 0)) / 1e3
-            by[e["name"]][1] += 1
-    return sorted(((n, ms, c) for n, (ms, c) in by.items()), key=lambda r: -r[1])[:top]
-
-
 def attribute(kernels: list[dict], sources: dict[str, str], steps: int) -> dict[str, list[float]]:
     """{source: [kernels per step, GPU us per step]}; unmatched kernels keep their own name."""
     by = collections.defaultdict(lambda: [0.0, 0.0])
@@ -140,8 +124,6 @@ def parse_args(argv=None):
     p.add_argument("--kernels", default="auto", choices=["auto", "jnp", "pallas"])
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out", default="/tmp/profile_step", help="trace, HLO text and JSON rows go here")
-    p.add_argument("--compile-trace", action="store_true",
-                   help="trace the first call (the compile) too and list its largest host-side events")
     return p.parse_args(argv)
 
 
@@ -167,15 +149,8 @@ def _profile(args) -> dict:
         jax.block_until_ready(toks)
 
     t = time.perf_counter()
-    compile_dir = os.path.join(args.out, "compile_trace")
-    with (jax.profiler.trace(compile_dir, create_perfetto_trace=True) if args.compile_trace
-          else contextlib.nullcontext()):
-        call()
+    call()
     print(f"compiled and ran one call in {time.perf_counter() - t:.1f} s", flush=True)
-    if args.compile_trace:
-        print("\n| host event of the first call | ms | count |\n|---|---|---|")
-        for name, ms, count in host_events(compile_dir, args.top):
-            print(f"| {name[:100]} | {ms:.0f} | {count} |")
     times = []
     for _ in range(8):
         t = time.perf_counter()

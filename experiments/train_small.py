@@ -227,6 +227,12 @@ def main(argv=None) -> dict:
             first = eval_fn(params, jnp.asarray(val[0]))
         return float(np.mean([float(first)] + [float(eval_fn(params, jnp.asarray(b))) for b in val[1:]]))
 
+    validate_keys = ("val_lm_loss",) + (("val_recall_acc", "val_recall_nll") if probe else ())
+
+    def validate() -> dict:
+        """The row's validation columns: LM loss, and the recall probe's accuracy and NLL when it runs."""
+        return dict(zip(validate_keys, (round(evaluate(), 5),) + (probe(params) if probe else ())))
+
     rows: list[dict] = []
     budget = args.minutes * 60 if args.minutes is not None else float("inf")
     total = args.steps if args.steps is not None else None
@@ -243,18 +249,13 @@ def main(argv=None) -> dict:
         else:
             bar.update()
         last = step == total
-        due = step % args.eval_every == 0 or last
         row = {"step": step, "seconds": round(time.perf_counter() - t0, 2), **{k: round(v, 5) for k, v in m.items()},
-               "val_lm_loss": round(evaluate(), 5) if due else ""}
-        if probe:
-            row.update(zip(("val_recall_acc", "val_recall_nll"), probe(params) if due else ("", "")))
+               **(validate() if step % args.eval_every == 0 or last else dict.fromkeys(validate_keys, ""))}
         rows.append(row)
         bar.set_postfix(loss=f"{m['lm_loss']:.3f}", kl=f"{m['indexer_kl']:.3f}")
     bar.close()
     if rows[-1]["val_lm_loss"] == "":
-        rows[-1]["val_lm_loss"] = round(evaluate(), 5)
-        if probe:
-            rows[-1].update(zip(("val_recall_acc", "val_recall_nll"), probe(params)))
+        rows[-1].update(validate())
     train_s = time.perf_counter() - t0
     train.save_checkpoint(out / "checkpoint", params, opt_state, step)
     curve = write_curve(out, rows)
@@ -267,8 +268,8 @@ def main(argv=None) -> dict:
                                                         max(train_s - compile_s, 1e-9), 1),
                "first_lm_loss": rows[0]["lm_loss"], "last_lm_loss": rows[-1]["lm_loss"],
                "val_lm_loss": rows[-1]["val_lm_loss"], "val_bits_per_byte": round(rows[-1]["val_lm_loss"] / np.log(2), 4),
-               "last_indexer_kl": rows[-1]["indexer_kl"],
-               **({k: rows[-1][k] for k in ("val_recall_acc", "val_recall_nll")} if probe else {}), "curve": curve, "checkpoint": str(out / "checkpoint"),
+               "last_indexer_kl": rows[-1]["indexer_kl"], **{k: rows[-1][k] for k in validate_keys[1:]},
+               "curve": curve, "checkpoint": str(out / "checkpoint"),
                "args": vars(args)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))

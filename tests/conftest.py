@@ -12,7 +12,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_for
 # One persistent compilation cache for the whole run, made by the first process (pytest itself, before its
 # xdist workers start: they inherit it, as do the scripts tests run as subprocesses) and removed at its exit.
 # The workers and the tests compile many identical programs (tiny's prefill and decode at the same shapes):
-# compiled once per run instead of once per process, the suite takes ~1/4 less time.
+# compiled once per run instead of once per process (measured on this repo's 2-core CI machine:
+# `pytest -n 2 tests/test_model.py tests/test_generate.py tests/test_engine.py tests/test_step_state.py`
+# 219 s without the cache, 160 s with an empty one).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not os.environ.get("PYTEST_XDIST_WORKER"):
     import atexit
     import shutil
