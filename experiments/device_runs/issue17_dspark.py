@@ -20,7 +20,7 @@ from experiments.device_runs._steps import OUT, step
 
 RUNS = "/tmp/i17"
 DRY = bool(os.environ.get("I17_DRY"))
-PRESET, TARGET_MIN, DRAFT_MIN = ("tiny", 0.3, 0.3) if DRY else ("small", 4.0, 2.3)
+PRESET, TARGET_MIN, DRAFT_MIN = ("tiny", 0.3, 0.3) if DRY else ("small", 4.0, 2.0)
 
 
 def train() -> None:
@@ -28,7 +28,7 @@ def train() -> None:
                             "--eval-every", "100000", "--eval-batches", "2", "--out", f"{RUNS}/small"], 330):
         return
     step("train_draft", ["-m", "experiments.train_draft", "--run", f"{RUNS}/small", "--out", f"{RUNS}/small_dspark",
-                         "--minutes", str(DRAFT_MIN)], 200)
+                         "--minutes", str(DRAFT_MIN)], 240)
     for name in ("small/summary.json", "small_dspark/summary.json"):
         if os.path.exists(f"{RUNS}/{name}"):
             print(name, open(f"{RUNS}/{name}").read()[:1500])
