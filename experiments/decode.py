@@ -31,11 +31,14 @@ import resource
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from tqdm import tqdm
 
 import dsv41_jax as d
@@ -147,6 +150,11 @@ def parse_args(argv=None):
     if args.run and args.checkpoint:
         ap.error("give --run or --checkpoint, not both")
     return args
+
+
+def model_name(args) -> str:
+    """What the run decodes with, for its log and JSON: the checkpoint, the training run, or the preset."""
+    return str(args.checkpoint or args.run or args.preset)
 
 
 def model_config(args):
@@ -299,7 +307,7 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
     tokens = np.zeros((b, width), np.int32)
     for i in range(b):
         tokens[i, : lengths[i]] = ids[: lengths[i]]
-    print(f"[decode] preset={args.preset} backend={jax.default_backend()} batch={b} prompt={len(ids)} tokens "
+    print(f"[decode] model={model_name(args)} backend={jax.default_backend()} batch={b} prompt={len(ids)} tokens "
           f"capacity={capacity} cache={'fp4/fp8' if cfg.quantize_cache else 'raw'} dtype={cfg.dtype}", flush=True)
 
     t0 = time.perf_counter()
@@ -329,6 +337,14 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
         return toks[:, :n], cache
     temp, seed = jnp.full((b,), args.temperature, jnp.float32), jnp.full((b,), args.seed, jnp.uint32)
     shape = (cfg, b, capacity, args.kernels, args.mesh, args.layout)  # what a compiled program depends on
+    if args.speculative:  # six programs: compiled side by side before anything is timed
+        compile_side_by_side([
+            (("prefill", width, *shape), f"prefill [B={b}, T={width}]",
+             lambda: prefill(d.init_cache(cfg, b, capacity), tokens, lengths)),
+            *([(("decode", chunk, *shape), f"decode [B={b}, {chunk} steps per call]",
+                lambda: decode_chunk(d.init_cache(cfg, b, capacity), jnp.zeros((b,), jnp.int32), 0, min(chunk, steps)))]
+              if steps else []),
+            *speculative_programs(args, cfg, params, tokens, lengths, capacity)])
 
     t0 = time.perf_counter()
     with compiling(("prefill", width, *shape), f"prefill [B={b}, T={width}]"):
@@ -360,11 +376,14 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
 
     live = cache_bytes(cache)  # measured from the arrays this run allocated
     glob = live["global_main_kv"] + live["global_index_keys"]
-    timed = steps - min(chunk, steps)  # the steps after the first (compiling) call
+    if args.speculative:  # compiled before: every call is timed
+        t_loop, timed = t_loop + t_first, steps
+    else:
+        timed = steps - min(chunk, steps)  # the steps after the first (compiling) call
     tps = b * timed / t_loop if timed and t_loop > 0 else float("nan")
     peak, peak_kind = peak_memory_bytes()
     metrics = dict(
-        preset=args.preset, backend=jax.default_backend(), mesh=args.mesh, batch=b, prompt_tokens=lengths.tolist(),
+        preset=model_name(args), backend=jax.default_backend(), mesh=args.mesh, batch=b, prompt_tokens=lengths.tolist(),
         new_tokens=int(gen.shape[1]), init_s=t_init, ttft_s=ttft, first_decode_step_s=t_first,
         decode_tokens_per_s=tps, decode_step_ms=1e3 * t_loop / timed if timed else float("nan"),
         cache_capacity=capacity, global_cache_bytes=glob, global_cache_bytes_per_token=glob / (b * capacity),
@@ -374,9 +393,10 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
     shown = tok.decode(ids)
     print(f"\n--- sequence 0 ---\nprompt (last 120 chars): {shown[-120:]!r}\ngenerated ids: {gen[0, :16].tolist()}"
           f"{' ...' if gen.shape[1] > 16 else ''}\ngenerated text: {tok.decode(gen[0])!r}\n")
-    print(f"time to first token   {ttft:8.3f} s   (prefill incl. compile)")
+    print(f"time to first token   {ttft:8.3f} s   (prefill{'' if args.speculative else ' incl. compile'})")
     print(f"decode                {metrics['decode_step_ms']:8.2f} ms/step, {tps:8.1f} tokens/s "
-          f"over {timed} steps x {b} sequences (first {min(chunk, steps)} steps incl. compile: {t_first:.2f} s)")
+          f"over {timed} steps x {b} sequences" + ("" if args.speculative else
+          f" (first {min(chunk, steps)} steps incl. compile: {t_first:.2f} s)"))
     print(f"global KV cache       {metrics['global_cache_bytes_per_token']:8.1f} bytes/token  (measured: "
           f"{glob:,d} B in the cache arrays / {b}x{capacity} token slots)")
     print_memory(metrics, peak, peak_kind)
@@ -391,21 +411,69 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
     return metrics
 
 
+def compile_side_by_side(programs: list) -> None:
+    """Run each (key, label, thunk) of `programs` once, all at once in threads: an XLA compile releases the
+    GIL, so the programs of a run compile side by side instead of one after another (a speculative run of
+    the trained `small` on the H200 needs six: one after another they took over four minutes). Each thunk
+    makes its own throwaway inputs of the real call's shapes; `compiling` marks its key as compiled, so
+    the real call that follows says nothing and is not slowed by a compile."""
+    def one(key, label, thunk):
+        with compiling(key, label):
+            jax.block_until_ready(thunk())
+
+    with ThreadPoolExecutor(len(programs)) as pool:
+        for f in [pool.submit(one, *p) for p in programs]:
+            f.result()
+
+
+def _spec_setup(args, b: int):
+    """(temperature [B] f32, seed [B] uint32, verify steps per compiled call) of a speculative run."""
+    return (jnp.full((b,), args.temperature, jnp.float32), jnp.full((b,), args.seed, jnp.uint32),
+            max(1, min(args.decode_chunk, args.max_new_tokens - 1)))
+
+
+def speculative_programs(args, cfg, params, tokens, lengths, capacity: int) -> list:
+    """`run_speculative`'s programs as (key, label, thunk) for `compile_side_by_side`: its prefill, its
+    generation loop, and the draft and the verify it times separately."""
+    from dsv41_jax import api
+
+    b = tokens.shape[0]
+    temp, seed, chunk = _spec_setup(args, b)
+    fresh = lambda: (d.init_cache(cfg, b, capacity), api.init_draft_window(cfg, b))  # noqa: E731
+    zeros = jnp.zeros((b,), jnp.int32)
+
+    def verify():
+        cache, window = fresh()
+        drafts, q_logits, _ = jax.eval_shape(partial(_draft, cfg=cfg, kernels=args.kernels), params, cache, window,
+                                             zeros, temp, seed)
+        return _verify(params, cache, window, zeros, jnp.zeros(drafts.shape, drafts.dtype),
+                       jnp.zeros(q_logits.shape, q_logits.dtype), temp, seed, cfg=cfg, kernels=args.kernels)
+
+    progs = [(("spec_prefill", tokens.shape[1], cfg, b, capacity), "speculative prefill",
+              lambda: api.speculative_prefill(cfg, params, *fresh(), tokens, lengths, kernels=args.kernels)),
+             (("draft", cfg, b, capacity, args.kernels), "draft (timed alone)",
+              lambda: _draft(params, *fresh(), zeros, temp, seed, cfg=cfg, kernels=args.kernels)),
+             (("verify", cfg, b, capacity, args.kernels), "verify (timed alone)", verify)]
+    if args.max_new_tokens > 1:
+        progs.append((("spec", chunk, cfg, b, capacity), f"speculative decode [{chunk} steps per call]",
+                      lambda: api.speculative_generate(cfg, params, *fresh(), zeros, chunk, temperature_b=temp,
+                                                       seed_b=seed, step_b=1, budget_b=0, kernels=args.kernels)))
+    return progs
+
+
 def run_speculative(args, cfg, params, tokens, lengths, capacity: int, plain_gen: np.ndarray, plain: dict):
     """The same prompt through DSpark speculative decoding: (generated ids [B, new], metrics)."""
     from dsv41_jax import api
 
     b, k = tokens.shape[0], cfg.dspark_block_size
-    temp, seed = jnp.full((b,), args.temperature, jnp.float32), jnp.full((b,), args.seed, jnp.uint32)
+    temp, seed, chunk = _spec_setup(args, b)  # chunk: speculative steps per compiled call
     window = api.init_draft_window(cfg, b)
     with compiling(("spec_prefill", tokens.shape[1], cfg, b, capacity), "speculative prefill"):
         logits, cache, window = api.speculative_prefill(cfg, params, d.init_cache(cfg, b, capacity), window, tokens,
                                                         lengths, kernels=args.kernels)
     nxt = sample(logits, temp, seed, jnp.zeros((b,), jnp.int32))
     want = args.max_new_tokens - 1
-    chunk = max(1, min(args.decode_chunk, want))  # speculative steps per compiled call
-    out, n_out, acc, budget, t_loop, timed_steps, t_first = [], [], [], np.full(b, want, np.int32), 0.0, 0, 0.0
-    first = True
+    out, n_out, acc, budget, call_s = [], [], [], np.full(b, want, np.int32), []
     while (budget > 0).any():
         t0 = time.perf_counter()
         with compiling(("spec", chunk, cfg, b, capacity), f"speculative decode [{chunk} steps per call]"):
@@ -413,11 +481,7 @@ def run_speculative(args, cfg, params, tokens, lengths, capacity: int, plain_gen
                 cfg, params, cache, window, nxt, chunk, temperature_b=temp, seed_b=seed,
                 step_b=1 + want - budget, budget_b=budget, kernels=args.kernels)
         n = np.asarray(n)
-        dt = time.perf_counter() - t0
-        if first:
-            t_first, first = dt, False
-        else:
-            t_loop, timed_steps = t_loop + dt, timed_steps + chunk
+        call_s.append(time.perf_counter() - t0)  # compiled before the plain run: every call is timed
         out.append(np.asarray(toks))
         n_out.append(n)
         acc.append(np.asarray(a))
@@ -426,11 +490,11 @@ def run_speculative(args, cfg, params, tokens, lengths, capacity: int, plain_gen
     gen = np.stack([np.concatenate([plain_gen[i, :1]] + [toks[i, s, :n_out[i, s]] for s in range(toks.shape[1])])
                     for i in range(b)])
     live = n_out > 0
-    emitted_timed = n_out[:, -timed_steps:].sum() if timed_steps else 0
-    step_ms = _time_draft_and_verify(cfg, params, cache, window, nxt, temp, seed, args.kernels)
+    t_loop = sum(call_s)
+    step_ms = _time_draft_and_verify(cfg, params, cache, window, nxt, temp, seed, args.kernels, capacity)
     m = dict(block_size=k, acceptance_length=float(n_out[live].mean()), accepted_drafts_per_step=float(acc[live].mean()),
-             verify_steps=int(live.sum(1).max()), tokens_per_s=emitted_timed / t_loop if t_loop else float("nan"),
-             plain_tokens_per_s=plain["decode_tokens_per_s"], first_call_s=t_first, **step_ms,
+             verify_steps=int(live.sum(1).max()), tokens_per_s=n_out.sum() / t_loop if t_loop else float("nan"),
+             plain_tokens_per_s=plain["decode_tokens_per_s"], first_call_s=call_s[0] if call_s else float("nan"), **step_ms,
              same_tokens_as_plain=bool((gen == plain_gen).all()))
     m["speedup"] = m["tokens_per_s"] / m["plain_tokens_per_s"]
     print(f"\n--- DSpark speculative decoding (blocks of {k}) ---")
@@ -438,43 +502,52 @@ def run_speculative(args, cfg, params, tokens, lengths, capacity: int, plain_gen
           f"drafts accepted of {k}; {m['verify_steps']} steps for {want} tokens)")
     print(f"draft / verify        {m['draft_ms']:8.2f} / {m['verify_ms']:.2f} ms per step (separately jitted, batch {b})")
     print(f"speculative decode    {m['tokens_per_s']:8.1f} tokens/s  vs plain {m['plain_tokens_per_s']:.1f} tokens/s "
-          f"(x{m['speedup']:.2f}, after the first compiling call of {t_first:.2f} s)")
+          f"(x{m['speedup']:.2f})")
     print(f"tokens                {'identical to' if m['same_tokens_as_plain'] else 'differ from'} plain decode's"
           + ("" if args.temperature == 0 else " (sampling: equal only in distribution)"))
     return gen, m
 
 
-def _time_draft_and_verify(cfg, params, cache, window, tok, temp, seed, kernels: str, reps: int = 5) -> dict:
-    """Median ms of the draft and of the verify (target forward over K + 1 tokens, accept, commit) of one
-    step, each its own jitted call, on copies of the final state (budget 0: nothing is committed)."""
-    from flax import nnx
-
+@partial(jax.jit, static_argnames=("cfg", "kernels"))
+def _draft(params, cache, window, tok, temp, seed, *, cfg, kernels):
+    """One DSpark draft of the block after tok [B], on its own (timed by `_time_draft_and_verify`)."""
     from dsv41_jax import api, dspark
 
+    return dspark.draft(nnx.merge(api.graphdef(cfg), params), window, tok, cache.lengths, temp, seed,
+                        jnp.zeros_like(tok), kernels)
+
+
+@partial(jax.jit, static_argnames=("cfg", "kernels"))
+def _verify(params, cache, window, tok, drafts, q_logits, temp, seed, *, cfg, kernels):
+    """One verify (target forward over K + 1 tokens, accept, commit) on its own, with budget 1: nothing of
+    the caller's state changes (the arrays are not donated)."""
+    from dsv41_jax import api, dspark
+
+    zero = jnp.zeros_like(tok)
+    return dspark.verify(nnx.merge(api.graphdef(cfg), params), cache, window, tok, drafts, q_logits, temp, seed,
+                         zero, zero + 1, jnp.full((tok.shape[0], 1), -1, jnp.int32), kernels)
+
+
+def _time_draft_and_verify(cfg, params, cache, window, tok, temp, seed, kernels: str, capacity: int,
+                           reps: int = 5) -> dict:
+    """Median ms of the draft and of the verify of one step, each its own jitted call, on the final state."""
     b = tok.shape[0]
-    zero = jnp.zeros((b,), jnp.int32)
 
-    @jax.jit
-    def draft(params, cache, window, tok):
-        return dspark.draft(nnx.merge(api.graphdef(cfg), params), window, tok, cache.lengths, temp, seed, zero, kernels)
-
-    @jax.jit
-    def verify(params, cache, window, tok, drafts, q_logits):
-        return dspark.verify(nnx.merge(api.graphdef(cfg), params), cache, window, tok, drafts, q_logits, temp, seed,
-                             zero, zero + 1, jnp.full((b, 1), -1, jnp.int32), kernels)
-
-    def median_ms(f, *a):
-        jax.block_until_ready(f(*a))  # compile
+    def median_ms(key, label, f, *a):
+        with compiling(key, label):  # compiled already when `compile_side_by_side` ran it
+            jax.block_until_ready(f(*a, cfg=cfg, kernels=kernels))
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            jax.block_until_ready(f(*a))
+            jax.block_until_ready(f(*a, cfg=cfg, kernels=kernels))
             times.append(time.perf_counter() - t0)
         return 1e3 * float(np.median(times))
 
-    drafts, q_logits, _ = draft(params, cache, window, tok)
-    return dict(draft_ms=median_ms(draft, params, cache, window, tok),
-                verify_ms=median_ms(verify, params, cache, window, tok, drafts, q_logits))
+    drafts, q_logits, _ = _draft(params, cache, window, tok, temp, seed, cfg=cfg, kernels=kernels)
+    return dict(draft_ms=median_ms(("draft", cfg, b, capacity, kernels), "draft (timed alone)", _draft, params,
+                                   cache, window, tok, temp, seed),
+                verify_ms=median_ms(("verify", cfg, b, capacity, kernels), "verify (timed alone)", _verify, params,
+                                    cache, window, tok, drafts, q_logits, temp, seed))
 
 
 def print_memory(metrics: dict, peak: int, peak_kind: str) -> None:
@@ -535,7 +608,7 @@ def serve(args, cfg, params, tok, prompts: list[np.ndarray], ecfg, spans=None) -
             for p, s in zip(prompts, spans) for i in range(args.batch)]
     capacity = ecfg.capacity
     engine = Engine(cfg, params, ecfg)
-    print(f"[decode] engine preset={args.preset if not args.checkpoint else args.checkpoint} "
+    print(f"[decode] engine model={model_name(args)} "
           f"backend={jax.default_backend()} slots={engine.n_slots} capacity={capacity} requests={len(reqs)} "
           f"x {args.repeat} rounds cache_dir={args.cache_dir}", flush=True)
     rounds, paths = [], Counter()
@@ -569,7 +642,7 @@ def serve(args, cfg, params, tok, prompts: list[np.ndarray], ecfg, spans=None) -
     live = cache_bytes(engine.cache)
     glob = live["global_main_kv"] + live["global_index_keys"]
     peak, peak_kind = peak_memory_bytes()
-    metrics = dict(preset=args.preset, backend=jax.default_backend(), slots=engine.n_slots, cache_capacity=capacity,
+    metrics = dict(preset=model_name(args), backend=jax.default_backend(), slots=engine.n_slots, cache_capacity=capacity,
                    global_cache_bytes_per_token=glob / (engine.n_slots * capacity),
                    window_bytes_per_sequence=live["window"] / engine.n_slots, peak_memory_bytes=peak,
                    peak_memory_kind=peak_kind, tiers=engine.prefix.stats() if engine.prefix else {})

@@ -264,6 +264,30 @@ def test_decode_announces_compiles_and_starts_the_bar_after_them(capsys, fresh_n
     assert metrics["new_tokens"] == 40
 
 
+def test_speculative_decode_compiles_its_six_programs_first_then_times_every_call(capsys, fresh_notices,
+                                                                                  same_params, caplog, monkeypatch):
+    """--speculative: plain prefill and decode, speculative prefill and decode, draft and verify are compiled
+    side by side before anything is timed (no model program compiles after that), and at temperature 0
+    the speculative tokens are the plain ones."""
+    model_programs = ("forward", "_generate", "_speculative_prefill", "_speculative_generate", "_draft", "_verify")
+    done_at = []
+    real = decode.compile_side_by_side
+    monkeypatch.setattr(decode, "compile_side_by_side", lambda progs: (real(progs), done_at.append(len(caplog.records))))
+    with caplog.at_level("WARNING", logger="jax"), jax.log_compiles():
+        m = call(decode.main, "--speculative", "dspark", "--prompt", "x" * 40, "--max-new-tokens", 9, "--batch", 2)
+    # log_compiles holds per thread: the side-by-side compiles (worker threads) are not logged, every later
+    # call runs on this thread and would be
+    later = [r.getMessage() for r in caplog.records[done_at[0]:]]
+    assert not [t for t in later if any(f"Compiling jit({p})" in t for p in model_programs)], later
+    err = capsys.readouterr().err
+    for label in ("prefill [B=2, T=64]", "decode [B=2, 8 steps per call]", "speculative prefill", "draft (timed alone)",
+                  "verify (timed alone)", "speculative decode [8 steps per call]"):
+        assert err.count(f"compiling {label} ...") == 1 and err.count(f"compiling {label} done in") == 1, (label, err)
+    spec = m["speculative"]
+    assert spec["same_tokens_as_plain"] and 1 <= spec["acceptance_length"] <= 4
+    assert np.isfinite([spec["tokens_per_s"], spec["plain_tokens_per_s"], spec["draft_ms"], spec["verify_ms"]]).all()
+
+
 # ----------------------------------------------------------------------------- documented commands on tiny
 def test_plan_deployment_runs_on_tiny(capsys):
     plan_deployment.main(["--preset", "tiny"])

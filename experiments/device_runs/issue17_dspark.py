@@ -1,12 +1,14 @@
 """Issue 17 on one H200, in two calls on one warm machine (the run directories live in /tmp there):
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue17_dspark train    # ~8 min: target, then its draft
-    PYTHONPATH=. python3 -m experiments.device_runs.issue17_dspark decode   # ~4 min: batch 1 and 16
+    PYTHONPATH=. python3 -m experiments.device_runs.issue17_dspark decode   # ~6 min: batch 1 and 16
 
-`train`: `small` trained for TARGET_MIN minutes (compile included; batch 8 x 128 tokens, the setting whose
-compile took 73 s on the H200), then DSpark draft stages on it for DRAFT_MIN minutes. `decode`: the same
-held-out prompt (the start of the stdlib's json/decoder.py) decoded plainly and speculatively at batch 1
-and 16 (`experiments.decode --speculative dspark`), 128 new tokens. Each step runs under a timeout sized
+`train`: `small` trained for TARGET_MIN minutes (compile included; batch 8 x 128 tokens: its compile took
+80 s on the H200, 2,050 steps in 4 min), then DSpark draft stages on it for DRAFT_MIN minutes (compile 63 s).
+`decode`: the same held-out prompt (the first 64 bytes of the stdlib's json/decoder.py: the target was
+trained on 128-byte rows, and a 1,200-byte prompt made it repeat one byte) decoded plainly and
+speculatively at batch 1 and 16 (`experiments.decode --speculative dspark`), 64 new tokens; its six
+programs compile side by side (one after another they took over 4 min). Each step runs under a timeout sized
 from this session's H200 timings, so that a slow step leaves the others their time; logs and JSONs under
 $OUT, the acceptance / tokens/s table printed last. I17_DRY=1: the same steps with `tiny` for seconds
 (a CPU check of this script).
@@ -37,13 +39,13 @@ def train() -> None:
 def decode() -> None:
     prompt = os.path.join(os.path.dirname(json.__file__), "decoder.py")  # Python source, as the training text
     with open(prompt, "rb") as f, open("/tmp/i17_prompt.txt", "wb") as g:
-        g.write(f.read(1200))
+        g.write(f.read(64))
     rows = []
     for b in (1, 2) if DRY else (1, 16):
         path = os.path.join(OUT, f"dspark_b{b}.json")
         step(f"decode_b{b}", ["-m", "experiments.decode", "--run", f"{RUNS}/small_dspark", "--speculative", "dspark",
-                              "--batch", str(b), "--prompt-file", "/tmp/i17_prompt.txt", "--max-new-tokens", "12" if DRY else "128",
-                              "--output-json", path], 150)
+                              "--batch", str(b), "--prompt-file", "/tmp/i17_prompt.txt", "--max-new-tokens", "12" if DRY else "64",
+                              "--output-json", path], 240)
         if os.path.exists(path):
             rows.append((b, json.load(open(path))["metrics"]["speculative"]))
     print("\n| batch | acceptance length | draft ms | verify ms | spec tokens/s | plain tokens/s | speedup | same tokens |")
