@@ -10,7 +10,8 @@ that the model learns to fetch a key from far back and `experiments.quality` can
 `--study` scales the sparse selection down to the training length (top-64 entries, a candidate pool
 of 16 blocks of 8, against 512 / 2048 x 8 in the release) so that selection, the candidate pool and
 the compressed cache all matter at 1-8K tokens; `--plan all-full` gives every compressing layer its
-own compressor and indexer (the baseline of the CSA2 sharing).
+own compressor and indexer (the baseline of the CSA2 sharing), `--plan deep-full` only the Reindex layers
+(what Reindex saves at depth).
 Writes to --out: the loss curve (loss_curve.png when matplotlib imports, and always loss_curve.csv),
 summary.json, config.json (the trained config, for experiments.quality) and an orbax checkpoint of
 params + optimizer state (checkpoint/). The vocabulary is cut to the byte tokenizer's 259 ids.
@@ -42,7 +43,7 @@ from experiments.corpus import PASSKEY_MIN_LENGTH, TOK, load_corpus, training_ba
 
 def study_config(preset: str, plan: str, study: bool) -> ModelConfig:
     """The trained config: the preset cut to the byte vocabulary, f32 master weights, optionally the
-    study's selection sizes and the all-Full plan."""
+    study's selection sizes and another layer plan (all-full, or deep-full: the Reindex layers as Full ones)."""
     cfg = d.preset(preset, vocab_size=TOK.size, engram_compressed_vocab_size=TOK.size, param_dtype="float32",
                    dspark_noise_token_id=TOK.size - 1,
                    sinkhorn_unroll="rolled",  # unrolled, compiles take minutes
@@ -52,6 +53,8 @@ def study_config(preset: str, plan: str, study: bool) -> ModelConfig:
     if plan == "all-full":
         every = tuple(l for l, m in enumerate(cfg.ratios) if m > 0)
         cfg = cfg.replace(kv_source_layers=every, index_source_layers=every)
+    elif plan == "deep-full":  # each Reindex layer gets its own compressor: the preset's other layers unchanged
+        cfg = cfg.replace(kv_source_layers=tuple(sorted({*cfg.kv_source_layers, *cfg.index_source_layers})))
     return cfg
 
 
@@ -114,8 +117,9 @@ def write_curve(out: Path, rows: list[dict]) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", choices=sorted(d.PRESETS))
-    ap.add_argument("--plan", default="csa2", choices=["csa2", "all-full"],
-                    help="csa2: the preset's layer plan; all-full: every compressing layer a Full layer")
+    ap.add_argument("--plan", default="csa2", choices=["csa2", "all-full", "deep-full"],
+                    help="csa2: the preset's layer plan; all-full: every compressing layer a Full layer; "
+                         "deep-full: the preset's Reindex layers as Full layers (issue 20's Reindex vs Full)")
     ap.add_argument("--study", action="store_true", help="selection sizes scaled to 1-8K contexts (see above)")
     ap.add_argument("--train-attention", default="sparse", choices=["sparse", "dense"],
                     help="dense: train with every compressed entry attended (the release's dense warm-up form; the "

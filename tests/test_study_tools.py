@@ -78,3 +78,17 @@ def test_merge_and_markdown(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps(b))
     with pytest.raises(UserError, match="retrieval-lengths"):
         quality.merge([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+
+
+def test_study_plans_differ_from_csa2_only_where_they_say():
+    """all-full: every compressing layer Full; deep-full: the Reindex layers become Full (own compressor,
+    still scoring inside the candidate pool), every other layer's mode as in the preset's CSA2 plan."""
+    from dsv41_jax.plan import Mode, build_plan
+    from experiments.train_small import study_config
+
+    csa2, deep, full = (build_plan(study_config("small", p, True)) for p in ("csa2", "deep-full", "all-full"))
+    assert any(p.mode is Mode.REINDEX for p in csa2)
+    for c, dp, f in zip(csa2, deep, full):
+        assert dp.mode is (Mode.FULL if c.mode is Mode.REINDEX else c.mode)
+        assert dp.uses_candidates == c.uses_candidates
+        assert f.mode is (Mode.WINDOW if c.mode is Mode.WINDOW else Mode.FULL)
