@@ -1,21 +1,38 @@
-"""Issue 12 on one H200, one call (< 10 min): every benchmark point of the decode-speed issue, each under
-its own timeout, tables in $OUT/<name>.log and rows in $OUT/<name>.json.
+"""Issue 12 on one H200: the benchmark points of the decode-speed issue, each under its own timeout, tables
+in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed at the end.
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode           # ~9.5 min
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf    # ~3 min
 
-The v41 slice at batch 1, 8 and 64 (4K) in one process (params made once), 128K x 64, `small` at batch 1
-and 8, then the batch-1 attribution (`experiments.profile_step`). Prints each step's last table.
+Default: the v41 slice at batch 1, 8 and 64 (4K) in one process (params made once), 128K x 64, `small` at
+batch 1 and 8, then the batch-1 attribution (`experiments.profile_step`). `cmdbuf`: the slice at batch 1
+as is and with the whole generation loop as one command buffer (XLA_FLAGS below), in one call so that the
+two are compared on one machine: the batch-1 step is ~470 kernels, and its wall time was ~220 us over the
+GPU's busy time.
 """
 
 import os
+import sys
 
 from experiments.device_runs._steps import OUT, step
 
-POINTS = [  # (name, bench_decode arguments, timeout s)
-    ("slice_4k", ["--batch", "1", "8", "64", "--steps", "10", "--chunk", "5"], 230),
-    ("slice_128k_b64", ["--batch", "64", "--context", "131072", "--steps", "6", "--chunk", "3"], 110),
-    ("small", ["--preset", "small", "--batch", "1", "8", "--steps", "30", "--chunk", "10"], 120),
-]
+B1 = ["--batch", "1", "--steps", "10", "--chunk", "5"]
+GROUPS = {  # name -> [(step name, module and arguments, timeout s, extra environment)]
+    "default": [
+        ("slice_4k", ["experiments.bench_decode", "--batch", "1", "8", "64", "--steps", "10", "--chunk", "5"], 230, {}),
+        ("slice_128k_b64", ["experiments.bench_decode", "--batch", "64", "--context", "131072", "--steps", "6",
+                            "--chunk", "3"], 110, {}),
+        ("small", ["experiments.bench_decode", "--preset", "small", "--batch", "1", "8", "--steps", "30",
+                   "--chunk", "10"], 120, {}),
+        ("profile_b1", ["experiments.profile_step", "--batch", "1", "--top", "30", "--out", "/tmp/i12_prof"], 90, {}),
+    ],
+    "cmdbuf": [
+        ("slice_b1", ["experiments.bench_decode", *B1], 90, {}),
+        ("slice_b1_loop_cmdbuf", ["experiments.bench_decode", *B1], 90,
+         {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}),
+    ],
+}
+
 
 def last_table(log: str, name: str) -> str:
     """The bench's final table (the profile's summary and source table), or the log's tail if it has none."""
@@ -24,8 +41,9 @@ def last_table(log: str, name: str) -> str:
 
 
 if __name__ == "__main__":
-    for name, args, timeout_s in POINTS:
-        step(name, ["-m", "experiments.bench_decode", *args, "--out", os.path.join(OUT, f"{name}.json")], timeout_s)
-    step("profile_b1", ["-m", "experiments.profile_step", "--batch", "1", "--top", "30", "--out", "/tmp/i12_prof"], 90)
-    for name in [p[0] for p in POINTS] + ["profile_b1"]:
+    steps = GROUPS[sys.argv[1] if len(sys.argv) > 1 else "default"]
+    for name, (module, *args), timeout_s, env in steps:
+        out = [] if module == "experiments.profile_step" else ["--out", os.path.join(OUT, f"{name}.json")]
+        step(name, ["-m", module, *args, *out], timeout_s, env)
+    for name, *_ in steps:
         print(f"\n== {name}\n{last_table(open(os.path.join(OUT, f'{name}.log')).read(), name)}")
