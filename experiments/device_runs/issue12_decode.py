@@ -2,13 +2,13 @@
 in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed at the end.
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode           # ~9.5 min
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf    # ~3 min
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf    # ~5 min
 
 Default: the v41 slice at batch 1, 8 and 64 (4K) in one process (params made once), 128K x 64, `small` at
-batch 1 and 8, then the batch-1 attribution (`experiments.profile_step`). `cmdbuf`: the slice at batch 1
-as is and with the whole generation loop as one command buffer (XLA_FLAGS below), in one call so that the
-two are compared on one machine: the batch-1 step is ~470 kernels, and its wall time was ~220 us over the
-GPU's busy time.
+batch 1 and 8, then the batch-1 attribution (`experiments.profile_step`). `cmdbuf`: the slice and `small` at
+batch 1, each as is and with the whole generation loop as one command buffer (XLA_FLAGS below), in one call
+so that they are compared on one machine: the slice's batch-1 step is ~470 kernels and its wall time was
+~220 us over the GPU's busy time; `small`'s is ~300 kernels of ~6 us each.
 """
 
 import os
@@ -17,6 +17,7 @@ import sys
 from experiments.device_runs._steps import OUT, step
 
 B1 = ["--batch", "1", "--steps", "10", "--chunk", "5"]
+LOOP_CMDBUF = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}
 GROUPS = {  # name -> [(step name, module and arguments, timeout s, extra environment)]
     "default": [
         ("slice_4k", ["experiments.bench_decode", "--batch", "1", "8", "64", "--steps", "10", "--chunk", "5"], 230, {}),
@@ -26,11 +27,11 @@ GROUPS = {  # name -> [(step name, module and arguments, timeout s, extra enviro
                    "--chunk", "10"], 120, {}),
         ("profile_b1", ["experiments.profile_step", "--batch", "1", "--top", "30", "--out", "/tmp/i12_prof"], 90, {}),
     ],
-    "cmdbuf": [
-        ("slice_b1", ["experiments.bench_decode", *B1], 90, {}),
-        ("slice_b1_loop_cmdbuf", ["experiments.bench_decode", *B1], 90,
-         {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}),
-    ],
+    "cmdbuf": [(name + suffix, ["experiments.bench_decode", *args], timeout_s, env)
+               for name, args, timeout_s in (("slice_b1", B1, 90),
+                                             ("small_b1", ["--preset", "small", "--batch", "1", "--steps", "30",
+                                                           "--chunk", "10"], 70))
+               for suffix, env in (("", {}), ("_loop_cmdbuf", LOOP_CMDBUF))],
 }
 
 
