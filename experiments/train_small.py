@@ -15,6 +15,15 @@ own compressor and indexer (the baseline of the CSA2 sharing), `--plan deep-full
 Writes to --out: the loss curve (loss_curve.png when matplotlib imports, and always loss_curve.csv),
 summary.json, config.json (the trained config, for experiments.quality) and an orbax checkpoint of
 params + optimizer state (checkpoint/). The vocabulary is cut to the byte tokenizer's 259 ids.
+
+`--resume DIR` continues the run in DIR (its model, weights, optimizer state, step count and loss curve;
+the checkpoint is replaced at the end), so that a run longer than one sitting is several calls:
+
+    python -m experiments.train_small --preset small --study --steps 6000 --minutes 9 --out runs/r   # call 1
+    python -m experiments.train_small --resume runs/r --steps 6000 --minutes 9                       # call 2, ...
+
+With --steps the run ends at that step counted from its start, and the recall curriculum follows the
+steps (without --steps it follows this call's --minutes).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -80,6 +90,22 @@ def make_optimizer(lr: float, warmup: int) -> optax.GradientTransformation:
     """AdamW (b2 0.95, weight decay 0.1) after global-norm clipping at 1, linear warm-up then constant."""
     sched = optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.95, weight_decay=0.1))
+
+
+def save_replacing(path: Path, params, opt_state, step: int) -> None:
+    """`train.save_checkpoint` to `path`, replacing a resumed run's checkpoint only once the new one is written."""
+    new = path.with_name(path.name + ".new")
+    shutil.rmtree(new, ignore_errors=True)  # a call stopped while saving
+    train.save_checkpoint(new, params, opt_state, step)
+    shutil.rmtree(path, ignore_errors=True)
+    new.rename(path)
+
+
+def read_curve(out: Path) -> list[dict]:
+    """The rows of `write_curve`'s loss_curve.csv, numbers as numbers ("" where a row has no validation)."""
+    with open(out / "loss_curve.csv", newline="") as f:
+        return [{k: v if v == "" else int(v) if k == "step" else float(v) for k, v in r.items()}
+                for r in csv.DictReader(f)]
 
 
 def write_curve(out: Path, rows: list[dict]) -> str:
@@ -147,7 +173,12 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="output directory (default: runs/train_small_<preset> under the "
                     "current directory; runs/ is git-ignored in this repository)")
+    ap.add_argument("--resume", default=None, metavar="DIR",
+                    help="continue the run in DIR (an earlier --out): its model flags, weights, optimizer state, "
+                         "step count and loss curve; writes back to DIR")
     args = ap.parse_args(argv)
+    if args.resume and args.out and Path(args.out).resolve() != Path(args.resume).resolve():
+        ap.error("--resume writes back to its own directory: drop --out")
     if args.steps is None and args.minutes is None:
         ap.error("give --steps, --minutes or both")
     if (args.steps is not None and args.steps < 1) or (args.minutes is not None and args.minutes <= 0):
@@ -169,9 +200,26 @@ def parse_args(argv=None):
     return args
 
 
+MODEL_FLAGS = ("preset", "plan", "study", "train_attention")  # fixed for a run: --resume takes them from it
+
+
 def output_dir(args) -> Path:
     """--out (or its default), writable and without an earlier run's checkpoint, which orbax would refuse at
-    the end, after the whole training."""
+    the end, after the whole training. With --resume: its directory, holding a finished call's checkpoint,
+    config and summary (whose model flags then replace the command line's)."""
+    if args.resume:
+        run = _cli.input_dir(args.resume, "--resume")
+        missing = [n for n in ("checkpoint", "config.json", "summary.json", "loss_curve.csv") if not (run / n).exists()]
+        if missing:
+            raise _cli.UserError(f"--resume {args.resume}: no {', '.join(missing)} in it; give the --out of a finished "
+                                 "experiments.train_small call")
+        earlier = json.loads((run / "summary.json").read_text())
+        if args.steps is not None and earlier["steps"] >= args.steps:
+            raise _cli.UserError(f"--steps {args.steps}: the run in {run} is at step {earlier['steps']} already; give "
+                                 "a larger --steps")
+        for k in MODEL_FLAGS:
+            setattr(args, k, earlier["args"][k])
+        return _cli.writable_dir(str(run), "--resume")
     out = Path(args.out or f"runs/train_small_{args.preset}")
     if (out / "checkpoint").exists():
         raise _cli.UserError(f"--out {out}: holds a checkpoint/ of an earlier run; pass another --out or remove it")
@@ -199,7 +247,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     out = output_dir(args)
     cfg = study_config(args.preset, args.plan, args.study)
-    save_config(out / "config.json", cfg)
+    if not args.resume:
+        save_config(out / "config.json", cfg)
     train_ids, val_ids = load_corpus(int(args.corpus_mb * 2**20))
     print(f"corpus: {train_ids.size:,} train / {val_ids.size:,} validation bytes; preset {args.preset} "
           f"(plan {args.plan}{', study' if args.study else ''}); {jax.default_backend()} x{jax.device_count()}",
@@ -208,11 +257,16 @@ def main(argv=None) -> dict:
     opt = make_optimizer(args.lr, args.warmup)
     params = d.init_params(cfg, seed=args.seed)
     opt_state = train.init_opt_state(opt, params)
+    step0, rows = 0, []
+    if args.resume:
+        params, opt_state, step0 = train.restore_checkpoint(out / "checkpoint", params, opt_state)
+        rows = read_curve(out)
+        print(f"resuming {out} at step {step0}", file=sys.stderr)
     train_cfg = cfg.replace(**dense_overrides(args.seq)) if args.train_attention == "dense" else cfg
     step_fn = train.make_train_step(train_cfg, opt, kl_weight=args.kl_weight, bias_rate=args.bias_rate)
     eval_fn = jax.jit(lambda p, tokens: train.loss_fn(*train.split_trainable(p), train_cfg, tokens)[1]["lm_loss"])
-    rng = np.random.default_rng(args.seed)
-    progress = {"frac": 0.0}  # of the run, by steps or by time, whichever is further
+    rng = np.random.default_rng([args.seed, step0] if step0 else args.seed)  # a resumed run: other batches
+    progress = {"frac": 0.0}  # of the run: by steps with --steps, else by this call's time
 
     def max_distance():
         if not args.recall_distance:
@@ -237,23 +291,23 @@ def main(argv=None) -> dict:
         """The row's validation columns: LM loss, and the recall probe's accuracy and NLL when it runs."""
         return dict(zip(validate_keys, (round(evaluate(), 5),) + (probe(params) if probe else ())))
 
-    rows: list[dict] = []
     budget = args.minutes * 60 if args.minutes is not None else float("inf")
     total = args.steps if args.steps is not None else None
-    t0, step, compile_s, bar = time.perf_counter(), 0, None, None
+    before_s = float(rows[-1]["seconds"]) if rows else 0.0  # the curve's clock runs on across calls
+    t0, step, compile_s, bar = time.perf_counter(), step0, None, None
     while (total is None or step < total) and time.perf_counter() - t0 < budget:
         with compiling(("train", train_cfg, args.batch, args.seq), f"train step [B={args.batch}, T={args.seq}]"):
             params, opt_state, m = step_fn(params, opt_state, {"tokens": jnp.asarray(next(data))})
         m = jax.tree.map(float, m)
         step += 1
-        progress["frac"] = max(step / total if total else 0.0, (time.perf_counter() - t0) / budget)
+        progress["frac"] = step / total if total else (time.perf_counter() - t0) / budget
         if compile_s is None:  # the bar starts after the compile, so its rate and ETA are the steps'
             compile_s = time.perf_counter() - t0
-            bar = tqdm(total=total, initial=1, unit="step", file=sys.stderr)
+            bar = tqdm(total=total, initial=step, unit="step", file=sys.stderr)
         else:
             bar.update()
         last = step == total
-        row = {"step": step, "seconds": round(time.perf_counter() - t0, 2), **{k: round(v, 5) for k, v in m.items()},
+        row = {"step": step, "seconds": round(before_s + time.perf_counter() - t0, 2), **{k: round(v, 5) for k, v in m.items()},
                **(validate() if step % args.eval_every == 0 or last else dict.fromkeys(validate_keys, ""))}
         rows.append(row)
         bar.set_postfix(loss=f"{m['lm_loss']:.3f}", kl=f"{m['indexer_kl']:.3f}")
@@ -261,14 +315,14 @@ def main(argv=None) -> dict:
     if rows[-1]["val_lm_loss"] == "":
         rows[-1].update(validate())
     train_s = time.perf_counter() - t0
-    train.save_checkpoint(out / "checkpoint", params, opt_state, step)
+    save_replacing(out / "checkpoint", params, opt_state, step)
     curve = write_curve(out, rows)
-    tokens = step * args.batch * args.seq
+    tokens, call_tokens = step * args.batch * args.seq, (step - step0) * args.batch * args.seq
     summary = {"preset": args.preset, "plan": args.plan, "study": args.study, "train_attention": args.train_attention,
-               "params": int(sum(np.size(x) for x in jax.tree.leaves(params))), "backend": jax.default_backend(), "steps": step, "batch": args.batch,
+               "params": int(sum(np.size(x) for x in jax.tree.leaves(params))), "backend": jax.default_backend(), "steps": step, "resumed_from_step": step0, "batch": args.batch,
                "seq": args.seq, "tokens": tokens, "seconds": round(train_s, 1),
                "first_step_seconds_with_compile": round(compile_s, 1),
-               "tokens_per_second_after_compile": round((tokens - args.batch * args.seq) /
+               "tokens_per_second_after_compile": round((call_tokens - args.batch * args.seq) /
                                                         max(train_s - compile_s, 1e-9), 1),
                "first_lm_loss": rows[0]["lm_loss"], "last_lm_loss": rows[-1]["lm_loss"],
                "val_lm_loss": rows[-1]["val_lm_loss"], "val_bits_per_byte": round(rows[-1]["val_lm_loss"] / np.log(2), 4),

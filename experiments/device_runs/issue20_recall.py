@@ -1,29 +1,36 @@
-"""Issue 20 on one H200, first call: does the dense BF16 `small` learn multi-query associative recall within
-what one device command allows? (The study's training must fit a 10-minute call: the machine keeps no
-disk between sessions and a carried checkpoint is limited to 64 MiB.)
+"""Issue 20 on one H200, in calls of one warm machine (it keeps no disk between sessions, and a carried
+checkpoint is limited to 64 MiB): does the dense BF16 `small` learn multi-query associative recall, and
+what do the inference approximations then cost?
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall train   # ~9 min: a new run
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall more    # ~9.5 min: the same run, resumed
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall eval    # the variants (experiments.recall)
 
 `train_small --train-attention dense` with half the rows MQAR (8 pairs; the curriculum grows their distance
-from 384 to 4,096 tokens), 4,096-token rows, ~7.5 minutes including compiles, a validation point every 50
+from 384 to 4,096 tokens over the first half of STEPS steps), 4,096-token rows, a validation point every 50
 steps: LM loss and held-out whole-value recall accuracy at the final distance (`val_recall_acc`, teacher-
-forced). Prints the learning curve; loss_curve.csv and summary.json under $OUT. If it learns, the next
-call evaluates the variants on that run (`experiments.recall`, same warm machine, run dir /tmp/i20/recall).
+forced). `more` continues it (`--resume`) up to STEPS; each call prints the whole learning curve and copies
+loss_curve.csv / summary.json to $OUT. `eval` scores accuracy against distance under every variant (FP4 vs
+BF16 cache, sparse vs dense, pool vs flat, bounded replay vs cold) on 4K and 8K examples.
 """
 
 import csv
 import os
 import shutil
+import sys
 
 from experiments.device_runs._steps import OUT, step
 
-RUN = "/tmp/i20/recall"
+RUN, STEPS = "/tmp/i20/recall", 2000
+# a resumed call is a new process: with a compilation cache on the machine it reads the train step back
+# instead of compiling it again
+CACHE = {"JAX_COMPILATION_CACHE_DIR": "/tmp/i20/jax_cache"}
+TRAIN = ["--steps", str(STEPS), "--recall-frac", "0.5", "--recall-pairs", "8", "--recall-distance", "384", "4096",
+         "--retrieval-frac", "0", "--seq", "4096", "--batch", "4", "--lr", "2e-3", "--warmup", "50",
+         "--eval-every", "50", "--eval-batches", "1"]
 
-if __name__ == "__main__":
-    step("train_recall", ["-m", "experiments.train_small", "--preset", "small", "--study", "--train-attention", "dense",
-                          "--recall-frac", "0.5", "--recall-pairs", "8", "--recall-distance", "384", "4096",
-                          "--retrieval-frac", "0", "--seq", "4096", "--batch", "4", "--lr", "2e-3", "--warmup", "50",
-                          "--minutes", "7.5", "--eval-every", "50", "--eval-batches", "1", "--out", RUN], 560)
+
+def show_curve() -> None:
     for name in ("loss_curve.csv", "summary.json", "config.json"):
         if os.path.exists(os.path.join(RUN, name)):
             shutil.copy(os.path.join(RUN, name), OUT)
@@ -33,3 +40,18 @@ if __name__ == "__main__":
             if r["val_lm_loss"]:
                 print(f"| {r['step']} | {r['seconds']} | {r['lm_loss']} | {r['val_lm_loss']} | "
                       f"{r.get('val_recall_acc', '')} | {r.get('val_recall_nll', '')} |")
+
+
+if __name__ == "__main__":
+    phase = sys.argv[1] if len(sys.argv) > 1 else "train"
+    if phase == "train":
+        step("train_recall", ["-m", "experiments.train_small", "--preset", "small", "--study", "--train-attention",
+                              "dense", *TRAIN, "--minutes", "8.0", "--out", RUN], 560, CACHE)
+        show_curve()
+    elif phase == "more":
+        step("train_recall_more", ["-m", "experiments.train_small", "--resume", RUN, *TRAIN, "--minutes", "8.0"], 570, CACHE)
+        show_curve()
+    else:
+        step("recall_eval", ["-m", "experiments.recall", "--run", RUN, "--lengths", "4096", "8192", "--examples", "64",
+                             "--out", os.path.join(OUT, "recall.json")], 570)
+        print(open(os.path.join(OUT, "recall_eval.log")).read()[-3000:])
