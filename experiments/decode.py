@@ -278,6 +278,9 @@ def main(argv=None) -> dict:
         raise _cli.UserError(f"--speculative dspark: this model has no DSpark draft stages (n_mtp_layers="
                              f"{cfg.n_mtp_layers}, dspark_block_size={cfg.dspark_block_size}); use --preset tiny or a "
                              "--run made by experiments.train_draft")
+    if args.speculative and not args.engine and args.max_new_tokens < 2:
+        raise _cli.UserError("--speculative needs --max-new-tokens >= 2 (the prefill gives the first token, "
+                             "drafting starts after it)")
     if args.engine:
         chunk = args.prefill_chunk
         spare = cfg.dspark_block_size if args.speculative else 0  # a verify appends a whole block
@@ -449,16 +452,14 @@ def speculative_programs(args, cfg, params, tokens, lengths, capacity: int) -> l
         return _verify(params, cache, window, zeros, jnp.zeros(drafts.shape, drafts.dtype),
                        jnp.zeros(q_logits.shape, q_logits.dtype), temp, seed, cfg=cfg, kernels=args.kernels)
 
-    progs = [(("spec_prefill", tokens.shape[1], cfg, b, capacity), "speculative prefill",
+    return [(("spec_prefill", tokens.shape[1], cfg, b, capacity), "speculative prefill",
               lambda: api.speculative_prefill(cfg, params, *fresh(), tokens, lengths, kernels=args.kernels)),
              (("draft", cfg, b, capacity, args.kernels), "draft (timed alone)",
               lambda: _draft(params, *fresh(), zeros, temp, seed, cfg=cfg, kernels=args.kernels)),
-             (("verify", cfg, b, capacity, args.kernels), "verify (timed alone)", verify)]
-    if args.max_new_tokens > 1:
-        progs.append((("spec", chunk, cfg, b, capacity), f"speculative decode [{chunk} steps per call]",
-                      lambda: api.speculative_generate(cfg, params, *fresh(), zeros, chunk, temperature_b=temp,
-                                                       seed_b=seed, step_b=1, budget_b=0, kernels=args.kernels)))
-    return progs
+             (("verify", cfg, b, capacity, args.kernels), "verify (timed alone)", verify),
+             (("spec", chunk, cfg, b, capacity), f"speculative decode [{chunk} steps per call]",
+              lambda: api.speculative_generate(cfg, params, *fresh(), zeros, chunk, temperature_b=temp, seed_b=seed,
+                                               step_b=1, budget_b=0, kernels=args.kernels))]
 
 
 def run_speculative(args, cfg, params, tokens, lengths, capacity: int, plain_gen: np.ndarray, plain: dict):

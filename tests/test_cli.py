@@ -68,7 +68,8 @@ def test_an_error_is_one_line_and_exit_1_without_traceback(tmp_path):
 @pytest.mark.parametrize("case", ["missing prompt file", "non-UTF-8 prompt file", "corrupted tokenizer",
                                   "oversized max-new-tokens", "oversized for the engine", "oversized for --capacity",
                                   "no such checkpoint", "prompt ids not npy", "prompt ids out of range",
-                                  "output dir missing", "bad mesh", "stop token out of range", "bad page size"])
+                                  "output dir missing", "bad mesh", "stop token out of range", "bad page size",
+                                  "speculative one token"])
 def test_decode_refuses_bad_input_before_building_the_model(case, tmp_path, capsys, no_model):
     bad_text, tok, ids = tmp_path / "latin1.txt", tmp_path / "tokenizer.json", tmp_path / "ids.npy"
     bad_text.write_bytes("caf\xe9".encode("latin-1"))
@@ -91,6 +92,8 @@ def test_decode_refuses_bad_input_before_building_the_model(case, tmp_path, caps
         "stop token out of range": (["--engine", "--stop-token", 400], "--stop-token 400: not an id of this model"),
         "bad page size": (["--engine", "--page-tokens", 33], "(--page-tokens, --slots, --hbm-budget-gb, --capacity): "
                           "page_tokens=33 must be a positive multiple"),
+        "speculative one token": (["--speculative", "dspark", "--max-new-tokens", 1],
+                                  "--speculative needs --max-new-tokens >= 2"),
     }[case]
     line = fails(decode.main, argv, capsys)
     assert want in line, (want, line)
