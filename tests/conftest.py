@@ -9,6 +9,10 @@ COLLECTIVE_PATIENCE = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=8 "
                       + COLLECTIVE_PATIENCE)
 
+# Compiles dominate the suite's time on the CPU: LLVM's expensive passes off (JAX's own test setting; the
+# HLO passes, and with them fusion and summation order, are unchanged).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
 # One persistent compilation cache for the whole run, made by the first process (pytest itself, before its
 # xdist workers start: they inherit it, as do the scripts tests run as subprocesses) and removed at its exit.
 # The workers and the tests compile many identical programs (tiny's prefill and decode at the same shapes):
