@@ -340,17 +340,18 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
         return toks[:, :n], cache
     temp, seed = jnp.full((b,), args.temperature, jnp.float32), jnp.full((b,), args.seed, jnp.uint32)
     shape = (cfg, b, capacity, args.kernels, args.mesh, args.layout)  # what a compiled program depends on
-    if args.speculative:  # six programs: compiled side by side before anything is timed
+    labels = {"prefill": f"prefill [B={b}, T={width}]",
+              "decode": f"decode [B={b}, capacity={capacity}, {chunk} steps per call]"}
+    if args.speculative:  # six programs (steps >= 1 here): compiled side by side before anything is timed
         compile_side_by_side([
-            (("prefill", width, *shape), f"prefill [B={b}, T={width}]",
-             lambda: prefill(d.init_cache(cfg, b, capacity), tokens, lengths)),
-            *([(("decode", chunk, *shape), f"decode [B={b}, {chunk} steps per call]",
-                lambda: decode_chunk(d.init_cache(cfg, b, capacity), jnp.zeros((b,), jnp.int32), 0, min(chunk, steps)))]
-              if steps else []),
+            (("prefill", width, *shape), labels["prefill"], lambda: prefill(d.init_cache(cfg, b, capacity), tokens,
+                                                                             lengths)),
+            (("decode", chunk, *shape), labels["decode"], lambda: decode_chunk(
+                d.init_cache(cfg, b, capacity), jnp.zeros((b,), jnp.int32), 0, min(chunk, steps))),
             *speculative_programs(args, cfg, params, tokens, lengths, capacity)])
 
     t0 = time.perf_counter()
-    with compiling(("prefill", width, *shape), f"prefill [B={b}, T={width}]"):
+    with compiling(("prefill", width, *shape), labels["prefill"]):
         logits, cache = prefill(cache, tokens, lengths)
     nxt = sample(logits, temp, seed, jnp.zeros((b,), jnp.int32))
     nxt.block_until_ready()
@@ -359,7 +360,7 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
     out, t_first, t_loop, done = [nxt[:, None]], 0.0, 0.0, 0
     if steps:
         t0 = time.perf_counter()
-        with compiling(("decode", chunk, *shape), f"decode [B={b}, capacity={capacity}, {chunk} steps per call]"):
+        with compiling(("decode", chunk, *shape), labels["decode"]):
             toks, cache = decode_chunk(cache, nxt, 0, min(chunk, steps))
         toks.block_until_ready()
         out.append(toks)

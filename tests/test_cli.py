@@ -283,7 +283,7 @@ def test_speculative_decode_compiles_its_six_programs_first_then_times_every_cal
     later = [r.getMessage() for r in caplog.records[done_at[0]:]]
     assert not [t for t in later if any(f"Compiling jit({p})" in t for p in model_programs)], later
     err = capsys.readouterr().err
-    for label in ("prefill [B=2, T=64]", "decode [B=2, 8 steps per call]", "speculative prefill", "draft (timed alone)",
+    for label in ("prefill [B=2, T=64]", "decode [B=2, capacity=54, 8 steps per call]", "speculative prefill", "draft (timed alone)",
                   "verify (timed alone)", "speculative decode [8 steps per call]"):
         assert err.count(f"compiling {label} ...") == 1 and err.count(f"compiling {label} done in") == 1, (label, err)
     spec = m["speculative"]
