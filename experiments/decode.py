@@ -326,6 +326,8 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
         params, placement = sharded.params, sharded.placement
         print(f"[decode] mesh {dict(mesh.shape)} layout {args.layout} on {mesh.size} device(s)", flush=True)
     cache = d.init_cache(cfg, b, capacity)
+    if args.speculative:  # as `compile_side_by_side`'s throwaway caches (`_committed` says why)
+        cache = _committed(cache)
     # the cache is donated: each call updates it in place and returns it
     images = [list(spans)] if spans else None
     prefill = lambda c, t, n: d.prefill(cfg, params, c, t, n, kernels=args.kernels, donate=True, images=images,
@@ -333,28 +335,29 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
     steps = args.max_new_tokens - 1  # cache_capacity made room for all of them
     chunk = max(1, min(args.decode_chunk, steps))
 
-    def decode_chunk(cache, nxt, done: int, n: int):  # n steps in one call, sampling on device
+    def decode_chunk(cache, nxt, done: int, n: int):
+        """n steps in one call, sampling on device; the tokens come back to the host (nxt: int32 [B] there),
+        where they are sliced: no eager device op compiles inside the timed loop."""
         toks, _, cache = d.generate(cfg, params, cache, nxt, chunk, temperature_b=temp, seed_b=seed,
                                     step_b=1 + done, budget_b=n, kernels=args.kernels, validate=False,
                                     placement=placement)
-        return toks[:, :n], cache
+        return np.asarray(toks)[:, :n], cache
     temp, seed = jnp.full((b,), args.temperature, jnp.float32), jnp.full((b,), args.seed, jnp.uint32)
     shape = (cfg, b, capacity, args.kernels, args.mesh, args.layout)  # what a compiled program depends on
     labels = {"prefill": f"prefill [B={b}, T={width}]",
               "decode": f"decode [B={b}, capacity={capacity}, {chunk} steps per call]"}
     if args.speculative:  # six programs (steps >= 1 here): compiled side by side before anything is timed
         compile_side_by_side([
-            (("prefill", width, *shape), labels["prefill"], lambda: prefill(d.init_cache(cfg, b, capacity), tokens,
-                                                                             lengths)),
+            (("prefill", width, *shape), labels["prefill"],
+             lambda: prefill(_committed(d.init_cache(cfg, b, capacity)), tokens, lengths)),
             (("decode", chunk, *shape), labels["decode"], lambda: decode_chunk(
-                d.init_cache(cfg, b, capacity), jnp.zeros((b,), jnp.int32), 0, min(chunk, steps))),
+                _committed(d.init_cache(cfg, b, capacity)), np.zeros((b,), np.int32), 0, min(chunk, steps))),
             *speculative_programs(args, cfg, params, tokens, lengths, capacity)])
 
     t0 = time.perf_counter()
     with compiling(("prefill", width, *shape), labels["prefill"]):
         logits, cache = prefill(cache, tokens, lengths)
-    nxt = sample(logits, temp, seed, jnp.zeros((b,), jnp.int32))
-    nxt.block_until_ready()
+    nxt = np.asarray(sample(logits, temp, seed, jnp.zeros((b,), jnp.int32)))
     ttft = time.perf_counter() - t0
 
     out, t_first, t_loop, done = [nxt[:, None]], 0.0, 0.0, 0
@@ -362,7 +365,6 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
         t0 = time.perf_counter()
         with compiling(("decode", chunk, *shape), labels["decode"]):
             toks, cache = decode_chunk(cache, nxt, 0, min(chunk, steps))
-        toks.block_until_ready()
         out.append(toks)
         done, nxt = toks.shape[1], toks[:, -1]
         t_first = time.perf_counter() - t0  # includes compiling the decode loop
@@ -371,12 +373,11 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
         while done < steps:
             t0 = time.perf_counter()
             toks, cache = decode_chunk(cache, nxt, done, min(chunk, steps - done))
-            toks.block_until_ready()
             t_loop += time.perf_counter() - t0
             out.append(toks)
             done, nxt = done + toks.shape[1], toks[:, -1]
             bar.update(toks.shape[1])
-    gen = np.concatenate([np.asarray(x) for x in out], axis=1)  # [B, new]
+    gen = np.concatenate(out, axis=1)  # [B, new]
 
     live = cache_bytes(cache)  # measured from the arrays this run allocated
     glob = live["global_main_kv"] + live["global_index_keys"]
@@ -415,6 +416,15 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
     return metrics
 
 
+def _committed(tree):
+    """`tree` committed to the default device. Whether an argument is committed is part of what a jitted
+    program is compiled for: the throwaway inputs of `compile_side_by_side` and the real calls' first
+    caches are committed, as every later call's are (outputs of jitted calls on committed weights or caches),
+    so that the real calls find the programs compiled (an uncommitted stand-in compiled a second program
+    for a --run, whose restored weights are committed)."""
+    return jax.device_put(tree, jax.devices()[0])
+
+
 def compile_side_by_side(programs: list) -> None:
     """Run each (key, label, thunk) of `programs` once, all at once in threads: an XLA compile releases the
     GIL, so the programs of a run compile side by side instead of one after another (a speculative run of
@@ -443,15 +453,16 @@ def speculative_programs(args, cfg, params, tokens, lengths, capacity: int) -> l
 
     b = tokens.shape[0]
     temp, seed, chunk = _spec_setup(args, b)
-    fresh = lambda: (d.init_cache(cfg, b, capacity), api.init_draft_window(cfg, b))  # noqa: E731
-    zeros = jnp.zeros((b,), jnp.int32)
+    fresh = lambda: _committed((d.init_cache(cfg, b, capacity), api.init_draft_window(cfg, b)))  # noqa: E731
+    zeros = _committed(jnp.zeros((b,), jnp.int32))
 
     def verify():
         cache, window = fresh()
         drafts, q_logits, _ = jax.eval_shape(partial(_draft, cfg=cfg, kernels=args.kernels), params, cache, window,
                                              zeros, temp, seed)
-        return _verify(params, cache, window, zeros, jnp.zeros(drafts.shape, drafts.dtype),
-                       jnp.zeros(q_logits.shape, q_logits.dtype), temp, seed, cfg=cfg, kernels=args.kernels)
+        return _verify(params, cache, window, zeros, *_committed((jnp.zeros(drafts.shape, drafts.dtype),
+                                                                   jnp.zeros(q_logits.shape, q_logits.dtype))),
+                       temp, seed, cfg=cfg, kernels=args.kernels)
 
     return [(("spec_prefill", tokens.shape[1], cfg, b, capacity), "speculative prefill",
               lambda: api.speculative_prefill(cfg, params, *fresh(), tokens, lengths, kernels=args.kernels)),
@@ -469,10 +480,10 @@ def run_speculative(args, cfg, params, tokens, lengths, capacity: int, plain_gen
 
     b, k = tokens.shape[0], cfg.dspark_block_size
     temp, seed, chunk = _spec_setup(args, b)  # chunk: speculative steps per compiled call
-    window = api.init_draft_window(cfg, b)
+    cache, window = _committed((d.init_cache(cfg, b, capacity), api.init_draft_window(cfg, b)))
     with compiling(("spec_prefill", tokens.shape[1], cfg, b, capacity), "speculative prefill"):
-        logits, cache, window = api.speculative_prefill(cfg, params, d.init_cache(cfg, b, capacity), window, tokens,
-                                                        lengths, kernels=args.kernels)
+        logits, cache, window = api.speculative_prefill(cfg, params, cache, window, tokens, lengths,
+                                                        kernels=args.kernels)
     nxt = sample(logits, temp, seed, jnp.zeros((b,), jnp.int32))
     want = args.max_new_tokens - 1
     out, n_out, acc, budget, call_s = [], [], [], np.full(b, want, np.int32), []

@@ -268,10 +268,12 @@ def test_decode_announces_compiles_and_starts_the_bar_after_them(capsys, fresh_n
 
 
 def test_speculative_decode_compiles_its_six_programs_first_then_times_every_call(capsys, fresh_notices,
-                                                                                  same_params, caplog, monkeypatch):
+                                                                                  caplog, monkeypatch):
     """--speculative: plain prefill and decode, speculative prefill and decode, draft and verify are compiled
     side by side before anything is timed (no model program compiles after that), and at temperature 0
-    the speculative tokens are the plain ones."""
+    the speculative tokens are the plain ones. The weights are committed to the device, as a --run's
+    restored ones are (an uncommitted stand-in input then compiles another program)."""
+    monkeypatch.setattr(d, "init_params", lambda *a, **k: jax.device_put(_init_params(*a, **k), jax.devices()[0]))
     model_programs = ("forward", "_generate", "_speculative_prefill", "_speculative_generate", "_draft", "_verify")
     done_at = []
     real = decode.compile_side_by_side

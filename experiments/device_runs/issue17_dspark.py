@@ -45,7 +45,7 @@ def decode() -> None:
         path = os.path.join(OUT, f"dspark_b{b}.json")
         step(f"decode_b{b}", ["-m", "experiments.decode", "--run", f"{RUNS}/small_dspark", "--speculative", "dspark",
                               "--batch", str(b), "--prompt-file", "/tmp/i17_prompt.txt", "--max-new-tokens", "12" if DRY else "64",
-                              "--output-json", path], 240)
+                              "--output-json", path], 280)
         if os.path.exists(path):
             rows.append((b, json.load(open(path))["metrics"]["speculative"]))
     print("\n| batch | acceptance length | draft ms | verify ms | spec tokens/s | plain tokens/s | speedup | same tokens |")
