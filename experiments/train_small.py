@@ -262,6 +262,9 @@ def main(argv=None) -> dict:
         params, opt_state, step0 = train.restore_checkpoint(out / "checkpoint", params, opt_state)
         rows = read_curve(out)
         print(f"resuming {out} at step {step0}", file=sys.stderr)
+    # committed, as restored arrays are: a new run and a resumed one then compile the same programs (and a
+    # compilation cache made by the first call serves the next; uncommitted, the first call's did not)
+    params, opt_state = jax.device_put((params, opt_state), jax.devices()[0])
     train_cfg = cfg.replace(**dense_overrides(args.seq)) if args.train_attention == "dense" else cfg
     step_fn = train.make_train_step(train_cfg, opt, kl_weight=args.kl_weight, bias_rate=args.bias_rate)
     eval_fn = jax.jit(lambda p, tokens: train.loss_fn(*train.split_trainable(p), train_cfg, tokens)[1]["lm_loss"])

@@ -11,7 +11,8 @@ from 384 to 4,096 tokens over the first half of STEPS steps), 4,096-token rows, 
 steps: LM loss and held-out whole-value recall accuracy at the final distance (`val_recall_acc`, teacher-
 forced). `more` continues it (`--resume`) up to STEPS; each call prints the whole learning curve and copies
 loss_curve.csv / summary.json to $OUT. `eval` scores accuracy against distance under every variant (FP4 vs
-BF16 cache, sparse vs dense, pool vs flat, bounded replay vs cold) on 4K and 8K examples.
+BF16 cache, sparse vs dense, pool vs flat, bounded replay vs cold) on 4K and 8K examples. I20_DRY=1: the
+same calls with `tiny`, 512-token rows and a few steps (a CPU check of this script).
 """
 
 import csv
@@ -21,13 +22,15 @@ import sys
 
 from experiments.device_runs._steps import OUT, step
 
-RUN, STEPS = "/tmp/i20/recall", 2000
+DRY = bool(os.environ.get("I20_DRY"))
+RUN, STEPS, PRESET, SEQ, MINUTES = ("/tmp/i20/recall", 2000, "small", 4096, 8.0) if not DRY else \
+    ("/tmp/i20dry/recall", 200, "tiny", 512, 0.8)
 # a resumed call is a new process: with a compilation cache on the machine it reads the train step back
 # instead of compiling it again
-CACHE = {"JAX_COMPILATION_CACHE_DIR": "/tmp/i20/jax_cache"}
-TRAIN = ["--steps", str(STEPS), "--recall-frac", "0.5", "--recall-pairs", "8", "--recall-distance", "384", "4096",
-         "--retrieval-frac", "0", "--seq", "4096", "--batch", "4", "--lr", "2e-3", "--warmup", "50",
-         "--eval-every", "50", "--eval-batches", "1"]
+CACHE = {"JAX_COMPILATION_CACHE_DIR": os.path.join(os.path.dirname(RUN), "jax_cache")}
+TRAIN = ["--steps", str(STEPS), "--recall-frac", "0.5", "--recall-pairs", "8", "--recall-distance", "384", str(SEQ),
+         "--retrieval-frac", "0", "--seq", str(SEQ), "--batch", "4", "--lr", "2e-3", "--warmup", "50",
+         "--eval-every", "3" if DRY else "50", "--eval-batches", "1"]
 
 
 def show_curve() -> None:
@@ -45,13 +48,16 @@ def show_curve() -> None:
 if __name__ == "__main__":
     phase = sys.argv[1] if len(sys.argv) > 1 else "train"
     if phase == "train":
-        step("train_recall", ["-m", "experiments.train_small", "--preset", "small", "--study", "--train-attention",
-                              "dense", *TRAIN, "--minutes", "8.0", "--out", RUN], 560, CACHE)
+        step("train_recall", ["-m", "experiments.train_small", "--preset", PRESET, "--study", "--train-attention",
+                              "dense", *TRAIN, "--minutes", str(MINUTES), "--out", RUN],
+             560, CACHE)
         show_curve()
     elif phase == "more":
-        step("train_recall_more", ["-m", "experiments.train_small", "--resume", RUN, *TRAIN, "--minutes", "8.0"], 570, CACHE)
+        step("train_recall_more", ["-m", "experiments.train_small", "--resume", RUN, *TRAIN, "--minutes", str(MINUTES)],
+             570, CACHE)
         show_curve()
     else:
-        step("recall_eval", ["-m", "experiments.recall", "--run", RUN, "--lengths", "4096", "8192", "--examples", "64",
+        lengths, examples = (["512"], "2") if DRY else (["4096", "8192"], "64")
+        step("recall_eval", ["-m", "experiments.recall", "--run", RUN, "--lengths", *lengths, "--examples", examples,
                              "--out", os.path.join(OUT, "recall.json")], 570)
         print(open(os.path.join(OUT, "recall_eval.log")).read()[-3000:])
