@@ -46,6 +46,7 @@ from dsv41_jax.cache import cache_bytes
 from dsv41_jax.compile_notice import compiling
 from dsv41_jax.sampling import sample
 from experiments import _cli
+from experiments.placement import committed
 
 
 def peak_memory_bytes() -> tuple[int, str]:
@@ -326,14 +327,14 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
         params, placement = sharded.params, sharded.placement
         print(f"[decode] mesh {dict(mesh.shape)} layout {args.layout} on {mesh.size} device(s)", flush=True)
     cache = d.init_cache(cfg, b, capacity)
-    if args.speculative:  # as `compile_side_by_side`'s throwaway caches (`_committed` says why)
-        cache = _committed(cache)
+    if args.speculative:  # as `compile_side_by_side`'s stand-ins (experiments/placement.py says why)
+        cache = committed(cache)
     # the cache is donated: each call updates it in place and returns it
     images = [list(spans)] if spans else None
     prefill = lambda c, t, n: d.prefill(cfg, params, c, t, n, kernels=args.kernels, donate=True, images=images,
                                         placement=placement)
     steps = args.max_new_tokens - 1  # cache_capacity made room for all of them
-    chunk = max(1, min(args.decode_chunk, steps))
+    temp, seed, chunk = _loop_setup(args, b)
 
     def decode_chunk(cache, nxt, done: int, n: int):
         """n steps in one call, sampling on device; the tokens come back to the host (nxt: int32 [B] there),
@@ -342,16 +343,15 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
                                     step_b=1 + done, budget_b=n, kernels=args.kernels, validate=False,
                                     placement=placement)
         return np.asarray(toks)[:, :n], cache
-    temp, seed = jnp.full((b,), args.temperature, jnp.float32), jnp.full((b,), args.seed, jnp.uint32)
     shape = (cfg, b, capacity, args.kernels, args.mesh, args.layout)  # what a compiled program depends on
     labels = {"prefill": f"prefill [B={b}, T={width}]",
               "decode": f"decode [B={b}, capacity={capacity}, {chunk} steps per call]"}
     if args.speculative:  # six programs (steps >= 1 here): compiled side by side before anything is timed
         compile_side_by_side([
             (("prefill", width, *shape), labels["prefill"],
-             lambda: prefill(_committed(d.init_cache(cfg, b, capacity)), tokens, lengths)),
+             lambda: prefill(committed(d.init_cache(cfg, b, capacity)), tokens, lengths)),
             (("decode", chunk, *shape), labels["decode"], lambda: decode_chunk(
-                _committed(d.init_cache(cfg, b, capacity)), np.zeros((b,), np.int32), 0, min(chunk, steps))),
+                committed(d.init_cache(cfg, b, capacity)), np.zeros((b,), np.int32), 0, min(chunk, steps))),
             *speculative_programs(args, cfg, params, tokens, lengths, capacity)])
 
     t0 = time.perf_counter()
@@ -416,15 +416,6 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
     return metrics
 
 
-def _committed(tree):
-    """`tree` committed to the default device. Whether an argument is committed is part of what a jitted
-    program is compiled for: the throwaway inputs of `compile_side_by_side` and the real calls' first
-    caches are committed, as every later call's are (outputs of jitted calls on committed weights or caches),
-    so that the real calls find the programs compiled (an uncommitted stand-in compiled a second program
-    for a --run, whose restored weights are committed)."""
-    return jax.device_put(tree, jax.devices()[0])
-
-
 def compile_side_by_side(programs: list) -> None:
     """Run each (key, label, thunk) of `programs` once, all at once in threads: an XLA compile releases the
     GIL, so the programs of a run compile side by side instead of one after another (a speculative run of
@@ -440,8 +431,8 @@ def compile_side_by_side(programs: list) -> None:
             f.result()
 
 
-def _spec_setup(args, b: int):
-    """(temperature [B] f32, seed [B] uint32, verify steps per compiled call) of a speculative run."""
+def _loop_setup(args, b: int):
+    """(temperature [B] f32, seed [B] uint32, steps per compiled call) of the plain and the speculative loop."""
     return (jnp.full((b,), args.temperature, jnp.float32), jnp.full((b,), args.seed, jnp.uint32),
             max(1, min(args.decode_chunk, args.max_new_tokens - 1)))
 
@@ -452,15 +443,15 @@ def speculative_programs(args, cfg, params, tokens, lengths, capacity: int) -> l
     from dsv41_jax import api
 
     b = tokens.shape[0]
-    temp, seed, chunk = _spec_setup(args, b)
-    fresh = lambda: _committed((d.init_cache(cfg, b, capacity), api.init_draft_window(cfg, b)))  # noqa: E731
-    zeros = _committed(jnp.zeros((b,), jnp.int32))
+    temp, seed, chunk = _loop_setup(args, b)
+    fresh = lambda: committed((d.init_cache(cfg, b, capacity), api.init_draft_window(cfg, b)))  # noqa: E731
+    zeros = committed(jnp.zeros((b,), jnp.int32))
 
     def verify():
         cache, window = fresh()
         drafts, q_logits, _ = jax.eval_shape(partial(_draft, cfg=cfg, kernels=args.kernels), params, cache, window,
                                              zeros, temp, seed)
-        return _verify(params, cache, window, zeros, *_committed((jnp.zeros(drafts.shape, drafts.dtype),
+        return _verify(params, cache, window, zeros, *committed((jnp.zeros(drafts.shape, drafts.dtype),
                                                                    jnp.zeros(q_logits.shape, q_logits.dtype))),
                        temp, seed, cfg=cfg, kernels=args.kernels)
 
@@ -479,8 +470,8 @@ def run_speculative(args, cfg, params, tokens, lengths, capacity: int, plain_gen
     from dsv41_jax import api
 
     b, k = tokens.shape[0], cfg.dspark_block_size
-    temp, seed, chunk = _spec_setup(args, b)  # chunk: speculative steps per compiled call
-    cache, window = _committed((d.init_cache(cfg, b, capacity), api.init_draft_window(cfg, b)))
+    temp, seed, chunk = _loop_setup(args, b)  # chunk: speculative steps per compiled call
+    cache, window = committed((d.init_cache(cfg, b, capacity), api.init_draft_window(cfg, b)))
     with compiling(("spec_prefill", tokens.shape[1], cfg, b, capacity), "speculative prefill"):
         logits, cache, window = api.speculative_prefill(cfg, params, cache, window, tokens, lengths,
                                                         kernels=args.kernels)

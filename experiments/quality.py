@@ -42,6 +42,7 @@ from dsv41_jax.cache import Cache
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.serving import slots as rows
 from experiments import _cli
+from experiments.placement import committed
 from experiments.corpus import KEY_DIGITS, PASSKEY_MIN_LENGTH, load_corpus, passkey_batch, windows
 from experiments.train_small import dense_overrides, load_config, make_optimizer
 
@@ -104,7 +105,7 @@ def load_run(run: Path, cfg: ModelConfig):
 def empty_cache(cfg: ModelConfig, batch: int, capacity: int) -> Cache:
     """An empty cache committed to the default device, as the restored params are: an uncommitted first
     chunk and the committed caches that follow it would be two programs, compiled twice."""
-    return jax.device_put(d.init_cache(cfg, batch, capacity), jax.devices()[0])
+    return committed(d.init_cache(cfg, batch, capacity))
 
 
 def run_chunks(cfg: ModelConfig, params, cache: Cache, ids_bt: np.ndarray, lo: int, hi: int, chunk: int,

@@ -48,6 +48,7 @@ from dsv41_jax import train
 from dsv41_jax.compile_notice import compiling
 from dsv41_jax.config import RUNTIME_FIELDS, ModelConfig
 from experiments import _cli, recall_task
+from experiments.placement import committed
 from experiments.corpus import PASSKEY_MIN_LENGTH, TOK, load_corpus, training_batches, windows
 
 
@@ -264,7 +265,7 @@ def main(argv=None) -> dict:
         print(f"resuming {out} at step {step0}", file=sys.stderr)
     # committed, as restored arrays are: a new run and a resumed one then compile the same programs (and a
     # compilation cache made by the first call serves the next; uncommitted, the first call's did not)
-    params, opt_state = jax.device_put((params, opt_state), jax.devices()[0])
+    params, opt_state = committed((params, opt_state))
     train_cfg = cfg.replace(**dense_overrides(args.seq)) if args.train_attention == "dense" else cfg
     step_fn = train.make_train_step(train_cfg, opt, kl_weight=args.kl_weight, bias_rate=args.bias_rate)
     eval_fn = jax.jit(lambda p, tokens: train.loss_fn(*train.split_trainable(p), train_cfg, tokens)[1]["lm_loss"])
