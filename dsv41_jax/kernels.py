@@ -29,6 +29,11 @@ from __future__ import annotations
 
 import jax
 
+# Imported with this module, never first inside a trace: importing the Pallas modules registers a
+# trace-context option (jax's `pallas_fuser_disable_nested_fuse`), and every jit traced before that
+# import misses jax's trace cache after it, so each program compiled before a first kernel call (or
+# beside it, in another thread) compiled a second time (experiments.decode --speculative on the H200).
+import kernels_pallas as _kp
 from dsv41_jax import grouped, ops, quant
 from dsv41_jax.sequence_split import per_sequence
 
@@ -60,17 +65,11 @@ def _pallas(kernels: str, **codecs) -> bool:
     return not odd
 
 
-def _kp():
-    import kernels_pallas  # imported on first use: the jnp path never needs Pallas
-
-    return kernels_pallas
-
-
 def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec, *, block=None, kernels="jnp"):
     """f32 [B, N] decode scores (`ops.indexer_scores_decode`); with `block`, also their block maxima
     f32 [B, ceil(N / block)], which the Pallas scan writes in the same pass."""
     if _pallas(kernels, index_key=codec):
-        return per_sequence(lambda *a: _kp().indexer_scores_decode(*a, block=block), q_bhd, w_bh, key_rec, reachable_b)
+        return per_sequence(lambda *a: _kp.indexer_scores_decode(*a, block=block), q_bhd, w_bh, key_rec, reachable_b)
     scores = ops.indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec)
     return scores if block is None else (scores, ops.block_maxima(scores, block))
 
@@ -78,7 +77,7 @@ def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec, *, block=Non
 def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b, codec, *, kernels="jnp"):
     """f32 [B, K * block] scores of the pool positions only (`ops.indexer_scores_pool_decode`)."""
     if _pallas(kernels, index_key=codec):
-        return per_sequence(lambda q, w, k, b, r: _kp().indexer_scores_pool_decode(q, w, k, b, block, r),
+        return per_sequence(lambda q, w, k, b, r: _kp.indexer_scores_pool_decode(q, w, k, b, block, r),
                             q_bhd, w_bh, key_rec, blocks_bk, reachable_b)
     return ops.indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b, codec)
 
@@ -86,7 +85,7 @@ def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable
 def select_topk(scores, k, *, kernels="jnp"):
     """Per device on its own sequences on a mesh, either way: GSPMD gathers the rows of a top-k."""
     if _pallas(kernels):
-        return per_sequence(lambda s: _kp().select_topk(s, k), scores)
+        return per_sequence(lambda s: _kp.select_topk(s, k), scores)
     return per_sequence(lambda s: ops.select_topk(s, k), scores)
 
 
@@ -104,7 +103,7 @@ def candidate_blocks(bmax, reachable, n_blocks, block, *, kernels="jnp"):
 def sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry_rec, idx_bk, entry_codec,
                             sink_h, scale, *, kernels="jnp"):
     if _pallas(kernels, window_kv=window_codec, main_kv=entry_codec):
-        return per_sequence(lambda q, w, v, e, i, sink: _kp().sparse_attention_decode(q, w, v, e, i, sink, scale),
+        return per_sequence(lambda q, w, v, e, i, sink: _kp.sparse_attention_decode(q, w, v, e, i, sink, scale),
                             q_bhd, window_rec, window_valid, entry_rec, idx_bk, shared=(sink_h,))
     return ops.sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry_rec, idx_bk,
                                        entry_codec, sink_h, scale)
@@ -122,7 +121,7 @@ def grouped_matmuls(x_mk, ws, sizes_e, *, kernels="jnp"):
     """[f32 [M, N] per weight in `ws`]: rows sorted by expert times their expert's stored weight
     (`grouped.grouped_matmul`); on the kernels, weights of one shape share one launch (w1 and w3)."""
     if all(grouped.is_packed(w) for w in ws) and _weight_kernels(kernels, x_mk.shape[0]):
-        return _kp().grouped_matmuls_fp4(x_mk, [(w["values"], w["scales"]) for w in ws], sizes_e)
+        return _kp.grouped_matmuls_fp4(x_mk, [(w["values"], w["scales"]) for w in ws], sizes_e)
     return [grouped.grouped_matmul(x_mk, w, sizes_e) for w in ws]
 
 
@@ -136,7 +135,7 @@ def fp8_matmuls(x_mk, weights, *, kernels="jnp"):
     on the kernels, projections of one input share one launch."""
     k = x_mk.shape[1]
     if all(q.shape[0] % 32 == 0 for q, _ in weights) and k % 32 == 0 and _weight_kernels(kernels, x_mk.shape[0]):
-        return per_sequence(_kp().fp8_matmuls, x_mk, shared=(list(weights),))
+        return per_sequence(_kp.fp8_matmuls, x_mk, shared=(list(weights),))
     return [grouped.fp8_matmul(x_mk, q, e) for q, e in weights]
 
 

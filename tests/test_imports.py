@@ -101,3 +101,21 @@ def test_every_module_imports_alone():
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_the_model_fixes_jaxs_trace_context_before_any_trace():
+    """Importing the model registers every jax option its kernels' modules add to the trace context: an
+    option registered later (the Pallas modules add one) changes the trace-cache key, and every program
+    traced before it compiles a second time (each speculative-decode program did, on the H200)."""
+    code = (
+        "from jax._src import config\n"
+        "import dsv41_jax\n"
+        "before = set(config.trace_context_names())\n"
+        "import kernels_pallas, jax.experimental.pallas, jax.experimental.pallas.triton, "
+        "jax.experimental.pallas.tpu\n"
+        "print(sorted(set(config.trace_context_names()) - before))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "[]", f"registered only when the kernels are imported: {r.stdout}"
