@@ -348,8 +348,9 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
               "decode": f"decode [B={b}, capacity={capacity}, {chunk} steps per call]"}
     if args.speculative:  # six programs (steps >= 1 here): compiled side by side before anything is timed
         compile_side_by_side([
-            (("prefill", width, *shape), labels["prefill"],
-             lambda: prefill(committed(d.init_cache(cfg, b, capacity)), tokens, lengths)),
+            (("prefill", width, *shape), labels["prefill"],  # with the sampling of its logits, as timed
+             lambda: sample(prefill(committed(d.init_cache(cfg, b, capacity)), tokens, lengths)[0], temp, seed,
+                            jnp.zeros((b,), jnp.int32))),
             (("decode", chunk, *shape), labels["decode"], lambda: decode_chunk(
                 committed(d.init_cache(cfg, b, capacity)), np.zeros((b,), np.int32), 0, min(chunk, steps))),
             *speculative_programs(args, cfg, params, tokens, lengths, capacity)])

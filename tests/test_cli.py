@@ -274,16 +274,16 @@ def test_speculative_decode_compiles_its_six_programs_first_then_times_every_cal
     the speculative tokens are the plain ones. The weights are committed to the device, as a --run's
     restored ones are (an uncommitted stand-in input then compiles another program)."""
     monkeypatch.setattr(d, "init_params", lambda *a, **k: jax.device_put(_init_params(*a, **k), jax.devices()[0]))
-    model_programs = ("forward", "_generate", "_speculative_prefill", "_speculative_generate", "_draft", "_verify")
     done_at = []
     real = decode.compile_side_by_side
     monkeypatch.setattr(decode, "compile_side_by_side", lambda progs: (real(progs), done_at.append(len(caplog.records))))
     with caplog.at_level("WARNING", logger="jax"), jax.log_compiles():
         m = call(decode.main, "--speculative", "dspark", "--prompt", "x" * 40, "--max-new-tokens", 9, "--batch", 2)
     # log_compiles holds per thread: the side-by-side compiles (worker threads) are not logged, every later
-    # call runs on this thread and would be
+    # call runs on this thread and would be. Nothing compiles once they are done: a model program would
+    # make a timed call minutes long, an eager op (the sampling of the prefill's logits did) ~0.5 s on a GPU.
     later = [r.getMessage() for r in caplog.records[done_at[0]:]]
-    assert not [t for t in later if any(f"Compiling jit({p})" in t for p in model_programs)], later
+    assert not [t for t in later if t.startswith("Compiling")], later
     err = capsys.readouterr().err
     for label in ("prefill [B=2, T=64]", "decode [B=2, capacity=54, 8 steps per call]", "speculative prefill", "draft (timed alone)",
                   "verify (timed alone)", "speculative decode [8 steps per call]"):
