@@ -13,6 +13,10 @@ Grouped matmul contract: rows x[m] are sorted by expert, group g holding rows
 [sum(sizes[:g]), sum(sizes[:g + 1])); y[m] = x[m] @ W[g(m)] in f32, and rows past sum(sizes) are zero.
 The reference decodes only the experts that have rows (at most min(E, M) of them, a static bound):
 a decode step with B tokens routed top-k reads B*k experts' bytes, not all E.
+
+Row matmul contract (`rows_matmul`): no sorting, each row names its expert, y[m] = x[m] @ W[expert[m]]
+(zero where expert[m] = -1). For one token's top-k assignments, whose experts are distinct: the same
+bytes as the grouped form without the sort, counts and scatter around it (a batch-1 decode step).
 """
 
 from __future__ import annotations
@@ -69,6 +73,16 @@ def grouped_matmul(x_mk: jax.Array, w, sizes_e: jax.Array) -> jax.Array:
     else:
         sizes = sizes_e.astype(jnp.int32)
     return jax.lax.ragged_dot(x_mk, dequantize_experts(w, x_mk.dtype), sizes, preferred_element_type=jnp.float32)
+
+
+def rows_matmul(x_mk: jax.Array, w, expert_m: jax.Array) -> jax.Array:
+    """y f32 [M, N] = x [M, K] row m @ expert expert_m[m] (int32 [M], -1: none, zero row) of `w`.
+
+    Computes in x's dtype with f32 accumulation; gathers and dequantizes one expert per row (an expert
+    named by several rows is read once per row: meant for distinct experts)."""
+    w_mkn = dequantize_experts(jax.tree.map(lambda a: a[jnp.maximum(expert_m, 0)], w), x_mk.dtype)
+    y = jnp.einsum("mk,mkn->mn", x_mk, w_mkn, preferred_element_type=jnp.float32)
+    return jnp.where((expert_m >= 0)[:, None], y, 0.0)
 
 
 # ----------------------------------------------------------------------------- dense FP8 blocks

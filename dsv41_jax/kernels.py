@@ -130,6 +130,14 @@ def grouped_matmul(x_mk, w, sizes_e, *, kernels="jnp"):
     return grouped_matmuls(x_mk, [w], sizes_e, kernels=kernels)[0]
 
 
+def rows_matmuls(x_mk, ws, expert_m, *, kernels="jnp"):
+    """[f32 [M, N] per weight in `ws`]: row m times expert expert_m[m] (int32 [M], -1: zero row) of each
+    stored weight (`grouped.rows_matmul`); on the kernels, weights of one shape share one launch."""
+    if all(grouped.is_packed(w) for w in ws) and _weight_kernels(kernels, x_mk.shape[0]):
+        return _kp.rows_matmuls_fp4(x_mk, [(w["values"], w["scales"]) for w in ws], expert_m)
+    return [grouped.rows_matmul(x_mk, w, expert_m) for w in ws]
+
+
 def fp8_matmuls(x_mk, weights, *, kernels="jnp"):
     """[f32 [M, N_i] = x @ W_i^T] for FP8 block-format (E4M3, E8M0) pairs in `weights` (`grouped.fp8_matmul`);
     on the kernels, projections of one input share one launch."""

@@ -6,7 +6,7 @@ With `weight_format="fp8"` the routed experts keep the released FP4 format: E2M1
 byte along the input axis (even element in the low nibble) in the checkpoint's output-major
 orientation, w1/w3 [E, inter, dim/2] and w2 [E, dim, inter/2], plus one E8M0 scale per 32 inputs
 (`w*_scale`, uint8 exponents). `dsv41_jax.grouped` says how they are read: only the experts that
-tokens are routed to, and on GPU in their stored bytes (kernels.grouped_matmul).
+tokens are routed to, and on GPU in their stored bytes (kernels.grouped_matmuls / rows_matmuls).
 With `activation_quant` the expert and shared-expert inputs are rounded to FP8 first (W4A8 / W8A8).
 """
 
@@ -21,7 +21,7 @@ from flax import nnx
 from dsv41_jax import expert_parallel
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.grouped import EXPERT_FP4
-from dsv41_jax.kernels import grouped_matmuls
+from dsv41_jax.kernels import grouped_matmuls, rows_matmuls
 from dsv41_jax.layers import (Buffer, activation_quant, linears, normal_init, quantize_activation,
                               released_fp8_linear, weights_fp8)
 from dsv41_jax.sequence_split import per_sequence
@@ -100,24 +100,33 @@ class MoE(nnx.Module):
     def _routed(self, x_nd, w_nk, ids_nk, raw, first_expert, n_local: int, kernels: str) -> jax.Array:
         """Sum over each token's assignments to experts [first_expert, first_expert + n_local): f32 [N, D].
 
-        Assignments to other experts sort last and fall outside the ragged groups (zero rows).
+        One token (a batch-1 decode step): its k experts are distinct, so each assignment is a row that
+        names its expert (`kernels.rows_matmuls`): the same expert bytes with no sort, counts or scatter
+        around them (on the GPU those were ~12 small kernels per layer). More tokens: assignments sorted
+        by expert into ragged groups (an expert shared by several tokens is read once); assignments to
+        other experts sort last and fall outside the groups (zero rows).
         """
-        k = ids_nk.shape[-1]
+        n, k = ids_nk.shape
         local = ids_nk.reshape(-1) - first_expert
         mine = (local >= 0) & (local < n_local)
-        key = jnp.where(mine, local, n_local)
-        order = jnp.argsort(key, stable=True)  # assignments grouped by expert, foreign ones last
-        token_of = order // k
-        sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
-        dt = x_nd.dtype
-        xs = x_nd[token_of]
-        mm = lambda a, *names: grouped_matmuls(a, [self._stored(raw, n) for n in names], sizes, kernels=kernels)
+        if n == 1:
+            expert = jnp.where(mine, local, -1)
+            mm = lambda a, *names: rows_matmuls(a, [self._stored(raw, m) for m in names], expert, kernels=kernels)
+            xs, w_rows = jnp.broadcast_to(x_nd, (k, x_nd.shape[1])), w_nk.reshape(-1)
+        else:
+            key = jnp.where(mine, local, n_local)
+            order = jnp.argsort(key, stable=True)  # assignments grouped by expert, foreign ones last
+            sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
+            mm = lambda a, *names: grouped_matmuls(a, [self._stored(raw, m) for m in names], sizes, kernels=kernels)
+            xs, w_rows = x_nd[order // k], w_nk.reshape(-1)[order]
         h1, h3 = mm(xs, "w1", "w3")
-        act = (swiglu(h1, h3, self.limit) * w_nk.reshape(-1)[order][:, None]).astype(dt)
+        act = (swiglu(h1, h3, self.limit) * w_rows[:, None]).astype(x_nd.dtype)
         if self.act_quant:  # the release weights the activation before quantizing it for w2
             act = quantize_activation(act)
         (ys,) = mm(act, "w2")
-        return jnp.zeros(x_nd.shape, jnp.float32).at[token_of].add(ys)
+        if n == 1:
+            return jnp.sum(ys, axis=0, keepdims=True)
+        return jnp.zeros(x_nd.shape, jnp.float32).at[order // k].add(ys)
 
     def __call__(self, x_btd: jax.Array, *, kernels: str = "jnp",
                  image_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

@@ -9,6 +9,7 @@ unless `family` ("gpu" | "tpu") is given.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from kernels_pallas import (gpu_attention, gpu_grouped, gpu_indexer, gpu_select, tpu_attention, tpu_grouped,
                             tpu_indexer, tpu_select)
@@ -80,6 +81,21 @@ def grouped_matmuls_fp4(x_mk, weights, sizes_e, *, family=None):
     if fam == "tpu":
         return [tpu_grouped.grouped_matmul_fp4(x_mk, v, s, sizes_e, interpret=interpret) for v, s in weights]
     return gpu_grouped.grouped_matmuls_fp4(x_mk, weights, sizes_e, interpret=interpret)
+
+
+def rows_matmuls_fp4(x_mk, weights, expert_m, *, family=None):
+    """[f32 [M, N] per (values, scales) in `weights`]: row m times expert expert_m[m] (-1: zero row), the row
+    contract of `dsv41_jax.grouped`. GPU: one launch, one row tile per row. TPU: the rows sorted by expert
+    for the grouped kernel and put back (the TPU decode path is not tuned)."""
+    fam, interpret = platform(family)
+    if fam != "tpu":
+        return gpu_grouped.rows_matmuls_fp4(x_mk, weights, expert_m, interpret=interpret)
+    g = weights[0][0].shape[0]
+    key = jnp.where(expert_m >= 0, expert_m, g)
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=g + 1)[:g].astype(jnp.int32)
+    outs = grouped_matmuls_fp4(x_mk[order], weights, sizes, family=fam)
+    return [jnp.zeros_like(y).at[order].set(y) for y in outs]
 
 
 def fp8_matmuls(x_mk, weights, *, family=None):

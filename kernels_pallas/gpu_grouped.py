@@ -3,7 +3,9 @@
 `grouped_matmul_fp4`: the routed experts. Rows of x are sorted by expert (`dsv41_jax.grouped`
 contract); the grid runs over (row tile, output tile), where a row tile is at most `tm` rows of one
 expert. Only tiles that hold rows load their expert's bytes: a decode step with B tokens x top-k reads
-at most B*k experts, never all of them. `fp8_matmul`: a dense projection in the released FP8 format
+at most B*k experts, never all of them. `rows_matmuls_fp4`: the same kernel with one row per row tile
+and each row's own expert (the row contract of `dsv41_jax.grouped`): no tile map to compute, for one
+token's distinct experts. `fp8_matmul`: a dense projection in the released FP8 format
 (E4M3 + E8M0 per 32x32 block), the same body with one group.
 
 Per program: acc[tm, tn] f32 += x[rows, k-chunk] @ W[e, cols, k-chunk]^T over K in chunks of tk.
@@ -234,15 +236,21 @@ def dense_tile_map(m: int, tm: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return np.zeros_like(t), t * tm, np.full_like(t, m)
 
 
-def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, fast, interpret, splits=None):
+def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, fast, interpret, splits=None,
+          rows_expert=None):
     """[f32 [M, N_i] per (values, scales) in `weights`, N_i = ns[i], multiples of tn], all read with the same
-    rows and tile map in one launch. sizes_g None: one dense group of all M rows (a projection)."""
+    rows and tile map in one launch. sizes_g None: one dense group of all M rows (a projection), or with
+    rows_expert (int32 [M], -1: none) one tile per row, row m of expert rows_expert[m]."""
     m = x_parts[0].shape[0]
     tm, tk, tn = tiles
     if any(n % tn for n in ns):
         raise ValueError(f"output widths {ns} must be multiples of the output tile {tn}")
     col0 = tuple(sum(ns[:i]) for i in range(len(ns) + 1))
-    grp, row0, end = dense_tile_map(m, tm) if sizes_g is None else tile_map(sizes_g, m, tm)
+    if rows_expert is not None:
+        row0 = jnp.arange(m, dtype=jnp.int32)
+        grp, end = rows_expert.astype(jnp.int32), row0 + 1
+    else:
+        grp, row0, end = dense_tile_map(m, tm) if sizes_g is None else tile_map(sizes_g, m, tm)
     # Compiled, a tile's rows past the arrays are masked off in its loads and stores (never touched).
     # Interpreted, a slice that would run past an array is clamped back into it (moving the valid rows
     # too), so there the rows are padded by a tile first: a pad kernel per call saved on the GPU.
@@ -250,7 +258,7 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
     x_parts = [jnp.pad(x, ((0, pad), (0, 0))) for x in x_parts] if pad else x_parts
     dt = x_parts[0].dtype
     precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
-    busy_tiles = -(-m // tm) if sizes_g is None else min(sizes_g.shape[0], m)
+    busy_tiles = m if rows_expert is not None else -(-m // tm) if sizes_g is None else min(sizes_g.shape[0], m)
     splits = splits or k_splits(k // tk, busy_tiles * (col0[-1] // tn))
     if (k // tk) % splits:
         raise ValueError(f"splits={splits} must divide the {k // tk} K chunks of {tk}")
@@ -263,9 +271,22 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
         name=f"grouped_matmul_{fmt}_{col0[-1]}x{k}",  # the shape in the name: profiles tell the calls apart
     )(grp, row0, end, *x_parts, *[a for w in weights for a in w])
     y = jnp.sum(y[:, :m], axis=0) if splits > 1 else y[0, :m]
-    if sizes_g is not None:  # rows no tile writes (past sum(sizes)) are uninitialized in the kernel's output
+    if rows_expert is not None:  # rows no tile writes are uninitialized in the kernel's output
+        y = jnp.where((rows_expert >= 0)[:, None], y, 0.0)
+    elif sizes_g is not None:
         y = jnp.where((jnp.arange(m) < jnp.sum(sizes_g))[:, None], y, 0.0)
     return [y[:, a:b] for a, b in zip(col0[:-1], col0[1:])]
+
+
+def _fp4_shapes(x_mk, weights) -> tuple[int, int, int]:
+    """(G, N, K) of packed FP4 expert weights [(values uint8 [G, N, K/2], scales uint8 [G, N, K/32])] that
+    all share one shape and fit x [M, K]; ValueError otherwise."""
+    g, n, half = weights[0][0].shape
+    k = 2 * half
+    for values, scales in weights:
+        if x_mk.shape[1] != k or values.shape != (g, n, half) or scales.shape != (g, n, k // SCALE_BLOCK):
+            raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
+    return g, n, k
 
 
 _STATIC = ("tiles", "num_warps", "num_stages", "fast_decode", "interpret", "splits")
@@ -280,11 +301,7 @@ def grouped_matmuls_fp4(x_mk: jax.Array, weights, sizes_g: jax.Array, *, tiles: 
     one launch and one tile map for all, e.g. w1 and w3). sizes_g int [G]; rows past sum(sizes) are zero.
     fast_decode: the PTX decode for bf16 x (see above; False: the f32 decode, for comparison). splits: programs
     sharing one output tile's K chunks (default `k_splits`; a divisor of K / tk)."""
-    g, n, half = weights[0][0].shape
-    k = 2 * half
-    for values, scales in weights:
-        if x_mk.shape[1] != k or values.shape != (g, n, half) or scales.shape != (g, n, k // SCALE_BLOCK):
-            raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
+    g, n, k = _fp4_shapes(x_mk, weights)
     tiles = tiles or choose_tiles(x_mk.shape[0], k, n, g)
     fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
     return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), sizes_g, k, (n,) * len(weights), tiles,
@@ -295,6 +312,19 @@ def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, si
                        **kw) -> jax.Array:
     """`grouped_matmuls_fp4` for one weight."""
     return grouped_matmuls_fp4(x_mk, [(values, scales)], sizes_g, **kw)[0]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def rows_matmuls_fp4(x_mk: jax.Array, weights, expert_m: jax.Array, *, tiles: tuple[int, int, int] | None = None,
+                     num_warps: int = 4, num_stages: int = 3, fast_decode: bool = True, interpret: bool = False,
+                     splits: int | None = None) -> list[jax.Array]:
+    """`grouped_matmuls_fp4` with each row's expert given (expert_m int32 [M], -1: a zero row) instead of
+    sorted rows and group sizes: one row tile per row, its expert's bytes read once per row."""
+    g, n, k = _fp4_shapes(x_mk, weights)
+    tiles = tiles or choose_tiles(x_mk.shape[0], k, n, g)
+    fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
+    return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), None, k, (n,) * len(weights), tiles,
+                 num_warps, num_stages, fast, interpret, splits, rows_expert=expert_m)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

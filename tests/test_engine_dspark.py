@@ -20,7 +20,8 @@ def _requests():
 
 
 def _run(speculative):
-    ecfg = EngineConfig(slots=2, capacity=96, prefill_chunk=16, page_tokens=16, decode_chunk=3, progress=False,
+    # the engine shape of tests/test_engine.py: the plain engine's programs are compiled once per suite run
+    ecfg = EngineConfig(slots=2, capacity=160, prefill_chunk=32, page_tokens=32, progress=False,
                         speculative=speculative)
     return Engine(CFG, PARAMS, ecfg).generate(_requests())
 

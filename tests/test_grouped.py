@@ -19,6 +19,7 @@ from dsv41_jax import grouped, kernels
 from dsv41_jax.layers import quantize_activation, quantize_fp8_blocks
 from dsv41_jax.moe import MoE, swiglu
 from experiments.bench_decode import truncated
+import kernels_pallas
 from kernels_pallas import gpu_grouped
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -67,6 +68,29 @@ def test_grouped_fp4_kernel_matches_twin(case, dtype):
                                            interpret=INTERPRET)
     _close(outs[0], ref)
     _close(outs[1], grouped.grouped_matmul(x, w2, sizes))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("experts", [[5], [3, 0, 7, 2, 6, 1], [4, -1, 4, 0, -1]])  # one row; a token's top-6; repeats and none
+def test_rows_fp4_kernel_matches_twin(experts, dtype):
+    """The row form (each row names its expert, -1 none): twin = the grouped form of the same rows sorted,
+    and the GPU kernel (one row tile per row) and the TPU route (sorted, put back) equal the twin."""
+    w, w2 = _experts(), _experts(seed=1)
+    e = jnp.asarray(experts, jnp.int32)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(len(experts), 64)), dtype)
+    ref = grouped.rows_matmul(x, w, e)
+    order = np.argsort(np.where(np.asarray(e) >= 0, experts, 8), kind="stable")
+    sizes = jnp.asarray(np.bincount(np.asarray(e)[np.asarray(e) >= 0], minlength=8), jnp.int32)
+    sorted_y = np.zeros(ref.shape, np.float32)
+    sorted_y[order] = np.asarray(grouped.grouped_matmul(x[order], w, sizes))
+    _close(ref, sorted_y)
+    assert not np.asarray(ref)[np.asarray(e) < 0].any()
+    outs = gpu_grouped.rows_matmuls_fp4(x, [(w["values"], w["scales"]), (w2["values"], w2["scales"])], e,
+                                        interpret=INTERPRET)
+    _close(outs[0], ref)
+    _close(outs[1], grouped.rows_matmul(x, w2, e))
+    (tpu,) = kernels_pallas.rows_matmuls_fp4(x, [(w["values"], w["scales"])], e, family="tpu")
+    _close(tpu, ref)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])  # bf16: the PTX decode on a GPU
