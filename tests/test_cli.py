@@ -26,6 +26,7 @@ from dsv41_jax import compile_notice
 from dsv41_jax.checkpoint.synthetic import fixture_config, make_tensors, write_checkpoint
 from experiments import (bench_kernels, bench_sharding, bench_weights, cache_bytes, decode, logits, plan_deployment, prefix_reuse,
                          quality, recall, train_small)
+from experiments.bench_decode import truncated
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -272,8 +273,18 @@ def test_speculative_decode_compiles_its_six_programs_first_then_times_every_cal
     """--speculative: plain prefill and decode, speculative prefill and decode, draft and verify are compiled
     side by side before anything is timed (no model program compiles after that), and at temperature 0
     the speculative tokens are the plain ones. The weights are committed to the device, as a --run's
-    restored ones are (an uncommitted stand-in input then compiles another program)."""
+    restored ones are (an uncommitted stand-in input then compiles another program). tiny's first four
+    layers (window, window, Full m=2, Reuse) with its draft stages reading layers 1 and 3: what is tested is
+    the CLI's order of compiles and calls, at half the compile time of all eight."""
     monkeypatch.setattr(d, "init_params", lambda *a, **k: jax.device_put(_init_params(*a, **k), jax.devices()[0]))
+    real_config = decode.model_config
+
+    def four_layers(args):
+        cfg = real_config(args)
+        return truncated(cfg, 4).replace(n_mtp_layers=cfg.n_mtp_layers, dspark_target_layer_ids=(1, 3),
+                                         compress_ratios=cfg.compress_ratios[:4] + cfg.compress_ratios[cfg.n_layers:])
+
+    monkeypatch.setattr(decode, "model_config", four_layers)
     done_at = []
     real = decode.compile_side_by_side
     monkeypatch.setattr(decode, "compile_side_by_side", lambda progs: (real(progs), done_at.append(len(caplog.records))))

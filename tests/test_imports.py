@@ -98,9 +98,7 @@ def test_every_module_imports_alone():
         "        del sys.modules[m]\n"
         "    importlib.import_module(name)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 0, r.stderr[-3000:]
+    _fresh_python(code)
 
 
 def test_the_model_fixes_jaxs_trace_context_before_any_trace():
@@ -115,7 +113,13 @@ def test_the_model_fixes_jaxs_trace_context_before_any_trace():
         "jax.experimental.pallas.tpu\n"
         "print(sorted(set(config.trace_context_names()) - before))\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+    out = _fresh_python(code)
+    assert out.strip() == "[]", f"registered only when the kernels are imported: {out}"
+
+
+def _fresh_python(code: str) -> str:
+    """stdout of `code` run by a fresh interpreter in the repository (CPU only); fails on a nonzero exit."""
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip() == "[]", f"registered only when the kernels are imported: {r.stdout}"
+    return r.stdout
