@@ -75,6 +75,14 @@ def grouped_matmul(x_mk: jax.Array, w, sizes_e: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot(x_mk, dequantize_experts(w, x_mk.dtype), sizes, preferred_element_type=jnp.float32)
 
 
+def sort_by_group(group_m: jax.Array, n_groups: int) -> tuple[jax.Array, jax.Array]:
+    """Rows in the grouped contract's order: (order int32 [M], stable, rows of groups outside [0, n_groups)
+    last; sizes int32 [n_groups], rows per group). x[order] is then the grouped matmul's input."""
+    key = jnp.where((group_m >= 0) & (group_m < n_groups), group_m, n_groups)
+    order = jnp.argsort(key, stable=True)
+    return order, jnp.bincount(key, length=n_groups + 1)[:n_groups].astype(jnp.int32)
+
+
 def rows_matmul(x_mk: jax.Array, w, expert_m: jax.Array) -> jax.Array:
     """y f32 [M, N] = x [M, K] row m @ expert expert_m[m] (int32 [M], -1: none, zero row) of `w`.
 

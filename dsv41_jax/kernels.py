@@ -28,6 +28,7 @@ hi/lo splits).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 # Imported with this module, never first inside a trace: importing the Pallas modules registers a
 # trace-context option (jax's `pallas_fuser_disable_nested_fuse`), and every jit traced before that
@@ -133,9 +134,14 @@ def grouped_matmul(x_mk, w, sizes_e, *, kernels="jnp"):
 def rows_matmuls(x_mk, ws, expert_m, *, kernels="jnp"):
     """[f32 [M, N] per weight in `ws`]: row m times expert expert_m[m] (int32 [M], -1: zero row) of each
     stored weight (`grouped.rows_matmul`); on the kernels, weights of one shape share one launch."""
-    if all(grouped.is_packed(w) for w in ws) and _weight_kernels(kernels, x_mk.shape[0]):
-        return _kp.rows_matmuls_fp4(x_mk, [(w["values"], w["scales"]) for w in ws], expert_m)
-    return [grouped.rows_matmul(x_mk, w, expert_m) for w in ws]
+    if not (all(grouped.is_packed(w) for w in ws) and _weight_kernels(kernels, x_mk.shape[0])):
+        return [grouped.rows_matmul(x_mk, w, expert_m) for w in ws]
+    pairs = [(w["values"], w["scales"]) for w in ws]
+    if _kp.platform()[0] != "tpu":
+        return _kp.rows_matmuls_fp4(x_mk, pairs, expert_m)
+    # the TPU kernel takes rows sorted by expert (no row-form TPU kernel yet): sort, run, put back
+    order, sizes = grouped.sort_by_group(expert_m, pairs[0][0].shape[0])
+    return [jnp.zeros_like(y).at[order].set(y) for y in _kp.grouped_matmuls_fp4(x_mk[order], pairs, sizes)]
 
 
 def fp8_matmuls(x_mk, weights, *, kernels="jnp"):

@@ -20,7 +20,7 @@ from flax import nnx
 
 from dsv41_jax import expert_parallel
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.grouped import EXPERT_FP4
+from dsv41_jax.grouped import EXPERT_FP4, sort_by_group
 from dsv41_jax.kernels import grouped_matmuls, rows_matmuls
 from dsv41_jax.layers import (Buffer, activation_quant, linears, normal_init, quantize_activation,
                               released_fp8_linear, weights_fp8)
@@ -108,25 +108,23 @@ class MoE(nnx.Module):
         """
         n, k = ids_nk.shape
         local = ids_nk.reshape(-1) - first_expert
-        mine = (local >= 0) & (local < n_local)
+        stored = lambda names: [self._stored(raw, m) for m in names]  # noqa: E731
         if n == 1:
-            expert = jnp.where(mine, local, -1)
-            mm = lambda a, *names: rows_matmuls(a, [self._stored(raw, m) for m in names], expert, kernels=kernels)
+            expert = jnp.where((local >= 0) & (local < n_local), local, -1)
+            mm = lambda a, *names: rows_matmuls(a, stored(names), expert, kernels=kernels)  # noqa: E731
             xs, w_rows = jnp.broadcast_to(x_nd, (k, x_nd.shape[1])), w_nk.reshape(-1)
+            combine = lambda ys: jnp.sum(ys, axis=0, keepdims=True)  # noqa: E731
         else:
-            key = jnp.where(mine, local, n_local)
-            order = jnp.argsort(key, stable=True)  # assignments grouped by expert, foreign ones last
-            sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
-            mm = lambda a, *names: grouped_matmuls(a, [self._stored(raw, m) for m in names], sizes, kernels=kernels)
+            order, sizes = sort_by_group(local, n_local)  # grouped by expert, foreign assignments last
+            mm = lambda a, *names: grouped_matmuls(a, stored(names), sizes, kernels=kernels)  # noqa: E731
             xs, w_rows = x_nd[order // k], w_nk.reshape(-1)[order]
+            combine = lambda ys: jnp.zeros(x_nd.shape, jnp.float32).at[order // k].add(ys)  # noqa: E731
         h1, h3 = mm(xs, "w1", "w3")
         act = (swiglu(h1, h3, self.limit) * w_rows[:, None]).astype(x_nd.dtype)
         if self.act_quant:  # the release weights the activation before quantizing it for w2
             act = quantize_activation(act)
         (ys,) = mm(act, "w2")
-        if n == 1:
-            return jnp.sum(ys, axis=0, keepdims=True)
-        return jnp.zeros(x_nd.shape, jnp.float32).at[order // k].add(ys)
+        return combine(ys)
 
     def __call__(self, x_btd: jax.Array, *, kernels: str = "jnp",
                  image_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

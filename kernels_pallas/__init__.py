@@ -9,7 +9,6 @@ unless `family` ("gpu" | "tpu") is given.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from kernels_pallas import (gpu_attention, gpu_grouped, gpu_indexer, gpu_select, tpu_attention, tpu_grouped,
                             tpu_indexer, tpu_select)
@@ -85,17 +84,12 @@ def grouped_matmuls_fp4(x_mk, weights, sizes_e, *, family=None):
 
 def rows_matmuls_fp4(x_mk, weights, expert_m, *, family=None):
     """[f32 [M, N] per (values, scales) in `weights`]: row m times expert expert_m[m] (-1: zero row), the row
-    contract of `dsv41_jax.grouped`. GPU: one launch, one row tile per row. TPU: the rows sorted by expert
-    for the grouped kernel and put back (the TPU decode path is not tuned)."""
+    contract of `dsv41_jax.grouped`, in one launch. GPU only: the TPU kernel takes rows sorted by expert
+    (`grouped_matmuls_fp4`)."""
     fam, interpret = platform(family)
-    if fam != "tpu":
-        return gpu_grouped.rows_matmuls_fp4(x_mk, weights, expert_m, interpret=interpret)
-    g = weights[0][0].shape[0]
-    key = jnp.where(expert_m >= 0, expert_m, g)
-    order = jnp.argsort(key, stable=True)
-    sizes = jnp.bincount(key, length=g + 1)[:g].astype(jnp.int32)
-    outs = grouped_matmuls_fp4(x_mk[order], weights, sizes, family=fam)
-    return [jnp.zeros_like(y).at[order].set(y) for y in outs]
+    if fam == "tpu":
+        raise ValueError("no TPU row-form kernel: sort the rows by expert and call grouped_matmuls_fp4")
+    return gpu_grouped.rows_matmuls_fp4(x_mk, weights, expert_m, interpret=interpret)
 
 
 def fp8_matmuls(x_mk, weights, *, family=None):

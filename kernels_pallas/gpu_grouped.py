@@ -278,15 +278,18 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
     return [y[:, a:b] for a, b in zip(col0[:-1], col0[1:])]
 
 
-def _fp4_shapes(x_mk, weights) -> tuple[int, int, int]:
-    """(G, N, K) of packed FP4 expert weights [(values uint8 [G, N, K/2], scales uint8 [G, N, K/32])] that
-    all share one shape and fit x [M, K]; ValueError otherwise."""
+def _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, *, sizes_g=None,
+         rows_expert=None) -> list[jax.Array]:
+    """The FP4 expert launch of `grouped_matmuls_fp4` (sizes_g) and `rows_matmuls_fp4` (rows_expert)."""
     g, n, half = weights[0][0].shape
     k = 2 * half
     for values, scales in weights:
         if x_mk.shape[1] != k or values.shape != (g, n, half) or scales.shape != (g, n, k // SCALE_BLOCK):
             raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
-    return g, n, k
+    tiles = tiles or choose_tiles(x_mk.shape[0], k, n, g)
+    fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
+    return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), sizes_g, k, (n,) * len(weights), tiles,
+                 num_warps, num_stages, fast, interpret, splits, rows_expert=rows_expert)
 
 
 _STATIC = ("tiles", "num_warps", "num_stages", "fast_decode", "interpret", "splits")
@@ -301,11 +304,7 @@ def grouped_matmuls_fp4(x_mk: jax.Array, weights, sizes_g: jax.Array, *, tiles: 
     one launch and one tile map for all, e.g. w1 and w3). sizes_g int [G]; rows past sum(sizes) are zero.
     fast_decode: the PTX decode for bf16 x (see above; False: the f32 decode, for comparison). splits: programs
     sharing one output tile's K chunks (default `k_splits`; a divisor of K / tk)."""
-    g, n, k = _fp4_shapes(x_mk, weights)
-    tiles = tiles or choose_tiles(x_mk.shape[0], k, n, g)
-    fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
-    return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), sizes_g, k, (n,) * len(weights), tiles,
-                 num_warps, num_stages, fast, interpret, splits)
+    return _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, sizes_g=sizes_g)
 
 
 def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, sizes_g: jax.Array,
@@ -320,11 +319,7 @@ def rows_matmuls_fp4(x_mk: jax.Array, weights, expert_m: jax.Array, *, tiles: tu
                      splits: int | None = None) -> list[jax.Array]:
     """`grouped_matmuls_fp4` with each row's expert given (expert_m int32 [M], -1: a zero row) instead of
     sorted rows and group sizes: one row tile per row, its expert's bytes read once per row."""
-    g, n, k = _fp4_shapes(x_mk, weights)
-    tiles = tiles or choose_tiles(x_mk.shape[0], k, n, g)
-    fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
-    return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), None, k, (n,) * len(weights), tiles,
-                 num_warps, num_stages, fast, interpret, splits, rows_expert=expert_m)
+    return _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, rows_expert=expert_m)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

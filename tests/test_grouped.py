@@ -72,9 +72,10 @@ def test_grouped_fp4_kernel_matches_twin(case, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("experts", [[5], [3, 0, 7, 2, 6, 1], [4, -1, 4, 0, -1]])  # one row; a token's top-6; repeats and none
-def test_rows_fp4_kernel_matches_twin(experts, dtype):
+def test_rows_fp4_kernel_matches_twin(experts, dtype, monkeypatch):
     """The row form (each row names its expert, -1 none): twin = the grouped form of the same rows sorted,
-    and the GPU kernel (one row tile per row) and the TPU route (sorted, put back) equal the twin."""
+    and the GPU kernel (one row tile per row) and the TPU route of `kernels.rows_matmuls` (sorted for the
+    grouped TPU kernel, put back) equal the twin."""
     w, w2 = _experts(), _experts(seed=1)
     e = jnp.asarray(experts, jnp.int32)
     x = jnp.asarray(np.random.default_rng(2).normal(size=(len(experts), 64)), dtype)
@@ -89,7 +90,8 @@ def test_rows_fp4_kernel_matches_twin(experts, dtype):
                                         interpret=INTERPRET)
     _close(outs[0], ref)
     _close(outs[1], grouped.rows_matmul(x, w2, e))
-    (tpu,) = kernels_pallas.rows_matmuls_fp4(x, [(w["values"], w["scales"])], e, family="tpu")
+    monkeypatch.setattr(kernels_pallas, "platform", lambda family=None: ("tpu", True))
+    (tpu,) = kernels.rows_matmuls(x, [w], e, kernels="pallas")
     _close(tpu, ref)
 
 
