@@ -1,14 +1,16 @@
 """Issue 12 on one H200: the benchmark points of the decode-speed issue, each under its own timeout, tables
 in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed at the end.
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode           # ~9.5 min
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf    # ~5 min
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode           # ~8 min: slice b1, b8, profile
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wide      # ~9.5 min: b64 4K / 128K, small
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf    # ~9 min
 
-Default: the v41 slice at batch 1, 8 and 64 (4K) in one process (params made once), 128K x 64, `small` at
-batch 1 and 8, then the batch-1 attribution (`experiments.profile_step`). `cmdbuf`: the slice and `small` at
-batch 1, each as is and with the whole generation loop as one command buffer (XLA_FLAGS below), in one call
-so that they are compared on one machine: the slice's batch-1 step is ~470 kernels and its wall time was
-~220 us over the GPU's busy time; `small`'s is ~300 kernels of ~6 us each.
+One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
+generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
+points of one process did not fit 230 s. `cmdbuf`: the slice and `small` at batch 1, each as is and with
+the whole generation loop as one command buffer (XLA_FLAGS below), in one call so that they are compared on
+one machine: the slice's batch-1 step is ~420 kernels and its wall time was 0.2-0.4 ms over the GPU's busy
+time; `small`'s is ~300 kernels of ~6 us each.
 """
 
 import os
@@ -18,19 +20,23 @@ from experiments.device_runs._steps import OUT, step
 
 B1 = ["--batch", "1", "--steps", "10", "--chunk", "5"]
 LOOP_CMDBUF = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}
+SLICE = ["experiments.bench_decode", "--steps", "10", "--chunk", "5", "--batch"]
 GROUPS = {  # name -> [(step name, module and arguments, timeout s, extra environment)]
     "default": [
-        ("slice_4k", ["experiments.bench_decode", "--batch", "1", "8", "64", "--steps", "10", "--chunk", "5"], 230, {}),
-        ("slice_128k_b64", ["experiments.bench_decode", "--batch", "64", "--context", "131072", "--steps", "6",
-                            "--chunk", "3"], 110, {}),
-        ("small", ["experiments.bench_decode", "--preset", "small", "--batch", "1", "8", "--steps", "30",
-                   "--chunk", "10"], 120, {}),
-        ("profile_b1", ["experiments.profile_step", "--batch", "1", "--top", "30", "--out", "/tmp/i12_prof"], 90, {}),
+        ("slice_4k_b1", [*SLICE, "1"], 150, {}),
+        ("slice_4k_b8", [*SLICE, "8"], 200, {}),
+        ("profile_b1", ["experiments.profile_step", "--batch", "1", "--top", "30", "--out", "/tmp/i12_prof"], 120, {}),
+    ],
+    "wide": [
+        ("slice_4k_b64", [*SLICE, "64"], 200, {}),
+        ("slice_128k_b64", [*SLICE, "64", "--context", "131072"], 200, {}),
+        ("small", ["experiments.bench_decode", "--preset", "small", "--batch", "1", "8", "--steps", "20",
+                   "--chunk", "10"], 170, {}),
     ],
     "cmdbuf": [(name + suffix, ["experiments.bench_decode", *args], timeout_s, env)
-               for name, args, timeout_s in (("slice_b1", B1, 90),
-                                             ("small_b1", ["--preset", "small", "--batch", "1", "--steps", "30",
-                                                           "--chunk", "10"], 70))
+               for name, args, timeout_s in (("slice_b1", B1, 150),
+                                             ("small_b1", ["--preset", "small", "--batch", "1", "--steps", "20",
+                                                           "--chunk", "10"], 130))
                for suffix, env in (("", {}), ("_loop_cmdbuf", LOOP_CMDBUF))],
 }
 
