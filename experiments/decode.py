@@ -38,7 +38,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
 import dsv41_jax as d
@@ -326,6 +325,7 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
         sharded = sharding.shard_model(cfg, params, mesh, args.layout, batch=b)
         params, placement = sharded.params, sharded.placement
         print(f"[decode] mesh {dict(mesh.shape)} layout {args.layout} on {mesh.size} device(s)", flush=True)
+    params = d.freeze(params)  # passed to a jitted call per chunk of steps: flattened once
     cache = d.init_cache(cfg, b, capacity)
     if args.speculative:  # as `compile_side_by_side`'s stand-ins (experiments/placement.py says why)
         cache = committed(cache)
@@ -518,7 +518,7 @@ def _draft(params, cache, window, tok, temp, seed, *, cfg, kernels):
     """One DSpark draft of the block after tok [B], on its own (timed by `_time_draft_and_verify`)."""
     from dsv41_jax import api, dspark
 
-    return dspark.draft(nnx.merge(api.graphdef(cfg), params), window, tok, cache.lengths, temp, seed,
+    return dspark.draft(api.bind(cfg, params), window, tok, cache.lengths, temp, seed,
                         jnp.zeros_like(tok), kernels)
 
 
@@ -529,7 +529,7 @@ def _verify(params, cache, window, tok, drafts, q_logits, temp, seed, *, cfg, ke
     from dsv41_jax import api, dspark
 
     zero = jnp.zeros_like(tok)
-    return dspark.verify(nnx.merge(api.graphdef(cfg), params), cache, window, tok, drafts, q_logits, temp, seed,
+    return dspark.verify(api.bind(cfg, params), cache, window, tok, drafts, q_logits, temp, seed,
                          zero, zero + 1, jnp.full((tok.shape[0], 1), -1, jnp.int32), kernels)
 
 

@@ -138,7 +138,7 @@ def _profile(args) -> dict:
     cfg = bd.slice_config(weight_format="fp8") if args.preset == "v41-slice" else dsv41_jax.preset(args.preset)
     if args.context + 256 > cfg.max_seq_len:
         raise SystemExit(f"error: --context {args.context} exceeds the preset's max_seq_len {cfg.max_seq_len} - 256")
-    params = bd.random_params(cfg)
+    params = api.freeze(bd.random_params(cfg))
     cache = bd.random_cache(cfg, args.batch, args.context)
     tokens = jax.random.randint(jax.random.key(2), (args.batch,), 0, cfg.vocab_size)
     os.makedirs(args.out, exist_ok=True)

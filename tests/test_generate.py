@@ -101,3 +101,26 @@ def test_scalar_arguments_keep_their_buffers_and_validate_false_changes_nothing(
     _, cache = _prefilled()
     unchecked, _, _ = d.generate(CFG, PARAMS, cache, tok, 3, validate=False)
     np.testing.assert_array_equal(np.asarray(checked), np.asarray(unchecked))
+
+
+def test_frozen_params_flatten_as_one_node_and_generate_the_same_tokens():
+    """`d.freeze`: the params as one pytree node over their arrays (a jitted call then walks no nnx.Variable),
+    the same compiled program (no retrace per call) and the same tokens as the nnx.State."""
+    from dsv41_jax import api
+
+    frozen = d.freeze(PARAMS)
+    assert d.freeze(frozen) is frozen
+    leaves = jax.tree.leaves(PARAMS)
+    assert jax.tree_util.tree_structure(frozen).num_nodes == len(leaves) + 1  # vs one node per Variable
+    assert all(a is b for a, b in zip(jax.tree.leaves(frozen), leaves))
+    with pytest.raises(TypeError, match="nnx.State"):
+        d.freeze({"embed": np.zeros(3)})
+    logits, cache = _prefilled()
+    tok = np.asarray(jnp.argmax(logits, -1)).astype(np.int32)
+    want, _, _ = d.generate(CFG, PARAMS, cache, tok, 3, validate=False)
+    _, cache = _prefilled()
+    got, _, cache = d.generate(CFG, frozen, cache, tok, 3, validate=False)
+    n_programs = api._generate_jit._cache_size()
+    d.generate(CFG, frozen, cache, tok, 3, validate=False)
+    assert api._generate_jit._cache_size() == n_programs
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -159,7 +159,8 @@ class _Live:
 class Engine:
     def __init__(self, cfg: ModelConfig, params, ecfg: EngineConfig | None = None):
         ecfg = EngineConfig() if ecfg is None else ecfg
-        self.cfg, self.params, self.ecfg = cfg, params, ecfg
+        # frozen: the engine passes its params to a jitted call per step chunk (api.freeze says why)
+        self.cfg, self.params, self.ecfg = cfg, api.freeze(params), ecfg
         self.n_slots = plan_slots(cfg, ecfg)
         self.cache = init_cache(cfg, self.n_slots, ecfg.capacity)
         self.window = api.init_draft_window(cfg, self.n_slots) if ecfg.speculative else None
@@ -167,7 +168,7 @@ class Engine:
         self._empty_row = rows.to_host(rows.take_row(self.cache, 0))
         self.encoder_depth = encoder_depth(build_plan(cfg))
         # the tiers below HBM (None: no cache_dir, no prefix reuse)
-        self.prefix = PrefixCache(cfg, params, ecfg, self._empty_row) if ecfg.cache_dir else None
+        self.prefix = PrefixCache(cfg, self.params.state, ecfg, self._empty_row) if ecfg.cache_dir else None
         self.live: dict[int, _Live] = {}
         self.queue: list[_Live] = []
         self.done: list[Result] = []
