@@ -29,8 +29,11 @@ class ShardedModel:
     """Params placed on a mesh and the placement of its caches."""
 
     cfg: ModelConfig
-    params: object
+    params: object  # the placed nnx.State
     placement: Placement
+
+    def __post_init__(self):  # what the calls pass: flattened once (api.freeze says why)
+        object.__setattr__(self, "_frozen", api.freeze(self.params))
 
     @property
     def mesh(self) -> Mesh:
@@ -45,20 +48,21 @@ class ShardedModel:
 
     def prefill(self, cache: Cache, tokens_bt, lengths_b, **kw):
         """`api.prefill` on the mesh (keywords as there)."""
-        return api.prefill(self.cfg, self.params, cache, tokens_bt, lengths_b, placement=self.placement, **kw)
+        return api.prefill(self.cfg, self._frozen, cache, tokens_bt, lengths_b, placement=self.placement, **kw)
 
     def decode_step(self, cache: Cache, tokens_b, active_b=None, **kw):
         """`api.decode_step` on the mesh (keywords as there); tokens may be the previous step's output."""
-        return api.decode_step(self.cfg, self.params, cache, tokens_b, active_b, placement=self.placement, **kw)
+        return api.decode_step(self.cfg, self._frozen, cache, tokens_b, active_b, placement=self.placement, **kw)
 
     def generate(self, cache: Cache, tokens_b, n_steps: int, **kw):
         """`api.generate` on the mesh (keywords as there); the cache is donated."""
-        return api.generate(self.cfg, self.params, cache, tokens_b, n_steps, placement=self.placement, **kw)
+        return api.generate(self.cfg, self._frozen, cache, tokens_b, n_steps, placement=self.placement, **kw)
 
 
 def shard_model(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp_ep", *, batch: int) -> ShardedModel:
     """Place params on `mesh` by the layout's rules, for caches of `batch` sequences (a bad layout or
-    mesh is refused before anything is placed)."""
+    mesh is refused before anything is placed). params: an nnx.State or `api.freeze`'s."""
+    params = params.state if isinstance(params, api.FrozenParams) else params
     placement = place(cfg, params, mesh, layout, batch=batch)
     return ShardedModel(cfg, jax.device_put(params, placement.params), placement)
 
