@@ -82,8 +82,9 @@ class FrozenParams:
 
     A jitted call flattens its arguments on every call; an nnx.State flattens each Variable through a
     Python callback (~1-2 us each on this repository's CPU: 0.35-0.6 ms per call for tiny's 309 Variables,
-    ~0.3 ms for the slice's 167; `experiments.bench_dispatch`). `.state` is the State (of tracers inside a trace). The arrays are the State's at freezing:
-    a State changed in place afterwards is not seen (freeze it again)."""
+    ~0.3 ms for the slice's 167; `experiments.bench_dispatch`). `.state` is the State (of tracers inside a
+    trace). The arrays are the State's at freezing: a State changed in place afterwards is not seen (freeze
+    it again)."""
 
     __slots__ = ("state", "_leaves", "_treedef")
 

@@ -40,7 +40,12 @@ def main(argv=None) -> list[dict]:
     forms = {"nnx.State": state, "frozen": d.freeze(state)}
     ignore = jax.jit(lambda params: 0)
     tok = np.array([3], np.int32)
-    caches = {name: d.init_cache(cfg, 1, 64) for name in forms}
+    rounds, per_round = 3, max(1, args.calls // 3)
+    steps = 1 + rounds * (per_round + 10)  # decode steps per form: room for every one in the cache
+    capacity = -(-steps // 64) * 64
+    if capacity > cfg.max_seq_len:
+        ap.error(f"--calls {args.calls}: {steps} decode steps exceed {args.preset}'s max_seq_len {cfg.max_seq_len}")
+    caches = {name: d.init_cache(cfg, 1, capacity) for name in forms}
 
     def step(name):
         logits, caches[name] = d.decode_step(cfg, forms[name], caches[name], tok, validate=False, donate=True)
@@ -52,9 +57,9 @@ def main(argv=None) -> list[dict]:
         for name in forms:  # compile
             run(name)
         ms = {name: [] for name in forms}
-        for _ in range(3):  # interleaved, so that a slow stretch of a shared machine hits both forms
+        for _ in range(rounds):  # interleaved, so that a slow stretch of a shared machine hits both forms
             for name in forms:
-                ms[name].append(_median_ms(lambda: run(name), args.calls // 3))
+                ms[name].append(_median_ms(lambda: run(name), per_round))
         rows.append(dict(op=op, **{name: statistics.median(v) for name, v in ms.items()}))
     print(f"\n{args.preset}: {len(jax.tree.leaves(state))} parameter arrays, backend {jax.default_backend()}\n")
     print("| call | nnx.State ms | frozen ms | saved ms |\n|---|---|---|---|")
