@@ -7,7 +7,7 @@
     logits, cache = decode_step(cfg, params, cache, next_tokens_b)
 
 `freeze(params)` makes the params cheap to pass (each jitted call flattens its arguments, and an
-nnx.State walks its Variables in Python: ~0.3 ms per call for the v41 slice); every function here takes
+nnx.State walks its Variables in Python: ~0.2 ms per call for the v41 slice); every function here takes
 either. Freeze again after changing a State in place.
 
 `donate=True` (prefill, decode_step; always in `generate`) hands the cache's buffers to XLA, which updates
@@ -81,8 +81,8 @@ class FrozenParams:
     """An nnx.State of params flattened once (`freeze`): one pytree node whose children are the arrays.
 
     A jitted call flattens its arguments on every call; an nnx.State flattens each Variable through a
-    Python callback (~1-2 us each on this repository's CPU: 0.35-0.6 ms per call for tiny's 309 Variables,
-    ~0.3 ms for the slice's 167; `experiments.bench_dispatch`). `.state` is the State (of tracers inside a
+    Python callback (~1-2 us each on this repository's CPU: 0.34-0.67 ms per call for tiny's 309 Variables,
+    0.17-0.26 ms for the slice's 167; `experiments.bench_dispatch`). `.state` is the State (of tracers inside a
     trace). The arrays are the State's at freezing: a State changed in place afterwards is not seen (freeze
     it again)."""
 

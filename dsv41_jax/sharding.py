@@ -62,7 +62,7 @@ class ShardedModel:
 def shard_model(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp_ep", *, batch: int) -> ShardedModel:
     """Place params on `mesh` by the layout's rules, for caches of `batch` sequences (a bad layout or
     mesh is refused before anything is placed). params: an nnx.State or `api.freeze`'s."""
-    params = params.state if isinstance(params, api.FrozenParams) else params
+    params = api.freeze(params).state
     placement = place(cfg, params, mesh, layout, batch=batch)
     return ShardedModel(cfg, jax.device_put(params, placement.params), placement)
 

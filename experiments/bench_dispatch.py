@@ -7,6 +7,7 @@ A jitted call flattens its arguments before dispatch; an nnx.State flattens ever
 Python callback, frozen params are one node over their arrays. Rows: a jitted call that ignores its
 params (the passing alone) and one donated `decode_step` at batch 1 synced per call (what a caller of
 `decode_step` pays per token), median over `--calls` after 10 warm-up calls, the two forms interleaved.
+Last, one flatten of the v41 slice's params in both forms (abstract arrays: nothing is allocated).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax
 import numpy as np
 
 import dsv41_jax as d
+from experiments.bench_decode import slice_config
 
 
 def _median_ms(call, n: int) -> float:
@@ -65,6 +67,11 @@ def main(argv=None) -> list[dict]:
     print("| call | nnx.State ms | frozen ms | saved ms |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['op']} | {r['nnx.State']:.3f} | {r['frozen']:.3f} | {r['nnx.State'] - r['frozen']:.3f} |")
+    sliced = d.abstract_params(slice_config())
+    us = {name: 1e3 * _median_ms(lambda: jax.tree.flatten(p), args.calls)
+          for name, p in (("nnx.State", sliced), ("frozen", d.freeze(sliced)))}
+    print(f"\nv41-slice ({len(jax.tree.leaves(sliced))} arrays), one flatten: {us['nnx.State']:.0f} us as the "
+          f"nnx.State, {us['frozen']:.0f} us frozen")
     return rows
 
 

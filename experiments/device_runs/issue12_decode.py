@@ -18,9 +18,9 @@ import sys
 
 from experiments.device_runs._steps import OUT, step
 
-B1 = ["--batch", "1", "--steps", "10", "--chunk", "5"]
 LOOP_CMDBUF = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}
-SLICE = ["experiments.bench_decode", "--steps", "10", "--chunk", "5", "--batch"]
+SLICE_ARGS = ["--steps", "10", "--chunk", "5", "--batch"]  # the slice points; then the batch size
+SLICE = ["experiments.bench_decode", *SLICE_ARGS]
 GROUPS = {  # name -> [(step name, module and arguments, timeout s, extra environment)]
     "default": [
         ("slice_4k_b1", [*SLICE, "1"], 150, {}),
@@ -34,7 +34,7 @@ GROUPS = {  # name -> [(step name, module and arguments, timeout s, extra enviro
                    "--chunk", "10"], 170, {}),
     ],
     "cmdbuf": [(name + suffix, ["experiments.bench_decode", *args], timeout_s, env)
-               for name, args, timeout_s in (("slice_b1", B1, 150),
+               for name, args, timeout_s in (("slice_b1", [*SLICE_ARGS, "1"], 150),
                                              ("small_b1", ["--preset", "small", "--batch", "1", "--steps", "20",
                                                            "--chunk", "10"], 130))
                for suffix, env in (("", {}), ("_loop_cmdbuf", LOOP_CMDBUF))],
