@@ -111,19 +111,23 @@ def forward_logits(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, toke
 
 
 def loss_fn(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt1: jax.Array,
-            kl_weight: float = 1.0):
-    """(lm_loss + kl_weight * indexer_kl, aux) for full sequences tokens_bt1 int32 [B, T + 1].
+            kl_weight: float = 1.0, weights_bt: jax.Array | None = None):
+    """(LM term + kl_weight * indexer_kl, aux) for full sequences tokens_bt1 int32 [B, T + 1].
 
-    aux: lm_loss, indexer_kl (mean over indexing layers and queries) and expert_load int32 [L, E].
+    LM term: the mean next-token cross entropy, or with weights_bt (f32 [B, T], one per target) its weighted
+    mean sum(w * ce) / sum(w). aux: lm_loss (the unweighted mean, whatever the weights), indexer_kl (mean
+    over indexing layers and queries) and expert_load int32 [L, E].
     Each sequence is one chunk from an empty cache (capacity T).
     """
     inputs, targets = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
     _, logits, fwd = _training_forward(trainable, rest, cfg, inputs)
-    lm = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    ce_bt = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    lm = ce_bt.mean()
+    term = lm if weights_bt is None else jnp.sum(weights_bt * ce_bt) / jnp.sum(weights_bt)
     per_layer = [indexer_kl(r) for r in fwd.indexer]
     kl = (sum(s / jnp.maximum(n, 1.0) for s, n in per_layer) / len(per_layer)) if per_layer else jnp.float32(0)
     aux = {"lm_loss": lm, "indexer_kl": kl, "expert_load": fwd.expert_load_le}
-    return lm + kl_weight * kl, aux
+    return term + kl_weight * kl, aux
 
 
 def draft_loss_fn(draft: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt: jax.Array,
@@ -188,15 +192,17 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
                     bias_rate: float = 1e-3):
     """A jitted, pure train_step(params, opt_state, batch) -> (params, opt_state, metrics).
 
-    batch: {"tokens": int32 [B, T + 1]}. metrics: loss, lm_loss, indexer_kl, grad_norm and
-    load_imbalance (max over layers of max_e load / mean load, before the bias update).
+    batch: {"tokens": int32 [B, T + 1]}, optionally "weights": f32 [B, T] (see `loss_fn`). metrics: loss,
+    lm_loss, indexer_kl, grad_norm and load_imbalance (max over layers of max_e load / mean load, before the
+    bias update).
     """
     _check_trainable(cfg)
 
     @jax.jit
     def train_step(params, opt_state, batch):
         trainable, rest, opt_state, loss, aux, grads = _optimizer_step(loss_fn, split_trainable, optimizer, params,
-                                                                       opt_state, cfg, batch["tokens"], kl_weight)
+                                                                       opt_state, cfg, batch["tokens"], kl_weight,
+                                                                       batch.get("weights"))
         load = aux["expert_load"].astype(jnp.float32)
         rest = update_expert_bias(rest, load, bias_rate)
         metrics = {"loss": loss, "lm_loss": aux["lm_loss"], "indexer_kl": aux["indexer_kl"],

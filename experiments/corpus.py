@@ -86,16 +86,24 @@ def passkey_batch(filler: np.ndarray, batch: int, length: int, depth: float | No
 
 
 def training_batches(ids: np.ndarray, batch: int, seq: int, retrieval_frac: float, rng: np.random.Generator,
-                     recall_frac: float = 0.0, recall_pairs: int = 8, max_distance=lambda: None):
-    """Endless int32 [batch, seq + 1] rows: random windows of `ids`, a `retrieval_frac` share of them
-    replaced by passkey examples and a `recall_frac` share by multi-query recall examples
-    (`experiments.recall_task`, `recall_pairs` pairs each, within `max_distance()` tokens of their queries:
-    read per batch, so a caller can grow it), filler from the same ids."""
+                     recall_frac: float = 0.0, recall_pairs: int = 8, max_distance=lambda: None,
+                     answer_weight: float = 1.0):
+    """Endless train-step batches {"tokens": int32 [batch, seq + 1], "weights": f32 [batch, seq]}: random
+    windows of `ids`, a `retrieval_frac` share of them replaced by passkey examples and a `recall_frac` share
+    by multi-query recall examples (`experiments.recall_task`, `recall_pairs` pairs each, within
+    `max_distance()` tokens of their queries: read per batch, so a caller can grow it), filler from the same
+    ids. weights: the loss weight of each target, 1 except the answer digits of those examples
+    (`answer_weight`: a few dozen answer digits in thousands of text targets otherwise give the retrieval
+    task too little of the gradient to be learned in minutes)."""
+    answers = recall_task.answer_positions(seq + 1, recall_pairs).ravel() if recall_frac else None
     while True:
         rows = windows(ids, batch, seq + 1, rng)
+        weights = np.ones((batch, seq), np.float32)
         u = rng.random(batch)
         for r in np.flatnonzero(u < retrieval_frac):
-            rows[r] = passkey(ids, seq + 1, rng.uniform(0, 0.9), rng)[0]
+            rows[r], at = passkey(ids, seq + 1, rng.uniform(0, 0.9), rng)
+            weights[r, at - 1:at - 1 + KEY_DIGITS] = answer_weight  # target i predicts token i + 1
         for r in np.flatnonzero((u >= retrieval_frac) & (u < retrieval_frac + recall_frac)):
             rows[r] = recall_task.example(ids, seq + 1, recall_pairs, max_distance(), rng)[0]
-        yield rows
+            weights[r, answers - 1] = answer_weight
+        yield {"tokens": rows, "weights": weights}

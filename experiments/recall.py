@@ -93,6 +93,8 @@ def parse_args(argv=None):
     ap.add_argument("--examples", type=int, default=256, help="examples per length (x --pairs queries)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk width")
+    ap.add_argument("--minutes", type=float, default=float("inf"),
+                    help="stop after the round of batches (one per length) that passes this much time")
     ap.add_argument("--variants", default="all", choices=["all", "base"])
     ap.add_argument("--no-replay", dest="replay", action="store_false", help="skip the bounded-replay row")
     ap.add_argument("--corpus-mb", type=float, default=64.0)
@@ -101,6 +103,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if min(args.lengths) < rt.min_length(args.pairs):
         ap.error(f"--lengths {min(args.lengths)}: {args.pairs} pairs need at least {rt.min_length(args.pairs)} tokens")
+    if args.minutes < 0:
+        ap.error(f"--minutes {args.minutes}: must be >= 0")
     if min(args.examples, args.batch, args.chunk, args.pairs) < 1:
         ap.error("--examples, --batch, --chunk and --pairs must be >= 1")
     return args
@@ -116,25 +120,32 @@ def main(argv=None) -> dict:
     _cli.output_file(args.out, "--out")
     _, val_ids = load_corpus(int(args.corpus_mb * 2**20))
     rng = np.random.default_rng(args.seed)
-    sets = [rt.batch(val_ids, args.batch, n, args.pairs, None, rng) for n in args.lengths
-            for _ in range(-(-args.examples // args.batch))]
+    # rounds of one batch per length, so a run cut short by --minutes still covers every length
+    sets = [rt.batch(val_ids, args.batch, n, args.pairs, None, rng)
+            for _ in range(-(-args.examples // args.batch)) for n in args.lengths]
     params = load_run(Path(args.run), cfg)
     res = {"args": vars(args), "edges": EDGES, "rows": []}
     t0 = time.perf_counter()
     runs = [(name, False) for name in (VARIANTS if args.variants == "all" else [BASE])]
     runs += [("bounded replay of the queries' window", True)] if args.replay else []
-    for name, replay in tqdm(runs, desc="variants", file=sys.stderr):
-        v = cfg if replay else cfg.replace(**VARIANTS[name](capacity))
-        right, dist, nll = [], [], []
-        for ids, d in sets:
+    got = {name: ([], [], []) for name, _ in runs}  # right, nll, distance: one array per batch
+    done = 0
+    for ids, d in tqdm(sets, desc="example batches (every variant)", file=sys.stderr):
+        for name, replay in runs:
+            v = cfg if replay else cfg.replace(**VARIANTS[name](capacity))
             r, n = evaluate(v, params, ids, args.pairs, args.chunk, capacity, replay)
-            right.append(r.ravel())
-            nll.append(n.ravel())
-            dist.append(d.ravel())
-        right, dist = np.concatenate(right), np.concatenate(dist)
-        res["rows"].append({"variant": name, "accuracy": float(right.mean()), "value_nll": float(np.concatenate(nll).mean()),
+            for out, x in zip(got[name], (r, n, d)):
+                out.append(x.ravel())
+        done += 1
+        if done % len(args.lengths) == 0 and time.perf_counter() - t0 > 60 * args.minutes:
+            print(f"--minutes {args.minutes}: stopping after {done} of {len(sets)} batches", file=sys.stderr)
+            break
+    for name, _ in runs:
+        right, nll, dist = (np.concatenate(x) for x in got[name])
+        res["rows"].append({"variant": name, "accuracy": float(right.mean()), "value_nll": float(nll.mean()),
                             "by_distance": rt.by_distance(right, dist, EDGES)})
         print(json.dumps(res["rows"][-1]), file=sys.stderr)
+    res["examples_per_length"] = done // len(args.lengths) * args.batch
     res["seconds"] = round(time.perf_counter() - t0, 1)
     res["markdown"] = markdown(res)
     if args.out:

@@ -158,6 +158,9 @@ def parse_args(argv=None):
     ap.add_argument("--recall-distance", type=int, nargs=2, default=None, metavar=("START", "END"),
                     help="curriculum: the recall pairs' max distance grows from START to END tokens over the first "
                          "half of the run (default: anywhere in the row)")
+    ap.add_argument("--answer-weight", type=float, default=1.0,
+                    help="loss weight of the answer digits of passkey and recall rows (other targets: 1); the "
+                         "curve's lm_loss stays the unweighted mean")
     ap.add_argument("--steps", type=int, default=None, help="stop after this many steps")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
     ap.add_argument("--batch", type=int, default=8)
@@ -186,6 +189,8 @@ def parse_args(argv=None):
         ap.error("--steps must be >= 1 and --minutes > 0")
     if min(args.batch, args.seq, args.eval_every, args.eval_batches) < 1 or not 0 <= args.retrieval_frac <= 1:
         ap.error("--batch, --seq, --eval-every and --eval-batches must be >= 1, --retrieval-frac in [0, 1]")
+    if args.answer_weight <= 0:
+        ap.error(f"--answer-weight {args.answer_weight}: must be > 0")
     if not 0 <= args.recall_frac <= 1 - args.retrieval_frac:
         ap.error("--recall-frac must be in [0, 1 - --retrieval-frac]")
     if args.recall_frac and args.seq + 1 < recall_task.min_length(args.recall_pairs):
@@ -278,7 +283,7 @@ def main(argv=None) -> dict:
         return recall_task.curriculum(int(1000 * progress["frac"]), 1000, *args.recall_distance)
 
     data = training_batches(train_ids, args.batch, args.seq, args.retrieval_frac, rng, args.recall_frac,
-                            args.recall_pairs, max_distance)
+                            args.recall_pairs, max_distance, args.answer_weight)
     val_rng = np.random.default_rng(args.seed + 1)
     val = [windows(val_ids, args.batch, args.seq + 1, val_rng) for _ in range(args.eval_batches)]
 
@@ -301,7 +306,7 @@ def main(argv=None) -> dict:
     t0, step, compile_s, bar = time.perf_counter(), step0, None, None
     while (total is None or step < total) and time.perf_counter() - t0 < budget:
         with compiling(("train", train_cfg, args.batch, args.seq), f"train step [B={args.batch}, T={args.seq}]"):
-            params, opt_state, m = step_fn(params, opt_state, {"tokens": jnp.asarray(next(data))})
+            params, opt_state, m = step_fn(params, opt_state, jax.tree.map(jnp.asarray, next(data)))
         m = jax.tree.map(float, m)
         step += 1
         progress["frac"] = step / total if total else (time.perf_counter() - t0) / budget

@@ -349,9 +349,11 @@ def tiny_run(tmp_path_factory):
 
 
 def test_recall_counts_every_query_once_per_variant(tiny_run, capsys):
-    res = call(recall.main, "--run", tiny_run, "--lengths", 300, "--pairs", 2, "--examples", 2, "--batch", 2,
-               "--chunk", 128, "--variants", "base", "--corpus-mb", 0.3)
+    # --minutes 0: the first round (one batch of 2 examples per length) only, of the 4 examples asked for
+    res = call(recall.main, "--run", tiny_run, "--lengths", 300, "--pairs", 2, "--examples", 4, "--batch", 2,
+               "--chunk", 128, "--variants", "base", "--corpus-mb", 0.3, "--minutes", 0)
     assert [r["variant"] for r in res["rows"]] == [quality.BASE, "bounded replay of the queries' window"]
+    assert res["examples_per_length"] == 2
     for row in res["rows"]:
         assert sum(b["n"] for b in row["by_distance"]) == 4 and 0 <= row["accuracy"] <= 1
     assert "| " + quality.BASE in res["markdown"]

@@ -72,12 +72,16 @@ def test_wilson_interval_and_bins():
 def test_training_batches_mix_recall_rows_at_the_current_distance():
     from experiments.corpus import training_batches
     reach = {"d": 200}
-    data = training_batches(FILLER, 6, 511, 0.0, np.random.default_rng(4), 1.0, 4, lambda: reach["d"])
+    data = training_batches(FILLER, 6, 511, 0.0, np.random.default_rng(4), 1.0, 4, lambda: reach["d"], 8.0)
     first = next(data)
     ans = rt.answer_positions(512, 4)
-    for row in first:  # every row a recall example, its plants within 200 tokens of the queries
+    for row in first["tokens"]:  # every row a recall example, its plants within 200 tokens of the queries
         assert all(_text(row[a[0] - rt.QUERY_VALUE_AT:a[0]]).startswith("\n# get ") for a in ans)
         assert _text(row[:ans[0, 0] - 200]).count("# let ") == 0
+    # the targets that are answer digits (target i predicts token i + 1) weigh 8, the others 1
+    want = np.ones((6, 511), np.float32)
+    want[:, ans.ravel() - 1] = 8.0
+    np.testing.assert_array_equal(first["weights"], want)
     reach["d"] = 500
     later = next(data)
-    assert any(_text(row[:ans[0, 0] - 200]).count("# let ") > 0 for row in later)
+    assert any(_text(row[:ans[0, 0] - 200]).count("# let ") > 0 for row in later["tokens"])

@@ -36,12 +36,18 @@ def test_passkey_too_short_is_refused():
 
 def test_training_batches_mix_retrieval_rows():
     rng = np.random.default_rng(0)
-    gen = training_batches(FILLER, 64, 127, 0.25, rng)
-    rows = next(gen)
-    assert rows.shape == (64, 128)
-    n_key = sum("# recall passkey: " in _text(r) for r in rows)
-    assert 6 <= n_key <= 28, n_key  # ~16 expected
-    assert sum("# recall passkey: " in _text(r) for r in next(training_batches(FILLER, 64, 127, 0.0, rng))) == 0
+    gen = training_batches(FILLER, 64, 127, 0.25, rng, answer_weight=5.0)
+    batch = next(gen)
+    rows = batch["tokens"]
+    assert rows.shape == (64, 128) and batch["weights"].shape == (64, 127)
+    keyed = ["# recall passkey: " in _text(r) for r in rows]
+    assert 6 <= sum(keyed) <= 28, sum(keyed)  # ~16 expected
+    for r, w, k in zip(rows, batch["weights"], keyed):  # the answer digits' targets weigh 5, all else 1
+        heavy = np.flatnonzero(w == 5.0)
+        assert np.all((w == 1.0) | (w == 5.0)) and len(heavy) == (KEY_DIGITS if k else 0)
+        if k:
+            assert _text(r[heavy + 1]) == _text(r[-1 - KEY_DIGITS:-1])  # the recalled key
+    assert not any("# recall passkey: " in _text(r) for r in next(training_batches(FILLER, 64, 127, 0.0, rng))["tokens"])
 
 
 def test_key_scores_count_whole_keys_and_digits():

@@ -3,16 +3,21 @@ checkpoint is limited to 64 MiB): does the dense BF16 `small` learn multi-query 
 what do the inference approximations then cost?
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall train   # ~9 min: a new run
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall more    # ~9.5 min: the same run, resumed
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall eval    # the variants (experiments.recall)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall more    # ~9 min: the same run, resumed
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall eval    # ~9 min: the variants (experiments.recall)
 
-`train_small --train-attention dense` with half the rows MQAR (8 pairs; the curriculum grows their distance
-from 384 to 4,096 tokens over the first half of STEPS steps), 4,096-token rows, a validation point every 50
-steps: LM loss and held-out whole-value recall accuracy at the final distance (`val_recall_acc`, teacher-
-forced). `more` continues it (`--resume`) up to STEPS; each call prints the whole learning curve and copies
-loss_curve.csv / summary.json to $OUT. `eval` scores accuracy against distance under every variant (FP4 vs
-BF16 cache, sparse vs dense, pool vs flat, bounded replay vs cold) on 4K and 8K examples. I20_DRY=1: the
-same calls with `tiny`, 512-token rows and a few steps (a CPU check of this script).
+A second argument `deep-full` does the same with `train_small --plan deep-full` (the Reindex layers as Full
+layers: the issue's "Reindex vs Full for the deep layers" is a second trained model) in its own directory.
+
+`train_small --train-attention dense` with half the rows MQAR (16 pairs; the curriculum grows their distance
+from 640 to 4,096 tokens over the first half of STEPS steps; the answer digits weigh 32 in the loss, ~20% of
+it, else 128 answer digits in 16K text targets are too little signal for minutes of training), 4,096-token
+rows, a validation point every 50 steps: LM loss and held-out whole-value recall accuracy at the final
+distance (`val_recall_acc`, teacher-forced). `more` continues it (`--resume`) up to STEPS; each call prints the
+whole learning curve and copies loss_curve.csv / summary.json to $OUT. `eval` scores accuracy against
+distance under every variant (FP4 vs BF16 cache, sparse vs dense, pool vs flat, bounded replay vs cold) on
+2K-16K examples for 5 minutes (rounds of one batch per length). I20_DRY=1: the same calls with `tiny`,
+512-token rows and a few steps (a CPU check of this script).
 """
 
 import csv
@@ -23,20 +28,23 @@ import sys
 from experiments.device_runs._steps import OUT, step
 
 DRY = bool(os.environ.get("I20_DRY"))
-RUN, STEPS, PRESET, SEQ, MINUTES = ("/tmp/i20/recall", 2000, "small", 4096, 8.0) if not DRY else \
-    ("/tmp/i20dry/recall", 200, "tiny", 512, 0.8)
+PLAN = sys.argv[2] if len(sys.argv) > 2 else "csa2"
+RUN, STEPS, PRESET, SEQ, PAIRS, START, MINUTES = (f"/tmp/i20/{PLAN}", 1200, "small", 4096, 16, 640, 7.3) if not DRY else \
+    (f"/tmp/i20dry/{PLAN}", 200, "tiny", 512, 4, 160, 0.8)
 # a resumed call is a new process: with a compilation cache on the machine it reads the train step back
 # instead of compiling it again
 CACHE = {"JAX_COMPILATION_CACHE_DIR": os.path.join(os.path.dirname(RUN), "jax_cache")}
-TRAIN = ["--steps", str(STEPS), "--recall-frac", "0.5", "--recall-pairs", "8", "--recall-distance", "384", str(SEQ),
-         "--retrieval-frac", "0", "--seq", str(SEQ), "--batch", "4", "--lr", "2e-3", "--warmup", "50",
-         "--eval-every", "3" if DRY else "50", "--eval-batches", "1"]
+TAG = "" if PLAN == "csa2" else f"_{PLAN}"  # the log and output names of the second model
+TRAIN = ["--steps", str(STEPS), "--recall-frac", "0.5", "--recall-pairs", str(PAIRS), "--recall-distance", str(START),
+         str(SEQ), "--answer-weight", "32", "--retrieval-frac", "0", "--seq", str(SEQ), "--batch", "4", "--lr", "2e-3",
+         "--warmup", "50", "--eval-every", "3" if DRY else "50", "--eval-batches", "1"]
 
 
 def show_curve() -> None:
     for name in ("loss_curve.csv", "summary.json", "config.json"):
         if os.path.exists(os.path.join(RUN, name)):
-            shutil.copy(os.path.join(RUN, name), OUT)
+            base, ext = os.path.splitext(name)
+            shutil.copy(os.path.join(RUN, name), os.path.join(OUT, base + TAG + ext))
     if os.path.exists(os.path.join(RUN, "loss_curve.csv")):
         print("| step | s | train LM | val LM | recall acc | recall NLL |\n|---|---|---|---|---|---|")
         for r in csv.DictReader(open(os.path.join(RUN, "loss_curve.csv"))):
@@ -48,16 +56,17 @@ def show_curve() -> None:
 if __name__ == "__main__":
     phase = sys.argv[1] if len(sys.argv) > 1 else "train"
     if phase == "train":
-        step("train_recall", ["-m", "experiments.train_small", "--preset", PRESET, "--study", "--train-attention",
-                              "dense", *TRAIN, "--minutes", str(MINUTES), "--out", RUN],
-             560, CACHE)
+        step(f"train_recall{TAG}", ["-m", "experiments.train_small", "--preset", PRESET, "--study", "--plan", PLAN,
+                                    "--train-attention", "dense", *TRAIN, "--minutes", str(MINUTES), "--out", RUN],
+             530, CACHE)
         show_curve()
     elif phase == "more":
-        step("train_recall_more", ["-m", "experiments.train_small", "--resume", RUN, *TRAIN, "--minutes", str(MINUTES)],
-             570, CACHE)
+        step(f"train_recall_more{TAG}", ["-m", "experiments.train_small", "--resume", RUN, *TRAIN, "--minutes",
+                                         str(MINUTES)], 530, CACHE)
         show_curve()
     else:
-        lengths, examples = (["512"], "2") if DRY else (["4096", "8192"], "64")
-        step("recall_eval", ["-m", "experiments.recall", "--run", RUN, "--lengths", *lengths, "--examples", examples,
-                             "--out", os.path.join(OUT, "recall.json")], 570)
-        print(open(os.path.join(OUT, "recall_eval.log")).read()[-3000:])
+        lengths, examples, minutes = (["512"], "4", "0.1") if DRY else (["2048", "4096", "8192", "16384"], "256", "5")
+        step(f"recall_eval{TAG}", ["-m", "experiments.recall", "--run", RUN, "--lengths", *lengths, "--pairs",
+                                   str(PAIRS), "--examples", examples, "--minutes", minutes,
+                                   "--out", os.path.join(OUT, f"recall{TAG}.json")], 540)
+        print(open(os.path.join(OUT, f"recall_eval{TAG}.log")).read()[-3000:])
