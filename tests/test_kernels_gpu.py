@@ -19,11 +19,45 @@ import pytest
 
 from dsv41_jax import ops, quant
 from kernels_pallas import decode, gpu_attention, gpu_indexer, gpu_select
-from tests.kernel_checks import assert_scan_matches, check_pool_scan, index_case
+from tests.kernel_checks import assert_scan_matches, index_case, pool_blocks
 
 INTERPRET = jax.default_backend() == "cpu"
 # interpreted, "fp8-asm" runs the jnp bit moves of "fp8" (PTX needs a GPU): the same computation twice
 SCAN_VARIANTS = [v for v in gpu_indexer.VARIANTS if not (INTERPRET and v == "fp8-asm")]
+
+# Inputs and jnp references compiled whole, once per shape: run op by op, each of their ~100 ops compiles
+# on its own for every new shape, which cost more than the interpreted kernels (~5 s of a new shape's
+# case on the CPU). The references are the functions the model runs under jit.
+jit_index_case = jax.jit(index_case, static_argnums=(1, 2, 3, 4))
+indexer_ref = jax.jit(functools.partial(ops.indexer_scores_decode, codec=quant.INDEX_KEY))
+topk_ref = jax.jit(ops.select_topk, static_argnums=1)
+
+
+@functools.partial(jax.jit, static_argnums=6)
+def attention_ref(q, window, valid, entries, idx, sink, scale):
+    return ops.sparse_attention_decode(q, window, valid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, scale)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def candidates_case(s, reach, n_blocks, block):
+    """(the top-k kernel's input: block maxima of the masked scores with the newest reachable block pinned,
+    ops.candidate_blocks of them)"""
+    s = ops.mask_unreachable(s, reach)
+    return ops.pin_newest_block(ops.block_maxima(s, block), reach, block), ops.candidate_blocks(s, reach, n_blocks, block)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 5, 6))
+def _pool_case(b, h, d, n, reach, block, n_blocks):
+    q, w, rec = index_case(n + h, b, h, d, n)
+    blocks = pool_blocks(n, reach, n, n_blocks, block)
+    return q, w, rec, blocks, ops.indexer_scores_pool_decode(q, w, rec, blocks, block, reach, quant.INDEX_KEY)
+
+
+def check_pool_scan(scan, b, h, d, n, reach, block, n_blocks) -> None:
+    """`tests.kernel_checks.check_pool_scan` with the case and its reference compiled whole (`_pool_case`)."""
+    reach = jnp.array(reach, jnp.int32)
+    q, w, rec, blocks, ref = _pool_case(b, h, d, n, reach, block, n_blocks)
+    assert_scan_matches(scan(q, w, rec["values"], rec["scales"], blocks, reach), ref, n, None)
 
 
 @pytest.mark.parametrize("variant", SCAN_VARIANTS)
@@ -33,9 +67,9 @@ SCAN_VARIANTS = [v for v in gpu_indexer.VARIANTS if not (INTERPRET and v == "fp8
     (1, 16, 128, 1, [1], None),  # one entry
 ])
 def test_indexer_scores(b, h, d, n, reach, block, variant):
-    q, w, rec = index_case(n + h, b, h, d, n)
+    q, w, rec = jit_index_case(n + h, b, h, d, n)
     reach = jnp.array(reach, jnp.int32)
-    ref = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
+    ref = indexer_ref(q, w, rec, reach)
     out = gpu_indexer.indexer_scores(q, w, rec["values"], rec["scales"], reach, block=block, block_n=64,
                                      variant=variant, interpret=INTERPRET)
     assert_scan_matches(out, ref, n, block)
@@ -63,17 +97,17 @@ def test_fp8_key_bits_are_e2m1_exactly():
 
 def test_fp8_query_is_exact_on_the_fp4_grid():
     """FP4-grid queries (group exponents 20 binades apart) survive the E5M2 query exactly."""
-    q = quant.fake_quant(quant.INDEX_KEY, jax.random.normal(jax.random.key(0), (2, 4, 128))
-                         * jnp.exp2(-5.0 * jnp.arange(4)).repeat(32))
-    q8, wn = gpu_indexer.prepare_query_fp8(q, jnp.ones((2, 4)))
+    q = jax.jit(functools.partial(quant.fake_quant, quant.INDEX_KEY))(
+        jax.random.normal(jax.random.key(0), (2, 4, 128)) * jnp.exp2(-5.0 * jnp.arange(4)).repeat(32))
+    q8, wn = jax.jit(gpu_indexer.prepare_query_fp8)(q, jnp.ones((2, 4)))
     back = jax.lax.bitcast_convert_type(q8, jnp.float8_e5m2).astype(jnp.float32)[:, :4]
     np.testing.assert_array_equal(back * (wn[:, :4, None] * 2.0 ** -14), q)
 
 
 def _rows(name, rng):
-    n = 3000
+    n = 3000  # one shape [3, n] for the cases that need no particular length: they share their compiles
     if name == "normal":
-        return rng.normal(size=(3, 1000))
+        return rng.normal(size=(3, n))
     if name == "two_levels":
         return rng.normal(size=(2, 5000))
     if name == "three_levels":
@@ -81,9 +115,9 @@ def _rows(name, rng):
     if name == "rounded_ties":
         return np.round(rng.normal(size=(2, 5000)) * 2) / 2
     if name == "all_equal":
-        return np.zeros((2, 700))
+        return np.zeros((3, n))
     if name == "block_ties":  # every block of 8 ties at the top: forces the in-order rescan
-        x = np.ones((2, n))
+        x = np.ones((3, n))
         x[:, ::7] = 2.0
         return x
     if name == "neg_inf":
@@ -93,7 +127,7 @@ def _rows(name, rng):
         x[2, 100:2900] = -np.inf
         return x
     if name == "signed_zero":
-        return np.where(rng.random((2, n)) < 0.5, 0.0, -0.0)
+        return np.where(rng.random((3, n)) < 0.5, 0.0, -0.0)
     if name == "short":
         return rng.normal(size=(2, 5))
     raise KeyError(name)
@@ -104,12 +138,12 @@ def _rows(name, rng):
                                     ("signed_zero", 64), ("short", 8)])
 def test_select_topk(name, k):
     s = jnp.asarray(_rows(name, np.random.default_rng(k)), jnp.float32)
-    np.testing.assert_array_equal(gpu_select.select_topk(s, k, interpret=INTERPRET), ops.select_topk(s, k))
+    np.testing.assert_array_equal(gpu_select.select_topk(s, k, interpret=INTERPRET), topk_ref(s, k))
 
 
 def test_select_topk_k1_and_leading_dims():
     s = jnp.asarray(np.random.default_rng(1).normal(size=(2, 1, 300)), jnp.float32)
-    np.testing.assert_array_equal(gpu_select.select_topk(s, 1, interpret=INTERPRET), ops.select_topk(s, 1))
+    np.testing.assert_array_equal(gpu_select.select_topk(s, 1, interpret=INTERPRET), topk_ref(s, 1))
 
 
 @pytest.mark.parametrize("n,block,n_blocks,reach", [
@@ -118,14 +152,12 @@ def test_select_topk_k1_and_leading_dims():
 ])
 def test_candidate_blocks(n, block, n_blocks, reach):
     """The model's candidate selection: the top-k kernel over pinned block maxima == ops.candidate_blocks."""
-    rng = np.random.default_rng(n)
-    reach = jnp.array(reach, jnp.int32)[:, None]
-    s = ops.mask_unreachable(jnp.asarray(rng.normal(size=(4, 1, n)), jnp.float32), reach)
-    pinned = ops.pin_newest_block(ops.block_maxima(s, block), reach, block)
-    np.testing.assert_array_equal(gpu_select.select_topk(pinned, n_blocks, interpret=INTERPRET),
-                                  ops.candidate_blocks(s, reach, n_blocks, block))
+    s = jnp.asarray(np.random.default_rng(n).normal(size=(4, 1, n)), jnp.float32)
+    pinned, ref = candidates_case(s, jnp.array(reach, jnp.int32)[:, None], n_blocks, block)
+    np.testing.assert_array_equal(gpu_select.select_topk(pinned, n_blocks, interpret=INTERPRET), ref)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
 def _attention_case(seed, b, h, d, w, n, k):
     ks = jax.random.split(jax.random.key(seed), 7)
     q = jax.random.normal(ks[0], (b, h, d)) * 3
@@ -143,18 +175,19 @@ def _attention_case(seed, b, h, d, w, n, k):
 
 
 @pytest.mark.parametrize("b,h,d,w,n,k,variant,splits,block_k,head_block", [
-    (3, 4, 64, 16, 37, 8, "flash", 1, 16, None),  # tiny config
+    # tiny config: K < the key tile, so its only entry tile is partial; split: 3 ranges over 2 tiles, one empty
+    (3, 4, 64, 16, 37, 8, "flash", 1, 16, None),
     (3, 4, 64, 16, 37, 8, "split", 3, 16, None),
-    (2, 64, 512, 128, 300, 512, "flash", 4, 64, None),  # released shapes
-    (3, 64, 512, 128, 300, 512, "flash", 1, 32, 16),  # head blocks
-    (2, 64, 512, 128, 300, 512, "flash", 3, 32, 32),
-    (3, 64, 512, 128, 300, 512, "split", 1, 32, None),
-    (2, 64, 512, 128, 300, 500, "split", 4, 64, None),  # K not a multiple of the key tile
+    # released shapes, one case (and one compile of inputs and reference) for all: the flash kernel
+    # finishing the softmax itself and combined over ranges, both with head blocks; split over 4 ranges
+    (3, 64, 512, 128, 300, 512, "flash", 1, 32, 16),
+    (3, 64, 512, 128, 300, 512, "flash", 3, 32, 32),
+    (3, 64, 512, 128, 300, 512, "split", 4, 64, None),
 ])
 def test_sparse_attention(b, h, d, w, n, k, variant, splits, block_k, head_block):
     q, window, valid, entries, idx, sink = _attention_case(d + splits, b, h, d, w, n, k)
     scale = d ** -0.5
-    ref = ops.sparse_attention_decode(q, window, valid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, scale)
+    ref = attention_ref(q, window, valid, entries, idx, sink, scale)
     out = gpu_attention.sparse_attention(q, window["values"], window["scales"], valid, entries["values"],
                                          entries["scales"], idx, sink, scale, variant=variant, splits=splits,
                                          block_k=block_k, head_block=head_block,

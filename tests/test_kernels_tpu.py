@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 import kernels_pallas
-from dsv41_jax import grouped, ops, quant
+from dsv41_jax import grouped
 from dsv41_jax.layers import quantize_fp8_blocks
 from kernels_pallas import tpu_attention, tpu_grouped, tpu_indexer, tpu_select
-from tests.kernel_checks import assert_scan_matches, check_pool_scan, index_case
+from tests.kernel_checks import assert_scan_matches
 from tests.test_grouped import SIZES, _close, _experts
-from tests.test_kernels_gpu import _attention_case, _rows
+from tests.test_kernels_gpu import (_attention_case, _rows, attention_ref, candidates_case, check_pool_scan,
+                                    indexer_ref, jit_index_case, topk_ref)
 
 
 @pytest.mark.parametrize("b,h,d,n,reach,block,block_n", [
@@ -27,9 +28,9 @@ from tests.test_kernels_gpu import _attention_case, _rows
     (1, 16, 128, 1, [1], None, 128),
 ])
 def test_indexer_scores(b, h, d, n, reach, block, block_n):
-    q, w, rec = index_case(n + h, b, h, d, n)
+    q, w, rec = jit_index_case(n + h, b, h, d, n)
     reach = jnp.array(reach, jnp.int32)
-    ref = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
+    ref = indexer_ref(q, w, rec, reach)
     out = tpu_indexer.indexer_scores(q, w, rec["values"], rec["scales"], reach, block=block, block_n=block_n,
                                      interpret=True)
     assert_scan_matches(out, ref, n, block)
@@ -49,21 +50,20 @@ def test_indexer_scores_pool(b, h, d, n, reach, block, n_blocks, block_n):
 def test_select_topk(name):
     s = jnp.asarray(_rows(name, np.random.default_rng(3)), jnp.float32)
     for k in (1, 16):
-        np.testing.assert_array_equal(tpu_select.select_topk(s, k, interpret=True), ops.select_topk(s, k))
+        np.testing.assert_array_equal(tpu_select.select_topk(s, k, interpret=True), topk_ref(s, k))
 
 
 def test_candidate_blocks():
-    reach = jnp.array([[37], [13], [0], [1]], jnp.int32)
-    s = ops.mask_unreachable(jnp.asarray(np.random.default_rng(0).normal(size=(4, 1, 37)), jnp.float32), reach)
-    got = tpu_select.select_topk(ops.pin_newest_block(ops.block_maxima(s, 4), reach, 4), 3, interpret=True)
-    np.testing.assert_array_equal(got, ops.candidate_blocks(s, reach, 3, 4))
+    s = jnp.asarray(np.random.default_rng(0).normal(size=(4, 1, 37)), jnp.float32)
+    pinned, ref = candidates_case(s, jnp.array([[37], [13], [0], [1]], jnp.int32), 3, 4)
+    np.testing.assert_array_equal(tpu_select.select_topk(pinned, 3, interpret=True), ref)
 
 
 @pytest.mark.parametrize("b,h,d,w,n,k", [(3, 4, 64, 16, 37, 8), (3, 8, 128, 32, 50, 5)])
 def test_sparse_attention(b, h, d, w, n, k):
     q, window, valid, entries, idx, sink = _attention_case(d, b, h, d, w, n, k)
     scale = d ** -0.5
-    ref = ops.sparse_attention_decode(q, window, valid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, scale)
+    ref = attention_ref(q, window, valid, entries, idx, sink, scale)
     out = tpu_attention.sparse_attention(q, window["values"], window["scales"], valid, entries["values"],
                                          entries["scales"], idx, sink, scale, interpret=True)
     np.testing.assert_array_equal(out[0], 0.0)
@@ -72,18 +72,28 @@ def test_sparse_attention(b, h, d, w, n, k):
 
 
 GROUPED_SIZES = SIZES | {"no_rows": [0] * 8}
+# the jnp twins compiled whole (op by op, each new M compiled a few dozen small programs)
+grouped_ref = jax.jit(grouped.grouped_matmul)
+fp8_ref = jax.jit(grouped.fp8_matmul)
 
 
-@pytest.mark.parametrize("case", sorted(GROUPED_SIZES))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_grouped_fp4(case, dtype):
+@functools.cache
+def _fp4_experts():
+    return _experts(k=512, n=256)
+
+
+# Every case in f32; bf16 (its own row tiles) for the two cases whose rows meet several groups: with no
+# rows, one token or one expert, bf16 changes no more than the dots' operand type, which these check.
+@pytest.mark.parametrize("dtype,case", [(jnp.float32, c) for c in sorted(GROUPED_SIZES)]
+                         + [(jnp.bfloat16, "long_groups"), (jnp.bfloat16, "unequal_with_empty")])
+def test_grouped_fp4(dtype, case):
     """Against the jnp twin: decoded weights are exact, so only f32 summation order differs."""
     sizes = jnp.asarray(GROUPED_SIZES[case], jnp.int32)
-    w = _experts(k=512, n=256)
+    w = _fp4_experts()
     m = int(sizes.sum()) + 3  # trailing rows no group owns: zero in both
     x = jnp.asarray(np.random.default_rng(1).normal(size=(m, 512)), dtype)
     with jax.default_matmul_precision("highest"):
-        ref = grouped.grouped_matmul(x, w, sizes)
+        ref = grouped_ref(x, w, sizes)
     # the chosen tiles (one K chunk, one column tile) through the dispatcher
     (out,) = kernels_pallas.grouped_matmuls_fp4(x, [(w["values"], w["scales"])], sizes, family="tpu")
     _close(out, ref)
@@ -98,7 +108,7 @@ def test_grouped_visits_fetch_only_experts_with_rows(case):
     pipeline fetches one whenever its index changes) are each non-empty expert's once per column tile."""
     sizes = np.asarray(GROUPED_SIZES[case])
     m, tm, n_cols = int(sizes.sum()) + 3, 8, 3
-    grp, tile, count = tpu_grouped.tile_map(jnp.asarray(sizes), m, tm)
+    grp, tile, count = jax.jit(tpu_grouped.tile_map, static_argnums=(1, 2))(jnp.asarray(sizes), m, tm)
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     n = int(count[0])
     owner = -np.ones(m, int)
@@ -126,6 +136,6 @@ def test_fp8_matmul(m, n, k, dtype, tiles, as_bytes):
     q, s = quantize_fp8_blocks(jnp.asarray(rng.normal(size=(n, k)).astype(np.float32)))
     x = jnp.asarray(rng.normal(size=(m, k)), dtype)
     with jax.default_matmul_precision("highest"):
-        ref = grouped.fp8_matmul(x, q, s)
+        ref = fp8_ref(x, q, s)
     q = jax.lax.bitcast_convert_type(q, jnp.uint8) if as_bytes else q
     _close(tpu_grouped.fp8_matmul(x, q, s, tiles=tiles, interpret=True), ref)
