@@ -233,18 +233,24 @@ def output_dir(args) -> Path:
 
 
 def recall_probe(args, cfg: ModelConfig, filler: np.ndarray, rng: np.random.Generator):
-    """params -> (whole-value accuracy, value NLL in nats) on `args.batch` held-out recall rows at the
-    curriculum's final distance, teacher-forced through the training forward: the retrieval learning curve."""
+    """params -> (whole-value accuracy, value NLL in nats) on --eval-batches batches of `args.batch` held-out
+    recall rows at the curriculum's final distance, teacher-forced through the training forward: the retrieval
+    learning curve."""
     end = args.recall_distance[1] if args.recall_distance else None
-    ids, _ = recall_task.batch(filler, args.batch, args.seq + 1, args.recall_pairs, end, rng)
+    sets = [recall_task.batch(filler, args.batch, args.seq + 1, args.recall_pairs, end, rng)[0]
+            for _ in range(args.eval_batches)]
     before = recall_task.answer_positions(args.seq + 1, args.recall_pairs) - 1  # [Q, D]: logits that predict them
     fn = jax.jit(lambda p, t: train.forward_logits(*train.split_trainable(p), cfg, t)[:, before])
 
     def probe(params) -> tuple[float, float]:
-        with compiling(("recall", cfg, args.batch, args.seq), f"recall probe [B={args.batch}, T={args.seq}]"):
-            logits = np.asarray(fn(params, jnp.asarray(ids[:, :-1])), np.float32)
-        right, nll = recall_task.scores(logits, ids, args.seq + 1, args.recall_pairs)
-        return round(float(right.mean()), 5), round(float(nll.mean()), 5)
+        right, nll = [], []
+        for ids in sets:
+            with compiling(("recall", cfg, args.batch, args.seq), f"recall probe [B={args.batch}, T={args.seq}]"):
+                logits = np.asarray(fn(params, jnp.asarray(ids[:, :-1])), np.float32)
+            r, n = recall_task.scores(logits, ids, args.seq + 1, args.recall_pairs)
+            right.append(r)
+            nll.append(n)
+        return round(float(np.mean(right)), 5), round(float(np.mean(nll)), 5)
     return probe
 
 
