@@ -1,5 +1,7 @@
 """Inputs and checks shared by the GPU, TPU and dispatch kernel tests."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,13 +26,20 @@ def pool_blocks(seed, reach_b, n: int, n_blocks: int, block: int) -> jax.Array:
     return ops.candidate_blocks(s, r, n_blocks, block)[:, 0]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 5, 6))
+def _pool_case(b, h, d, n, reach, block, n_blocks):
+    """(q, w, index-key records, pool blocks, `ops.indexer_scores_pool_decode` of them): compiled whole, as
+    op-by-op it cost more than the interpreted kernel it checks."""
+    q, w, rec = index_case(n + h, b, h, d, n)
+    blocks = pool_blocks(n, reach, n, n_blocks, block)
+    return q, w, rec, blocks, ops.indexer_scores_pool_decode(q, w, rec, blocks, block, reach, quant.INDEX_KEY)
+
+
 def check_pool_scan(scan, b, h, d, n, reach, block, n_blocks) -> None:
     """A platform's pool-scan kernel `scan(q, w, values, scales, blocks, reach)` against
     `ops.indexer_scores_pool_decode` on a random case (pool drawn by `pool_blocks`)."""
-    q, w, rec = index_case(n + h, b, h, d, n)
     reach = jnp.array(reach, jnp.int32)
-    blocks = pool_blocks(n, reach, n, n_blocks, block)
-    ref = ops.indexer_scores_pool_decode(q, w, rec, blocks, block, reach, quant.INDEX_KEY)
+    q, w, rec, blocks, ref = _pool_case(b, h, d, n, reach, block, n_blocks)
     assert_scan_matches(scan(q, w, rec["values"], rec["scales"], blocks, reach), ref, n, None)
 
 

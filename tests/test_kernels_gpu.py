@@ -19,7 +19,7 @@ import pytest
 
 from dsv41_jax import ops, quant
 from kernels_pallas import decode, gpu_attention, gpu_indexer, gpu_select
-from tests.kernel_checks import assert_scan_matches, index_case, pool_blocks
+from tests.kernel_checks import assert_scan_matches, check_pool_scan, index_case
 
 INTERPRET = jax.default_backend() == "cpu"
 # interpreted, "fp8-asm" runs the jnp bit moves of "fp8" (PTX needs a GPU): the same computation twice
@@ -44,20 +44,6 @@ def candidates_case(s, reach, n_blocks, block):
     ops.candidate_blocks of them)"""
     s = ops.mask_unreachable(s, reach)
     return ops.pin_newest_block(ops.block_maxima(s, block), reach, block), ops.candidate_blocks(s, reach, n_blocks, block)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 5, 6))
-def _pool_case(b, h, d, n, reach, block, n_blocks):
-    q, w, rec = index_case(n + h, b, h, d, n)
-    blocks = pool_blocks(n, reach, n, n_blocks, block)
-    return q, w, rec, blocks, ops.indexer_scores_pool_decode(q, w, rec, blocks, block, reach, quant.INDEX_KEY)
-
-
-def check_pool_scan(scan, b, h, d, n, reach, block, n_blocks) -> None:
-    """`tests.kernel_checks.check_pool_scan` with the case and its reference compiled whole (`_pool_case`)."""
-    reach = jnp.array(reach, jnp.int32)
-    q, w, rec, blocks, ref = _pool_case(b, h, d, n, reach, block, n_blocks)
-    assert_scan_matches(scan(q, w, rec["values"], rec["scales"], blocks, reach), ref, n, None)
 
 
 @pytest.mark.parametrize("variant", SCAN_VARIANTS)

@@ -16,10 +16,10 @@ import kernels_pallas
 from dsv41_jax import grouped
 from dsv41_jax.layers import quantize_fp8_blocks
 from kernels_pallas import tpu_attention, tpu_grouped, tpu_indexer, tpu_select
-from tests.kernel_checks import assert_scan_matches
+from tests.kernel_checks import assert_scan_matches, check_pool_scan
 from tests.test_grouped import SIZES, _close, _experts
-from tests.test_kernels_gpu import (_attention_case, _rows, attention_ref, candidates_case, check_pool_scan,
-                                    indexer_ref, jit_index_case, topk_ref)
+from tests.test_kernels_gpu import (_attention_case, _rows, attention_ref, candidates_case, indexer_ref,
+                                    jit_index_case, topk_ref)
 
 
 @pytest.mark.parametrize("b,h,d,n,reach,block,block_n", [
