@@ -116,7 +116,8 @@ def loss_fn(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt1:
 
     LM term: the mean next-token cross entropy, or with weights_bt (f32 [B, T], one per target) its weighted
     mean sum(w * ce) / sum(w). aux: lm_loss (the unweighted mean, whatever the weights), indexer_kl (mean
-    over indexing layers and queries) and expert_load int32 [L, E].
+    over indexing layers and queries), expert_load int32 [L, E] and, with weights, heavy_ce: the mean cross
+    entropy of the targets weighted above 1 (e.g. a retrieval task's answers; 0 when there are none).
     Each sequence is one chunk from an empty cache (capacity T).
     """
     inputs, targets = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
@@ -127,6 +128,9 @@ def loss_fn(trainable: nnx.State, rest: nnx.State, cfg: ModelConfig, tokens_bt1:
     per_layer = [indexer_kl(r) for r in fwd.indexer]
     kl = (sum(s / jnp.maximum(n, 1.0) for s, n in per_layer) / len(per_layer)) if per_layer else jnp.float32(0)
     aux = {"lm_loss": lm, "indexer_kl": kl, "expert_load": fwd.expert_load_le}
+    if weights_bt is not None:
+        heavy = weights_bt > 1
+        aux["heavy_ce"] = jnp.sum(jnp.where(heavy, ce_bt, 0.0)) / jnp.maximum(jnp.sum(heavy), 1)
     return term + kl_weight * kl, aux
 
 
@@ -193,8 +197,8 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
     """A jitted, pure train_step(params, opt_state, batch) -> (params, opt_state, metrics).
 
     batch: {"tokens": int32 [B, T + 1]}, optionally "weights": f32 [B, T] (see `loss_fn`). metrics: loss,
-    lm_loss, indexer_kl, grad_norm and load_imbalance (max over layers of max_e load / mean load, before the
-    bias update).
+    lm_loss, indexer_kl, grad_norm, load_imbalance (max over layers of max_e load / mean load, before the
+    bias update) and, with weights, heavy_ce.
     """
     _check_trainable(cfg)
 
@@ -207,7 +211,8 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
         rest = update_expert_bias(rest, load, bias_rate)
         metrics = {"loss": loss, "lm_loss": aux["lm_loss"], "indexer_kl": aux["indexer_kl"],
                    "grad_norm": optax.tree.norm(grads),
-                   "load_imbalance": jnp.max(load.max(axis=-1) / load.mean(axis=-1))}
+                   "load_imbalance": jnp.max(load.max(axis=-1) / load.mean(axis=-1)),
+                   **({"heavy_ce": aux["heavy_ce"]} if "heavy_ce" in aux else {})}
         return nnx.merge_state(trainable, rest), opt_state, metrics
 
     return train_step

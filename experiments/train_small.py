@@ -325,7 +325,8 @@ def main(argv=None) -> dict:
         row = {"step": step, "seconds": round(before_s + time.perf_counter() - t0, 2), **{k: round(v, 5) for k, v in m.items()},
                **(validate() if step % args.eval_every == 0 or last else dict.fromkeys(validate_keys, ""))}
         rows.append(row)
-        bar.set_postfix(loss=f"{m['lm_loss']:.3f}", kl=f"{m['indexer_kl']:.3f}")
+        bar.set_postfix(loss=f"{m['lm_loss']:.3f}", kl=f"{m['indexer_kl']:.3f}",
+                        **({"answers": f"{m['heavy_ce']:.3f}"} if "heavy_ce" in m else {}))
     bar.close()
     if rows[-1]["val_lm_loss"] == "":
         rows[-1].update(validate())

@@ -180,3 +180,6 @@ def test_weighted_loss_is_the_weighted_mean_of_the_targets_cross_entropy():
     np.testing.assert_allclose(float(weighted), want, rtol=1e-6)
     assert abs(want - float(plain)) > 1e-3  # the weights move the term: the check above can fail
     np.testing.assert_allclose(float(waux["lm_loss"]), float(aux["lm_loss"]), rtol=1e-6)
+    heavy = np.asarray(w_bt) > 1  # the up-weighted targets' own mean: the retrieval task's curve
+    np.testing.assert_allclose(float(waux["heavy_ce"]), float(np.asarray(ce_bt)[heavy].mean()), rtol=1e-6)
+    assert "heavy_ce" not in aux

@@ -49,11 +49,15 @@ def show_curve() -> None:
             base, ext = os.path.splitext(name)
             shutil.copy(os.path.join(RUN, name), os.path.join(OUT, base + TAG + ext))
     if os.path.exists(os.path.join(RUN, "loss_curve.csv")):
-        print("| step | s | train LM | val LM | recall acc | recall NLL |\n|---|---|---|---|---|---|")
+        print("| step | s | train LM | train answer CE per digit (mean since the last row) | val LM | recall acc | "
+              "recall NLL |\n|---|---|---|---|---|---|---|")
+        since = []
         for r in csv.DictReader(open(os.path.join(RUN, "loss_curve.csv"))):
+            since.append(float(r.get("heavy_ce") or "nan"))
             if r["val_lm_loss"]:
-                print(f"| {r['step']} | {r['seconds']} | {r['lm_loss']} | {r['val_lm_loss']} | "
-                      f"{r.get('val_recall_acc', '')} | {r.get('val_recall_nll', '')} |")
+                print(f"| {r['step']} | {r['seconds']} | {r['lm_loss']} | {sum(since) / len(since):.3f} | "
+                      f"{r['val_lm_loss']} | {r.get('val_recall_acc', '')} | {r.get('val_recall_nll', '')} |")
+                since = []
 
 
 if __name__ == "__main__":
