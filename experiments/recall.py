@@ -29,7 +29,7 @@ from experiments import _cli, recall_task as rt
 from experiments.corpus import load_corpus
 from experiments.quality import BASE, VARIANTS, cold_and_replayed, empty_cache, load_run, run_chunks, run_config
 
-EDGES = [0, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+EDGES = [0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 
 
 def evaluate(cfg, params, ids_bt: np.ndarray, n_pairs: int, chunk: int, capacity: int, replay: bool):
@@ -48,14 +48,24 @@ def evaluate(cfg, params, ids_bt: np.ndarray, n_pairs: int, chunk: int, capacity
 
 
 def markdown(res: dict) -> str:
+    """Accuracy per distance bin with 95% Wilson intervals, then each row's paired difference to the first."""
     bins = [(lo, hi) for lo, hi in zip(EDGES[:-1], EDGES[1:]) if any(
         r["lo"] == lo and r["n"] for row in res["rows"] for r in row["by_distance"])]
-    head = "| model / inference | " + " | ".join(f"{lo}-{hi}" for lo, hi in bins) + " |"
-    lines = [head, "|" + "---|" * (1 + len(bins))]
+    head = " | ".join(f"{lo}-{hi}" for lo, hi in bins) + " |"
+    sep = "|" + "---|" * (1 + len(bins))
+    lines = ["| model / inference | " + head, sep]
     for row in res["rows"]:
         cells = {r["lo"]: r for r in row["by_distance"]}
         lines.append(f"| {row['variant']} | " + " | ".join(
             f"{cells[lo]['acc']:.3f} [{cells[lo]['ci95'][0]:.3f}, {cells[lo]['ci95'][1]:.3f}] (n={cells[lo]['n']})"
+            if cells[lo]["n"] else "-" for lo, _ in bins) + " |")
+    first = res["rows"][0]["variant"]
+    lines += ["", f"Paired difference to \"{first}\" on the same queries (95% interval):", "",
+              "| model / inference | " + head, sep]
+    for row in res["rows"][1:]:
+        cells = {r["lo"]: r for r in row["vs_first"]}
+        lines.append(f"| {row['variant']} | " + " | ".join(
+            f"{cells[lo]['diff']:+.3f} [{cells[lo]['ci95'][0]:+.3f}, {cells[lo]['ci95'][1]:+.3f}]"
             if cells[lo]["n"] else "-" for lo, _ in bins) + " |")
     return "\n".join(lines)
 
@@ -140,17 +150,22 @@ def main(argv=None) -> dict:
         if done % len(args.lengths) == 0 and time.perf_counter() - t0 > 60 * args.minutes:
             print(f"--minutes {args.minutes}: stopping after {done} of {len(sets)} batches", file=sys.stderr)
             break
+    base = np.concatenate(got[runs[0][0]][0])  # every variant scored the same queries, in the same order
+    # the raw outcomes, for any later paired analysis: each query's distance and, per variant, 1 if right
+    res["queries"] = {"distance": np.concatenate(got[runs[0][0]][2]).tolist(),
+                      "right": {name: np.concatenate(got[name][0]).astype(int).tolist() for name, _ in runs}}
     for name, _ in runs:
         right, nll, dist = (np.concatenate(x) for x in got[name])
         res["rows"].append({"variant": name, "accuracy": float(right.mean()), "value_nll": float(nll.mean()),
-                            "by_distance": rt.by_distance(right, dist, EDGES)})
+                            "by_distance": rt.by_distance(right, dist, EDGES),
+                            "vs_first": rt.paired_difference(right, base, dist, EDGES)})
         print(json.dumps(res["rows"][-1]), file=sys.stderr)
     res["examples_per_length"] = done // len(args.lengths) * args.batch
     res["seconds"] = round(time.perf_counter() - t0, 1)
     res["markdown"] = markdown(res)
     if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
         res["plot"] = plot(res, Path(args.out).with_suffix(".png"))
+        Path(args.out).write_text(json.dumps(res, indent=1))
     print(res["markdown"])
     return res
 

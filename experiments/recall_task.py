@@ -143,3 +143,21 @@ def by_distance(right: np.ndarray, distance: np.ndarray, edges: list[int]) -> li
         n, k = int(sel.sum()), int(right[sel].sum())
         out.append({"lo": lo, "hi": hi, "n": n, "acc": k / n if n else float("nan"), "ci95": wilson(k, n)})
     return out
+
+
+def paired_difference(right: np.ndarray, base: np.ndarray, distance: np.ndarray, edges: list[int],
+                      z: float = 1.959964) -> list[dict]:
+    """Accuracy of `right` minus that of `base` on the same queries, per distance bin [edges[i], edges[i + 1]):
+    [{lo, hi, n, diff, ci95}], the interval from the paired differences' standard error (normal
+    approximation; (0, 0) when every query agrees, nan when a bin is empty). Paired, it sees differences that
+    two independent intervals would hide: most queries are right (or wrong) under both."""
+    d_all = np.asarray(right, np.float64).ravel() - np.asarray(base, np.float64).ravel()
+    distance = np.asarray(distance).ravel()
+    out = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        d = d_all[(distance >= lo) & (distance < hi)]
+        n = d.size
+        diff = float(d.mean()) if n else float("nan")
+        half = z * float(d.std(ddof=1)) / math.sqrt(n) if n > 1 else float("nan")
+        out.append({"lo": lo, "hi": hi, "n": n, "diff": diff, "ci95": (diff - half, diff + half)})
+    return out

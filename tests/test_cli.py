@@ -357,6 +357,10 @@ def test_recall_counts_every_query_once_per_variant(tiny_run, capsys):
     for row in res["rows"]:
         assert sum(b["n"] for b in row["by_distance"]) == 4 and 0 <= row["accuracy"] <= 1
     assert "| " + quality.BASE in res["markdown"]
+    # the replay row's paired difference to the inference config: same queries, one value per query pair
+    vs = [b for b in res["rows"][1]["vs_first"] if b["n"]]
+    assert sum(b["n"] for b in vs) == 4 and all(-1 <= b["diff"] <= 1 for b in vs)
+    assert f'Paired difference to "{quality.BASE}"' in res["markdown"]
     capsys.readouterr()
     assert fails(recall.main, ["--run", tiny_run, "--lengths", 1024], capsys) == \
         "error: --lengths 1024: beyond the run's max_seq_len (512)"

@@ -69,6 +69,21 @@ def test_wilson_interval_and_bins():
     assert [(r["n"], r["acc"]) for r in rows] == [(2, 0.5), (1, 1.0), (1, 1.0)]
 
 
+def test_paired_difference_per_bin():
+    right = np.array([1, 1, 0, 1, 1, 0])
+    base = np.array([1, 0, 0, 1, 0, 1])
+    dist = np.array([10, 20, 30, 300, 400, 500])
+    lo_bin, hi_bin, empty = rt.paired_difference(right, base, dist, [0, 100, 1000, 2000])
+    d = np.array([0.0, 1.0, 0.0])  # the first bin's paired differences
+    half = 1.959964 * d.std(ddof=1) / np.sqrt(3)
+    assert lo_bin["n"] == 3 and lo_bin["diff"] == pytest.approx(1 / 3)
+    assert lo_bin["ci95"] == pytest.approx((1 / 3 - half, 1 / 3 + half))
+    assert hi_bin["diff"] == pytest.approx(0.0) and hi_bin["ci95"][1] > 0 > hi_bin["ci95"][0]  # +1 and -1
+    assert empty["n"] == 0 and np.isnan(empty["diff"])
+    same = rt.paired_difference(right, right, dist, [0, 1000])[0]
+    assert same["diff"] == 0 and same["ci95"] == (0.0, 0.0)
+
+
 def test_training_batches_mix_recall_rows_at_the_current_distance():
     from experiments.corpus import training_batches
     reach = {"d": 200}

@@ -2,24 +2,27 @@
 checkpoint is limited to 64 MiB): does the dense BF16 `small` learn multi-query associative recall, and
 what do the inference approximations then cost?
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall train   # ~9 min: a new run
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall more    # ~9 min: the same run, resumed
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall train   # ~9 min: stage A, a new run
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall more    # ~9 min: stage B, the same run
     PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall eval    # ~9 min: the variants (experiments.recall)
 
 A second argument `deep-full` does the same with `train_small --plan deep-full` (the Reindex layers as Full
 layers: the issue's "Reindex vs Full for the deep layers" is a second trained model) in its own directory.
 
-`train_small --train-attention dense`, every row one MQAR example (16 pairs in 4,096 tokens of stdlib text;
-the curriculum grows their distance from 640 to 4,096 tokens over the first half of STEPS steps; the answer
-digits weigh 16 in the loss, ~20% of it, else 64 answer digits among 4K text targets are too little signal
-for minutes of training), one row per step (batch 4 needed 245 GiB), a validation point every 100 steps: LM
-loss and held-out whole-value recall accuracy at the final distance (`val_recall_acc`, teacher-forced, 4
-rows). `more` continues it (`--resume`) up to STEPS; each call prints the whole learning curve and copies
-loss_curve.csv / summary.json to $OUT. `eval` scores accuracy against distance under every variant (FP4 vs
-BF16 cache, sparse vs dense, pool vs flat, bounded replay vs cold) on 2K-16K examples for 5 minutes (rounds
-of one batch per length). On 2026-12-02 `train` + `more` (1,982 steps) left recall at chance
-(docs/QUALITY.md). I20_DRY=1: the same calls with `tiny`,
-512-token rows and a few steps (a CPU check of this script).
+`train_small --train-attention dense`, every row one MQAR example (experiments/recall_task.py: key-value
+pairs in stdlib text, queried at the row's end; the answer digits weigh 16 in the loss). A curriculum over
+length, in two stages, because one stage at full length did not learn: on 2026-12-02 `small` trained
+straight on 4,096-token rows (16 pairs at 640-4,096 tokens, one row per step: batch 4 needed 245 GiB) stayed
+at chance for 1,982 steps, while `tiny` on 256-token rows learned the task on the CPU (docs/QUALITY.md):
+- stage A (`train`): 512-token rows, batch 8, 8 pairs whose distance grows from 305 to 512 tokens (beyond
+  the 128-token window: retrieval through the compressed entries) over the call;
+- stage B (`more`): resumed on 4,096-token rows, batch 1, 16 pairs at 640 -> 4,096 tokens.
+A validation point every 100 steps: LM loss on held-out text and held-out whole-value recall accuracy at
+the stage's final distance (`val_recall_acc`, teacher-forced); each call prints the whole learning curve
+(with the answer digits' training cross entropy) and copies loss_curve.csv / summary.json to $OUT. `eval`
+scores accuracy against distance under every variant (FP4 vs BF16 cache, sparse vs dense, pool vs flat,
+bounded replay vs cold) on 2K-16K examples for 5 minutes (rounds of one batch per length). I20_DRY=1: the
+same calls with `tiny` and short rows (a CPU check of this script).
 """
 
 import csv
@@ -31,16 +34,23 @@ from experiments.device_runs._steps import OUT, step
 
 DRY = bool(os.environ.get("I20_DRY"))
 PLAN = sys.argv[2] if len(sys.argv) > 2 else "csa2"
-RUN, STEPS, PRESET, SEQ, PAIRS, START, MINUTES = (f"/tmp/i20/{PLAN}", 4000, "small", 4096, 16, 640, 7.3) if not DRY else \
-    (f"/tmp/i20dry/{PLAN}", 200, "tiny", 512, 4, 160, 0.8)
-# a resumed call is a new process: with a compilation cache on the machine it reads the train step back
-# instead of compiling it again
+RUN, PRESET = (f"/tmp/i20/{PLAN}", "small") if not DRY else (f"/tmp/i20dry/{PLAN}", "tiny")
+MINUTES = "7.3" if not DRY else "0.8"
+# a resumed call is a new process: with a compilation cache on the machine it reads the programs it shares
+# with the first call back instead of compiling them again
 CACHE = {"JAX_COMPILATION_CACHE_DIR": os.path.join(os.path.dirname(RUN), "jax_cache")}
 TAG = "" if PLAN == "csa2" else f"_{PLAN}"  # the log and output names of the second model
-# one row per step: dense attention over 4,096 tokens at batch 4 needed 245 GiB in the train step (H200: 139)
-TRAIN = ["--steps", str(STEPS), "--recall-frac", "1", "--recall-pairs", str(PAIRS), "--recall-distance", str(START),
-         str(SEQ), "--answer-weight", "16", "--retrieval-frac", "0", "--seq", str(SEQ), "--batch", "1", "--lr", "1e-3",
-         "--warmup", "100", "--eval-every", "3" if DRY else "100", "--eval-batches", "4"]
+COMMON = ["--recall-frac", "1", "--answer-weight", "16", "--retrieval-frac", "0", "--eval-every",
+          "3" if DRY else "100", "--eval-batches", "2", "--minutes", MINUTES]
+# (seq, batch, pairs, distance start, end, lr) of each stage; the distance grows over the call's minutes
+STAGE_A = ("512", "8", "8", "305", "512", "2e-3") if not DRY else ("256", "4", "4", "153", "256", "3e-3")
+STAGE_B = ("4096", "1", "16", "640", "4096", "1e-3") if not DRY else ("512", "2", "8", "305", "512", "1e-3")
+EVAL_PAIRS = STAGE_B[2]
+
+
+def stage(seq: str, batch: str, pairs: str, start: str, end: str, lr: str) -> list[str]:
+    return ["--seq", seq, "--batch", batch, "--recall-pairs", pairs, "--recall-distance", start, end, "--lr", lr,
+            *COMMON]
 
 
 def show_curve() -> None:
@@ -64,16 +74,16 @@ if __name__ == "__main__":
     phase = sys.argv[1] if len(sys.argv) > 1 else "train"
     if phase == "train":
         step(f"train_recall{TAG}", ["-m", "experiments.train_small", "--preset", PRESET, "--study", "--plan", PLAN,
-                                    "--train-attention", "dense", *TRAIN, "--minutes", str(MINUTES), "--out", RUN],
+                                    "--train-attention", "dense", "--warmup", "50", *stage(*STAGE_A), "--out", RUN],
              530, CACHE)
         show_curve()
     elif phase == "more":
-        step(f"train_recall_more{TAG}", ["-m", "experiments.train_small", "--resume", RUN, *TRAIN, "--minutes",
-                                         str(MINUTES)], 530, CACHE)
+        step(f"train_recall_more{TAG}", ["-m", "experiments.train_small", "--resume", RUN, *stage(*STAGE_B)], 530,
+             CACHE)
         show_curve()
     else:
         lengths, examples, minutes = (["512"], "4", "0.1") if DRY else (["2048", "4096", "8192", "16384"], "256", "5")
         step(f"recall_eval{TAG}", ["-m", "experiments.recall", "--run", RUN, "--lengths", *lengths, "--pairs",
-                                   str(PAIRS), "--examples", examples, "--minutes", minutes,
+                                   EVAL_PAIRS, "--examples", examples, "--minutes", minutes,
                                    "--out", os.path.join(OUT, f"recall{TAG}.json")], 540)
         print(open(os.path.join(OUT, f"recall_eval{TAG}.log")).read()[-3000:])
