@@ -14,6 +14,7 @@ from dsv41_jax.sampling import sample
 CFG = d.preset("tiny")
 PARAMS = d.init_params(CFG, seed=0)
 B, T = 3, 9
+N = 6  # generate steps: every test here asks for N, so the tests share one compiled generate program
 
 
 def _prefilled():
@@ -45,8 +46,8 @@ def test_generate_equals_the_step_loop(temperature):
     temp = jnp.full((B,), temperature, jnp.float32)
     seed = jnp.asarray([5, 6, 7], jnp.uint32)
     budget = np.array([6, 2, 0], np.int32)  # unequal budgets; the last sequence idles
-    want, want_cache = _step_loop(cache, tok, 6, temp, seed, budget, [])
-    toks, emitted, got_cache = d.generate(CFG, PARAMS, cache, tok, 6, temperature_b=temp, seed_b=seed,
+    want, want_cache = _step_loop(cache, tok, N, temp, seed, budget, [])
+    toks, emitted, got_cache = d.generate(CFG, PARAMS, cache, tok, N, temperature_b=temp, seed_b=seed,
                                           budget_b=budget)
     np.testing.assert_array_equal(np.where(np.asarray(emitted), np.asarray(toks), -1), want)
     np.testing.assert_array_equal(np.asarray(emitted).sum(1), budget)
@@ -58,11 +59,11 @@ def test_generate_equals_the_step_loop(temperature):
 def test_stop_token_ends_a_sequence_on_device():
     logits, cache = _prefilled()
     tok = np.asarray(jnp.argmax(logits, -1)).astype(np.int32)
-    free, _, _ = d.generate(CFG, PARAMS, cache, tok, 5)
+    free, _, _ = d.generate(CFG, PARAMS, cache, tok, N)
     _, cache = _prefilled()  # generate donated the first one
     stop_at = np.asarray(free)[0, 1]  # sequence 0's second token becomes its stop id
     stops = np.array([[stop_at], [-1], [-1]], np.int32)
-    toks, emitted, after = d.generate(CFG, PARAMS, cache, tok, 5, stop_ids_bs=stops)
+    toks, emitted, after = d.generate(CFG, PARAMS, cache, tok, N, stop_ids_bs=stops)
     emitted = np.asarray(emitted)
     first_stop = int(np.argmax(np.asarray(toks)[0] == stop_at))
     assert emitted[0, :first_stop + 1].all() and not emitted[0, first_stop + 1:].any()  # the stop id is emitted
@@ -97,9 +98,9 @@ def test_scalar_arguments_keep_their_buffers_and_validate_false_changes_nothing(
     np.testing.assert_array_equal(api._per_seq(np.array([1, 2, 3]), B, "uint32"), [1, 2, 3])
     logits, cache = _prefilled()
     tok = np.asarray(jnp.argmax(logits, -1)).astype(np.int32)
-    checked, _, _ = d.generate(CFG, PARAMS, cache, tok, 3)
+    checked, _, _ = d.generate(CFG, PARAMS, cache, tok, N)
     _, cache = _prefilled()
-    unchecked, _, _ = d.generate(CFG, PARAMS, cache, tok, 3, validate=False)
+    unchecked, _, _ = d.generate(CFG, PARAMS, cache, tok, N, validate=False)
     np.testing.assert_array_equal(np.asarray(checked), np.asarray(unchecked))
 
 
@@ -117,10 +118,10 @@ def test_frozen_params_flatten_as_one_node_and_generate_the_same_tokens():
         d.freeze({"embed": np.zeros(3)})
     logits, cache = _prefilled()
     tok = np.asarray(jnp.argmax(logits, -1)).astype(np.int32)
-    want, _, _ = d.generate(CFG, PARAMS, cache, tok, 3, validate=False)
+    want, _, _ = d.generate(CFG, PARAMS, cache, tok, N, validate=False)
     _, cache = _prefilled()
-    got, _, cache = d.generate(CFG, frozen, cache, tok, 3, validate=False)
+    got, _, cache = d.generate(CFG, frozen, cache, tok, N, validate=False)
     n_programs = api._generate_jit._cache_size()
-    d.generate(CFG, frozen, cache, tok, 3, validate=False)
+    d.generate(CFG, frozen, cache, tok, N, validate=False)
     assert api._generate_jit._cache_size() == n_programs
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -195,15 +195,20 @@ def test_moe_paths_agree(act_quant, tokens):
     True])
 def test_model_logits_with_weight_kernels(monkeypatch, act_quant):
     """The model, f32, released weight formats: decode logits with the expert and FP8 kernels (forced on,
-    everything else jnp) against the jnp twins, to 1e-5 of the logit scale, from the same prefilled cache
+    everything else jnp) against the jnp twins, to 1e-5 of the logit scale, from the same filled cache
     (prefill-sized inputs of the kernels: the kernel tests above, 70-row FP8, 40-token MoE). tiny's first
-    3 layers (window, window + Engram, Full with an indexer) launch every kind of weight kernel the model has."""
+    3 layers (window, window + Engram, Full with an indexer) launch every kind of weight kernel the model has.
+    The cache is filled by jnp decode steps (6 tokens, 5 in row 1): the program of `want`, so no prefill
+    compile."""
     tiny = d.preset("tiny")
     cfg = truncated(_moe_cfg(activation_quant=act_quant, engram_layer_ids=tiny.engram_layer_ids, engram_head_dim=32,
                              engram_num_embeddings=tiny.engram_num_embeddings), 3)  # FP8 Engram needs 32-wide heads
     params = d.init_params(cfg, seed=0)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 6)).astype(np.int32)
-    _, cache = d.prefill(cfg, params, d.init_cache(cfg, 2, 64), ids, np.array([6, 5]))
+    cache = d.init_cache(cfg, 2, 64)
+    for i in range(6):
+        _, cache = d.decode_step(cfg, params, cache, ids[:, i], active_b=np.array([True, i < 5]))
+    np.testing.assert_array_equal(cache.lengths, [6, 5])
     spare = jax.tree.map(jnp.copy, cache)  # decode_step donates its cache
     want, _ = d.decode_step(cfg, params, cache, ids[:, 0])
     monkeypatch.setattr(kernels, "_weight_kernels", lambda kernels, rows: True)

@@ -71,18 +71,26 @@ def test_checkpoint_round_trip_is_bit_exact(run, tmp_path):
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
 
 
-def test_indexer_gets_gradient_from_kl_only():
-    """Gradients of the LM loss and of the indexer KL, separately, through the quantized forward."""
+@pytest.fixture(scope="module")
+def micro():
+    """Gradients of the LM loss and of the indexer KL of MICRO (seed 0) on TOKENS, separately, through the
+    quantized training forward, and the LM loss itself (one compile: the dense test reads its sparse loss)."""
     trainable, rest = train.split_trainable(d.init_params(MICRO, seed=0))
 
     @jax.jit
     def grads(tr):
         f = lambda p: tuple(train.loss_fn(p, rest, MICRO, TOKENS)[1][k] for k in ("lm_loss", "indexer_kl"))
-        _, vjp = jax.vjp(f, tr)
+        (lm, _), vjp = jax.vjp(f, tr)
         one, zero = jnp.float32(1), jnp.float32(0)
-        return vjp((one, zero))[0], vjp((zero, one))[0]  # (vmap over the two fails: ragged_dot batching)
+        return vjp((one, zero))[0], vjp((zero, one))[0], lm  # (vmap over the two fails: ragged_dot batching)
 
-    g_lm, g_kl = (_flat(g) for g in grads(trainable))
+    g_lm, g_kl, lm = grads(trainable)
+    return {"trainable": trainable, "rest": rest, "g_lm": _flat(g_lm), "g_kl": _flat(g_kl), "lm_loss": float(lm)}
+
+
+def test_indexer_gets_gradient_from_kl_only(micro):
+    """Gradients of the LM loss and of the indexer KL, separately, through the quantized forward."""
+    g_lm, g_kl = micro["g_lm"], micro["g_kl"]
     indexer = [k for k in g_lm if "/attn/indexer/" in k]
     assert {"layers/1/attn/indexer/wk/weight", "layers/4/attn/indexer/wq_b/weight"} <= set(indexer)
     for k in indexer:
@@ -143,19 +151,18 @@ def test_training_forward_quantizes_under_jit():
         np.testing.assert_allclose(got, np.asarray(fake_quant(codec, jnp.asarray(raw))), rtol=1e-6, atol=1e-7)
 
 
-def test_dense_training_config_attends_every_entry():
+def test_dense_training_config_attends_every_entry(micro):
     """train_small --train-attention dense trains with `dense_overrides`: on the same weights its loss
-    differs from the sparse config's (tiny keeps 8 of up to 48 compressed entries per query)."""
+    differs from the sparse config's (MICRO, like tiny, keeps 8 of up to 40 compressed entries per query
+    here; the sparse loss is the `micro` fixture's)."""
     from experiments import train_small
 
     assert train_small.parse_args(["--steps", "1", "--train-attention", "dense"]).train_attention == "dense"
-    params = d.init_params(CFG, seed=1)
-    tokens = jnp.asarray(np.random.default_rng(1).integers(3, 259, (2, 49)), jnp.int32)
-    dense_cfg = CFG.replace(**train_small.dense_overrides(48))
-    assert CFG.index_topk < 48 == dense_cfg.index_topk
-    sparse, dense = (float(jax.jit(lambda p, t, c=c: train.loss_fn(*train.split_trainable(p), c, t)[1]["lm_loss"])(
-        params, tokens)) for c in (CFG, dense_cfg))
-    assert abs(sparse - dense) > 1e-4
+    dense_cfg = MICRO.replace(**train_small.dense_overrides(40))
+    assert MICRO.index_topk < 40 == dense_cfg.index_topk == TOKENS.shape[1] - 1
+    dense = float(jax.jit(lambda tr: train.loss_fn(tr, micro["rest"], dense_cfg, TOKENS)[1]["lm_loss"])(
+        micro["trainable"]))
+    assert abs(micro["lm_loss"] - dense) > 1e-4
 
 
 def test_weighted_loss_is_the_weighted_mean_of_the_targets_cross_entropy():
