@@ -55,20 +55,44 @@ def _record_layers(monkeypatch):
     return calls
 
 
+@pytest.fixture(scope="module")
+def chunk():
+    """5 tokens on the prefilled cache (n_new 5 and 4) in one program, so one compile for two tests: the forward
+    with its layers' calls recorded (test_cache_is_what_the_layers_return[chunk]) and the same forward with
+    with_aux=True (test_forward_aux). Returns (the first forward's calls, (logits, cache) of the first, its
+    layers' returned rings, the sources its last layer publishes, (logits, cache, aux) of the second)."""
+    cache, model, tok, n_new = _prefilled(), _model(), jnp.asarray(TOKENS[:, :5]), jnp.array([5, 4])
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _record_layers(mp)
+
+        @jax.jit
+        def run(cache):
+            plain = model.forward(cache, tok, n_new, all_logits=True)
+            mine = list(calls)  # the first forward's layers
+            with_aux = model.forward(cache, tok, n_new, all_logits=True, with_aux=True)
+            return plain, [c[4][1] for c in mine], mine[-1][4][2].sources, with_aux
+
+        plain, rings, sources, with_aux = run(cache)
+    return calls[:CFG.n_layers], plain, rings, sources, with_aux
+
+
 @pytest.mark.parametrize("t", [1, 5], ids=["decode", "chunk"])
-def test_cache_is_what_the_layers_return(monkeypatch, t):
+def test_cache_is_what_the_layers_return(monkeypatch, request, t):
     """Each layer's returned ring is the forward's window[l]; the sources the last layer publishes are the
     forward's sources; a layer leaves the `Published` it was given as it was, and replaces only what it owns."""
-    cache = _prefilled()
-    calls = _record_layers(monkeypatch)
+    if t == 5:  # the chunk form: the `chunk` fixture's program
+        calls, (_, new), rings, sources, _ = request.getfixturevalue("chunk")
+    else:
+        cache = _prefilled()
+        calls = _record_layers(monkeypatch)
 
-    @jax.jit
-    def run(cache, tok):
-        _, new = _model().forward(cache, tok, jnp.array([t, t - 1 if t > 1 else 1]), all_logits=False)
-        rings = [c[4][1] for c in calls]
-        return new, rings, calls[-1][4][2].sources
+        @jax.jit
+        def run(cache, tok):
+            _, new = _model().forward(cache, tok, jnp.array([t, t - 1 if t > 1 else 1]), all_logits=False)
+            rings = [c[4][1] for c in calls]
+            return new, rings, calls[-1][4][2].sources
 
-    new, rings, sources = run(cache, jnp.asarray(TOKENS[:, :t]))
+        new, rings, sources = run(cache, jnp.asarray(TOKENS[:, :t]))
     plans = [c[0] for c in calls]
     assert [p.layer for p in plans] == list(range(CFG.n_layers))
     for layer, ring in enumerate(rings):
@@ -125,16 +149,13 @@ def test_decode_equals_the_prefill_form():
                          rows((want.pend_kv, want.pend_score), new_len[b] % m))
 
 
-def test_forward_aux():
+def test_forward_aux(chunk):
     """with_aux=True: the same logits and cache, plus the by-products: one routed load per layer that
     counts every token's k assignments, the pending extension of each ratio > 1 kv source, and the
     DSpark target layers' hidden streams."""
-    model, cache = _model(), _prefilled()
-    n_new = jnp.array([5, 3])
-    tok = jnp.asarray(TOKENS[:, :5])
-    # one program for both: a with_aux that changed the computation would not fold into the other
-    fwd = jax.jit(lambda c: tuple(model.forward(c, tok, n_new, all_logits=True, with_aux=w) for w in (False, True)))
-    (logits, new), (logits_aux, new_aux, aux) = fwd(cache)
+    # one program for both (the `chunk` fixture): a with_aux that changed the computation would not fold into
+    # the other
+    (logits, new), (logits_aux, new_aux, aux) = chunk[1], chunk[4]
     assert isinstance(aux, ForwardAux)
     np.testing.assert_array_equal(logits, logits_aux)
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(new_aux)):
