@@ -52,13 +52,16 @@ from experiments.placement import committed
 from experiments.corpus import PASSKEY_MIN_LENGTH, TOK, load_corpus, training_batches, windows
 
 
-def study_config(preset: str, plan: str, study: bool) -> ModelConfig:
+def study_config(preset: str, plan: str, study: bool, dtype: str | None = None) -> ModelConfig:
     """The trained config: the preset cut to the byte vocabulary, f32 master weights, optionally the
-    study's selection sizes and another layer plan (all-full, or deep-full: the Reindex layers as Full ones)."""
+    study's selection sizes, another layer plan (all-full, or deep-full: the Reindex layers as Full ones) and
+    another compute dtype (None: the preset's)."""
     cfg = d.preset(preset, vocab_size=TOK.size, engram_compressed_vocab_size=TOK.size, param_dtype="float32",
                    dspark_noise_token_id=TOK.size - 1,
                    sinkhorn_unroll="rolled",  # unrolled, compiles take minutes
                    vision_n_layers=0)  # a text study: the byte vocabulary has no image token
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype)
     if study:
         cfg = cfg.replace(index_topk=64, candidate_topk_blocks=16, candidate_block_size=8)
     if plan == "all-full":
@@ -88,9 +91,20 @@ def load_config(path: Path, **overrides) -> ModelConfig:
 
 
 def make_optimizer(lr: float, warmup: int) -> optax.GradientTransformation:
-    """AdamW (b2 0.95, weight decay 0.1) after global-norm clipping at 1, linear warm-up then constant."""
-    sched = optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.95, weight_decay=0.1))
+    """AdamW (b2 0.95, weight decay 0.1) after global-norm clipping at 1; the rate ramps linearly from 0 over
+    `warmup` steps, then stays at `lr`. The rate is a value in the optimizer state (`with_lr`), not a constant
+    of the compiled step: runs that differ only in --lr share one program (and the persistent compilation
+    cache), and a resumed call trains at its own --lr."""
+    ramp = lambda n: jnp.minimum(n / warmup, 1.0)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.inject_hyperparams(optax.adamw)(learning_rate=lr, b2=0.95, weight_decay=0.1),
+                       optax.scale_by_schedule(ramp))
+
+
+def with_lr(opt_state, lr: float):
+    """`make_optimizer`'s state with its peak rate set to `lr` (a resumed call's --lr)."""
+    clip, adamw, ramp = opt_state
+    return clip, adamw._replace(hyperparams={**adamw.hyperparams, "learning_rate": jnp.float32(lr)}), ramp
 
 
 def save_replacing(path: Path, params, opt_state, step: int) -> None:
@@ -148,6 +162,9 @@ def parse_args(argv=None):
                     help="csa2: the preset's layer plan; all-full: every compressing layer a Full layer; "
                          "deep-full: the preset's Reindex layers as Full layers (issue 20's Reindex vs Full)")
     ap.add_argument("--study", action="store_true", help="selection sizes scaled to 1-8K contexts (see above)")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                    help="compute dtype of activations and of the weights as used (master weights stay f32); "
+                         "default: the preset's (tiny float32, small bfloat16)")
     ap.add_argument("--train-attention", default="sparse", choices=["sparse", "dense"],
                     help="dense: train with every compressed entry attended (the release's dense warm-up form; the "
                          "indexer still learns by KL), evaluate with the sparse config saved in config.json")
@@ -206,7 +223,7 @@ def parse_args(argv=None):
     return args
 
 
-MODEL_FLAGS = ("preset", "plan", "study", "train_attention")  # fixed for a run: --resume takes them from it
+MODEL_FLAGS = ("preset", "plan", "study", "dtype", "train_attention")  # fixed for a run: --resume takes them
 
 
 def output_dir(args) -> Path:
@@ -224,7 +241,7 @@ def output_dir(args) -> Path:
             raise _cli.UserError(f"--steps {args.steps}: the run in {run} is at step {earlier['steps']} already; give "
                                  "a larger --steps")
         for k in MODEL_FLAGS:
-            setattr(args, k, earlier["args"][k])
+            setattr(args, k, earlier["args"].get(k))  # .get: runs from before --dtype have none (the preset's)
         return _cli.writable_dir(str(run), "--resume")
     out = Path(args.out or f"runs/train_small_{args.preset}")
     if (out / "checkpoint").exists():
@@ -258,7 +275,7 @@ def recall_probe(args, cfg: ModelConfig, filler: np.ndarray, rng: np.random.Gene
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out = output_dir(args)
-    cfg = study_config(args.preset, args.plan, args.study)
+    cfg = study_config(args.preset, args.plan, args.study, args.dtype)
     if not args.resume:
         save_config(out / "config.json", cfg)
     train_ids, val_ids = load_corpus(int(args.corpus_mb * 2**20))
@@ -272,6 +289,7 @@ def main(argv=None) -> dict:
     step0, rows = 0, []
     if args.resume:
         params, opt_state, step0 = train.restore_checkpoint(out / "checkpoint", params, opt_state)
+        opt_state = with_lr(opt_state, args.lr)
         rows = read_curve(out)
         print(f"resuming {out} at step {step0}", file=sys.stderr)
     # committed, as restored arrays are: a new run and a resumed one then compile the same programs (and a
@@ -334,9 +352,11 @@ def main(argv=None) -> dict:
     save_replacing(out / "checkpoint", params, opt_state, step)
     curve = write_curve(out, rows)
     tokens, call_tokens = step * args.batch * args.seq, (step - step0) * args.batch * args.seq
-    summary = {"preset": args.preset, "plan": args.plan, "study": args.study, "train_attention": args.train_attention,
+    peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")  # None on the CPU
+    summary = {"preset": args.preset, "plan": args.plan, "study": args.study, "dtype": cfg.dtype, "train_attention": args.train_attention,
                "params": int(sum(np.size(x) for x in jax.tree.leaves(params))), "backend": jax.default_backend(), "steps": step, "resumed_from_step": step0, "batch": args.batch,
                "seq": args.seq, "tokens": tokens, "seconds": round(train_s, 1),
+               "peak_device_gib": None if peak is None else round(peak / 2**30, 2),
                "first_step_seconds_with_compile": round(compile_s, 1),
                "tokens_per_second_after_compile": round((call_tokens - args.batch * args.seq) /
                                                         max(train_s - compile_s, 1e-9), 1),

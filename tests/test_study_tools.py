@@ -98,3 +98,51 @@ def test_study_plans_differ_from_csa2_only_where_they_say():
         assert dp.mode is (Mode.FULL if c.mode is Mode.REINDEX else c.mode)
         assert dp.uses_candidates == c.uses_candidates
         assert f.mode is (Mode.WINDOW if c.mode is Mode.WINDOW else Mode.FULL)
+
+
+def test_study_dtype_is_a_model_flag():
+    """--dtype changes the compute dtype only (master weights stay f32) and, like the plan, is fixed for a run."""
+    from experiments.train_small import MODEL_FLAGS, parse_args, study_config
+
+    args = parse_args(["--preset", "small", "--dtype", "float32", "--steps", "1"])
+    cfg = study_config(args.preset, args.plan, args.study, args.dtype)
+    assert (cfg.dtype, cfg.param_dtype) == ("float32", "float32")
+    assert study_config("small", "csa2", False).dtype == "bfloat16"
+    assert study_config("tiny", "csa2", False, "bfloat16").replace(dtype="float32") == study_config("tiny", "csa2", False)
+    assert "dtype" in MODEL_FLAGS
+
+
+def test_optimizer_rate_is_a_value_of_its_state():
+    """make_optimizer is AdamW on a linear warm-up then a constant rate; the rate is in the state, so one
+    compiled update serves every rate and `with_lr` (a resumed call's --lr) changes it."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from experiments.train_small import make_optimizer, with_lr
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)}
+    grads = [{"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)} for _ in range(6)]
+    sched = optax.join_schedules([optax.linear_schedule(0.0, 1e-2, 3), optax.constant_schedule(1e-2)], [3])
+    ref_opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.95, weight_decay=0.1))
+    opt, traces = make_optimizer(1e-2, 3), []
+
+    @jax.jit
+    def update(g, state, p):
+        traces.append(1)
+        u, state = opt.update(g, state, p)
+        return optax.apply_updates(p, u), state
+
+    p, state, ref_p, ref_state = params, opt.init(params), params, ref_opt.init(params)
+    for g in grads:
+        p, state = update(g, state, p)
+        u, ref_state = ref_opt.update(g, ref_state, ref_p)
+        ref_p = optax.apply_updates(ref_p, u)
+    np.testing.assert_allclose(p["w"], ref_p["w"], rtol=1e-6, atol=1e-7)
+    assert not np.allclose(p["w"], params["w"])
+
+    # past the warm-up an AdamW step is linear in the rate: twice the rate, twice the step
+    step_at = lambda s: update(grads[0], s, p)[0]["w"] - p["w"]
+    np.testing.assert_allclose(step_at(with_lr(state, 2e-2)), 2 * step_at(state), rtol=1e-5, atol=1e-8)
+    assert len(traces) == 1
