@@ -23,7 +23,9 @@ the checkpoint is replaced at the end), so that a run longer than one sitting is
     python -m experiments.train_small --resume runs/r --steps 6000 --minutes 9                       # call 2, ...
 
 With --steps the run ends at that step counted from its start, and the recall curriculum follows the
-steps (without --steps it follows this call's --minutes).
+steps (without --steps it follows this call's --minutes). The data flags (--seq, --batch, --lr, the recall
+task's) are each call's own; a resumed call keeps the run's --train-attention unless it gives one (a sparse
+stage after a dense warm-up: `summary.json`'s "stages" lists them).
 """
 
 from __future__ import annotations
@@ -165,9 +167,11 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                     help="compute dtype of activations and of the weights as used (master weights stay f32); "
                          "default: the preset's (tiny float32, small bfloat16)")
-    ap.add_argument("--train-attention", default="sparse", choices=["sparse", "dense"],
+    ap.add_argument("--train-attention", default=None, choices=["sparse", "dense"],
                     help="dense: train with every compressed entry attended (the release's dense warm-up form; the "
-                         "indexer still learns by KL), evaluate with the sparse config saved in config.json")
+                         "indexer still learns by KL), evaluate with the sparse config saved in config.json. Default "
+                         "sparse, or with --resume the run's last; a resumed call may switch it (a sparse stage after "
+                         "a dense warm-up, as the release trains)")
     ap.add_argument("--retrieval-frac", type=float, default=0.25, help="share of passkey rows per batch")
     ap.add_argument("--recall-frac", type=float, default=0.0,
                     help="share of multi-query associative recall rows per batch (experiments/recall_task.py)")
@@ -223,13 +227,14 @@ def parse_args(argv=None):
     return args
 
 
-MODEL_FLAGS = ("preset", "plan", "study", "dtype", "train_attention")  # fixed for a run: --resume takes them
+MODEL_FLAGS = ("preset", "plan", "study", "dtype")  # fixed for a run: --resume takes them from it
 
 
 def output_dir(args) -> Path:
     """--out (or its default), writable and without an earlier run's checkpoint, which orbax would refuse at
     the end, after the whole training. With --resume: its directory, holding a finished call's checkpoint,
-    config and summary (whose model flags then replace the command line's)."""
+    config and summary (whose model flags then replace the command line's). Also settles --train-attention
+    (default sparse, or the resumed run's last) and `args.stages`, the run's train-attention stages so far."""
     if args.resume:
         run = _cli.input_dir(args.resume, "--resume")
         missing = [n for n in ("checkpoint", "config.json", "summary.json", "loss_curve.csv") if not (run / n).exists()]
@@ -242,7 +247,13 @@ def output_dir(args) -> Path:
                                  "a larger --steps")
         for k in MODEL_FLAGS:
             setattr(args, k, earlier["args"].get(k))  # .get: runs from before --dtype have none (the preset's)
+        args.stages = earlier.get("stages") or [{"from_step": 0, "train_attention": earlier["train_attention"]}]
+        args.train_attention = args.train_attention or args.stages[-1]["train_attention"]
+        if args.train_attention != args.stages[-1]["train_attention"]:
+            args.stages = args.stages + [{"from_step": earlier["steps"], "train_attention": args.train_attention}]
         return _cli.writable_dir(str(run), "--resume")
+    args.train_attention = args.train_attention or "sparse"
+    args.stages = [{"from_step": 0, "train_attention": args.train_attention}]
     out = Path(args.out or f"runs/train_small_{args.preset}")
     if (out / "checkpoint").exists():
         raise _cli.UserError(f"--out {out}: holds a checkpoint/ of an earlier run; pass another --out or remove it")
@@ -354,6 +365,7 @@ def main(argv=None) -> dict:
     tokens, call_tokens = step * args.batch * args.seq, (step - step0) * args.batch * args.seq
     peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")  # None on the CPU
     summary = {"preset": args.preset, "plan": args.plan, "study": args.study, "dtype": cfg.dtype, "train_attention": args.train_attention,
+               "stages": args.stages,
                "params": int(sum(np.size(x) for x in jax.tree.leaves(params))), "backend": jax.default_backend(), "steps": step, "resumed_from_step": step0, "batch": args.batch,
                "seq": args.seq, "tokens": tokens, "seconds": round(train_s, 1),
                "peak_device_gib": None if peak is None else round(peak / 2**30, 2),

@@ -408,19 +408,24 @@ def test_train_small_output_default_and_loss_curve(tmp_path, monkeypatch, capsys
 
 def test_train_small_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
     """--resume: the weights and optimizer state of the last call (a stand-in step adds 1 to every weight),
-    the step count, and one loss curve across calls, whose clock runs on; the model flags are the run's."""
+    the step count, and one loss curve across calls, whose clock runs on; the model flags are the run's, the
+    train attention the last call's unless the call switches it (a sparse stage after a dense warm-up)."""
     import jax.numpy as jnp
 
     from dsv41_jax import train
 
-    monkeypatch.setattr(train, "make_train_step", lambda cfg, opt, **kw: lambda p, s, batch: (
-        jax.tree.map(lambda x: x + 1, p), s, {"lm_loss": jnp.float32(5.0), "indexer_kl": jnp.float32(0.1)}))
+    topk = []  # the index_topk each call's train step was built with
+    monkeypatch.setattr(train, "make_train_step", lambda cfg, opt, **kw: topk.append(cfg.index_topk) or (
+        lambda p, s, batch: (jax.tree.map(lambda x: x + 1, p), s,
+                             {"lm_loss": jnp.float32(5.0), "indexer_kl": jnp.float32(0.1)})))
     monkeypatch.setattr(train, "loss_fn", lambda tr, rest, cfg, tokens: (0.0, {"lm_loss": jnp.float32(5.0)}))
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    run, small = tmp_path / "run", ["--batch", 1, "--eval-batches", 1, "--corpus-mb", 0.2, "--eval-every", 2]
-    call(train_small.main, "--steps", 3, "--out", run, *small)
+    run, small = tmp_path / "run", ["--batch", 1, "--eval-batches", 1, "--corpus-mb", 0.2, "--eval-every", 2,
+                                    "--seq", 64]
+    call(train_small.main, "--steps", 3, "--out", run, "--train-attention", "dense", *small)
     summary = call(train_small.main, "--resume", run, "--steps", 5, "--preset", "small", *small)
     assert (summary["steps"], summary["resumed_from_step"], summary["preset"]) == (5, 3, "tiny")
+    assert summary["stages"] == [{"from_step": 0, "train_attention": "dense"}] and topk == [64, 64]
     assert "resuming" in capsys.readouterr().err
     rows = train_small.read_curve(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and [r["val_lm_loss"] != "" for r in rows] == [0, 1, 1, 1, 1]
@@ -434,6 +439,11 @@ def test_train_small_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want) + 5, rtol=1e-6, atol=1e-5)
     assert fails(train_small.main, ["--resume", run, "--steps", 5], capsys) == \
         f"error: --steps 5: the run in {run} is at step 5 already; give a larger --steps"
+    summary = call(train_small.main, "--resume", run, "--steps", 6, "--train-attention", "sparse", *small)
+    assert summary["stages"] == [{"from_step": 0, "train_attention": "dense"},
+                                 {"from_step": 5, "train_attention": "sparse"}]
+    assert topk[-1] == cfg.index_topk < 64 and summary["train_attention"] == "sparse"
+    capsys.readouterr()
     assert fails(train_small.main, ["--resume", tmp_path, "--steps", 9], capsys).startswith(
         f"error: --resume {tmp_path}: no checkpoint, config.json, summary.json, loss_curve.csv in it")
 

@@ -17,12 +17,15 @@ at chance for 1,982 steps, while `tiny` on 256-token rows learned the task on th
 - stage A (`train`): 512-token rows, batch 8, 8 pairs whose distance grows from 305 to 512 tokens (beyond
   the 128-token window: retrieval through the compressed entries) over the call;
 - stage B (`more`): resumed on 4,096-token rows, batch 1, 16 pairs at 640 -> 4,096 tokens.
-A validation point every 100 steps: LM loss on held-out text and held-out whole-value recall accuracy at
-the stage's final distance (`val_recall_acc`, teacher-forced); each call prints the whole learning curve
-(with the answer digits' training cross entropy) and copies loss_curve.csv / summary.json to $OUT. `eval`
-scores accuracy against distance under every variant (FP4 vs BF16 cache, sparse vs dense, pool vs flat,
-bounded replay vs cold) on 2K-16K examples for 5 minutes (rounds of one batch per length). I20_DRY=1: the
-same calls with `tiny` and short rows (a CPU check of this script).
+On 2026-12-02 (tenth session) stage A at lr 2e-3 stayed at chance for 1,882 steps, and 2,396 more on 4 pairs
+at 153-400 tokens (docs/QUALITY.md); `issue20_probe` tries lower rates. I20_RUN=<run dir> I20_LR=<rate> run
+`more` and `eval` on another run (a probe's that learned) at that rate. A validation point every 100 steps:
+LM loss on held-out text and held-out whole-value recall accuracy at the stage's final distance
+(`val_recall_acc`, teacher-forced); each call prints the whole learning curve (with the answer digits'
+training cross entropy) and copies loss_curve.csv / summary.json to $OUT. `eval` scores accuracy against
+distance under every variant (FP4 vs BF16 cache, sparse vs dense, pool vs flat, bounded replay vs cold) on
+2K-16K examples for 5 minutes (rounds of one batch per length). I20_DRY=1: the same calls with `tiny` and
+short rows (a CPU check of this script).
 """
 
 import csv
@@ -35,6 +38,7 @@ from experiments.device_runs._steps import OUT, step
 DRY = bool(os.environ.get("I20_DRY"))
 PLAN = sys.argv[2] if len(sys.argv) > 2 else "csa2"
 RUN, PRESET = (f"/tmp/i20/{PLAN}", "small") if not DRY else (f"/tmp/i20dry/{PLAN}", "tiny")
+RUN = os.environ.get("I20_RUN", RUN)  # `more` / `eval` on another run, e.g. one of issue20_probe's
 MINUTES = "7.3" if not DRY else "0.8"
 # a resumed call is a new process: with a compilation cache on the machine it reads the programs it shares
 # with the first call back instead of compiling them again
@@ -44,7 +48,8 @@ COMMON = ["--recall-frac", "1", "--answer-weight", "16", "--retrieval-frac", "0"
           "3" if DRY else "100", "--eval-batches", "2", "--minutes", MINUTES]
 # (seq, batch, pairs, distance start, end, lr) of each stage; the distance grows over the call's minutes
 STAGE_A = ("512", "8", "8", "305", "512", "2e-3") if not DRY else ("256", "4", "4", "153", "256", "3e-3")
-STAGE_B = ("4096", "1", "16", "640", "4096", "1e-3") if not DRY else ("512", "2", "8", "305", "512", "1e-3")
+STAGE_B = ("4096", "1", "16", "640", "4096", os.environ.get("I20_LR", "1e-3")) if not DRY else \
+    ("512", "2", "8", "305", "512", os.environ.get("I20_LR", "1e-3"))
 EVAL_PAIRS = STAGE_B[2]
 
 
