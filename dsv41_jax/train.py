@@ -226,11 +226,17 @@ def save_checkpoint(path: str | Path, params: nnx.State, opt_state, step: int) -
     save_tree(path, {"params": params, "opt_state": opt_state, "step": jnp.int32(step)})
 
 
-def restore_checkpoint(path: str | Path, params_like: nnx.State, opt_state_like):
+def restore_checkpoint(path: str | Path, params_like: nnx.State, opt_state_like=None):
     """(params, opt_state, step) from `save_checkpoint`, shaped like the templates given (e.g. fresh
-    `init_params` / `init_opt_state` of the same config and optimizer). Values restore bit-exactly."""
+    `init_params` / `init_opt_state` of the same config and optimizer). Values restore bit-exactly.
+    Without `opt_state_like`: the params and step only, whatever optimizer wrote the checkpoint (opt_state
+    None), for evaluating a run."""
     from dsv41_jax.checkpoint.orbax_io import restore_tree
 
-    got = restore_tree(path, {"params": params_like, "opt_state": opt_state_like, "step": jnp.int32(0)},
+    like = {"params": params_like, "step": jnp.int32(0)}
+    if opt_state_like is None:
+        got = restore_tree(path, like, hint="; restore with a template made from the same config", partial=True)
+        return got["params"], None, int(got["step"])
+    got = restore_tree(path, {**like, "opt_state": opt_state_like},
                        hint="; restore with templates made from the same config and optimizer")
     return got["params"], got["opt_state"], int(got["step"])

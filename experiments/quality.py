@@ -44,7 +44,7 @@ from dsv41_jax.serving import slots as rows
 from experiments import _cli
 from experiments.placement import committed
 from experiments.corpus import KEY_DIGITS, PASSKEY_MIN_LENGTH, load_corpus, passkey_batch, windows
-from experiments.train_small import dense_overrides, load_config, make_optimizer
+from experiments.train_small import dense_overrides, load_config
 
 RETRIEVAL_LENGTHS = (512, 1024, 2048, 4096, 8192)
 
@@ -97,7 +97,7 @@ def lengths_and_capacity(args, cfg: ModelConfig) -> tuple[list[int], int]:
 def load_run(run: Path, cfg: ModelConfig):
     """params of a train_small output directory whose config is `cfg`."""
     like = d.init_params(cfg, seed=0)
-    params, _, step = train.restore_checkpoint(run / "checkpoint", like, train.init_opt_state(make_optimizer(1.0, 1), like))
+    params, _, step = train.restore_checkpoint(run / "checkpoint", like)  # params only: any optimizer's run
     print(f"{run}: step {step}, {sum(np.size(x) for x in jax.tree.leaves(params)):,} parameters", file=sys.stderr)
     return params
 

@@ -230,6 +230,15 @@ def test_training_checkpoints_use_the_flat_format_and_read_the_earlier_one(tmp_p
         restore_tree(tmp_path / "old", {"params": {**like[0], "extra": jax.numpy.zeros(2)}, "opt_state": like[1],
                                         "step": jax.numpy.int32(0)})
 
+    # params only (evaluating a run), whatever optimizer wrote it: the same bits; a param it lacks still refused
+    p, o, step = train.restore_checkpoint(tmp_path / "new", like[0])
+    assert (o, step) == (None, 7)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(p)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="1 missing"):
+        train.restore_checkpoint(tmp_path / "new", {**like[0], "extra": jax.numpy.zeros(2)})
+
 
 def _host_placed(params) -> dict[str, str]:
     """param path -> memory kind, for every param whose kind is not the default device memory."""

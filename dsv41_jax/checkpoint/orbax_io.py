@@ -34,11 +34,12 @@ def save_tree(path: str | Path, tree) -> None:
         ckpt.save(Path(path).absolute(), flat_params(tree))
 
 
-def restore_tree(path: str | Path, like, shardings: Shardings = None, hint: str = ""):
+def restore_tree(path: str | Path, like, shardings: Shardings = None, hint: str = "", partial: bool = False):
     """`like` (a pytree of arrays or ShapeDtypeStructs) with every leaf read from the `save_tree`
     checkpoint at `path`, bit-exact in the template's dtype, placed per `shardings` (leaf name -> Sharding,
     or a callable(name, shape)); the default device otherwise. Raises ValueError naming leaves that are
-    missing or unexpected, followed by `hint` (what to restore with instead)."""
+    missing or unexpected (unexpected ones are skipped with `partial`: e.g. the params of a training
+    checkpoint, whatever its optimizer state), followed by `hint` (what to restore with instead)."""
     import orbax.checkpoint as ocp
 
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -60,11 +61,15 @@ def restore_tree(path: str | Path, like, shardings: Shardings = None, hint: str 
                      for k in (sub if isinstance(sub, Mapping) else [None])}
         else:
             names = set(stored)
-        missing, extra = sorted(set(want) - names), sorted(names - set(want))
+        missing, extra = sorted(set(want) - names), [] if partial else sorted(names - set(want))
         if missing or extra:
             raise ValueError(f"{path} does not hold the leaves of this template: {len(missing)} missing "
                              f"(e.g. {missing[:3]}), {len(extra)} unexpected (e.g. {extra[:3]}){hint}")
-        if layout is None:
+        if layout is None and partial:
+            with ocp.PyTreeCheckpointer() as reader:
+                got = reader.restore(path, args=ocp.args.PyTreeRestore(
+                    item=want, restore_args=ocp.checkpoint_utils.construct_restore_args(want), partial_restore=True))
+        elif layout is None:
             got = ckpt.restore(path, want)
         else:
             target = {}
