@@ -5,11 +5,11 @@ for 4,278 steps, while `tiny` (lr 3e-3) left chance by step 200; `tiny` in bfloa
 128-token window learned too (docs/QUALITY.md, tenth session). What is left between them is scale: width 1024
 against 64, 12 layers against 8, 16 heads of 256 against 4 of 64, and a rate tuned for the small one.
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_probe 3e-4 1e-4    # ~8 min: two rates, one call
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_probe 3e-4 1e-4    # ~8 min: two rates, one call (the first ~290 s)
 
 Short runs from scratch, one after the other, on `tiny`'s task (4 pairs, their distance growing 153 -> 400
 tokens over the first half: beyond the window, through the compressed entries), --steps each (I20_STEPS,
-default 900), validated once at the end (held-out whole-value accuracy). The rate lives in the optimizer
+default 800), validated once at the end (held-out whole-value accuracy). The rate lives in the optimizer
 state, so every run after the first reads the compiled train step back from the compilation cache
 (one compile, ~86 s). Runs on one GPU time-slice, and two dense train steps of this size (41.5 GiB of
 temporaries each) fill most of it, hence one after the other. Prints the answer-digit training cross
@@ -25,7 +25,7 @@ import sys
 from experiments.device_runs._steps import OUT, step
 
 DRY = bool(os.environ.get("I20_DRY"))
-STEPS = int(os.environ.get("I20_STEPS", "900" if not DRY else "6"))
+STEPS = int(os.environ.get("I20_STEPS", "800" if not DRY else "6"))
 PRESET, SEQ = ("small", "512") if not DRY else ("tiny", "256")
 CACHE = {"JAX_COMPILATION_CACHE_DIR": "/tmp/i20probe/jax_cache"}
 
@@ -45,7 +45,7 @@ def main(rates: list[str]) -> None:
                 "400" if not DRY else "256", "--lr", lr, "--recall-frac", "1", "--answer-weight", "16",
                 "--retrieval-frac", "0", "--steps", str(STEPS), "--eval-every", str(STEPS), "--eval-batches", "2",
                 "--out", run]
-        step(f"probe_lr{lr}", argv, 300, CACHE)
+        step(f"probe_lr{lr}", argv, 320, CACHE)
         summary = os.path.join(run, "summary.json")
         results[lr] = (answer_ce(os.path.join(OUT, f"probe_lr{lr}.log")),
                        json.load(open(summary)) if os.path.exists(summary) else {})
