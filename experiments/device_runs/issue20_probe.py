@@ -5,7 +5,7 @@ for 4,278 steps, while `tiny` (lr 3e-3) left chance by step 200; `tiny` in bfloa
 128-token window learned too (docs/QUALITY.md, tenth session). What is left between them is scale: width 1024
 against 64, 12 layers against 8, 16 heads of 256 against 4 of 64, and a rate tuned for the small one.
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_probe 3e-4 1e-4    # ~8 min: two rates, one call (the first ~290 s)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_probe 3e-4 1e-4   # ~8 min (the first run ~290 s)
 
 Short runs from scratch, one after the other, on `tiny`'s task (4 pairs, their distance growing 153 -> 400
 tokens over the first half: beyond the window, through the compressed entries), --steps each (I20_STEPS,
