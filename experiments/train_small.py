@@ -201,7 +201,13 @@ def parse_args(argv=None):
     ap.add_argument("--resume", default=None, metavar="DIR",
                     help="continue the run in DIR (an earlier --out): its model flags, weights, optimizer state, "
                          "step count and loss curve; writes back to DIR")
+    ap.add_argument("--init-from", default=None, metavar="DIR",
+                    help="start a new run (its own --out) from the weights of the run in DIR, with DIR's model flags, "
+                         "a fresh optimizer and step count: e.g. a sparse stage from a dense run written before "
+                         "--resume could switch, or by another optimizer")
     args = ap.parse_args(argv)
+    if args.resume and args.init_from:
+        ap.error("--resume continues a run, --init-from starts one: give one of them")
     if args.resume and args.out and Path(args.out).resolve() != Path(args.resume).resolve():
         ap.error("--resume writes back to its own directory: drop --out")
     if args.steps is None and args.minutes is None:
@@ -233,8 +239,9 @@ MODEL_FLAGS = ("preset", "plan", "study", "dtype")  # fixed for a run: --resume 
 def output_dir(args) -> Path:
     """--out (or its default), writable and without an earlier run's checkpoint, which orbax would refuse at
     the end, after the whole training. With --resume: its directory, holding a finished call's checkpoint,
-    config and summary (whose model flags then replace the command line's). Also settles --train-attention
-    (default sparse, or the resumed run's last) and `args.stages`, the run's train-attention stages so far."""
+    config and summary (whose model flags then replace the command line's; so do --init-from's). Also settles
+    --train-attention (default sparse, or the resumed run's last) and `args.stages`, the run's train-attention
+    stages so far."""
     if args.resume:
         run = _cli.input_dir(args.resume, "--resume")
         missing = [n for n in ("checkpoint", "config.json", "summary.json", "loss_curve.csv") if not (run / n).exists()]
@@ -252,6 +259,13 @@ def output_dir(args) -> Path:
         if args.train_attention != args.stages[-1]["train_attention"]:
             args.stages = args.stages + [{"from_step": earlier["steps"], "train_attention": args.train_attention}]
         return _cli.writable_dir(str(run), "--resume")
+    if args.init_from:
+        src = _cli.input_dir(args.init_from, "--init-from")
+        if not ((src / "checkpoint").is_dir() and (src / "summary.json").exists()):
+            raise _cli.UserError(f"--init-from {args.init_from}: no checkpoint/ and summary.json in it; give the --out "
+                                 "of a finished experiments.train_small call")
+        for k in MODEL_FLAGS:
+            setattr(args, k, json.loads((src / "summary.json").read_text())["args"].get(k))
     args.train_attention = args.train_attention or "sparse"
     args.stages = [{"from_step": 0, "train_attention": args.train_attention}]
     out = Path(args.out or f"runs/train_small_{args.preset}")
@@ -303,6 +317,9 @@ def main(argv=None) -> dict:
         opt_state = with_lr(opt_state, args.lr)
         rows = read_curve(out)
         print(f"resuming {out} at step {step0}", file=sys.stderr)
+    elif args.init_from:
+        params, _, src_step = train.restore_checkpoint(Path(args.init_from) / "checkpoint", params)
+        print(f"starting from the weights of {args.init_from} (its step {src_step})", file=sys.stderr)
     # committed, as restored arrays are: a new run and a resumed one then compile the same programs (and a
     # compilation cache made by the first call serves the next; uncommitted, the first call's did not)
     params, opt_state = committed((params, opt_state))

@@ -443,6 +443,13 @@ def test_train_small_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
     assert summary["stages"] == [{"from_step": 0, "train_attention": "dense"},
                                  {"from_step": 5, "train_attention": "sparse"}]
     assert topk[-1] == cfg.index_topk < 64 and summary["train_attention"] == "sparse"
+    # --init-from: a new run from those weights (6 stand-in steps: +6), its own step count and curve
+    summary = call(train_small.main, "--init-from", run, "--out", tmp_path / "next", "--steps", 2, "--preset", "small",
+                   *small)
+    assert (summary["steps"], summary["preset"], summary["stages"][0]["from_step"]) == (2, "tiny", 0)
+    params, _, _ = train.restore_checkpoint(tmp_path / "next" / "checkpoint", fresh)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(fresh)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want) + 8, rtol=1e-6, atol=1e-5)
     capsys.readouterr()
     assert fails(train_small.main, ["--resume", tmp_path, "--steps", 9], capsys).startswith(
         f"error: --resume {tmp_path}: no checkpoint, config.json, summary.json, loss_curve.csv in it")
