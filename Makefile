@@ -20,8 +20,10 @@ venv: $(VENV)/.installed
 run: venv
 	$(PY) -m experiments.decode $(ARGS)
 
+# --dist loadscope: a module's tests run in one worker, so its module fixtures and the programs its tests share
+# compile once, not once per worker
 test: lint
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist loadscope tests
 
 lint: venv
 	$(VENV)/bin/ruff check .
