@@ -13,13 +13,14 @@ default 800), validated once at the end (held-out whole-value accuracy). The rat
 state, so every run after the first reads the compiled train step back from the compilation cache
 (one compile, ~86 s). Runs on one GPU time-slice, and two dense train steps of this size (41.5 GiB of
 temporaries each) fill most of it, hence one after the other. Prints the answer-digit training cross
-entropy (chance ln 10 = 2.303, read from the progress bar) per 100 steps, and each run's final accuracy.
+entropy (chance ln 10 = 2.303, from each run's loss_curve.csv) per 100 steps, and each run's final accuracy.
 I20_DRY=1: the same with `tiny` (a CPU check).
 """
 
+import csv
 import json
 import os
-import re
+import shutil
 import sys
 
 from experiments.device_runs._steps import OUT, step
@@ -30,10 +31,11 @@ PRESET, SEQ = ("small", "512") if not DRY else ("tiny", "256")
 CACHE = {"JAX_COMPILATION_CACHE_DIR": "/tmp/i20probe/jax_cache"}
 
 
-def answer_ce(log_path: str) -> dict[int, float]:
-    """step -> its answer-digit training cross entropy, from train_small's progress bar in the log."""
-    log = open(log_path).read()
-    return {int(n): float(x) for n, x in re.findall(r"(\d+)(?:/\d+)? *(?:step)? *\[[^]]*answers=([\d.]+)", log)}
+def answer_ce(curve_path: str) -> dict[int, float]:
+    """step -> its answer-digit training cross entropy (the heavy_ce column of train_small's loss_curve.csv)."""
+    if not os.path.exists(curve_path):
+        return {}
+    return {int(r["step"]): float(r["heavy_ce"]) for r in csv.DictReader(open(curve_path)) if r.get("heavy_ce")}
 
 
 def main(rates: list[str]) -> None:
@@ -46,8 +48,10 @@ def main(rates: list[str]) -> None:
                 "--retrieval-frac", "0", "--steps", str(STEPS), "--eval-every", str(STEPS), "--eval-batches", "2",
                 "--out", run]
         step(f"probe_lr{lr}", argv, 320, CACHE)
-        summary = os.path.join(run, "summary.json")
-        results[lr] = (answer_ce(os.path.join(OUT, f"probe_lr{lr}.log")),
+        summary, curve = os.path.join(run, "summary.json"), os.path.join(run, "loss_curve.csv")
+        if os.path.exists(curve):
+            shutil.copy(curve, os.path.join(OUT, f"probe_lr{lr}_loss_curve.csv"))
+        results[lr] = (answer_ce(curve),
                        json.load(open(summary)) if os.path.exists(summary) else {})
     print("| lr | " + " | ".join(f"steps {a + 1}-{a + 100}" for a in range(0, STEPS, 100)) +
           " | held-out accuracy at the end | peak GiB |")
