@@ -54,6 +54,9 @@ VARIANTS = {
     "BF16 cache": lambda capacity: {"quantize_cache": False},
     "dense attention (no selection)": dense_overrides,
     "flat indexer (no candidate pool)": lambda capacity: {"candidate_source_layer": -1},
+    # the arithmetic closest to a dense-trained model's own: no 4-bit cache and no selection
+    "BF16 cache, dense attention (reference)": lambda capacity: {"quantize_cache": False,
+                                                                 **dense_overrides(capacity)},
 }
 BASE = next(iter(VARIANTS))
 
