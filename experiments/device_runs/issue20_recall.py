@@ -2,30 +2,31 @@
 checkpoint is limited to 64 MiB): does the dense BF16 `small` learn multi-query associative recall, and
 what do the inference approximations then cost?
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall train   # ~9 min: stage A, a new run
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall more    # ~9 min: stage B, the same run
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall eval    # ~9 min: the variants (experiments.recall)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall train csa2 deep-full  # ~6 min: stage A
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall more csa2             # ~8.5 min: stage B
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall more deep-full        # ~8.5 min
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall eval csa2 deep-full   # ~6 min: the variants
 
-A second argument `deep-full` does the same with `train_small --plan deep-full` (the Reindex layers as Full
-layers: the issue's "Reindex vs Full for the deep layers" is a second trained model) in its own directory.
+The arguments after the phase are layer plans (`train_small --plan`, default csa2), one run each in
+/tmp/i20/<plan>, run at the same time when there are several (the GPU memory split between them): `deep-full`
+is the issue's "Reindex vs Full for the deep layers", a second trained model whose Reindex layers are Full
+layers. Stage B of one plan needs 69 GiB, so `more` takes one plan at a time.
 
 `train_small --train-attention dense`, every row one MQAR example (experiments/recall_task.py: key-value
 pairs in stdlib text, queried at the row's end; the answer digits weigh 16 in the loss). A curriculum over
-length, in two stages, because one stage at full length did not learn: on 2026-12-02 `small` trained
-straight on 4,096-token rows (16 pairs at 640-4,096 tokens, one row per step: batch 4 needed 245 GiB) stayed
-at chance for 1,982 steps, while `tiny` on 256-token rows learned the task on the CPU (docs/QUALITY.md):
-- stage A (`train`): 512-token rows, batch 8, 8 pairs whose distance grows from 305 to 512 tokens (beyond
-  the 128-token window: retrieval through the compressed entries) over the call;
-- stage B (`more`): resumed on 4,096-token rows, batch 1, 16 pairs at 640 -> 4,096 tokens.
-On 2026-12-02 (tenth session) stage A at lr 2e-3 stayed at chance for 1,882 steps, and 2,396 more on 4 pairs
-at 153-400 tokens (docs/QUALITY.md); `issue20_probe` tries lower rates. I20_RUN=<run dir> I20_LR=<rate> run
-`more` and `eval` on another run (a probe's that learned) at that rate. A validation point every 100 steps:
-LM loss on held-out text and held-out whole-value recall accuracy at the stage's final distance
+length, in two stages, because one stage at full length did not learn (2026-12-02: 1,982 steps at chance):
+- stage A (`train`): 512-token rows, batch 8, 4 pairs whose distance grows from 153 to 400 tokens (beyond
+  the 128-token window: retrieval through the compressed entries), 800 steps;
+- stage B (`more`): resumed on 4,096-token rows, batch 1, 16 pairs at 640 -> 4,096 tokens, 7.3 minutes.
+Both at lr 3e-4: at 2e-3 `small` stayed at chance for 4,278 steps, at 3e-4 and 1e-4 it learned
+(`issue20_probe`, docs/QUALITY.md, eleventh session). I20_RUN=<run dir> runs `more` / `eval` of one plan on
+another run; I20_LR overrides the rate of both stages, I20_STEPS stage A's steps. A validation point every
+100 steps: LM loss on held-out text and held-out whole-value recall accuracy at the stage's final distance
 (`val_recall_acc`, teacher-forced); each call prints the whole learning curve (with the answer digits'
 training cross entropy) and copies loss_curve.csv / summary.json to $OUT. `eval` scores accuracy against
-distance under every variant (FP4 vs BF16 cache, sparse vs dense, pool vs flat, bounded replay vs cold) on
-2K-16K examples for 5 minutes (rounds of one batch per length). I20_DRY=1: the same calls with `tiny` and
-short rows (a CPU check of this script).
+distance on 2K-16K examples for 5 minutes (rounds of one batch per length): every variant (FP4 vs BF16
+cache, sparse vs dense, pool vs flat, bounded replay vs cold) for the first plan, the inference config alone
+for the others. I20_DRY=1: the same calls with `tiny` and short rows (a CPU check of this script).
 """
 
 import csv
@@ -33,41 +34,47 @@ import os
 import shutil
 import sys
 
-from experiments.device_runs._steps import OUT, step
+from experiments.device_runs._steps import OUT, steps_together
 
 DRY = bool(os.environ.get("I20_DRY"))
-PLAN = sys.argv[2] if len(sys.argv) > 2 else "csa2"
-RUN, PRESET = (f"/tmp/i20/{PLAN}", "small") if not DRY else (f"/tmp/i20dry/{PLAN}", "tiny")
-RUN = os.environ.get("I20_RUN", RUN)  # `more` / `eval` on another run, e.g. one of issue20_probe's
-MINUTES = "7.3" if not DRY else "0.8"
+PRESET, ROOT = ("small", "/tmp/i20") if not DRY else ("tiny", "/tmp/i20dry")
 # a resumed call is a new process: with a compilation cache on the machine it reads the programs it shares
 # with the first call back instead of compiling them again
-CACHE = {"JAX_COMPILATION_CACHE_DIR": os.path.join(os.path.dirname(RUN), "jax_cache")}
-TAG = "" if PLAN == "csa2" else f"_{PLAN}"  # the log and output names of the second model
-COMMON = ["--recall-frac", "1", "--answer-weight", "16", "--retrieval-frac", "0", "--eval-every",
-          "3" if DRY else "100", "--eval-batches", "2", "--minutes", MINUTES]
-# (seq, batch, pairs, distance start, end, lr) of each stage; the distance grows over the call's minutes
-STAGE_A = ("512", "8", "8", "305", "512", "2e-3") if not DRY else ("256", "4", "4", "153", "256", "3e-3")
-STAGE_B = ("4096", "1", "16", "640", "4096", os.environ.get("I20_LR", "1e-3")) if not DRY else \
-    ("512", "2", "8", "305", "512", os.environ.get("I20_LR", "1e-3"))
+CACHE = {"JAX_COMPILATION_CACHE_DIR": os.path.join(ROOT, "jax_cache")}
+LR = os.environ.get("I20_LR", "3e-4")
+STEPS_A = os.environ.get("I20_STEPS", "800" if not DRY else "6")
+EVAL_EVERY = "3" if DRY else "100"
+COMMON = ["--recall-frac", "1", "--answer-weight", "16", "--retrieval-frac", "0", "--eval-batches", "2"]
+# (seq, batch, pairs, distance start, end) of each stage; the distance grows over the stage
+STAGE_A = ("512", "8", "4", "153", "400") if not DRY else ("256", "4", "4", "153", "256")
+STAGE_B = ("4096", "1", "16", "640", "4096") if not DRY else ("512", "2", "8", "305", "512")
 EVAL_PAIRS = STAGE_B[2]
 
 
-def stage(seq: str, batch: str, pairs: str, start: str, end: str, lr: str) -> list[str]:
-    return ["--seq", seq, "--batch", batch, "--recall-pairs", pairs, "--recall-distance", start, end, "--lr", lr,
-            *COMMON]
+def run_dir(plan: str, plans: list[str]) -> str:
+    return os.environ["I20_RUN"] if "I20_RUN" in os.environ and len(plans) == 1 else os.path.join(ROOT, plan)
 
 
-def show_curve() -> None:
+def tag(plan: str) -> str:
+    """The suffix of a plan's log and output names (none for csa2, the released plan)."""
+    return "" if plan == "csa2" else f"_{plan}"
+
+
+def stage(seq: str, batch: str, pairs: str, start: str, end: str) -> list[str]:
+    return ["--seq", seq, "--batch", batch, "--recall-pairs", pairs, "--recall-distance", start, end, "--lr", LR,
+            "--eval-every", EVAL_EVERY, *COMMON]
+
+
+def show_curve(run: str, plan: str) -> None:
     for name in ("loss_curve.csv", "summary.json", "config.json"):
-        if os.path.exists(os.path.join(RUN, name)):
+        if os.path.exists(os.path.join(run, name)):
             base, ext = os.path.splitext(name)
-            shutil.copy(os.path.join(RUN, name), os.path.join(OUT, base + TAG + ext))
-    if os.path.exists(os.path.join(RUN, "loss_curve.csv")):
-        print("| step | s | train LM | train answer CE per digit (mean since the last row) | val LM | recall acc | "
-              "recall NLL |\n|---|---|---|---|---|---|---|")
+            shutil.copy(os.path.join(run, name), os.path.join(OUT, base + tag(plan) + ext))
+    if os.path.exists(os.path.join(run, "loss_curve.csv")):
+        print(f"{plan}:\n| step | s | train LM | train answer CE per digit (mean since the last row) | val LM | "
+              "recall acc | recall NLL |\n|---|---|---|---|---|---|---|")
         since = []
-        for r in csv.DictReader(open(os.path.join(RUN, "loss_curve.csv"))):
+        for r in csv.DictReader(open(os.path.join(run, "loss_curve.csv"))):
             since.append(float(r.get("heavy_ce") or "nan"))
             if r["val_lm_loss"]:
                 print(f"| {r['step']} | {r['seconds']} | {r['lm_loss']} | {sum(since) / len(since):.3f} | "
@@ -75,20 +82,34 @@ def show_curve() -> None:
                 since = []
 
 
-if __name__ == "__main__":
-    phase = sys.argv[1] if len(sys.argv) > 1 else "train"
+def main(phase: str, plans: list[str]) -> None:
+    runs = {plan: run_dir(plan, plans) for plan in plans}
     if phase == "train":
-        step(f"train_recall{TAG}", ["-m", "experiments.train_small", "--preset", PRESET, "--study", "--plan", PLAN,
-                                    "--train-attention", "dense", "--warmup", "50", *stage(*STAGE_A), "--out", RUN],
-             530, CACHE)
-        show_curve()
+        steps_together([(f"train_recall{tag(p)}", ["-m", "experiments.train_small", "--preset", PRESET, "--study",
+                                                   "--plan", p, "--train-attention", "dense", "--warmup", "50",
+                                                   *stage(*STAGE_A), "--steps", STEPS_A, "--out", run], CACHE)
+                        for p, run in runs.items()], 540)
     elif phase == "more":
-        step(f"train_recall_more{TAG}", ["-m", "experiments.train_small", "--resume", RUN, *stage(*STAGE_B)], 530,
-             CACHE)
-        show_curve()
-    else:
+        if len(plans) > 1 and not DRY:
+            raise SystemExit("more: one plan per call (stage B of one plan needs 69 GiB of the GPU)")
+        steps_together([(f"train_recall_more{tag(p)}", ["-m", "experiments.train_small", "--resume", run,
+                                                        *stage(*STAGE_B), "--minutes", "7.3" if not DRY else "0.8"],
+                         CACHE) for p, run in runs.items()], 540)
+    elif phase == "eval":
         lengths, examples, minutes = (["512"], "4", "0.1") if DRY else (["2048", "4096", "8192", "16384"], "256", "5")
-        step(f"recall_eval{TAG}", ["-m", "experiments.recall", "--run", RUN, "--lengths", *lengths, "--pairs",
-                                   EVAL_PAIRS, "--examples", examples, "--minutes", minutes,
-                                   "--out", os.path.join(OUT, f"recall{TAG}.json")], 540)
-        print(open(os.path.join(OUT, f"recall_eval{TAG}.log")).read()[-3000:])
+        steps_together([(f"recall_eval{tag(p)}", ["-m", "experiments.recall", "--run", run, "--lengths", *lengths,
+                                                  "--pairs", EVAL_PAIRS, "--examples", examples, "--minutes", minutes,
+                                                  *([] if i == 0 else ["--variants", "base", "--no-replay"]),
+                                                  "--out", os.path.join(OUT, f"recall{tag(p)}.json")], {})
+                        for i, (p, run) in enumerate(runs.items())], 540)
+        for p in plans:
+            print(open(os.path.join(OUT, f"recall_eval{tag(p)}.log")).read()[-3000:])
+        return
+    else:
+        raise SystemExit(f"phase {phase!r}: one of train, more, eval")
+    for p, run in runs.items():
+        show_curve(run, p)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "train", sys.argv[2:] or ["csa2"])
