@@ -147,6 +147,11 @@ def write_curve(out: Path, rows: list[dict]) -> str:
     if val:
         ax.plot(*zip(*val), "o-", label="validation LM loss")
     ax.plot(steps, [r["indexer_kl"] for r in rows], label="indexer KL")
+    heavy = [r.get("heavy_ce", "") for r in rows]
+    if any(h != "" and h > 0 for h in heavy):  # a retrieval task's answers: their CE, smoothed over 50 steps
+        h = np.array([np.nan if x == "" else x for x in heavy], float)
+        ax.plot(steps, [np.nanmean(h[max(0, i - 49):i + 1]) for i in range(len(h))],
+                label="answer-digit CE (50-step mean; chance 2.30)")
     recall = [(r["step"], r["val_recall_acc"]) for r in rows if r.get("val_recall_acc", "") != ""]
     if recall:
         ax.plot(*zip(*recall), "s-", label="held-out recall accuracy (whole values)")
