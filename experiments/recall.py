@@ -12,6 +12,8 @@ window before the queries. A query is right when all its value digits are the ar
 reported per distance bin (tokens from the planted value to the query) with a 95% Wilson interval, so a
 2-point difference is visible once a bin holds ~2,000 queries (--examples). Writes the JSON rows,
 a markdown table and, when matplotlib imports, accuracy-vs-distance plots (PNG) next to --out.
+`--against OTHER.json LABEL` adds another trained model's rows from its --out, paired query by query with
+this run's (the same seed gives the same queries): two plans, e.g. Reindex vs Full, compared on one sample.
 """
 
 from __future__ import annotations
@@ -110,6 +112,10 @@ def parse_args(argv=None):
     ap.add_argument("--corpus-mb", type=float, default=64.0)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=None, help="write the results to this JSON file (plot: same name, .png)")
+    ap.add_argument("--against", nargs=2, metavar=("JSON", "LABEL"), default=None,
+                    help="another model's --out of this command, made with the same --lengths --pairs --batch "
+                         "--seed --corpus-mb: its rows are added as 'LABEL: <variant>', paired with this run's "
+                         "first row on the queries both scored (e.g. Reindex vs Full: two trained models)")
     args = ap.parse_args(argv)
     if min(args.lengths) < rt.min_length(args.pairs):
         ap.error(f"--lengths {min(args.lengths)}: {args.pairs} pairs need at least {rt.min_length(args.pairs)} tokens")
@@ -120,6 +126,40 @@ def parse_args(argv=None):
     return args
 
 
+PAIRING_ARGS = ("lengths", "pairs", "batch", "seed", "corpus_mb")  # what fixes the queries and their order
+
+
+def load_against(path: str, args) -> dict:
+    """The results of `--against`, refused unless they were scored on the same queries as this run's."""
+    try:
+        other = json.loads(Path(path).read_text())
+        queries = other["queries"]
+        given = other["args"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _cli.UserError(f"--against {path}: not results of experiments.recall --out ({e})") from None
+    differ = [k for k in PAIRING_ARGS if given.get(k) != vars(args)[k]]
+    if differ:
+        raise _cli.UserError(f"--against {path}: made with other " + ", ".join(
+            f"--{k.replace('_', '-')} ({given.get(k)} there, {vars(args)[k]} here)" for k in differ) +
+            "; its queries are not this run's")
+    return queries
+
+
+def paired_rows(queries: dict, label: str, base: np.ndarray, dist: np.ndarray) -> list[dict]:
+    """Rows of another model's per-query outcomes, paired with `base` (this run's first row) on the queries both
+    scored: the first min(len) queries, which the shared seed makes the same."""
+    n = min(len(base), len(queries["distance"]))
+    if not np.array_equal(np.asarray(queries["distance"][:n]), dist[:n]):
+        raise _cli.UserError("--against: its queries' distances differ from this run's (another corpus?)")
+    rows = []
+    for name, right in queries["right"].items():
+        r = np.asarray(right[:n], bool)
+        rows.append({"variant": f"{label}: {name}", "accuracy": float(r.mean()), "value_nll": None,
+                     "by_distance": rt.by_distance(r, dist[:n], EDGES),
+                     "vs_first": rt.paired_difference(r, base[:n], dist[:n], EDGES)})
+    return rows
+
+
 @_cli.entry_point
 def main(argv=None) -> dict:
     args = parse_args(argv)
@@ -128,6 +168,7 @@ def main(argv=None) -> dict:
     if capacity > cfg.max_seq_len:
         raise _cli.UserError(f"--lengths {max(args.lengths)}: beyond the run's max_seq_len ({cfg.max_seq_len})")
     _cli.output_file(args.out, "--out")
+    against = load_against(args.against[0], args) if args.against else None
     _, val_ids = load_corpus(int(args.corpus_mb * 2**20))
     rng = np.random.default_rng(args.seed)
     # rounds of one batch per length, so a run cut short by --minutes still covers every length
@@ -160,6 +201,8 @@ def main(argv=None) -> dict:
                             "by_distance": rt.by_distance(right, dist, EDGES),
                             "vs_first": rt.paired_difference(right, base, dist, EDGES)})
         print(json.dumps(res["rows"][-1]), file=sys.stderr)
+    if against is not None:
+        res["rows"] += paired_rows(against, args.against[1], base, np.concatenate(got[runs[0][0]][2]))
     res["examples_per_length"] = done // len(args.lengths) * args.batch
     res["seconds"] = round(time.perf_counter() - t0, 1)
     res["markdown"] = markdown(res)

@@ -366,6 +366,23 @@ def test_recall_counts_every_query_once_per_variant(tiny_run, capsys):
         "error: --lengths 1024: beyond the run's max_seq_len (512)"
 
 
+def test_recall_against_another_model_pairs_the_same_queries(tiny_run, tmp_path, capsys):
+    # the first call's results, then the same model again against them: the same queries (one seed), so the
+    # paired rows equal this run's and their differences are exactly 0 where the first call scored
+    flags = ["--run", tiny_run, "--lengths", 300, "--pairs", 2, "--examples", 2, "--batch", 2, "--chunk", 128,
+             "--variants", "base", "--no-replay", "--corpus-mb", 0.3]
+    first = call(recall.main, *flags, "--out", tmp_path / "first.json")
+    res = call(recall.main, *flags, "--against", tmp_path / "first.json", "other")
+    assert [r["variant"] for r in res["rows"]] == [quality.BASE, f"other: {quality.BASE}"]
+    assert res["rows"][1]["accuracy"] == first["rows"][0]["accuracy"] == res["rows"][0]["accuracy"]
+    assert [b["n"] for b in res["rows"][1]["by_distance"]] == [b["n"] for b in first["rows"][0]["by_distance"]]
+    assert all(b["diff"] == 0 for b in res["rows"][1]["vs_first"] if b["n"])
+    capsys.readouterr()
+    assert fails(recall.main, [*flags[:5], 3, *flags[6:], "--against", tmp_path / "first.json", "other"],
+                 capsys) == (f"error: --against {tmp_path / 'first.json'}: made with other --pairs (2 there, 3 "
+                             "here); its queries are not this run's")
+
+
 def test_quality_keeps_the_retrieval_lengths_the_run_allows(tiny_run, capsys):
     res = call(quality.main, "--run", tiny_run, "--variants", "base", "--no-replay", "--batch", 1, "--ppl-len", 128,
                "--ppl-batches", 1, "--retrieval-batches", 1, "--chunk", 256, "--corpus-mb", 0.3)

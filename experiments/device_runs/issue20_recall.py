@@ -26,7 +26,8 @@ another run; I20_LR overrides the rate of both stages, I20_STEPS stage A's steps
 training cross entropy) and copies loss_curve.csv / summary.json to $OUT. `eval` scores accuracy against
 distance on 2K-16K examples for 5 minutes (rounds of one batch per length): every variant (FP4 vs BF16
 cache, sparse vs dense, pool vs flat, bounded replay vs cold) for the first plan, the inference config alone
-for the others. I20_DRY=1: the same calls with `tiny` and short rows (a CPU check of this script).
+for the others; a plan evaluated without csa2 in the same call is paired with the eleventh session's csa2
+model (`experiments.recall --against`, same queries). I20_DRY=1: the same calls with `tiny` and short rows (a CPU check of this script).
 """
 
 import csv
@@ -49,6 +50,9 @@ COMMON = ["--recall-frac", "1", "--answer-weight", "16", "--retrieval-frac", "0"
 STAGE_A = ("512", "8", "4", "153", "400") if not DRY else ("256", "4", "4", "153", "256")
 STAGE_B = ("4096", "1", "16", "640", "4096") if not DRY else ("512", "2", "8", "305", "512")
 EVAL_PAIRS = STAGE_B[2]
+# the csa2 model of 2026-12-02 (eleventh session), scored by `eval` with the same flags: a later session's
+# deep-full model is paired with it query by query (experiments.recall --against) when csa2 is not retrained
+CSA2_EVAL = "docs/quality/recall_h200_session11_eval.json"
 
 
 def run_dir(plan: str, plans: list[str]) -> str:
@@ -100,6 +104,8 @@ def main(phase: str, plans: list[str]) -> None:
         steps_together([(f"recall_eval{tag(p)}", ["-m", "experiments.recall", "--run", run, "--lengths", *lengths,
                                                   "--pairs", EVAL_PAIRS, "--examples", examples, "--minutes", minutes,
                                                   *([] if i == 0 else ["--variants", "base", "--no-replay"]),
+                                                  *(["--against", CSA2_EVAL, "csa2 model"] if p != "csa2" and
+                                                    "csa2" not in plans and not DRY else []),
                                                   "--out", os.path.join(OUT, f"recall{tag(p)}.json")], {})
                         for i, (p, run) in enumerate(runs.items())], 540)
         for p in plans:
