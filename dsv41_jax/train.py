@@ -220,10 +220,12 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
 
 # ----------------------------------------------------------------------------- checkpoints
 def save_checkpoint(path: str | Path, params: nnx.State, opt_state, step: int) -> None:
-    """Write params, optimizer state and the step number to directory `path` (orbax; must not exist)."""
+    """Write params, optimizer state (None: none, a run to evaluate, not to resume) and the step number to
+    directory `path` (orbax; must not exist)."""
     from dsv41_jax.checkpoint.orbax_io import save_tree
 
-    save_tree(path, {"params": params, "opt_state": opt_state, "step": jnp.int32(step)})
+    save_tree(path, {"params": params, "step": jnp.int32(step),
+                     **({} if opt_state is None else {"opt_state": opt_state})})
 
 
 def restore_checkpoint(path: str | Path, params_like: nnx.State, opt_state_like=None):

@@ -9,9 +9,9 @@ stages drafting blocks of --block tokens from the inputs of the target's last th
 --targets), Markov rank --markov-rank and the target's expert counts; its params start random, the
 target's are copied from the run and never change (`dsv41_jax.train.make_draft_train_step`). Training
 data: windows of the same corpus (experiments/corpus.py). Writes to --out: config.json (the target's
-config with the draft stages), checkpoint/ (params; the optimizer state saved is a fresh one of
-train_small's form, so every tool that reads runs restores it) and summary.json (loss and greedy
-acceptance on the training batches and on held-out windows).
+config with the draft stages), checkpoint/ (params and step only: every tool that reads runs restores
+params alone) and summary.json (loss and greedy acceptance on the training batches and on held-out
+windows).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dsv41_jax.compile_notice import compiling
 from experiments import _cli
 from experiments.corpus import load_corpus, windows
 from experiments.quality import load_run, run_config
-from experiments.train_small import make_optimizer, save_config
+from experiments.train_small import save_config
 
 
 def draft_config(cfg, args):
@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
             print(f"step {step}: loss {rows[-1]['loss']:.3f} kl {rows[-1]['draft_kl']:.3f} greedy acceptance "
                   f"{rows[-1]['greedy_acceptance']:.2f} of {args.block}", flush=True)
     save_config(out / "config.json", cfg.replace(sinkhorn_unroll="rolled"))
-    train.save_checkpoint(out / "checkpoint", params, train.init_opt_state(make_optimizer(1.0, 1), params), step)
+    train.save_checkpoint(out / "checkpoint", params, None, step)  # params only: a draft is evaluated, not resumed
     # saved before the held-out pass, so a run stopped during it still leaves a usable draft
     draft, rest = train.split_draft(params)
     held_fn = jax.jit(train.draft_loss_fn, static_argnums=(2, 4))  # eager, it took minutes on the H200

@@ -398,7 +398,7 @@ def main(argv=None) -> dict:
                "val_lm_loss": rows[-1]["val_lm_loss"], "val_bits_per_byte": round(rows[-1]["val_lm_loss"] / np.log(2), 4),
                "last_indexer_kl": rows[-1]["indexer_kl"], **{k: rows[-1][k] for k in validate_keys[1:]},
                "curve": curve, "checkpoint": str(out / "checkpoint"),
-               "args": vars(args)}
+               "args": {k: v for k, v in vars(args).items() if k != "stages"}}  # stages: above
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     return summary

@@ -239,6 +239,15 @@ def test_training_checkpoints_use_the_flat_format_and_read_the_earlier_one(tmp_p
     with pytest.raises(ValueError, match="1 missing"):
         train.restore_checkpoint(tmp_path / "new", {**like[0], "extra": jax.numpy.zeros(2)})
 
+    # a params-only checkpoint (a draft: evaluated, never resumed) restores the same bits; resuming it is refused
+    train.save_checkpoint(tmp_path / "params_only", params, None, step=3)
+    p, o, step = train.restore_checkpoint(tmp_path / "params_only", like[0])
+    assert (o, step) == (None, 3)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(p)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="missing"):
+        train.restore_checkpoint(tmp_path / "params_only", *like)
+
 
 def _host_placed(params) -> dict[str, str]:
     """param path -> memory kind, for every param whose kind is not the default device memory."""

@@ -342,9 +342,7 @@ def tiny_run(tmp_path_factory):
     run.mkdir()
     cfg = train_small.study_config("tiny", "csa2", False).replace(max_seq_len=512)
     train_small.save_config(run / "config.json", cfg)
-    params = d.init_params(cfg, seed=0)
-    opt_state = train.init_opt_state(train_small.make_optimizer(1.0, 1), params)
-    train.save_checkpoint(run / "checkpoint", params, opt_state, 0)
+    train.save_checkpoint(run / "checkpoint", d.init_params(cfg, seed=0), None, 0)  # evaluated, never resumed
     return run
 
 
