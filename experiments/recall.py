@@ -145,12 +145,17 @@ def load_against(path: str, args) -> dict:
     return queries
 
 
+def check_same_queries(queries: dict, planned_distance: np.ndarray) -> None:
+    """Refuse, before any evaluation, --against results whose queries are not this run's first ones."""
+    n = min(len(planned_distance), len(queries["distance"]))
+    if not np.array_equal(np.asarray(queries["distance"][:n]), planned_distance[:n]):
+        raise _cli.UserError("--against: its queries' distances differ from this run's (another corpus?)")
+
+
 def paired_rows(queries: dict, label: str, base: np.ndarray, dist: np.ndarray) -> list[dict]:
     """Rows of another model's per-query outcomes, paired with `base` (this run's first row) on the queries both
-    scored: the first min(len) queries, which the shared seed makes the same."""
+    scored: the first min(len) queries, which the shared seed makes the same (`check_same_queries`)."""
     n = min(len(base), len(queries["distance"]))
-    if not np.array_equal(np.asarray(queries["distance"][:n]), dist[:n]):
-        raise _cli.UserError("--against: its queries' distances differ from this run's (another corpus?)")
     rows = []
     for name, right in queries["right"].items():
         r = np.asarray(right[:n], bool)
@@ -174,6 +179,8 @@ def main(argv=None) -> dict:
     # rounds of one batch per length, so a run cut short by --minutes still covers every length
     sets = [rt.batch(val_ids, args.batch, n, args.pairs, None, rng)
             for _ in range(-(-args.examples // args.batch)) for n in args.lengths]
+    if against is not None:
+        check_same_queries(against, np.concatenate([d.ravel() for _, d in sets]))
     params = load_run(Path(args.run), cfg)
     res = {"args": vars(args), "edges": EDGES, "rows": []}
     t0 = time.perf_counter()

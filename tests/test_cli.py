@@ -379,6 +379,12 @@ def test_recall_against_another_model_pairs_the_same_queries(tiny_run, tmp_path,
     assert fails(recall.main, [*flags[:5], 3, *flags[6:], "--against", tmp_path / "first.json", "other"],
                  capsys) == (f"error: --against {tmp_path / 'first.json'}: made with other --pairs (2 there, 3 "
                              "here); its queries are not this run's")
+    # other queries (here: a distance changed) are refused before anything is evaluated
+    other = json.loads((tmp_path / "first.json").read_text())
+    other["queries"]["distance"][0] += 1
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert fails(recall.main, [*flags, "--against", tmp_path / "other.json", "other"], capsys) == \
+        "error: --against: its queries' distances differ from this run's (another corpus?)"
 
 
 def test_quality_keeps_the_retrieval_lengths_the_run_allows(tiny_run, capsys):

@@ -27,7 +27,8 @@ training cross entropy) and copies loss_curve.csv / summary.json to $OUT. `eval`
 distance on 2K-16K examples for 5 minutes (rounds of one batch per length): every variant (FP4 vs BF16
 cache, sparse vs dense, pool vs flat, bounded replay vs cold) for the first plan, the inference config alone
 for the others; a plan evaluated without csa2 in the same call is paired with the eleventh session's csa2
-model (`experiments.recall --against`, same queries). I20_DRY=1: the same calls with `tiny` and short rows (a CPU check of this script).
+model (`experiments.recall --against`, same queries). I20_DRY=1: the same calls with `tiny` and short rows
+(a CPU check of this script).
 """
 
 import csv
