@@ -4,13 +4,15 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode           # ~9 min: slice b1, b8, profile
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wide      # ~9.5 min: b64 4K / 128K, small
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf    # ~9 min
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode small     # ~7 min: small b1 + its profile
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
 points of one process did not fit 230 s. `cmdbuf`: the slice and `small` at batch 1, each as is and with
 the whole generation loop as one command buffer (XLA_FLAGS below), in one call so that they are compared on
 one machine: the slice's batch-1 step is ~420 kernels and its wall time was 0.2-0.4 ms over the GPU's busy
-time; `small`'s is ~300 kernels of ~6 us each.
+time; `small`'s is ~300 kernels of ~6 us each. `small`: its batch-1 target (< 1.5 ms/step) is the one
+without a per-kernel profile yet: the loop as is and as one command buffer, then `profile_step --preset small`.
 """
 
 import os
@@ -41,11 +43,20 @@ GROUPS = {  # name -> [(step name, module and arguments, timeout s, extra enviro
                                                            "--chunk", "10"], 130))
                for suffix, env in (("", {}), ("_loop_cmdbuf", LOOP_CMDBUF))],
 }
+SMALL_B1 = ["--preset", "small", "--batch", "1", "--steps", "20", "--chunk", "10"]
+GROUPS["small"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 130, {}),
+                   ("small_b1_loop_cmdbuf", ["experiments.bench_decode", *SMALL_B1], 130, LOOP_CMDBUF),
+                   ("profile_small_b1", ["experiments.profile_step", "--preset", "small", "--batch", "1", "--top",
+                                         "30", "--out", "/tmp/i12_prof_small"], 150, {})]
 
 
 def last_table(log: str, name: str) -> str:
     """The bench's final table (the profile's summary and source table), or the log's tail if it has none."""
-    start = log.find("v41-slice batch") if name == "profile_b1" else log.rfind("\n| batch")
+    if name.startswith("profile"):
+        at = log.find("(loop, not profiled)")
+        start = log.rfind("\n", 0, at) + 1 if at >= 0 else -1
+    else:
+        start = log.rfind("\n| batch")
     return (log[start:start + 2500] if start >= 0 else log[-1500:]).strip()
 
 
