@@ -6,6 +6,7 @@ what do the inference approximations then cost?
     PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall more csa2             # ~8.5 min: stage B
     PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall more deep-full        # ~8.5 min
     PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall eval csa2 deep-full   # ~6 min: the variants
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall sparse deep-full      # ~4 min: sparse stage
 
 The arguments after the phase are layer plans (`train_small --plan`, default csa2), one run each in
 /tmp/i20/<plan>, run at the same time when there are several (the GPU memory split between them): `deep-full`
@@ -29,6 +30,11 @@ cache, sparse vs dense, pool vs flat, bounded replay vs cold) for the first plan
 for the others; a plan evaluated without csa2 in the same call is paired with the eleventh session's csa2
 model (`experiments.recall --against`, same queries). I20_DRY=1: the same calls with `tiny` and short rows
 (a CPU check of this script).
+
+`sparse` continues a run with sparse attention in training (stage B's rows, I20_SPARSE_MINUTES, default 2.5):
+on the CPU a `tiny` deep-full model trained dense retrieved 13-17% under sparse selection and 85-94% after
+199 sparse steps (docs/QUALITY.md, eleventh session); its Full layer's own indexer learns what to select only
+once selection is trained. `eval` after it (I20_EVAL_MINUTES to shorten) scores the model again.
 """
 
 import csv
@@ -51,6 +57,7 @@ COMMON = ["--recall-frac", "1", "--answer-weight", "16", "--retrieval-frac", "0"
 STAGE_A = ("512", "8", "4", "153", "400") if not DRY else ("256", "4", "4", "153", "256")
 STAGE_B = ("4096", "1", "16", "640", "4096") if not DRY else ("512", "2", "8", "305", "512")
 EVAL_PAIRS = STAGE_B[2]
+SPARSE_MINUTES = os.environ.get("I20_SPARSE_MINUTES", "2.5" if not DRY else "0.5")
 # the csa2 model of 2026-12-02 (eleventh session), scored by `eval` with the same flags: a later session's
 # deep-full model is paired with it query by query (experiments.recall --against) when csa2 is not retrained
 CSA2_EVAL = "docs/quality/recall_h200_session11_eval.json"
@@ -100,8 +107,16 @@ def main(phase: str, plans: list[str]) -> None:
         steps_together([(f"train_recall_more{tag(p)}", ["-m", "experiments.train_small", "--resume", run,
                                                         *stage(*STAGE_B), "--minutes", "7.3" if not DRY else "0.8"],
                          CACHE) for p, run in runs.items()], 540)
+    elif phase == "sparse":
+        if len(plans) > 1 and not DRY:
+            raise SystemExit("sparse: one plan per call")
+        steps_together([(f"train_recall_sparse{tag(p)}", ["-m", "experiments.train_small", "--resume", run,
+                                                          "--train-attention", "sparse", *stage(*STAGE_B),
+                                                          "--minutes", SPARSE_MINUTES], CACHE)
+                        for p, run in runs.items()], 540)
     elif phase == "eval":
-        lengths, examples, minutes = (["512"], "4", "0.1") if DRY else (["2048", "4096", "8192", "16384"], "256", "5")
+        lengths, examples = (["512"], "4") if DRY else (["2048", "4096", "8192", "16384"], "256")
+        minutes = "0.1" if DRY else os.environ.get("I20_EVAL_MINUTES", "5")
         steps_together([(f"recall_eval{tag(p)}", ["-m", "experiments.recall", "--run", run, "--lengths", *lengths,
                                                   "--pairs", EVAL_PAIRS, "--examples", examples, "--minutes", minutes,
                                                   *([] if i == 0 else ["--variants", "base", "--no-replay"]),
@@ -113,7 +128,7 @@ def main(phase: str, plans: list[str]) -> None:
             print(open(os.path.join(OUT, f"recall_eval{tag(p)}.log")).read()[-3000:])
         return
     else:
-        raise SystemExit(f"phase {phase!r}: one of train, more, eval")
+        raise SystemExit(f"phase {phase!r}: one of train, more, sparse, eval")
     for p, run in runs.items():
         show_curve(run, p)
 
