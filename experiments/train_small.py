@@ -301,11 +301,27 @@ def recall_probe(args, cfg: ModelConfig, filler: np.ndarray, rng: np.random.Gene
     return probe
 
 
+# Adam's rate x width that learned retrieval: tiny (width 64) at 3e-3, small (1024) at 3e-4 and 1e-4, while
+# small at 2e-3 stayed at chance for 4,278 steps as its LM loss fell (docs/QUALITY.md, tenth and eleventh sessions)
+RETRIEVAL_LR_X_WIDTH = 3e-3 * 64
+
+
+def lr_note(lr: float, dim: int, retrieval: bool) -> str | None:
+    """A warning when a run with retrieval rows trains at a rate far above what its width learned them at."""
+    if retrieval and lr * dim > 4 * RETRIEVAL_LR_X_WIDTH:
+        return (f"note: --lr {lr:g} at width {dim}: retrieval rows were not learned at such rates (small, width "
+                f"1024, stayed at chance at 2e-3 and learned at 3e-4); try --lr {3e-4 * 1024 / dim:.1e}")
+    return None
+
+
 @_cli.entry_point
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out = output_dir(args)
     cfg = study_config(args.preset, args.plan, args.study, args.dtype)
+    note = lr_note(args.lr, cfg.dim, args.recall_frac > 0 or args.retrieval_frac > 0)
+    if note:
+        print(note, file=sys.stderr)
     if not args.resume:
         save_config(out / "config.json", cfg)
     train_ids, val_ids = load_corpus(int(args.corpus_mb * 2**20))

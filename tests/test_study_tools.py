@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import quality
+from experiments import quality, train_small
 from experiments._cli import UserError
 from experiments.corpus import KEY_DIGITS, TOK, passkey, passkey_batch, training_batches
 
@@ -146,3 +146,11 @@ def test_optimizer_rate_is_a_value_of_its_state():
     step_at = lambda s: update(grads[0], s, p)[0]["w"] - p["w"]
     np.testing.assert_allclose(step_at(with_lr(state, 2e-2)), 2 * step_at(state), rtol=1e-5, atol=1e-8)
     assert len(traces) == 1
+
+
+def test_lr_note_warns_where_retrieval_was_not_learned():
+    # small (width 1024) at 2e-3 stayed at chance on retrieval; at 3e-4 it learned; tiny (64) at 3e-3 learned
+    assert "try --lr 3.0e-04" in train_small.lr_note(2e-3, 1024, retrieval=True)
+    assert train_small.lr_note(3e-4, 1024, retrieval=True) is None
+    assert train_small.lr_note(3e-3, 64, retrieval=True) is None
+    assert train_small.lr_note(2e-3, 1024, retrieval=False) is None  # plain LM training: nothing to say
