@@ -2,16 +2,16 @@
 checkpoint is limited to 64 MiB): does the dense BF16 `small` learn multi-query associative recall, and
 what do the inference approximations then cost?
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall train csa2 deep-full  # ~6 min: stage A
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall more csa2             # ~8.5 min: stage B
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall more deep-full        # ~8.5 min
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall eval csa2 deep-full   # ~6 min: the variants
-    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall sparse deep-full      # ~4 min: sparse stage
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall train deep-full   # ~4.5 min: stage A
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall more deep-full    # ~8.5 min: stage B
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall eval deep-full    # ~6 min: the variants
+    PYTHONPATH=. python3 -m experiments.device_runs.issue20_recall sparse deep-full  # ~4 min: sparse stage
 
 The arguments after the phase are layer plans (`train_small --plan`, default csa2), one run each in
-/tmp/i20/<plan>, run at the same time when there are several (the GPU memory split between them): `deep-full`
-is the issue's "Reindex vs Full for the deep layers", a second trained model whose Reindex layers are Full
-layers. Stage B of one plan needs 69 GiB, so `more` takes one plan at a time.
+/tmp/i20/<plan>: `deep-full` is the issue's "Reindex vs Full for the deep layers", a second trained model
+whose Reindex layers are Full layers. Several plans in one call run at the same time (the GPU memory split
+between them), which measured at most 1.3x one run's throughput with slower compiles (docs/QUALITY.md,
+eleventh session), so one plan per call is the plan; stage B of one plan needs 69 GiB, so `more` refuses two.
 
 `train_small --train-attention dense`, every row one MQAR example (experiments/recall_task.py: key-value
 pairs in stdlib text, queried at the row's end; the answer digits weigh 16 in the loss). A curriculum over
