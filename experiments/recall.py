@@ -13,7 +13,8 @@ reported per distance bin (tokens from the planted value to the query) with a 95
 2-point difference is visible once a bin holds ~2,000 queries (--examples). Writes the JSON rows,
 a markdown table and, when matplotlib imports, accuracy-vs-distance plots (PNG) next to --out.
 `--against OTHER.json LABEL` adds another trained model's rows from its --out, paired query by query with
-this run's (the same seed gives the same queries): two plans, e.g. Reindex vs Full, compared on one sample.
+this run's (the same seed gives the same queries): two plans, e.g. Reindex vs Full, compared on one sample;
+`--label NAME` names this run's rows so.
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ def parse_args(argv=None):
                     help="another model's --out of this command, made with the same --lengths --pairs --batch "
                          "--seed --corpus-mb: its rows are added as 'LABEL: <variant>', paired with this run's "
                          "first row on the queries both scored (e.g. Reindex vs Full: two trained models)")
+    ap.add_argument("--label", default=None,
+                    help="this run's model, its rows named 'LABEL: <variant>' in the table and the plot (with "
+                         "--against: which rows are which model); the per-query outcomes keep the plain names")
     args = ap.parse_args(argv)
     if min(args.lengths) < rt.min_length(args.pairs):
         ap.error(f"--lengths {min(args.lengths)}: {args.pairs} pairs need at least {rt.min_length(args.pairs)} tokens")
@@ -208,6 +212,9 @@ def main(argv=None) -> dict:
                             "by_distance": rt.by_distance(right, dist, EDGES),
                             "vs_first": rt.paired_difference(right, base, dist, EDGES)})
         print(json.dumps(res["rows"][-1]), file=sys.stderr)
+    if args.label:
+        for row in res["rows"]:
+            row["variant"] = f"{args.label}: {row['variant']}"
     if against is not None:
         res["rows"] += paired_rows(against, args.against[1], base, np.concatenate(got[runs[0][0]][2]))
     res["examples_per_length"] = done // len(args.lengths) * args.batch

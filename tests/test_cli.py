@@ -370,8 +370,9 @@ def test_recall_against_another_model_pairs_the_same_queries(tiny_run, tmp_path,
     flags = ["--run", tiny_run, "--lengths", 300, "--pairs", 2, "--examples", 2, "--batch", 2, "--chunk", 128,
              "--variants", "base", "--no-replay", "--corpus-mb", 0.3]
     first = call(recall.main, *flags, "--out", tmp_path / "first.json")
-    res = call(recall.main, *flags, "--against", tmp_path / "first.json", "other")
-    assert [r["variant"] for r in res["rows"]] == [quality.BASE, f"other: {quality.BASE}"]
+    res = call(recall.main, *flags, "--against", tmp_path / "first.json", "other", "--label", "this")
+    assert [r["variant"] for r in res["rows"]] == [f"this: {quality.BASE}", f"other: {quality.BASE}"]
+    assert list(res["queries"]["right"]) == [quality.BASE]  # the raw outcomes keep the names --against reads
     assert res["rows"][1]["accuracy"] == first["rows"][0]["accuracy"] == res["rows"][0]["accuracy"]
     assert [b["n"] for b in res["rows"][1]["by_distance"]] == [b["n"] for b in first["rows"][0]["by_distance"]]
     assert all(b["diff"] == 0 for b in res["rows"][1]["vs_first"] if b["n"])

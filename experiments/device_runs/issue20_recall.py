@@ -120,8 +120,8 @@ def main(phase: str, plans: list[str]) -> None:
         steps_together([(f"recall_eval{tag(p)}", ["-m", "experiments.recall", "--run", run, "--lengths", *lengths,
                                                   "--pairs", EVAL_PAIRS, "--examples", examples, "--minutes", minutes,
                                                   *([] if i == 0 else ["--variants", "base", "--no-replay"]),
-                                                  *(["--against", CSA2_EVAL, "csa2 model"] if p != "csa2" and
-                                                    "csa2" not in plans and not DRY else []),
+                                                  *(["--against", CSA2_EVAL, "csa2 model", "--label", f"{p} model"]
+                                                    if p != "csa2" and "csa2" not in plans and not DRY else []),
                                                   "--out", os.path.join(OUT, f"recall{tag(p)}.json")], {})
                         for i, (p, run) in enumerate(runs.items())], 540)
         for p in plans:
