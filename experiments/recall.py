@@ -87,7 +87,8 @@ def plot(res: dict, path: Path) -> str | None:
         x = [np.sqrt(r["lo"] * r["hi"]) if r["lo"] else r["hi"] / 2 for r in pts]
         y = [r["acc"] for r in pts]
         err = [[r["acc"] - r["ci95"][0] for r in pts], [r["ci95"][1] - r["acc"] for r in pts]]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=row["variant"])
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=row["variant"],
+                    linestyle="--" if row.get("against") else "-")  # the other model's rows dashed
     ax.set_xscale("log")
     ax.set_xlabel("distance (tokens from the planted value to its query)")
     ax.set_ylabel("whole-value accuracy (95% CI)")
@@ -163,7 +164,7 @@ def paired_rows(queries: dict, label: str, base: np.ndarray, dist: np.ndarray) -
     rows = []
     for name, right in queries["right"].items():
         r = np.asarray(right[:n], bool)
-        rows.append({"variant": f"{label}: {name}", "accuracy": float(r.mean()), "value_nll": None,
+        rows.append({"variant": f"{label}: {name}", "against": label, "accuracy": float(r.mean()), "value_nll": None,
                      "by_distance": rt.by_distance(r, dist[:n], EDGES),
                      "vs_first": rt.paired_difference(r, base[:n], dist[:n], EDGES)})
     return rows

@@ -372,6 +372,7 @@ def test_recall_against_another_model_pairs_the_same_queries(tiny_run, tmp_path,
     first = call(recall.main, *flags, "--out", tmp_path / "first.json")
     res = call(recall.main, *flags, "--against", tmp_path / "first.json", "other", "--label", "this")
     assert [r["variant"] for r in res["rows"]] == [f"this: {quality.BASE}", f"other: {quality.BASE}"]
+    assert res["rows"][1]["against"] == "other" and "against" not in res["rows"][0]  # the plot dashes its rows
     assert list(res["queries"]["right"]) == [quality.BASE]  # the raw outcomes keep the names --against reads
     assert res["rows"][1]["accuracy"] == first["rows"][0]["accuracy"] == res["rows"][0]["accuracy"]
     assert [b["n"] for b in res["rows"][1]["by_distance"]] == [b["n"] for b in first["rows"][0]["by_distance"]]
