@@ -27,6 +27,8 @@ hi/lo splits).
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -151,6 +153,46 @@ def fp8_matmuls(x_mk, weights, *, kernels="jnp"):
     if all(q.shape[0] % 32 == 0 for q, _ in weights) and k % 32 == 0 and _weight_kernels(kernels, x_mk.shape[0]):
         return per_sequence(_kp.fp8_matmuls, x_mk, shared=(list(weights),))
     return [grouped.fp8_matmul(x_mk, q, e) for q, e in weights]
+
+
+# decode batches up to 8 (the slice's batch-1 and batch-8 steps, launch-bound); larger ones keep XLA's dot,
+# which reads fn once for all rows where the kernel's programs read it once per row. DSV41_HYPER_KERNEL_ROWS=0
+# turns the kernel off: the benchmarks' A/B of it in one run (experiments/device_runs/issue12_decode.py hyper)
+HYPER_KERNEL_ROWS = int(os.environ.get("DSV41_HYPER_KERNEL_ROWS", "8"))
+
+
+def hyper_projection(x_rk, fn_mk, *, kernels="jnp"):
+    """(f32 [R, M] = x @ fn^T, f32 [R] = mean of x^2 over K): `HyperMix`'s projection and its RMS statistic,
+    x [R, K] in any float dtype (widened to f32), fn f32 [M, K]. Up to HYPER_KERNEL_ROWS rows on a GPU (or
+    "pallas" on a CPU: interpreted) one launch (`kernels_pallas.gpu_hyper`); no TPU kernel: what it removes
+    is the GPU's launches of small kernels, so TPUs keep XLA's."""
+    r, k = x_rk.shape
+    if r <= HYPER_KERNEL_ROWS and resolve(kernels) != "jnp" and jax.default_backend() != "tpu":
+        dot, ss = _hyper_kernel(x_rk, fn_mk)
+        return dot, ss / k
+    x = x_rk.astype(jnp.float32)
+    return jnp.einsum("ri,mi->rm", x, fn_mk), jnp.mean(x * x, axis=-1)
+
+
+@jax.custom_vjp
+def _hyper_kernel(x_rk, fn_mk):
+    """(dot, sum of squares) by the kernel; differentiable (a training forward of <= 8 rows reaches it)."""
+    return per_sequence(_kp.hyper_projection, x_rk, shared=(fn_mk,))
+
+
+def _hyper_fwd(x_rk, fn_mk):
+    return _hyper_kernel(x_rk, fn_mk), (x_rk, fn_mk)
+
+
+def _hyper_bwd(res, grads):
+    x_rk, fn_mk = res
+    g_dot_rm, g_ss_r = grads
+    x = x_rk.astype(jnp.float32)
+    g_x = g_dot_rm @ fn_mk + 2 * x * g_ss_r[:, None]
+    return g_x.astype(x_rk.dtype), g_dot_rm.T @ x
+
+
+_hyper_kernel.defvjp(_hyper_fwd, _hyper_bwd)
 
 
 def fp8_matmul(x_mk, q_nk, exp, *, kernels="jnp"):
