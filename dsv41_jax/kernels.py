@@ -155,23 +155,27 @@ def fp8_matmuls(x_mk, weights, *, kernels="jnp"):
     return [grouped.fp8_matmul(x_mk, q, e) for q, e in weights]
 
 
-# decode batches up to 8 (the slice's batch-1 and batch-8 steps, launch-bound); larger ones keep XLA's dot,
-# which reads fn once for all rows where the kernel's programs read it once per row. DSV41_HYPER_KERNEL_ROWS=0
-# turns the kernel off: the benchmarks' A/B of it in one run (experiments/device_runs/issue12_decode.py hyper)
-HYPER_KERNEL_ROWS = int(os.environ.get("DSV41_HYPER_KERNEL_ROWS", "8"))
+# Off (0) until it has been compiled and timed on a GPU: DSV41_HYPER_KERNEL_ROWS=8 runs it for decode batches up
+# to 8 (the slice's launch-bound batch-1 and batch-8 steps; experiments/device_runs/issue12_decode.py hyper is
+# the A/B). Larger batches keep XLA's dot, which reads fn once for all rows where the kernel reads it per row.
+HYPER_KERNEL_ROWS = int(os.environ.get("DSV41_HYPER_KERNEL_ROWS", "0"))
 
 
 def hyper_projection(x_rk, fn_mk, *, kernels="jnp"):
     """(f32 [R, M] = x @ fn^T, f32 [R] = mean of x^2 over K): `HyperMix`'s projection and its RMS statistic,
-    x [R, K] in any float dtype (widened to f32), fn f32 [M, K]. Up to HYPER_KERNEL_ROWS rows on a GPU (or
+    x [R, K] in any float dtype (widened to f32), fn f32 [M, K]. Up to HYPER_KERNEL_ROWS rows (default 0: off) on a GPU (or
     "pallas" on a CPU: interpreted) one launch (`kernels_pallas.gpu_hyper`); no TPU kernel: what it removes
     is the GPU's launches of small kernels, so TPUs keep XLA's."""
     r, k = x_rk.shape
-    if r <= HYPER_KERNEL_ROWS and resolve(kernels) != "jnp" and jax.default_backend() != "tpu":
+    if _hyper_kernel_on(kernels, r):
         dot, ss = _hyper_kernel(x_rk, fn_mk)
         return dot, ss / k
     x = x_rk.astype(jnp.float32)
     return jnp.einsum("ri,mi->rm", x, fn_mk), jnp.mean(x * x, axis=-1)
+
+
+def _hyper_kernel_on(kernels: str, rows: int) -> bool:
+    return rows <= HYPER_KERNEL_ROWS and resolve(kernels) != "jnp" and jax.default_backend() != "tpu"
 
 
 @jax.custom_vjp

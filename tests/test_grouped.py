@@ -194,8 +194,9 @@ def test_moe_paths_agree(act_quant, tokens):
     pytest.param(False, marks=pytest.mark.skipif(INTERPRET, reason="60 s interpreted; the W4A8 case covers CPU")),
     True])
 def test_model_logits_with_weight_kernels(monkeypatch, act_quant):
-    """The model, f32, released weight formats: decode logits with the expert and FP8 kernels (forced on,
-    everything else jnp) against the jnp twins, to 1e-5 of the logit scale, from the same filled cache
+    """The model, f32, released weight formats: decode logits with the expert and FP8 kernels and the
+    hyper-connection projection kernel (forced on, everything else jnp) against the jnp twins, to 1e-5 of
+    the logit scale, from the same filled cache
     (prefill-sized inputs of the kernels: the kernel tests above, 70-row FP8, 40-token MoE). tiny's first
     3 layers (window, window + Engram, Full with an indexer) launch every kind of weight kernel the model has.
     The cache is filled by jnp decode steps (6 tokens, 5 in row 1): the program of `want`, so no prefill
@@ -212,6 +213,7 @@ def test_model_logits_with_weight_kernels(monkeypatch, act_quant):
     spare = jax.tree.map(jnp.copy, cache)  # decode_step donates its cache
     want, _ = d.decode_step(cfg, params, cache, ids[:, 0])
     monkeypatch.setattr(kernels, "_weight_kernels", lambda kernels, rows: True)
+    monkeypatch.setattr(kernels, "_hyper_kernel_on", lambda kernels, rows: True)
     jax.clear_caches()  # the api's jitted step must retrace with the kernels in it
     got, _ = d.decode_step(cfg, params, spare, ids[:, 0])
     jax.clear_caches()

@@ -56,9 +56,10 @@ def test_pallas_backend_matches_jnp_on_tiny_shapes():
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 5e-3
 
 
-def test_hyper_projection_kernel_path_and_its_gradient():
-    """Decode rows take the kernel (interpreted here), its values and custom VJP equal the jnp path's; more
-    rows than HYPER_KERNEL_ROWS take jnp even with "pallas"."""
+def test_hyper_projection_kernel_path_and_its_gradient(monkeypatch):
+    """Decode rows take the kernel (interpreted here) when it is on, its values and custom VJP equal the jnp
+    path's; more rows than HYPER_KERNEL_ROWS take jnp even with "pallas"."""
+    monkeypatch.setattr(kernels, "HYPER_KERNEL_ROWS", 8)
     kx, kf = jax.random.split(jax.random.key(7))
     x = jax.random.normal(kx, (3, 256)).astype(jnp.bfloat16)
     fn = jax.random.normal(kf, (24, 256), jnp.float32) / 16

@@ -16,8 +16,8 @@ one machine: the slice's batch-1 step is ~420 kernels and its wall time was 0.2-
 time; `small`'s is ~300 kernels of ~6 us each. `small`: its batch-1 target (< 1.5 ms/step) is the one
 without a per-kernel profile yet: the loop as is and as one command buffer, then `profile_step --preset small`.
 `hyper`: the hyper-connection projection kernel (`kernels_pallas/gpu_hyper.py`, first compiled here: its GPU
-tests first), the slice at batch 1 without it (DSV41_HYPER_KERNEL_ROWS=0) and with it, then the batch-1
-profile with it; `hyper8` the same pair at batch 8 (HyperMix was 72 kernels / 143 us of the batch-1 step, session 9).
+tests first), the slice at batch 1 without it (the default) and with it (DSV41_HYPER_KERNEL_ROWS=8), then
+the batch-1 profile with it; `hyper8` the same pair at batch 8 (HyperMix was 72 kernels / 143 us of the batch-1 step, session 9).
 """
 
 import os
@@ -48,14 +48,14 @@ GROUPS = {  # name -> [(step name, module and arguments, timeout s, extra enviro
                                                            "--chunk", "10"], 130))
                for suffix, env in (("", {}), ("_loop_cmdbuf", LOOP_CMDBUF))],
 }
-NO_HYPER = {"DSV41_HYPER_KERNEL_ROWS": "0"}
-GROUPS["hyper"] = [("hyper_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "-q", "-p", "no:cacheprovider", "-k",
-                                        "hyper"], 60, {"JAX_PLATFORMS": "cuda"}),
-                   ("slice_4k_b1_xla_hyper", [*SLICE, "1"], 150, NO_HYPER),
+HYPER = {"DSV41_HYPER_KERNEL_ROWS": "8"}
+GROUPS["hyper"] = [("hyper_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "tests/test_kernels_dispatch.py", "-q",
+                                        "-p", "no:cacheprovider", "-k", "hyper"], 90, {"JAX_PLATFORMS": "cuda"}),
                    ("slice_4k_b1", [*SLICE, "1"], 150, {}),
-                   ("profile_b1", ["experiments.profile_step", "--batch", "1", "--top", "30", "--out", "/tmp/i12_prof"],
-                    120, {})]
-GROUPS["hyper8"] = [("slice_4k_b8_xla_hyper", [*SLICE, "8"], 260, NO_HYPER), ("slice_4k_b8", [*SLICE, "8"], 260, {})]
+                   ("slice_4k_b1_hyper_kernel", [*SLICE, "1"], 150, HYPER),
+                   ("profile_b1_hyper_kernel", ["experiments.profile_step", "--batch", "1", "--top", "30", "--out",
+                                                "/tmp/i12_prof"], 120, HYPER)]
+GROUPS["hyper8"] = [("slice_4k_b8", [*SLICE, "8"], 260, {}), ("slice_4k_b8_hyper_kernel", [*SLICE, "8"], 260, HYPER)]
 SMALL_B1 = ["--preset", "small", "--batch", "1", "--steps", "20", "--chunk", "10"]
 GROUPS["small"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 130, {}),
                    ("small_b1_loop_cmdbuf", ["experiments.bench_decode", *SMALL_B1], 130, LOOP_CMDBUF),
