@@ -34,7 +34,8 @@ model (`experiments.recall --against`, same queries). I20_DRY=1: the same calls 
 `sparse` continues a run with sparse attention in training (stage B's rows, I20_SPARSE_MINUTES, default 2.5):
 on the CPU a `tiny` deep-full model trained dense retrieved 13-17% under sparse selection and 85-94% after
 199 sparse steps (docs/QUALITY.md, eleventh session); its Full layer's own indexer learns what to select only
-once selection is trained. `eval` after it (I20_EVAL_MINUTES to shorten) scores the model again.
+once selection is trained. `small`'s deep-full model, trained dense, lost only 1-3 points to sparse selection
+(twelfth session), so its sparse stage has not been run. `eval` after it (I20_EVAL_MINUTES to shorten) scores the model again.
 """
 
 import csv
@@ -101,18 +102,13 @@ def main(phase: str, plans: list[str]) -> None:
                                                    "--plan", p, "--train-attention", "dense", "--warmup", "50",
                                                    *stage(*STAGE_A), "--steps", STEPS_A, "--out", run], CACHE)
                         for p, run in runs.items()], 540)
-    elif phase == "more":
+    elif phase in ("more", "sparse"):  # stage B, or the same rows with sparse attention in training
         if len(plans) > 1 and not DRY:
-            raise SystemExit("more: one plan per call (stage B of one plan needs 69 GiB of the GPU)")
-        steps_together([(f"train_recall_more{tag(p)}", ["-m", "experiments.train_small", "--resume", run,
-                                                        *stage(*STAGE_B), "--minutes", "7.3" if not DRY else "0.8"],
-                         CACHE) for p, run in runs.items()], 540)
-    elif phase == "sparse":
-        if len(plans) > 1 and not DRY:
-            raise SystemExit("sparse: one plan per call")
-        steps_together([(f"train_recall_sparse{tag(p)}", ["-m", "experiments.train_small", "--resume", run,
-                                                          "--train-attention", "sparse", *stage(*STAGE_B),
-                                                          "--minutes", SPARSE_MINUTES], CACHE)
+            raise SystemExit(f"{phase}: one plan per call (stage B of one plan needs 69 GiB of the GPU)")
+        sparse = ["--train-attention", "sparse"] if phase == "sparse" else []
+        minutes = SPARSE_MINUTES if phase == "sparse" else "7.3" if not DRY else "0.8"
+        steps_together([(f"train_recall_{phase}{tag(p)}", ["-m", "experiments.train_small", "--resume", run, *sparse,
+                                                           *stage(*STAGE_B), "--minutes", minutes], CACHE)
                         for p, run in runs.items()], 540)
     elif phase == "eval":
         lengths, examples = (["512"], "4") if DRY else (["2048", "4096", "8192", "16384"], "256")
