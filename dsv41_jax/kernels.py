@@ -27,8 +27,6 @@ hi/lo splits).
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
@@ -135,15 +133,39 @@ def grouped_matmul(x_mk, w, sizes_e, *, kernels="jnp"):
 
 def rows_matmuls(x_mk, ws, expert_m, *, kernels="jnp"):
     """[f32 [M, N] per weight in `ws`]: row m times expert expert_m[m] (int32 [M], -1: zero row) of each
-    stored weight (`grouped.rows_matmul`); on the kernels, weights of one shape share one launch."""
-    if not (all(grouped.is_packed(w) for w in ws) and _weight_kernels(kernels, x_mk.shape[0])):
+    stored weight (`grouped.rows_matmul`); on the kernels, weights of one shape share one launch (packed FP4
+    on GPU and TPU; float experts on the GPU, where XLA's form is a slow column reduction)."""
+    on, gpu = _weight_kernels(kernels, x_mk.shape[0]), _kp.platform()[0] != "tpu"
+    _, k, n = grouped.grouped_shape(ws[0])
+    if on and gpu and not any(grouped.is_packed(w) for w in ws) and k % 32 == 0 and n % 16 == 0:
+        return _rows_float(x_mk, list(ws), expert_m)
+    if not (on and all(grouped.is_packed(w) for w in ws)):
         return [grouped.rows_matmul(x_mk, w, expert_m) for w in ws]
     pairs = [(w["values"], w["scales"]) for w in ws]
-    if _kp.platform()[0] != "tpu":
+    if gpu:
         return _kp.rows_matmuls_fp4(x_mk, pairs, expert_m)
     # the TPU kernel takes rows sorted by expert (no row-form TPU kernel yet): sort, run, put back
     order, sizes = grouped.sort_by_group(expert_m, pairs[0][0].shape[0])
     return [jnp.zeros_like(y).at[order].set(y) for y in _kp.grouped_matmuls_fp4(x_mk[order], pairs, sizes)]
+
+
+@jax.custom_vjp
+def _rows_float(x_mk, ws, expert_m):
+    """The float-expert row kernel, differentiable through its jnp twin (a one-token training forward)."""
+    return _kp.rows_matmuls_float(x_mk, ws, expert_m)
+
+
+def _rows_float_fwd(x_mk, ws, expert_m):
+    return _rows_float(x_mk, ws, expert_m), (x_mk, ws, expert_m)
+
+
+def _rows_float_bwd(res, g_ys):
+    x_mk, ws, expert_m = res
+    _, vjp = jax.vjp(lambda x, w: [grouped.rows_matmul(x, wi, expert_m) for wi in w], x_mk, ws)
+    return (*vjp(list(g_ys)), None)
+
+
+_rows_float.defvjp(_rows_float_fwd, _rows_float_bwd)
 
 
 def fp8_matmuls(x_mk, weights, *, kernels="jnp"):
@@ -153,50 +175,6 @@ def fp8_matmuls(x_mk, weights, *, kernels="jnp"):
     if all(q.shape[0] % 32 == 0 for q, _ in weights) and k % 32 == 0 and _weight_kernels(kernels, x_mk.shape[0]):
         return per_sequence(_kp.fp8_matmuls, x_mk, shared=(list(weights),))
     return [grouped.fp8_matmul(x_mk, q, e) for q, e in weights]
-
-
-# Off (0) until it has been compiled and timed on a GPU: DSV41_HYPER_KERNEL_ROWS=8 runs it for decode batches up
-# to 8 (the slice's launch-bound batch-1 and batch-8 steps; experiments/device_runs/issue12_decode.py hyper is
-# the A/B). Larger batches keep XLA's dot, which reads fn once for all rows where the kernel reads it per row.
-HYPER_KERNEL_ROWS = int(os.environ.get("DSV41_HYPER_KERNEL_ROWS", "0"))
-
-
-def hyper_projection(x_rk, fn_mk, *, kernels="jnp"):
-    """(f32 [R, M] = x @ fn^T, f32 [R] = mean of x^2 over K): `HyperMix`'s projection and its RMS statistic,
-    x [R, K] in any float dtype (widened to f32), fn f32 [M, K]. Up to HYPER_KERNEL_ROWS rows (default 0: off) on a GPU (or
-    "pallas" on a CPU: interpreted) one launch (`kernels_pallas.gpu_hyper`); no TPU kernel: what it removes
-    is the GPU's launches of small kernels, so TPUs keep XLA's."""
-    r, k = x_rk.shape
-    if _hyper_kernel_on(kernels, r):
-        dot, ss = _hyper_kernel(x_rk, fn_mk)
-        return dot, ss / k
-    x = x_rk.astype(jnp.float32)
-    return jnp.einsum("ri,mi->rm", x, fn_mk), jnp.mean(x * x, axis=-1)
-
-
-def _hyper_kernel_on(kernels: str, rows: int) -> bool:
-    return rows <= HYPER_KERNEL_ROWS and resolve(kernels) != "jnp" and jax.default_backend() != "tpu"
-
-
-@jax.custom_vjp
-def _hyper_kernel(x_rk, fn_mk):
-    """(dot, sum of squares) by the kernel; differentiable (a training forward of <= 8 rows reaches it)."""
-    return per_sequence(_kp.hyper_projection, x_rk, shared=(fn_mk,))
-
-
-def _hyper_fwd(x_rk, fn_mk):
-    return _hyper_kernel(x_rk, fn_mk), (x_rk, fn_mk)
-
-
-def _hyper_bwd(res, grads):
-    x_rk, fn_mk = res
-    g_dot_rm, g_ss_r = grads
-    x = x_rk.astype(jnp.float32)
-    g_x = g_dot_rm @ fn_mk + 2 * x * g_ss_r[:, None]
-    return g_x.astype(x_rk.dtype), g_dot_rm.T @ x
-
-
-_hyper_kernel.defvjp(_hyper_fwd, _hyper_bwd)
 
 
 def fp8_matmul(x_mk, q_nk, exp, *, kernels="jnp"):

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import jax
 
-from kernels_pallas import (gpu_attention, gpu_grouped, gpu_hyper, gpu_indexer, gpu_select, tpu_attention,
-                            tpu_grouped, tpu_indexer, tpu_select)
+from kernels_pallas import (gpu_attention, gpu_grouped, gpu_indexer, gpu_select, tpu_attention, tpu_grouped,
+                            tpu_indexer, tpu_select)
 
 __all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode",
-           "grouped_matmuls_fp4", "fp8_matmuls", "hyper_projection", "platform"]
+           "grouped_matmuls_fp4", "rows_matmuls_fp4", "rows_matmuls_float", "fp8_matmuls", "platform"]
 
 
 def platform(family: str | None = None) -> tuple[str, bool]:
@@ -92,6 +92,15 @@ def rows_matmuls_fp4(x_mk, weights, expert_m, *, family=None):
     return gpu_grouped.rows_matmuls_fp4(x_mk, weights, expert_m, interpret=interpret)
 
 
+def rows_matmuls_float(x_mk, weights, expert_m, *, family=None):
+    """`rows_matmuls_fp4` for float experts [E, K, N] (`weight_format="float"`). GPU only: XLA's TPU
+    lowering of one token's experts is a matrix-vector product already, not the GPU's column reduction."""
+    fam, interpret = platform(family)
+    if fam == "tpu":
+        raise ValueError("no TPU kernel for float experts: use grouped.rows_matmul (XLA) on TPUs")
+    return gpu_grouped.rows_matmuls_float(x_mk, weights, expert_m, interpret=interpret)
+
+
 def fp8_matmuls(x_mk, weights, *, family=None):
     """[f32 [M, N_i] = x @ W_i^T] for (E4M3 [N_i, K], E8M0 [N_i/32, K/32]) pairs in the released FP8 block
     format; on GPU one launch for all of them."""
@@ -99,11 +108,3 @@ def fp8_matmuls(x_mk, weights, *, family=None):
     if fam == "tpu":
         return [tpu_grouped.fp8_matmul(x_mk, q, e, interpret=interpret) for q, e in weights]
     return gpu_grouped.fp8_matmuls(x_mk, list(weights), interpret=interpret)
-
-
-def hyper_projection(x_rk, fn_mk, *, family=None):
-    """(f32 [R, M] = x @ fn^T, f32 [R] = sum of x^2): the hyper-connection projection (GPU kernel only)."""
-    fam, interpret = platform(family)
-    if fam == "tpu":
-        raise ValueError("hyper_projection has no TPU kernel (it removes GPU launches); use XLA's dot on TPUs")
-    return gpu_hyper.hyper_projection(x_rk, fn_mk, interpret=interpret)

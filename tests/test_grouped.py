@@ -95,6 +95,34 @@ def test_rows_fp4_kernel_matches_twin(experts, dtype, monkeypatch):
     _close(tpu, ref)
 
 
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("experts", [[5], [3, 0, 7, 2, 6, 1], [4, -1, 4, 0, -1]])
+def test_rows_float_kernel_matches_twin(experts, w_dtype, monkeypatch):
+    """Float experts [E, K, N] in the row form: the GPU kernel (K split across programs, two weights in one
+    launch) equals the twin; `kernels.rows_matmuls` takes it with "pallas" off a TPU, with the twin's
+    gradient, and stays on the twin on a TPU."""
+    rng = np.random.default_rng(len(experts))
+    w, w3 = (jnp.asarray(rng.normal(size=(8, 256, 96)) * 0.1, w_dtype) for _ in range(2))
+    e = jnp.asarray(experts, jnp.int32)
+    x = jnp.asarray(rng.normal(size=(len(experts), 256)), w_dtype)
+    refs = [grouped.rows_matmul(x, wi, e) for wi in (w, w3)]
+    assert not np.asarray(refs[0])[np.asarray(e) < 0].any()
+    for splits in (None, 1):
+        outs = gpu_grouped.rows_matmuls_float(x, [w, w3], e, splits=splits, interpret=INTERPRET)
+        for out, ref in zip(outs, refs):
+            _close(out, ref)
+    loss = lambda fn: lambda x, w: sum(jnp.sum(y * y) for y in fn(x, [w, w3], e))  # noqa: E731
+    g_kernel = jax.grad(loss(lambda *a: kernels.rows_matmuls(*a, kernels="pallas")), (0, 1))(x, w)
+    g_twin = jax.grad(loss(lambda *a: kernels.rows_matmuls(*a, kernels="jnp")), (0, 1))(x, w)
+    for a, b in zip(g_kernel, g_twin):  # bf16: the cotangents are 2y rounded to bf16 from two f32 sums
+        _close(a, b, rel=1e-5 if w_dtype == jnp.float32 else 1e-2)
+    jaxpr = str(jax.make_jaxpr(lambda a: kernels.rows_matmuls(a, [w], e, kernels="pallas"))(x))
+    assert "grouped_matmul_float" in jaxpr
+    monkeypatch.setattr(kernels_pallas, "platform", lambda family=None: ("tpu", True))
+    jaxpr = str(jax.make_jaxpr(lambda a: kernels.rows_matmuls(a, [w], e, kernels="pallas"))(x))
+    assert "pallas_call" not in jaxpr
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])  # bf16: the PTX decode on a GPU
 @pytest.mark.parametrize("m", [1, 5, 70])
 def test_fp8_matmul_kernel_matches_twin(m, dtype):
@@ -194,9 +222,8 @@ def test_moe_paths_agree(act_quant, tokens):
     pytest.param(False, marks=pytest.mark.skipif(INTERPRET, reason="60 s interpreted; the W4A8 case covers CPU")),
     True])
 def test_model_logits_with_weight_kernels(monkeypatch, act_quant):
-    """The model, f32, released weight formats: decode logits with the expert and FP8 kernels and the
-    hyper-connection projection kernel (forced on, everything else jnp) against the jnp twins, to 1e-5 of
-    the logit scale, from the same filled cache
+    """The model, f32, released weight formats: decode logits with the expert and FP8 kernels (forced on,
+    everything else jnp) against the jnp twins, to 1e-5 of the logit scale, from the same filled cache
     (prefill-sized inputs of the kernels: the kernel tests above, 70-row FP8, 40-token MoE). tiny's first
     3 layers (window, window + Engram, Full with an indexer) launch every kind of weight kernel the model has.
     The cache is filled by jnp decode steps (6 tokens, 5 in row 1): the program of `want`, so no prefill
@@ -213,7 +240,6 @@ def test_model_logits_with_weight_kernels(monkeypatch, act_quant):
     spare = jax.tree.map(jnp.copy, cache)  # decode_step donates its cache
     want, _ = d.decode_step(cfg, params, cache, ids[:, 0])
     monkeypatch.setattr(kernels, "_weight_kernels", lambda kernels, rows: True)
-    monkeypatch.setattr(kernels, "_hyper_kernel_on", lambda kernels, rows: True)
     jax.clear_caches()  # the api's jitted step must retrace with the kernels in it
     got, _ = d.decode_step(cfg, params, spare, ids[:, 0])
     jax.clear_caches()

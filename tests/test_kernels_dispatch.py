@@ -56,28 +56,6 @@ def test_pallas_backend_matches_jnp_on_tiny_shapes():
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 5e-3
 
 
-def test_hyper_projection_kernel_path_and_its_gradient(monkeypatch):
-    """Decode rows take the kernel (interpreted here) when it is on, its values and custom VJP equal the jnp
-    path's; more rows than HYPER_KERNEL_ROWS take jnp even with "pallas"."""
-    monkeypatch.setattr(kernels, "HYPER_KERNEL_ROWS", 8)
-    kx, kf = jax.random.split(jax.random.key(7))
-    x = jax.random.normal(kx, (3, 256)).astype(jnp.bfloat16)
-    fn = jax.random.normal(kf, (24, 256), jnp.float32) / 16
-
-    def loss(kernels_, x, fn):
-        dot, mean_sq = kernels.hyper_projection(x, fn, kernels=kernels_)
-        return jnp.sum(jnp.sin(dot)) + jnp.sum(mean_sq ** 2), (dot, mean_sq)
-
-    (got_l, got), got_g = jax.value_and_grad(functools.partial(loss, "pallas"), (0, 1), has_aux=True)(x, fn)
-    (want_l, want), want_g = jax.value_and_grad(functools.partial(loss, "jnp"), (0, 1), has_aux=True)(x, fn)
-    for g, w in zip((*got, got_l, *got_g), (*want, want_l, *want_g)):
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-5, atol=2e-5)
-    many = jnp.zeros((kernels.HYPER_KERNEL_ROWS + 1, 256), jnp.float32)
-    jaxpr = str(jax.make_jaxpr(lambda a: kernels.hyper_projection(a, fn, kernels="pallas"))(many))
-    assert "pallas_call" not in jaxpr and "pallas_call" in str(
-        jax.make_jaxpr(lambda a: kernels.hyper_projection(a, fn, kernels="pallas"))(x))
-
-
 def _pool_inputs():
     """Tiny-config index keys (N = 37, not a multiple of the block of 4) for five sequences: full context,
     a short one (all its blocks fit the pool), one entry, none, and one whose keys are all equal (every

@@ -5,8 +5,6 @@ batches of unequal lengths, ties, -inf rows and signed zeros. Tolerances:
 - indexer (full scan and candidate-pool scan): q and k on the FP4 grid make every product exact; only
   the f32 summation order differs, so |err| <= 1e-5 * max|score|.
 - selection: exact equality (same top set, same tie order, same -1 padding).
-- hyper-connection projection: f32 products of f32-widened inputs, only the summation order differs:
-  <= 1e-5 * max|dot| and 1e-6 relative on the sum of squares.
 - attention: float16 tensor-core operands (q rounded to 2**-11 after a per-head power of two, p to
   2**-11, twice in the split variant; keys exact), so <= 5e-3 relative (norm per sequence); measured ~4e-4.
 """
@@ -20,7 +18,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax import ops, quant
-from kernels_pallas import decode, gpu_attention, gpu_hyper, gpu_indexer, gpu_select
+from kernels_pallas import decode, gpu_attention, gpu_indexer, gpu_select
 from tests.kernel_checks import assert_scan_matches, check_pool_scan, index_case
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -184,22 +182,3 @@ def test_sparse_attention(b, h, d, w, n, k, variant, splits, block_k, head_block
     for i in range(1, b):
         err = float(jnp.linalg.norm(out[i] - ref[i]) / jnp.linalg.norm(ref[i]))
         assert err < 5e-3, (i, err)
-
-
-@pytest.mark.parametrize("r,m,k,dtype", [
-    (1, 24, 16384, jnp.bfloat16),  # v41's HyperMix at batch 1: 64 splits of 256
-    (8, 24, 1024, jnp.float32),  # batch 8, f32 stream (training dtype)
-    (3, 7, 96, jnp.bfloat16),  # M not a power of two (4 + 2 + 1 pieces), K = 3 x 32
-])
-def test_hyper_projection(r, m, k, dtype):
-    kx, kf = jax.random.split(jax.random.key(r))
-    x = (3 * jax.random.normal(kx, (r, k))).astype(dtype)
-    fn = jax.random.normal(kf, (m, k), jnp.float32) / np.sqrt(k)
-    dot, ss = gpu_hyper.hyper_projection(x, fn, interpret=INTERPRET)
-    xf = x.astype(jnp.float32)
-    want = jnp.einsum("ri,mi->rm", xf, fn, precision=jax.lax.Precision.HIGHEST)
-    assert dot.shape == (r, m) and ss.shape == (r,)
-    np.testing.assert_allclose(np.asarray(dot), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(want))))
-    np.testing.assert_allclose(np.asarray(ss), np.asarray(jnp.sum(xf * xf, axis=-1)), rtol=1e-6)
-    with pytest.raises(ValueError, match="must be f32"):
-        gpu_hyper.hyper_projection(x, fn.astype(jnp.bfloat16), interpret=INTERPRET)

@@ -5,8 +5,6 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wide      # ~9.5 min: b64 4K / 128K, small
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf    # ~9 min
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode small     # ~7 min: small b1 + its profile
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper     # ~8 min: the HyperMix kernel A/B
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper8    # ~8.5 min: the same at batch 8
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -15,9 +13,6 @@ the whole generation loop as one command buffer (XLA_FLAGS below), in one call s
 one machine: the slice's batch-1 step is ~420 kernels and its wall time was 0.2-0.4 ms over the GPU's busy
 time; `small`'s is ~300 kernels of ~6 us each. `small`: its batch-1 target (< 1.5 ms/step) is the one
 without a per-kernel profile yet: the loop as is and as one command buffer, then `profile_step --preset small`.
-`hyper`: the hyper-connection projection kernel (`kernels_pallas/gpu_hyper.py`, first compiled here: its GPU
-tests first), the slice at batch 1 without it (the default) and with it (DSV41_HYPER_KERNEL_ROWS=8), then
-the batch-1 profile with it; `hyper8` the same pair at batch 8 (HyperMix was 72 kernels / 143 us of the batch-1 step, session 9).
 """
 
 import os
@@ -48,14 +43,6 @@ GROUPS = {  # name -> [(step name, module and arguments, timeout s, extra enviro
                                                            "--chunk", "10"], 130))
                for suffix, env in (("", {}), ("_loop_cmdbuf", LOOP_CMDBUF))],
 }
-HYPER = {"DSV41_HYPER_KERNEL_ROWS": "8"}
-GROUPS["hyper"] = [("hyper_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "tests/test_kernels_dispatch.py", "-q",
-                                        "-p", "no:cacheprovider", "-k", "hyper"], 90, {"JAX_PLATFORMS": "cuda"}),
-                   ("slice_4k_b1", [*SLICE, "1"], 150, {}),
-                   ("slice_4k_b1_hyper_kernel", [*SLICE, "1"], 150, HYPER),
-                   ("profile_b1_hyper_kernel", ["experiments.profile_step", "--batch", "1", "--top", "30", "--out",
-                                                "/tmp/i12_prof"], 120, HYPER)]
-GROUPS["hyper8"] = [("slice_4k_b8", [*SLICE, "8"], 260, {}), ("slice_4k_b8_hyper_kernel", [*SLICE, "8"], 260, HYPER)]
 SMALL_B1 = ["--preset", "small", "--batch", "1", "--steps", "20", "--chunk", "10"]
 GROUPS["small"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 130, {}),
                    ("small_b1_loop_cmdbuf", ["experiments.bench_decode", *SMALL_B1], 130, LOOP_CMDBUF),
@@ -65,8 +52,6 @@ GROUPS["small"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 130, {}
 
 def last_table(log: str, name: str) -> str:
     """The bench's final table (the profile's summary and source table), or the log's tail if it has none."""
-    if name.endswith("tests"):
-        return log.strip().splitlines()[-1] if log.strip() else "(no output)"
     if name.startswith("profile"):
         at = log.find("(loop, not profiled)")
         start = log.rfind("\n", 0, at) + 1 if at >= 0 else -1
@@ -78,7 +63,7 @@ def last_table(log: str, name: str) -> str:
 if __name__ == "__main__":
     steps = GROUPS[sys.argv[1] if len(sys.argv) > 1 else "default"]
     for name, (module, *args), timeout_s, env in steps:
-        out = ["--out", os.path.join(OUT, f"{name}.json")] if module == "experiments.bench_decode" else []
+        out = [] if module == "experiments.profile_step" else ["--out", os.path.join(OUT, f"{name}.json")]
         step(name, ["-m", module, *args, *out], timeout_s, env)
     for name, *_ in steps:
         print(f"\n== {name}\n{last_table(open(os.path.join(OUT, f'{name}.log')).read(), name)}")
