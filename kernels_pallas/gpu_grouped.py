@@ -251,8 +251,8 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
     if any(n % tn for n in ns):
         raise ValueError(f"output widths {ns} must be multiples of the output tile {tn}")
     col0 = tuple(sum(ns[:i]) for i in range(len(ns) + 1))
-    if rows_expert is not None:
-        row0 = jnp.arange(m, dtype=jnp.int32)
+    if rows_expert is not None:  # row m is tile m: constants (as device arrays, an iota kernel per call)
+        row0 = np.arange(m, dtype=np.int32)
         grp, end = rows_expert.astype(jnp.int32), row0 + 1
     else:
         grp, row0, end = dense_tile_map(m, tm) if sizes_g is None else tile_map(sizes_g, m, tm)
