@@ -15,7 +15,7 @@ The reference decodes only the experts that have rows (at most min(E, M) of them
 a decode step with B tokens routed top-k reads B*k experts' bytes, not all E.
 
 Row matmul contract (`rows_matmul`): no sorting, each row names its expert, y[m] = x[m] @ W[expert[m]]
-(zero where expert[m] = -1). For one token's top-k assignments, whose experts are distinct: the same
+(zero where expert[m] = -1; x may be a single row that all rows read). For one token's top-k assignments, whose experts are distinct: the same
 bytes as the grouped form without the sort, counts and scatter around it (a batch-1 decode step).
 """
 
@@ -84,11 +84,13 @@ def sort_by_group(group_m: jax.Array, n_groups: int) -> tuple[jax.Array, jax.Arr
 
 
 def rows_matmul(x_mk: jax.Array, w, expert_m: jax.Array) -> jax.Array:
-    """y f32 [M, N] = x [M, K] row m @ expert expert_m[m] (int32 [M], -1: none, zero row) of `w`.
+    """y f32 [M, N] = x [M, K] row m @ expert expert_m[m] (int32 [M], -1: none, zero row) of `w`; x may be
+    one row [1, K] that every row reads (one token's k assignments).
 
     Computes in x's dtype with f32 accumulation; gathers and dequantizes one expert per row (an expert
     named by several rows is read once per row: meant for distinct experts)."""
     w_mkn = dequantize_experts(jax.tree.map(lambda a: a[jnp.maximum(expert_m, 0)], w), x_mk.dtype)
+    x_mk = jnp.broadcast_to(x_mk, (expert_m.shape[0], x_mk.shape[1]))
     y = jnp.einsum("mk,mkn->mn", x_mk, w_mkn, preferred_element_type=jnp.float32)
     return jnp.where((expert_m >= 0)[:, None], y, 0.0)
 

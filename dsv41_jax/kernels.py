@@ -132,8 +132,8 @@ def grouped_matmul(x_mk, w, sizes_e, *, kernels="jnp"):
 
 
 def rows_matmuls(x_mk, ws, expert_m, *, kernels="jnp"):
-    """[f32 [M, N] per weight in `ws`]: row m times expert expert_m[m] (int32 [M], -1: zero row) of each
-    stored weight (`grouped.rows_matmul`); on the kernels, weights of one shape share one launch (packed FP4
+    """[f32 [M, N] per weight in `ws`]: row m (x [M, K], or [1, K] for all rows) times expert expert_m[m] (int32
+    [M], -1: zero row) of each stored weight (`grouped.rows_matmul`); on the kernels, weights of one shape share one launch (packed FP4
     on GPU and TPU; float experts on the GPU, where XLA's form is a slow column reduction)."""
     on, gpu = _weight_kernels(kernels, x_mk.shape[0]), _kp.platform()[0] != "tpu"
     _, k, n = grouped.grouped_shape(ws[0])
@@ -146,6 +146,7 @@ def rows_matmuls(x_mk, ws, expert_m, *, kernels="jnp"):
         return _kp.rows_matmuls_fp4(x_mk, pairs, expert_m)
     # the TPU kernel takes rows sorted by expert (no row-form TPU kernel yet): sort, run, put back
     order, sizes = grouped.sort_by_group(expert_m, pairs[0][0].shape[0])
+    x_mk = jnp.broadcast_to(x_mk, (expert_m.shape[0], x_mk.shape[1]))
     return [jnp.zeros_like(y).at[order].set(y) for y in _kp.grouped_matmuls_fp4(x_mk[order], pairs, sizes)]
 
 

@@ -112,7 +112,7 @@ class MoE(nnx.Module):
         if n == 1:
             expert = jnp.where((local >= 0) & (local < n_local), local, -1)
             mm = lambda a, *names: rows_matmuls(a, stored(names), expert, kernels=kernels)  # noqa: E731
-            xs, w_rows = jnp.broadcast_to(x_nd, (k, x_nd.shape[1])), w_nk.reshape(-1)
+            xs, w_rows = x_nd, w_nk.reshape(-1)  # the k rows read the one token's row (no broadcast copy)
             combine = lambda ys: jnp.sum(ys, axis=0, keepdims=True)  # noqa: E731
         else:
             order, sizes = sort_by_group(local, n_local)  # grouped by expert, foreign assignments last

@@ -186,7 +186,7 @@ def _fp8_weights_fast(vb, sb):
     return w
 
 
-def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, col0: tuple[int, ...], tm: int, tk: int, tn: int,
+def _kernel(grp_ref, row0_ref, end_ref, xrow_ref, *refs, fmt: str, col0: tuple[int, ...], tm: int, tk: int, tn: int,
             k: int, splits: int, fast: bool, precision):
     """One program: row tile t x output tile j x K split s: its partial sum over K chunks [s, s + 1) * K /
     splits goes to o[s]. The weights (sharing x and the tiles) sit side by side in the output, weight i
@@ -223,7 +223,7 @@ def _kernel(grp_ref, row0_ref, end_ref, *refs, fmt: str, col0: tuple[int, ...], 
                 parts = [(x_refs[0], _fp8_weights_fast(vb, sb) if fast else _fp8_weights(vb, sb, dt))]
                 cols = pl.ds(i * tk, tk)
             for x_ref, w in parts:
-                xs = plt.load(x_ref.at[pl.ds(r0, tm), cols], mask=rows_ok[:, None], other=0)
+                xs = plt.load(x_ref.at[pl.ds(xrow_ref[t], tm), cols], mask=rows_ok[:, None], other=0)
                 acc += jax.lax.dot_general(xs, w, (((1,), (w_k,)), ((), ())), precision=precision,
                                            preferred_element_type=jnp.float32)
             return acc
@@ -245,8 +245,9 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
           rows_expert=None):
     """[f32 [M, N_i] per (values, scales) (fmt "float": (array,)) in `weights`, N_i = ns[i], multiples of tn], all read with the same
     rows and tile map in one launch. sizes_g None: one dense group of all M rows (a projection), or with
-    rows_expert (int32 [M], -1: none) one tile per row, row m of expert rows_expert[m]."""
-    m = x_parts[0].shape[0]
+    rows_expert (int32 [M], -1: none) one tile per row, row m of expert rows_expert[m]; there x may be one row
+    that every row reads (one token's k assignments: no broadcast copy of it)."""
+    m = x_parts[0].shape[0] if rows_expert is None else rows_expert.shape[0]
     tm, tk, tn = tiles
     if any(n % tn for n in ns):
         raise ValueError(f"output widths {ns} must be multiples of the output tile {tn}")
@@ -254,8 +255,12 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
     if rows_expert is not None:  # row m is tile m: constants (as device arrays, an iota kernel per call)
         row0 = np.arange(m, dtype=np.int32)
         grp, end = rows_expert.astype(jnp.int32), row0 + 1
+        xrow = row0 if x_parts[0].shape[0] == m else np.zeros_like(row0)
+        if x_parts[0].shape[0] not in (1, m):
+            raise ValueError(f"x has {x_parts[0].shape[0]} rows for {m} row experts: give one row per expert or one")
     else:
         grp, row0, end = dense_tile_map(m, tm) if sizes_g is None else tile_map(sizes_g, m, tm)
+        xrow = row0
     # Compiled, a tile's rows past the arrays are masked off in its loads and stores (never touched).
     # Interpreted, a slice that would run past an array is clamped back into it (moving the valid rows
     # too), so there the rows are padded by a tile first: a pad kernel per call saved on the GPU.
@@ -274,7 +279,7 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
         out_shape=jax.ShapeDtypeStruct((splits, m + pad, col0[-1]), jnp.float32),
         interpret=interpret, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"grouped_matmul_{fmt}_{col0[-1]}x{k}",  # the shape in the name: profiles tell the calls apart
-    )(grp, row0, end, *x_parts, *[a for w in weights for a in w])
+    )(grp, row0, end, xrow, *x_parts, *[a for w in weights for a in w])
     y = jnp.sum(y[:, :m], axis=0) if splits > 1 else y[0, :m]
     if rows_expert is not None:  # rows no tile writes are uninitialized in the kernel's output
         y = jnp.where((rows_expert >= 0)[:, None], y, 0.0)
@@ -335,7 +340,8 @@ def rows_matmuls_fp4(x_mk: jax.Array, weights, expert_m: jax.Array, *, tiles: tu
                      num_warps: int = 4, num_stages: int = 3, fast_decode: bool = True, interpret: bool = False,
                      splits: int | None = None) -> list[jax.Array]:
     """`grouped_matmuls_fp4` with each row's expert given (expert_m int32 [M], -1: a zero row) instead of
-    sorted rows and group sizes: one row tile per row, its expert's bytes read once per row."""
+    sorted rows and group sizes: one row tile per row, its expert's bytes read once per row. x: [M, K], or
+    [1, K] read by every row (one token's k assignments)."""
     return _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, rows_expert=expert_m)
 
 

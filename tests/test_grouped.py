@@ -90,9 +90,15 @@ def test_rows_fp4_kernel_matches_twin(experts, dtype, monkeypatch):
                                         interpret=INTERPRET)
     _close(outs[0], ref)
     _close(outs[1], grouped.rows_matmul(x, w2, e))
+    # one token's row read by every row (the batch-1 decode step passes x as [1, K]), kernel and twin
+    ref1 = grouped.rows_matmul(x[:1], w, e)
+    _close(ref1, grouped.rows_matmul(jnp.broadcast_to(x[:1], x.shape), w, e))
+    _close(gpu_grouped.rows_matmuls_fp4(x[:1], [(w["values"], w["scales"])], e, interpret=INTERPRET)[0], ref1)
     monkeypatch.setattr(kernels_pallas, "platform", lambda family=None: ("tpu", True))
     (tpu,) = kernels.rows_matmuls(x, [w], e, kernels="pallas")
     _close(tpu, ref)
+    (tpu,) = kernels.rows_matmuls(x[:1], [w], e, kernels="pallas")
+    _close(tpu, ref1)
 
 
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
@@ -111,6 +117,8 @@ def test_rows_float_kernel_matches_twin(experts, w_dtype, monkeypatch):
         outs = gpu_grouped.rows_matmuls_float(x, [w, w3], e, splits=splits, interpret=INTERPRET)
         for out, ref in zip(outs, refs):
             _close(out, ref)
+    (one_row,) = gpu_grouped.rows_matmuls_float(x[:1], [w], e, interpret=INTERPRET)  # x read by every row
+    _close(one_row, grouped.rows_matmul(jnp.broadcast_to(x[:1], x.shape), w, e))
     loss = lambda fn: lambda x, w: sum(jnp.sum(y * y) for y in fn(x, [w, w3], e))  # noqa: E731
     g_kernel = jax.grad(loss(lambda *a: kernels.rows_matmuls(*a, kernels="pallas")), (0, 1))(x, w)
     g_twin = jax.grad(loss(lambda *a: kernels.rows_matmuls(*a, kernels="jnp")), (0, 1))(x, w)
