@@ -26,7 +26,11 @@ CFG = _TINY.replace(n_layers=4, n_mtp_layers=0, compress_ratios=(0, 2, 1, 1), kv
                     candidate_source_layer=2, engram_layer_ids=(0,),
                     engram_num_embeddings=_TINY.engram_num_embeddings[:1], quantize_cache=False)
 GOLDEN = Path(__file__).parent / "golden_sharding"
-MESHES = [("tp_ep", "data=2,tensor=2,expert=2"), ("tp_ep", "expert=8"), ("dp", "data=8"), ("dp_ep", "data=2,expert=4")]
+# tp_ep's expert=8 and dp's data=8 only with DSV41_FULL=1 (the suite's time, ~67 s on the 2-core CI machine): their
+# axes are the three-axis tp_ep case's and test_expert_parallel's dp layout; their golden files stay checked then.
+_FULL = pytest.mark.skipif(os.environ.get("DSV41_FULL") != "1", reason="a layout other cases cover: DSV41_FULL=1")
+MESHES = [("tp_ep", "data=2,tensor=2,expert=2"), pytest.param("tp_ep", "expert=8", marks=_FULL),
+          pytest.param("dp", "data=8", marks=_FULL), ("dp_ep", "data=2,expert=4")]
 B, T, CAP = 8, 21, 32
 
 
