@@ -1,18 +1,19 @@
 """Issue 12 on one H200: the benchmark points of the decode-speed issue, each under its own timeout, tables
 in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed at the end.
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode           # ~9 min: slice b1, b8, profile
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode           # ~8 min: slice b1, b8
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wide      # ~9.5 min: b64 4K / 128K, small
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf    # ~9 min
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode small     # ~7 min: small b1 + its profile
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profiles  # ~7 min: small b1, both b1 profiles
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
-points of one process did not fit 230 s. `cmdbuf`: the slice and `small` at batch 1, each as is and with
+points of one process did not fit 230 s, and until bench_decode stopped compiling its step twice (thirteenth
+session) the batch-8 point did not fit 270 s (step compile 62 s, three of them with the expert-hit forward). `cmdbuf`: the slice and `small` at batch 1, each as is and with
 the whole generation loop as one command buffer (XLA_FLAGS below), in one call so that they are compared on
 one machine: the slice's batch-1 step is ~420 kernels and its wall time was 0.2-0.4 ms over the GPU's busy
-time; `small`'s is ~300 kernels of ~6 us each. `small`: its batch-1 target (< 1.5 ms/step) is the one
-without a per-kernel profile yet: the loop as is and as one command buffer, then `profile_step --preset small`.
+time; `small`'s is ~300 kernels of ~6 us each. `profiles`: `small`'s batch-1 bench point, then where the
+GPU time of a batch-1 step goes, `small` and the slice (`profile_step`).
 """
 
 import os
@@ -28,8 +29,7 @@ SLICE = ["experiments.bench_decode", *SLICE_ARGS]
 GROUPS = {  # name -> [(step name, module and arguments, timeout s, extra environment)]
     "default": [
         ("slice_4k_b1", [*SLICE, "1"], 150, {}),
-        ("slice_4k_b8", [*SLICE, "8"], 260, {}),
-        ("profile_b1", ["experiments.profile_step", "--batch", "1", "--top", "30", "--out", "/tmp/i12_prof"], 120, {}),
+        ("slice_4k_b8", [*SLICE, "8"], 330, {}),
     ],
     "wide": [
         ("slice_4k_b64", [*SLICE, "64"], 200, {}),
@@ -44,10 +44,11 @@ GROUPS = {  # name -> [(step name, module and arguments, timeout s, extra enviro
                for suffix, env in (("", {}), ("_loop_cmdbuf", LOOP_CMDBUF))],
 }
 SMALL_B1 = ["--preset", "small", "--batch", "1", "--steps", "20", "--chunk", "10"]
-GROUPS["small"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 130, {}),
-                   ("small_b1_loop_cmdbuf", ["experiments.bench_decode", *SMALL_B1], 130, LOOP_CMDBUF),
-                   ("profile_small_b1", ["experiments.profile_step", "--preset", "small", "--batch", "1", "--top",
-                                         "30", "--out", "/tmp/i12_prof_small"], 150, {})]
+GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
+                      ("profile_small_b1", ["experiments.profile_step", "--preset", "small", "--batch", "1", "--top",
+                                            "30", "--out", "/tmp/i12_prof_small"], 120, {}),
+                      ("profile_b1", ["experiments.profile_step", "--batch", "1", "--top", "30", "--out",
+                                      "/tmp/i12_prof"], 120, {})]
 
 
 def last_table(log: str, name: str) -> str:
