@@ -1,6 +1,7 @@
 """One step of a device session script: a python command under a timeout, its output in $OUT/<name>.log."""
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -8,13 +9,28 @@ import time
 OUT = os.environ.get("OUT") or "/tmp/device_run_out"
 
 
-def step(name: str, argv: list[str], timeout_s: float, env: dict | None = None) -> int:
-    """Run `python argv` (PYTHONPATH=., plus `env`) with stdout and stderr in $OUT/name.log; returns its exit
-    code (124: killed at timeout_s, so that a slow step leaves the later ones their time)."""
-    return steps_together([(name, argv, env or {})], timeout_s)[0]
+def step(name: str, argv: list[str], timeout_s: float, env: dict | None = None, cwd: str | None = None) -> int:
+    """Run `python argv` (PYTHONPATH=., plus `env`) in `cwd` (default: here) with stdout and stderr in
+    $OUT/name.log; returns its exit code (124: killed at timeout_s, so that a slow step leaves the later ones
+    their time)."""
+    return steps_together([(name, argv, env or {})], timeout_s, cwd)[0]
 
 
-def steps_together(jobs: list[tuple[str, list[str], dict]], timeout_s: float) -> list[int]:
+def tree_before(reverts: list[tuple[str, str, str]], dest: str = "/tmp/tree_before") -> str:
+    """A copy of this tree's packages with changes taken back, for an A/B in one call on one machine: each
+    (file, text now, text before) must occur once. Returns the copy's root (a `step` cwd)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    for package in ("dsv41_jax", "kernels_pallas", "experiments"):
+        shutil.copytree(package, os.path.join(dest, package), ignore=shutil.ignore_patterns("__pycache__"))
+    for path, now, before in reverts:
+        text = open(os.path.join(dest, path)).read()
+        if text.count(now) != 1:
+            raise ValueError(f"{path}: {now!r} occurs {text.count(now)} times, not once: update the revert list")
+        open(os.path.join(dest, path), "w").write(text.replace(now, before))
+    return dest
+
+
+def steps_together(jobs: list[tuple[str, list[str], dict]], timeout_s: float, cwd: str | None = None) -> list[int]:
     """Run several `python argv` (name, argv, env) at once on the one machine, each logged as `step` does, the
     GPU memory split between them (JAX would otherwise reserve 75% of it in each process); returns their exit
     codes (124: killed at timeout_s). A GPU time-slices between processes: this overlaps their compiles and
@@ -25,7 +41,7 @@ def steps_together(jobs: list[tuple[str, list[str], dict]], timeout_s: float) ->
     for name, argv, env in jobs:
         log = open(os.path.join(OUT, f"{name}.log"), "w")
         procs.append((name, log, subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT,
-                                                   env={**os.environ, "PYTHONPATH": ".", **share, **env})))
+                                                   env={**os.environ, "PYTHONPATH": ".", **share, **env}, cwd=cwd)))
     rcs = []
     for name, log, p in procs:
         try:

@@ -5,6 +5,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wide      # ~9.5 min: b64 4K / 128K, small
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf    # ~9 min
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profiles  # ~7 min: small b1, both b1 profiles
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab        # ~6 min: the unmeasured changes, A/B
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -13,13 +14,16 @@ session) the batch-8 point did not fit 270 s (step compile 62 s, three of them w
 the whole generation loop as one command buffer (XLA_FLAGS below), in one call so that they are compared on
 one machine: the slice's batch-1 step is ~420 kernels and its wall time was 0.2-0.4 ms over the GPU's busy
 time; `small`'s is ~300 kernels of ~6 us each. `profiles`: `small`'s batch-1 bench point, then where the
-GPU time of a batch-1 step goes, `small` and the slice (`profile_step`).
+GPU time of a batch-1 step goes, `small` and the slice (`profile_step`). `ab`: the batch-1 profiles of
+`small`, the slice and `small` again, each first in a copy of the tree with SINCE_MEASURED taken back
+(`_steps.tree_before`), then as it is: the changes made since the last GPU measurement, timed against the
+code before them on one machine.
 """
 
 import os
 import sys
 
-from experiments.device_runs._steps import OUT, step
+from experiments.device_runs._steps import OUT, step, tree_before
 
 LOOP_CMDBUF = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}
 # the slice points, then the batch size: 40 steps = the loop timed over 8 calls of 5 (2 calls read 0.48 ms
@@ -49,6 +53,18 @@ GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160,
                                             "30", "--out", "/tmp/i12_prof_small"], 120, {}),
                       ("profile_b1", ["experiments.profile_step", "--batch", "1", "--top", "30", "--out",
                                       "/tmp/i12_prof"], 120, {})]
+# thirteenth session, after its last device call: (file, the text now, the text before)
+SINCE_MEASURED = [
+    ("kernels_pallas/gpu_attention.py", "combine_splits(*outs, sink, interpret=interpret)", "combine(*outs, sink)"),
+    ("dsv41_jax/moe.py", "xs, w_rows = x_nd, w_nk.reshape(-1)",
+     "xs, w_rows = jnp.broadcast_to(x_nd, (k, x_nd.shape[1])), w_nk.reshape(-1)"),
+    ("kernels_pallas/gpu_grouped.py", "row0 = np.arange(m, dtype=np.int32)", "row0 = jnp.arange(m, dtype=jnp.int32)"),
+]
+PROFILE_B1 = {"small": ["experiments.profile_step", "--preset", "small", "--batch", "1", "--top", "30", "--out",
+                        "/tmp/i12_ab"],
+              "slice": ["experiments.profile_step", "--batch", "1", "--top", "30", "--out", "/tmp/i12_ab"]}
+GROUPS["ab"] = [(f"profile_{what}_b1_{side}", PROFILE_B1[what.split("_")[0]], 90, {"side": side})
+                for what in ("small", "slice", "small_again") for side in ("before", "after")]
 
 
 def last_table(log: str, name: str) -> str:
@@ -63,8 +79,11 @@ def last_table(log: str, name: str) -> str:
 
 if __name__ == "__main__":
     steps = GROUPS[sys.argv[1] if len(sys.argv) > 1 else "default"]
+    before = tree_before(SINCE_MEASURED) if any(env.get("side") == "before" for *_, env in steps) else None
     for name, (module, *args), timeout_s, env in steps:
         out = [] if module == "experiments.profile_step" else ["--out", os.path.join(OUT, f"{name}.json")]
-        step(name, ["-m", module, *args, *out], timeout_s, env)
+        env = dict(env)
+        side = env.pop("side", None)
+        step(name, ["-m", module, *args, *out], timeout_s, env, cwd=before if side == "before" else None)
     for name, *_ in steps:
         print(f"\n== {name}\n{last_table(open(os.path.join(OUT, f'{name}.log')).read(), name)}")
