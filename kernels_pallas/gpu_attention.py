@@ -20,8 +20,8 @@ rate):
 - "flash": flash-decoding. The key list (window tiles, then entry tiles) is cut into `splits`
   contiguous ranges and the heads into blocks of `head_block`, one program per (sequence, range, head
   block), each with an [head_block, D] accumulator; ranges are combined by a second small kernel
-  (`combine_splits`) with their (max, sum) and the sink. With one split the program finishes the softmax itself. Every head block decodes the
-  same keys again (from L2).
+  (`combine_splits`) with their (max, sum) and the sink. With one split the program finishes the
+  softmax itself. Every head block decodes the same keys again (from L2).
 - "split": two kernels. `_logits_kernel` decodes each key tile once over all channels and writes
   p = exp(logit - tile max) as float16 [Hp, TK] with the tile's max and sum; a tiny XLA step turns the
   tile maxima into one weight per (tile, head) (softmax normalization and sink included); then

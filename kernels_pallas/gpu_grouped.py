@@ -5,8 +5,8 @@ contract); the grid runs over (row tile, output tile), where a row tile is at mo
 expert. Only tiles that hold rows load their expert's bytes: a decode step with B tokens x top-k reads
 at most B*k experts, never all of them. `rows_matmuls_fp4`: the same kernel with one row per row tile
 and each row's own expert (the row contract of `dsv41_jax.grouped`): no tile map to compute, for one
-token's distinct experts. `fp8_matmul`: a dense projection in the released FP8 format
-(E4M3 + E8M0 per 32x32 block), the same body with one group.
+token's distinct experts (`rows_matmuls_float`: the same for float experts, input-major). `fp8_matmul`:
+a dense projection in the released FP8 format (E4M3 + E8M0 per 32x32 block), the same body with one group.
 
 Per program: acc[tm, tn] f32 += x[rows, k-chunk] @ W[e, cols, k-chunk]^T over K in chunks of tk.
 Weights are decoded in registers: FP4 codes with `decode.fp4_as_f16` (exact) times their power-of-two
@@ -296,7 +296,8 @@ def _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, sp
     for values, scales in weights:
         if x_mk.shape[1] != k or values.shape != (g, n, half) or scales.shape != (g, n, k // SCALE_BLOCK):
             raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
-    tiles = tiles or choose_tiles(x_mk.shape[0], k, n, g)
+    m = x_mk.shape[0] if rows_expert is None else rows_expert.shape[0]
+    tiles = tiles or choose_tiles(m, k, n, g)
     fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
     return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), sizes_g, k, (n,) * len(weights), tiles,
                  num_warps, num_stages, fast, interpret, splits, rows_expert=rows_expert)
@@ -308,7 +309,7 @@ def _float(x_mk, weights, tiles, num_warps, num_stages, interpret, splits, *, ro
     for w in weights:
         if w.shape != (g, k, n) or x_mk.shape[1] != k:
             raise ValueError(f"float experts {w.shape} (all [E, K, N] alike) do not fit x {x_mk.shape}")
-    tm, tk, tn = tiles or choose_tiles(x_mk.shape[0], k, n, g)
+    tm, tk, tn = tiles or choose_tiles(rows_expert.shape[0], k, n, g)
     tk = min(tk, 128) if tiles is None else tk  # [tk, tn] tiles of 2-4 byte weights: 16-32 KB per stage
     return _call("float", [x_mk], [(w,) for w in weights], None, k, (n,) * len(weights), (tm, tk, tn),
                  num_warps, num_stages, False, interpret, splits, rows_expert=rows_expert)
