@@ -59,6 +59,8 @@ SINCE_MEASURED = [
     ("dsv41_jax/moe.py", "xs, w_rows = x_nd, w_nk.reshape(-1)",
      "xs, w_rows = jnp.broadcast_to(x_nd, (k, x_nd.shape[1])), w_nk.reshape(-1)"),
     ("kernels_pallas/gpu_grouped.py", "row0 = np.arange(m, dtype=np.int32)", "row0 = jnp.arange(m, dtype=jnp.int32)"),
+    ("dsv41_jax/hyper.py", "return packed[..., :hc], packed[..., hc:2 * hc], packed[..., 2 * hc:].reshape(comb.shape)",
+     "return jax.lax.optimization_barrier((pre, post, comb))"),
 ]
 PROFILE_B1 = {"small": ["experiments.profile_step", "--preset", "small", "--batch", "1", "--top", "30", "--out",
                         "/tmp/i12_ab"],
