@@ -15,8 +15,9 @@ The reference decodes only the experts that have rows (at most min(E, M) of them
 a decode step with B tokens routed top-k reads B*k experts' bytes, not all E.
 
 Row matmul contract (`rows_matmul`): no sorting, each row names its expert, y[m] = x[m] @ W[expert[m]]
-(zero where expert[m] = -1; x may be a single row that all rows read). For one token's top-k assignments, whose experts are distinct: the same
-bytes as the grouped form without the sort, counts and scatter around it (a batch-1 decode step).
+(zero where expert[m] = -1; x may be a single row that all rows read). For one token's top-k
+assignments, whose experts are distinct: the same bytes as the grouped form without the sort, counts and
+scatter around it (a batch-1 decode step).
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ class HyperMix(nnx.Module):
         # element of the [B, T, hc, D] collapse / expand that reads them (H200 profile: 4.8 us per expand);
         # as one array, so that pre/post and comb can come from one kernel (XLA made two, H200 profile of small)
         hc = self.hc
-        packed = jax.lax.optimization_barrier(jnp.concatenate([pre, post, comb.reshape(*comb.shape[:-2], hc * hc)], -1))
+        packed = jax.lax.optimization_barrier(
+            jnp.concatenate([pre, post, comb.reshape(*comb.shape[:-2], hc * hc)], axis=-1))
         return packed[..., :hc], packed[..., hc:2 * hc], packed[..., 2 * hc:].reshape(comb.shape)
 
 

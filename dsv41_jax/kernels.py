@@ -132,9 +132,10 @@ def grouped_matmul(x_mk, w, sizes_e, *, kernels="jnp"):
 
 
 def rows_matmuls(x_mk, ws, expert_m, *, kernels="jnp"):
-    """[f32 [M, N] per weight in `ws`]: row m (x [M, K], or [1, K] for all rows) times expert expert_m[m] (int32
-    [M], -1: zero row) of each stored weight (`grouped.rows_matmul`); on the kernels, weights of one shape share one launch (packed FP4
-    on GPU and TPU; float experts on the GPU, where XLA's form is a slow column reduction)."""
+    """[f32 [M, N] per weight in `ws`]: row m (x [M, K], or [1, K] for all rows) times expert expert_m[m]
+    (int32 [M], -1: zero row) of each stored weight (`grouped.rows_matmul`). On the kernels, weights of one
+    shape share one launch: packed FP4 on GPU and TPU; float experts on the GPU, where XLA's form is a slow
+    column reduction."""
     on, gpu = _weight_kernels(kernels, x_mk.shape[0]), _kp.platform()[0] != "tpu"
     _, k, n = grouped.grouped_shape(ws[0])
     if on and gpu and not any(grouped.is_packed(w) for w in ws) and k % 32 == 0 and n % 16 == 0:

@@ -243,10 +243,10 @@ def dense_tile_map(m: int, tm: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, fast, interpret, splits=None,
           rows_expert=None):
-    """[f32 [M, N_i] per (values, scales) (fmt "float": (array,)) in `weights`, N_i = ns[i], multiples of tn], all read with the same
-    rows and tile map in one launch. sizes_g None: one dense group of all M rows (a projection), or with
-    rows_expert (int32 [M], -1: none) one tile per row, row m of expert rows_expert[m]; there x may be one row
-    that every row reads (one token's k assignments: no broadcast copy of it)."""
+    """[f32 [M, N_i] per (values, scales) (fmt "float": (array,)) in `weights`, N_i = ns[i], multiples of tn],
+    all read with the same rows and tile map in one launch. sizes_g None: one dense group of all M rows (a
+    projection), or with rows_expert (int32 [M], -1: none) one tile per row, row m of expert rows_expert[m];
+    there x may be one row that every row reads (one token's k assignments: no broadcast copy of it)."""
     m = x_parts[0].shape[0] if rows_expert is None else rows_expert.shape[0]
     tm, tk, tn = tiles
     if any(n % tn for n in ns):

@@ -10,10 +10,11 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
 points of one process did not fit 230 s, and until bench_decode stopped compiling its step twice (thirteenth
-session) the batch-8 point did not fit 270 s (step compile 62 s, three of them with the expert-hit forward). `cmdbuf`: the slice and `small` at batch 1, each as is and with
-the whole generation loop as one command buffer (XLA_FLAGS below), in one call so that they are compared on
-one machine: the slice's batch-1 step is ~420 kernels and its wall time was 0.2-0.4 ms over the GPU's busy
-time; `small`'s is ~300 kernels of ~6 us each. `profiles`: `small`'s batch-1 bench point, then where the
+session) the batch-8 point did not fit 270 s (step compile 62 s, three of them with the expert-hit forward).
+`cmdbuf`: the slice and `small` at batch 1, each as is and with the whole generation loop as one command
+buffer (XLA_FLAGS below), in one call so that they are compared on one machine: the slice's batch-1 step is
+~415 kernels and its wall time was 0.2-0.4 ms over the GPU's busy time; `small`'s is ~670 kernels of ~2 us
+(thirteenth session's profiles). `profiles`: `small`'s batch-1 bench point, then where the
 GPU time of a batch-1 step goes, `small` and the slice (`profile_step`). `ab`: the batch-1 profiles of
 `small`, the slice and `small` again, each first in a copy of the tree with SINCE_MEASURED taken back
 (`_steps.tree_before`), then as it is: the changes made since the last GPU measurement, timed against the
@@ -48,11 +49,11 @@ GROUPS = {  # name -> [(step name, module and arguments, timeout s, extra enviro
                for suffix, env in (("", {}), ("_loop_cmdbuf", LOOP_CMDBUF))],
 }
 SMALL_B1 = ["--preset", "small", "--batch", "1", "--steps", "20", "--chunk", "10"]
+PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch", "1", "--top", "30", "--out",
+                       f"/tmp/i12_prof_{preset}"] for preset in ("small", "v41-slice")}
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
-                      ("profile_small_b1", ["experiments.profile_step", "--preset", "small", "--batch", "1", "--top",
-                                            "30", "--out", "/tmp/i12_prof_small"], 120, {}),
-                      ("profile_b1", ["experiments.profile_step", "--batch", "1", "--top", "30", "--out",
-                                      "/tmp/i12_prof"], 120, {})]
+                      ("profile_small_b1", PROFILE_B1["small"], 120, {}),
+                      ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
 # thirteenth session, after its last device call: (file, the text now, the text before)
 SINCE_MEASURED = [
     ("kernels_pallas/gpu_attention.py", "combine_splits(*outs, sink, interpret=interpret)", "combine(*outs, sink)"),
@@ -62,11 +63,10 @@ SINCE_MEASURED = [
     ("dsv41_jax/hyper.py", "return packed[..., :hc], packed[..., hc:2 * hc], packed[..., 2 * hc:].reshape(comb.shape)",
      "return jax.lax.optimization_barrier((pre, post, comb))"),
 ]
-PROFILE_B1 = {"small": ["experiments.profile_step", "--preset", "small", "--batch", "1", "--top", "30", "--out",
-                        "/tmp/i12_ab"],
-              "slice": ["experiments.profile_step", "--batch", "1", "--top", "30", "--out", "/tmp/i12_ab"]}
-GROUPS["ab"] = [(f"profile_{what}_b1_{side}", PROFILE_B1[what.split("_")[0]], 90, {"side": side})
-                for what in ("small", "slice", "small_again") for side in ("before", "after")]
+# a step whose name ends in "_before" runs in that copy
+GROUPS["ab"] = [(f"profile_{name}_b1_{side}", PROFILE_B1[preset], 90, {})
+                for name, preset in (("small", "small"), ("slice", "v41-slice"), ("small_again", "small"))
+                for side in ("before", "after")]
 
 
 def last_table(log: str, name: str) -> str:
@@ -81,11 +81,9 @@ def last_table(log: str, name: str) -> str:
 
 if __name__ == "__main__":
     steps = GROUPS[sys.argv[1] if len(sys.argv) > 1 else "default"]
-    before = tree_before(SINCE_MEASURED) if any(env.get("side") == "before" for *_, env in steps) else None
+    before = tree_before(SINCE_MEASURED) if any(name.endswith("_before") for name, *_ in steps) else None
     for name, (module, *args), timeout_s, env in steps:
-        out = [] if module == "experiments.profile_step" else ["--out", os.path.join(OUT, f"{name}.json")]
-        env = dict(env)
-        side = env.pop("side", None)
-        step(name, ["-m", module, *args, *out], timeout_s, env, cwd=before if side == "before" else None)
+        out = ["--out", os.path.join(OUT, f"{name}.json")] if module == "experiments.bench_decode" else []
+        step(name, ["-m", module, *args, *out], timeout_s, env, cwd=before if name.endswith("_before") else None)
     for name, *_ in steps:
         print(f"\n== {name}\n{last_table(open(os.path.join(OUT, f'{name}.log')).read(), name)}")
