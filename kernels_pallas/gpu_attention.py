@@ -19,9 +19,9 @@ Two ways to split the work (`variant`), so that no program holds a [64 heads x 5
 rate):
 - "flash": flash-decoding. The key list (window tiles, then entry tiles) is cut into `splits`
   contiguous ranges and the heads into blocks of `head_block`, one program per (sequence, range, head
-  block), each with an [head_block, D] accumulator; ranges are combined by a second small kernel
-  (`combine_splits`) with their (max, sum) and the sink. With one split the program finishes the
-  softmax itself. Every head block decodes the same keys again (from L2).
+  block), each with an [head_block, D] accumulator; ranges are combined outside with their (max, sum)
+  and the sink. With one split the program finishes the softmax itself. Every head block decodes the
+  same keys again (from L2).
 - "split": two kernels. `_logits_kernel` decodes each key tile once over all channels and writes
   p = exp(logit - tile max) as float16 [Hp, TK] with the tile's max and sum; a tiny XLA step turns the
   tile maxima into one weight per (tile, head) (softmax normalization and sink included); then
@@ -198,41 +198,11 @@ def _tile_weights(m_btk: jax.Array, l_btk: jax.Array, sink_h: jax.Array) -> jax.
 
 
 def combine(acc_bshd: jax.Array, m_bsh: jax.Array, l_bsh: jax.Array, sink_h: jax.Array) -> jax.Array:
-    """Merge split partials (unnormalized acc, running max, running sum) with the sink. f32 [B, H, D]. The
-    jnp twin of `combine_splits`."""
+    """Merge split partials (unnormalized acc, running max, running sum) with the sink. f32 [B, H, D]."""
     m_all = jnp.maximum(jnp.max(m_bsh, axis=1), sink_h[None, :])
     c = jnp.exp(m_bsh - m_all[:, None, :])
     den = jnp.sum(l_bsh * c, axis=1) + jnp.exp(sink_h[None, :] - m_all)
     return jnp.sum(acc_bshd * c[..., None], axis=1) / den[..., None]
-
-
-def _combine_kernel(acc_ref, m_ref, l_ref, sink_ref, o_ref, *, splits: int, hb: int, dc: int):
-    """`combine` for one (sequence, head block, channel slice), the splits in a loop (20 at batch 1 is no
-    power of two, which a Triton block must be)."""
-    b, heads, chans = pl.program_id(0), pl.ds(pl.program_id(1) * hb, hb), pl.ds(pl.program_id(2) * dc, dc)
-    sink = sink_ref[heads]
-    m_all = jax.lax.fori_loop(0, splits, lambda s, m: jnp.maximum(m, m_ref[b, s, heads]), sink)
-
-    def add(s, carry):
-        den, o = carry
-        c = jnp.exp(m_ref[b, s, heads] - m_all)
-        return den + l_ref[b, s, heads] * c, o + acc_ref[b, s, heads, chans] * c[:, None]
-
-    den, o = jax.lax.fori_loop(0, splits, add, (jnp.exp(sink - m_all), jnp.zeros((hb, dc), jnp.float32)))
-    o_ref[b, heads, chans] = o / den[:, None]
-
-
-def combine_splits(acc_bshd: jax.Array, m_bsh: jax.Array, l_bsh: jax.Array, sink_h: jax.Array, *,
-                   channel_block: int = 128, interpret: bool = False) -> jax.Array:
-    """`combine` in one launch (padded heads, a multiple of 16). XLA ran it as ~3 small kernels per layer
-    (the max over splits, the denominator, the weighted sum: ~10 us at batch 1 on the H200, `small`)."""
-    b, splits, hp, d = acc_bshd.shape
-    dc = next(c for c in (channel_block, 64, 32, 16, d) if d % c == 0)
-    return pl.pallas_call(
-        functools.partial(_combine_kernel, splits=splits, hb=16, dc=dc), grid=(b, hp // 16, d // dc),
-        out_shape=jax.ShapeDtypeStruct((b, hp, d), jnp.float32), interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1), name="sparse_attention_combine",
-    )(acc_bshd, m_bsh, l_bsh, sink_h)
 
 
 def default_splits(b: int, programs: int = 132) -> int:
@@ -303,5 +273,5 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
         functools.partial(_flash_kernel, hb=hb, final=final, **tiles), grid=(b, splits, hp // hb),
         out_shape=out_shape, interpret=interpret, compiler_params=params, name="sparse_attention",
     )(q16, qs, sink, *keys)
-    out = outs[0] if final else combine_splits(*outs, sink, interpret=interpret)
+    out = outs[0] if final else combine(*outs, sink)
     return out[:, :h]
