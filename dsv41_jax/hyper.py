@@ -57,15 +57,10 @@ class HyperMix(nnx.Module):
         x = x_btcd.reshape(*x_btcd.shape[:-2], -1).astype(jnp.float32)
         rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.norm_eps)
         mixes = jnp.einsum("...i,mi->...m", x, self.fn[...]) * rstd
-        pre, post, comb = sinkhorn_split(mixes, self.scale[...], self.base[...], self.hc, self.iters, self.eps,
-                                         self.unroll)
         # materialized once: XLA otherwise fuses the (cheap-looking, serial) Sinkhorn iterations into every
-        # element of the [B, T, hc, D] collapse / expand that reads them (H200 profile: 4.8 us per expand);
-        # as one array, so that pre/post and comb can come from one kernel (XLA made two, H200 profile of small)
-        hc = self.hc
-        packed = jax.lax.optimization_barrier(
-            jnp.concatenate([pre, post, comb.reshape(*comb.shape[:-2], hc * hc)], axis=-1))
-        return packed[..., :hc], packed[..., hc:2 * hc], packed[..., 2 * hc:].reshape(comb.shape)
+        # element of the [B, T, hc, D] collapse / expand that reads them (H200 profile: 4.8 us per expand)
+        return jax.lax.optimization_barrier(
+            sinkhorn_split(mixes, self.scale[...], self.base[...], self.hc, self.iters, self.eps, self.unroll))
 
 
 # collapse and expand contract over the hc = 4 copies: written as products and sums, not einsums, so that

@@ -60,8 +60,6 @@ SINCE_MEASURED = [
     ("dsv41_jax/moe.py", "xs, w_rows = x_nd, w_nk.reshape(-1)",
      "xs, w_rows = jnp.broadcast_to(x_nd, (k, x_nd.shape[1])), w_nk.reshape(-1)"),
     ("kernels_pallas/gpu_grouped.py", "row0 = np.arange(m, dtype=np.int32)", "row0 = jnp.arange(m, dtype=jnp.int32)"),
-    ("dsv41_jax/hyper.py", "return packed[..., :hc], packed[..., hc:2 * hc], packed[..., 2 * hc:].reshape(comb.shape)",
-     "return jax.lax.optimization_barrier((pre, post, comb))"),
 ]
 # a step whose name ends in "_before" runs in that copy
 GROUPS["ab"] = [(f"profile_{name}_b1_{side}", PROFILE_B1[preset], 90, {})
