@@ -357,10 +357,8 @@ def _generate(cfg: ModelConfig, params, cache, tokens_b, temperature_b, seed_b, 
 _GENERATE_STATIC = ("cfg", "n_steps", "kernels")
 # CUDA: the generation loop as one command buffer, its `while` included (a conditional node of a CUDA
 # graph). Without it XLA runs the scan's loop from the host: one predicate read back per decode step and
-# the step's ~400-700 kernels launched as several command buffers between them. The list replaces XLA's
-# (no "+WHILE" syntax outside XLA_FLAGS): its defaults, then WHILE and CONDITIONAL.
-_LOOP_OPTIONS = {"cuda": {"xla_gpu_enable_command_buffer":
-                          "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}}
+# the step's ~400-700 kernels launched as several command buffers between them.
+_LOOP_OPTIONS = {"cuda": {"xla_gpu_enable_command_buffer": "+WHILE,+CONDITIONAL"}}
 
 
 @lru_cache(maxsize=None)

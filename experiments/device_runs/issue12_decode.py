@@ -18,7 +18,7 @@ buffer (XLA_FLAGS below), in one call so that they are compared on one machine: 
 GPU time of a batch-1 step goes, `small` and the slice (`profile_step`). `ab`: the batch-1 profiles of
 `small`, the slice and `small` again, each first in a copy of the tree with SINCE_MEASURED taken back
 (`_steps.tree_before`), then as it is: the changes made since the last GPU measurement, timed against the
-code before them on one machine; then the GPU-compiled generate tests and the batch-1 bench points of `small` and the slice.
+code before them on one machine; then the GPU-compiled generate tests and `small`'s batch-1 bench point.
 """
 
 import os
@@ -56,15 +56,15 @@ GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160,
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
 # fourteenth session: (file, the text now, the text before)
 SINCE_MEASURED = [
-    ("dsv41_jax/api.py", '_LOOP_OPTIONS = {"cuda": {"xla_gpu_enable_command_buffer":\n', "_LOOP_OPTIONS = {} and {{\n"),
+    ("dsv41_jax/api.py", '_LOOP_OPTIONS = {"cuda": {"xla_gpu_enable_command_buffer": "+WHILE,+CONDITIONAL"}}',
+     "_LOOP_OPTIONS = {}"),
 ]
 # a step whose name ends in "_before" runs in that copy
 GROUPS["ab"] = [(f"profile_{name}_b1_{side}", PROFILE_B1[preset], 90, {})
                 for name, preset in (("small", "small"), ("slice", "v41-slice"), ("small_again", "small"))
                 for side in ("before", "after")]
-GROUPS["ab"] += [("generate_tests", ["pytest", "-q", "-x", "tests/test_generate.py"], 120, {"JAX_PLATFORMS": "cuda"}),
-                 ("small_b1", ["experiments.bench_decode", *SMALL_B1], 130, {}),
-                 GROUPS["default"][0]]
+GROUPS["ab"] += [("generate_tests", ["pytest", "-q", "-x", "tests/test_generate.py"], 150, {}),
+                 ("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {})]
 
 
 def last_table(log: str, name: str) -> str:
