@@ -355,23 +355,7 @@ def _generate(cfg: ModelConfig, params, cache, tokens_b, temperature_b, seed_b, 
 
 
 _GENERATE_STATIC = ("cfg", "n_steps", "kernels")
-# CUDA: the generation loop as one command buffer, its `while` included (a conditional node of a CUDA
-# graph). Without it XLA runs the scan's loop from the host: one predicate read back per decode step and
-# the step's ~400-700 kernels launched as several command buffers between them.
-_LOOP_OPTIONS = {"cuda": {"xla_gpu_enable_command_buffer": "+WHILE,+CONDITIONAL"}}
-
-
-@lru_cache(maxsize=None)
-def _generate_jit(platform: str):
-    """The jitted `_generate` for a platform ("cuda", "cpu", ...: `_platform()`), with its compiler options."""
-    return jax.jit(_generate, static_argnames=_GENERATE_STATIC, donate_argnames=("cache",),
-                   compiler_options=_LOOP_OPTIONS.get(platform))
-
-
-def _platform() -> str:
-    """The default device's platform, CUDA and ROCm told apart (both are "gpu" to jax)."""
-    dev = jax.devices()[0]
-    return "cuda" if dev.platform == "gpu" and "cuda" in dev.client.platform_version.lower() else dev.platform
+_generate_jit = jax.jit(_generate, static_argnames=_GENERATE_STATIC, donate_argnames=("cache",))
 
 
 @lru_cache(maxsize=256)
@@ -416,7 +400,7 @@ def generate(cfg: ModelConfig, params, cache: Cache, tokens_b, n_steps: int, *, 
     if stop.ndim != 2 or stop.shape[0] != b:
         raise ValueError(f"stop_ids_bs must be [{b}, S] (-1 padded), got shape {stop.shape}")
     cache, tokens_b = _onto(placement, cache, tokens_b)
-    run = _generate_jit(_platform()) if placement is None else _jit_on_mesh(_generate, _GENERATE_STATIC, True, placement, 2)
+    run = _generate_jit if placement is None else _jit_on_mesh(_generate, _GENERATE_STATIC, True, placement, 2)
     return run(cfg, params, cache, tokens_b.astype(jnp.int32), _per_seq(temperature_b, b, "float32"),
                _per_seq(seed_b, b, "uint32"), _per_seq(step_b, b, "int32"), budget, stop, n_steps=n_steps,
                kernels=resolve(kernels))

@@ -159,7 +159,7 @@ def _profile(args) -> dict:
     step_ms = statistics.median(times)
     b = args.batch
     one = lambda v, dt: jnp.full((b,), v, dt)
-    hlo = api._generate_jit(api._platform()).lower(cfg, params, cache, tokens, one(0, jnp.float32), one(0, jnp.uint32),
+    hlo = api._generate_jit.lower(cfg, params, cache, tokens, one(0, jnp.float32), one(0, jnp.uint32),
                                   one(0, jnp.int32), one(args.chunk, jnp.int32), jnp.full((b, 1), -1, jnp.int32),
                                   n_steps=args.chunk, kernels=api.resolve(args.kernels)).compile().as_text()
     with open(os.path.join(args.out, "hlo.txt"), "w") as f:

@@ -18,7 +18,7 @@ buffer (XLA_FLAGS below), in one call so that they are compared on one machine: 
 GPU time of a batch-1 step goes, `small` and the slice (`profile_step`). `ab`: the batch-1 profiles of
 `small`, the slice and `small` again, each first in a copy of the tree with SINCE_MEASURED taken back
 (`_steps.tree_before`), then as it is: the changes made since the last GPU measurement, timed against the
-code before them on one machine; then the GPU-compiled generate tests and `small`'s batch-1 bench point.
+code before them on one machine.
 """
 
 import os
@@ -54,17 +54,17 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# fourteenth session: (file, the text now, the text before)
+# thirteenth session, after its last device call: (file, the text now, the text before)
 SINCE_MEASURED = [
-    ("dsv41_jax/api.py", '_LOOP_OPTIONS = {"cuda": {"xla_gpu_enable_command_buffer": "+WHILE,+CONDITIONAL"}}',
-     "_LOOP_OPTIONS = {}"),
+    ("kernels_pallas/gpu_attention.py", "combine_splits(*outs, sink, interpret=interpret)", "combine(*outs, sink)"),
+    ("dsv41_jax/moe.py", "xs, w_rows = x_nd, w_nk.reshape(-1)",
+     "xs, w_rows = jnp.broadcast_to(x_nd, (k, x_nd.shape[1])), w_nk.reshape(-1)"),
+    ("kernels_pallas/gpu_grouped.py", "row0 = np.arange(m, dtype=np.int32)", "row0 = jnp.arange(m, dtype=jnp.int32)"),
 ]
 # a step whose name ends in "_before" runs in that copy
 GROUPS["ab"] = [(f"profile_{name}_b1_{side}", PROFILE_B1[preset], 90, {})
                 for name, preset in (("small", "small"), ("slice", "v41-slice"), ("small_again", "small"))
                 for side in ("before", "after")]
-GROUPS["ab"] += [("generate_tests", ["pytest", "-q", "-x", "tests/test_generate.py"], 150, {}),
-                 ("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {})]
 
 
 def last_table(log: str, name: str) -> str:
