@@ -6,6 +6,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf    # ~9 min
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profiles  # ~7 min: small b1, both b1 profiles
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab        # ~6 min: the unmeasured changes, A/B
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab_slice  # ~2.5 min: the same, the slice only
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -58,7 +59,9 @@ GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160,
 SINCE_MEASURED = [
     ("kernels_pallas/gpu_grouped.py", "if x_mk.shape[0] != m:  # one row for all rows", "if False:  # one row for all rows"),
 ]
-# a step whose name ends in "_before" runs in that copy
+# a step whose name ends in "_before" runs in that copy; `ab_slice`: the slice's pair only, twice (~2.5 min)
+GROUPS["ab_slice"] = [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
+                      for rep in ("", "_again") for side in ("before", "after")]
 GROUPS["ab"] = [(f"profile_{name}_b1_{side}", PROFILE_B1[preset], 90, {})
                 for name, preset in (("small", "small"), ("slice", "v41-slice"), ("small_again", "small"))
                 for side in ("before", "after")]
