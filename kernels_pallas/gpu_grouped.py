@@ -299,8 +299,6 @@ def _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, sp
     m = x_mk.shape[0] if rows_expert is None else rows_expert.shape[0]
     tiles = tiles or choose_tiles(m, k, n, g)
     fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
-    if x_mk.shape[0] != m:  # one row for all rows: XLA fuses a broadcast with the even/odd split below and
-        x_mk = jnp.broadcast_to(x_mk, (m, k))  # its producer; a lone row's split ran as 2 more kernels per layer
     return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), sizes_g, k, (n,) * len(weights), tiles,
                  num_warps, num_stages, fast, interpret, splits, rows_expert=rows_expert)
 
