@@ -13,7 +13,7 @@ import jax
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.hyper import HyperMix, collapse, expand
+from dsv41_jax.hyper import HyperMix, expand, sublayer_input
 from dsv41_jax.layers import RMSNorm
 from dsv41_jax.moe import MoE
 
@@ -38,9 +38,9 @@ class MixedBlock(nnx.Module):
         routed with `bias_vl`) or None.
         Returns (h, next pre_mix, attend's other return, the MoE's routed load int32 [E]): as in the
         release, each sub-layer collapses with the `pre` the previous one computed."""
-        attn_pre, post, comb = self.hc_attn(h_btcd)
-        x_btd, attn_state = attend(self.attn_norm(collapse(h_btcd, pre_mix_btc)))
+        attn_pre, post, comb, x_btd = sublayer_input(self.hc_attn, self.attn_norm, h_btcd, pre_mix_btc, kernels)
+        x_btd, attn_state = attend(x_btd)
         h_btcd = expand(x_btd, h_btcd, post, comb)
-        ffn_pre, post, comb = self.hc_ffn(h_btcd)
-        x_btd, load_e = self.ffn(self.ffn_norm(collapse(h_btcd, attn_pre)), kernels=kernels, image_mask=image_mask_bt)
+        ffn_pre, post, comb, x_btd = sublayer_input(self.hc_ffn, self.ffn_norm, h_btcd, attn_pre, kernels)
+        x_btd, load_e = self.ffn(x_btd, kernels=kernels, image_mask=image_mask_bt)
         return expand(x_btd, h_btcd, post, comb), ffn_pre, attn_state, load_e

@@ -11,34 +11,47 @@ l collapses with the FFN-`pre` of layer l-1 (one-hot for layer 0), the FFN with 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax.layers import normal_init
+from dsv41_jax import kernels as kernels_mod
+from dsv41_jax.layers import RMSNorm, normal_init, rms_apply, rms_norm
 
 
-def sinkhorn_split(mixes: jax.Array, scale: jax.Array, base: jax.Array, hc: int, iters: int, eps: float,
-                   unroll: str = "auto"):
-    """mixes [..., (2+hc)*hc] f32 -> pre [..., hc], post [..., hc], comb [..., hc, hc] (rows -> cols).
-
-    unroll: "auto" | "unrolled" | "rolled" (ModelConfig.sinkhorn_unroll)."""
-    pre = jax.nn.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * jax.nn.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*mixes.shape[:-1], hc, hc)
-    comb = jax.nn.softmax(comb, axis=-1) + eps
+def coefficients(pre_c, post_c, comb_cc, scale, base, iters: int, eps: float, unroll: bool):
+    """The mHC coefficients from the RMS-scaled projections: pre_c, post_c [..., hc], comb_cc [..., hc, hc]
+    (rows -> cols); scale (s_pre, s_post, s_comb) scalars, base (b_pre [hc], b_post [hc], b_comb [hc, hc]).
+    -> pre, post [..., hc], comb [..., hc, hc] (doubly stochastic by `iters` Sinkhorn normalizations), f32.
+    Also traced inside the GPU kernel of a sub-layer's input (`kernels_pallas.gpu_hyper`)."""
+    pre = jax.nn.sigmoid(pre_c * scale[0] + base[0]) + eps
+    post = 2 * jax.nn.sigmoid(post_c * scale[1] + base[1])
+    comb = jax.nn.softmax(comb_cc * scale[2] + base[2], axis=-1) + eps
     comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
 
     def body(_, c):
         c = c / (c.sum(axis=-1, keepdims=True) + eps)
         return c / (c.sum(axis=-2, keepdims=True) + eps)
 
+    comb = jax.lax.fori_loop(0, iters - 1, body, comb, unroll=True if unroll else 1)
+    return pre, post, comb
+
+
+def sinkhorn_split(mixes: jax.Array, scale: jax.Array, base: jax.Array, hc: int, iters: int, eps: float,
+                   unroll: str = "auto"):
+    """mixes [..., (2+hc)*hc] f32 -> pre [..., hc], post [..., hc], comb [..., hc, hc] (`coefficients`).
+
+    unroll: "auto" | "unrolled" | "rolled" (ModelConfig.sinkhorn_unroll)."""
     # "auto": rolled on CPU (20 unrolled iterations per sub-layer dominate compile time there); unrolled
     # on accelerators, where a rolled loop costs a host round trip per iteration and unrolled ones fuse.
     if unroll == "auto":
         unroll = "unrolled" if jax.default_backend() != "cpu" else "rolled"
-    comb = jax.lax.fori_loop(0, iters - 1, body, comb, unroll=True if unroll == "unrolled" else 1)
-    return pre, post, comb
+    comb_shape = (*mixes.shape[:-1], hc, hc)
+    return coefficients(mixes[..., :hc], mixes[..., hc:2 * hc], mixes[..., 2 * hc:].reshape(comb_shape),
+                        (scale[0], scale[1], scale[2]), (base[:hc], base[hc:2 * hc], base[2 * hc:].reshape(hc, hc)),
+                        iters, eps, unroll == "unrolled")
 
 
 class HyperMix(nnx.Module):
@@ -54,13 +67,63 @@ class HyperMix(nnx.Module):
 
     def __call__(self, x_btcd: jax.Array):
         """x [B, T, hc, D] -> pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc] (f32)."""
-        x = x_btcd.reshape(*x_btcd.shape[:-2], -1).astype(jnp.float32)
-        rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.norm_eps)
-        mixes = jnp.einsum("...i,mi->...m", x, self.fn[...]) * rstd
-        # materialized once: XLA otherwise fuses the (cheap-looking, serial) Sinkhorn iterations into every
-        # element of the [B, T, hc, D] collapse / expand that reads them (H200 profile: 4.8 us per expand)
-        return jax.lax.optimization_barrier(
-            sinkhorn_split(mixes, self.scale[...], self.base[...], self.hc, self.iters, self.eps, self.unroll))
+        return mix_coefficients(x_btcd, self.fn[...], self.scale[...], self.base[...], self.iters, self.eps,
+                                self.norm_eps, self.unroll)
+
+
+def mix_coefficients(x_btcd, fn, scale, base, iters: int, eps: float, norm_eps: float, unroll: str = "auto"):
+    """`HyperMix`'s math on its parameters: x [B, T, hc, D] -> pre, post [B, T, hc], comb [B, T, hc, hc]."""
+    x = x_btcd.reshape(*x_btcd.shape[:-2], -1).astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm_eps)
+    mixes = jnp.einsum("...i,mi->...m", x, fn) * rstd
+    # materialized once: XLA otherwise fuses the (cheap-looking, serial) Sinkhorn iterations into every
+    # element of the [B, T, hc, D] collapse / expand that reads them (H200 profile: 4.8 us per expand)
+    return jax.lax.optimization_barrier(sinkhorn_split(mixes, scale, base, x_btcd.shape[-2], iters, eps, unroll))
+
+
+def sublayer_input(mix: HyperMix, norm: RMSNorm, h_btcd: jax.Array, pre_mix_btc: jax.Array, kernels: str):
+    """A sub-layer's input side: (pre, post, comb) of `mix` from the stream h [B, T, hc, D], and its input
+    norm(collapse(h, pre_mix)) [B, T, D] in h's dtype (pre_mix [B, T, hc]: the previous sub-layer's pre).
+    A GPU decode step's few rows (`kernels.hyper_in_on`) take XLA's projection dot and one kernel
+    (`kernels_pallas.gpu_hyper`) where XLA ran ~6 small ones; values equal to f32 summation order."""
+    b, t, c, dim = h_btcd.shape
+    if not kernels_mod.hyper_in_on(kernels, b * t, c, dim):
+        return (*mix(h_btcd), norm(collapse(h_btcd, pre_mix_btc)))
+    consts = (mix.iters, mix.eps, mix.norm_eps, norm.eps)
+    x_nd, pre, post, comb = _input_kernel(h_btcd.reshape(b * t, c, dim), pre_mix_btc.reshape(b * t, c), mix.fn[...],
+                                          mix.scale[...], mix.base[...], norm.weight[...], consts)
+    return pre.reshape(b, t, c), post.reshape(b, t, c), comb.reshape(b, t, c, c), x_nd.reshape(b, t, dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _input_kernel(h_ncd, pre_mix_nc, fn, scale, base, norm_w, consts):
+    """(x, pre, post, comb) of N rows by XLA's dot and the kernel; differentiable through `_input_reference`
+    (a training forward of few tokens on a GPU reaches it)."""
+    iters, eps, mix_eps, norm_eps = consts
+    mixes_nm = jnp.einsum("ri,mi->rm", h_ncd.reshape(h_ncd.shape[0], -1).astype(jnp.float32), fn)
+    return kernels_mod.hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w, scale, base, coefficients=coefficients,
+                                collapse_rows=collapse_rows, norm=rms_apply, iters=iters, hc_eps=eps, mix_eps=mix_eps,
+                                norm_eps=norm_eps)
+
+
+def _input_reference(h_ncd, pre_mix_nc, fn, scale, base, norm_w, consts):
+    """`_input_kernel`'s values by the model's jnp path."""
+    iters, eps, mix_eps, norm_eps = consts
+    pre, post, comb = mix_coefficients(h_ncd[:, None], fn, scale, base, iters, eps, mix_eps)
+    x = rms_norm(collapse(h_ncd[:, None], pre_mix_nc[:, None]), norm_w, norm_eps)
+    return x[:, 0], pre[:, 0], post[:, 0], comb[:, 0]
+
+
+def _input_fwd(h_ncd, pre_mix_nc, fn, scale, base, norm_w, consts):
+    return _input_kernel(h_ncd, pre_mix_nc, fn, scale, base, norm_w, consts), (h_ncd, pre_mix_nc, fn, scale, base, norm_w)
+
+
+def _input_bwd(consts, res, grads):
+    _, vjp = jax.vjp(lambda *a: _input_reference(*a, consts), *res)
+    return vjp(grads)
+
+
+_input_kernel.defvjp(_input_fwd, _input_bwd)
 
 
 # collapse and expand contract over the hc = 4 copies: written as products and sums, not einsums, so that
@@ -68,8 +131,14 @@ class HyperMix(nnx.Module):
 # on the GPU, each reading and writing the whole stream)
 def collapse(x_btcd: jax.Array, pre_btc: jax.Array) -> jax.Array:
     """[B, T, hc, D] x [B, T, hc] -> [B, T, D]."""
-    x = x_btcd.astype(jnp.float32)
-    return sum(x[:, :, i] * pre_btc[:, :, i, None] for i in range(x.shape[2])).astype(x_btcd.dtype)
+    return collapse_rows([x_btcd[:, :, i] for i in range(x_btcd.shape[2])],
+                         [pre_btc[:, :, i, None] for i in range(x_btcd.shape[2])])
+
+
+def collapse_rows(rows, weights):
+    """sum_i rows[i] * weights[i] in f32, in the rows' dtype (`collapse` on its hc slices; also traced inside
+    the GPU kernel of a sub-layer's input, `kernels_pallas.gpu_hyper`)."""
+    return sum(r.astype(jnp.float32) * w for r, w in zip(rows, weights)).astype(rows[0].dtype)
 
 
 def expand(y_btd: jax.Array, residual_btcd: jax.Array, post_btc: jax.Array, comb_btcc: jax.Array) -> jax.Array:

@@ -110,6 +110,24 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry
                                        entry_codec, sink_h, scale)
 
 
+HYPER_IN_ROWS = 8  # rows (tokens) up to which a sub-layer's input side runs as one GPU kernel: decode batches
+
+
+def hyper_in_on(kernels: str, rows: int, hc: int, dim: int) -> bool:
+    """True when `hyper_in` runs its kernel: up to HYPER_IN_ROWS rows of a stream it takes
+    (`gpu_hyper.supported`), on a GPU (or "pallas" interpreted on a CPU). No TPU kernel: what it removes is
+    the GPU's launches of small kernels."""
+    return (rows <= HYPER_IN_ROWS and _kp.gpu_hyper.supported(hc, dim) and resolve(kernels) != "jnp"
+            and jax.default_backend() != "tpu")
+
+
+def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
+    """(x [N, D], pre, post [N, hc], comb [N, hc, hc]): a hyper-connected sub-layer's input side in one GPU
+    launch (`kernels_pallas.gpu_hyper.hyper_in`, statics as there), per device on a mesh."""
+    return per_sequence(lambda h, m, p, *shared: _kp.hyper_in(h, m, p, *shared, **statics), h_ncd, mixes_nm,
+                        pre_mix_nc, shared=(norm_w_d, scale, base))
+
+
 WEIGHT_KERNEL_ROWS = 384  # rows of x up to which the weight matmuls run the kernels (see the module doc)
 
 

@@ -128,9 +128,19 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (self.weight[...].astype(jnp.float32) * xf).astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x [..., D] normalized in f32 over D, times weight [D], in x's dtype (RMSNorm's math)."""
+    xf = x.astype(jnp.float32)
+    return rms_apply(xf, weight, jnp.mean(xf * xf, axis=-1, keepdims=True), eps, x.dtype)
+
+
+def rms_apply(xf: jax.Array, weight: jax.Array, mean_sq: jax.Array, eps: float, dtype) -> jax.Array:
+    """`rms_norm` of f32 xf given its mean square (broadcastable to xf), in `dtype`; also traced inside the
+    GPU kernel of a sub-layer's input (`kernels_pallas.gpu_hyper`) on slices of a row."""
+    return (weight.astype(jnp.float32) * (xf * jax.lax.rsqrt(mean_sq + eps))).astype(dtype)
 
 
 class Embedding(nnx.Module):

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import jax
 
-from kernels_pallas import (gpu_attention, gpu_grouped, gpu_indexer, gpu_select, tpu_attention, tpu_grouped,
-                            tpu_indexer, tpu_select)
+from kernels_pallas import (gpu_attention, gpu_grouped, gpu_hyper, gpu_indexer, gpu_select, tpu_attention,
+                            tpu_grouped, tpu_indexer, tpu_select)
 
 __all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode",
-           "grouped_matmuls_fp4", "rows_matmuls_fp4", "rows_matmuls_float", "fp8_matmuls", "platform"]
+           "grouped_matmuls_fp4", "rows_matmuls_fp4", "rows_matmuls_float", "fp8_matmuls", "hyper_in", "platform"]
 
 
 def platform(family: str | None = None) -> tuple[str, bool]:
@@ -108,3 +108,11 @@ def fp8_matmuls(x_mk, weights, *, family=None):
     if fam == "tpu":
         return [tpu_grouped.fp8_matmul(x_mk, q, e, interpret=interpret) for q, e in weights]
     return gpu_grouped.fp8_matmuls(x_mk, list(weights), interpret=interpret)
+
+
+def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
+    """A hyper-connected sub-layer's input side for a few rows (`gpu_hyper.hyper_in`; GPU kernel only)."""
+    fam, interpret = platform()
+    if fam == "tpu":
+        raise ValueError("hyper_in has no TPU kernel (it removes GPU launches); use the jnp path on TPUs")
+    return gpu_hyper.hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, interpret=interpret, **statics)

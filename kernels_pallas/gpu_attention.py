@@ -198,11 +198,13 @@ def _tile_weights(m_btk: jax.Array, l_btk: jax.Array, sink_h: jax.Array) -> jax.
 
 
 def combine(acc_bshd: jax.Array, m_bsh: jax.Array, l_bsh: jax.Array, sink_h: jax.Array) -> jax.Array:
-    """Merge split partials (unnormalized acc, running max, running sum) with the sink. f32 [B, H, D]."""
-    m_all = jnp.maximum(jnp.max(m_bsh, axis=1), sink_h[None, :])
-    c = jnp.exp(m_bsh - m_all[:, None, :])
-    den = jnp.sum(l_bsh * c, axis=1) + jnp.exp(sink_h[None, :] - m_all)
-    return jnp.sum(acc_bshd * c[..., None], axis=1) / den[..., None]
+    """Merge split partials (unnormalized acc, running max, running sum) with the sink. f32 [B, H, D].
+
+    The splits' weights [B, S, H] are materialized before the weighted sum, so that a fusion of the sum
+    cannot recompute the max over splits and S exponentials for every output element (batch 1 has 20
+    splits; `small`'s output side, where XLA fuses this, took 6.4 us per layer on the H200)."""
+    w_bsh = jax.lax.optimization_barrier(_tile_weights(m_bsh, l_bsh, sink_h))
+    return jnp.sum(acc_bshd * w_bsh[..., None], axis=1)
 
 
 def default_splits(b: int, programs: int = 132) -> int:

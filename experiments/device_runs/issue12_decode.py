@@ -5,7 +5,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wide      # ~9.5 min: b64 4K / 128K, small
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf    # ~9 min
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profiles  # ~7 min: small b1, both b1 profiles
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab        # ~6 min: the unmeasured changes, A/B
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab        # ~8 min: the unmeasured changes, A/B
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab_slice  # ~2.5 min: the same, the slice only
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
@@ -16,7 +16,7 @@ session) the batch-8 point did not fit 270 s (step compile 62 s, three of them w
 buffer (XLA_FLAGS below), in one call so that they are compared on one machine: the slice's batch-1 step is
 ~415 kernels and its wall time was 0.2-0.4 ms over the GPU's busy time; `small`'s is ~670 kernels of ~2 us
 (thirteenth session's profiles). `profiles`: `small`'s batch-1 bench point, then where the
-GPU time of a batch-1 step goes, `small` and the slice (`profile_step`). `ab`: the batch-1 profiles of
+GPU time of a batch-1 step goes, `small` and the slice (`profile_step`). `ab`: their GPU-compiled tests, then the batch-1 profiles of
 `small`, the slice and `small` again, each first in a copy of the tree with SINCE_MEASURED taken back
 (`_steps.tree_before`), then as it is: the changes made since the last GPU measurement, timed against the
 code before them on one machine.
@@ -55,18 +55,34 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# fourteenth session, after its last device call: (file, the text now, the text before); nothing unmeasured
-SINCE_MEASURED = []
+# fifteenth session: (file, the text now, the text before): the sub-layer input kernel (off at 0 rows) and the
+# split combine with its weights materialized
+SINCE_MEASURED = [
+    ("dsv41_jax/kernels.py", "HYPER_IN_ROWS = 8 ", "HYPER_IN_ROWS = 0 "),
+    ("kernels_pallas/gpu_attention.py",
+     "    w_bsh = jax.lax.optimization_barrier(_tile_weights(m_bsh, l_bsh, sink_h))\n"
+     "    return jnp.sum(acc_bshd * w_bsh[..., None], axis=1)",
+     "    m_all = jnp.maximum(jnp.max(m_bsh, axis=1), sink_h[None, :])\n"
+     "    c = jnp.exp(m_bsh - m_all[:, None, :])\n"
+     "    den = jnp.sum(l_bsh * c, axis=1) + jnp.exp(sink_h[None, :] - m_all)\n"
+     "    return jnp.sum(acc_bshd * c[..., None], axis=1) / den[..., None]"),
+]
+# the GPU-compiled tests of what SINCE_MEASURED changed, first in `ab`
+AB_TESTS = ("ab_gpu_tests", ["pytest", "tests/test_hyper_kernel.py", "tests/test_kernels_gpu.py", "-q", "-x",
+                             "-p", "no:cacheprovider", "-k", "hyper or attention or model"], 150,
+            {"JAX_PLATFORMS": "cuda"})
 # a step whose name ends in "_before" runs in that copy; `ab_slice`: the slice's pair only, twice (~2.5 min)
 GROUPS["ab_slice"] = [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
                       for rep in ("", "_again") for side in ("before", "after")]
-GROUPS["ab"] = [(f"profile_{name}_b1_{side}", PROFILE_B1[preset], 90, {})
-                for name, preset in (("small", "small"), ("slice", "v41-slice"), ("small_again", "small"))
-                for side in ("before", "after")]
+GROUPS["ab"] = [AB_TESTS] + [(f"profile_{name}_b1_{side}", PROFILE_B1[preset], 90, {})
+                             for name, preset in (("small", "small"), ("slice", "v41-slice"), ("small_again", "small"))
+                             for side in ("before", "after")]
 
 
 def last_table(log: str, name: str) -> str:
     """The bench's final table (the profile's summary and source table), or the log's tail if it has none."""
+    if name.endswith("tests"):
+        return "\n".join(log.strip().splitlines()[-3:])
     if name.startswith("profile"):
         at = log.find("(loop, not profiled)")
         start = log.rfind("\n", 0, at) + 1 if at >= 0 else -1

@@ -1,0 +1,98 @@
+"""A hyper-connected sub-layer's input side in one launch, for a decode step's few rows (Pallas, Triton lowering).
+
+From the stream h [hc, D] of a row, each sub-layer (attention, MoE) needs
+- its mHC coefficients pre [hc], post [hc], comb [hc, hc]: the projection of the flattened h, scaled by
+  its RMS, through sigmoids, a softmax and the Sinkhorn normalizations (`dsv41_jax.hyper.coefficients`);
+- its input x [D] = RMSNorm(collapse(h, pre of the previous sub-layer)) (`dsv41_jax.layers.rms_apply` on
+  slices of the row).
+XLA ran these as ~6 small kernels per sub-layer (the sum of squares, the scaling and sigmoids, the Sinkhorn
+iterations, the collapse's statistic, the normalization; H200, `small` at batch 1: ~9.4 us per sub-layer,
+24 sub-layers per step). Here one launch does them all in registers, calling the model's own functions on
+the loaded values: per row, one program for the coefficients and one for the input. The projection itself
+(x @ fn^T over hc * D inputs) stays XLA's dot: a program per row would read all of fn alone (the removed
+projection kernel of the twelfth session measured no faster than XLA's dot).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+_STATIC = ("coefficients", "collapse_rows", "norm", "iters", "hc_eps", "mix_eps", "norm_eps", "num_warps",
+           "interpret")
+MAX_CHUNKS = 8  # a row is read in slices of the largest power of two (<= 1024) dividing D: 5120 = 5 x 1024
+
+
+def chunk(d: int) -> int:
+    """The slice of a row the kernel loads at once: the largest power of two dividing d, at most 1024."""
+    return min(d & -d, 1024)
+
+
+def supported(hc: int, d: int) -> bool:
+    """True when the kernel takes this stream: power-of-two hc (its [hc, hc] blocks), D in at most MAX_CHUNKS
+    power-of-two slices of at least 16."""
+    return hc > 0 and hc & (hc - 1) == 0 and d > 0 and chunk(d) >= 16 and d // chunk(d) <= MAX_CHUNKS
+
+
+def _kernel(h_ref, m_ref, pm_ref, w_ref, s_ref, b_ref, x_ref, pre_ref, post_ref, comb_ref, *, coefficients,
+            collapse_rows, norm, iters, hc_eps, mix_eps, norm_eps):
+    """Program (n, 0): row n's coefficients; program (n, 1): its normalized input. Two programs, so that the
+    serial Sinkhorn iterations and the row's reductions run side by side on two SMs."""
+    n, part = pl.program_id(0), pl.program_id(1)
+    hc, d = h_ref.shape[1:]
+    cols = [pl.ds(j * chunk(d), chunk(d)) for j in range(d // chunk(d))]
+
+    @pl.when(part == 0)
+    def _coefficients():
+        # the projection's RMS over the flattened [hc * D] row (HyperMix: mean of squares, + eps, rsqrt)
+        wide = [h_ref[n, i, c].astype(jnp.float32) for i in range(hc) for c in cols]
+        rstd = jax.lax.rsqrt(sum(jnp.sum(v * v) for v in wide) / (hc * d) + mix_eps)
+        pre, post, comb = coefficients(
+            m_ref[n, 0, :] * rstd, m_ref[n, 1, :] * rstd, m_ref[n, pl.ds(2, hc), :] * rstd,
+            (s_ref[0], s_ref[1], s_ref[2]), (b_ref[0, :], b_ref[1, :], b_ref[pl.ds(2, hc), :]),
+            iters, hc_eps, False)  # a loop in the kernel (Triton lowers no unrolled scan)
+        pre_ref[n, :] = pre
+        post_ref[n, :] = post
+        comb_ref[n, :, :] = comb
+
+    @pl.when(part == 1)
+    def _input():
+        pm = [pm_ref[n, i] for i in range(hc)]
+        xs = [collapse_rows([h_ref[n, i, c] for i in range(hc)], pm).astype(jnp.float32) for c in cols]
+        mean_sq = sum(jnp.sum(v * v) for v in xs) / d  # RMSNorm's mean over the whole row
+        for c, v in zip(cols, xs):
+            x_ref[n, c] = norm(v, w_ref[c], mean_sq, norm_eps, x_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def hyper_in(h_ncd: jax.Array, mixes_nm: jax.Array, pre_mix_nc: jax.Array, norm_w_d: jax.Array, scale_3: jax.Array,
+             base_m: jax.Array, *, coefficients, collapse_rows, norm, iters: int, hc_eps: float, mix_eps: float,
+             norm_eps: float, num_warps: int = 4, interpret: bool = False):
+    """One sub-layer's input side for N rows, two programs each (grid N x 2).
+
+    h [N, hc, D] (the stream, any float dtype; `supported(hc, D)`), mixes f32 [N, (2 + hc) * hc] = the
+    flattened h in f32 @ fn^T (not yet scaled by the RMS), pre_mix f32 [N, hc] (the previous sub-layer's
+    pre), norm_w [D], scale f32 [3], base f32 [(2 + hc) * hc]. `coefficients`, `collapse_rows`, `norm`: the
+    model's functions (`hyper.coefficients`, `hyper.collapse_rows`, `layers.rms_apply`), traced here on one
+    row's values. Returns (x [N, D] in h's dtype, pre f32 [N, hc], post f32 [N, hc], comb f32 [N, hc, hc])."""
+    n, hc, d = h_ncd.shape
+    if not supported(hc, d):
+        raise ValueError(f"the hyper-connection kernel needs a power-of-two hc and D in at most {MAX_CHUNKS} "
+                         f"power-of-two slices of >= 16, got hc={hc}, dim={d}")
+    if mixes_nm.shape != (n, (2 + hc) * hc) or pre_mix_nc.shape != (n, hc) or norm_w_d.shape != (d,):
+        raise ValueError(f"shapes do not match h {h_ncd.shape}: mixes {mixes_nm.shape}, pre_mix {pre_mix_nc.shape}, "
+                         f"norm weight {norm_w_d.shape}")
+    kernel = functools.partial(_kernel, coefficients=coefficients, collapse_rows=collapse_rows, norm=norm, iters=iters,
+                               hc_eps=hc_eps, mix_eps=mix_eps, norm_eps=norm_eps)
+    f32 = jnp.float32
+    return pl.pallas_call(
+        kernel, grid=(n, 2), interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        out_shape=[jax.ShapeDtypeStruct((n, d), h_ncd.dtype), jax.ShapeDtypeStruct((n, hc), f32),
+                   jax.ShapeDtypeStruct((n, hc), f32), jax.ShapeDtypeStruct((n, hc, hc), f32)],
+        name="hyper_in",
+    )(h_ncd, mixes_nm.reshape(n, 2 + hc, hc), pre_mix_nc, norm_w_d, scale_3, base_m.reshape(2 + hc, hc))
