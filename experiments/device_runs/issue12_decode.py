@@ -5,8 +5,9 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wide      # ~9.5 min: b64 4K / 128K, small
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf    # ~9 min
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profiles  # ~7 min: small b1, both b1 profiles
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab        # ~8 min: the unmeasured changes, A/B
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab        # ~9 min: the unmeasured changes, A/B
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab_slice  # ~2.5 min: the same, the slice only
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab_b8     # ~9.5 min: ab's first half, slice b8
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -55,28 +56,21 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# fifteenth session: (file, the text now, the text before): the sub-layer input kernel (off at 0 rows) and the
-# split combine with its weights materialized
-SINCE_MEASURED = [
-    ("dsv41_jax/kernels.py", "HYPER_IN_ROWS = 8 ", "HYPER_IN_ROWS = 0 "),
-    ("kernels_pallas/gpu_attention.py",
-     "    w_bsh = jax.lax.optimization_barrier(_tile_weights(m_bsh, l_bsh, sink_h))\n"
-     "    return jnp.sum(acc_bshd * w_bsh[..., None], axis=1)",
-     "    m_all = jnp.maximum(jnp.max(m_bsh, axis=1), sink_h[None, :])\n"
-     "    c = jnp.exp(m_bsh - m_all[:, None, :])\n"
-     "    den = jnp.sum(l_bsh * c, axis=1) + jnp.exp(sink_h[None, :] - m_all)\n"
-     "    return jnp.sum(acc_bshd * c[..., None], axis=1) / den[..., None]"),
-]
-# the GPU-compiled tests of what SINCE_MEASURED changed, first in `ab`
+# fifteenth session, after its last device call: (file, the text now, the text before); nothing unmeasured
+SINCE_MEASURED = []
+# the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED); in the fifteenth
+# session 150 s held the hyper kernel's tests but not the attention tests after them (19 s in a call apart)
 AB_TESTS = ("ab_gpu_tests", ["pytest", "tests/test_hyper_kernel.py", "tests/test_kernels_gpu.py", "-q", "-x",
-                             "-p", "no:cacheprovider", "-k", "hyper or attention or model"], 150,
-            {"JAX_PLATFORMS": "cuda"})
+                             "-p", "no:cacheprovider", "-k", "hyper or attention"], 240, {"JAX_PLATFORMS": "cuda"})
 # a step whose name ends in "_before" runs in that copy; `ab_slice`: the slice's pair only, twice (~2.5 min)
 GROUPS["ab_slice"] = [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
                       for rep in ("", "_again") for side in ("before", "after")]
 GROUPS["ab"] = [AB_TESTS] + [(f"profile_{name}_b1_{side}", PROFILE_B1[preset], 90, {})
                              for name, preset in (("small", "small"), ("slice", "v41-slice"), ("small_again", "small"))
                              for side in ("before", "after")]
+
+# one call when machines are scarce: the tests, `small` and the slice once each side, then the batch-8 point
+GROUPS["ab_b8"] = GROUPS["ab"][:5] + [GROUPS["default"][1]]
 
 
 def last_table(log: str, name: str) -> str:
