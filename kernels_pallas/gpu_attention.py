@@ -202,7 +202,8 @@ def combine(acc_bshd: jax.Array, m_bsh: jax.Array, l_bsh: jax.Array, sink_h: jax
 
     The splits' weights [B, S, H] are materialized before the weighted sum, so that a fusion of the sum
     cannot recompute the max over splits and S exponentials for every output element (batch 1 has 20
-    splits; `small`'s output side, where XLA fuses this, took 6.4 us per layer on the H200)."""
+    splits; on the H200 the fusion that held the sum and the inverse rope of `small`'s output side went from
+    6.4 to 2.6 us per layer; the weights' own kernels added 5 us per step)."""
     w_bsh = jax.lax.optimization_barrier(_tile_weights(m_bsh, l_bsh, sink_h))
     return jnp.sum(acc_bshd * w_bsh[..., None], axis=1)
 
