@@ -128,6 +128,21 @@ def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
                         pre_mix_nc, shared=(norm_w_d, scale, base))
 
 
+ROUTE_ROWS = 8  # rows (tokens) up to which a decode step's routing runs as one GPU kernel
+
+
+def route_on(kernels: str, rows: int, n_experts: int) -> bool:
+    """True when `route` runs its kernel: up to ROUTE_ROWS rows of up to 4096 experts, on a GPU (or "pallas"
+    interpreted on a CPU). No TPU kernel: what it removes is XLA's GPU top-k and its small neighbours."""
+    return rows <= ROUTE_ROWS and n_experts <= 4096 and resolve(kernels) != "jnp" and jax.default_backend() != "tpu"
+
+
+def route(logits_ne, bias_e, **statics):
+    """(weights f32 [N, k], ids int32 [N, k]): the top-k routing of a few rows in one GPU launch
+    (`kernels_pallas.gpu_router.route`, statics as there), per device on a mesh."""
+    return per_sequence(lambda lg, bias: _kp.route(lg, bias, **statics), logits_ne, shared=(bias_e,))
+
+
 WEIGHT_KERNEL_ROWS = 384  # rows of x up to which the weight matmuls run the kernels (see the module doc)
 
 

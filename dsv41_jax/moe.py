@@ -21,7 +21,7 @@ from flax import nnx
 from dsv41_jax import expert_parallel
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.grouped import EXPERT_FP4, sort_by_group
-from dsv41_jax.kernels import grouped_matmuls, rows_matmuls
+from dsv41_jax.kernels import grouped_matmuls, route, route_on, rows_matmuls
 from dsv41_jax.layers import (Buffer, activation_quant, linears, normal_init, quantize_activation,
                               released_fp8_linear, weights_fp8)
 from dsv41_jax.sequence_split import per_sequence
@@ -44,25 +44,66 @@ class Router(nnx.Module):
             self.bias_vl = Buffer(jnp.zeros((cfg.n_routed_experts,), jnp.float32))
         self.k, self.func, self.scale = cfg.n_activated_experts, cfg.score_func, cfg.route_scale
 
-    def __call__(self, x_nd: jax.Array, image_mask_n: jax.Array | None = None):
+    def __call__(self, x_nd: jax.Array, image_mask_n: jax.Array | None = None, kernels: str = "jnp"):
         """Returns routing weights f32 [N, k], expert ids int32 [N, k], raw scores f32 [N, E].
-        image_mask_n: bool [N], True where the selection uses `bias_vl` (image-span tokens)."""
+        image_mask_n: bool [N], True where the selection uses `bias_vl` (image-span tokens). kernels: a GPU
+        decode step's few rows pick and weigh their experts in one launch (`kernels.route`)."""
         logits = jnp.einsum("nd,ed->ne", x_nd.astype(jnp.float32), self.weight[...])
-        if self.func == "softmax":
-            scores = jax.nn.softmax(logits, axis=-1)
-        elif self.func == "sigmoid":
-            scores = jax.nn.sigmoid(logits)
-        else:
-            scores = jnp.sqrt(jax.nn.softplus(logits))
+        scores = router_scores(logits, self.func)
+        consts = (self.k, self.func, self.scale)
+        if image_mask_n is None and route_on(kernels, *logits.shape):
+            w, ids = _route_kernel(logits, jax.lax.stop_gradient(self.bias[...]), consts)
+            return w, ids, scores
         bias = self.bias[...]
         if image_mask_n is not None:
             bias = jnp.where(image_mask_n[:, None], self.bias_vl[...], bias)
-        # per device on its own tokens on a mesh: GSPMD would gather the rows of a top-k
-        _, ids = per_sequence(lambda s: jax.lax.top_k(s, self.k), scores + jax.lax.stop_gradient(bias))
-        w = jnp.take_along_axis(scores, ids, axis=-1)
-        if self.k > 1:
-            w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
-        return w * self.scale, ids, scores
+        return (*_route_reference(logits, jax.lax.stop_gradient(bias), consts), scores)
+
+
+def router_scores(logits: jax.Array, func: str) -> jax.Array:
+    """f32 expert scores of router logits [..., E] by the config's `score_func` (also traced inside the GPU
+    routing kernel, `kernels_pallas.gpu_router`)."""
+    if func == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    if func == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    return jnp.sqrt(jax.nn.softplus(logits))
+
+
+def routing_weights(chosen: jax.Array, total: jax.Array, k: int, scale: float) -> jax.Array:
+    """The weights of the k chosen experts from their scores and the scores' sum (also traced inside the GPU
+    routing kernel on scalars): normalized over the k (k > 1), times route_scale."""
+    return (chosen / (total + 1e-20) if k > 1 else chosen) * scale
+
+
+def _route_reference(logits, bias, consts):
+    """(w, ids) of logits [N, E] and the selection bias ([E] or [N, E]): the jnp path."""
+    k, func, scale = consts
+    scores = router_scores(logits, func)
+    # per device on its own tokens on a mesh: GSPMD would gather the rows of a top-k
+    _, ids = per_sequence(lambda s: jax.lax.top_k(s, k), scores + bias)
+    w = jnp.take_along_axis(scores, ids, axis=-1)
+    return routing_weights(w, w.sum(axis=-1, keepdims=True), k, scale), ids
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _route_kernel(logits, bias, consts):
+    """`_route_reference` by the GPU kernel; differentiable through the reference (a training forward of few
+    tokens on a GPU reaches it)."""
+    k, func, scale = consts
+    return route(logits, bias, k=k, scores=router_scores, func=func, weights=routing_weights, scale=scale)
+
+
+def _route_fwd(logits, bias, consts):
+    return _route_kernel(logits, bias, consts), (logits, bias)
+
+
+def _route_bwd(consts, res, grads):
+    _, vjp = jax.vjp(lambda *a: _route_reference(*a, consts), *res)
+    return vjp(grads)
+
+
+_route_kernel.defvjp(_route_fwd, _route_bwd)
 
 
 class MoE(nnx.Module):
@@ -134,7 +175,7 @@ class MoE(nnx.Module):
         (routed with `bias_vl`)."""
         b, t, d = x_btd.shape
         x = x_btd.reshape(b * t, d)
-        w, ids, _ = self.router(x, None if image_mask is None else image_mask.reshape(b * t))
+        w, ids, _ = self.router(x, None if image_mask is None else image_mask.reshape(b * t), kernels)
         load_e = jnp.bincount(ids.reshape(-1), length=self.n_experts)
         dt = x.dtype
         xq = quantize_activation(x) if self.act_quant else x  # per token, so before the gather

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import jax
 
-from kernels_pallas import (gpu_attention, gpu_grouped, gpu_hyper, gpu_indexer, gpu_select, tpu_attention,
-                            tpu_grouped, tpu_indexer, tpu_select)
+from kernels_pallas import (gpu_attention, gpu_grouped, gpu_hyper, gpu_indexer, gpu_router, gpu_select,
+                            tpu_attention, tpu_grouped, tpu_indexer, tpu_select)
 
 __all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode",
-           "grouped_matmuls_fp4", "rows_matmuls_fp4", "rows_matmuls_float", "fp8_matmuls", "hyper_in", "platform"]
+           "grouped_matmuls_fp4", "rows_matmuls_fp4", "rows_matmuls_float", "fp8_matmuls", "hyper_in", "route",
+           "platform"]
 
 
 def platform(family: str | None = None) -> tuple[str, bool]:
@@ -116,3 +117,11 @@ def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
     if fam == "tpu":
         raise ValueError("hyper_in has no TPU kernel (it removes GPU launches); use the jnp path on TPUs")
     return gpu_hyper.hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, interpret=interpret, **statics)
+
+
+def route(logits_ne, bias_e, **statics):
+    """A decode step's top-k routing for a few rows (`gpu_router.route`; GPU kernel only)."""
+    fam, interpret = platform()
+    if fam == "tpu":
+        raise ValueError("route has no TPU kernel (it replaces XLA's GPU top-k); use the jnp path on TPUs")
+    return gpu_router.route(logits_ne, bias_e, interpret=interpret, **statics)

@@ -1,6 +1,7 @@
 """Inputs and checks shared by the GPU, TPU and dispatch kernel tests."""
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -57,3 +58,14 @@ def assert_scan_matches(out, ref, n: int, block: int | None) -> None:
         nb = -(-n // block)
         want = jnp.pad(s, ((0, 0), (0, nb * block - n)), constant_values=-jnp.inf).reshape(b, nb, block).max(-1)
         np.testing.assert_array_equal(out[1], want)
+
+
+def lower_for_h200(fn, *args) -> str:
+    """StableHLO of jit(fn) on `args` (ShapeDtypeStructs) lowered for CUDA with an H200 as the target: what a
+    CPU can check of a GPU kernel, that every operation of its body has a Triton lowering (compiling the
+    Triton module needs a GPU). The lowering asks the device for its compute capability: an H200's is given."""
+    from jax._src.pallas.triton import gpu_info
+
+    h200 = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    with mock.patch.object(gpu_info, "get_gpu_info", h200):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -10,8 +10,6 @@ the kernel keeps it, as the model is written (H200: 25% of the elements one bf16
 
 from __future__ import annotations
 
-from unittest import mock
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +19,7 @@ import dsv41_jax as d
 from dsv41_jax import hyper, kernels, layers
 from experiments.bench_decode import truncated
 from kernels_pallas import gpu_hyper
+from tests.kernel_checks import lower_for_h200
 
 CONSTS = (20, 1e-6, 1e-20, 1e-20)  # Sinkhorn iterations, hc eps, the projection's and the norm's eps (released)
 STATICS = dict(coefficients=hyper.coefficients, collapse_rows=hyper.collapse_rows, norm=layers.rms_apply, iters=20,
@@ -115,16 +114,10 @@ def test_model_decode_logits_with_the_kernel(monkeypatch):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles the kernel in the tests above")
 @pytest.mark.parametrize("dim,dtype", [(1024, jnp.bfloat16), (5120, jnp.bfloat16), (64, jnp.float32)])
 def test_lowers_to_triton_for_an_h200(dim, dtype):
-    """What a CPU can check of the compiled kernel: every operation of its body has a Triton lowering (the
-    shapes `small`, v41-flash and tiny decode with). Compiling the Triton module needs a GPU."""
-    from jax._src.pallas.triton import gpu_info  # the lowering asks the device for its compute capability
-
+    """Every operation of the kernel's body has a Triton lowering, at the shapes `small`, v41-flash and tiny
+    decode with."""
     n, c = 8, 4
     shapes = [((n, c, dim), dtype), ((n, (2 + c) * c), jnp.float32), ((n, c), jnp.float32), ((dim,), jnp.float32),
               ((3,), jnp.float32), (((2 + c) * c,), jnp.float32)]
-    args = [jax.ShapeDtypeStruct(s, t) for s, t in shapes]
-    h200 = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    with mock.patch.object(gpu_info, "get_gpu_info", h200):
-        text = jax.jit(lambda *a: gpu_hyper.hyper_in(*a, **STATICS)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
+    text = lower_for_h200(lambda *a: gpu_hyper.hyper_in(*a, **STATICS), *[jax.ShapeDtypeStruct(*a) for a in shapes])
     assert text.count("xla.gpu.triton") == 1

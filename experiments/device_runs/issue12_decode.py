@@ -56,12 +56,12 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# fifteenth session, after its last device call: (file, the text now, the text before); nothing unmeasured
-SINCE_MEASURED = []
+# fifteenth session, after its last device call: (file, the text now, the text before): the routing kernel
+SINCE_MEASURED = [("dsv41_jax/kernels.py", "ROUTE_ROWS = 8 ", "ROUTE_ROWS = 0 ")]
 # the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED); in the fifteenth
 # session 150 s held the hyper kernel's tests but not the attention tests after them (19 s in a call apart)
-AB_TESTS = ("ab_gpu_tests", ["pytest", "tests/test_hyper_kernel.py", "tests/test_kernels_gpu.py", "-q", "-x",
-                             "-p", "no:cacheprovider", "-k", "hyper or attention"], 240, {"JAX_PLATFORMS": "cuda"})
+AB_TESTS = ("ab_gpu_tests", ["pytest", "tests/test_router_kernel.py", "tests/test_hyper_kernel.py", "-q", "-x",
+                             "-p", "no:cacheprovider"], 240, {"JAX_PLATFORMS": "cuda"})
 # a step whose name ends in "_before" runs in that copy; `ab_slice`: the slice's pair only, twice (~2.5 min)
 GROUPS["ab_slice"] = [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
                       for rep in ("", "_again") for side in ("before", "after")]
