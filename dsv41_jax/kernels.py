@@ -27,6 +27,8 @@ hi/lo splits).
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -128,7 +130,10 @@ def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
                         pre_mix_nc, shared=(norm_w_d, scale, base))
 
 
-ROUTE_ROWS = 8  # rows (tokens) up to which a decode step's routing runs as one GPU kernel
+# Rows (tokens) up to which a decode step's routing runs as one GPU kernel. Off (0) until the kernel has been
+# compiled and timed on a GPU: DSV41_ROUTE_ROWS=8 turns it on (`experiments/device_runs/issue12_decode.py ab`
+# times the step without and with it).
+ROUTE_ROWS = int(os.environ.get("DSV41_ROUTE_ROWS", "0"))
 
 
 def route_on(kernels: str, rows: int, n_experts: int) -> bool:

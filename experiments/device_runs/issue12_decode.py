@@ -17,10 +17,10 @@ session) the batch-8 point did not fit 270 s (step compile 62 s, three of them w
 buffer (XLA_FLAGS below), in one call so that they are compared on one machine: the slice's batch-1 step is
 ~415 kernels and its wall time was 0.2-0.4 ms over the GPU's busy time; `small`'s is ~670 kernels of ~2 us
 (thirteenth session's profiles). `profiles`: `small`'s batch-1 bench point, then where the
-GPU time of a batch-1 step goes, `small` and the slice (`profile_step`). `ab`: their GPU-compiled tests, then the batch-1 profiles of
-`small`, the slice and `small` again, each first in a copy of the tree with SINCE_MEASURED taken back
-(`_steps.tree_before`), then as it is: the changes made since the last GPU measurement, timed against the
-code before them on one machine.
+GPU time of a batch-1 step goes, `small` and the slice (`profile_step`). `ab`: the GPU-compiled tests of the
+latest kernels (AB_TESTS), then the batch-1 profiles of `small`, the slice and `small` again, each first in a copy of the tree with SINCE_MEASURED taken back
+(`_steps.tree_before`), then as it is with AFTER_ENV (kernels off by default until timed): the changes made
+since the last GPU measurement, timed against the code before them on one machine.
 """
 
 import os
@@ -56,8 +56,10 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# fifteenth session, after its last device call: (file, the text now, the text before): the routing kernel
-SINCE_MEASURED = [("dsv41_jax/kernels.py", "ROUTE_ROWS = 8 ", "ROUTE_ROWS = 0 ")]
+# fifteenth session, after its last device call: (file, the text now, the text before); nothing unmeasured
+SINCE_MEASURED = []
+# kernels off by default until timed, on in the "after" half of `ab`: the routing kernel (fifteenth session)
+AFTER_ENV = {"DSV41_ROUTE_ROWS": "8"}
 # the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED); in the fifteenth
 # session 150 s held the hyper kernel's tests but not the attention tests after them (19 s in a call apart)
 AB_TESTS = ("ab_gpu_tests", ["pytest", "tests/test_router_kernel.py", "tests/test_hyper_kernel.py", "-q", "-x",
@@ -90,6 +92,7 @@ if __name__ == "__main__":
     before = tree_before(SINCE_MEASURED) if any(name.endswith("_before") for name, *_ in steps) else None
     for name, (module, *args), timeout_s, env in steps:
         out = ["--out", os.path.join(OUT, f"{name}.json")] if module == "experiments.bench_decode" else []
+        env = {**env, **AFTER_ENV} if name.endswith(("_after", "tests")) else env
         step(name, ["-m", module, *args, *out], timeout_s, env, cwd=before if name.endswith("_before") else None)
     for name, *_ in steps:
         print(f"\n== {name}\n{last_table(open(os.path.join(OUT, f'{name}.log')).read(), name)}")
