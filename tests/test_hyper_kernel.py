@@ -1,6 +1,6 @@
 """The GPU kernel of a hyper-connected sub-layer's input side (`kernels_pallas.gpu_hyper`) against the model's
-jnp path: interpreted on a CPU, compiled on a GPU; its gradient, its dispatch, the model's decode logits with it,
-and (on a CPU) that it lowers to Triton for an H200.
+jnp path: interpreted on a CPU, compiled on a GPU; its gradient, its dispatch, the model's decode logits with it
+(that it lowers to Triton at the model's shapes: tests/test_kernels_lowering.py).
 
 Tolerances: pre, post, the normalized input: the same operations in the same order except the sums of squares
 (f32 summation order), so <= 1e-6 relative; comb: 20 Sinkhorn normalizations of such values, <= 1e-6 absolute
@@ -19,7 +19,6 @@ import dsv41_jax as d
 from dsv41_jax import hyper, kernels, layers
 from experiments.bench_decode import truncated
 from kernels_pallas import gpu_hyper
-from tests.kernel_checks import lower_for_h200
 
 CONSTS = (20, 1e-6, 1e-20, 1e-20)  # Sinkhorn iterations, hc eps, the projection's and the norm's eps (released)
 STATICS = dict(coefficients=hyper.coefficients, collapse_rows=hyper.collapse_rows, norm=layers.rms_apply, iters=20,
@@ -110,14 +109,3 @@ def test_model_decode_logits_with_the_kernel(monkeypatch):
     print(f"max |dlogit| / scale {err:.2e}")
     assert err <= 1e-5, err
 
-
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles the kernel in the tests above")
-@pytest.mark.parametrize("dim,dtype", [(1024, jnp.bfloat16), (5120, jnp.bfloat16), (64, jnp.float32)])
-def test_lowers_to_triton_for_an_h200(dim, dtype):
-    """Every operation of the kernel's body has a Triton lowering, at the shapes `small`, v41-flash and tiny
-    decode with."""
-    n, c = 8, 4
-    shapes = [((n, c, dim), dtype), ((n, (2 + c) * c), jnp.float32), ((n, c), jnp.float32), ((dim,), jnp.float32),
-              ((3,), jnp.float32), (((2 + c) * c,), jnp.float32)]
-    text = lower_for_h200(lambda *a: gpu_hyper.hyper_in(*a, **STATICS), *[jax.ShapeDtypeStruct(*a) for a in shapes])
-    assert text.count("xla.gpu.triton") == 1

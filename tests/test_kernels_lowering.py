@@ -1,0 +1,46 @@
+"""What a CPU can check of the GPU decode step: the whole step of the released shapes (the 6-layer v41 slice,
+FP8 / FP4 weights) and of `small`, lowered for an H200 with the Pallas kernels compiled (not interpreted),
+uses exactly the kernels each batch should, and every operation of their bodies has a Triton lowering.
+Compiling the Triton modules, and their values, need a GPU (tests/test_kernels_gpu.py and the kernels' own
+tests, compiled there)."""
+
+from __future__ import annotations
+
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import dsv41_jax as d
+import kernels_pallas
+from dsv41_jax import api, kernels
+from dsv41_jax.cache import init_cache
+from experiments.bench_decode import slice_config
+from tests.kernel_checks import lower_for_h200
+
+SCAN = {"indexer_scores", "indexer_scores_pool", "topk_from_levels", "sparse_attention"}  # the cache side
+FEW = {"hyper_in", "route"}  # decode rows <= 8 (the routing kernel forced on here: off by default until timed)
+KERNELS = SCAN | FEW | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_matmuls_fp4", "rows_matmuls_float"}
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles the step for real")
+@pytest.mark.parametrize("preset,batch,want", [
+    ("v41-slice", 1, SCAN | FEW | {"fp8_matmuls", "rows_matmuls_fp4"}),  # one token: its experts as rows
+    ("v41-slice", 8, SCAN | FEW | {"fp8_matmuls", "grouped_matmuls_fp4"}),
+    ("v41-slice", 64, SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),
+    ("small", 1, SCAN | FEW | {"rows_matmuls_float"}),  # float weights: only the row form has a kernel
+])
+def test_decode_step_lowers_for_an_h200(preset, batch, want):
+    cfg = slice_config(weight_format="fp8") if preset == "v41-slice" else d.preset(preset)
+    cache = jax.eval_shape(lambda: init_cache(cfg, batch, 4096))
+    rows = lambda *shape: jax.ShapeDtypeStruct((batch, *shape), jnp.int32)
+    compiled = lambda family=None: ("gpu", False)  # the kernels as on a GPU, not interpreted
+    with mock.patch.object(kernels_pallas, "platform", compiled), mock.patch.object(kernels, "ROUTE_ROWS", 8):
+        text = lower_for_h200(lambda p, c, t, n: api.forward(cfg, p, c, t, n, kernels="pallas"),
+                              api.abstract_params(cfg), cache, rows(1), rows())
+    # each kernel's jitted wrapper is a function of the module (a repeated one gets a numbered name)
+    found = {re.sub(r"_\d+$", "", f) for f in re.findall(r"func\.func private @(\w+)", text)} & KERNELS
+    assert found == want
+    assert text.count("xla.gpu.triton") >= len(want)
