@@ -8,6 +8,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab        # ~9 min: the unmeasured changes, A/B
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab_slice  # ~2.5 min: the same, the slice only
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab_b8     # ~9.5 min: ab's first half, slice b8
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profile_b8  # ~3 min: the slice's b8 profile
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -73,6 +74,10 @@ GROUPS["ab"] = [AB_TESTS] + [(f"profile_{name}_b1_{side}", PROFILE_B1[preset], 9
 
 # one call when machines are scarce: the tests, `small` and the slice once each side, then the batch-8 point
 GROUPS["ab_b8"] = GROUPS["ab"][:5] + [GROUPS["default"][1]]
+# where the batch-8 step's time goes (no profile of it since the third pass; ninth pass: 2.04x of its roofline,
+# the routed experts estimated at ~3 of its 4.3 ms)
+GROUPS["profile_b8"] = [("profile_slice_b8", ["experiments.profile_step", "--preset", "v41-slice", "--batch", "8",
+                                              "--top", "40", "--out", "/tmp/i12_prof_b8"], 240, {})]
 
 
 def last_table(log: str, name: str) -> str:
