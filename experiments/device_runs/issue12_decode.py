@@ -9,6 +9,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab_slice  # ~2.5 min: the same, the slice only
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab_b8     # ~9.5 min: ab's first half, slice b8
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profile_b8  # ~3 min: the slice's b8 profile
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode flags     # ~5 min: XLA options, b1 profiles
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -74,6 +75,15 @@ GROUPS["ab"] = [AB_TESTS] + [(f"profile_{name}_b1_{side}", PROFILE_B1[preset], 9
 
 # one call when machines are scarce: the tests, `small` and the slice once each side, then the batch-8 point
 GROUPS["ab_b8"] = GROUPS["ab"][:5] + [GROUPS["default"][1]]
+# XLA options that might remove small kernels without code: RAFT for the routers' top-k (XLA's took 5.6 us
+# per call of 384 experts), Triton fusions first in priority fusion (norms and their consumers as one kernel),
+# Triton multi-output fusions; the slice's batch-1 profile with each, then `small`'s plain and heroless (~5 min)
+XLA_OPTIONS = {"plain": {}, "raft_topk": {"XLA_FLAGS": "--xla_gpu_experimental_enable_raft_for_stable_topk=true"},
+               "heroless": {"XLA_FLAGS": "--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true"},
+               "multi_output": {"XLA_FLAGS": "--xla_gpu_unsupported_enable_triton_multi_output_fusion=true"}}
+GROUPS["flags"] = ([(f"profile_slice_b1_{name}", PROFILE_B1["v41-slice"], 80, env) for name, env in XLA_OPTIONS.items()]
+                   + [(f"profile_small_b1_{name}", PROFILE_B1["small"], 80, XLA_OPTIONS[name])
+                      for name in ("plain", "heroless")])
 # where the batch-8 step's time goes (no profile of it since the third pass; ninth pass: 2.04x of its roofline,
 # the routed experts estimated at ~3 of its 4.3 ms)
 GROUPS["profile_b8"] = [("profile_slice_b8", ["experiments.profile_step", "--preset", "v41-slice", "--batch", "8",
