@@ -11,8 +11,6 @@ l collapses with the FFN-`pre` of layer l-1 (one-hot for layer 0), the FFN with 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -92,15 +90,21 @@ def sublayer_input(mix: HyperMix, norm: RMSNorm, h_btcd: jax.Array, pre_mix_btc:
     if not kernels_mod.hyper_in_on(kernels, b * t, c, dim):
         return (*mix(h_btcd), norm(collapse(h_btcd, pre_mix_btc)))
     consts = (mix.iters, mix.eps, mix.norm_eps, norm.eps)
-    x_nd, pre, post, comb = _input_kernel(h_btcd.reshape(b * t, c, dim), pre_mix_btc.reshape(b * t, c), mix.fn[...],
-                                          mix.scale[...], mix.base[...], norm.weight[...], consts)
+    x_nd, pre, post, comb = _input_kernel(consts, h_btcd.reshape(b * t, c, dim), pre_mix_btc.reshape(b * t, c),
+                                          mix.fn[...], mix.scale[...], mix.base[...], norm.weight[...])
     return pre.reshape(b, t, c), post.reshape(b, t, c), comb.reshape(b, t, c, c), x_nd.reshape(b, t, dim)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _input_kernel(h_ncd, pre_mix_nc, fn, scale, base, norm_w, consts):
-    """(x, pre, post, comb) of N rows by XLA's dot and the kernel; differentiable through `_input_reference`
-    (a training forward of few tokens on a GPU reaches it)."""
+def _input_reference(consts, h_ncd, pre_mix_nc, fn, scale, base, norm_w):
+    """(x, pre, post, comb) of N rows by the model's jnp path: the kernel's twin."""
+    iters, eps, mix_eps, norm_eps = consts
+    pre, post, comb = mix_coefficients(h_ncd[:, None], fn, scale, base, iters, eps, mix_eps)
+    x = rms_norm(collapse(h_ncd[:, None], pre_mix_nc[:, None]), norm_w, norm_eps)
+    return x[:, 0], pre[:, 0], post[:, 0], comb[:, 0]
+
+
+def _input_by_kernel(consts, h_ncd, pre_mix_nc, fn, scale, base, norm_w):
+    """`_input_reference` by XLA's projection dot and the kernel."""
     iters, eps, mix_eps, norm_eps = consts
     mixes_nm = jnp.einsum("ri,mi->rm", h_ncd.reshape(h_ncd.shape[0], -1).astype(jnp.float32), fn)
     return kernels_mod.hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w, scale, base, coefficients=coefficients,
@@ -108,24 +112,8 @@ def _input_kernel(h_ncd, pre_mix_nc, fn, scale, base, norm_w, consts):
                                 norm_eps=norm_eps)
 
 
-def _input_reference(h_ncd, pre_mix_nc, fn, scale, base, norm_w, consts):
-    """`_input_kernel`'s values by the model's jnp path."""
-    iters, eps, mix_eps, norm_eps = consts
-    pre, post, comb = mix_coefficients(h_ncd[:, None], fn, scale, base, iters, eps, mix_eps)
-    x = rms_norm(collapse(h_ncd[:, None], pre_mix_nc[:, None]), norm_w, norm_eps)
-    return x[:, 0], pre[:, 0], post[:, 0], comb[:, 0]
-
-
-def _input_fwd(h_ncd, pre_mix_nc, fn, scale, base, norm_w, consts):
-    return _input_kernel(h_ncd, pre_mix_nc, fn, scale, base, norm_w, consts), (h_ncd, pre_mix_nc, fn, scale, base, norm_w)
-
-
-def _input_bwd(consts, res, grads):
-    _, vjp = jax.vjp(lambda *a: _input_reference(*a, consts), *res)
-    return vjp(grads)
-
-
-_input_kernel.defvjp(_input_fwd, _input_bwd)
+# differentiable through the jnp path: a training forward of few tokens on a GPU reaches the kernel
+_input_kernel = kernels_mod.twin_gradient(_input_by_kernel, _input_reference)
 
 
 # collapse and expand contract over the hc = 4 copies: written as products and sums, not einsums, so that

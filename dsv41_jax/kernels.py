@@ -112,6 +112,12 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry
                                        entry_codec, sink_h, scale)
 
 
+def _rows_on(kernels: str, rows: int, limit: int, gpu_only: bool = False) -> bool:
+    """True when a kernel for up to `limit` rows runs: `kernels` not jnp (the kernels on a GPU / TPU, or
+    interpreted on a CPU with "pallas"), and no TPU for a GPU-only kernel."""
+    return rows <= limit and resolve(kernels) != "jnp" and not (gpu_only and jax.default_backend() == "tpu")
+
+
 HYPER_IN_ROWS = 8  # rows (tokens) up to which a sub-layer's input side runs as one GPU kernel: decode batches
 
 
@@ -119,8 +125,7 @@ def hyper_in_on(kernels: str, rows: int, hc: int, dim: int) -> bool:
     """True when `hyper_in` runs its kernel: up to HYPER_IN_ROWS rows of a stream it takes
     (`gpu_hyper.supported`), on a GPU (or "pallas" interpreted on a CPU). No TPU kernel: what it removes is
     the GPU's launches of small kernels."""
-    return (rows <= HYPER_IN_ROWS and _kp.gpu_hyper.supported(hc, dim) and resolve(kernels) != "jnp"
-            and jax.default_backend() != "tpu")
+    return _rows_on(kernels, rows, HYPER_IN_ROWS, gpu_only=True) and _kp.gpu_hyper.supported(hc, dim)
 
 
 def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
@@ -139,7 +144,7 @@ ROUTE_ROWS = int(os.environ.get("DSV41_ROUTE_ROWS", "0"))
 def route_on(kernels: str, rows: int, n_experts: int) -> bool:
     """True when `route` runs its kernel: up to ROUTE_ROWS rows of up to 4096 experts, on a GPU (or "pallas"
     interpreted on a CPU). No TPU kernel: what it removes is XLA's GPU top-k and its small neighbours."""
-    return rows <= ROUTE_ROWS and n_experts <= 4096 and resolve(kernels) != "jnp" and jax.default_backend() != "tpu"
+    return _rows_on(kernels, rows, ROUTE_ROWS, gpu_only=True) and n_experts <= 4096
 
 
 def route(logits_ne, bias_e, **statics):
@@ -153,7 +158,7 @@ WEIGHT_KERNEL_ROWS = 384  # rows of x up to which the weight matmuls run the ker
 
 def _weight_kernels(kernels: str, rows: int) -> bool:
     """True when the weight-matmul kernels run (GPU / TPU, or interpret mode on CPU with "pallas")."""
-    return rows <= WEIGHT_KERNEL_ROWS and resolve(kernels) != "jnp"
+    return _rows_on(kernels, rows, WEIGHT_KERNEL_ROWS)
 
 
 def grouped_matmuls(x_mk, ws, sizes_e, *, kernels="jnp"):
@@ -177,7 +182,7 @@ def rows_matmuls(x_mk, ws, expert_m, *, kernels="jnp"):
     on, gpu = _weight_kernels(kernels, x_mk.shape[0]), _kp.platform()[0] != "tpu"
     _, k, n = grouped.grouped_shape(ws[0])
     if on and gpu and not any(grouped.is_packed(w) for w in ws) and k % 32 == 0 and n % 16 == 0:
-        return _rows_float(x_mk, list(ws), expert_m)
+        return _rows_float(None, x_mk, list(ws), expert_m)
     if not (on and all(grouped.is_packed(w) for w in ws)):
         return [grouped.rows_matmul(x_mk, w, expert_m) for w in ws]
     pairs = [(w["values"], w["scales"]) for w in ws]
@@ -189,23 +194,18 @@ def rows_matmuls(x_mk, ws, expert_m, *, kernels="jnp"):
     return [jnp.zeros_like(y).at[order].set(y) for y in _kp.grouped_matmuls_fp4(x_mk[order], pairs, sizes)]
 
 
-@jax.custom_vjp
-def _rows_float(x_mk, ws, expert_m):
-    """The float-expert row kernel, differentiable through its jnp twin (a one-token training forward)."""
-    return _kp.rows_matmuls_float(x_mk, ws, expert_m)
+def twin_gradient(kernel, twin):
+    """`kernel` made differentiable through its jnp twin: f(static, *arrays) runs kernel(static, *arrays); its
+    backward differentiates twin(static, *arrays) (`static` hashable and not differentiated; integer arrays
+    get no cotangent). For the kernels a training forward can reach (a few tokens on a GPU)."""
+    f = jax.custom_vjp(kernel, nondiff_argnums=(0,))
+    f.defvjp(lambda static, *arrays: (kernel(static, *arrays), arrays),
+             lambda static, arrays, grads: jax.vjp(lambda *a: twin(static, *a), *arrays)[1](grads))
+    return f
 
 
-def _rows_float_fwd(x_mk, ws, expert_m):
-    return _rows_float(x_mk, ws, expert_m), (x_mk, ws, expert_m)
-
-
-def _rows_float_bwd(res, g_ys):
-    x_mk, ws, expert_m = res
-    _, vjp = jax.vjp(lambda x, w: [grouped.rows_matmul(x, wi, expert_m) for wi in w], x_mk, ws)
-    return (*vjp(list(g_ys)), None)
-
-
-_rows_float.defvjp(_rows_float_fwd, _rows_float_bwd)
+_rows_float = twin_gradient(lambda _, x_mk, ws, expert_m: _kp.rows_matmuls_float(x_mk, ws, expert_m),
+                            lambda _, x_mk, ws, expert_m: [grouped.rows_matmul(x_mk, w, expert_m) for w in ws])
 
 
 def fp8_matmuls(x_mk, weights, *, kernels="jnp"):

@@ -21,7 +21,7 @@ from flax import nnx
 from dsv41_jax import expert_parallel
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.grouped import EXPERT_FP4, sort_by_group
-from dsv41_jax.kernels import grouped_matmuls, route, route_on, rows_matmuls
+from dsv41_jax.kernels import grouped_matmuls, route, route_on, rows_matmuls, twin_gradient
 from dsv41_jax.layers import (Buffer, activation_quant, linears, normal_init, quantize_activation,
                               released_fp8_linear, weights_fp8)
 from dsv41_jax.sequence_split import per_sequence
@@ -50,14 +50,13 @@ class Router(nnx.Module):
         decode step's few rows pick and weigh their experts in one launch (`kernels.route`)."""
         logits = jnp.einsum("nd,ed->ne", x_nd.astype(jnp.float32), self.weight[...])
         scores = router_scores(logits, self.func)
-        consts = (self.k, self.func, self.scale)
         if image_mask_n is None and route_on(kernels, *logits.shape):
-            w, ids = _route_kernel(logits, jax.lax.stop_gradient(self.bias[...]), consts)
+            w, ids = _route_kernel((self.k, self.func, self.scale), logits, jax.lax.stop_gradient(self.bias[...]))
             return w, ids, scores
         bias = self.bias[...]
         if image_mask_n is not None:
             bias = jnp.where(image_mask_n[:, None], self.bias_vl[...], bias)
-        return (*_route_reference(logits, jax.lax.stop_gradient(bias), consts), scores)
+        return (*_select(scores, jax.lax.stop_gradient(bias), self.k, self.scale), scores)
 
 
 def router_scores(logits: jax.Array, func: str) -> jax.Array:
@@ -76,34 +75,28 @@ def routing_weights(chosen: jax.Array, total: jax.Array, k: int, scale: float) -
     return (chosen / (total + 1e-20) if k > 1 else chosen) * scale
 
 
-def _route_reference(logits, bias, consts):
-    """(w, ids) of logits [N, E] and the selection bias ([E] or [N, E]): the jnp path."""
-    k, func, scale = consts
-    scores = router_scores(logits, func)
+def _select(scores, bias, k: int, scale: float):
+    """(w f32 [N, k], ids int32 [N, k]): the top-k of scores [N, E] + the selection bias ([E] or [N, E]) and
+    their weights."""
     # per device on its own tokens on a mesh: GSPMD would gather the rows of a top-k
     _, ids = per_sequence(lambda s: jax.lax.top_k(s, k), scores + bias)
     w = jnp.take_along_axis(scores, ids, axis=-1)
     return routing_weights(w, w.sum(axis=-1, keepdims=True), k, scale), ids
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _route_kernel(logits, bias, consts):
-    """`_route_reference` by the GPU kernel; differentiable through the reference (a training forward of few
-    tokens on a GPU reaches it)."""
+def _route_reference(consts, logits, bias):
+    """(w, ids) of logits [N, E]: the jnp path, the routing kernel's twin."""
+    k, func, scale = consts
+    return _select(router_scores(logits, func), bias, k, scale)
+
+
+def _route_by_kernel(consts, logits, bias):
     k, func, scale = consts
     return route(logits, bias, k=k, scores=router_scores, func=func, weights=routing_weights, scale=scale)
 
 
-def _route_fwd(logits, bias, consts):
-    return _route_kernel(logits, bias, consts), (logits, bias)
-
-
-def _route_bwd(consts, res, grads):
-    _, vjp = jax.vjp(lambda *a: _route_reference(*a, consts), *res)
-    return vjp(grads)
-
-
-_route_kernel.defvjp(_route_fwd, _route_bwd)
+# differentiable through the jnp path: a training forward of few tokens on a GPU reaches the kernel
+_route_kernel = twin_gradient(_route_by_kernel, _route_reference)
 
 
 class MoE(nnx.Module):

@@ -28,6 +28,15 @@ def platform(family: str | None = None) -> tuple[str, bool]:
     return fam, backend == "cpu" or (fam == "tpu") != (backend == "tpu")
 
 
+def _gpu_only(kernel: str, instead: str, family: str | None = None) -> bool:
+    """`platform`'s interpret flag for a kernel that exists for GPUs only (what it removes is GPU-specific);
+    on the TPU family an error that names what to use there."""
+    fam, interpret = platform(family)
+    if fam == "tpu":
+        raise ValueError(f"{kernel} has no TPU kernel: use {instead} on TPUs")
+    return interpret
+
+
 def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | None = None, family=None):
     """f32 [B, N] scores, -inf past reachable (and block maxima [B, ceil(N/block)] with `block`)."""
     fam, interpret = platform(family)
@@ -96,9 +105,7 @@ def rows_matmuls_fp4(x_mk, weights, expert_m, *, family=None):
 def rows_matmuls_float(x_mk, weights, expert_m, *, family=None):
     """`rows_matmuls_fp4` for float experts [E, K, N] (`weight_format="float"`). GPU only: XLA's TPU
     lowering of one token's experts is a matrix-vector product already, not the GPU's column reduction."""
-    fam, interpret = platform(family)
-    if fam == "tpu":
-        raise ValueError("no TPU kernel for float experts: use grouped.rows_matmul (XLA) on TPUs")
+    interpret = _gpu_only("rows_matmuls_float", "grouped.rows_matmul (XLA)", family)
     return gpu_grouped.rows_matmuls_float(x_mk, weights, expert_m, interpret=interpret)
 
 
@@ -113,15 +120,10 @@ def fp8_matmuls(x_mk, weights, *, family=None):
 
 def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
     """A hyper-connected sub-layer's input side for a few rows (`gpu_hyper.hyper_in`; GPU kernel only)."""
-    fam, interpret = platform()
-    if fam == "tpu":
-        raise ValueError("hyper_in has no TPU kernel (it removes GPU launches); use the jnp path on TPUs")
-    return gpu_hyper.hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, interpret=interpret, **statics)
+    return gpu_hyper.hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base,
+                              interpret=_gpu_only("hyper_in", "the jnp path"), **statics)
 
 
 def route(logits_ne, bias_e, **statics):
     """A decode step's top-k routing for a few rows (`gpu_router.route`; GPU kernel only)."""
-    fam, interpret = platform()
-    if fam == "tpu":
-        raise ValueError("route has no TPU kernel (it replaces XLA's GPU top-k); use the jnp path on TPUs")
-    return gpu_router.route(logits_ne, bias_e, interpret=interpret, **statics)
+    return gpu_router.route(logits_ne, bias_e, interpret=_gpu_only("route", "the jnp path"), **statics)
