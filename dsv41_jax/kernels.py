@@ -27,8 +27,6 @@ hi/lo splits).
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
@@ -135,10 +133,10 @@ def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
                         pre_mix_nc, shared=(norm_w_d, scale, base))
 
 
-# Rows (tokens) up to which a decode step's routing runs as one GPU kernel. Off (0) until the kernel has been
-# compiled and timed on a GPU: DSV41_ROUTE_ROWS=8 turns it on (`experiments/device_runs/issue12_decode.py ab`
-# times the step without and with it).
-ROUTE_ROWS = int(os.environ.get("DSV41_ROUTE_ROWS", "0"))
+# Rows (tokens) up to which a decode step's routing runs as one GPU kernel. The slice's batch-1 step on the
+# H200 (sixteenth session, docs/BENCHMARKS.md "Tenth pass"): the routers' 18 kernels, 63.9 us per step ->
+# 12, 42.1 us (the kernel 3.2 us per call where XLA's top-k took 5.7).
+ROUTE_ROWS = 8
 
 
 def route_on(kernels: str, rows: int, n_experts: int) -> bool:

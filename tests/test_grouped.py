@@ -59,10 +59,8 @@ def test_grouped_fp4_kernel_matches_twin(case, dtype):
     dense = jax.lax.ragged_dot(x, grouped.dequantize_experts(w, dtype), sizes, preferred_element_type=jnp.float32)
     np.testing.assert_array_equal(np.asarray(ref), np.asarray(dense))  # gathering the hit experts changes nothing
     assert not np.asarray(ref[int(sizes.sum()):]).any()
-    # the chosen tiles, and prefill-sized row tiles with several K steps; either operand order of the dot
-    for tiles, swap in ((None, False), ((64, 32, 16), False), (None, True), ((64, 32, 16), True)):
-        out = gpu_grouped.grouped_matmul_fp4(x, w["values"], w["scales"], sizes, tiles=tiles, interpret=INTERPRET,
-                                             swap_ab=swap)
+    for tiles in (None, (64, 32, 16)):  # the chosen tiles, and prefill-sized row tiles with several K steps
+        out = gpu_grouped.grouped_matmul_fp4(x, w["values"], w["scales"], sizes, tiles=tiles, interpret=INTERPRET)
         _close(out, ref)
     # two weights in one launch (w1 and w3): each output equals its own twin
     w2 = _experts(seed=1)
@@ -95,9 +93,7 @@ def test_rows_fp4_kernel_matches_twin(experts, dtype, monkeypatch):
     # one token's row read by every row (the batch-1 decode step passes x as [1, K]), kernel and twin
     ref1 = grouped.rows_matmul(x[:1], w, e)
     _close(ref1, grouped.rows_matmul(jnp.broadcast_to(x[:1], x.shape), w, e))
-    for swap in (False, True):
-        _close(gpu_grouped.rows_matmuls_fp4(x[:1], [(w["values"], w["scales"])], e, interpret=INTERPRET,
-                                            swap_ab=swap)[0], ref1)
+    _close(gpu_grouped.rows_matmuls_fp4(x[:1], [(w["values"], w["scales"])], e, interpret=INTERPRET)[0], ref1)
     monkeypatch.setattr(kernels_pallas, "platform", lambda family=None: ("tpu", True))
     (tpu,) = kernels.rows_matmuls(x, [w], e, kernels="pallas")
     _close(tpu, ref)
@@ -142,8 +138,7 @@ def test_fp8_matmul_kernel_matches_twin(m, dtype):
     q, s = quantize_fp8_blocks(jnp.asarray(rng.normal(size=(96, 128)).astype(np.float32)))
     x = jnp.asarray(rng.normal(size=(m, 128)), dtype)
     ref = grouped.fp8_matmul(x, q, s)
-    for swap in (False, True):
-        _close(gpu_grouped.fp8_matmul(x, q, s, interpret=INTERPRET, swap_ab=swap), ref)
+    _close(gpu_grouped.fp8_matmul(x, q, s, interpret=INTERPRET), ref)
     # four K chunks: few output tiles, so K is split over 4 programs per tile and summed after
     assert gpu_grouped.k_splits(4, 3) == 4
     _close(gpu_grouped.fp8_matmul(x, q, s, tiles=(16, 32, 32), interpret=INTERPRET), ref)
@@ -155,11 +150,9 @@ def test_fp8_matmul_kernel_matches_twin(m, dtype):
     _close(both[1], grouped.fp8_matmul(x, q2, s2))
 
 
-@pytest.mark.parametrize("swap", [False, True])
-def test_every_code_and_scale_decodes_exactly(swap):
+def test_every_code_and_scale_decodes_exactly():
     """One-hot bf16 rows make the kernels output their decoded weights: every FP4 / E4M3 byte value at every
-    scale byte up to the fast decode's limit equals the twin's decode exactly (on a GPU: the PTX decode), with
-    either operand order of the dot."""
+    scale byte up to the fast decode's limit equals the twin's decode exactly (on a GPU: the PTX decode)."""
     rng = np.random.default_rng(0)
     n, k = 64, 128
     vals = jnp.asarray(np.tile(np.arange(256, dtype=np.uint8), n * k // 2 // 256).reshape(1, n, k // 2))
@@ -167,13 +160,13 @@ def test_every_code_and_scale_decodes_exactly(swap):
                      jnp.uint8)
     eye = jnp.eye(k, dtype=jnp.bfloat16)
     want = grouped.dequantize_experts({"values": vals, "scales": sc}, jnp.float32)[0]  # [K, N]
-    got = gpu_grouped.grouped_matmul_fp4(eye, vals, sc, jnp.array([k], jnp.int32), interpret=INTERPRET, swap_ab=swap)
+    got = gpu_grouped.grouped_matmul_fp4(eye, vals, sc, jnp.array([k], jnp.int32), interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     q = jnp.asarray(np.tile(np.arange(256, dtype=np.uint8) & 0xFE, n * k // 256).reshape(n, k))  # no NaN codes
     e = jnp.asarray(rng.integers(gpu_grouped.FP8_FAST_MAX - 20, gpu_grouped.FP8_FAST_MAX + 1, (n // 32, k // 32)),
                     jnp.uint8)
     want = grouped.dequantize_fp8_blocks(jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn), e).T
-    got = gpu_grouped.fp8_matmul(eye, q, e, interpret=INTERPRET, swap_ab=swap)
+    got = gpu_grouped.fp8_matmul(eye, q, e, interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

@@ -15,13 +15,13 @@ import pytest
 
 import dsv41_jax as d
 import kernels_pallas
-from dsv41_jax import api, kernels
+from dsv41_jax import api
 from dsv41_jax.cache import init_cache
 from experiments.bench_decode import slice_config
 from tests.kernel_checks import lower_for_h200
 
 SCAN = {"indexer_scores", "indexer_scores_pool", "topk_from_levels", "sparse_attention"}  # the cache side
-FEW = {"hyper_in", "route"}  # decode rows <= 8 (the routing kernel forced on here: off by default until timed)
+FEW = {"hyper_in", "route"}  # decode rows <= 8
 KERNELS = SCAN | FEW | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_matmuls_fp4", "rows_matmuls_float"}
 
 
@@ -37,7 +37,7 @@ def test_decode_step_lowers_for_an_h200(preset, batch, want):
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, 4096))
     rows = lambda *shape: jax.ShapeDtypeStruct((batch, *shape), jnp.int32)
     compiled = lambda family=None: ("gpu", False)  # the kernels as on a GPU, not interpreted
-    with mock.patch.object(kernels_pallas, "platform", compiled), mock.patch.object(kernels, "ROUTE_ROWS", 8):
+    with mock.patch.object(kernels_pallas, "platform", compiled):
         text = lower_for_h200(lambda p, c, t, n: api.forward(cfg, p, c, t, n, kernels="pallas"),
                               api.abstract_params(cfg), cache, rows(1), rows())
     # each kernel's jitted wrapper is a function of the module (a repeated one gets a numbered name)

@@ -57,8 +57,7 @@ def test_gradient_is_the_jnp_paths():
     assert np.abs(np.asarray(want)).max() > 0
 
 
-def test_dispatch(monkeypatch):
-    monkeypatch.setattr(kernels, "ROUTE_ROWS", 8)  # off by default until timed on a GPU
+def test_dispatch():
     assert kernels.route_on("pallas", 8, 384)
     assert not kernels.route_on("pallas", 9, 384)  # prefill chunks and wide batches keep lax.top_k
     assert not kernels.route_on("jnp", 1, 384)
@@ -84,7 +83,6 @@ def test_moe_layer_with_the_kernel():
         return real(*a, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "ROUTE_ROWS", 8)  # off by default until timed on a GPU
         mp.setattr(moe, "route", counted)
         mp.setattr(kernels, "_weight_kernels", lambda kernels_, rows: False)
         (y, load), (y_r, load_r) = layer(x, kernels="pallas"), layer(x, kernels="jnp")

@@ -10,7 +10,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab_b8     # ~9.5 min: ab's first half, slice b8
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profile_b8  # ~3 min: the slice's b8 profile
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode flags     # ~5 min: XLA options, b1 profiles
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode swap      # ~9.5 min: the dot's operand order
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode diagnose  # ~8 min: kernel PTX, b8 profile, flags
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -61,8 +61,8 @@ GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160,
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
 # fifteenth session, after its last device call: (file, the text now, the text before); nothing unmeasured
 SINCE_MEASURED = []
-# kernels off by default until timed, on in the "after" half of `ab`: the routing kernel (fifteenth session)
-AFTER_ENV = {"DSV41_ROUTE_ROWS": "8"}
+# kernels off by default until timed, on in the "after" half of `ab` (environment variables); none now
+AFTER_ENV = {}
 # the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED); in the fifteenth
 # session 150 s held the hyper kernel's tests but not the attention tests after them (19 s in a call apart)
 AB_TESTS = ("ab_gpu_tests", ["pytest", "tests/test_router_kernel.py", "tests/test_hyper_kernel.py", "-q", "-x",
@@ -89,19 +89,10 @@ GROUPS["flags"] = ([(f"profile_slice_b1_{name}", PROFILE_B1["v41-slice"], 80, en
 # the routed experts estimated at ~3 of its 4.3 ms)
 GROUPS["profile_b8"] = [("profile_slice_b8", ["experiments.profile_step", "--preset", "v41-slice", "--batch", "8",
                                               "--top", "40", "--out", "/tmp/i12_prof_b8"], 240, {})]
-# the dot's operand order (gpu_grouped.SWAP_AB, sixteenth session): the grouped / FP8 kernels' GPU tests with
-# both orders, the weight kernels alone at batch 1 and 8, then the slice's batch-1 profile plain, with the
-# routing kernel, swapped, and plain again (~9 min)
-GROUPS["swap"] = [
-    ("swap_gpu_tests", ["pytest", "tests/test_router_kernel.py", "tests/test_grouped.py", "-q", "-x", "-p",
-                        "no:cacheprovider", "-k", "router or kernel_matches_twin or decodes_exactly"],
-     150, {"JAX_PLATFORMS": "cuda"}),
-    ("weights_swap", ["experiments.bench_weights", "--batch", "1", "8", "--sweep", "--variants", "swap",
-                      "swap tn128 warps8", "swap warps8 tn128", "--out", os.path.join(OUT, "weights_swap.json")],
-     180, {}),
-] + [(f"profile_slice_b1_{name}", PROFILE_B1["v41-slice"], 60, env)
-     for name, env in (("plain", {}), ("route", {"DSV41_ROUTE_ROWS": "8"}), ("swap", {"DSV41_SWAP_AB": "1"}),
-                       ("plain_again", {}))]
+
+# what the weight kernels compile to (sixteenth session), the batch-8 profile, the XLA options on the slice (~8 min)
+GROUPS["diagnose"] = ([("kernel_ptx", ["experiments.device_runs.kernel_ptx"], 60, {})] + GROUPS["profile_b8"]
+                      + [(name, args, 60, env) for name, args, _, env in GROUPS["flags"][:4]])
 
 
 def last_table(log: str, name: str) -> str:
