@@ -9,7 +9,6 @@ through shared memory before the tensor cores (st.shared / ldmatrix per weight),
 """
 
 import collections
-import glob
 import os
 import re
 import shutil
@@ -58,29 +57,36 @@ def main():
     x1 = jax.random.normal(key, (1, dim), jnp.bfloat16)
     ids = jnp.arange(6, dtype=jnp.int32)
     jax.block_until_ready(gpu_grouped.rows_matmuls_fp4(x1, w13, ids))  # batch 1: a token's 6 experts as rows
+    jax.block_until_ready(gpu_grouped.rows_matmuls_fp4(x1, w13, ids, fast_decode="int", swap_ab=True))
     x8 = jax.random.normal(key, (48, dim), jnp.bfloat16)
     sizes = jnp.zeros(e, jnp.int32).at[:48].set(1)
     jax.block_until_ready(gpu_grouped.grouped_matmuls_fp4(x8, w13, sizes))  # batch 8: 48 experts, one row each
     q = u8((cfg.n_heads * cfg.head_dim, cfg.q_lora_rank)) & 0xFE
     s = u8((q.shape[0] // 32, q.shape[1] // 32)) % 4 + 114
     jax.block_until_ready(gpu_grouped.fp8_matmul(jax.random.normal(key, (1, q.shape[1]), jnp.bfloat16), q, s))
-    seen = set()
-    for path in sorted(glob.glob(f"{DUMP}/xla/**", recursive=True)):
-        if not os.path.isfile(path):
-            continue
-        text = open(path, errors="replace").read()
-        for m in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\n\}", text, re.S):
-            name = m.group(1)
-            if "grouped_matmul" not in name or name in seen:
+    seen = 0
+    flat = os.path.join(OUT, "ptx_flat")
+    os.makedirs(flat, exist_ok=True)
+    for root, _, files in os.walk(f"{DUMP}/xla"):
+        for f in files:
+            path = os.path.join(root, f)
+            text = open(path, errors="replace").read()
+            rel = os.path.relpath(path, f"{DUMP}/xla")
+            if "grouped_matmul" not in text and not (rel.endswith(".ptx") and "matmul" in rel):
                 continue
-            seen.add(name)
-            body = m.group(0)
-            open(os.path.join(DUMP, f"{name}.ptx"), "w").write(body)
-            mix = instruction_mix(body)
-            print(f"{name} ({os.path.basename(path)}): " + ", ".join(f"{k} {v}" for k, v in mix.most_common()))
+            print(f"{rel}: {len(text)} chars, .entry {text.count('.entry')}, wgmma {text.count('wgmma')}, "
+                  f"mma.sync {text.count('mma.sync')}", flush=True)
+            if ".entry" in text or "tt.func" in text or "ttg." in text:
+                seen += 1
+                open(os.path.join(flat, re.sub(r"[^\w.]", "_", rel)[-120:]), "w").write(text)
+                for m in re.finditer(r"\.entry\s+(\w+)", text):
+                    body = text[m.start():text.find("\n}\n", m.start()) + 3]
+                    mix = instruction_mix(body)
+                    print(f"  {m.group(1)}: " + ", ".join(f"{k} {v}" for k, v in mix.most_common()), flush=True)
     if not seen:
-        print("no grouped_matmul entry in", glob.glob(f"{DUMP}/xla/*")[:20])
-
+        print("no PTX / Triton IR with a grouped_matmul kernel; dump tree:")
+        for root, _, files in os.walk(f"{DUMP}/xla"):
+            print(" ", os.path.relpath(root, DUMP), len(files), "files", sorted(files)[:6])
 
 if __name__ == "__main__":
     main()
