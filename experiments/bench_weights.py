@@ -46,19 +46,11 @@ SWEEP = [  # (label, kernel keywords): tiles are (tm, tk, tn)
     ("warps2 tn32", dict(tiles=(16, 256, 32), num_warps=2)),
     ("splits2", dict(splits=2)),
     ("splits4", dict(splits=4)),
-    ("swap", dict(swap_ab=True)),
-    ("swap tn128 warps8", dict(tiles=(16, 256, 128), num_warps=8, swap_ab=True)),
-    ("int", dict(fast_decode="int")),
-    ("int swap", dict(fast_decode="int", swap_ab=True)),
-    ("f32 swap", dict(fast_decode=False, swap_ab=True)),
-    ("unswapped", dict(swap_ab=False)),
 ]
 FP8_SWEEP = [("f32 decode", dict(fast_decode=False)), ("tn32", dict(tiles=(16, 128, 32))),
              ("tn128", dict(tiles=(16, 128, 128))), ("tk256", dict(tiles=(16, 256, 64))),
              ("warps2", dict(num_warps=2)), ("warps8", dict(num_warps=8)), ("stages2", dict(num_stages=2)),
-             ("stages4", dict(num_stages=4))] + [(f"splits{s}", dict(splits=s)) for s in (1, 2, 4, 8, 16)] + [
-             ("swap", dict(swap_ab=True)), ("swap warps8 tn128", dict(tiles=(16, 128, 128), num_warps=8, swap_ab=True)),
-             ("unswapped", dict(swap_ab=False))]
+             ("stages4", dict(num_stages=4))] + [(f"splits{s}", dict(splits=s)) for s in (1, 2, 4, 8, 16)]
 
 
 def fp8_ops(cfg) -> list[tuple[str, list[int], int]]:

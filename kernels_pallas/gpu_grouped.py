@@ -24,7 +24,6 @@ Projections with few output tiles split K across programs (`k_splits`).
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -58,12 +57,6 @@ def choose_tiles(m: int, k: int, n: int, n_groups: int) -> tuple[int, int, int]:
         raise ValueError(f"the GPU grouped matmul needs K % 32 == 0 and N % 16 == 0, got K={k}, N={n}")
     return tm, tk, tn
 
-
-# The dot's operand order. Hopper's warpgroup MMA reads its second operand from shared memory only, its first
-# from registers too: with x first (SWAP_AB False) the weights decoded in registers go back through shared
-# memory before every MMA; swapped, they can feed it from registers (the "swap AB" of small-M GEMMs), the
-# few rows of x taking the MMA's narrow N side. Off until the H200 A/B (`DSV41_SWAP_AB=1` turns it on).
-SWAP_AB = os.environ.get("DSV41_SWAP_AB", "0") == "1"
 
 MIN_PROGRAMS = 264  # 2 per SM of an H200: below that, K is split across programs
 
@@ -182,16 +175,6 @@ def _fp4_weights_fast(vb, sb):
                                             result_shape_dtypes=out)[0] for nib in ("low", "high"))
 
 
-def _fp4_weights_int(vb, sb):
-    """`_fp4_weights_fast` in jnp integer ops (the same bits; no inline asm, which Triton cannot move across
-    layouts): (even, odd inputs) bf16 [tn, tk/2]. GPU only (XLA on the CPU flushes bf16 subnormals)."""
-    tn, half = vb.shape
-    mult = jnp.broadcast_to(_pow2_bf16(sb, 126)[:, :, None], (tn, half // 16, 16)).reshape(tn, half)
-    b = vb.astype(jnp.int32)
-    bf16 = lambda bits: jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16) * mult  # noqa: E731
-    return bf16(((b & 0x7) << 6) | ((b & 0x8) << 12)), bf16(((b & 0x70) << 2) | ((b & 0x80) << 8))
-
-
 def _fp8_weights_fast(vb, sb):
     """`_fp8_weights` for bf16 through PTX (see above): bf16 [tn, tk]."""
     tn, tk = vb.shape
@@ -204,11 +187,10 @@ def _fp8_weights_fast(vb, sb):
 
 
 def _kernel(grp_ref, row0_ref, end_ref, xrow_ref, *refs, fmt: str, col0: tuple[int, ...], tm: int, tk: int, tn: int,
-            k: int, splits: int, fast: bool, swap: bool, precision):
+            k: int, splits: int, fast: bool, precision):
     """One program: row tile t x output tile j x K split s: its partial sum over K chunks [s, s + 1) * K /
     splits goes to o[s]. The weights (sharing x and the tiles) sit side by side in the output, weight i
-    at columns [col0[i], col0[i + 1]): tile j is columns [j * tn, j * tn + tn) of the weight they fall in.
-    swap: the decoded weight tile is the dot's first operand (acc^T [tn, tm] = W x^T), see `SWAP_AB`."""
+    at columns [col0[i], col0[i + 1]): tile j is columns [j * tn, j * tn + tn) of the weight they fall in."""
     n_w = len(col0) - 1
     per_w = 1 if fmt == "float" else 2  # arrays per weight: float [E, K, N]; else (values, scales)
     x_refs, w_refs, o_ref = refs[:-1 - per_w * n_w], refs[-1 - per_w * n_w:-1], refs[-1]
@@ -233,8 +215,7 @@ def _kernel(grp_ref, row0_ref, end_ref, xrow_ref, *refs, fmt: str, col0: tuple[i
                 kb = i * (tk // 2)
                 vb = wv_ref[g, pl.ds(n0, tn), pl.ds(kb, tk // 2)]
                 sb = ws_ref[g, pl.ds(n0, tn), pl.ds(i * (tk // SCALE_BLOCK), tk // SCALE_BLOCK)]
-                parts = zip(x_refs, _fp4_weights_fast(vb, sb) if fast == "ptx" else _fp4_weights_int(vb, sb)
-                            if fast == "int" else _fp4_weights(vb, sb, dt))
+                parts = zip(x_refs, _fp4_weights_fast(vb, sb) if fast else _fp4_weights(vb, sb, dt))
                 cols = pl.ds(kb, tk // 2)
             else:
                 vb = wv_ref[pl.ds(n0, tn), pl.ds(i * tk, tk)]
@@ -243,13 +224,12 @@ def _kernel(grp_ref, row0_ref, end_ref, xrow_ref, *refs, fmt: str, col0: tuple[i
                 cols = pl.ds(i * tk, tk)
             for x_ref, w in parts:
                 xs = plt.load(x_ref.at[pl.ds(xrow_ref[t], tm), cols], mask=rows_ok[:, None], other=0)
-                operands, dims = ((w, xs), ((w_k,), (1,))) if swap else ((xs, w), ((1,), (w_k,)))
-                acc += jax.lax.dot_general(*operands, (dims, ((), ())), precision=precision,
+                acc += jax.lax.dot_general(xs, w, (((1,), (w_k,)), ((), ())), precision=precision,
                                            preferred_element_type=jnp.float32)
             return acc
 
-        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((tn, tm) if swap else (tm, tn), jnp.float32))
-        plt.store(o_ref.at[split, pl.ds(r0, tm), pl.ds(j * tn, tn)], acc.T if swap else acc, mask=rows_ok[:, None])
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((tm, tn), jnp.float32))
+        plt.store(o_ref.at[split, pl.ds(r0, tm), pl.ds(j * tn, tn)], acc, mask=rows_ok[:, None])
 
     for i in range(n_w):
         pl.when((g >= 0) & (which == i))(functools.partial(body, i, *w_refs[per_w * i:per_w * (i + 1)]))
@@ -262,7 +242,7 @@ def dense_tile_map(m: int, tm: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, fast, interpret, splits=None,
-          rows_expert=None, swap=False):
+          rows_expert=None):
     """[f32 [M, N_i] per (values, scales) (fmt "float": (array,)) in `weights`, N_i = ns[i], multiples of tn],
     all read with the same rows and tile map in one launch. sizes_g None: one dense group of all M rows (a
     projection), or with rows_expert (int32 [M], -1: none) one tile per row, row m of expert rows_expert[m];
@@ -293,7 +273,7 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
     if (k // tk) % splits:
         raise ValueError(f"splits={splits} must divide the {k // tk} K chunks of {tk}")
     kernel = functools.partial(_kernel, fmt=fmt, col0=col0, tm=tm, tk=tk, tn=tn, k=k, splits=splits,
-                               fast=fast, swap=swap and fmt != "float", precision=precision)
+                               fast=fast, precision=precision)
     y = pl.pallas_call(
         kernel, grid=(grp.shape[0], col0[-1] // tn, splits),
         out_shape=jax.ShapeDtypeStruct((splits, m + pad, col0[-1]), jnp.float32),
@@ -308,7 +288,7 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
     return [y[:, a:b] for a, b in zip(col0[:-1], col0[1:])]
 
 
-def _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, swap_ab, *, sizes_g=None,
+def _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, *, sizes_g=None,
          rows_expert=None) -> list[jax.Array]:
     """The FP4 expert launch of `grouped_matmuls_fp4` (sizes_g) and `rows_matmuls_fp4` (rows_expert)."""
     g, n, half = weights[0][0].shape
@@ -319,13 +299,8 @@ def _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, sp
     m = x_mk.shape[0] if rows_expert is None else rows_expert.shape[0]
     tiles = tiles or choose_tiles(m, k, n, g)
     fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
-    fast = ("int" if fast_decode == "int" else "ptx") if fast else False
     return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), sizes_g, k, (n,) * len(weights), tiles,
-                 num_warps, num_stages, fast, interpret, splits, rows_expert=rows_expert, swap=_swap(swap_ab))
-
-
-def _swap(swap_ab: bool | None) -> bool:
-    return SWAP_AB if swap_ab is None else swap_ab
+                 num_warps, num_stages, fast, interpret, splits, rows_expert=rows_expert)
 
 
 def _float(x_mk, weights, tiles, num_warps, num_stages, interpret, splits, *, rows_expert) -> list[jax.Array]:
@@ -340,21 +315,19 @@ def _float(x_mk, weights, tiles, num_warps, num_stages, interpret, splits, *, ro
                  num_warps, num_stages, False, interpret, splits, rows_expert=rows_expert)
 
 
-_STATIC = ("tiles", "num_warps", "num_stages", "fast_decode", "interpret", "splits", "swap_ab")
+_STATIC = ("tiles", "num_warps", "num_stages", "fast_decode", "interpret", "splits")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def grouped_matmuls_fp4(x_mk: jax.Array, weights, sizes_g: jax.Array, *, tiles: tuple[int, int, int] | None = None,
                         num_warps: int = 4, num_stages: int = 3, fast_decode: bool = True,
-                        interpret: bool = False, splits: int | None = None,
-                        swap_ab: bool | None = None) -> list[jax.Array]:
+                        interpret: bool = False, splits: int | None = None) -> list[jax.Array]:
     """[y f32 [M, N] per weight]: rows of x [M, K] (bf16 or f32, sorted by group) times their expert's FP4
     weight, for each (values uint8 [G, N, K/2], scales uint8 [G, N, K/32] E8M0) in `weights` (same shapes;
     one launch and one tile map for all, e.g. w1 and w3). sizes_g int [G]; rows past sum(sizes) are zero.
     fast_decode: the PTX decode for bf16 x (see above; False: the f32 decode, for comparison). splits: programs
-    sharing one output tile's K chunks (default `k_splits`; a divisor of K / tk). swap_ab: the weight tile as
-    the dot's first operand (None: `SWAP_AB`)."""
-    return _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, swap_ab, sizes_g=sizes_g)
+    sharing one output tile's K chunks (default `k_splits`; a divisor of K / tk)."""
+    return _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, sizes_g=sizes_g)
 
 
 def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, sizes_g: jax.Array,
@@ -366,12 +339,11 @@ def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, si
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def rows_matmuls_fp4(x_mk: jax.Array, weights, expert_m: jax.Array, *, tiles: tuple[int, int, int] | None = None,
                      num_warps: int = 4, num_stages: int = 3, fast_decode: bool = True, interpret: bool = False,
-                     splits: int | None = None, swap_ab: bool | None = None) -> list[jax.Array]:
+                     splits: int | None = None) -> list[jax.Array]:
     """`grouped_matmuls_fp4` with each row's expert given (expert_m int32 [M], -1: a zero row) instead of
     sorted rows and group sizes: one row tile per row, its expert's bytes read once per row. x: [M, K], or
     [1, K] read by every row (one token's k assignments)."""
-    return _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, swap_ab,
-                rows_expert=expert_m)
+    return _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, rows_expert=expert_m)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "num_warps", "num_stages", "interpret", "splits"))
@@ -389,7 +361,7 @@ def rows_matmuls_float(x_mk: jax.Array, weights, expert_m: jax.Array, *, tiles: 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def fp8_matmuls(x_mk: jax.Array, weights, *, tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
                 num_stages: int = 3, fast_decode: bool = True, interpret: bool = False,
-                splits: int | None = None, swap_ab: bool | None = None) -> list[jax.Array]:
+                splits: int | None = None) -> list[jax.Array]:
     """[y f32 [M, N_i] = x [M, K] @ W_i^T] in one launch, for W_i in the released FP8 block format: E4M3 bytes
     uint8 (or float8_e4m3fn) [N_i, K], E8M0 exponents uint8 [N_i/32, K/32], one pair per entry of `weights`
     (projections of the same input: wq_a and wkv, the shared expert's w1 and w3). N_i and K multiples of 32."""
@@ -403,9 +375,8 @@ def fp8_matmuls(x_mk: jax.Array, weights, *, tiles: tuple[int, int, int] | None 
     tm, tk, tn = tiles or choose_tiles(m, k, min(ns), 1)
     tn = max(next(t for t in (tn, 64, 32) if all(n % t == 0 for n in ns)), SCALE_BLOCK)  # whole scale blocks
     weights = [(jax.lax.bitcast_convert_type(q, jnp.uint8) if q.dtype != jnp.uint8 else q, e) for q, e in weights]
-    fast = "ptx" if fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret else False
-    return _call("fp8", [x_mk], weights, None, k, ns, (tm, tk, tn), num_warps, num_stages, fast, interpret, splits,
-                 swap=_swap(swap_ab))
+    fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
+    return _call("fp8", [x_mk], weights, None, k, ns, (tm, tk, tn), num_warps, num_stages, fast, interpret, splits)
 
 
 def fp8_matmul(x_mk: jax.Array, q_nk: jax.Array, exp: jax.Array, **kw) -> jax.Array:

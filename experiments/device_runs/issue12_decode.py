@@ -10,7 +10,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode ab_b8     # ~9.5 min: ab's first half, slice b8
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profile_b8  # ~3 min: the slice's b8 profile
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode flags     # ~5 min: XLA options, b1 profiles
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode diagnose  # ~8 min: kernel PTX, b8 profile, flags
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode diagnose  # ~7 min: b8 profile, flags
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -90,9 +90,8 @@ GROUPS["flags"] = ([(f"profile_slice_b1_{name}", PROFILE_B1["v41-slice"], 80, en
 GROUPS["profile_b8"] = [("profile_slice_b8", ["experiments.profile_step", "--preset", "v41-slice", "--batch", "8",
                                               "--top", "40", "--out", "/tmp/i12_prof_b8"], 240, {})]
 
-# what the weight kernels compile to (sixteenth session), the batch-8 profile, the XLA options on the slice (~8 min)
-GROUPS["diagnose"] = ([("kernel_ptx", ["experiments.device_runs.kernel_ptx"], 60, {})] + GROUPS["profile_b8"]
-                      + [(name, args, 60, env) for name, args, _, env in GROUPS["flags"][:4]])
+# the batch-8 profile, then the XLA options on the slice (~7 min)
+GROUPS["diagnose"] = GROUPS["profile_b8"] + [(name, args, 60, env) for name, args, _, env in GROUPS["flags"][:4]]
 
 
 def last_table(log: str, name: str) -> str:
