@@ -133,10 +133,13 @@ def fp8_rows(cfg, batches, reps: int, sweep: list, peak: float, tmp: str) -> lis
     return rows
 
 
-def run(batches, reps: int, sweep: bool, peak: float, fp8_only: bool = False, only=None) -> list[dict]:
+def run(batches, reps: int, sweep: bool, peak: float, fp8_only: bool = False, only=None,
+        experts_only: bool = False) -> list[dict]:
     cfg = d.preset("v41-flash")
     pick = lambda variants: [v for v in variants if only is None or v[0] in only] if sweep else []
     rows = [] if fp8_only else expert_rows(cfg, batches, reps, pick(SWEEP), peak)
+    if experts_only:
+        return rows
     with tempfile.TemporaryDirectory() as tmp:
         return rows + fp8_rows(cfg, batches, reps, pick(FP8_SWEEP), peak, tmp)
 
@@ -184,6 +187,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--reps", type=int, default=16, help="calls per timed loop, each routed to fresh experts")
     p.add_argument("--sweep", action="store_true", help="also time the tile / decode variants")
     p.add_argument("--fp8-only", action="store_true", help="only the FP8 projections")
+    p.add_argument("--experts-only", action="store_true", help="only the routed experts")
     p.add_argument("--variants", nargs="+", default=None, metavar="LABEL",
                    help="with --sweep: only these variants (labels of SWEEP / FP8_SWEEP)")
     p.add_argument("--copy-gb", type=float, default=4.0)
@@ -194,7 +198,7 @@ def main(argv=None) -> list[dict]:
                              "run it on a GPU machine")
     peak = copy_bandwidth(args.copy_gb)
     print(f"copy bandwidth (read+write, this run): {peak / 1e9:.0f} GB/s", flush=True)
-    rows = run(args.batch, args.reps, args.sweep, peak, args.fp8_only, args.variants)
+    rows = run(args.batch, args.reps, args.sweep, peak, args.fp8_only, args.variants, args.experts_only)
     print("\n| op | batch | variant | GPU us (kernel) | GPU us (all) | wall us/call | MB | % of copy peak |\n"
           "|---|---|---|---|---|---|---|---|")
     for r in rows:
