@@ -191,17 +191,18 @@ def _word_asm(r: int) -> str:
 
 WORD_RESIDUES = 8  # inputs per 32-bit word of packed FP4
 FP4_WORDS = os.environ.get("DSV41_FP4_WORDS", "0") == "1"  # off until timed on the H200 (sixteenth session)
+FP8_WORDS = os.environ.get("DSV41_FP8_WORDS", "0") == "1"  # the same for the FP8 projections (4 per word)
 
 
-def fp4_words(values_u8: jax.Array) -> jax.Array:
-    """Packed FP4 bytes uint8 [..., K/2] -> the same bits as uint32 words [..., K/8] (little-endian)."""
-    return jax.lax.bitcast_convert_type(values_u8.reshape(*values_u8.shape[:-1], -1, 4), jnp.uint32)
+def as_words(bytes_u8: jax.Array) -> jax.Array:
+    """Bytes uint8 [..., B] -> the same bits as uint32 words [..., B/4] (byte i of a word at bits 8i)."""
+    return jax.lax.bitcast_convert_type(bytes_u8.reshape(*bytes_u8.shape[:-1], -1, 4), jnp.uint32)
 
 
-def x_residues(x_mk: jax.Array) -> jax.Array:
-    """x [M, K] -> [8, M, K/8], part r = x[:, r::8] (the inputs word residue r multiplies)."""
+def x_residues(x_mk: jax.Array, per_word: int) -> jax.Array:
+    """x [M, K] -> [P, M, K/P], part r = x[:, r::P] (the inputs that word residue r multiplies)."""
     m, k = x_mk.shape
-    return jnp.transpose(x_mk.reshape(m, k // WORD_RESIDUES, WORD_RESIDUES), (2, 0, 1))
+    return jnp.transpose(x_mk.reshape(m, k // per_word, per_word), (2, 0, 1))
 
 
 def _fp4_words_fast(vw, sb):
@@ -223,6 +224,34 @@ def _fp4_words(vw, sb, dtype):
         code = ((vw >> (8 * (r // 2) + 4 * (r % 2))) & 0xF).astype(jnp.int32)
         parts.append((decode.fp4_as_f16(code).astype(jnp.float32) * scale).astype(dtype))
     return parts
+
+
+def _fp8_word_asm(r: int) -> str:
+    """`_word_asm` for E4M3 words: byte r of two words -> two bf16 (`_FP8_ASM`'s bit moves)."""
+    return (_ASM_REGS + f"prmt.b32 t0, $1, $2, 0x{4 + r:x}{4 + r:x}{r:x}{r:x}; "
+            + _bits_to_bf16x2("$0", "t0", "$3", "0x007F007F", 4, "0x00800080", 8) + "}")
+
+
+def _fp8_word_scales(sb, tn: int, words: int) -> jax.Array:
+    """Block exponents [tn/32, tk/32] -> one per word [tn, tk/4] (a block is 32 rows x 8 words)."""
+    s = jnp.broadcast_to(sb[:, None, :], (tn // SCALE_BLOCK, SCALE_BLOCK, sb.shape[1])).reshape(tn, sb.shape[1])
+    return jnp.broadcast_to(s[:, :, None], (tn, sb.shape[1], words // sb.shape[1])).reshape(tn, words)
+
+
+def _fp8_words_fast(vw, sb):
+    """E4M3 words uint32 [tn, tk/4] and block exponents [tn/32, tk/32] -> 4 bf16 [tn, tk/4], part r = input 4w + r."""
+    tn, words = vw.shape
+    mult = _fp8_word_scales(_pow2_bf16(sb, 120), tn, words)
+    out = [jax.ShapeDtypeStruct((tn, words), jnp.bfloat16)]
+    return [plt.elementwise_inline_asm(_fp8_word_asm(r), args=[vw, mult], constraints="=r,r,r,r", pack=2,
+                                       result_shape_dtypes=out)[0] for r in range(4)]
+
+
+def _fp8_words(vw, sb, dtype):
+    """`_fp8_words_fast` in jnp (interpret mode, f32 x): 4 `dtype` [tn, tk/4]."""
+    tn, words = vw.shape
+    scale = _fp8_word_scales(decode.e8m0_f32(sb), tn, words)
+    return [(decode.e4m3_f32(((vw >> (8 * r)) & 0xFF).astype(jnp.uint8)) * scale).astype(dtype) for r in range(4)]
 
 
 def _fp8_weights_fast(vb, sb):
@@ -267,6 +296,13 @@ def _kernel(grp_ref, row0_ref, end_ref, xrow_ref, *refs, fmt: str, col0: tuple[i
                 sb = ws_ref[g, pl.ds(n0, tn), pl.ds(i * (tk // SCALE_BLOCK), tk // SCALE_BLOCK)]
                 parts = zip([(r,) for r in x_refs], _fp4_weights_fast(vb, sb) if fast else _fp4_weights(vb, sb, dt))
                 cols = pl.ds(kb, tk // 2)
+            elif fmt == "fp8w":  # x_refs[0]: x's 4 column sets [4, M, K/4] (`x_residues`)
+                wd = tk // 4
+                vw = wv_ref[pl.ds(n0, tn), pl.ds(i * wd, wd)]
+                sb = ws_ref[pl.ds(n0 // SCALE_BLOCK, tn // SCALE_BLOCK), pl.ds(i * (tk // SCALE_BLOCK), tk // SCALE_BLOCK)]
+                words = _fp8_words_fast(vw, sb) if fast else _fp8_words(vw, sb, dt)
+                parts = [((x_refs[0], jnp.int32(r)), w) for r, w in enumerate(words)]
+                cols = pl.ds(i * wd, wd)
             elif fmt == "fp4w":  # x_refs[0]: x's 8 column sets [8, M, K/8] (`x_residues`)
                 wd = tk // WORD_RESIDUES
                 vw = wv_ref[g, pl.ds(n0, tn), pl.ds(i * wd, wd)]
@@ -357,7 +393,7 @@ def _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, sp
     tiles = tiles or choose_tiles(m, k, n, g)
     fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
     if FP4_WORDS if words is None else words:
-        fmt, x_parts, weights = "fp4w", [x_residues(x_mk)], [(fp4_words(v), s) for v, s in weights]
+        fmt, x_parts, weights = "fp4w", [x_residues(x_mk, WORD_RESIDUES)], [(as_words(v), s) for v, s in weights]
     else:
         fmt, x_parts = "fp4", [x_mk[:, 0::2], x_mk[:, 1::2]]
     return _call(fmt, x_parts, list(weights), sizes_g, k, (n,) * len(weights), tiles,
@@ -422,10 +458,10 @@ def rows_matmuls_float(x_mk: jax.Array, weights, expert_m: jax.Array, *, tiles: 
     return _float(x_mk, weights, tiles, num_warps, num_stages, interpret, splits, rows_expert=expert_m)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "words"))
 def fp8_matmuls(x_mk: jax.Array, weights, *, tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
                 num_stages: int = 3, fast_decode: bool = True, interpret: bool = False,
-                splits: int | None = None) -> list[jax.Array]:
+                splits: int | None = None, words: bool | None = None) -> list[jax.Array]:
     """[y f32 [M, N_i] = x [M, K] @ W_i^T] in one launch, for W_i in the released FP8 block format: E4M3 bytes
     uint8 (or float8_e4m3fn) [N_i, K], E8M0 exponents uint8 [N_i/32, K/32], one pair per entry of `weights`
     (projections of the same input: wq_a and wkv, the shared expert's w1 and w3). N_i and K multiples of 32."""
@@ -440,7 +476,11 @@ def fp8_matmuls(x_mk: jax.Array, weights, *, tiles: tuple[int, int, int] | None 
     tn = max(next(t for t in (tn, 64, 32) if all(n % t == 0 for n in ns)), SCALE_BLOCK)  # whole scale blocks
     weights = [(jax.lax.bitcast_convert_type(q, jnp.uint8) if q.dtype != jnp.uint8 else q, e) for q, e in weights]
     fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
-    return _call("fp8", [x_mk], weights, None, k, ns, (tm, tk, tn), num_warps, num_stages, fast, interpret, splits)
+    if FP8_WORDS if words is None else words:
+        fmt, x_parts, weights = "fp8w", [x_residues(x_mk, 4)], [(as_words(q), e) for q, e in weights]
+    else:
+        fmt, x_parts = "fp8", [x_mk]
+    return _call(fmt, x_parts, weights, None, k, ns, (tm, tk, tn), num_warps, num_stages, fast, interpret, splits)
 
 
 def fp8_matmul(x_mk: jax.Array, q_nk: jax.Array, exp: jax.Array, **kw) -> jax.Array:

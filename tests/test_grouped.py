@@ -195,6 +195,26 @@ def test_fp4_word_layout_matches_twin(dtype):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])  # bf16: the word PTX decode on a GPU
+def test_fp8_word_layout_matches_twin(dtype):
+    """The FP8 projections read as 32-bit words (`gpu_grouped.FP8_WORDS`): x in its 4 column residues, two
+    weights in one launch, a K split, and one-hot rows that output every byte at every scale exactly."""
+    rng = np.random.default_rng(5)
+    q, s = quantize_fp8_blocks(jnp.asarray(rng.normal(size=(96, 256)).astype(np.float32)))
+    q2, s2 = quantize_fp8_blocks(jnp.asarray(rng.normal(size=(32, 256)).astype(np.float32)))
+    x = jnp.asarray(rng.normal(size=(5, 256)), dtype)
+    both = gpu_grouped.fp8_matmuls(x, [(q, s), (q2, s2)], tiles=(16, 64, 32), interpret=INTERPRET, words=True)
+    _close(both[0], grouped.fp8_matmul(x, q, s))
+    _close(both[1], grouped.fp8_matmul(x, q2, s2))
+    n, k = 64, 128
+    qb = jnp.asarray(np.tile(np.arange(256, dtype=np.uint8) & 0xFE, n * k // 256).reshape(n, k))  # no NaN codes
+    e = jnp.asarray(rng.integers(gpu_grouped.FP8_FAST_MAX - 20, gpu_grouped.FP8_FAST_MAX + 1, (n // 32, k // 32)),
+                    jnp.uint8)
+    want = grouped.dequantize_fp8_blocks(jax.lax.bitcast_convert_type(qb, jnp.float8_e4m3fn), e).T
+    got = gpu_grouped.fp8_matmul(jnp.eye(k, dtype=dtype), qb, e, interpret=INTERPRET, words=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_tile_map_covers_every_row_once():
     sizes = jnp.asarray([3, 0, 40, 1, 0, 17], jnp.int32)
     grp, row0, end = gpu_grouped.tile_map(sizes, int(sizes.sum()), 16)

@@ -94,10 +94,11 @@ GROUPS["profile_b8"] = [("profile_slice_b8", ["experiments.profile_step", "--pre
 # the batch-8 profile, then the XLA options on the slice (~7 min)
 GROUPS["diagnose"] = GROUPS["profile_b8"] + [(name, args, 60, env) for name, args, _, env in GROUPS["flags"][:4]]
 
-# the FP4 experts read as 32-bit words (gpu_grouped.FP4_WORDS, sixteenth session): the kernels' GPU tests (both
-# layouts), the expert kernels alone, the slice's batch-1 and batch-8 profiles, each without and with (~9 min)
-WORDS = {"DSV41_FP4_WORDS": "1"}
-WEIGHTS = ["experiments.bench_weights", "--batch", "1", "8", "--experts-only"]
+# the FP4 experts and FP8 projections read as 32-bit words (gpu_grouped.FP4_WORDS / FP8_WORDS, sixteenth
+# session): the kernels' GPU tests (both layouts), the weight kernels alone, the slice's batch-1 and batch-8
+# profiles, each without and with (~9 min)
+WORDS = {"DSV41_FP4_WORDS": "1", "DSV41_FP8_WORDS": "1"}
+WEIGHTS = ["experiments.bench_weights", "--batch", "1", "8"]
 GROUPS["words"] = [
     ("words_gpu_tests", ["pytest", "tests/test_grouped.py", "-q", "-p", "no:cacheprovider", "-k",
                          "kernel_matches_twin or decodes_exactly or word"], 120, {"JAX_PLATFORMS": "cuda,cpu"}),
