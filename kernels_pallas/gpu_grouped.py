@@ -24,7 +24,6 @@ Projections with few output tiles split K across programs (`k_splits`).
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -176,84 +175,6 @@ def _fp4_weights_fast(vb, sb):
                                             result_shape_dtypes=out)[0] for nib in ("low", "high"))
 
 
-# The FP4 weights as 32-bit words (`FP4_WORDS`): Triton loads words, so no call assembles its input register
-# from four byte values (as the uint8 form's pack=4 calls must). Word w of a row holds inputs 8w .. 8w + 7:
-# byte i's low nibble is input 8w + 2i, its high nibble 8w + 2i + 1. The kernel keeps the 8 residues
-# r = k mod 8 apart, as 8 [tn, tk/8] tiles against x's 8 column sets x[:, r::8] (nothing is interleaved in
-# registers). One call per residue and two words ($1, $2, pack=2; output element i from word i only): one
-# prmt brings byte r // 2 of both words into the two 16-bit lanes, then `_bits_to_bf16x2` as above.
-def _word_asm(r: int) -> str:
-    i = r // 2
-    nib = ("0x00070007", 6, "0x00080008", 12) if r % 2 == 0 else ("0x00700070", 2, "0x00800080", 8)
-    return (_ASM_REGS + f"prmt.b32 t0, $1, $2, 0x{4 + i:x}{4 + i:x}{i:x}{i:x}; "
-            + _bits_to_bf16x2("$0", "t0", "$3", *nib) + "}")
-
-
-WORD_RESIDUES = 8  # inputs per 32-bit word of packed FP4
-FP4_WORDS = os.environ.get("DSV41_FP4_WORDS", "0") == "1"  # off until timed on the H200 (sixteenth session)
-FP8_WORDS = os.environ.get("DSV41_FP8_WORDS", "0") == "1"  # the same for the FP8 projections (4 per word)
-
-
-def as_words(bytes_u8: jax.Array) -> jax.Array:
-    """Bytes uint8 [..., B] -> the same bits as uint32 words [..., B/4] (byte i of a word at bits 8i)."""
-    return jax.lax.bitcast_convert_type(bytes_u8.reshape(*bytes_u8.shape[:-1], -1, 4), jnp.uint32)
-
-
-def x_residues(x_mk: jax.Array, per_word: int) -> jax.Array:
-    """x [M, K] -> [P, M, K/P], part r = x[:, r::P] (the inputs that word residue r multiplies)."""
-    m, k = x_mk.shape
-    return jnp.transpose(x_mk.reshape(m, k // per_word, per_word), (2, 0, 1))
-
-
-def _fp4_words_fast(vw, sb):
-    """Words uint32 [tn, tk/8] and E8M0 bytes [tn, tk/32] -> 8 bf16 [tn, tk/8], part r = inputs 8w + r."""
-    tn, words = vw.shape
-    mult = jnp.broadcast_to(_pow2_bf16(sb, 126)[:, :, None], (tn, words // 4, 4)).reshape(tn, words)
-    out = [jax.ShapeDtypeStruct((tn, words), jnp.bfloat16)]
-    return [plt.elementwise_inline_asm(_word_asm(r), args=[vw, mult], constraints="=r,r,r,r", pack=2,
-                                       result_shape_dtypes=out)[0] for r in range(WORD_RESIDUES)]
-
-
-def _fp4_words(vw, sb, dtype):
-    """`_fp4_words_fast` in jnp (interpret mode, f32 x): 8 `dtype` [tn, tk/8]."""
-    tn, words = vw.shape
-    scale = jnp.broadcast_to((decode.e8m0_f32(sb) * decode.FP4_F16_SHIFT)[:, :, None], (tn, words // 4, 4))
-    scale = scale.reshape(tn, words)
-    parts = []
-    for r in range(WORD_RESIDUES):
-        code = ((vw >> (8 * (r // 2) + 4 * (r % 2))) & 0xF).astype(jnp.int32)
-        parts.append((decode.fp4_as_f16(code).astype(jnp.float32) * scale).astype(dtype))
-    return parts
-
-
-def _fp8_word_asm(r: int) -> str:
-    """`_word_asm` for E4M3 words: byte r of two words -> two bf16 (`_FP8_ASM`'s bit moves)."""
-    return (_ASM_REGS + f"prmt.b32 t0, $1, $2, 0x{4 + r:x}{4 + r:x}{r:x}{r:x}; "
-            + _bits_to_bf16x2("$0", "t0", "$3", "0x007F007F", 4, "0x00800080", 8) + "}")
-
-
-def _fp8_word_scales(sb, tn: int, words: int) -> jax.Array:
-    """Block exponents [tn/32, tk/32] -> one per word [tn, tk/4] (a block is 32 rows x 8 words)."""
-    s = jnp.broadcast_to(sb[:, None, :], (tn // SCALE_BLOCK, SCALE_BLOCK, sb.shape[1])).reshape(tn, sb.shape[1])
-    return jnp.broadcast_to(s[:, :, None], (tn, sb.shape[1], words // sb.shape[1])).reshape(tn, words)
-
-
-def _fp8_words_fast(vw, sb):
-    """E4M3 words uint32 [tn, tk/4] and block exponents [tn/32, tk/32] -> 4 bf16 [tn, tk/4], part r = input 4w + r."""
-    tn, words = vw.shape
-    mult = _fp8_word_scales(_pow2_bf16(sb, 120), tn, words)
-    out = [jax.ShapeDtypeStruct((tn, words), jnp.bfloat16)]
-    return [plt.elementwise_inline_asm(_fp8_word_asm(r), args=[vw, mult], constraints="=r,r,r,r", pack=2,
-                                       result_shape_dtypes=out)[0] for r in range(4)]
-
-
-def _fp8_words(vw, sb, dtype):
-    """`_fp8_words_fast` in jnp (interpret mode, f32 x): 4 `dtype` [tn, tk/4]."""
-    tn, words = vw.shape
-    scale = _fp8_word_scales(decode.e8m0_f32(sb), tn, words)
-    return [(decode.e4m3_f32(((vw >> (8 * r)) & 0xFF).astype(jnp.uint8)) * scale).astype(dtype) for r in range(4)]
-
-
 def _fp8_weights_fast(vb, sb):
     """`_fp8_weights` for bf16 through PTX (see above): bf16 [tn, tk]."""
     tn, tk = vb.shape
@@ -288,35 +209,21 @@ def _kernel(grp_ref, row0_ref, end_ref, xrow_ref, *refs, fmt: str, col0: tuple[i
             i = split * steps + i
             w_k = 1  # the weight tile's K axis: [tn, tk] stored output-major, [tk, tn] input-major (float)
             if fmt == "float":
-                parts = [((x_refs[0],), wv_ref[g, pl.ds(i * tk, tk), pl.ds(n0, tn)].astype(dt))]
+                parts = [(x_refs[0], wv_ref[g, pl.ds(i * tk, tk), pl.ds(n0, tn)].astype(dt))]
                 cols, w_k = pl.ds(i * tk, tk), 0
             elif fmt == "fp4":
                 kb = i * (tk // 2)
                 vb = wv_ref[g, pl.ds(n0, tn), pl.ds(kb, tk // 2)]
                 sb = ws_ref[g, pl.ds(n0, tn), pl.ds(i * (tk // SCALE_BLOCK), tk // SCALE_BLOCK)]
-                parts = zip([(r,) for r in x_refs], _fp4_weights_fast(vb, sb) if fast else _fp4_weights(vb, sb, dt))
+                parts = zip(x_refs, _fp4_weights_fast(vb, sb) if fast else _fp4_weights(vb, sb, dt))
                 cols = pl.ds(kb, tk // 2)
-            elif fmt == "fp8w":  # x_refs[0]: x's 4 column sets [4, M, K/4] (`x_residues`)
-                wd = tk // 4
-                vw = wv_ref[pl.ds(n0, tn), pl.ds(i * wd, wd)]
-                sb = ws_ref[pl.ds(n0 // SCALE_BLOCK, tn // SCALE_BLOCK), pl.ds(i * (tk // SCALE_BLOCK), tk // SCALE_BLOCK)]
-                words = _fp8_words_fast(vw, sb) if fast else _fp8_words(vw, sb, dt)
-                parts = [((x_refs[0], jnp.int32(r)), w) for r, w in enumerate(words)]
-                cols = pl.ds(i * wd, wd)
-            elif fmt == "fp4w":  # x_refs[0]: x's 8 column sets [8, M, K/8] (`x_residues`)
-                wd = tk // WORD_RESIDUES
-                vw = wv_ref[g, pl.ds(n0, tn), pl.ds(i * wd, wd)]
-                sb = ws_ref[g, pl.ds(n0, tn), pl.ds(i * (tk // SCALE_BLOCK), tk // SCALE_BLOCK)]
-                words = _fp4_words_fast(vw, sb) if fast else _fp4_words(vw, sb, dt)
-                parts = [((x_refs[0], jnp.int32(r)), w) for r, w in enumerate(words)]
-                cols = pl.ds(i * wd, wd)
             else:
                 vb = wv_ref[pl.ds(n0, tn), pl.ds(i * tk, tk)]
                 sb = ws_ref[pl.ds(n0 // SCALE_BLOCK, tn // SCALE_BLOCK), pl.ds(i * (tk // SCALE_BLOCK), tk // SCALE_BLOCK)]
-                parts = [((x_refs[0],), _fp8_weights_fast(vb, sb) if fast else _fp8_weights(vb, sb, dt))]
+                parts = [(x_refs[0], _fp8_weights_fast(vb, sb) if fast else _fp8_weights(vb, sb, dt))]
                 cols = pl.ds(i * tk, tk)
-            for (x_ref, *lead), w in parts:  # (a ref [M, K'],) or (a ref [P, M, K'], part p)
-                xs = plt.load(x_ref.at[(*lead, pl.ds(xrow_ref[t], tm), cols)], mask=rows_ok[:, None], other=0)
+            for x_ref, w in parts:
+                xs = plt.load(x_ref.at[pl.ds(xrow_ref[t], tm), cols], mask=rows_ok[:, None], other=0)
                 acc += jax.lax.dot_general(xs, w, (((1,), (w_k,)), ((), ())), precision=precision,
                                            preferred_element_type=jnp.float32)
             return acc
@@ -340,7 +247,7 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
     all read with the same rows and tile map in one launch. sizes_g None: one dense group of all M rows (a
     projection), or with rows_expert (int32 [M], -1: none) one tile per row, row m of expert rows_expert[m];
     there x may be one row that every row reads (one token's k assignments: no broadcast copy of it)."""
-    m = x_parts[0].shape[-2] if rows_expert is None else rows_expert.shape[0]
+    m = x_parts[0].shape[0] if rows_expert is None else rows_expert.shape[0]
     tm, tk, tn = tiles
     if any(n % tn for n in ns):
         raise ValueError(f"output widths {ns} must be multiples of the output tile {tn}")
@@ -348,9 +255,9 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
     if rows_expert is not None:  # row m is tile m: constants (as device arrays, an iota kernel per call)
         row0 = np.arange(m, dtype=np.int32)
         grp, end = rows_expert.astype(jnp.int32), row0 + 1
-        xrow = row0 if x_parts[0].shape[-2] == m else np.zeros_like(row0)
-        if x_parts[0].shape[-2] not in (1, m):
-            raise ValueError(f"x has {x_parts[0].shape[-2]} rows for {m} row experts: give one row per expert or one")
+        xrow = row0 if x_parts[0].shape[0] == m else np.zeros_like(row0)
+        if x_parts[0].shape[0] not in (1, m):
+            raise ValueError(f"x has {x_parts[0].shape[0]} rows for {m} row experts: give one row per expert or one")
     else:
         grp, row0, end = dense_tile_map(m, tm) if sizes_g is None else tile_map(sizes_g, m, tm)
         xrow = row0
@@ -358,7 +265,7 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
     # Interpreted, a slice that would run past an array is clamped back into it (moving the valid rows
     # too), so there the rows are padded by a tile first: a pad kernel per call saved on the GPU.
     pad = tm if interpret else 0
-    x_parts = [jnp.pad(x, ((0, 0),) * (x.ndim - 2) + ((0, pad), (0, 0))) for x in x_parts] if pad else x_parts
+    x_parts = [jnp.pad(x, ((0, pad), (0, 0))) for x in x_parts] if pad else x_parts
     dt = x_parts[0].dtype
     precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
     busy_tiles = m if rows_expert is not None else -(-m // tm) if sizes_g is None else min(sizes_g.shape[0], m)
@@ -381,7 +288,7 @@ def _call(fmt, x_parts, weights, sizes_g, k, ns, tiles, num_warps, num_stages, f
     return [y[:, a:b] for a, b in zip(col0[:-1], col0[1:])]
 
 
-def _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, words, *, sizes_g=None,
+def _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, *, sizes_g=None,
          rows_expert=None) -> list[jax.Array]:
     """The FP4 expert launch of `grouped_matmuls_fp4` (sizes_g) and `rows_matmuls_fp4` (rows_expert)."""
     g, n, half = weights[0][0].shape
@@ -392,11 +299,7 @@ def _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, sp
     m = x_mk.shape[0] if rows_expert is None else rows_expert.shape[0]
     tiles = tiles or choose_tiles(m, k, n, g)
     fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
-    if FP4_WORDS if words is None else words:
-        fmt, x_parts, weights = "fp4w", [x_residues(x_mk, WORD_RESIDUES)], [(as_words(v), s) for v, s in weights]
-    else:
-        fmt, x_parts = "fp4", [x_mk[:, 0::2], x_mk[:, 1::2]]
-    return _call(fmt, x_parts, list(weights), sizes_g, k, (n,) * len(weights), tiles,
+    return _call("fp4", [x_mk[:, 0::2], x_mk[:, 1::2]], list(weights), sizes_g, k, (n,) * len(weights), tiles,
                  num_warps, num_stages, fast, interpret, splits, rows_expert=rows_expert)
 
 
@@ -415,18 +318,16 @@ def _float(x_mk, weights, tiles, num_warps, num_stages, interpret, splits, *, ro
 _STATIC = ("tiles", "num_warps", "num_stages", "fast_decode", "interpret", "splits")
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "words"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def grouped_matmuls_fp4(x_mk: jax.Array, weights, sizes_g: jax.Array, *, tiles: tuple[int, int, int] | None = None,
                         num_warps: int = 4, num_stages: int = 3, fast_decode: bool = True,
-                        interpret: bool = False, splits: int | None = None,
-                        words: bool | None = None) -> list[jax.Array]:
+                        interpret: bool = False, splits: int | None = None) -> list[jax.Array]:
     """[y f32 [M, N] per weight]: rows of x [M, K] (bf16 or f32, sorted by group) times their expert's FP4
     weight, for each (values uint8 [G, N, K/2], scales uint8 [G, N, K/32] E8M0) in `weights` (same shapes;
     one launch and one tile map for all, e.g. w1 and w3). sizes_g int [G]; rows past sum(sizes) are zero.
     fast_decode: the PTX decode for bf16 x (see above; False: the f32 decode, for comparison). splits: programs
-    sharing one output tile's K chunks (default `k_splits`; a divisor of K / tk). words: the weights read as
-    32-bit words (None: `FP4_WORDS`)."""
-    return _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, words, sizes_g=sizes_g)
+    sharing one output tile's K chunks (default `k_splits`; a divisor of K / tk)."""
+    return _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, sizes_g=sizes_g)
 
 
 def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, sizes_g: jax.Array,
@@ -435,15 +336,14 @@ def grouped_matmul_fp4(x_mk: jax.Array, values: jax.Array, scales: jax.Array, si
     return grouped_matmuls_fp4(x_mk, [(values, scales)], sizes_g, **kw)[0]
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "words"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def rows_matmuls_fp4(x_mk: jax.Array, weights, expert_m: jax.Array, *, tiles: tuple[int, int, int] | None = None,
                      num_warps: int = 4, num_stages: int = 3, fast_decode: bool = True, interpret: bool = False,
-                     splits: int | None = None, words: bool | None = None) -> list[jax.Array]:
+                     splits: int | None = None) -> list[jax.Array]:
     """`grouped_matmuls_fp4` with each row's expert given (expert_m int32 [M], -1: a zero row) instead of
     sorted rows and group sizes: one row tile per row, its expert's bytes read once per row. x: [M, K], or
     [1, K] read by every row (one token's k assignments)."""
-    return _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, words,
-                rows_expert=expert_m)
+    return _fp4(x_mk, weights, tiles, num_warps, num_stages, fast_decode, interpret, splits, rows_expert=expert_m)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "num_warps", "num_stages", "interpret", "splits"))
@@ -458,10 +358,10 @@ def rows_matmuls_float(x_mk: jax.Array, weights, expert_m: jax.Array, *, tiles: 
     return _float(x_mk, weights, tiles, num_warps, num_stages, interpret, splits, rows_expert=expert_m)
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "words"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def fp8_matmuls(x_mk: jax.Array, weights, *, tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
                 num_stages: int = 3, fast_decode: bool = True, interpret: bool = False,
-                splits: int | None = None, words: bool | None = None) -> list[jax.Array]:
+                splits: int | None = None) -> list[jax.Array]:
     """[y f32 [M, N_i] = x [M, K] @ W_i^T] in one launch, for W_i in the released FP8 block format: E4M3 bytes
     uint8 (or float8_e4m3fn) [N_i, K], E8M0 exponents uint8 [N_i/32, K/32], one pair per entry of `weights`
     (projections of the same input: wq_a and wkv, the shared expert's w1 and w3). N_i and K multiples of 32."""
@@ -476,11 +376,7 @@ def fp8_matmuls(x_mk: jax.Array, weights, *, tiles: tuple[int, int, int] | None 
     tn = max(next(t for t in (tn, 64, 32) if all(n % t == 0 for n in ns)), SCALE_BLOCK)  # whole scale blocks
     weights = [(jax.lax.bitcast_convert_type(q, jnp.uint8) if q.dtype != jnp.uint8 else q, e) for q, e in weights]
     fast = fast_decode and x_mk.dtype == jnp.bfloat16 and not interpret
-    if FP8_WORDS if words is None else words:
-        fmt, x_parts, weights = "fp8w", [x_residues(x_mk, 4)], [(as_words(q), e) for q, e in weights]
-    else:
-        fmt, x_parts = "fp8", [x_mk]
-    return _call(fmt, x_parts, weights, None, k, ns, (tm, tk, tn), num_warps, num_stages, fast, interpret, splits)
+    return _call("fp8", [x_mk], weights, None, k, ns, (tm, tk, tn), num_warps, num_stages, fast, interpret, splits)
 
 
 def fp8_matmul(x_mk: jax.Array, q_nk: jax.Array, exp: jax.Array, **kw) -> jax.Array:

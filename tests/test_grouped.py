@@ -170,51 +170,6 @@ def test_every_code_and_scale_decodes_exactly():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])  # bf16: the word PTX decode on a GPU
-def test_fp4_word_layout_matches_twin(dtype):
-    """The experts read as 32-bit words (`gpu_grouped.FP4_WORDS`): x split into its 8 column residues, one
-    decoded tile per residue. Grouped rows with several K steps, one token's experts as rows, and one-hot rows
-    that output every code at every scale exactly."""
-    sizes = jnp.asarray(SIZES["long_groups"], jnp.int32)
-    w, w2 = _experts(), _experts(seed=1)
-    x = jnp.asarray(np.random.default_rng(3).normal(size=(int(sizes.sum()), 64)), dtype)
-    outs = gpu_grouped.grouped_matmuls_fp4(x, [(w["values"], w["scales"]), (w2["values"], w2["scales"])], sizes,
-                                           tiles=(64, 32, 16), interpret=INTERPRET, words=True)
-    _close(outs[0], grouped.grouped_matmul(x, w, sizes))
-    _close(outs[1], grouped.grouped_matmul(x, w2, sizes))
-    e = jnp.asarray([3, 0, 7, 2, 6, 1], jnp.int32)
-    (rows,) = gpu_grouped.rows_matmuls_fp4(x[:1], [(w["values"], w["scales"])], e, interpret=INTERPRET, words=True)
-    _close(rows, grouped.rows_matmul(x[:1], w, e))
-    n, k = 64, 128
-    vals = jnp.asarray(np.tile(np.arange(256, dtype=np.uint8), n * k // 2 // 256).reshape(1, n, k // 2))
-    sc = jnp.asarray(np.random.default_rng(4).integers(gpu_grouped.FP4_FAST_MAX - 12, gpu_grouped.FP4_FAST_MAX + 1,
-                                                       (1, n, k // 32)), jnp.uint8)
-    want = grouped.dequantize_experts({"values": vals, "scales": sc}, jnp.float32)[0]
-    got = gpu_grouped.grouped_matmul_fp4(jnp.eye(k, dtype=dtype), vals, sc, jnp.array([k], jnp.int32),
-                                         interpret=INTERPRET, words=True)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])  # bf16: the word PTX decode on a GPU
-def test_fp8_word_layout_matches_twin(dtype):
-    """The FP8 projections read as 32-bit words (`gpu_grouped.FP8_WORDS`): x in its 4 column residues, two
-    weights in one launch, a K split, and one-hot rows that output every byte at every scale exactly."""
-    rng = np.random.default_rng(5)
-    q, s = quantize_fp8_blocks(jnp.asarray(rng.normal(size=(96, 256)).astype(np.float32)))
-    q2, s2 = quantize_fp8_blocks(jnp.asarray(rng.normal(size=(32, 256)).astype(np.float32)))
-    x = jnp.asarray(rng.normal(size=(5, 256)), dtype)
-    both = gpu_grouped.fp8_matmuls(x, [(q, s), (q2, s2)], tiles=(16, 64, 32), interpret=INTERPRET, words=True)
-    _close(both[0], grouped.fp8_matmul(x, q, s))
-    _close(both[1], grouped.fp8_matmul(x, q2, s2))
-    n, k = 64, 128
-    qb = jnp.asarray(np.tile(np.arange(256, dtype=np.uint8) & 0xFE, n * k // 256).reshape(n, k))  # no NaN codes
-    e = jnp.asarray(rng.integers(gpu_grouped.FP8_FAST_MAX - 20, gpu_grouped.FP8_FAST_MAX + 1, (n // 32, k // 32)),
-                    jnp.uint8)
-    want = grouped.dequantize_fp8_blocks(jax.lax.bitcast_convert_type(qb, jnp.float8_e4m3fn), e).T
-    got = gpu_grouped.fp8_matmul(jnp.eye(k, dtype=dtype), qb, e, interpret=INTERPRET, words=True)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
 def test_tile_map_covers_every_row_once():
     sizes = jnp.asarray([3, 0, 40, 1, 0, 17], jnp.int32)
     grp, row0, end = gpu_grouped.tile_map(sizes, int(sizes.sum()), 16)

@@ -11,7 +11,6 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profile_b8  # ~3 min: the slice's b8 profile
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode flags     # ~5 min: XLA options, b1 profiles
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode diagnose  # ~7 min: b8 profile, flags
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode words     # ~9 min: FP4 experts as words
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -93,20 +92,6 @@ GROUPS["profile_b8"] = [("profile_slice_b8", ["experiments.profile_step", "--pre
 
 # the batch-8 profile, then the XLA options on the slice (~7 min)
 GROUPS["diagnose"] = GROUPS["profile_b8"] + [(name, args, 60, env) for name, args, _, env in GROUPS["flags"][:4]]
-
-# the FP4 experts and FP8 projections read as 32-bit words (gpu_grouped.FP4_WORDS / FP8_WORDS, sixteenth
-# session): the kernels' GPU tests (both layouts), the weight kernels alone, the slice's batch-1 and batch-8
-# profiles, each without and with (~9 min)
-WORDS = {"DSV41_FP4_WORDS": "1", "DSV41_FP8_WORDS": "1"}
-WEIGHTS = ["experiments.bench_weights", "--batch", "1", "8"]
-GROUPS["words"] = [
-    ("words_gpu_tests", ["pytest", "tests/test_grouped.py", "-q", "-p", "no:cacheprovider", "-k",
-                         "kernel_matches_twin or decodes_exactly or word"], 120, {"JAX_PLATFORMS": "cuda,cpu"}),
-    ("weights_bytes", WEIGHTS, 60, {}), ("weights_words", WEIGHTS, 60, WORDS),
-    ("profile_slice_b1_bytes", PROFILE_B1["v41-slice"], 55, {}),
-    ("profile_slice_b1_words", PROFILE_B1["v41-slice"], 55, WORDS),
-    ("profile_slice_b8_bytes", GROUPS["profile_b8"][0][1], 90, {}),
-    ("profile_slice_b8_words", GROUPS["profile_b8"][0][1], 90, WORDS)]
 
 
 def last_table(log: str, name: str) -> str:
