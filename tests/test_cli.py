@@ -9,6 +9,7 @@ so those tests take milliseconds. Subprocesses cover what only a process shows (
 traceback, a read-only mount).
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -26,7 +27,7 @@ from dsv41_jax import compile_notice
 from dsv41_jax.checkpoint.synthetic import fixture_config, make_tensors, write_checkpoint
 from experiments import (bench_kernels, bench_sharding, bench_weights, cache_bytes, decode, logits, plan_deployment, prefix_reuse,
                          quality, recall, train_small)
-from experiments.bench_decode import truncated
+from tests.configs import five_layer_presets, five_layers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -218,8 +219,15 @@ def same_params(monkeypatch):
     monkeypatch.setattr(d, "init_params", _init_params)
 
 
+@pytest.fixture
+def five_layer_model(monkeypatch):
+    """`--preset tiny` as tiny's layer modes in 5 layers (tests/configs.py): what these tests check is what the
+    CLI reports and which path each request takes, not tiny's depth, at ~40% less compile time per program."""
+    monkeypatch.setattr(decode, "model_config", five_layer_presets(decode.model_config))
+
+
 def test_each_request_names_its_path_and_no_bounded_replay_gives_the_cold_tokens(tmp_path, capsys, fresh_notices,
-                                                                                  same_params):
+                                                                                  same_params, five_layer_model):
     """A second process on the same --cache-dir (a new engine: empty host pool) replays the last window;
     with --no-bounded-replay it recomputes and its greedy tokens are the cold run's. (Shapes shared with
     the next test's programs: capacity 120, one sequence, 64-token prefill.)"""
@@ -237,7 +245,7 @@ def test_each_request_names_its_path_and_no_bounded_replay_gives_the_cold_tokens
     cold = rounds[0]["requests"][0]["generated_ids"]
     assert "round 0 req0: path: cold prefill" in text
     assert "round 1 req1: path: exact restore" in text and rounds[1]["requests"][0]["generated_ids"] == cold
-    for shape in ("prefill [B=1, T=64, layers 0-4]", "prefill [B=1, T=64]",
+    for shape in ("prefill [B=1, T=64, layers 0-2]", "prefill [B=1, T=64]",
                   "decode [B=1, capacity=120, 8 steps per call]"):
         assert f"compiling {shape} ...\n" in text and f"compiling {shape} done in " in text, shape
     text, rounds = run()
@@ -256,7 +264,8 @@ def test_help_offers_the_exact_alternative(capsys):
 
 
 # ----------------------------------------------------------------------------- compiles are announced
-def test_decode_announces_compiles_and_starts_the_bar_after_them(capsys, fresh_notices, same_params):
+def test_decode_announces_compiles_and_starts_the_bar_after_them(capsys, fresh_notices, same_params,
+                                                                 five_layer_model):
     metrics = call(decode.main, "--prompt", "x" * 40, "--max-new-tokens", 40, "--capacity", 120)
     err = capsys.readouterr().err
     prefill, decode_ = "compiling prefill [B=1, T=64]", "compiling decode [B=1, capacity=120, 16 steps per call]"
@@ -273,18 +282,20 @@ def test_speculative_decode_compiles_its_six_programs_first_then_times_every_cal
     """--speculative: plain prefill and decode, speculative prefill and decode, draft and verify are compiled
     side by side before anything is timed (no model program compiles after that), and at temperature 0
     the speculative tokens are the plain ones. The weights are committed to the device, as a --run's
-    restored ones are (an uncommitted stand-in input then compiles another program). tiny's first four
-    layers (window, window, Full m=2, Reuse) with its draft stages reading layers 1 and 3: what is tested is
-    the CLI's order of compiles and calls, at half the compile time of all eight."""
+    restored ones are (an uncommitted stand-in input then compiles another program). tiny in three layers
+    (window, Full m=2 with Engram, Reuse) with its draft stages reading layers 1 and 2: what is tested is the
+    CLI's order of compiles and calls, not the model's depth (each layer adds to six compiles)."""
     monkeypatch.setattr(d, "init_params", lambda *a, **k: jax.device_put(_init_params(*a, **k), jax.devices()[0]))
     real_config = decode.model_config
 
-    def four_layers(args):
+    def three_layers(args):
         cfg = real_config(args)
-        return truncated(cfg, 4).replace(n_mtp_layers=cfg.n_mtp_layers, dspark_target_layer_ids=(1, 3),
-                                         compress_ratios=cfg.compress_ratios[:4] + cfg.compress_ratios[cfg.n_layers:])
+        return dataclasses.replace(cfg, n_layers=3, compress_ratios=(0, 2, 2) + cfg.compress_ratios[cfg.n_layers:],
+                                   kv_source_layers=(1,), index_source_layers=(1,), candidate_source_layer=-1,
+                                   engram_layer_ids=(1,), engram_num_embeddings=(),
+                                   dspark_target_layer_ids=(1, 2)).with_derived_engram()
 
-    monkeypatch.setattr(decode, "model_config", four_layers)
+    monkeypatch.setattr(decode, "model_config", three_layers)
     done_at = []
     real = decode.compile_side_by_side
     monkeypatch.setattr(decode, "compile_side_by_side", lambda progs: (real(progs), done_at.append(len(caplog.records))))
@@ -335,12 +346,13 @@ def test_cache_bytes_labels_what_it_measured(capsys):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """A train_small output directory of tiny (untrained weights) whose config allows 512 tokens."""
+    """A train_small output directory of tiny (untrained weights) whose config allows 512 tokens, in 5 layers
+    (tests/configs.py: the evaluation CLIs' bookkeeping is what is checked, not tiny's depth)."""
     from dsv41_jax import train
 
     run = tmp_path_factory.mktemp("run") / "tiny"
     run.mkdir()
-    cfg = train_small.study_config("tiny", "csa2", False).replace(max_seq_len=512)
+    cfg = five_layers(train_small.study_config("tiny", "csa2", False).replace(max_seq_len=512))
     train_small.save_config(run / "config.json", cfg)
     train.save_checkpoint(run / "checkpoint", d.init_params(cfg, seed=0), None, 0)  # evaluated, never resumed
     return run

@@ -10,8 +10,9 @@ import pytest
 
 import dsv41_jax as d
 from dsv41_jax.sampling import sample
+from tests.configs import TINY5
 
-CFG = d.preset("tiny")
+CFG = TINY5  # tiny's layer modes in 5 layers: what is checked is the loop on device, not the depth
 PARAMS = d.init_params(CFG, seed=0)
 B, T = 3, 9
 N = 6  # generate steps: every test here asks for N, so the tests share one compiled generate program

@@ -13,6 +13,7 @@ import pytest
 
 import dsv41_jax as d
 from dsv41_jax import kernels, ops, quant
+from tests.configs import TINY5
 from tests.kernel_checks import index_case
 from tests.test_kernels_gpu import _attention_case
 
@@ -86,10 +87,10 @@ def test_pool_selection_equals_masked_full_scan(kernels_):
 
 
 def test_decode_pool_path_equals_masked_full_scan(monkeypatch):
-    """Model level (tiny, packed cache): decode logits with the Reindex layer scoring only its pool equal
-    those of the previous path, which scored every position and masked to the pool. Token by token
-    from an empty cache, the second sequence starting 17 steps later (unequal lengths)."""
-    cfg = d.preset("tiny", quantize_cache=True)
+    """Model level (tiny's layer modes in 5 layers, packed cache): decode logits with the Reindex layer scoring
+    only its pool equal those of the previous path, which scored every position and masked to the pool. Token by
+    token from an empty cache, the second sequence starting 17 steps later (unequal lengths)."""
+    cfg = TINY5.replace(quantize_cache=True)
     params = d.init_params(cfg, seed=1)
     steps, late = 40, 17
     tok = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (steps, 2)), jnp.int32)

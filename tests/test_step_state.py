@@ -15,8 +15,9 @@ from dsv41_jax.attention import Attention
 from dsv41_jax.cache import formats_of
 from dsv41_jax.plan import Mode, build_plan
 from dsv41_jax.step import ForwardAux, Published, StepInputs
+from tests.configs import TINY5
 
-CFG = d.preset("tiny")
+CFG = TINY5  # every layer mode of tiny, in 5 layers: the contracts checked here are per layer and per mode
 B, CAP = 2, 48
 TOKENS = np.random.default_rng(3).integers(0, CFG.vocab_size, (B, 21)).astype(np.int32)
 PARAMS = d.init_params(CFG, seed=4)
