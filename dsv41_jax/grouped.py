@@ -85,13 +85,17 @@ def sort_by_group(group_m: jax.Array, n_groups: int) -> tuple[jax.Array, jax.Arr
 
 
 def rows_matmul(x_mk: jax.Array, w, expert_m: jax.Array) -> jax.Array:
-    """y f32 [M, N] = x [M, K] row m @ expert expert_m[m] (int32 [M], -1: none, zero row) of `w`; x may be
-    one row [1, K] that every row reads (one token's k assignments).
+    """y f32 [M, N] = x row m @ expert expert_m[m] (int32 [M], -1: none, zero row) of `w`. x: [M, K], or
+    [R, K] with R | M whose row r every row of r's M / R read (R = 1: one token's k assignments; R = M / k:
+    each token's k assignments).
 
     Computes in x's dtype with f32 accumulation; gathers and dequantizes one expert per row (an expert
     named by several rows is read once per row: meant for distinct experts)."""
+    m, rows = expert_m.shape[0], x_mk.shape[0]
+    if m % rows:
+        raise ValueError(f"x has {rows} rows, which do not divide the {m} rows of expert_m")
     w_mkn = dequantize_experts(jax.tree.map(lambda a: a[jnp.maximum(expert_m, 0)], w), x_mk.dtype)
-    x_mk = jnp.broadcast_to(x_mk, (expert_m.shape[0], x_mk.shape[1]))
+    x_mk = jnp.repeat(x_mk, m // rows, axis=0)
     y = jnp.einsum("mk,mkn->mn", x_mk, w_mkn, preferred_element_type=jnp.float32)
     return jnp.where((expert_m >= 0)[:, None], y, 0.0)
 

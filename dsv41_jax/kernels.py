@@ -173,23 +173,33 @@ def grouped_matmul(x_mk, w, sizes_e, *, kernels="jnp"):
 
 
 def rows_matmuls(x_mk, ws, expert_m, *, kernels="jnp"):
-    """[f32 [M, N] per weight in `ws`]: row m (x [M, K], or [1, K] for all rows) times expert expert_m[m]
-    (int32 [M], -1: zero row) of each stored weight (`grouped.rows_matmul`). On the kernels, weights of one
-    shape share one launch: packed FP4 on GPU and TPU; float experts on the GPU, where XLA's form is a slow
-    column reduction."""
-    on, gpu = _weight_kernels(kernels, x_mk.shape[0]), _kp.platform()[0] != "tpu"
+    """[f32 [M, N] per weight in `ws`]: row m (x [R, K], R | M: row m reads x[m // (M / R)]) times expert
+    expert_m[m] (int32 [M], -1: zero row) of each stored weight (`grouped.rows_matmul`). On the kernels,
+    weights of one shape share one launch: packed FP4 on GPU and TPU; float experts on the GPU, where XLA's
+    form is a slow column reduction."""
+    m = expert_m.shape[0]
+    on, gpu = _weight_kernels(kernels, m), _kp.platform()[0] != "tpu"
+    if on and gpu and all(grouped.is_packed(w) for w in ws):
+        return _kp.rows_matmuls_fp4(x_mk, [(w["values"], w["scales"]) for w in ws], expert_m)
+    x_mk = x_mk if x_mk.shape[0] in (1, m) else jnp.repeat(x_mk, m // x_mk.shape[0], axis=0)
     _, k, n = grouped.grouped_shape(ws[0])
     if on and gpu and not any(grouped.is_packed(w) for w in ws) and k % 32 == 0 and n % 16 == 0:
         return _rows_float(None, x_mk, list(ws), expert_m)
     if not (on and all(grouped.is_packed(w) for w in ws)):
         return [grouped.rows_matmul(x_mk, w, expert_m) for w in ws]
     pairs = [(w["values"], w["scales"]) for w in ws]
-    if gpu:
-        return _kp.rows_matmuls_fp4(x_mk, pairs, expert_m)
     # the TPU kernel takes rows sorted by expert (no row-form TPU kernel yet): sort, run, put back
     order, sizes = grouped.sort_by_group(expert_m, pairs[0][0].shape[0])
     x_mk = jnp.broadcast_to(x_mk, (expert_m.shape[0], x_mk.shape[1]))
     return [jnp.zeros_like(y).at[order].set(y) for y in _kp.grouped_matmuls_fp4(x_mk[order], pairs, sizes)]
+
+
+def expert_rows_on(kernels: str, x_mk, ws, m: int) -> bool:
+    """True when `rows_matmuls` of x [R, K] over m rows runs the Hopper wgmma kernel (`kernels_pallas.gpu_wgmma`):
+    then a decode step's few tokens take their experts as rows (each assignment reads its expert; an expert
+    that two tokens share is read twice) rather than sorted into groups, as one token's always do."""
+    return (_weight_kernels(kernels, m) and all(grouped.is_packed(w) for w in ws) and _kp.platform() == ("gpu", False)
+            and _kp.gpu_wgmma.supported(x_mk, [(w["values"], w["scales"]) for w in ws], jnp.zeros((m,), jnp.int32)))
 
 
 def twin_gradient(kernel, twin):

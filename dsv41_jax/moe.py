@@ -21,7 +21,7 @@ from flax import nnx
 from dsv41_jax import expert_parallel
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.grouped import EXPERT_FP4, sort_by_group
-from dsv41_jax.kernels import grouped_matmuls, route, route_on, rows_matmuls, twin_gradient
+from dsv41_jax.kernels import expert_rows_on, grouped_matmuls, route, route_on, rows_matmuls, twin_gradient
 from dsv41_jax.layers import (Buffer, activation_quant, linears, normal_init, quantize_activation,
                               released_fp8_linear, weights_fp8)
 from dsv41_jax.sequence_split import per_sequence
@@ -136,18 +136,20 @@ class MoE(nnx.Module):
 
         One token (a batch-1 decode step): its k experts are distinct, so each assignment is a row that
         names its expert (`kernels.rows_matmuls`): the same expert bytes with no sort, counts or scatter
-        around them (on the GPU those were ~12 small kernels per layer). More tokens: assignments sorted
-        by expert into ragged groups (an expert shared by several tokens is read once); assignments to
-        other experts sort last and fall outside the groups (zero rows).
+        around them (on the GPU those were ~12 small kernels per layer). A few tokens on an H100/H200
+        (`kernels.expert_rows_on`) the same way: an expert two tokens share is read twice, which costs less
+        than the sort and the grouped kernel. Otherwise: assignments sorted by expert into ragged groups (an
+        expert shared by several tokens is read once); assignments to other experts sort last and fall
+        outside the groups (zero rows).
         """
         n, k = ids_nk.shape
         local = ids_nk.reshape(-1) - first_expert
         stored = lambda names: [self._stored(raw, m) for m in names]  # noqa: E731
-        if n == 1:
+        if n == 1 or expert_rows_on(kernels, x_nd, stored(("w1", "w3")), n * k):
             expert = jnp.where((local >= 0) & (local < n_local), local, -1)
             mm = lambda a, *names: rows_matmuls(a, stored(names), expert, kernels=kernels)  # noqa: E731
-            xs, w_rows = x_nd, w_nk.reshape(-1)  # the k rows read the one token's row (no broadcast copy)
-            combine = lambda ys: jnp.sum(ys, axis=0, keepdims=True)  # noqa: E731
+            xs, w_rows = x_nd, w_nk.reshape(-1)  # row m reads token m // k's row (no broadcast copy)
+            combine = lambda ys: jnp.sum(ys.reshape(n, k, -1), axis=1)  # noqa: E731
         else:
             order, sizes = sort_by_group(local, n_local)  # grouped by expert, foreign assignments last
             mm = lambda a, *names: grouped_matmuls(a, stored(names), sizes, kernels=kernels)  # noqa: E731

@@ -9,8 +9,9 @@ unless `family` ("gpu" | "tpu") is given.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
-from kernels_pallas import (gpu_attention, gpu_grouped, gpu_hyper, gpu_indexer, gpu_router, gpu_select,
+from kernels_pallas import (gpu_attention, gpu_grouped, gpu_hyper, gpu_indexer, gpu_router, gpu_select, gpu_wgmma,
                             tpu_attention, tpu_grouped, tpu_indexer, tpu_select)
 
 __all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode",
@@ -94,11 +95,16 @@ def grouped_matmuls_fp4(x_mk, weights, sizes_e, *, family=None):
 
 def rows_matmuls_fp4(x_mk, weights, expert_m, *, family=None):
     """[f32 [M, N] per (values, scales) in `weights`]: row m times expert expert_m[m] (-1: zero row), the row
-    contract of `dsv41_jax.grouped`, in one launch. GPU only: the TPU kernel takes rows sorted by expert
-    (`grouped_matmuls_fp4`)."""
+    contract of `dsv41_jax.grouped` (x [R, K], R | M: row m reads x[m // (M / R)]), in one launch. On an
+    H100/H200 with bf16 x: the wgmma kernel (`gpu_wgmma`); other GPUs: the Triton kernel. GPU only: the TPU
+    kernel takes rows sorted by expert (`grouped_matmuls_fp4`)."""
     fam, interpret = platform(family)
     if fam == "tpu":
         raise ValueError("no TPU row-form kernel: sort the rows by expert and call grouped_matmuls_fp4")
+    if not interpret and gpu_wgmma.supported(x_mk, weights, expert_m):
+        return gpu_wgmma.rows_matmuls_fp4_wgmma(x_mk, weights, expert_m)
+    m, rows = expert_m.shape[0], x_mk.shape[0]
+    x_mk = x_mk if rows in (1, m) else jnp.repeat(x_mk, m // rows, axis=0)  # the Triton kernel's x: 1 or M rows
     return gpu_grouped.rows_matmuls_fp4(x_mk, weights, expert_m, interpret=interpret)
 
 
@@ -115,6 +121,8 @@ def fp8_matmuls(x_mk, weights, *, family=None):
     fam, interpret = platform(family)
     if fam == "tpu":
         return [tpu_grouped.fp8_matmul(x_mk, q, e, interpret=interpret) for q, e in weights]
+    if not interpret and gpu_wgmma.fp8_supported(x_mk, weights):  # an H100/H200, up to 8 bf16 rows
+        return gpu_wgmma.fp8_matmuls_wgmma(x_mk, list(weights))
     return gpu_grouped.fp8_matmuls(x_mk, list(weights), interpret=interpret)
 
 

@@ -22,25 +22,31 @@ from tests.kernel_checks import lower_for_h200
 
 SCAN = {"indexer_scores", "indexer_scores_pool", "topk_from_levels", "sparse_attention"}  # the cache side
 FEW = {"hyper_in", "route"}  # decode rows <= 8
-KERNELS = SCAN | FEW | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_matmuls_fp4", "rows_matmuls_float"}
+MOSAIC = {"rows_matmuls_fp4_wgmma", "fp8_matmuls_wgmma"}  # Mosaic GPU kernels; the others lower through Triton
+KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_matmuls_fp4", "rows_matmuls_float"}
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles the step for real")
-@pytest.mark.parametrize("preset,batch,want", [
-    ("v41-slice", 1, SCAN | FEW | {"fp8_matmuls", "rows_matmuls_fp4"}),  # one token: its experts as rows
-    ("v41-slice", 8, SCAN | FEW | {"fp8_matmuls", "grouped_matmuls_fp4"}),
-    ("v41-slice", 64, SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),
-    ("small", 1, SCAN | FEW | {"rows_matmuls_float"}),  # float weights: only the row form has a kernel
+@pytest.mark.parametrize("preset,batch,hopper,want", [
+    ("v41-slice", 1, False, SCAN | FEW | {"fp8_matmuls", "rows_matmuls_fp4"}),  # one token: its experts as rows
+    ("v41-slice", 8, False, SCAN | FEW | {"fp8_matmuls", "grouped_matmuls_fp4"}),
+    ("v41-slice", 1, True, SCAN | FEW | MOSAIC | {"fp8_matmuls"}),  # an H100/H200: the wgmma experts
+    ("v41-slice", 8, True, SCAN | FEW | MOSAIC | {"fp8_matmuls"}),  # ... for a few tokens' rows too
+    ("v41-slice", 64, False, SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),
+    ("small", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float weights: only the row form has a kernel
 ])
-def test_decode_step_lowers_for_an_h200(preset, batch, want):
+def test_decode_step_lowers_for_an_h200(preset, batch, hopper, want):
     cfg = slice_config(weight_format="fp8") if preset == "v41-slice" else d.preset(preset)
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, 4096))
     rows = lambda *shape: jax.ShapeDtypeStruct((batch, *shape), jnp.int32)
     compiled = lambda family=None: ("gpu", False)  # the kernels as on a GPU, not interpreted
-    with mock.patch.object(kernels_pallas, "platform", compiled):
+    with mock.patch.object(kernels_pallas, "platform", compiled), \
+            mock.patch.object(kernels_pallas.gpu_wgmma, "is_hopper", lambda: hopper), \
+            mock.patch.object(kernels_pallas.gpu_wgmma, "ON", True):
         text = lower_for_h200(lambda p, c, t, n: api.forward(cfg, p, c, t, n, kernels="pallas"),
                               api.abstract_params(cfg), cache, rows(1), rows())
     # each kernel's jitted wrapper is a function of the module (a repeated one gets a numbered name)
     found = {re.sub(r"_\d+$", "", f) for f in re.findall(r"func\.func private @(\w+)", text)} & KERNELS
     assert found == want
-    assert text.count("xla.gpu.triton") >= len(want)
+    assert text.count("xla.gpu.triton") >= len(want - MOSAIC)
+    assert text.count("mosaic_gpu") >= len(want & MOSAIC)

@@ -59,14 +59,15 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# fifteenth session, after its last device call: (file, the text now, the text before); nothing unmeasured
-SINCE_MEASURED = []
+# (file, the text now, the text before): the seventeenth session's wgmma expert kernel, off in the "before" tree
+SINCE_MEASURED = [("kernels_pallas/gpu_wgmma.py",
+                   'return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"', "return False")]
 # kernels off by default until timed, on in the "after" half of `ab` (environment variables); none now
 AFTER_ENV = {}
 # the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED); in the fifteenth
 # session 150 s held the hyper kernel's tests but not the attention tests after them (19 s in a call apart)
-AB_TESTS = ("ab_gpu_tests", ["pytest", "tests/test_router_kernel.py", "tests/test_hyper_kernel.py", "-q", "-x",
-                             "-p", "no:cacheprovider"], 240, {"JAX_PLATFORMS": "cuda"})
+AB_TESTS = ("ab_gpu_tests", ["pytest", "tests/test_wgmma_kernel.py", "-q", "-p", "no:cacheprovider"], 110,
+            {"JAX_PLATFORMS": "cuda"})
 # a step whose name ends in "_before" runs in that copy; `ab_slice`: the slice's pair only, twice (~2.5 min)
 GROUPS["ab_slice"] = [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
                       for rep in ("", "_again") for side in ("before", "after")]
@@ -94,11 +95,26 @@ GROUPS["profile_b8"] = [("profile_slice_b8", ["experiments.profile_step", "--pre
 GROUPS["diagnose"] = GROUPS["profile_b8"] + [(name, args, 60, env) for name, args, _, env in GROUPS["flags"][:4]]
 
 
+# the wgmma expert kernel (seventeenth session): its tests, the prototype's sweep of its variants against the
+# Triton kernel, the slice's batch-1 profile before / after (~7 min); then batch 8 before / after (~7 min)
+GROUPS["wgmma"] = [AB_TESTS, ("wgmma_sweep", ["experiments.bench_wgmma"], 250, {})] + \
+    [(f"profile_slice_b1_{side}", PROFILE_B1["v41-slice"], 100, {}) for side in ("before", "after")]
+GROUPS["wgmma_b8"] = [(f"profile_slice_b8_{side}", GROUPS["profile_b8"][0][1], 240, {}) for side in ("before", "after")]
+# after the first call (overlapped wgmma wrong, loop slower with fewer GPU us): the serial kernels' tests, the
+# slice's batch-1 profile before / after with the GPU's idle time by kernel, the batch-8 profile after (~9 min)
+GROUPS["wgmma2"] = [AB_TESTS] + GROUPS["wgmma"][2:] + [("profile_slice_b8_after", GROUPS["profile_b8"][0][1], 200, {})]
+
+
 def last_table(log: str, name: str) -> str:
     """The bench's final table (the profile's summary and source table), or the log's tail if it has none."""
     if name.endswith("tests"):
         return "\n".join(log.strip().splitlines()[-3:])
+    if name == "wgmma_sweep":
+        return log[log.rfind("\n| shape"):].strip()
     if name.startswith("profile"):
+        idle = log.find("\nGPU idle between kernels")
+        if idle >= 0:  # the profile's idle table and custom-call placement, then its first tables
+            return log[idle:].strip() + "\n" + last_table(log[:idle], name)
         at = log.find("(loop, not profiled)")
         start = log.rfind("\n", 0, at) + 1 if at >= 0 else -1
     else:

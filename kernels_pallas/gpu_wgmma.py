@@ -1,0 +1,399 @@
+"""Routed FP4 experts on Hopper's warpgroup MMA, the weights decoded in registers (Pallas, Mosaic GPU lowering).
+
+`rows_matmuls_fp4_wgmma` has the row contract of `dsv41_jax.grouped.rows_matmul` (each row names its expert) and
+is what `dsv41_jax.kernels.rows_matmuls` runs on an H100/H200 for decode-sized bf16 inputs; the Triton
+kernel of `gpu_grouped` stays the path elsewhere (it must move its decoded tile through shared memory to
+reach the tensor cores: 43-49% of the copy peak for one token's experts on the H200, where this kernel
+reaches <see docs/BENCHMARKS.md>).
+
+Per CTA (grid: weight x output tile of 64 x row x K split): one warpgroup. A = 64 output rows of the
+expert's weights, decoded in registers straight into the wgmma's register-operand layout (`WGMMA_LAYOUT`);
+B = x^T from shared memory, N = the 8 rows of x that hold this row's input (one is kept). A TMA pipeline
+streams K in steps of 256 inputs (packed bytes [64, 128], 128 B swizzle; x [8, 256] bf16). The CTA's
+whole E8M0 block [64, K/32] is one contiguous run of bytes, fetched once by TMA: its rows are K/32 bytes
+(72 for w2), which no TMA box can address, but a [E, N/64, K/128, 256] view of the same bytes can.
+
+Decode (`_decode_tile`, inline PTX on the registers): a thread reads 16 B (one 32-input scale group of one
+row) per load and turns each 32-bit word (8 codes) into four bf16x2 holding sign << 15 | mag << 6, which
+is E2M1 * 2**-126 exactly (shift, mask, lop3), then one fma.rn.bf16x2 by 2**(E + 126) scales them, exactly
+while the E8M0 byte is <= 128 (as `gpu_grouped`'s bf16 fast path; released expert scales are far below).
+The K order inside a 256-input step is permuted (`k_perm`) so that each thread's decoded registers are
+exactly its WGMMA_LAYOUT registers with no shuffle; x's columns get the same permutation in the wrapper
+(a sum over K does not care about the order; x is a few KB).
+
+The Mosaic GPU interpreter of jax 0.11.2 fails on a register-operand wgmma, so this kernel has no interpret
+mode: its values are checked compiled on the GPU (tests/test_kernels_gpu.py), its lowering on the CPU
+(tests/test_kernels_lowering.py), and its decode's bit arithmetic by a numpy model of the PTX
+(tests/test_grouped.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+TN = 64  # output rows per CTA: the wgmma M of one warpgroup
+TK = 256  # inputs per pipeline step: 128 packed bytes per row = one 128 B swizzle row; 8 scale groups
+TM = 8  # rows of x per wgmma (its N): the smallest
+SCALE_BLOCK = 32
+_SPLAT = plgpu.Layout.WG_SPLAT(shape=())  # a scalar argument of an inline_mgpu function
+_V_TRANSFORMS = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))  # uint8 [64, 128]
+_X_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 [8, 256]
+
+# One 32-bit word of packed codes (8 inputs: byte b holds inputs 2b (low nibble), 2b + 1) -> four bf16x2,
+# output i = inputs WORD_PAIRS[i] (low, high half). Shifting the word left by 4i puts the codes of inputs
+# 3 - i and 7 - i in the top nibble of each 16-bit lane; there the sign is already bit 15 and the magnitude
+# (bits 12..14) >> 6 lands in bits 6..8: bf16 bits sign << 15 | mag << 6 = E2M1 * 2**-126 (mag 1 a
+# subnormal), exact. One fma.rn.bf16x2 by $5 = 2**(E + 126) scales it exactly; the addend -0 keeps the sign
+# of zeros. 3 ALU ops + 1 FMA per two weights.
+WORD_PAIRS = ((3, 7), (2, 6), (1, 5), (0, 4))
+_OUT = ("shr.b32 m, {q}, 6; and.b32 m, m, 0x01C001C0; lop3.b32 m, {q}, 0x80008000, m, 0xEA; "  # (q & S) | m
+        "fma.rn.bf16x2 ${i}, m, $5, z; ")
+DECODE_PTX = ("{ .reg .b32 q, m, z; mov.b32 z, 0x80008000; " + _OUT.format(q="$4", i=0)
+              + "".join(f"shl.b32 q, $4, {4 * i}; " + _OUT.format(q="q", i=i) for i in (1, 2, 3)) + "}")
+
+
+def k_perm() -> np.ndarray:
+    """p[c]: the input (of a 256-input step) that the wgmma's K column c holds, in every row.
+
+    WGMMA_LAYOUT gives thread q = lane % 4 the column pairs 16n + 8b + 2q + {0, 1} (instruction n < 16,
+    b < 2) of its two rows. It decodes words u < 8 (8 inputs each) of scale groups 2q (u < 4) and 2q + 1
+    of those rows; word u's output i = 2a + b fills instruction n = 2u + a, pair b."""
+    p = np.empty(TK, np.int64)
+    for n in range(TK // 16):
+        u, a = divmod(n, 2)
+        for b in range(2):
+            for q in range(4):
+                for j in range(2):
+                    p[16 * n + 8 * b + 2 * q + j] = 32 * (2 * q + u // 4) + 8 * (u % 4) + WORD_PAIRS[2 * a + b][j]
+    return p
+
+
+def _i32(v):
+    return arith.constant(ir.IntegerType.get_signless(32), v)
+
+
+def _index(v):
+    return arith.index_cast(ir.IndexType.get(), v)
+
+
+def _decode_tile(k: int, ptx: str):
+    """inline_mgpu: (packed SMEM tile [64, 128] u8, the CTA's scales [K/128, 256] u8, step) -> bf16 [64, 256]
+    in WGMMA_LAYOUT, column c holding input k_perm()[c] of the step's 256 (`ptx`: DECODE_PTX)."""
+    groups = k // SCALE_BLOCK  # scale bytes per row
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(_V_TRANSFORMS), plgpu.RefType(), _SPLAT),
+        return_type=plgpu.ShapeDtypeStruct((TN, TK), jnp.bfloat16, plgpu.Layout.WGMMA),
+    )
+    def decode(ctx, v_smem, s_smem, step):
+        del ctx
+        i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        step = step.registers.item()
+        tid = mgpu_utils.thread_idx()
+        lane = arith.remui(tid, _i32(32))
+        warp = arith.remui(arith.divui(tid, _i32(32)), _i32(4))
+        q, r = arith.remui(lane, _i32(4)), arith.divui(lane, _i32(4))
+        row0 = arith.addi(arith.muli(warp, _i32(16)), r)
+        v_ptr = mgpu_utils.memref_ptr(v_smem)  # tiled [8, 1, 8, 128]: row R at byte 128 R
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TN, TK)), dtype=object)  # [1, 32, 1, 1, 2, 1, ...]
+        for half in range(2):  # rows R = row0 and row0 + 8 (a0/a2 and a1/a3 of each wgmma)
+            row = arith.addi(row0, _i32(8 * half))
+            for h in range(2):  # scale group g = 2q + h of the step's 8
+                g = arith.addi(arith.muli(q, _i32(2)), _i32(h))
+                # 128 B swizzle: 16 B chunk g of row R sits at chunk g ^ (R % 8) = g ^ r
+                off = arith.addi(arith.muli(row, _i32(128)), arith.muli(arith.xori(g, r), _i32(16)))
+                words = llvm.load(ir.VectorType.get((4,), i32), mgpu_utils.getelementptr(v_ptr, [off], i8))
+                flat = arith.addi(arith.muli(row, _i32(groups)), arith.addi(arith.muli(step, _i32(8)), g))
+                e = memref.load(s_smem, [_index(arith.divui(flat, _i32(256))), _index(arith.remui(flat, _i32(256)))])
+                mult = arith.shli(arith.addi(arith.extui(i32, e), _i32(126)), _i32(7))  # bf16 2**(E + 126)
+                mult = arith.ori(mult, arith.shli(mult, _i32(16)))
+                for w in range(4):
+                    word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([w]))
+                    outs = mgpu_utils.inline_ptx(ptx, word, mult, result_types=[i32] * 4)
+                    u = 4 * h + w  # output i -> instruction n = 2u + i // 2, pair b = i % 2: col block 2n + b
+                    for i, reg in enumerate(outs):
+                        regs[0, 4 * u + i, 0, 0, half, 0, 0, 0, 0] = mgpu_utils.bitcast(reg, bf16x2)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return decode
+
+
+@functools.cache
+def _store_columns(count: int):
+    """inline_mgpu: o_gmem[row0 + c, n0 + i] = o_smem[i, col0 + c] for i < 64, c < count (threads 0..63:
+    coalesced 256 B rows)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT))
+    def store(ctx, o_smem, o_gmem, row0, n0, col0):
+        del ctx
+        row0, n0, col0 = (a.registers.item() for a in (row0, n0, col0))
+        mgpu_utils.warpgroup_barrier()  # o_smem was written by other threads
+        tid = mgpu_utils.thread_idx()
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, tid, _i32(TN))):
+            for c in range(count):
+                v = memref.load(o_smem, [_index(tid), _index(arith.addi(col0, _i32(c)))])
+                memref.store(v, o_gmem, [_index(arith.addi(row0, _i32(c))), _index(arith.addi(n0, tid))])
+
+    return store
+
+
+def supported(x_mk: jax.Array, weights, expert_m: jax.Array) -> bool:
+    """True when the model's dispatch runs `rows_matmuls_fp4_wgmma` on these arguments: ON, bf16 x whose rows
+    divide the rows of expert_m, K a multiple of 256 and N of 64, and an H100/H200 (the wgmma is sm_90's)."""
+    values = weights[0][0]
+    m, (rows, k), (_, n, half) = expert_m.shape[0], x_mk.shape, values.shape
+    return (ON and x_mk.dtype == jnp.bfloat16 and rows >= 1 and m % rows == 0 and k == 2 * half and k % TK == 0
+            and n % TN == 0 and is_hopper())
+
+
+# The model's dispatch takes these kernels on a Hopper GPU only while ON (off until the slice's A/B on the H200
+# shows the decode step faster with them, docs/BENCHMARKS.md).
+ON = False
+
+
+@functools.cache
+def is_hopper() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "decode_ptx"))
+def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, splits: int = 1, stages: int = 4,
+                           decode_ptx: str = DECODE_PTX) -> list[jax.Array]:
+    """[y f32 [M, N] per weight]: row m = x[m // (M / R)] @ W[expert_m[m]]^T, zero where expert_m[m] < 0.
+
+    x bf16 [R, K] with R dividing M (R = 1: one token's k assignments read its one row; R = M: a row each;
+    R = M / k: each token's k assignments); weights: (values uint8 [E, N, K/2] FP4 E2M1 pairs, low nibble
+    = even input; scales uint8 [E, N, K/32] E8M0, bytes <= 128) pairs of one shape, one launch for all.
+    splits: CTAs sharing one output tile's K (a divisor of K / 256; their partial sums are added after).
+    stages: TMA pipeline depth. Each step's wgmma is waited for before the next step's decode: a wgmma reads
+    its register operand while it runs, and overwriting those registers early (the decode of step t + 1
+    overlapping the wgmma of step t, `wgmma_wait(1)`) gave wrong values on the H200. decode_ptx: the decode's
+    PTX (its operands as DECODE_PTX's); benchmarks replace it to time the kernel without its decode
+    (`experiments.bench_wgmma`)."""
+    (e_count, n, half), k, m = weights[0][0].shape, x_mk.shape[1], expert_m.shape[0]
+    rows, n_w, steps = x_mk.shape[0], len(weights), k // TK
+    for values, scales in weights:
+        if values.shape != (e_count, n, half) or scales.shape != (e_count, n, k // SCALE_BLOCK):
+            raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
+    if k != 2 * half or k % TK or n % TN or m % rows or steps % splits or x_mk.dtype != jnp.bfloat16:
+        raise ValueError(f"the wgmma FP4 kernel needs bf16 x [R, K] with R | M, K % {TK} == 0, N % {TN} == 0 and "
+                         f"splits | K / {TK}; got x {x_mk.shape} {x_mk.dtype}, M={m}, N={n}, splits={splits}")
+    per, share, n_tiles = steps // splits, m // rows, n // TN
+    # x's columns in the wgmma's K order, rows padded to a multiple of 8 (B = 8 rows of x, transposed)
+    xp = x_mk.reshape(rows, steps, TK)[:, :, k_perm()].reshape(rows, k)
+    xp = jnp.pad(xp, ((0, -rows % TM), (0, 0)))
+    s_views = [s.reshape(e_count, n_tiles, k // 128, 256) for _, s in weights]  # a CTA's scales: one box
+    decode = _decode_tile(k, decode_ptx)
+
+    def body(expert_ref, xp_gmem, *refs):
+        v_gmems, s_gmems, (o_gmem, s_smem, s_bar, o_smem) = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
+        wj, row, sp = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
+        wi, j = wj // n_tiles, wj % n_tiles
+        e = expert_ref[row]
+        xrow = row // share
+
+        def acc_scope(acc_ref):
+            def run(v_gmem, s_gmem):
+                plgpu.copy_gmem_to_smem(s_gmem.at[e, j], s_smem, s_bar)
+
+                def step(idx, v_smem, x_smem):
+                    (t,) = idx
+                    pl.when(t == 0)(lambda: plgpu.barrier_wait(s_bar))  # once: a wait flips the phase
+                    plgpu.wgmma(acc_ref, decode(v_smem, s_smem, sp * per + t), x_smem.transpose((1, 0)))
+                    plgpu.wgmma_wait(0)  # before the next decode overwrites the registers it reads
+
+                plgpu.emit_pipeline(
+                    step,
+                    grid=(per,),
+                    in_specs=[plgpu.BlockSpec((TN, TK // 2), lambda t: (j, sp * per + t), transforms=_V_TRANSFORMS),
+                              plgpu.BlockSpec((TM, TK), lambda t: (xrow // TM, sp * per + t),
+                                              transforms=_X_TRANSFORMS)],
+                    max_concurrent_steps=stages,
+                )(v_gmem.at[e], xp_gmem)
+
+            for w_idx in range(n_w):
+                pl.when((e >= 0) & (wi == w_idx))(functools.partial(run, v_gmems[w_idx], s_gmems[w_idx]))
+            return acc_ref[...]
+
+        o_smem[...] = pl.run_scoped(acc_scope, plgpu.ACC((TN, TM), jnp.float32))  # zeros when e < 0
+        _store_columns(1)(o_smem, o_gmem, (wi * splits + sp) * m + row, j * TN, xrow % TM)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((n_w * splits * m, n), jnp.float32),
+        grid=(n_w * n_tiles, m, splits),
+        grid_names=("n", "m", "s"),
+        scratch_types=(plgpu.SMEM((k // 128, 256), jnp.uint8), plgpu.Barrier(num_arrivals=1),
+                       plgpu.SMEM((TN, TM), jnp.float32)),
+        kernel_name=f"fp4_rows_wgmma_{n}x{k}",
+    )
+    out = kernel(expert_m.astype(jnp.int32), xp, *[v for v, _ in weights], *s_views)
+    return list(out.reshape(n_w, splits, m, n).sum(1))
+
+
+# ----------------------------------------------------------------------------- FP8 block-format projections
+# One 32-bit word of E4M3 bytes (inputs 0..3) -> two bf16x2 (inputs 0, 1 and 2, 3): prmt spreads two bytes into
+# the low bytes of the 16-bit lanes, then bits 0..6 << 4 and the sign bit 7 << 8 make bf16 bits whose value
+# is E4M3 * 2**-120 exactly (subnormals included); one fma.rn.bf16x2 by $3 = 2**(E - 7) scales it exactly
+# while the E8M0 byte is <= 134 (`gpu_grouped.FP8_FAST_MAX`, as its bf16 fast path).
+_FP8_OUT = ("shl.b32 m, t, 4; and.b32 m, m, 0x07F007F0; shl.b32 s, t, 8; lop3.b32 m, s, 0x80008000, m, 0xEA; "
+            "fma.rn.bf16x2 ${i}, m, $3, z; ")
+FP8_DECODE_PTX = ("{ .reg .b32 t, m, s, z; mov.b32 z, 0x80008000; prmt.b32 t, $2, 0, 0x4140; "
+                  + _FP8_OUT.format(i=0) + "prmt.b32 t, $2, 0, 0x4342; " + _FP8_OUT.format(i=1) + "}")
+_W8_TRANSFORMS = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))  # uint8 [64, 256]
+_FP8_CHUNKS = (0, 1, 8, 9)  # thread q's 16 B chunks of a row's 256 bytes: 2q + these (scale groups q, q + 4)
+
+
+def fp8_k_perm() -> np.ndarray:
+    """p[c]: the input (of a 256-input step) that the FP8 kernel's wgmma K column c holds, in every row.
+
+    WGMMA_LAYOUT gives thread q = lane % 4 of a row the columns 8r + 2q + {0, 1} (register r < 32). It loads
+    the row's 16 B chunks 2q + _FP8_CHUNKS[r // 8]; register r is output r % 2 of word (r % 8) // 2 of it."""
+    p = np.empty(TK, np.int64)
+    for r in range(TK // 8):
+        for q in range(4):
+            for j in range(2):
+                p[8 * r + 2 * q + j] = 16 * (2 * q + _FP8_CHUNKS[r // 8]) + 2 * (r % 8) + j
+    return p
+
+
+def _decode_fp8_tile(k: int, ptx: str):
+    """inline_mgpu: (E4M3 SMEM tile [64, 256] u8, the CTA's scales [K/1024, 64] u8 (2 rows of K/32), step) ->
+    bf16 [64, 256] in WGMMA_LAYOUT, column c holding input fp8_k_perm()[c] of the step's 256."""
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(_W8_TRANSFORMS), plgpu.RefType(), _SPLAT),
+        return_type=plgpu.ShapeDtypeStruct((TN, TK), jnp.bfloat16, plgpu.Layout.WGMMA),
+    )
+    def decode(ctx, w_smem, s_smem, step):
+        del ctx
+        i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        step, groups = step.registers.item(), _i32(k // SCALE_BLOCK)
+        tid = mgpu_utils.thread_idx()
+        lane = arith.remui(tid, _i32(32))
+        warp = arith.remui(arith.divui(tid, _i32(32)), _i32(4))
+        q, r = arith.remui(lane, _i32(4)), arith.divui(lane, _i32(4))
+        w_ptr = mgpu_utils.memref_ptr(w_smem)  # tiled [8, 2, 8, 128]: (row // 8, col // 128, row % 8, col % 128)
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TN, TK)), dtype=object)
+        for half in range(2):  # rows 16 warp + r + 8 half: row // 8 = 2 warp + half, row % 8 = r, row // 32
+            tile_row = arith.addi(arith.muli(warp, _i32(2)), _i32(half))
+            s_row = arith.divui(warp, _i32(2))
+            for ci, chunk_off in enumerate(_FP8_CHUNKS):
+                ch = arith.addi(arith.muli(q, _i32(2)), _i32(chunk_off))  # static ch // 8 = chunk_off // 8
+                off = arith.addi(arith.addi(arith.muli(tile_row, _i32(2048)), _i32(1024 * (chunk_off // 8))),
+                                 arith.addi(arith.muli(r, _i32(128)),
+                                            arith.muli(arith.xori(arith.remui(ch, _i32(8)), r), _i32(16))))
+                words = llvm.load(ir.VectorType.get((4,), i32), mgpu_utils.getelementptr(w_ptr, [off], i8))
+                group = arith.divui(ch, _i32(2))
+                flat = arith.addi(arith.muli(s_row, groups), arith.addi(arith.muli(step, _i32(8)), group))
+                e = memref.load(s_smem, [_index(arith.divui(flat, _i32(64))), _index(arith.remui(flat, _i32(64)))])
+                mult = arith.shli(arith.addi(arith.extui(i32, e), _i32(120)), _i32(7))  # bf16 2**(E - 7)
+                mult = arith.ori(mult, arith.shli(mult, _i32(16)))
+                for w in range(4):
+                    word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([w]))
+                    outs = mgpu_utils.inline_ptx(ptx, word, mult, result_types=[i32] * 2)
+                    for o, reg in enumerate(outs):
+                        regs[0, 8 * ci + 2 * w + o, 0, 0, half, 0, 0, 0, 0] = mgpu_utils.bitcast(reg, bf16x2)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return decode
+
+
+def fp8_supported(x_mk: jax.Array, weights) -> bool:
+    """True when the model's dispatch runs `fp8_matmuls_wgmma` on these arguments: ON, bf16 x of at most 8 rows,
+    K a multiple of 1024 (whole 256-input steps, and a CTA's scales as one TMA box), every N a multiple of 64,
+    an H100/H200."""
+    m, k = x_mk.shape
+    return (ON and x_mk.dtype == jnp.bfloat16 and 1 <= m <= TM and k % 1024 == 0
+            and all(q.shape == (q.shape[0], k) and q.shape[0] % TN == 0 for q, _ in weights) and is_hopper())
+
+
+def fp8_splits(k: int, tiles: int) -> int:
+    """K splits of an FP8 launch: the fewest (a divisor of K / 256) that give every SM of an H200 (132) a CTA."""
+    steps = k // TK
+    return next(s for s in range(1, steps + 1) if steps % s == 0 and (s * tiles >= 132 or s == steps))
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "decode_ptx"))
+def fp8_matmuls_wgmma(x_mk: jax.Array, weights, *, splits: int | None = None, stages: int = 4,
+                      decode_ptx: str = FP8_DECODE_PTX) -> list[jax.Array]:
+    """[y f32 [M, N_i] = x [M, K] @ W_i^T] in one launch, for W_i in the released FP8 block format (E4M3 bytes
+    uint8 or float8_e4m3fn [N_i, K], E8M0 uint8 [N_i/32, K/32], bytes <= 134). x bf16, M <= 8. splits: CTAs
+    sharing one output tile's K (default `fp8_splits`); stages: TMA pipeline depth (each wgmma waited for
+    before the next decode, as in `rows_matmuls_fp4_wgmma`)."""
+    m, k = x_mk.shape
+    ns = [q.shape[0] for q, _ in weights]
+    for q, e in weights:
+        if q.shape != (q.shape[0], k) or e.shape != (q.shape[0] // SCALE_BLOCK, k // SCALE_BLOCK) or q.shape[0] % TN:
+            raise ValueError(f"FP8 weight {q.shape} / scales {e.shape} do not fit x {x_mk.shape} (N % {TN} == 0)")
+    if x_mk.dtype != jnp.bfloat16 or not 1 <= m <= TM or k % 1024:
+        raise ValueError(f"the wgmma FP8 kernel needs bf16 x of 1..{TM} rows and K % 1024 == 0; got x "
+                         f"{x_mk.shape} {x_mk.dtype}")
+    starts = np.cumsum([0] + [n // TN for n in ns])  # weight i's output tiles: [starts[i], starts[i + 1])
+    steps = k // TK
+    splits = splits or fp8_splits(k, int(starts[-1]))
+    if steps % splits:
+        raise ValueError(f"splits={splits} must divide K / {TK} = {steps}")
+    per = steps // splits
+    xp = x_mk.reshape(m, steps, TK)[:, :, fp8_k_perm()].reshape(m, k)
+    xp = jnp.pad(xp, ((0, TM - m), (0, 0)))
+    qs = [jax.lax.bitcast_convert_type(q, jnp.uint8) if q.dtype != jnp.uint8 else q for q, _ in weights]
+    s_views = [e.reshape(n // TN, k // 1024, 64) for (_, e), n in zip(weights, ns)]  # a CTA's 2 scale rows
+    decode = _decode_fp8_tile(k, decode_ptx)
+    n_w = len(weights)
+
+    def body(xp_gmem, *refs):
+        q_gmems, s_gmems, (o_gmem, s_smem, s_bar, o_smem) = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
+        tile, sp = lax.axis_index("n"), lax.axis_index("s")
+
+        def acc_scope(acc_ref):
+            def run(i):
+                j = tile - int(starts[i])
+                plgpu.copy_gmem_to_smem(s_gmems[i].at[j], s_smem, s_bar)
+
+                def step(idx, w_smem, x_smem):
+                    (t,) = idx
+                    pl.when(t == 0)(lambda: plgpu.barrier_wait(s_bar))
+                    plgpu.wgmma(acc_ref, decode(w_smem, s_smem, sp * per + t), x_smem.transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+
+                plgpu.emit_pipeline(
+                    step,
+                    grid=(per,),
+                    in_specs=[plgpu.BlockSpec((TN, TK), lambda t: (j, sp * per + t), transforms=_W8_TRANSFORMS),
+                              plgpu.BlockSpec((TM, TK), lambda t: (0, sp * per + t), transforms=_X_TRANSFORMS)],
+                    max_concurrent_steps=stages,
+                )(q_gmems[i], xp_gmem)
+
+            for i in range(n_w):
+                pl.when((tile >= int(starts[i])) & (tile < int(starts[i + 1])))(functools.partial(run, i))
+            return acc_ref[...]
+
+        o_smem[...] = pl.run_scoped(acc_scope, plgpu.ACC((TN, TM), jnp.float32))
+        _store_columns(m)(o_smem, o_gmem, sp * m, tile * TN, 0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((splits * m, int(starts[-1]) * TN), jnp.float32),
+        grid=(int(starts[-1]), splits),
+        grid_names=("n", "s"),
+        scratch_types=(plgpu.SMEM((k // 1024, 64), jnp.uint8), plgpu.Barrier(num_arrivals=1),
+                       plgpu.SMEM((TN, TM), jnp.float32)),
+        kernel_name=f"fp8_wgmma_{'_'.join(map(str, ns))}x{k}",
+    )
+    y = kernel(xp, *qs, *s_views).reshape(splits, m, -1).sum(0)
+    return [y[:, TN * int(a):TN * int(b)] for a, b in zip(starts[:-1], starts[1:])]

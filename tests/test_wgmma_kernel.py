@@ -1,0 +1,203 @@
+"""The Hopper FP4 expert kernel (`kernels_pallas.gpu_wgmma`): what a CPU can check and, on an H100/H200, its
+values compiled against the jnp twin (`grouped.rows_matmul`).
+
+The Mosaic GPU interpreter cannot run a register-operand wgmma, so on a CPU: the decode's bit arithmetic by
+a numpy model of its PTX (every code, every E8M0 byte the fast path takes), the K permutation, the
+arguments it refuses, and that it lowers for CUDA (its Mosaic GPU module is built; PTX needs a GPU)."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax import grouped
+from kernels_pallas import gpu_wgmma
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+def _bf16_bits_to_float(bits_u16: np.ndarray) -> np.ndarray:
+    return (bits_u16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _ptx_model(word: np.ndarray, exp_u8: np.ndarray) -> np.ndarray:
+    """float64 [..., 4, 2]: DECODE_PTX's four bf16x2 outputs (low, high lane) for uint32 words and E8M0 bytes,
+    instruction by instruction (the FMA's product is exact in bf16 here, as the test below checks)."""
+    ptx = gpu_wgmma.DECODE_PTX  # the model below follows its instructions and constants
+    assert re.findall(r"\b(shl|shr|and|lop3|fma)\.", ptx) == ["shr", "and", "lop3", "fma"] + ["shl", "shr", "and",
+                                                                                            "lop3", "fma"] * 3
+    assert all(c in ptx for c in ("shr.b32 m, q, 6;", "0x01C001C0", "0x80008000, m, 0xEA", "fma.rn.bf16x2"))
+    mult = ((exp_u8.astype(np.uint32) + 126) << 7).astype(np.uint16)  # bf16 2**(E + 126), E = byte - 127
+    outs = []
+    for i in range(4):
+        q = (word << np.uint32(4 * i)).astype(np.uint32)
+        m = (q >> np.uint32(6)) & np.uint32(0x01C001C0)
+        m = (q & np.uint32(0x80008000)) | m  # lop3 0xEA: (a & b) | c
+        lanes = np.stack([m & np.uint32(0xFFFF), m >> np.uint32(16)], -1).astype(np.uint16)
+        outs.append(_bf16_bits_to_float(lanes) * _bf16_bits_to_float(mult)[..., None])
+    return np.stack(outs, -2)
+
+
+def test_decode_bits_give_every_code_times_its_scale():
+    """Every pair of codes in every byte position, for E8M0 bytes 0..128 (2**-127 .. 2**1): output i holds
+    inputs WORD_PAIRS[i] (input 2b in byte b's low nibble) as E2M1 x 2**(byte - 127), bf16 products exact."""
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 16, (4096, 8)).astype(np.uint32)
+    codes[:256, :2] = np.stack(np.meshgrid(np.arange(16), np.arange(16)), -1).reshape(256, 2)  # all pairs
+    words = np.zeros(len(codes), np.uint32)
+    for j in range(8):  # input j: byte j // 2, high nibble for odd j
+        words |= codes[:, j] << np.uint32(4 * j)
+    exps = np.resize(np.arange(129, dtype=np.uint8), len(codes))
+    got = _ptx_model(words, exps)
+    for i, (lo, hi) in enumerate(gpu_wgmma.WORD_PAIRS):
+        for lane, j in enumerate((lo, hi)):
+            want = E2M1[codes[:, j]] * np.exp2(exps.astype(np.float64) - 127)
+            np.testing.assert_array_equal(got[:, i, lane], want)
+            assert np.array_equal(np.signbit(got[:, i, lane]), np.signbit(E2M1[codes[:, j]]))  # -0 stays -0
+    # and the products are representable in bf16 (the FMA rounds nothing): at most 3 significant bits
+    assert np.all(np.asarray(jnp.asarray(got, jnp.bfloat16), np.float64) == got)
+
+
+def test_k_permutation_is_a_bijection_within_scale_groups_of_each_thread():
+    """Every input of a 256 step exactly once; thread q's columns (pairs 8b + 2q in each 16) hold only inputs
+    of its scale groups 2q and 2q + 1 (the scales it loads)."""
+    p = gpu_wgmma.k_perm()
+    assert sorted(p) == list(range(gpu_wgmma.TK))
+    cols = np.arange(gpu_wgmma.TK)
+    thread = (cols % 8) // 2
+    assert np.all(p // 32 // 2 == thread)
+
+
+def _packed(e, n, k, seed=0):
+    """(values uint8 [E, N, K/2], scales uint8 [E, N, K/32] with bytes 118..123): random FP4 experts."""
+    rng = np.random.default_rng(seed)
+    values = jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8)
+    scales = jnp.asarray(rng.integers(118, 124, (e, n, k // 32)), jnp.uint8)
+    return values, scales
+
+
+def test_refuses_what_it_cannot_compute():
+    values, scales = _packed(2, 64, 256)
+    ids = jnp.zeros((4,), jnp.int32)
+    for x, kw, what in ((jnp.zeros((3, 256), jnp.bfloat16), {}, "R | M"),  # 3 rows for 4 assignments
+                        (jnp.zeros((1, 256), jnp.float32), {}, "bf16"),
+                        (jnp.zeros((1, 256), jnp.bfloat16), {"splits": 2}, "splits")):
+        with pytest.raises(ValueError, match=re.escape(what)):
+            gpu_wgmma.rows_matmuls_fp4_wgmma(x, [(values, scales)], ids, **kw)
+    with pytest.raises(ValueError, match="do not fit"):
+        gpu_wgmma.rows_matmuls_fp4_wgmma(jnp.zeros((1, 256), jnp.bfloat16), [(values, scales), (values[:1], scales[:1])],
+                                   ids)
+    assert not gpu_wgmma.supported(jnp.zeros((1, 256), jnp.bfloat16), [(values, scales)], ids) \
+        or gpu_wgmma.is_hopper()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
+@pytest.mark.parametrize("rows,m,splits", [(1, 6, 1), (6, 6, 2), (2, 12, 1)])
+def test_lowers_for_cuda(rows, m, splits):
+    """One token's k rows, a row each with K split, and two tokens' k rows each (R = M / k), two weights."""
+    s = jax.ShapeDtypeStruct
+    e, n, k = 8, 128, 512
+    w = (s((e, n, k // 2), jnp.uint8), s((e, n, k // 32), jnp.uint8))
+    f = functools.partial(gpu_wgmma.rows_matmuls_fp4_wgmma, splits=splits)
+    text = jax.jit(f).trace(s((rows, k), jnp.bfloat16), [w, w], s((m,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and f"fp4_rows_wgmma_{n}x{k}" in text
+
+
+@pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
+@pytest.mark.parametrize("rows,m,splits", [(1, 6, 1), (6, 6, 3), (8, 48, 1), (48, 48, 3), (1, 1, 1)])
+def test_matches_the_twin_on_the_gpu(rows, m, splits):
+    """Two weights in one launch, unequal expert sets, a -1 row (zero), x of one row, a row each, and one row
+    per token's k = 6 assignments; equal to the twin up to f32 summation order."""
+    e, n, k = 16, 192, 768
+    pairs = [_packed(e, n, k, seed=s) for s in (1, 2)]
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, e, m), jnp.int32).at[m // 2].set(-1)
+    got = gpu_wgmma.rows_matmuls_fp4_wgmma(x, pairs, ids, splits=splits)
+    xm = jnp.repeat(x, m // rows, axis=0)
+    for y, (values, scales) in zip(got, pairs):
+        want = grouped.rows_matmul(xm, {"values": values, "scales": scales}, ids)
+        assert y.shape == (m, n)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+        assert not np.any(np.asarray(y[m // 2]))
+
+
+@pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_moe_layer_takes_the_kernel_for_a_few_tokens(tokens, act_quant, monkeypatch):
+    """A bf16 MoE layer in the released weight formats: its decode-sized calls run the wgmma kernel as rows
+    (one token and a few alike) and equal the jnp twin's layer. The two compute the same f32 products in
+    another summation order; the SwiGLU output is rounded to bf16 before w2, where a 1-ulp difference can
+    flip a bf16 rounding (2**-8 relative) of a few hidden units: bounded at 1% of the output's scale, and
+    the mean difference at 0.1%."""
+    from flax import nnx
+
+    import dsv41_jax as d
+    from dsv41_jax.moe import MoE
+
+    cfg = d.preset("tiny").replace(dim=256, moe_inter_dim=256, n_routed_experts=16, n_activated_experts=4,
+                                   weight_format="fp8", dtype="bfloat16", param_dtype="bfloat16",
+                                   activation_quant=act_quant)
+    monkeypatch.setattr(gpu_wgmma, "ON", True)  # the dispatch's switch
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(tokens).normal(size=(1, tokens, cfg.dim)), jnp.bfloat16)
+    hlo = jax.jit(lambda x: moe(x, kernels="pallas")[0]).lower(x).as_text()
+    assert "fp4_rows_wgmma" in hlo
+    y_kernel = np.asarray(moe(x, kernels="pallas")[0], np.float32)
+    y_jnp = np.asarray(moe(x, kernels="jnp")[0], np.float32)
+    diff, scale = np.abs(y_kernel - y_jnp), np.abs(y_jnp).max()
+    assert diff.max() <= 1e-2 * scale and diff.mean() <= 1e-3 * scale, (diff.max() / scale, diff.mean() / scale)
+
+
+def test_fp8_decode_bits_give_every_byte_times_its_scale():
+    """FP8_DECODE_PTX modelled instruction by instruction: every E4M3 byte but the NaNs, in every position of a
+    word, times 2**(E - 7) with E up to the fast path's 134: the E4M3 value times 2**(E - 127), exact in bf16."""
+    ptx = gpu_wgmma.FP8_DECODE_PTX
+    assert re.findall(r"\b(prmt|shl|and|lop3|fma)\.", ptx) == (["prmt"] + ["shl", "and", "shl", "lop3", "fma"]) * 2
+    assert all(c in ptx for c in ("0x4140", "0x4342", "0x07F007F0", "0x80008000, m, 0xEA"))
+    codes = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint32)  # E4M3 NaN: 0x7F, 0xFF
+    rng = np.random.default_rng(1)
+    words4 = np.stack([rng.permutation(np.resize(codes, 4 * len(codes)))[:len(codes)] for _ in range(4)], -1)
+    words4[:, 0] = codes  # every code in byte 0 at least
+    words = sum(words4[:, j] << np.uint32(8 * j) for j in range(4)).astype(np.uint32)
+    exps = np.resize(np.arange(100, 135, dtype=np.uint32), len(codes))
+    mult = _bf16_bits_to_float(((exps + 120) << 7).astype(np.uint16))
+    e4m3 = np.asarray(jnp.asarray(words4.astype(np.uint8)).view(jnp.float8_e4m3fn).astype(jnp.float32), np.float64)
+    for sel in (0x4140, 0x4342):
+        lo, hi = (sel & 0xF), (sel >> 8) & 0xF  # the prmt's source bytes of the two lanes
+        t = ((words >> np.uint32(8 * lo)) & np.uint32(0xFF)) | (((words >> np.uint32(8 * hi)) & np.uint32(0xFF)) << np.uint32(16))
+        m = (t << np.uint32(4)) & np.uint32(0x07F007F0)
+        m = ((t << np.uint32(8)) & np.uint32(0x80008000)) | m
+        for lane, j in enumerate((lo, hi)):
+            bits = (m >> np.uint32(16 * lane)) & np.uint32(0xFFFF)
+            got = _bf16_bits_to_float(bits.astype(np.uint16)) * mult
+            np.testing.assert_array_equal(got, e4m3[:, j] * np.exp2(exps.astype(np.float64) - 127))
+
+
+def test_fp8_k_permutation_keeps_each_threads_inputs_in_its_scale_groups():
+    p = gpu_wgmma.fp8_k_perm()
+    assert sorted(p) == list(range(gpu_wgmma.TK))
+    thread = (np.arange(gpu_wgmma.TK) % 8) // 2
+    assert np.all(np.isin(p // 32 - thread, (0, 4)))  # groups q and q + 4 of 8 per step
+
+
+@pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
+@pytest.mark.parametrize("m,ns,k,splits", [(1, (1024, 512), 2048, None), (8, (192,), 1024, 1), (5, (64, 128), 3072, 3)])
+def test_fp8_matches_the_twin_on_the_gpu(m, ns, k, splits):
+    """Projections of one input in one launch (unequal widths), K split or not, 1..8 rows."""
+    rng = np.random.default_rng(m)
+    ws = [(jnp.asarray(rng.integers(0, 256, (n, k)) & 0xFE, jnp.uint8),
+           jnp.asarray(rng.integers(114, 135, (n // 32, k // 32)), jnp.uint8)) for n in ns]
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    got = gpu_wgmma.fp8_matmuls_wgmma(x, ws, splits=splits)
+    for y, (q, e) in zip(got, ws):
+        want = grouped.fp8_matmul(x, jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn), e)
+        assert y.shape == want.shape
+        np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
