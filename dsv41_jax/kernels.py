@@ -194,11 +194,20 @@ def rows_matmuls(x_mk, ws, expert_m, *, kernels="jnp"):
     return [jnp.zeros_like(y).at[order].set(y) for y in _kp.grouped_matmuls_fp4(x_mk[order], pairs, sizes)]
 
 
+# Tokens up to which a decode step's routed experts run as rows on the Hopper wgmma kernel (below). The slice
+# on the H200 (seventeenth session, docs/BENCHMARKS.md "Eleventh pass"): batch 8's experts 2,129 -> 1,689 us
+# per step against the Triton grouped kernel. Batch 64 was not measured with it: its 384 assignments hold
+# ~250 distinct experts, which the grouped kernel reads once each and the rows form ~1.5 times.
+EXPERT_ROWS_TOKENS = 8
+
+
 def expert_rows_on(kernels: str, x_mk, ws, m: int) -> bool:
-    """True when `rows_matmuls` of x [R, K] over m rows runs the Hopper wgmma kernel (`kernels_pallas.gpu_wgmma`):
-    then a decode step's few tokens take their experts as rows (each assignment reads its expert; an expert
-    that two tokens share is read twice) rather than sorted into groups, as one token's always do."""
-    return (_weight_kernels(kernels, m) and all(grouped.is_packed(w) for w in ws) and _kp.platform() == ("gpu", False)
+    """True when `rows_matmuls` of x [R, K] (R <= EXPERT_ROWS_TOKENS tokens) over m rows runs the Hopper wgmma
+    kernel (`kernels_pallas.gpu_wgmma`): then a decode step's few tokens take their experts as rows (each
+    assignment reads its expert; an expert that two tokens share is read twice) rather than sorted into
+    groups, as one token's always do."""
+    return (x_mk.shape[0] <= EXPERT_ROWS_TOKENS and _weight_kernels(kernels, m) and all(grouped.is_packed(w) for w in ws)
+            and _kp.platform() == ("gpu", False)
             and _kp.gpu_wgmma.supported(x_mk, [(w["values"], w["scales"]) for w in ws], jnp.zeros((m,), jnp.int32)))
 
 

@@ -123,17 +123,6 @@ def idle_before(kernels: list[dict], sources: dict[str, str], steps: int) -> dic
     return dict(by)
 
 
-def command_buffer_custom_calls(hlo_text: str) -> dict[str, list[int]]:
-    """{custom-call target: [calls inside command-buffer computations, calls elsewhere]} of compiled HLO text:
-    a custom call outside every command buffer is launched by the host on its own."""
-    out = collections.defaultdict(lambda: [0, 0])
-    for block in re.split(r"\n(?=\S)", hlo_text):  # one computation per unindented header line
-        inside = bool(re.match(r"(ENTRY )?%?command_buffer", block))
-        for target in re.findall(r'custom_call_target="([^"]+)"', block):
-            out[target][0 if inside else 1] += 1
-    return dict(out)
-
-
 def _table(title: str, rows: dict[str, list[float]], top: int) -> None:
     print(f"\n| {title} | kernels / step | GPU us / step |\n|---|---|---|")
     for k, (n, us) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]:
@@ -209,7 +198,6 @@ def _profile(args) -> dict:
     idle = idle_before(kernels, kernel_sources(hlo), args.chunk)
     print(f"\nGPU idle between kernels: {sum(us for _, us in idle.values()):.1f} us per step (traced call)")
     _table("idle before", idle, 15)
-    print("\ncustom calls (inside command buffers, elsewhere):", command_buffer_custom_calls(hlo))
     result = {"step_ms": step_ms, "kernels_per_step": len(kernels) / args.chunk, "gpu_us_per_step": busy,
               "by_source": rows}
     with open(os.path.join(args.out, "attribution.json"), "w") as f:

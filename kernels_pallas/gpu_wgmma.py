@@ -158,9 +158,10 @@ def supported(x_mk: jax.Array, weights, expert_m: jax.Array) -> bool:
             and n % TN == 0 and is_hopper())
 
 
-# The model's dispatch takes these kernels on a Hopper GPU only while ON (off until the slice's A/B on the H200
-# shows the decode step faster with them, docs/BENCHMARKS.md).
-ON = False
+# The model's dispatch takes these kernels on a Hopper GPU while ON. The slice on the H200 (seventeenth session,
+# docs/BENCHMARKS.md "Eleventh pass"): batch 8 GPU time 3,898 -> 3,326 us per step, loop 4.16-4.23 -> 3.72 ms;
+# batch 1 GPU time 1,840 -> 1,713 us, loop unchanged (2.06 -> 2.08-2.10 ms: the GPU idles more between kernels).
+ON = True
 
 
 @functools.cache

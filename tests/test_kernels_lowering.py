@@ -33,6 +33,7 @@ KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_mat
     ("v41-slice", 1, True, SCAN | FEW | MOSAIC | {"fp8_matmuls"}),  # an H100/H200: the wgmma experts
     ("v41-slice", 8, True, SCAN | FEW | MOSAIC | {"fp8_matmuls"}),  # ... for a few tokens' rows too
     ("v41-slice", 64, False, SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),
+    ("v41-slice", 64, True, SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),  # past EXPERT_ROWS_TOKENS, 8 FP8 rows
     ("small", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float weights: only the row form has a kernel
 ])
 def test_decode_step_lowers_for_an_h200(preset, batch, hopper, want):

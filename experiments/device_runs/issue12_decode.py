@@ -101,8 +101,14 @@ GROUPS["wgmma"] = [AB_TESTS, ("wgmma_sweep", ["experiments.bench_wgmma"], 250, {
     [(f"profile_slice_b1_{side}", PROFILE_B1["v41-slice"], 100, {}) for side in ("before", "after")]
 GROUPS["wgmma_b8"] = [(f"profile_slice_b8_{side}", GROUPS["profile_b8"][0][1], 240, {}) for side in ("before", "after")]
 # after the first call (overlapped wgmma wrong, loop slower with fewer GPU us): the serial kernels' tests, the
-# slice's batch-1 profile before / after with the GPU's idle time by kernel, the batch-8 profile after (~9 min)
-GROUPS["wgmma2"] = [AB_TESTS] + GROUPS["wgmma"][2:] + [("profile_slice_b8_after", GROUPS["profile_b8"][0][1], 200, {})]
+# slice's batch-1 profile before / after with the GPU's idle time by kernel, the batch-8 profile after, and
+# batch 1 after with custom calls added to the command buffers' op types (~9.5 min)
+GROUPS["wgmma_b8_before"] = [("profile_slice_b8_before", GROUPS["profile_b8"][0][1], 200, {})]
+GROUPS["wgmma2"] = [(AB_TESTS[0], AB_TESTS[1], 100, AB_TESTS[3])] + [
+    (f"profile_slice_b1_{side}", PROFILE_B1["v41-slice"], 90, {}) for side in ("before", "after")] + [
+    ("profile_slice_b8_after", GROUPS["profile_b8"][0][1], 200, {}),
+    ("profile_slice_b1_after_cmdbuf_cc", PROFILE_B1["v41-slice"], 90,
+     {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+CUSTOM_CALL"})]
 
 
 def last_table(log: str, name: str) -> str:
