@@ -7,8 +7,9 @@ on CPU) or "auto": the kernels on GPU/TPU when the record formats are the releas
 `cfg.replace(kernels=...)`.
 
 The weight matmuls (`grouped_matmul` for routed experts, `fp8_matmuls` for FP8 projections) use the
-kernels for the released packed weight formats (GPU: `gpu_grouped`, compiled and measured on an H200;
-TPU: `tpu_grouped`, interpret-tested only), for decode-sized inputs only: up to `WEIGHT_KERNEL_ROWS`
+kernels for the released packed weight formats (GPU: `gpu_grouped` (Triton) and on an H100/H200 `gpu_wgmma`
+(Mosaic GPU) for bf16 decode batches, compiled and measured on an H200; TPU: `tpu_grouped`,
+interpret-tested only), for decode-sized inputs only: up to `WEIGHT_KERNEL_ROWS`
 rows: the expert kernel was measured on the H200 up to 384 rows (batch 64 x top-6), the FP8 one up
 to 64.
 Prefill chunks keep the XLA path (dequantize, then one GEMM), whose speed is what was measured before

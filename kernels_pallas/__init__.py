@@ -1,7 +1,8 @@
 """Pallas kernels for the decode hot spots, with the contracts of `dsv41_jax.ops`.
 
-GPU kernels lower through Triton (`gpu_*`), TPU kernels through Mosaic TPU (`tpu_*`); on a CPU both
-run in interpret mode (that is how CI checks them). The functions below take the cache records of
+GPU kernels lower through Triton (`gpu_*`; `gpu_wgmma`, Hopper's weight kernels, through Mosaic GPU), TPU
+kernels through Mosaic TPU (`tpu_*`); on a CPU both run in interpret mode (that is how CI checks them),
+except `gpu_wgmma`, which has none (its lowering and its decode's bit model are what a CPU checks). The functions below take the cache records of
 `dsv41_jax.quant` in the released packed formats and pick the platform from the default backend
 unless `family` ("gpu" | "tpu") is given.
 """

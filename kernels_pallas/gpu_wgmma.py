@@ -1,10 +1,12 @@
-"""Routed FP4 experts on Hopper's warpgroup MMA, the weights decoded in registers (Pallas, Mosaic GPU lowering).
+"""Routed FP4 experts and FP8 projections on Hopper's warpgroup MMA, the weights decoded in registers (Pallas,
+Mosaic GPU lowering).
 
-`rows_matmuls_fp4_wgmma` has the row contract of `dsv41_jax.grouped.rows_matmul` (each row names its expert) and
-is what `dsv41_jax.kernels.rows_matmuls` runs on an H100/H200 for decode-sized bf16 inputs; the Triton
-kernel of `gpu_grouped` stays the path elsewhere (it must move its decoded tile through shared memory to
-reach the tensor cores: 43-49% of the copy peak for one token's experts on the H200, where this kernel
-reaches <see docs/BENCHMARKS.md>).
+`rows_matmuls_fp4_wgmma` has the row contract of `dsv41_jax.grouped.rows_matmul` (each row names its expert)
+and `fp8_matmuls_wgmma` that of `gpu_grouped.fp8_matmuls`; `kernels_pallas.rows_matmuls_fp4` / `fp8_matmuls`
+run them on an H100/H200 for decode-sized bf16 inputs (`supported`, `fp8_supported`), the Triton kernels of
+`gpu_grouped` elsewhere. Triton must move its decoded tile through shared memory to reach the tensor cores;
+here the decode writes the MMA's operand registers. H200 (docs/BENCHMARKS.md, eleventh pass): one token's
+experts 52-63% of the copy peak (Triton 43-49%), 48 rows 79-86% (59-65%).
 
 Per CTA (grid: weight x output tile of 64 x row x K split): one warpgroup. A = 64 output rows of the
 expert's weights, decoded in registers straight into the wgmma's register-operand layout (`WGMMA_LAYOUT`);
@@ -246,6 +248,9 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
 
 
 # ----------------------------------------------------------------------------- FP8 block-format projections
+# As the experts' kernel, with one weight matrix per launch entry (no expert index), x of up to 8 rows all kept,
+# 256 E4M3 bytes per row and step (two 128 B swizzle columns), and the 32 x 32 block scales of a CTA's 64 rows
+# (2 rows of K/32 bytes) as one TMA box.
 # One 32-bit word of E4M3 bytes (inputs 0..3) -> two bf16x2 (inputs 0, 1 and 2, 3): prmt spreads two bytes into
 # the low bytes of the 16-bit lanes, then bits 0..6 << 4 and the sign bit 7 << 8 make bf16 bits whose value
 # is E4M3 * 2**-120 exactly (subnormals included); one fma.rn.bf16x2 by $3 = 2**(E - 7) scales it exactly

@@ -11,6 +11,9 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profile_b8  # ~3 min: the slice's b8 profile
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode flags     # ~5 min: XLA options, b1 profiles
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode diagnose  # ~7 min: b8 profile, flags
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wgmma     # ~7 min: wgmma tests, sweep, b1 A/B
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wgmma2    # ~9.5 min: tests, b1 A/B, b8 after
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wgmma_b8_before  # ~3 min: b8, Triton kernels
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
