@@ -13,7 +13,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode diagnose  # ~7 min: b8 profile, flags
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wgmma     # ~7 min: wgmma tests, sweep, b1 A/B
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wgmma2    # ~9.5 min: tests, b1 A/B, b8 after
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wgmma_b8_before  # ~3 min: b8, Triton kernels
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wgmma_b8_before  # ~4 min: b8 Triton; b1 no cmdbuf
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -106,7 +106,10 @@ GROUPS["wgmma_b8"] = [(f"profile_slice_b8_{side}", GROUPS["profile_b8"][0][1], 2
 # after the first call (overlapped wgmma wrong, loop slower with fewer GPU us): the serial kernels' tests, the
 # slice's batch-1 profile before / after with the GPU's idle time by kernel, the batch-8 profile after, and
 # batch 1 after with custom calls added to the command buffers' op types (~9.5 min)
-GROUPS["wgmma_b8_before"] = [("profile_slice_b8_before", GROUPS["profile_b8"][0][1], 200, {})]
+GROUPS["wgmma_b8_before"] = [("profile_slice_b8_before", GROUPS["profile_b8"][0][1], 170, {}),
+                             # is the batch-1 step host-bound? the same step with XLA's command buffers off
+                             ("profile_slice_b1_no_cmdbuf", PROFILE_B1["v41-slice"], 85,
+                              {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="})]
 GROUPS["wgmma2"] = [(AB_TESTS[0], AB_TESTS[1], 100, AB_TESTS[3])] + [
     (f"profile_slice_b1_{side}", PROFILE_B1["v41-slice"], 90, {}) for side in ("before", "after")] + [
     ("profile_slice_b8_after", GROUPS["profile_b8"][0][1], 200, {}),
