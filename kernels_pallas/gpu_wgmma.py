@@ -81,11 +81,13 @@ def k_perm() -> np.ndarray:
     return p
 
 
-def _i32(v):
+def i32_const(v):
+    """An i32 MLIR constant (inside inline_mgpu functions)."""
     return arith.constant(ir.IntegerType.get_signless(32), v)
 
 
-def _index(v):
+def index_of(v):
+    """An i32 MLIR value as an index (memref subscripts)."""
     return arith.index_cast(ir.IndexType.get(), v)
 
 
@@ -104,23 +106,23 @@ def _decode_tile(k: int, ptx: str):
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
         step = step.registers.item()
         tid = mgpu_utils.thread_idx()
-        lane = arith.remui(tid, _i32(32))
-        warp = arith.remui(arith.divui(tid, _i32(32)), _i32(4))
-        q, r = arith.remui(lane, _i32(4)), arith.divui(lane, _i32(4))
-        row0 = arith.addi(arith.muli(warp, _i32(16)), r)
+        lane = arith.remui(tid, i32_const(32))
+        warp = arith.remui(arith.divui(tid, i32_const(32)), i32_const(4))
+        q, r = arith.remui(lane, i32_const(4)), arith.divui(lane, i32_const(4))
+        row0 = arith.addi(arith.muli(warp, i32_const(16)), r)
         v_ptr = mgpu_utils.memref_ptr(v_smem)  # tiled [8, 1, 8, 128]: row R at byte 128 R
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TN, TK)), dtype=object)  # [1, 32, 1, 1, 2, 1, ...]
         for half in range(2):  # rows R = row0 and row0 + 8 (a0/a2 and a1/a3 of each wgmma)
-            row = arith.addi(row0, _i32(8 * half))
+            row = arith.addi(row0, i32_const(8 * half))
             for h in range(2):  # scale group g = 2q + h of the step's 8
-                g = arith.addi(arith.muli(q, _i32(2)), _i32(h))
+                g = arith.addi(arith.muli(q, i32_const(2)), i32_const(h))
                 # 128 B swizzle: 16 B chunk g of row R sits at chunk g ^ (R % 8) = g ^ r
-                off = arith.addi(arith.muli(row, _i32(128)), arith.muli(arith.xori(g, r), _i32(16)))
+                off = arith.addi(arith.muli(row, i32_const(128)), arith.muli(arith.xori(g, r), i32_const(16)))
                 words = llvm.load(ir.VectorType.get((4,), i32), mgpu_utils.getelementptr(v_ptr, [off], i8))
-                flat = arith.addi(arith.muli(row, _i32(groups)), arith.addi(arith.muli(step, _i32(8)), g))
-                e = memref.load(s_smem, [_index(arith.divui(flat, _i32(256))), _index(arith.remui(flat, _i32(256)))])
-                mult = arith.shli(arith.addi(arith.extui(i32, e), _i32(126)), _i32(7))  # bf16 2**(E + 126)
-                mult = arith.ori(mult, arith.shli(mult, _i32(16)))
+                flat = arith.addi(arith.muli(row, i32_const(groups)), arith.addi(arith.muli(step, i32_const(8)), g))
+                e = memref.load(s_smem, [index_of(arith.divui(flat, i32_const(256))), index_of(arith.remui(flat, i32_const(256)))])
+                mult = arith.shli(arith.addi(arith.extui(i32, e), i32_const(126)), i32_const(7))  # bf16 2**(E + 126)
+                mult = arith.ori(mult, arith.shli(mult, i32_const(16)))
                 for w in range(4):
                     word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([w]))
                     outs = mgpu_utils.inline_ptx(ptx, word, mult, result_types=[i32] * 4)
@@ -143,10 +145,10 @@ def _store_columns(count: int):
         row0, n0, col0 = (a.registers.item() for a in (row0, n0, col0))
         mgpu_utils.warpgroup_barrier()  # o_smem was written by other threads
         tid = mgpu_utils.thread_idx()
-        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, tid, _i32(TN))):
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, tid, i32_const(TN))):
             for c in range(count):
-                v = memref.load(o_smem, [_index(tid), _index(arith.addi(col0, _i32(c)))])
-                memref.store(v, o_gmem, [_index(arith.addi(row0, _i32(c))), _index(arith.addi(n0, tid))])
+                v = memref.load(o_smem, [index_of(tid), index_of(arith.addi(col0, i32_const(c)))])
+                memref.store(v, o_gmem, [index_of(arith.addi(row0, i32_const(c))), index_of(arith.addi(n0, tid))])
 
     return store
 
@@ -203,7 +205,7 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
 
     def body(expert_ref, xp_gmem, *refs):
         v_gmems, s_gmems, (o_gmem, s_smem, s_bar, o_smem) = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
-        wj, row, sp = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
+        wj, row, sp = lax.axisindex_of("n"), lax.axisindex_of("m"), lax.axisindex_of("s")
         wi, j = wj // n_tiles, wj % n_tiles
         e = expert_ref[row]
         xrow = row // share
@@ -288,27 +290,27 @@ def _decode_fp8_tile(k: int, ptx: str):
         del ctx
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
-        step, groups = step.registers.item(), _i32(k // SCALE_BLOCK)
+        step, groups = step.registers.item(), i32_const(k // SCALE_BLOCK)
         tid = mgpu_utils.thread_idx()
-        lane = arith.remui(tid, _i32(32))
-        warp = arith.remui(arith.divui(tid, _i32(32)), _i32(4))
-        q, r = arith.remui(lane, _i32(4)), arith.divui(lane, _i32(4))
+        lane = arith.remui(tid, i32_const(32))
+        warp = arith.remui(arith.divui(tid, i32_const(32)), i32_const(4))
+        q, r = arith.remui(lane, i32_const(4)), arith.divui(lane, i32_const(4))
         w_ptr = mgpu_utils.memref_ptr(w_smem)  # tiled [8, 2, 8, 128]: (row // 8, col // 128, row % 8, col % 128)
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TN, TK)), dtype=object)
         for half in range(2):  # rows 16 warp + r + 8 half: row // 8 = 2 warp + half, row % 8 = r, row // 32
-            tile_row = arith.addi(arith.muli(warp, _i32(2)), _i32(half))
-            s_row = arith.divui(warp, _i32(2))
+            tile_row = arith.addi(arith.muli(warp, i32_const(2)), i32_const(half))
+            s_row = arith.divui(warp, i32_const(2))
             for ci, chunk_off in enumerate(_FP8_CHUNKS):
-                ch = arith.addi(arith.muli(q, _i32(2)), _i32(chunk_off))  # static ch // 8 = chunk_off // 8
-                off = arith.addi(arith.addi(arith.muli(tile_row, _i32(2048)), _i32(1024 * (chunk_off // 8))),
-                                 arith.addi(arith.muli(r, _i32(128)),
-                                            arith.muli(arith.xori(arith.remui(ch, _i32(8)), r), _i32(16))))
+                ch = arith.addi(arith.muli(q, i32_const(2)), i32_const(chunk_off))  # static ch // 8 = chunk_off // 8
+                off = arith.addi(arith.addi(arith.muli(tile_row, i32_const(2048)), i32_const(1024 * (chunk_off // 8))),
+                                 arith.addi(arith.muli(r, i32_const(128)),
+                                            arith.muli(arith.xori(arith.remui(ch, i32_const(8)), r), i32_const(16))))
                 words = llvm.load(ir.VectorType.get((4,), i32), mgpu_utils.getelementptr(w_ptr, [off], i8))
-                group = arith.divui(ch, _i32(2))
-                flat = arith.addi(arith.muli(s_row, groups), arith.addi(arith.muli(step, _i32(8)), group))
-                e = memref.load(s_smem, [_index(arith.divui(flat, _i32(64))), _index(arith.remui(flat, _i32(64)))])
-                mult = arith.shli(arith.addi(arith.extui(i32, e), _i32(120)), _i32(7))  # bf16 2**(E - 7)
-                mult = arith.ori(mult, arith.shli(mult, _i32(16)))
+                group = arith.divui(ch, i32_const(2))
+                flat = arith.addi(arith.muli(s_row, groups), arith.addi(arith.muli(step, i32_const(8)), group))
+                e = memref.load(s_smem, [index_of(arith.divui(flat, i32_const(64))), index_of(arith.remui(flat, i32_const(64)))])
+                mult = arith.shli(arith.addi(arith.extui(i32, e), i32_const(120)), i32_const(7))  # bf16 2**(E - 7)
+                mult = arith.ori(mult, arith.shli(mult, i32_const(16)))
                 for w in range(4):
                     word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([w]))
                     outs = mgpu_utils.inline_ptx(ptx, word, mult, result_types=[i32] * 2)
@@ -364,7 +366,7 @@ def fp8_matmuls_wgmma(x_mk: jax.Array, weights, *, splits: int | None = None, st
 
     def body(xp_gmem, *refs):
         q_gmems, s_gmems, (o_gmem, s_smem, s_bar, o_smem) = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
-        tile, sp = lax.axis_index("n"), lax.axis_index("s")
+        tile, sp = lax.axisindex_of("n"), lax.axisindex_of("s")
 
         def acc_scope(acc_ref):
             def run(i):

@@ -1,0 +1,221 @@
+"""Decode-step indexer scan on Hopper's warpgroup MMA, the FP4 keys decoded in registers (Pallas, Mosaic GPU).
+
+NOT YET RUN ON A GPU (written in the seventeenth session without device time left): not wired into the
+model's dispatch. It has the contract of `gpu_indexer.indexer_scores` without `block`: score[b, n] =
+sum_h w[b, h] * relu(q[b, h] . k[b, n]), -inf at n >= reachable[b], over the packed FP4 index keys
+(`quant.INDEX_KEY`: E2M1 pairs uint8 [B, N, D/2], E8M0 per 32 channels uint8 [B, N, D/32]), D = 128.
+Issue 21 asks the scan for >= 70% of the copy bandwidth; the Triton scan's f16 / FP8 decode capped it at
+~45% (docs/BENCHMARKS.md, issue 21 sections). This is the experts' form of `gpu_wgmma` applied to keys:
+
+Per CTA (grid: sequence x range of positions): one warpgroup; q^T [D, 2H] (bf16 hi and lo halves of q, so
+that q . k keeps ~16 bits of q) and w stay in shared memory; a TMA pipeline streams 64 positions per step
+(their 64 x 64 key bytes and 64 x 4 scale bytes). Each step: the keys decoded by the experts' PTX
+(`gpu_wgmma.DECODE_PTX`) straight into the wgmma's register operand, each row's groups scaled by
+2**(e_g - e_max) (e_max: the row's largest scale byte; groups below 2**-126 of it become 0), one
+64 x 2H x 128 wgmma, then the epilogue on the accumulator's registers: hi + lo per head, relu, times w,
+summed over the head columns a thread holds and across the 4 threads of a row (shuffles), times
+2**(e_max - 127), -inf past reachable, stored. The channel order inside each row is permuted (`key_perm`) so
+that a thread's decoded words are its own WGMMA-layout registers; q is permuted alike.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas.gpu_wgmma import DECODE_PTX, WORD_PAIRS, i32_const, index_of
+
+D = 128  # channels of an index key
+TP = 64  # positions per step: the wgmma's M
+GROUP = 32  # channels per E8M0 scale
+_SPLAT = plgpu.Layout.WG_SPLAT(shape=())
+_Q_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 [2H, 128]
+
+
+def key_perm() -> np.ndarray:
+    """p[c]: the channel that the wgmma's K column c holds, in every key row and in q.
+
+    WGMMA_LAYOUT gives thread q = lane % 4 the columns 8r + 2q + {0, 1} (register r < 16) of its rows; it
+    decodes the 4 words of its row's scale group q; word u's output i fills register 4u + i."""
+    p = np.empty(D, np.int64)
+    for r in range(D // 8):
+        u, i = divmod(r, 4)
+        for q in range(4):
+            for j in range(2):
+                p[8 * r + 2 * q + j] = GROUP * q + 8 * u + WORD_PAIRS[i][j]
+    return p
+
+
+def _decode_keys():
+    """inline_mgpu: (key bytes [64, 64] u8, scale bytes [1, 256] u8 (64 rows x 4)) -> bf16 [64, 128] in
+    WGMMA_LAYOUT (column c: channel key_perm()[c]), each group times 2**(e_g - e_max of its row)."""
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct((TP, D), jnp.bfloat16, plgpu.Layout.WGMMA),
+    )
+    def decode(ctx, k_smem, s_smem):
+        del ctx
+        i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        tid = mgpu_utils.thread_idx()
+        lane = arith.remui(tid, i32_const(32))
+        warp = arith.remui(arith.divui(tid, i32_const(32)), i32_const(4))
+        q, r = arith.remui(lane, i32_const(4)), arith.divui(lane, i32_const(4))
+        k_ptr, s_ptr = mgpu_utils.memref_ptr(k_smem), mgpu_utils.memref_ptr(s_smem)
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TP, D)), dtype=object)
+        for half in range(2):
+            row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(8 * half))
+            words = llvm.load(ir.VectorType.get((4,), i32),
+                              mgpu_utils.getelementptr(k_ptr, [arith.addi(arith.muli(row, i32_const(64)),
+                                                                         arith.muli(q, i32_const(16)))], i8))
+            four = llvm.load(i32, mgpu_utils.getelementptr(s_ptr, [arith.muli(row, i32_const(4))], i8))
+            byte = lambda g: arith.andi(arith.shrui(four, i32_const(8 * g)), i32_const(0xFF))  # noqa: E731
+            e_max = functools.reduce(arith.maxui, [byte(g) for g in range(4)])
+            e_q = arith.andi(arith.shrui(four, arith.muli(q, i32_const(8))), i32_const(0xFF))
+            # bf16 2**(e_q - e_max + 126) * (E2M1 * 2**-126) = E2M1 * 2**(e_q - e_max); 0 below 2**-126
+            expo = arith.maxsi(arith.addi(arith.subi(e_q, e_max), i32_const(126)), i32_const(0))
+            mult = arith.shli(expo, i32_const(7))
+            mult = arith.ori(mult, arith.shli(mult, i32_const(16)))
+            for u in range(4):
+                word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([u]))
+                outs = mgpu_utils.inline_ptx(DECODE_PTX, word, mult, result_types=[i32] * 4)
+                for i, reg in enumerate(outs):
+                    regs[0, 4 * u + i, 0, 0, half, 0, 0, 0, 0] = mgpu_utils.bitcast(reg, bf16x2)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return decode
+
+
+def _epilogue(h: int):
+    """inline_mgpu: (acc f32 [64, 2H] WGMMA layout, w_smem f32 [H], scale bytes [1, 256] u8, out gmem f32 [B, N],
+    b, first position, reachable) -> stores the 64 scores."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), _SPLAT,
+                                  _SPLAT, _SPLAT))
+    def epilogue(ctx, acc, w_smem, s_smem, o_gmem, b, p0, reach):
+        del ctx
+        f32, i32, i8 = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        b, p0, reach = (a.registers.item() for a in (b, p0, reach))
+        tid = mgpu_utils.thread_idx()
+        lane = arith.remui(tid, i32_const(32))
+        warp = arith.remui(arith.divui(tid, i32_const(32)), i32_const(4))
+        q, r = arith.remui(lane, i32_const(4)), arith.divui(lane, i32_const(4))
+        s_ptr = mgpu_utils.memref_ptr(s_smem)
+        zero = arith.constant(f32, 0.0)
+        for half in range(2):
+            row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(8 * half))
+            total = zero
+            for c in range(h // 8):  # head columns 8c + 2q + {0, 1}: hi at block c, lo at block c + H / 8
+                hi, lo = acc.registers[0, c, 0, 0, half, 0, 0, 0, 0], acc.registers[0, c + h // 8, 0, 0, half, 0, 0, 0, 0]
+                for j in range(2):
+                    pos = ir.DenseI64ArrayAttr.get([j])
+                    x = arith.addf(vector.extract(hi, dynamic_position=[], static_position=pos),
+                                   vector.extract(lo, dynamic_position=[], static_position=pos))
+                    head = arith.addi(arith.muli(q, i32_const(2)), i32_const(8 * c + j))
+                    w = memref.load(w_smem, [index_of(head)])
+                    total = arith.addf(total, arith.mulf(arith.maximumf(x, zero), w))
+            total = mgpu_utils.warp_tree_reduce(total, arith.addf, 4)  # the row's 4 threads: lanes 4r .. 4r + 3
+            four = llvm.load(i32, mgpu_utils.getelementptr(s_ptr, [arith.muli(row, i32_const(4))], i8))
+            e_max = functools.reduce(arith.maxui, [arith.andi(arith.shrui(four, i32_const(8 * g)), i32_const(0xFF))
+                                                   for g in range(4)])
+            # * 2**(e_max - 127) in two exact f32 factors (each exponent within [-64, 64])
+            e = arith.subi(e_max, i32_const(127))
+            e1 = arith.divsi(e, i32_const(2))
+            for part in (e1, arith.subi(e, e1)):
+                scale = arith.bitcast(f32, arith.shli(arith.addi(part, i32_const(127)), i32_const(23)))
+                total = arith.mulf(total, scale)
+            pos_n = arith.addi(p0, row)
+            total = arith.select(arith.cmpi(arith.CmpIPredicate.slt, pos_n, reach), total,
+                                 arith.constant(f32, float("-inf")))
+            with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0))):
+                memref.store(total, o_gmem, [index_of(b), index_of(pos_n)])
+
+    return epilogue
+
+
+def ctas_per_sequence(b: int, tiles: int, want: int = 264) -> int:
+    """CTAs sharing one sequence's positions: the fewest powers of two dividing `tiles` (64-position tiles)
+    that give `want` CTAs (2 per SM of an H200) over the batch."""
+    c = 1
+    while b * c < want and tiles % (2 * c) == 0:
+        c *= 2
+    return c
+
+
+def split_query(q_bhd: jax.Array) -> jax.Array:
+    """bf16 [B, 2H, D]: q's hi and lo bf16 parts (q = hi + lo to ~2**-17), channels in key_perm order."""
+    q = q_bhd.astype(jnp.float32)[:, :, key_perm()]
+    hi = q.astype(jnp.bfloat16)
+    lo = (q - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    return jnp.concatenate([hi, lo], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("stages",))
+def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
+                         reachable_b: jax.Array, *, stages: int = 6) -> jax.Array:
+    """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
+    w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable."""
+    b, h, d = q_bhd.shape
+    n = key_values.shape[1]
+    if d != D or h % 8 or n % TP or key_values.shape != (b, n, D // 2) or key_scales.shape != (b, n, D // GROUP):
+        raise ValueError(f"the wgmma scan needs q [B, H % 8 == 0, {D}], keys [B, N % {TP} == 0, {D // 2}] and "
+                         f"scales [B, N, {D // GROUP}]; got {q_bhd.shape}, {key_values.shape}, {key_scales.shape}")
+    tiles = n // TP
+    per_seq = ctas_per_sequence(b, tiles)
+    steps = tiles // per_seq
+    qs = split_query(q_bhd)
+    w = w_bh.astype(jnp.float32)
+    s_view = key_scales.reshape(b, tiles, TP * D // GROUP)  # a tile's scale bytes: one 256 B box
+    decode, epilogue = _decode_keys(), _epilogue(h)
+
+    def body(reach_gmem, q_gmem, w_gmem, k_gmem, s_gmem, o_gmem, q_smem, w_smem, q_bar, w_bar):
+        seq, part = lax.axis_index("b"), lax.axis_index("c")
+        plgpu.copy_gmem_to_smem(q_gmem.at[seq], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(w_gmem.at[seq], w_smem, w_bar)
+        reach = reach_gmem[seq]
+
+        def step(idx, k_smem, s_smem):
+            (t,) = idx
+
+            @pl.when(t == 0)
+            def _():  # once: a wait flips the barrier's phase
+                plgpu.barrier_wait(q_bar)
+                plgpu.barrier_wait(w_bar)
+
+            def acc_scope(acc_ref):
+                plgpu.wgmma(acc_ref, decode(k_smem, s_smem), q_smem.transpose((1, 0)))
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((TP, 2 * h), jnp.float32))
+            epilogue(acc, w_smem, s_smem, o_gmem, seq, (part * steps + t) * TP, reach)
+
+        plgpu.emit_pipeline(
+            step,
+            grid=(steps,),
+            in_specs=[plgpu.BlockSpec((TP, D // 2), lambda t: (part * steps + t, 0)),
+                      plgpu.BlockSpec((1, TP * D // GROUP), lambda t: (part * steps + t, 0))],
+            max_concurrent_steps=stages,
+        )(k_gmem.at[seq], s_gmem.at[seq])
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((b, n), jnp.float32),
+        grid=(b, per_seq),
+        grid_names=("b", "c"),
+        scratch_types=(plgpu.SMEM((2 * h, D), jnp.bfloat16, transforms=_Q_TRANSFORMS),
+                       plgpu.SMEM((h,), jnp.float32), plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)),
+        kernel_name=f"indexer_scores_wgmma_{h}",
+    )
+    return kernel(reachable_b.astype(jnp.int32), qs, w, key_values, s_view)

@@ -1,0 +1,59 @@
+"""The Hopper indexer scan (`kernels_pallas.gpu_indexer_wgmma`, not yet run on a GPU, not wired in): what a CPU
+can check (the channel permutation, the q split, that it lowers for CUDA) and, on an H100/H200, its scores
+against `ops.indexer_scores_decode` (the same bound as the Triton scan's tests: ~1e-6 of the largest score,
+the same -inf pattern)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax import ops, quant
+from kernels_pallas import gpu_indexer_wgmma as scan
+from kernels_pallas import gpu_wgmma
+from tests.kernel_checks import index_case
+
+
+def test_key_permutation_gives_each_thread_its_own_scale_group():
+    p = scan.key_perm()
+    assert sorted(p) == list(range(scan.D))
+    thread = (np.arange(scan.D) % 8) // 2
+    assert np.all(p // scan.GROUP == thread)
+
+
+def test_split_query_keeps_q_to_bf16_hi_plus_lo():
+    q = jax.random.normal(jax.random.key(0), (2, 8, scan.D)) * 3
+    qs = scan.split_query(q)
+    assert qs.shape == (2, 16, scan.D) and qs.dtype == jnp.bfloat16
+    back = (qs[:, :8].astype(jnp.float32) + qs[:, 8:].astype(jnp.float32))[:, :, np.argsort(scan.key_perm())]
+    assert float(jnp.max(jnp.abs(back - q) / jnp.abs(q).max())) < 2.0 ** -15
+    fp4_grid = quant.fake_quant(quant.INDEX_KEY, q)  # the model's queries: hi alone is exact, lo zero
+    assert not np.any(np.asarray(scan.split_query(fp4_grid)[:, 8:], np.float32))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
+def test_lowers_for_cuda():
+    s = jax.ShapeDtypeStruct
+    b, h, n = 2, 32, 8192
+    args = (s((b, h, scan.D), jnp.float32), s((b, h), jnp.float32), s((b, n, scan.D // 2), jnp.uint8),
+            s((b, n, scan.D // scan.GROUP), jnp.uint8), s((b,), jnp.int32))
+    text = jax.jit(scan.indexer_scores_wgmma).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "indexer_scores_wgmma_32" in text
+    assert scan.ctas_per_sequence(2, n // scan.TP) == 128  # 264 CTAs wanted: 2 x 128 (a power of two dividing 128)
+    assert scan.ctas_per_sequence(8, 2 ** 14) == 64 and scan.ctas_per_sequence(1, 3) == 1
+
+
+@pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
+@pytest.mark.parametrize("b,h,n,reach", [(1, 32, 4096, [3000]), (3, 32, 8192, [8192, 17, 5000]), (2, 16, 1024, [0, 900])])
+def test_scores_match_the_twin_on_the_gpu(b, h, n, reach):
+    q, w, rec = index_case(n + b, b, h, scan.D, n)
+    reach = jnp.asarray(reach, jnp.int32)
+    want = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
+    got = scan.indexer_scores_wgmma(q, w, rec["values"], rec["scales"], reach)
+    np.testing.assert_array_equal(np.isinf(np.asarray(got)), np.isinf(np.asarray(want)))
+    fin = np.isfinite(np.asarray(want))
+    if fin.any():
+        err = np.abs(np.asarray(got)[fin] - np.asarray(want)[fin]).max() / np.abs(np.asarray(want)[fin]).max()
+        assert err <= 1e-6, err
