@@ -11,7 +11,7 @@ Per CTA (grid: sequence x range of positions): one warpgroup; q^T [D, 2H] (bf16 
 that q . k keeps ~16 bits of q) and w stay in shared memory; a TMA pipeline streams 64 positions per step
 (their 64 x 64 key bytes and 64 x 4 scale bytes). Each step: the keys decoded by the experts' PTX
 (`gpu_wgmma.DECODE_PTX`) straight into the wgmma's register operand, each row's groups scaled by
-2**(e_g - e_max) (e_max: the row's largest scale byte; groups below 2**-126 of it become 0), one
+2**(e_g - e_max) (e_max: the row's largest scale byte; groups 2**-252 below it become 0), one
 64 x 2H x 128 wgmma, then the epilogue on the accumulator's registers: hi + lo per head, relu, times w,
 summed over the head columns a thread holds and across the 4 threads of a row (shuffles), times
 2**(e_max - 127), -inf past reachable, stored. The channel order inside each row is permuted (`key_perm`) so
@@ -83,8 +83,9 @@ def _decode_keys():
             byte = lambda g: arith.andi(arith.shrui(four, i32_const(8 * g)), i32_const(0xFF))  # noqa: E731
             e_max = functools.reduce(arith.maxui, [byte(g) for g in range(4)])
             e_q = arith.andi(arith.shrui(four, arith.muli(q, i32_const(8))), i32_const(0xFF))
-            # bf16 2**(e_q - e_max + 126) * (E2M1 * 2**-126) = E2M1 * 2**(e_q - e_max); 0 below 2**-126
-            expo = arith.maxsi(arith.addi(arith.subi(e_q, e_max), i32_const(126)), i32_const(0))
+            # the PTX's E2M1 * 2**-126 times bf16 2**(e_q - e_max + 126) (exponent field e_q - e_max + 253)
+            # = E2M1 * 2**(e_q - e_max), in [2**-1, 6] for the row's largest group; 0 for groups 2**-252 below it
+            expo = arith.maxsi(arith.addi(arith.subi(e_q, e_max), i32_const(253)), i32_const(0))
             mult = arith.shli(expo, i32_const(7))
             mult = arith.ori(mult, arith.shli(mult, i32_const(16)))
             for u in range(4):
