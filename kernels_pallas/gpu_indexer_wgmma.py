@@ -1,7 +1,8 @@
 """Decode-step indexer scan on Hopper's warpgroup MMA, the FP4 keys decoded in registers (Pallas, Mosaic GPU).
 
-NOT YET RUN ON A GPU (written in the seventeenth session without device time left): not wired into the
-model's dispatch. It has the contract of `gpu_indexer.indexer_scores` without `block`: score[b, n] =
+Not yet in the model's dispatch. First H200 run (docs/BENCHMARKS.md, "Issue 21: the scan on Hopper's
+warpgroup MMA"): exact to the jnp twin (1e-7), 33-39% of the copy peak at 128K-1M x 8 where the Triton scan
+reaches 27-31%; its 64-position steps, not the loads, limit it. It has the contract of `gpu_indexer.indexer_scores` without `block`: score[b, n] =
 sum_h w[b, h] * relu(q[b, h] . k[b, n]), -inf at n >= reachable[b], over the packed FP4 index keys
 (`quant.INDEX_KEY`: E2M1 pairs uint8 [B, N, D/2], E8M0 per 32 channels uint8 [B, N, D/32]), D = 128.
 Issue 21 asks the scan for >= 70% of the copy bandwidth; the Triton scan's f16 / FP8 decode capped it at

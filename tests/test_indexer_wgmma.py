@@ -1,4 +1,4 @@
-"""The Hopper indexer scan (`kernels_pallas.gpu_indexer_wgmma`, not yet run on a GPU, not wired in): what a CPU
+"""The Hopper indexer scan (`kernels_pallas.gpu_indexer_wgmma`, not wired in yet): what a CPU
 can check (the channel permutation, the q split, that it lowers for CUDA) and, on an H100/H200, its scores
 against `ops.indexer_scores_decode` (the same bound as the Triton scan's tests: ~1e-6 of the largest score,
 the same -inf pattern)."""
