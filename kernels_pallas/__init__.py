@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import (gpu_attention, gpu_grouped, gpu_hyper, gpu_indexer, gpu_router, gpu_select, gpu_wgmma,
-                            tpu_attention, tpu_grouped, tpu_indexer, tpu_select)
+from kernels_pallas import (gpu_attention, gpu_grouped, gpu_hyper, gpu_indexer, gpu_indexer_wgmma, gpu_router,
+                            gpu_select, gpu_wgmma, tpu_attention, tpu_grouped, tpu_indexer, tpu_select)
 
 __all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode",
            "grouped_matmuls_fp4", "rows_matmuls_fp4", "rows_matmuls_float", "fp8_matmuls", "hyper_in", "route",
@@ -40,8 +40,14 @@ def _gpu_only(kernel: str, instead: str, family: str | None = None) -> bool:
 
 
 def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | None = None, family=None):
-    """f32 [B, N] scores, -inf past reachable (and block maxima [B, ceil(N/block)] with `block`)."""
+    """f32 [B, N] scores, -inf past reachable (and block maxima [B, ceil(N/block)] with `block`). On an
+    H100/H200 while `gpu_indexer_wgmma.ON`: the wgmma scan, its block maxima by XLA after it."""
     fam, interpret = platform(family)
+    if fam == "gpu" and not interpret and gpu_indexer_wgmma.supported(q_bhd, key_rec["values"], block):
+        scores = gpu_indexer_wgmma.indexer_scores_wgmma(q_bhd, w_bh, key_rec["values"], key_rec["scales"],
+                                                        reachable_b)
+        b, n = scores.shape
+        return scores if block is None else (scores, scores.reshape(b, n // block, block).max(axis=-1))
     mod = tpu_indexer if fam == "tpu" else gpu_indexer
     return mod.indexer_scores(q_bhd, w_bh, key_rec["values"], key_rec["scales"], reachable_b, block=block,
                               interpret=interpret)

@@ -1,6 +1,6 @@
 """Decode-step indexer scan on Hopper's warpgroup MMA, the FP4 keys decoded in registers (Pallas, Mosaic GPU).
 
-Not yet in the model's dispatch. First H200 run (docs/BENCHMARKS.md, "Issue 21: the scan on Hopper's
+In the model's dispatch behind `ON` (off). First H200 run (docs/BENCHMARKS.md, "Issue 21: the scan on Hopper's
 warpgroup MMA"): exact to the jnp twin (1e-7), 33-39% of the copy peak at 128K-1M x 8 where the Triton scan
 reaches 27-31%; its 64-position steps, not the loads, limit it. It has the contract of `gpu_indexer.indexer_scores` without `block`: score[b, n] =
 sum_h w[b, h] * relu(q[b, h] . k[b, n]), -inf at n >= reachable[b], over the packed FP4 index keys
@@ -34,7 +34,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.gpu_wgmma import DECODE_PTX, WORD_PAIRS, i32_const, index_of
+from kernels_pallas.gpu_wgmma import DECODE_PTX, WORD_PAIRS, i32_const, index_of, is_hopper
 
 D = 128  # channels of an index key
 TP = 64  # positions per step: the wgmma's M
@@ -144,6 +144,19 @@ def _epilogue(h: int):
                 memref.store(total, o_gmem, [index_of(b), index_of(pos_n)])
 
     return epilogue
+
+
+# The model's dispatch (`kernels_pallas.indexer_scores_decode`) takes this scan while ON: off until the slice's
+# A/B at long context on the H200 (measured alone so far, docs/BENCHMARKS.md).
+ON = False
+
+
+def supported(q_bhd: jax.Array, key_values: jax.Array, block: int | None) -> bool:
+    """True when the dispatch runs this scan: ON, an H100/H200, D = 128, heads % 8 == 0, N % 64 == 0 and
+    block maxima (if asked) over whole blocks that tile 64 positions."""
+    _, h, d = q_bhd.shape
+    return (ON and d == D and h % 8 == 0 and key_values.shape[1] % TP == 0
+            and (block is None or TP % block == 0) and is_hopper())
 
 
 def ctas_per_sequence(b: int, tiles: int, want: int = 264) -> int:

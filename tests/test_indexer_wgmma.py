@@ -57,3 +57,48 @@ def test_scores_match_the_twin_on_the_gpu(b, h, n, reach):
     if fin.any():
         err = np.abs(np.asarray(got)[fin] - np.asarray(want)[fin]).max() / np.abs(np.asarray(want)[fin]).max()
         assert err <= 1e-6, err
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
+def test_dispatch_takes_it_when_on_with_block_maxima(monkeypatch):
+    """`kernels_pallas.indexer_scores_decode` on an H100/H200 with ON: the wgmma scan, and the candidate
+    source's block maxima after it (shapes); off (the default), the Triton scan."""
+    import kernels_pallas
+    from tests.kernel_checks import lower_for_h200
+
+    s = jax.ShapeDtypeStruct
+    b, h, n = 2, 32, 4096
+    args = (s((b, h, scan.D), jnp.float32), s((b, h), jnp.float32),
+            {"values": s((b, n, scan.D // 2), jnp.uint8), "scales": s((b, n, scan.D // scan.GROUP), jnp.uint8)},
+            s((b,), jnp.int32))
+    monkeypatch.setattr(kernels_pallas, "platform", lambda family=None: ("gpu", False))
+    monkeypatch.setattr(scan, "is_hopper", lambda: True)
+    def fn(q, w, rec, r):  # a new function per call: jit caches a function's traces
+        return kernels_pallas.indexer_scores_decode(q, w, rec, r, block=8)
+
+    assert "indexer_scores_wgmma" not in lower_for_h200(lambda *a: fn(*a), *args)
+    monkeypatch.setattr(scan, "ON", True)
+    assert "indexer_scores_wgmma" in lower_for_h200(lambda *a: fn(*a), *args)
+    scores, bmax = jax.eval_shape(lambda *a: fn(*a), *args)
+    assert scores.shape == (b, n) and bmax.shape == (b, n // 8)
+
+
+@pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
+def test_dispatch_with_block_maxima_on_the_gpu(monkeypatch):
+    """With ON, the dispatch's scores and block maxima (the candidate source's) equal the twin's."""
+    import kernels_pallas
+
+    monkeypatch.setattr(scan, "ON", True)
+    b, h, n = 2, 32, 4096
+    q, w, rec = index_case(7, b, h, scan.D, n)
+    reach = jnp.asarray([4000, 1234], jnp.int32)
+    scores, bmax = kernels_pallas.indexer_scores_decode(q, w, rec, reach, block=8)
+    want = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
+    fin = np.isfinite(np.asarray(want))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(scores)), fin)
+    scale = np.abs(np.asarray(want)[fin]).max()
+    np.testing.assert_allclose(np.asarray(scores)[fin], np.asarray(want)[fin], rtol=0, atol=1e-6 * scale)
+    want_max = np.asarray(ops.block_maxima(want, 8))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(bmax)), np.isfinite(want_max))
+    ok = np.isfinite(want_max)
+    np.testing.assert_allclose(np.asarray(bmax)[ok], want_max[ok], rtol=0, atol=1e-6 * scale)
