@@ -57,9 +57,11 @@ def key_perm() -> np.ndarray:
     return p
 
 
-def _decode_keys():
-    """inline_mgpu: (key bytes [64, 64] u8, scale bytes [1, 256] u8 (64 rows x 4)) -> bf16 [64, 128] in
-    WGMMA_LAYOUT (column c: channel key_perm()[c]), each group times 2**(e_g - e_max of its row)."""
+@functools.cache
+def _decode_keys(row0: int):
+    """inline_mgpu: (a step's key bytes [64 T, 64] u8, its scale bytes [T, 256] u8 (64 T rows x 4)) -> bf16
+    [64, 128] of rows row0 .. row0 + 63 in WGMMA_LAYOUT (column c: channel key_perm()[c]), each group times
+    2**(e_g - e_max of its row)."""
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(), plgpu.RefType()),
@@ -76,7 +78,7 @@ def _decode_keys():
         k_ptr, s_ptr = mgpu_utils.memref_ptr(k_smem), mgpu_utils.memref_ptr(s_smem)
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TP, D)), dtype=object)
         for half in range(2):
-            row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(8 * half))
+            row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(row0 + 8 * half))
             words = llvm.load(ir.VectorType.get((4,), i32),
                               mgpu_utils.getelementptr(k_ptr, [arith.addi(arith.muli(row, i32_const(64)),
                                                                          arith.muli(q, i32_const(16)))], i8))
@@ -99,9 +101,11 @@ def _decode_keys():
     return decode
 
 
-def _epilogue(h: int):
-    """inline_mgpu: (acc f32 [64, 2H] WGMMA layout, w_smem f32 [H], scale bytes [1, 256] u8, out gmem f32 [B, N],
-    b, first position, reachable) -> stores the 64 scores."""
+@functools.cache
+def _epilogue(h: int, row0: int):
+    """inline_mgpu: (acc f32 [64, 2H] WGMMA layout of the step's rows row0 .. row0 + 63, w_smem f32 [H], the
+    step's scale bytes [T, 256] u8, out gmem f32 [B, N], b, the step's first position, reachable) -> stores
+    the 64 scores."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), _SPLAT,
                                   _SPLAT, _SPLAT))
@@ -116,7 +120,7 @@ def _epilogue(h: int):
         s_ptr = mgpu_utils.memref_ptr(s_smem)
         zero = arith.constant(f32, 0.0)
         for half in range(2):
-            row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(8 * half))
+            row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(row0 + 8 * half))
             total = zero
             for c in range(h // 8):  # head columns 8c + 2q + {0, 1}: hi at block c, lo at block c + H / 8
                 hi, lo = acc.registers[0, c, 0, 0, half, 0, 0, 0, 0], acc.registers[0, c + h // 8, 0, 0, half, 0, 0, 0, 0]
@@ -160,8 +164,8 @@ def supported(q_bhd: jax.Array, key_values: jax.Array, block: int | None) -> boo
 
 
 def ctas_per_sequence(b: int, tiles: int, want: int = 264) -> int:
-    """CTAs sharing one sequence's positions: the fewest powers of two dividing `tiles` (64-position tiles)
-    that give `want` CTAs (2 per SM of an H200) over the batch."""
+    """CTAs sharing one sequence's positions: the fewest powers of two dividing `tiles` (pipeline steps of
+    64-position tiles) that give `want` CTAs (2 per SM of an H200) over the batch."""
     c = 1
     while b * c < want and tiles % (2 * c) == 0:
         c *= 2
@@ -176,23 +180,26 @@ def split_query(q_bhd: jax.Array) -> jax.Array:
     return jnp.concatenate([hi, lo], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("stages",))
+@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
-                         reachable_b: jax.Array, *, stages: int = 6) -> jax.Array:
+                         reachable_b: jax.Array, *, stages: int = 6, tiles_per_step: int = 1) -> jax.Array:
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
-    w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable."""
+    w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
+    stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; the
+    H200 run measured 1)."""
     b, h, d = q_bhd.shape
     n = key_values.shape[1]
     if d != D or h % 8 or n % TP or key_values.shape != (b, n, D // 2) or key_scales.shape != (b, n, D // GROUP):
         raise ValueError(f"the wgmma scan needs q [B, H % 8 == 0, {D}], keys [B, N % {TP} == 0, {D // 2}] and "
                          f"scales [B, N, {D // GROUP}]; got {q_bhd.shape}, {key_values.shape}, {key_scales.shape}")
     tiles = n // TP
-    per_seq = ctas_per_sequence(b, tiles)
-    steps = tiles // per_seq
+    if tiles % tiles_per_step:
+        raise ValueError(f"tiles_per_step={tiles_per_step} must divide the {tiles} tiles of {TP} positions")
+    per_seq = ctas_per_sequence(b, tiles // tiles_per_step)
+    steps, rows = tiles // tiles_per_step // per_seq, TP * tiles_per_step
     qs = split_query(q_bhd)
     w = w_bh.astype(jnp.float32)
-    s_view = key_scales.reshape(b, tiles, TP * D // GROUP)  # a tile's scale bytes: one 256 B box
-    decode, epilogue = _decode_keys(), _epilogue(h)
+    s_view = key_scales.reshape(b, tiles, TP * D // GROUP)  # a tile's 256 scale bytes; a step's: one TMA box
 
     def body(reach_gmem, q_gmem, w_gmem, k_gmem, s_gmem, o_gmem, q_smem, w_smem, q_bar, w_bar):
         seq, part = lax.axis_index("b"), lax.axis_index("c")
@@ -208,19 +215,20 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
                 plgpu.barrier_wait(q_bar)
                 plgpu.barrier_wait(w_bar)
 
-            def acc_scope(acc_ref):
-                plgpu.wgmma(acc_ref, decode(k_smem, s_smem), q_smem.transpose((1, 0)))
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
+            for i in range(tiles_per_step):
+                def acc_scope(acc_ref, i=i):
+                    plgpu.wgmma(acc_ref, _decode_keys(TP * i)(k_smem, s_smem), q_smem.transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+                    return acc_ref[...]
 
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((TP, 2 * h), jnp.float32))
-            epilogue(acc, w_smem, s_smem, o_gmem, seq, (part * steps + t) * TP, reach)
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((TP, 2 * h), jnp.float32))
+                _epilogue(h, TP * i)(acc, w_smem, s_smem, o_gmem, seq, (part * steps + t) * rows, reach)
 
         plgpu.emit_pipeline(
             step,
             grid=(steps,),
-            in_specs=[plgpu.BlockSpec((TP, D // 2), lambda t: (part * steps + t, 0)),
-                      plgpu.BlockSpec((1, TP * D // GROUP), lambda t: (part * steps + t, 0))],
+            in_specs=[plgpu.BlockSpec((rows, D // 2), lambda t: (part * steps + t, 0)),
+                      plgpu.BlockSpec((tiles_per_step, TP * D // GROUP), lambda t: (part * steps + t, 0))],
             max_concurrent_steps=stages,
         )(k_gmem.at[seq], s_gmem.at[seq])
 

@@ -46,12 +46,14 @@ def test_lowers_for_cuda():
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
-@pytest.mark.parametrize("b,h,n,reach", [(1, 32, 4096, [3000]), (3, 32, 8192, [8192, 17, 5000]), (2, 16, 1024, [0, 900])])
-def test_scores_match_the_twin_on_the_gpu(b, h, n, reach):
+@pytest.mark.parametrize("b,h,n,reach,tiles_per_step", [(1, 32, 4096, [3000], 1), (3, 32, 8192, [8192, 17, 5000], 1),
+                                                         (2, 16, 1024, [0, 900], 1), (3, 32, 8192, [8192, 17, 5000], 2),
+                                                         (1, 32, 4096, [4000], 4)])
+def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step):
     q, w, rec = index_case(n + b, b, h, scan.D, n)
     reach = jnp.asarray(reach, jnp.int32)
     want = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
-    got = scan.indexer_scores_wgmma(q, w, rec["values"], rec["scales"], reach)
+    got = scan.indexer_scores_wgmma(q, w, rec["values"], rec["scales"], reach, tiles_per_step=tiles_per_step)
     np.testing.assert_array_equal(np.isinf(np.asarray(got)), np.isinf(np.asarray(want)))
     fin = np.isfinite(np.asarray(want))
     if fin.any():

@@ -1,10 +1,12 @@
 """Issue 21 on one H200: the Hopper indexer scan (`kernels_pallas.gpu_indexer_wgmma`), its GPU tests, then
 timed from HBM (L2 flushed before every call, `bench_kernels.time_hbm`) against the Triton scan's variants
-at 128K and 1M positions x batch 8, with the copy bandwidth of the same run. Table last; logs under $OUT.
+at 128K and 1M positions x batch 8 (64-position tiles per pipeline step 1 / 2 / 4, 2 / 4 stages), with the
+copy bandwidth of the same run. Table last; logs under $OUT.
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_wgmma_scan      (~3 min)
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -33,7 +35,8 @@ def main() -> int:
         args = (q, w, rec["values"], rec["scales"], reach)
         moved = nbytes(rec) + b * ctx * 4
         ref = gpu_indexer.indexer_scores(*args, variant="fp8-asm-gl")
-        calls = {"wgmma": gpu_indexer_wgmma.indexer_scores_wgmma}
+        calls = {f"wgmma {t} tile(s)/step, {st} stages": functools.partial(
+            gpu_indexer_wgmma.indexer_scores_wgmma, tiles_per_step=t, stages=st) for t in (1, 2, 4) for st in (2, 4)}
         calls.update({f"triton {v}": (lambda *a, v=v: gpu_indexer.indexer_scores(*a, variant=v))
                       for v in ("f16", "fp8-asm-gl")})
         for name, fn in calls.items():
