@@ -205,7 +205,7 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
 
     def body(expert_ref, xp_gmem, *refs):
         v_gmems, s_gmems, (o_gmem, s_smem, s_bar, o_smem) = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
-        wj, row, sp = lax.axisindex_of("n"), lax.axisindex_of("m"), lax.axisindex_of("s")
+        wj, row, sp = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
         wi, j = wj // n_tiles, wj % n_tiles
         e = expert_ref[row]
         xrow = row // share
@@ -366,7 +366,7 @@ def fp8_matmuls_wgmma(x_mk: jax.Array, weights, *, splits: int | None = None, st
 
     def body(xp_gmem, *refs):
         q_gmems, s_gmems, (o_gmem, s_smem, s_bar, o_smem) = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
-        tile, sp = lax.axisindex_of("n"), lax.axisindex_of("s")
+        tile, sp = lax.axis_index("n"), lax.axis_index("s")
 
         def acc_scope(acc_ref):
             def run(i):
