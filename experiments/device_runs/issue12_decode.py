@@ -62,7 +62,8 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# (file, the text now, the text before): the seventeenth session's wgmma expert kernel, off in the "before" tree
+# (file, the text now, the text before): the wgmma weight kernels, off in the "before" tree (measured in the
+# same calls at batch 1; batch 8 only against the tenth pass, `wgmma_b8_before` is its same-machine half)
 SINCE_MEASURED = [("kernels_pallas/gpu_wgmma.py",
                    'return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"', "return False")]
 # kernels off by default until timed, on in the "after" half of `ab` (environment variables); none now
