@@ -209,7 +209,7 @@ def expert_rows_on(kernels: str, x_mk, ws, m: int) -> bool:
     groups, as one token's always do."""
     return (x_mk.shape[0] <= EXPERT_ROWS_TOKENS and _weight_kernels(kernels, m) and all(grouped.is_packed(w) for w in ws)
             and _kp.platform() == ("gpu", False)
-            and _kp.gpu_wgmma.supported(x_mk, [(w["values"], w["scales"]) for w in ws], jnp.zeros((m,), jnp.int32)))
+            and _kp.gpu_wgmma.supported(x_mk, [(w["values"], w["scales"]) for w in ws], m))
 
 
 def twin_gradient(kernel, twin):

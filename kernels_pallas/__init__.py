@@ -1,8 +1,9 @@
 """Pallas kernels for the decode hot spots, with the contracts of `dsv41_jax.ops`.
 
-GPU kernels lower through Triton (`gpu_*`; `gpu_wgmma`, Hopper's weight kernels, through Mosaic GPU), TPU
-kernels through Mosaic TPU (`tpu_*`); on a CPU both run in interpret mode (that is how CI checks them),
-except `gpu_wgmma`, which has none (its lowering and its decode's bit model are what a CPU checks). The functions below take the cache records of
+GPU kernels lower through Triton (`gpu_*`; the Hopper kernels `gpu_wgmma` and `gpu_indexer_wgmma` through
+Mosaic GPU), TPU kernels through Mosaic TPU (`tpu_*`); on a CPU both run in interpret mode (that is how CI
+checks them), except the Mosaic GPU ones, which have none (a CPU checks their lowering and a bit model of
+their decode). The functions below take the cache records of
 `dsv41_jax.quant` in the released packed formats and pick the platform from the default backend
 unless `family` ("gpu" | "tpu") is given.
 """
@@ -108,7 +109,7 @@ def rows_matmuls_fp4(x_mk, weights, expert_m, *, family=None):
     fam, interpret = platform(family)
     if fam == "tpu":
         raise ValueError("no TPU row-form kernel: sort the rows by expert and call grouped_matmuls_fp4")
-    if not interpret and gpu_wgmma.supported(x_mk, weights, expert_m):
+    if not interpret and gpu_wgmma.supported(x_mk, weights, expert_m.shape[0]):
         return gpu_wgmma.rows_matmuls_fp4_wgmma(x_mk, weights, expert_m)
     m, rows = expert_m.shape[0], x_mk.shape[0]
     x_mk = x_mk if rows in (1, m) else jnp.repeat(x_mk, m // rows, axis=0)  # the Triton kernel's x: 1 or M rows

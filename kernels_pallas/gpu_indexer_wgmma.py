@@ -34,7 +34,8 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.gpu_wgmma import DECODE_PTX, WORD_PAIRS, i32_const, index_of, is_hopper
+from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, i32_const, index_of, is_hopper, pow2_bf16x2,
+                                     warpgroup_coords)
 
 D = 128  # channels of an index key
 TP = 64  # positions per step: the wgmma's M
@@ -71,10 +72,7 @@ def _decode_keys(row0: int):
         del ctx
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
-        tid = mgpu_utils.thread_idx()
-        lane = arith.remui(tid, i32_const(32))
-        warp = arith.remui(arith.divui(tid, i32_const(32)), i32_const(4))
-        q, r = arith.remui(lane, i32_const(4)), arith.divui(lane, i32_const(4))
+        warp, q, r = warpgroup_coords()
         k_ptr, s_ptr = mgpu_utils.memref_ptr(k_smem), mgpu_utils.memref_ptr(s_smem)
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TP, D)), dtype=object)
         for half in range(2):
@@ -89,8 +87,7 @@ def _decode_keys(row0: int):
             # the PTX's E2M1 * 2**-126 times bf16 2**(e_q - e_max + 126) (exponent field e_q - e_max + 253)
             # = E2M1 * 2**(e_q - e_max), in [2**-1, 6] for the row's largest group; 0 for groups 2**-252 below it
             expo = arith.maxsi(arith.addi(arith.subi(e_q, e_max), i32_const(253)), i32_const(0))
-            mult = arith.shli(expo, i32_const(7))
-            mult = arith.ori(mult, arith.shli(mult, i32_const(16)))
+            mult = pow2_bf16x2(expo)
             for u in range(4):
                 word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([u]))
                 outs = mgpu_utils.inline_ptx(DECODE_PTX, word, mult, result_types=[i32] * 4)
@@ -113,10 +110,7 @@ def _epilogue(h: int, row0: int):
         del ctx
         f32, i32, i8 = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
         b, p0, reach = (a.registers.item() for a in (b, p0, reach))
-        tid = mgpu_utils.thread_idx()
-        lane = arith.remui(tid, i32_const(32))
-        warp = arith.remui(arith.divui(tid, i32_const(32)), i32_const(4))
-        q, r = arith.remui(lane, i32_const(4)), arith.divui(lane, i32_const(4))
+        warp, q, r = warpgroup_coords()
         s_ptr = mgpu_utils.memref_ptr(s_smem)
         zero = arith.constant(f32, 0.0)
         for half in range(2):

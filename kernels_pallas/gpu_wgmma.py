@@ -91,6 +91,22 @@ def index_of(v):
     return arith.index_cast(ir.IndexType.get(), v)
 
 
+def warpgroup_coords():
+    """(warp < 4, q = lane % 4, r = lane // 4) of this thread, i32: in WGMMA_LAYOUT it holds rows 16 warp + r
+    and 16 warp + r + 8, columns 8c + 2q + {0, 1}."""
+    tid = mgpu_utils.thread_idx()
+    lane = arith.remui(tid, i32_const(32))
+    warp = arith.remui(arith.divui(tid, i32_const(32)), i32_const(4))
+    return warp, arith.remui(lane, i32_const(4)), arith.divui(lane, i32_const(4))
+
+
+def pow2_bf16x2(field):
+    """i32 bits of a bf16x2 whose two halves are the power of two with exponent field `field` (i32, 0 .. 254;
+    0 gives +0): the FMA factor of the PTX decodes."""
+    bits = arith.shli(field, i32_const(7))
+    return arith.ori(bits, arith.shli(bits, i32_const(16)))
+
+
 def _decode_tile(k: int, ptx: str):
     """inline_mgpu: (packed SMEM tile [64, 128] u8, the CTA's scales [K/128, 256] u8, step) -> bf16 [64, 256]
     in WGMMA_LAYOUT, column c holding input k_perm()[c] of the step's 256 (`ptx`: DECODE_PTX)."""
@@ -105,10 +121,7 @@ def _decode_tile(k: int, ptx: str):
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
         step = step.registers.item()
-        tid = mgpu_utils.thread_idx()
-        lane = arith.remui(tid, i32_const(32))
-        warp = arith.remui(arith.divui(tid, i32_const(32)), i32_const(4))
-        q, r = arith.remui(lane, i32_const(4)), arith.divui(lane, i32_const(4))
+        warp, q, r = warpgroup_coords()
         row0 = arith.addi(arith.muli(warp, i32_const(16)), r)
         v_ptr = mgpu_utils.memref_ptr(v_smem)  # tiled [8, 1, 8, 128]: row R at byte 128 R
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TN, TK)), dtype=object)  # [1, 32, 1, 1, 2, 1, ...]
@@ -121,8 +134,7 @@ def _decode_tile(k: int, ptx: str):
                 words = llvm.load(ir.VectorType.get((4,), i32), mgpu_utils.getelementptr(v_ptr, [off], i8))
                 flat = arith.addi(arith.muli(row, i32_const(groups)), arith.addi(arith.muli(step, i32_const(8)), g))
                 e = memref.load(s_smem, [index_of(arith.divui(flat, i32_const(256))), index_of(arith.remui(flat, i32_const(256)))])
-                mult = arith.shli(arith.addi(arith.extui(i32, e), i32_const(126)), i32_const(7))  # bf16 2**(E + 126)
-                mult = arith.ori(mult, arith.shli(mult, i32_const(16)))
+                mult = pow2_bf16x2(arith.addi(arith.extui(i32, e), i32_const(126)))  # 2**(byte - 1)
                 for w in range(4):
                     word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([w]))
                     outs = mgpu_utils.inline_ptx(ptx, word, mult, result_types=[i32] * 4)
@@ -153,11 +165,11 @@ def _store_columns(count: int):
     return store
 
 
-def supported(x_mk: jax.Array, weights, expert_m: jax.Array) -> bool:
+def supported(x_mk: jax.Array, weights, m: int) -> bool:
     """True when the model's dispatch runs `rows_matmuls_fp4_wgmma` on these arguments: ON, bf16 x whose rows
-    divide the rows of expert_m, K a multiple of 256 and N of 64, and an H100/H200 (the wgmma is sm_90's)."""
+    divide the m rows of the call, K a multiple of 256 and N of 64, and an H100/H200 (the wgmma is sm_90's)."""
     values = weights[0][0]
-    m, (rows, k), (_, n, half) = expert_m.shape[0], x_mk.shape, values.shape
+    (rows, k), (_, n, half) = x_mk.shape, values.shape
     return (ON and x_mk.dtype == jnp.bfloat16 and rows >= 1 and m % rows == 0 and k == 2 * half and k % TK == 0
             and n % TN == 0 and is_hopper())
 
@@ -291,10 +303,7 @@ def _decode_fp8_tile(k: int, ptx: str):
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
         step, groups = step.registers.item(), i32_const(k // SCALE_BLOCK)
-        tid = mgpu_utils.thread_idx()
-        lane = arith.remui(tid, i32_const(32))
-        warp = arith.remui(arith.divui(tid, i32_const(32)), i32_const(4))
-        q, r = arith.remui(lane, i32_const(4)), arith.divui(lane, i32_const(4))
+        warp, q, r = warpgroup_coords()
         w_ptr = mgpu_utils.memref_ptr(w_smem)  # tiled [8, 2, 8, 128]: (row // 8, col // 128, row % 8, col % 128)
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TN, TK)), dtype=object)
         for half in range(2):  # rows 16 warp + r + 8 half: row // 8 = 2 warp + half, row % 8 = r, row // 32
@@ -309,8 +318,7 @@ def _decode_fp8_tile(k: int, ptx: str):
                 group = arith.divui(ch, i32_const(2))
                 flat = arith.addi(arith.muli(s_row, groups), arith.addi(arith.muli(step, i32_const(8)), group))
                 e = memref.load(s_smem, [index_of(arith.divui(flat, i32_const(64))), index_of(arith.remui(flat, i32_const(64)))])
-                mult = arith.shli(arith.addi(arith.extui(i32, e), i32_const(120)), i32_const(7))  # bf16 2**(E - 7)
-                mult = arith.ori(mult, arith.shli(mult, i32_const(16)))
+                mult = pow2_bf16x2(arith.addi(arith.extui(i32, e), i32_const(120)))  # 2**(byte - 7)
                 for w in range(4):
                     word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([w]))
                     outs = mgpu_utils.inline_ptx(ptx, word, mult, result_types=[i32] * 2)
