@@ -89,14 +89,34 @@ def kernel_sources(hlo_text: str) -> dict[str, str]:
     return out
 
 
-def gpu_kernels(trace_dir: str) -> list[dict]:
-    """Kernel events ({name, ts, dur} in us) of the GPU rows of the newest Perfetto trace in trace_dir."""
+def trace_events(trace_dir: str) -> tuple[list[dict], list[dict]]:
+    """(GPU kernel events, host events), each {name, ts, dur} in us, sorted by start, of the newest Perfetto
+    trace in trace_dir."""
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
     with gzip.open(path) as f:
         events = json.load(f)["traceEvents"]
     gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
            and "GPU" in str(e.get("args", {}).get("name", ""))}
-    return sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in gpu), key=lambda e: e["ts"])
+    spans = sorted((e for e in events if e.get("ph") == "X"), key=lambda e: e["ts"])
+    return [e for e in spans if e.get("pid") in gpu], [e for e in spans if e.get("pid") not in gpu]
+
+
+def host_in_gaps(kernels: list[dict], host: list[dict], min_gap_us: float = 50.0) -> tuple[int, dict]:
+    """(number of GPU idle gaps >= min_gap_us, {host event name: [events, us overlapping those gaps]}): what
+    the host was doing while the GPU waited, e.g. at a step boundary."""
+    gaps, end = [], None
+    for e in kernels:
+        if end is not None and e["ts"] - end >= min_gap_us:
+            gaps.append((end, e["ts"]))
+        end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for e in host:
+        for g0, g1 in gaps:
+            overlap = min(g1, e["ts"] + e["dur"]) - max(g0, e["ts"])
+            if overlap > 0:
+                by[e["name"][:90]][0] += 1
+                by[e["name"][:90]][1] += overlap
+    return len(gaps), dict(by)
 
 
 def attribute(kernels: list[dict], sources: dict[str, str], steps: int) -> dict[str, list[float]]:
@@ -123,8 +143,8 @@ def idle_before(kernels: list[dict], sources: dict[str, str], steps: int) -> dic
     return dict(by)
 
 
-def _table(title: str, rows: dict[str, list[float]], top: int) -> None:
-    print(f"\n| {title} | kernels / step | GPU us / step |\n|---|---|---|")
+def _table(title: str, rows: dict[str, list[float]], top: int, cols: str = "kernels / step | GPU us / step") -> None:
+    print(f"\n| {title} | {cols} |\n|---|---|---|")
     for k, (n, us) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"| {k} | {n:.1f} | {us:.1f} |")
 
@@ -181,7 +201,7 @@ def _profile(args) -> dict:
     trace_dir = os.path.join(args.out, "trace")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         call()
-    kernels = gpu_kernels(trace_dir)
+    kernels, host = trace_events(trace_dir)
     if not kernels:
         raise SystemExit("the trace has no GPU kernels: run this on a GPU")
     rows = attribute(kernels, kernel_sources(hlo), args.chunk)
@@ -198,6 +218,10 @@ def _profile(args) -> dict:
     idle = idle_before(kernels, kernel_sources(hlo), args.chunk)
     print(f"\nGPU idle between kernels: {sum(us for _, us in idle.values()):.1f} us per step (traced call)")
     _table("idle before", idle, 15)
+    n_gaps, during = host_in_gaps(kernels, host)
+    print(f"\n{n_gaps} GPU gaps of >= 50 us in {args.chunk} steps; host events overlapping them (all threads):")
+    _table("host event in the gaps", {k: [n / args.chunk, us / args.chunk] for k, (n, us) in during.items()}, 25,
+           "events / step | us in the gaps / step")
     result = {"step_ms": step_ms, "kernels_per_step": len(kernels) / args.chunk, "gpu_us_per_step": busy,
               "by_source": rows}
     with open(os.path.join(args.out, "attribution.json"), "w") as f:

@@ -99,10 +99,10 @@ def _decode_keys(row0: int):
 
 
 @functools.cache
-def _epilogue(h: int, row0: int):
-    """inline_mgpu: (acc f32 [64, 2H] WGMMA layout of the step's rows row0 .. row0 + 63, w_smem f32 [H], the
-    step's scale bytes [T, 256] u8, out gmem f32 [B, N], b, the step's first position, reachable) -> stores
-    the 64 scores."""
+def _epilogue(h: int, row0: int, q_parts: int):
+    """inline_mgpu: (acc f32 [64, q_parts * H] WGMMA layout of the step's rows row0 .. row0 + 63 (q_parts 2:
+    hi columns, then lo), w_smem f32 [H], the step's scale bytes [T, 256] u8, out gmem f32 [B, N], b, the
+    step's first position, reachable) -> stores the 64 scores."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), _SPLAT,
                                   _SPLAT, _SPLAT))
@@ -117,11 +117,11 @@ def _epilogue(h: int, row0: int):
             row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(row0 + 8 * half))
             total = zero
             for c in range(h // 8):  # head columns 8c + 2q + {0, 1}: hi at block c, lo at block c + H / 8
-                hi, lo = acc.registers[0, c, 0, 0, half, 0, 0, 0, 0], acc.registers[0, c + h // 8, 0, 0, half, 0, 0, 0, 0]
+                parts = [acc.registers[0, c + p * h // 8, 0, 0, half, 0, 0, 0, 0] for p in range(q_parts)]
                 for j in range(2):
                     pos = ir.DenseI64ArrayAttr.get([j])
-                    x = arith.addf(vector.extract(hi, dynamic_position=[], static_position=pos),
-                                   vector.extract(lo, dynamic_position=[], static_position=pos))
+                    x = functools.reduce(arith.addf, [vector.extract(v, dynamic_position=[], static_position=pos)
+                                                      for v in parts])
                     head = arith.addi(arith.muli(q, i32_const(2)), i32_const(8 * c + j))
                     w = memref.load(w_smem, [index_of(head)])
                     total = arith.addf(total, arith.mulf(arith.maximumf(x, zero), w))
@@ -159,28 +159,35 @@ def supported(q_bhd: jax.Array, key_values: jax.Array, block: int | None) -> boo
 
 def ctas_per_sequence(b: int, tiles: int, want: int = 264) -> int:
     """CTAs sharing one sequence's positions: the fewest powers of two dividing `tiles` (pipeline steps of
-    64-position tiles) that give `want` CTAs (2 per SM of an H200) over the batch."""
+    64-position tiles) that give `want` CTAs (264: 2 per SM of an H200) over the batch."""
     c = 1
     while b * c < want and tiles % (2 * c) == 0:
         c *= 2
     return c
 
 
-def split_query(q_bhd: jax.Array) -> jax.Array:
-    """bf16 [B, 2H, D]: q's hi and lo bf16 parts (q = hi + lo to ~2**-17), channels in key_perm order."""
+def split_query(q_bhd: jax.Array, q_parts: int = 2) -> jax.Array:
+    """bf16 [B, q_parts * H, D], channels in key_perm order: q's hi and lo bf16 parts (q = hi + lo to
+    ~2**-17), or (q_parts 1) hi alone: q itself where q is exact in bf16, as FP4-grid queries are."""
     q = q_bhd.astype(jnp.float32)[:, :, key_perm()]
     hi = q.astype(jnp.bfloat16)
+    if q_parts == 1:
+        return hi
     lo = (q - hi.astype(jnp.float32)).astype(jnp.bfloat16)
     return jnp.concatenate([hi, lo], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step"))
+@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
-                         reachable_b: jax.Array, *, stages: int = 6, tiles_per_step: int = 1) -> jax.Array:
+                         reachable_b: jax.Array, *, stages: int = 6, tiles_per_step: int = 1, q_parts: int = 2,
+                         ctas: int = 264) -> jax.Array:
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
     stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; the
-    H200 run measured 1)."""
+    H200 run measured 1); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16 (exact for the
+    model's FP4-grid queries; half the MMA work); ctas: CTAs wanted over the batch (`ctas_per_sequence`)."""
+    if q_parts not in (1, 2):
+        raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
     b, h, d = q_bhd.shape
     n = key_values.shape[1]
     if d != D or h % 8 or n % TP or key_values.shape != (b, n, D // 2) or key_scales.shape != (b, n, D // GROUP):
@@ -189,9 +196,9 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     tiles = n // TP
     if tiles % tiles_per_step:
         raise ValueError(f"tiles_per_step={tiles_per_step} must divide the {tiles} tiles of {TP} positions")
-    per_seq = ctas_per_sequence(b, tiles // tiles_per_step)
+    per_seq = ctas_per_sequence(b, tiles // tiles_per_step, ctas)
     steps, rows = tiles // tiles_per_step // per_seq, TP * tiles_per_step
-    qs = split_query(q_bhd)
+    qs = split_query(q_bhd, q_parts)
     w = w_bh.astype(jnp.float32)
     s_view = key_scales.reshape(b, tiles, TP * D // GROUP)  # a tile's 256 scale bytes; a step's: one TMA box
 
@@ -215,8 +222,8 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
                     plgpu.wgmma_wait(0)
                     return acc_ref[...]
 
-                acc = pl.run_scoped(acc_scope, plgpu.ACC((TP, 2 * h), jnp.float32))
-                _epilogue(h, TP * i)(acc, w_smem, s_smem, o_gmem, seq, (part * steps + t) * rows, reach)
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
+                _epilogue(h, TP * i, q_parts)(acc, w_smem, s_smem, o_gmem, seq, (part * steps + t) * rows, reach)
 
         plgpu.emit_pipeline(
             step,
@@ -231,8 +238,8 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         out_type=jax.ShapeDtypeStruct((b, n), jnp.float32),
         grid=(b, per_seq),
         grid_names=("b", "c"),
-        scratch_types=(plgpu.SMEM((2 * h, D), jnp.bfloat16, transforms=_Q_TRANSFORMS),
+        scratch_types=(plgpu.SMEM((q_parts * h, D), jnp.bfloat16, transforms=_Q_TRANSFORMS),
                        plgpu.SMEM((h,), jnp.float32), plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)),
-        kernel_name=f"indexer_scores_wgmma_{h}",
+        kernel_name=f"indexer_scores_wgmma_{h}_{q_parts}",
     )
     return kernel(reachable_b.astype(jnp.int32), qs, w, key_values, s_view)

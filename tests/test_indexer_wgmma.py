@@ -40,20 +40,26 @@ def test_lowers_for_cuda():
     args = (s((b, h, scan.D), jnp.float32), s((b, h), jnp.float32), s((b, n, scan.D // 2), jnp.uint8),
             s((b, n, scan.D // scan.GROUP), jnp.uint8), s((b,), jnp.int32))
     text = jax.jit(scan.indexer_scores_wgmma).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and "indexer_scores_wgmma_32" in text
+    assert "mosaic_gpu" in text and "indexer_scores_wgmma_32_2" in text
+    one = jax.jit(lambda *a: scan.indexer_scores_wgmma(*a, q_parts=1, ctas=528))
+    assert "indexer_scores_wgmma_32_1" in one.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ValueError, match="q_parts"):
+        scan.indexer_scores_wgmma(*(jnp.zeros(a.shape, a.dtype) for a in args), q_parts=3)
     assert scan.ctas_per_sequence(2, n // scan.TP) == 128  # 264 CTAs wanted: 2 x 128 (a power of two dividing 128)
     assert scan.ctas_per_sequence(8, 2 ** 14) == 64 and scan.ctas_per_sequence(1, 3) == 1
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
-@pytest.mark.parametrize("b,h,n,reach,tiles_per_step", [(1, 32, 4096, [3000], 1), (3, 32, 8192, [8192, 17, 5000], 1),
-                                                         (2, 16, 1024, [0, 900], 1), (3, 32, 8192, [8192, 17, 5000], 2),
-                                                         (1, 32, 4096, [4000], 4)])
-def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step):
-    q, w, rec = index_case(n + b, b, h, scan.D, n)
+@pytest.mark.parametrize("b,h,n,reach,tiles_per_step,q_parts",
+                         [(1, 32, 4096, [3000], 1, 2), (3, 32, 8192, [8192, 17, 5000], 1, 2), (2, 16, 1024, [0, 900], 1, 2),
+                          (3, 32, 8192, [8192, 17, 5000], 2, 2), (1, 32, 4096, [4000], 4, 2),
+                          (3, 32, 8192, [8192, 17, 5000], 1, 1), (2, 16, 1024, [0, 900], 2, 1)])
+def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step, q_parts):
+    q, w, rec = index_case(n + b, b, h, scan.D, n)  # q on the FP4 grid, as the model's: exact in bf16
     reach = jnp.asarray(reach, jnp.int32)
     want = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
-    got = scan.indexer_scores_wgmma(q, w, rec["values"], rec["scales"], reach, tiles_per_step=tiles_per_step)
+    got = scan.indexer_scores_wgmma(q, w, rec["values"], rec["scales"], reach, tiles_per_step=tiles_per_step,
+                                    q_parts=q_parts)
     np.testing.assert_array_equal(np.isinf(np.asarray(got)), np.isinf(np.asarray(want)))
     fin = np.isfinite(np.asarray(want))
     if fin.any():

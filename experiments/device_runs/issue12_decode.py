@@ -14,6 +14,9 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wgmma     # ~7 min: wgmma tests, sweep, b1 A/B
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wgmma2    # ~9.5 min: tests, b1 A/B, b8 after
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wgmma_b8_before  # ~4 min: b8 Triton; b1 no cmdbuf
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf_cc  # ~4 min: custom calls in cmd buffers
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf_cc_b8  # ~4 min: the same at batch 8
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode chunks    # ~5 min: 5 or 20 steps per call
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -116,6 +119,25 @@ GROUPS["wgmma2"] = [(AB_TESTS[0], AB_TESTS[1], 100, AB_TESTS[3])] + [
     ("profile_slice_b8_after", GROUPS["profile_b8"][0][1], 200, {}),
     ("profile_slice_b1_after_cmdbuf_cc", PROFILE_B1["v41-slice"], 90,
      {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+CUSTOM_CALL"})]
+
+# eighteenth session: the batch-1 step's GPU idles ~11 us before each of the 24 cuBLAS dots that follow a
+# Mosaic kernel (host-bound launches, `profile_step`'s host table), and XLA put none of the 76 Pallas calls
+# (Triton and Mosaic) into its command buffers. Triton calls are not FFI handlers: they enter only as a
+# listed legacy target. The flag's "+A,+B" form is parsed up to its first item (XLA's flag parser returns
+# inside its loop), hence the whole list of command types. LOOP adds the generation loop itself (a CUDA
+# graph with conditional nodes), possible only once every op of the step is a command.
+CC_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"
+CC = {"XLA_FLAGS": f"--xla_gpu_enable_command_buffer={CC_TYPES}"}  # jax 0.11.2's XLA has no legacy-target flag
+CC_LOOP = {"XLA_FLAGS": CC["XLA_FLAGS"].replace(CC_TYPES, CC_TYPES + ",WHILE,CONDITIONAL")}
+GROUPS["cmdbuf_cc"] = [(f"profile_slice_b1_{name}", PROFILE_B1["v41-slice"], 85, env)
+                       for name, env in (("plain", {}), ("cc", CC), ("cc_loop", CC_LOOP))]
+GROUPS["cmdbuf_cc_b8"] = [(f"profile_slice_b8_{name}", GROUPS["profile_b8"][0][1], 110, env)
+                          for name, env in (("cc_loop", CC_LOOP), ("plain", {}))]
+# the one large GPU gap of a call (b1: 270 us in 5 steps) is the host's first graph launch of the call (the
+# graph updated for the call's new argument buffers); 20 steps per call spread it 4x thinner
+GROUPS["chunks"] = [(f"profile_slice_b{b}_chunk{c}", ["experiments.profile_step", "--preset", "v41-slice", "--batch",
+                                                      str(b), "--chunk", str(c), "--top", "25", "--out", f"/tmp/i12_c{b}_{c}"],
+                     110, {}) for b, c in ((8, 5), (8, 20), (1, 20))]
 
 
 def last_table(log: str, name: str) -> str:
