@@ -41,12 +41,15 @@ def _gpu_only(kernel: str, instead: str, family: str | None = None) -> bool:
 
 
 def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | None = None, family=None):
-    """f32 [B, N] scores, -inf past reachable (and block maxima [B, ceil(N/block)] with `block`). On an
-    H100/H200 while `gpu_indexer_wgmma.ON`: the wgmma scan, its block maxima by XLA after it."""
+    """f32 [B, N] scores, -inf past reachable (and block maxima [B, ceil(N/block)] with `block`). q: the model's
+    indexer queries, on the FP4 grid: the GPU scans take them exactly (others are rounded, to bf16 or f16). On
+    an H100/H200 while `gpu_indexer_wgmma.ON`: the wgmma scan, its block maxima by XLA after it."""
     fam, interpret = platform(family)
     if fam == "gpu" and not interpret and gpu_indexer_wgmma.supported(q_bhd, key_rec["values"], block):
+        n = key_rec["values"].shape[1]
         scores = gpu_indexer_wgmma.indexer_scores_wgmma(q_bhd, w_bh, key_rec["values"], key_rec["scales"],
-                                                        reachable_b)
+                                                        reachable_b, q_parts=1,
+                                                        tiles_per_step=gpu_indexer_wgmma.tiles_per_step_for(n))
         b, n = scores.shape
         return scores if block is None else (scores, scores.reshape(b, n // block, block).max(axis=-1))
     mod = tpu_indexer if fam == "tpu" else gpu_indexer

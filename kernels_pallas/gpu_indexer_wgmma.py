@@ -1,22 +1,25 @@
 """Decode-step indexer scan on Hopper's warpgroup MMA, the FP4 keys decoded in registers (Pallas, Mosaic GPU).
 
-In the model's dispatch behind `ON` (off). First H200 run (docs/BENCHMARKS.md, "Issue 21: the scan on Hopper's
-warpgroup MMA"): exact to the jnp twin (1e-7), 33-39% of the copy peak at 128K-1M x 8 where the Triton scan
-reaches 27-31%; its 64-position steps, not the loads, limit it. It has the contract of `gpu_indexer.indexer_scores` without `block`: score[b, n] =
+It has the contract of `gpu_indexer.indexer_scores` without `block`: score[b, n] =
 sum_h w[b, h] * relu(q[b, h] . k[b, n]), -inf at n >= reachable[b], over the packed FP4 index keys
 (`quant.INDEX_KEY`: E2M1 pairs uint8 [B, N, D/2], E8M0 per 32 channels uint8 [B, N, D/32]), D = 128.
 Issue 21 asks the scan for >= 70% of the copy bandwidth; the Triton scan's f16 / FP8 decode capped it at
-~45% (docs/BENCHMARKS.md, issue 21 sections). This is the experts' form of `gpu_wgmma` applied to keys:
+~45% (docs/BENCHMARKS.md, issue 21 sections). Measured on the H200 (same sections): exact to the jnp twin
+(1e-7), 59% of the copy peak at 1M x 8 and 47% at 128K x 8 (the Triton scan 31% / 27%). It is bound by its
+instruction issue (~340 per thread per 64 positions, 144 of them the decode), not by its loads. In the model's
+dispatch while `ON` (on: in the slice at 128K x 8 the two scans took 59 us instead of 103 and the step's GPU
+time fell 61 us). This is the experts' form of `gpu_wgmma` applied to keys:
 
-Per CTA (grid: sequence x range of positions): one warpgroup; q^T [D, 2H] (bf16 hi and lo halves of q, so
-that q . k keeps ~16 bits of q) and w stay in shared memory; a TMA pipeline streams 64 positions per step
-(their 64 x 64 key bytes and 64 x 4 scale bytes). Each step: the keys decoded by the experts' PTX
-(`gpu_wgmma.DECODE_PTX`) straight into the wgmma's register operand, each row's groups scaled by
-2**(e_g - e_max) (e_max: the row's largest scale byte; groups 2**-252 below it become 0), one
-64 x 2H x 128 wgmma, then the epilogue on the accumulator's registers: hi + lo per head, relu, times w,
-summed over the head columns a thread holds and across the 4 threads of a row (shuffles), times
-2**(e_max - 127), -inf past reachable, stored. The channel order inside each row is permuted (`key_perm`) so
-that a thread's decoded words are its own WGMMA-layout registers; q is permuted alike.
+Per CTA (grid: sequence x range of positions, `split_steps`): one warpgroup; q^T [D, q_parts H] (q in bf16,
+or its hi and lo bf16 halves so that q . k keeps ~16 bits of any q) and w stay in shared memory; a TMA
+pipeline streams `tiles_per_step` tiles of 64 positions per step (a tile's 64 x 64 key bytes and 64 x 4 scale
+bytes). Each tile: the keys decoded by the experts' PTX (`gpu_wgmma.DECODE_PTX`) straight into the wgmma's
+register operand, each row's groups scaled by 2**(e_g - e_max) (e_max: the row's largest scale byte; groups
+2**-252 below it become 0), one 64 x q_parts H x 128 wgmma, then the epilogue on the accumulator's registers:
+hi + lo per head, relu, times w, summed over the head columns a thread holds and across the 4 threads of a
+row (shuffles), times 2**(e_max - 127), -inf past reachable, stored by 2 of the row's threads (one half of
+the rows each). The channel order inside each row is permuted (`key_perm`) so that a thread's decoded words
+are its own WGMMA-layout registers; q is permuted alike.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+from jax._src.lib.mlir.dialects import math as mlir_math
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -113,9 +117,9 @@ def _epilogue(h: int, row0: int, q_parts: int):
         warp, q, r = warpgroup_coords()
         s_ptr = mgpu_utils.memref_ptr(s_smem)
         zero = arith.constant(f32, 0.0)
-        for half in range(2):
-            row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(row0 + 8 * half))
-            total = zero
+        totals = []
+        for half in range(2):  # rows 16 warp + r + 8 half: every thread of the row ends with its total
+            total = None
             for c in range(h // 8):  # head columns 8c + 2q + {0, 1}: hi at block c, lo at block c + H / 8
                 parts = [acc.registers[0, c + p * h // 8, 0, 0, half, 0, 0, 0, 0] for p in range(q_parts)]
                 for j in range(2):
@@ -124,29 +128,35 @@ def _epilogue(h: int, row0: int, q_parts: int):
                                                       for v in parts])
                     head = arith.addi(arith.muli(q, i32_const(2)), i32_const(8 * c + j))
                     w = memref.load(w_smem, [index_of(head)])
-                    total = arith.addf(total, arith.mulf(arith.maximumf(x, zero), w))
-            total = mgpu_utils.warp_tree_reduce(total, arith.addf, 4)  # the row's 4 threads: lanes 4r .. 4r + 3
-            four = llvm.load(i32, mgpu_utils.getelementptr(s_ptr, [arith.muli(row, i32_const(4))], i8))
-            e_max = functools.reduce(arith.maxui, [arith.andi(arith.shrui(four, i32_const(8 * g)), i32_const(0xFF))
-                                                   for g in range(4)])
-            # * 2**(e_max - 127) in two exact f32 factors (each exponent within [-64, 64])
-            e = arith.subi(e_max, i32_const(127))
-            e1 = arith.divsi(e, i32_const(2))
-            for part in (e1, arith.subi(e, e1)):
-                scale = arith.bitcast(f32, arith.shli(arith.addi(part, i32_const(127)), i32_const(23)))
-                total = arith.mulf(total, scale)
-            pos_n = arith.addi(p0, row)
-            total = arith.select(arith.cmpi(arith.CmpIPredicate.slt, pos_n, reach), total,
-                                 arith.constant(f32, float("-inf")))
-            with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0))):
-                memref.store(total, o_gmem, [index_of(b), index_of(pos_n)])
+                    relu = arith.maximumf(x, zero)  # one fma per head: the kernel is bound by its instruction count
+                    total = arith.mulf(relu, w) if total is None else mlir_math.fma(relu, w, total)
+            totals.append(mgpu_utils.warp_tree_reduce(total, arith.addf, 4))  # the row's lanes 4r .. 4r + 3
+        # thread q < 2 of the row scales and stores half q: one predicated stretch of code for both halves
+        half = arith.andi(q, i32_const(1))
+        total = arith.select(arith.cmpi(arith.CmpIPredicate.eq, half, i32_const(0)), totals[0], totals[1])
+        row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r),
+                         arith.addi(arith.muli(half, i32_const(8)), i32_const(row0)))
+        four = llvm.load(i32, mgpu_utils.getelementptr(s_ptr, [arith.muli(row, i32_const(4))], i8))
+        e_max = functools.reduce(arith.maxui, [arith.andi(arith.shrui(four, i32_const(8 * g)), i32_const(0xFF))
+                                               for g in range(4)])
+        # * 2**(e_max - 127) in two exact f32 factors (each exponent within [-64, 64])
+        e = arith.subi(e_max, i32_const(127))
+        e1 = arith.shrsi(e, i32_const(1))
+        for part in (e1, arith.subi(e, e1)):
+            scale = arith.bitcast(f32, arith.shli(arith.addi(part, i32_const(127)), i32_const(23)))
+            total = arith.mulf(total, scale)
+        pos_n = arith.addi(p0, row)
+        total = arith.select(arith.cmpi(arith.CmpIPredicate.slt, pos_n, reach), total,
+                             arith.constant(f32, float("-inf")))
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, q, i32_const(2))):
+            memref.store(total, o_gmem, [index_of(b), index_of(pos_n)])
 
     return epilogue
 
 
-# The model's dispatch (`kernels_pallas.indexer_scores_decode`) takes this scan while ON: off until the slice's
-# A/B at long context on the H200 (measured alone so far, docs/BENCHMARKS.md).
-ON = False
+# The model's dispatch (`kernels_pallas.indexer_scores_decode`) takes this scan while ON, with q_parts=1 (the
+# model's indexer queries are on the FP4 grid); on since its A/B in the slice (docs/BENCHMARKS.md, twelfth pass).
+ON = True
 
 
 def supported(q_bhd: jax.Array, key_values: jax.Array, block: int | None) -> bool:
@@ -157,13 +167,13 @@ def supported(q_bhd: jax.Array, key_values: jax.Array, block: int | None) -> boo
             and (block is None or TP % block == 0) and is_hopper())
 
 
-def ctas_per_sequence(b: int, tiles: int, want: int = 264) -> int:
-    """CTAs sharing one sequence's positions: the fewest powers of two dividing `tiles` (pipeline steps of
-    64-position tiles) that give `want` CTAs (264: 2 per SM of an H200) over the batch."""
-    c = 1
-    while b * c < want and tiles % (2 * c) == 0:
-        c *= 2
-    return c
+def split_steps(b: int, steps: int, want: int) -> tuple[int, int]:
+    """(CTAs per sequence c, pipeline steps per CTA n) for `steps` steps of one sequence and about `want` CTAs
+    over the batch: n = ceil(steps / ceil(want / b)), c = ceil(steps / n). CTA i scans steps from
+    min(i * n, steps - n): when n does not divide steps, the last CTA's range overlaps its neighbour's by
+    fewer than n steps, whose scores both write alike (any step count keeps the GPU full)."""
+    n = -(-steps // -(-want // b))
+    return -(-steps // n), n
 
 
 def split_query(q_bhd: jax.Array, q_parts: int = 2) -> jax.Array:
@@ -177,15 +187,23 @@ def split_query(q_bhd: jax.Array, q_parts: int = 2) -> jax.Array:
     return jnp.concatenate([hi, lo], axis=1)
 
 
+def tiles_per_step_for(n: int) -> int:
+    """The most 64-position tiles per pipeline step (4, 2 or 1) that divide N's tiles."""
+    return next(t for t in (4, 2, 1) if (n // TP) % t == 0)
+
+
+# Defaults measured on the H200 at 128K and 1M positions x batch 8 (docs/BENCHMARKS.md, eighteenth session):
+# 1056 CTAs (8 per SM), 4 tiles per step, 2 stages.
 @functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
-                         reachable_b: jax.Array, *, stages: int = 6, tiles_per_step: int = 1, q_parts: int = 2,
-                         ctas: int = 264) -> jax.Array:
+                         reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int = 4, q_parts: int = 2,
+                         ctas: int = 1056) -> jax.Array:
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
-    stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; the
-    H200 run measured 1); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16 (exact for the
-    model's FP4-grid queries; half the MMA work); ctas: CTAs wanted over the batch (`ctas_per_sequence`)."""
+    stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; must
+    divide N / 64: `tiles_per_step_for`); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16
+    (exact for the model's FP4-grid queries; half the MMA work); ctas: CTAs wanted over the batch
+    (`split_steps`)."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
     b, h, d = q_bhd.shape
@@ -196,14 +214,15 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     tiles = n // TP
     if tiles % tiles_per_step:
         raise ValueError(f"tiles_per_step={tiles_per_step} must divide the {tiles} tiles of {TP} positions")
-    per_seq = ctas_per_sequence(b, tiles // tiles_per_step, ctas)
-    steps, rows = tiles // tiles_per_step // per_seq, TP * tiles_per_step
+    all_steps, rows = tiles // tiles_per_step, TP * tiles_per_step
+    per_seq, steps = split_steps(b, all_steps, ctas)
     qs = split_query(q_bhd, q_parts)
     w = w_bh.astype(jnp.float32)
     s_view = key_scales.reshape(b, tiles, TP * D // GROUP)  # a tile's 256 scale bytes; a step's: one TMA box
 
     def body(reach_gmem, q_gmem, w_gmem, k_gmem, s_gmem, o_gmem, q_smem, w_smem, q_bar, w_bar):
         seq, part = lax.axis_index("b"), lax.axis_index("c")
+        first = jnp.minimum(part * steps, all_steps - steps)  # this CTA's first step (`split_steps`)
         plgpu.copy_gmem_to_smem(q_gmem.at[seq], q_smem, q_bar)
         plgpu.copy_gmem_to_smem(w_gmem.at[seq], w_smem, w_bar)
         reach = reach_gmem[seq]
@@ -223,13 +242,13 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
                     return acc_ref[...]
 
                 acc = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
-                _epilogue(h, TP * i, q_parts)(acc, w_smem, s_smem, o_gmem, seq, (part * steps + t) * rows, reach)
+                _epilogue(h, TP * i, q_parts)(acc, w_smem, s_smem, o_gmem, seq, (first + t) * rows, reach)
 
         plgpu.emit_pipeline(
             step,
             grid=(steps,),
-            in_specs=[plgpu.BlockSpec((rows, D // 2), lambda t: (part * steps + t, 0)),
-                      plgpu.BlockSpec((tiles_per_step, TP * D // GROUP), lambda t: (part * steps + t, 0))],
+            in_specs=[plgpu.BlockSpec((rows, D // 2), lambda t: (first + t, 0)),
+                      plgpu.BlockSpec((tiles_per_step, TP * D // GROUP), lambda t: (first + t, 0))],
             max_concurrent_steps=stages,
         )(k_gmem.at[seq], s_gmem.at[seq])
 

@@ -22,7 +22,8 @@ from tests.kernel_checks import lower_for_h200
 
 SCAN = {"indexer_scores", "indexer_scores_pool", "topk_from_levels", "sparse_attention"}  # the cache side
 FEW = {"hyper_in", "route"}  # decode rows <= 8
-MOSAIC = {"rows_matmuls_fp4_wgmma", "fp8_matmuls_wgmma"}  # Mosaic GPU kernels; the others lower through Triton
+MOSAIC = {"rows_matmuls_fp4_wgmma", "fp8_matmuls_wgmma", "indexer_scores_wgmma"}  # Mosaic GPU; the rest Triton
+HOPPER_SCAN = SCAN - {"indexer_scores"} | {"indexer_scores_wgmma"}  # an H100/H200: the full scans on wgmma
 KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_matmuls_fp4", "rows_matmuls_float"}
 
 
@@ -30,10 +31,10 @@ KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_mat
 @pytest.mark.parametrize("preset,batch,hopper,want", [
     ("v41-slice", 1, False, SCAN | FEW | {"fp8_matmuls", "rows_matmuls_fp4"}),  # one token: its experts as rows
     ("v41-slice", 8, False, SCAN | FEW | {"fp8_matmuls", "grouped_matmuls_fp4"}),
-    ("v41-slice", 1, True, SCAN | FEW | MOSAIC | {"fp8_matmuls"}),  # an H100/H200: the wgmma experts
-    ("v41-slice", 8, True, SCAN | FEW | MOSAIC | {"fp8_matmuls"}),  # ... for a few tokens' rows too
+    ("v41-slice", 1, True, HOPPER_SCAN | FEW | MOSAIC | {"fp8_matmuls"}),  # an H100/H200: the wgmma experts
+    ("v41-slice", 8, True, HOPPER_SCAN | FEW | MOSAIC | {"fp8_matmuls"}),  # ... for a few tokens' rows too
     ("v41-slice", 64, False, SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),
-    ("v41-slice", 64, True, SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),  # past EXPERT_ROWS_TOKENS, 8 FP8 rows
+    ("v41-slice", 64, True, HOPPER_SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),  # past EXPERT_ROWS_TOKENS
     ("small", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float weights: only the row form has a kernel
 ])
 def test_decode_step_lowers_for_an_h200(preset, batch, hopper, want):
@@ -43,7 +44,9 @@ def test_decode_step_lowers_for_an_h200(preset, batch, hopper, want):
     compiled = lambda family=None: ("gpu", False)  # the kernels as on a GPU, not interpreted
     with mock.patch.object(kernels_pallas, "platform", compiled), \
             mock.patch.object(kernels_pallas.gpu_wgmma, "is_hopper", lambda: hopper), \
-            mock.patch.object(kernels_pallas.gpu_wgmma, "ON", True):
+            mock.patch.object(kernels_pallas.gpu_indexer_wgmma, "is_hopper", lambda: hopper), \
+            mock.patch.object(kernels_pallas.gpu_wgmma, "ON", True), \
+            mock.patch.object(kernels_pallas.gpu_indexer_wgmma, "ON", True):
         text = lower_for_h200(lambda p, c, t, n: api.forward(cfg, p, c, t, n, kernels="pallas"),
                               api.abstract_params(cfg), cache, rows(1), rows())
     # each kernel's jitted wrapper is a function of the module (a repeated one gets a numbered name)

@@ -17,6 +17,8 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf_cc  # ~4 min: custom calls in cmd buffers
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf_cc_b8  # ~4 min: the same at batch 8
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode chunks    # ~5 min: 5 or 20 steps per call
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode scan_ab   # ~3 min: the Hopper scan, b8 128K
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode chunks16  # ~2.5 min: b1, b8, 16 steps per call
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -69,6 +71,10 @@ GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160,
 # same calls at batch 1; batch 8 only against the tenth pass, `wgmma_b8_before` is its same-machine half)
 SINCE_MEASURED = [("kernels_pallas/gpu_wgmma.py",
                    'return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"', "return False")]
+# `scan_ab`: the Hopper indexer scan off (a copy of the tree) and on (as it is), batch 8 at 128K, where the
+# encoder's Full layers scan 64K and 128K positions (eighteenth session: the scans 102.8 -> 59.3 us, the step's
+# GPU time 3.561 -> 3.500 ms; every row of the profiles printed)
+SCAN_OFF = [("kernels_pallas/gpu_indexer_wgmma.py", "ON = True", "ON = False")]
 # kernels off by default until timed, on in the "after" half of `ab` (environment variables); none now
 AFTER_ENV = {}
 # the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED); in the fifteenth
@@ -135,6 +141,14 @@ GROUPS["cmdbuf_cc_b8"] = [(f"profile_slice_b8_{name}", GROUPS["profile_b8"][0][1
                           for name, env in (("cc_loop", CC_LOOP), ("plain", {}))]
 # the one large GPU gap of a call (b1: 270 us in 5 steps) is the host's first graph launch of the call (the
 # graph updated for the call's new argument buffers); 20 steps per call spread it 4x thinner
+GROUPS["scan_ab"] = [(f"profile_slice_b8_128k_{side}", ["experiments.profile_step", "--preset", "v41-slice", "--batch",
+                                                         "8", "--context", "131072", "--chunk", "16", "--top", "400",
+                                                         "--out", f"/tmp/i12_scan_{side}"], 130, {})
+                      for side in ("scan_off", "scan_on")]
+# the slice at 4K with `experiments.decode`'s 16 steps per call (first run: after `scan_ab`, in its call)
+GROUPS["chunks16"] = [
+    (f"profile_slice_b{b}_chunk16", ["experiments.profile_step", "--preset", "v41-slice", "--batch", str(b), "--chunk",
+                                     "16", "--top", "25", "--out", f"/tmp/i12_c{b}_16"], 100, {}) for b in (1, 8)]
 GROUPS["chunks"] = [(f"profile_slice_b{b}_chunk{c}", ["experiments.profile_step", "--preset", "v41-slice", "--batch",
                                                       str(b), "--chunk", str(c), "--top", "25", "--out", f"/tmp/i12_c{b}_{c}"],
                      110, {}) for b, c in ((8, 5), (8, 20), (1, 20))]
@@ -160,9 +174,11 @@ def last_table(log: str, name: str) -> str:
 if __name__ == "__main__":
     steps = GROUPS[sys.argv[1] if len(sys.argv) > 1 else "default"]
     before = tree_before(SINCE_MEASURED) if any(name.endswith("_before") for name, *_ in steps) else None
+    off = tree_before(SCAN_OFF, "/tmp/tree_scan_off") if any(name.endswith("_scan_off") for name, *_ in steps) else None
     for name, (module, *args), timeout_s, env in steps:
         out = ["--out", os.path.join(OUT, f"{name}.json")] if module == "experiments.bench_decode" else []
         env = {**env, **AFTER_ENV} if name.endswith(("_after", "tests")) else env
-        step(name, ["-m", module, *args, *out], timeout_s, env, cwd=before if name.endswith("_before") else None)
+        cwd = before if name.endswith("_before") else off if name.endswith("_scan_off") else None
+        step(name, ["-m", module, *args, *out], timeout_s, env, cwd=cwd)
     for name, *_ in steps:
         print(f"\n== {name}\n{last_table(open(os.path.join(OUT, f'{name}.log')).read(), name)}")
