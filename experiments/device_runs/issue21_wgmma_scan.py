@@ -1,11 +1,10 @@
 """Issue 21 on one H200: the Hopper indexer scan (`kernels_pallas.gpu_indexer_wgmma`), its GPU tests, then
 timed from HBM (L2 flushed before every call, `bench_kernels.time_hbm`) against the Triton scan's variants
-at 128K and 1M positions x batch 8 (64-position tiles per pipeline step 1 / 2 / 4, 2 / 4 stages), with the
-copy bandwidth of the same run. Table last; logs under $OUT. The variants: q as bf16 hi + lo or q alone (the
-model's FP4-grid queries, which `index_data` draws, are exact in bf16), CTAs per SM (264 = 2 on an H200),
-64-position tiles per pipeline step, pipeline stages.
+at 128K and 1M positions x batch 8, with the copy bandwidth of the same run. Table last; logs under $OUT. The
+variants (VARIANTS): q as bf16 hi + lo or q alone (the model's FP4-grid queries, which `index_data` draws, are
+exact in bf16), CTAs wanted (264 = 2 per SM of an H200), 64-position tiles per pipeline step, pipeline stages.
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue21_wgmma_scan      (~4 min)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_wgmma_scan      (~2.5 min)
 """
 
 import functools
