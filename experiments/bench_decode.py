@@ -349,7 +349,9 @@ def parse_args(argv=None):
     p.add_argument("--activation-quant", action="store_true", help="the release's W8A8 / W4A8 mode")
     p.add_argument("--kernels", default="auto", choices=["auto", "jnp", "pallas"])
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per point (median)")
-    p.add_argument("--chunk", type=int, default=10, help="steps per api.generate call")
+    p.add_argument("--chunk", type=int, default=16,
+                   help="steps per api.generate call (16: what experiments.decode runs; each call pays one graph "
+                        "update, docs/BENCHMARKS.md twelfth pass)")
     p.add_argument("--copy-gb", type=float, default=4.0, help="GiB of the copy that measures the peak bandwidth")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="trace one --chunk loop per point into DIR and print GPU time per kernel")

@@ -37,3 +37,13 @@ def test_attribute_sums_per_step_and_keeps_unknown_names():
     events = [{"name": "fusion_1", "dur": 4.0}, {"name": "fusion_1", "dur": 6.0}, {"name": "MemcpyD2D", "dur": 2.0}]
     rows = ps.attribute(events, {"fusion_1": "MoE.__call__/MoE._routed:add"}, steps=2)
     assert rows == {"MoE.__call__/MoE._routed:add": [1.0, 5.0], "MemcpyD2D": [0.5, 1.0]}
+
+
+def test_host_in_gaps_charges_only_the_large_gaps():
+    """A 90 us GPU gap (kernels end at 10, the next starts at 100) and a 5 us one: the host events that overlap
+    the large one are listed with their overlap; the small gap and the events outside are not."""
+    kernels = [{"name": "a", "ts": 0, "dur": 10}, {"name": "b", "ts": 100, "dur": 10}, {"name": "c", "ts": 115, "dur": 5}]
+    host = [{"name": "cuGraphLaunch", "ts": 20, "dur": 200}, {"name": "launch c", "ts": 111, "dur": 3},
+            {"name": "early", "ts": 0, "dur": 5}]
+    n, during = ps.host_in_gaps(kernels, host)
+    assert n == 1 and during == {"cuGraphLaunch": [1, 80]}
