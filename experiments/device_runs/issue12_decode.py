@@ -128,10 +128,11 @@ GROUPS["wgmma2"] = [(AB_TESTS[0], AB_TESTS[1], 100, AB_TESTS[3])] + [
 
 # eighteenth session: the batch-1 step's GPU idles ~11 us before each of the 24 cuBLAS dots that follow a
 # Mosaic kernel (host-bound launches, `profile_step`'s host table), and XLA put none of the 76 Pallas calls
-# (Triton and Mosaic) into its command buffers. Triton calls are not FFI handlers: they enter only as a
-# listed legacy target. The flag's "+A,+B" form is parsed up to its first item (XLA's flag parser returns
-# inside its loop), hence the whole list of command types. LOOP adds the generation loop itself (a CUDA
-# graph with conditional nodes), possible only once every op of the step is a command.
+# (Triton and Mosaic) into its command buffers. Triton calls are not FFI handlers: they could enter only as
+# a listed legacy target, a flag this XLA does not know (both runs stopped at flag parsing). The flag's "+A,+B"
+# form may apply only its first item (XLA's flag parser as read in its source returns inside its loop), hence
+# the whole list of command types. LOOP adds the generation loop itself (a CUDA graph with conditional
+# nodes), possible only once every op of the step is a command.
 CC_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"
 CC = {"XLA_FLAGS": f"--xla_gpu_enable_command_buffer={CC_TYPES}"}  # jax 0.11.2's XLA has no legacy-target flag
 CC_LOOP = {"XLA_FLAGS": CC["XLA_FLAGS"].replace(CC_TYPES, CC_TYPES + ",WHILE,CONDITIONAL")}
@@ -139,16 +140,17 @@ GROUPS["cmdbuf_cc"] = [(f"profile_slice_b1_{name}", PROFILE_B1["v41-slice"], 85,
                        for name, env in (("plain", {}), ("cc", CC), ("cc_loop", CC_LOOP))]
 GROUPS["cmdbuf_cc_b8"] = [(f"profile_slice_b8_{name}", GROUPS["profile_b8"][0][1], 110, env)
                           for name, env in (("cc_loop", CC_LOOP), ("plain", {}))]
-# the one large GPU gap of a call (b1: 270 us in 5 steps) is the host's first graph launch of the call (the
-# graph updated for the call's new argument buffers); 20 steps per call spread it 4x thinner
 GROUPS["scan_ab"] = [(f"profile_slice_b8_128k_{side}", ["experiments.profile_step", "--preset", "v41-slice", "--batch",
                                                          "8", "--context", "131072", "--chunk", "16", "--top", "400",
                                                          "--out", f"/tmp/i12_scan_{side}"], 130, {})
                       for side in ("scan_off", "scan_on")]
-# the slice at 4K with `experiments.decode`'s 16 steps per call (first run: after `scan_ab`, in its call)
+# the slice at 4K with `experiments.decode`'s 16 steps per call (its first run, after `scan_ab` in that call,
+# had the Hopper scan's defective CTA split)
 GROUPS["chunks16"] = [
     (f"profile_slice_b{b}_chunk16", ["experiments.profile_step", "--preset", "v41-slice", "--batch", str(b), "--chunk",
                                      "16", "--top", "25", "--out", f"/tmp/i12_c{b}_16"], 100, {}) for b in (1, 8)]
+# the one large GPU gap of a call (b1: 210-270 us in 5 steps) is the host's first graph launch of the call (the
+# graph updated for the call's new argument buffers); 20 steps per call spread it 4x thinner
 GROUPS["chunks"] = [(f"profile_slice_b{b}_chunk{c}", ["experiments.profile_step", "--preset", "v41-slice", "--batch",
                                                       str(b), "--chunk", str(c), "--top", "25", "--out", f"/tmp/i12_c{b}_{c}"],
                      110, {}) for b, c in ((8, 5), (8, 20), (1, 20))]
