@@ -34,12 +34,11 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
 from jax._src.lib.mlir.dialects import math as mlir_math
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, i32_const, index_of, is_hopper, pow2_bf16x2,
-                                     warpgroup_coords)
+                                     warpgroup_coords, wgmma_operand)
 
 D = 128  # channels of an index key
 TP = 64  # positions per step: the wgmma's M
@@ -68,17 +67,11 @@ def _decode_keys(row0: int):
     [64, 128] of rows row0 .. row0 + 63 in WGMMA_LAYOUT (column c: channel key_perm()[c]), each group times
     2**(e_g - e_max of its row)."""
 
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(), plgpu.RefType()),
-        return_type=plgpu.ShapeDtypeStruct((TP, D), jnp.bfloat16, plgpu.Layout.WGMMA),
-    )
-    def decode(ctx, k_smem, s_smem):
-        del ctx
+    @wgmma_operand((TP, D), (plgpu.RefType(), plgpu.RefType()))
+    def decode(put, k_smem, s_smem):
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
-        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
         warp, q, r = warpgroup_coords()
         k_ptr, s_ptr = mgpu_utils.memref_ptr(k_smem), mgpu_utils.memref_ptr(s_smem)
-        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TP, D)), dtype=object)
         for half in range(2):
             row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(row0 + 8 * half))
             words = llvm.load(ir.VectorType.get((4,), i32),
@@ -96,8 +89,7 @@ def _decode_keys(row0: int):
                 word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([u]))
                 outs = mgpu_utils.inline_ptx(DECODE_PTX, word, mult, result_types=[i32] * 4)
                 for i, reg in enumerate(outs):
-                    regs[0, 4 * u + i, 0, 0, half, 0, 0, 0, 0] = mgpu_utils.bitcast(reg, bf16x2)
-        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+                    put(half, 4 * u + i, reg)
 
     return decode
 

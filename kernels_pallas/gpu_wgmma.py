@@ -107,24 +107,43 @@ def pow2_bf16x2(field):
     return arith.ori(bits, arith.shli(bits, i32_const(16)))
 
 
+def wgmma_operand(shape: tuple[int, int], arg_types: tuple):
+    """Decorator for the in-register decodes: fill(put, *args) computes a thread's bf16x2 words (i32 bits) and
+    calls put(half, c, bits) for register c of its row half (rows 16 warp + r + 8 half in WGMMA_LAYOUT); the
+    result is an inline_mgpu function of `arg_types` returning bf16 `shape` in WGMMA_LAYOUT (a wgmma's
+    register operand)."""
+
+    def wrap(fill):
+        @plgpu.inline_mgpu(arg_types=arg_types,
+                           return_type=plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, plgpu.Layout.WGMMA))
+        def decode(ctx, *args):
+            del ctx
+            bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+            regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(shape), dtype=object)  # [1, C, 1, 1, 2, 1, ...]
+
+            def put(half, c, bits):
+                regs[0, c, 0, 0, half, 0, 0, 0, 0] = mgpu_utils.bitcast(bits, bf16x2)
+
+            fill(put, *args)
+            return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+        return decode
+
+    return wrap
+
+
 def _decode_tile(k: int, ptx: str):
     """inline_mgpu: (packed SMEM tile [64, 128] u8, the CTA's scales [K/128, 256] u8, step) -> bf16 [64, 256]
     in WGMMA_LAYOUT, column c holding input k_perm()[c] of the step's 256 (`ptx`: DECODE_PTX)."""
     groups = k // SCALE_BLOCK  # scale bytes per row
 
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(_V_TRANSFORMS), plgpu.RefType(), _SPLAT),
-        return_type=plgpu.ShapeDtypeStruct((TN, TK), jnp.bfloat16, plgpu.Layout.WGMMA),
-    )
-    def decode(ctx, v_smem, s_smem, step):
-        del ctx
+    @wgmma_operand((TN, TK), (plgpu.RefType(_V_TRANSFORMS), plgpu.RefType(), _SPLAT))
+    def decode(put, v_smem, s_smem, step):
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
-        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
         step = step.registers.item()
         warp, q, r = warpgroup_coords()
         row0 = arith.addi(arith.muli(warp, i32_const(16)), r)
         v_ptr = mgpu_utils.memref_ptr(v_smem)  # tiled [8, 1, 8, 128]: row R at byte 128 R
-        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TN, TK)), dtype=object)  # [1, 32, 1, 1, 2, 1, ...]
         for half in range(2):  # rows R = row0 and row0 + 8 (a0/a2 and a1/a3 of each wgmma)
             row = arith.addi(row0, i32_const(8 * half))
             for h in range(2):  # scale group g = 2q + h of the step's 8
@@ -140,8 +159,7 @@ def _decode_tile(k: int, ptx: str):
                     outs = mgpu_utils.inline_ptx(ptx, word, mult, result_types=[i32] * 4)
                     u = 4 * h + w  # output i -> instruction n = 2u + i // 2, pair b = i % 2: col block 2n + b
                     for i, reg in enumerate(outs):
-                        regs[0, 4 * u + i, 0, 0, half, 0, 0, 0, 0] = mgpu_utils.bitcast(reg, bf16x2)
-        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+                        put(half, 4 * u + i, reg)
 
     return decode
 
@@ -294,18 +312,12 @@ def _decode_fp8_tile(k: int, ptx: str):
     """inline_mgpu: (E4M3 SMEM tile [64, 256] u8, the CTA's scales [K/1024, 64] u8 (2 rows of K/32), step) ->
     bf16 [64, 256] in WGMMA_LAYOUT, column c holding input fp8_k_perm()[c] of the step's 256."""
 
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(_W8_TRANSFORMS), plgpu.RefType(), _SPLAT),
-        return_type=plgpu.ShapeDtypeStruct((TN, TK), jnp.bfloat16, plgpu.Layout.WGMMA),
-    )
-    def decode(ctx, w_smem, s_smem, step):
-        del ctx
+    @wgmma_operand((TN, TK), (plgpu.RefType(_W8_TRANSFORMS), plgpu.RefType(), _SPLAT))
+    def decode(put, w_smem, s_smem, step):
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
-        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
         step, groups = step.registers.item(), i32_const(k // SCALE_BLOCK)
         warp, q, r = warpgroup_coords()
         w_ptr = mgpu_utils.memref_ptr(w_smem)  # tiled [8, 2, 8, 128]: (row // 8, col // 128, row % 8, col % 128)
-        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TN, TK)), dtype=object)
         for half in range(2):  # rows 16 warp + r + 8 half: row // 8 = 2 warp + half, row % 8 = r, row // 32
             tile_row = arith.addi(arith.muli(warp, i32_const(2)), i32_const(half))
             s_row = arith.divui(warp, i32_const(2))
@@ -323,8 +335,7 @@ def _decode_fp8_tile(k: int, ptx: str):
                     word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([w]))
                     outs = mgpu_utils.inline_ptx(ptx, word, mult, result_types=[i32] * 2)
                     for o, reg in enumerate(outs):
-                        regs[0, 8 * ci + 2 * w + o, 0, 0, half, 0, 0, 0, 0] = mgpu_utils.bitcast(reg, bf16x2)
-        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+                        put(half, 8 * ci + 2 * w + o, reg)
 
     return decode
 
