@@ -182,7 +182,6 @@ def rows_matmuls(x_mk, ws, expert_m, *, kernels="jnp"):
     on, gpu = _weight_kernels(kernels, m), _kp.platform()[0] != "tpu"
     if on and gpu and all(grouped.is_packed(w) for w in ws):
         return _kp.rows_matmuls_fp4(x_mk, [(w["values"], w["scales"]) for w in ws], expert_m)
-    x_mk = x_mk if x_mk.shape[0] in (1, m) else jnp.repeat(x_mk, m // x_mk.shape[0], axis=0)
     _, k, n = grouped.grouped_shape(ws[0])
     if on and gpu and not any(grouped.is_packed(w) for w in ws) and k % 32 == 0 and n % 16 == 0:
         return _rows_float(None, x_mk, list(ws), expert_m)
@@ -191,7 +190,7 @@ def rows_matmuls(x_mk, ws, expert_m, *, kernels="jnp"):
     pairs = [(w["values"], w["scales"]) for w in ws]
     # the TPU kernel takes rows sorted by expert (no row-form TPU kernel yet): sort, run, put back
     order, sizes = grouped.sort_by_group(expert_m, pairs[0][0].shape[0])
-    x_mk = jnp.broadcast_to(x_mk, (expert_m.shape[0], x_mk.shape[1]))
+    x_mk = jnp.repeat(x_mk, m // x_mk.shape[0], axis=0)
     return [jnp.zeros_like(y).at[order].set(y) for y in _kp.grouped_matmuls_fp4(x_mk[order], pairs, sizes)]
 
 
@@ -208,8 +207,7 @@ def expert_rows_on(kernels: str, x_mk, ws, m: int) -> bool:
     assignment reads its expert; an expert that two tokens share is read twice) rather than sorted into
     groups, as one token's always do."""
     return (x_mk.shape[0] <= EXPERT_ROWS_TOKENS and _weight_kernels(kernels, m) and all(grouped.is_packed(w) for w in ws)
-            and _kp.platform() == ("gpu", False)
-            and _kp.gpu_wgmma.supported(x_mk, [(w["values"], w["scales"]) for w in ws], m))
+            and _kp.rows_fp4_wgmma(x_mk, [(w["values"], w["scales"]) for w in ws], m))
 
 
 def twin_gradient(kernel, twin):

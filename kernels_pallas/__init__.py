@@ -46,11 +46,10 @@ def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | Non
     an H100/H200 while `gpu_indexer_wgmma.ON`: the wgmma scan, its block maxima by XLA after it."""
     fam, interpret = platform(family)
     if fam == "gpu" and not interpret and gpu_indexer_wgmma.supported(q_bhd, key_rec["values"], block):
-        n = key_rec["values"].shape[1]
+        b, n = key_rec["values"].shape[:2]
         scores = gpu_indexer_wgmma.indexer_scores_wgmma(q_bhd, w_bh, key_rec["values"], key_rec["scales"],
                                                         reachable_b, q_parts=1,
                                                         tiles_per_step=gpu_indexer_wgmma.tiles_per_step_for(n))
-        b, n = scores.shape
         return scores if block is None else (scores, scores.reshape(b, n // block, block).max(axis=-1))
     mod = tpu_indexer if fam == "tpu" else gpu_indexer
     return mod.indexer_scores(q_bhd, w_bh, key_rec["values"], key_rec["scales"], reachable_b, block=block,
@@ -104,6 +103,17 @@ def grouped_matmuls_fp4(x_mk, weights, sizes_e, *, family=None):
     return gpu_grouped.grouped_matmuls_fp4(x_mk, weights, sizes_e, interpret=interpret)
 
 
+def _one_or_all_rows(x_mk, m: int):
+    """x [R, K] with R | M as the Triton row kernels read it: its one row, or M rows (row m = x[m // (M / R)])."""
+    rows = x_mk.shape[0]
+    return x_mk if rows in (1, m) else jnp.repeat(x_mk, m // rows, axis=0)
+
+
+def rows_fp4_wgmma(x_mk, weights, m: int, *, family=None) -> bool:
+    """True when `rows_matmuls_fp4` of x over m rows runs the Hopper wgmma kernel (compiled on an H100/H200)."""
+    return platform(family) == ("gpu", False) and gpu_wgmma.supported(x_mk, weights, m)
+
+
 def rows_matmuls_fp4(x_mk, weights, expert_m, *, family=None):
     """[f32 [M, N] per (values, scales) in `weights`]: row m times expert expert_m[m] (-1: zero row), the row
     contract of `dsv41_jax.grouped` (x [R, K], R | M: row m reads x[m // (M / R)]), in one launch. On an
@@ -112,18 +122,18 @@ def rows_matmuls_fp4(x_mk, weights, expert_m, *, family=None):
     fam, interpret = platform(family)
     if fam == "tpu":
         raise ValueError("no TPU row-form kernel: sort the rows by expert and call grouped_matmuls_fp4")
-    if not interpret and gpu_wgmma.supported(x_mk, weights, expert_m.shape[0]):
+    m = expert_m.shape[0]
+    if rows_fp4_wgmma(x_mk, weights, m, family=family):
         return gpu_wgmma.rows_matmuls_fp4_wgmma(x_mk, weights, expert_m)
-    m, rows = expert_m.shape[0], x_mk.shape[0]
-    x_mk = x_mk if rows in (1, m) else jnp.repeat(x_mk, m // rows, axis=0)  # the Triton kernel's x: 1 or M rows
-    return gpu_grouped.rows_matmuls_fp4(x_mk, weights, expert_m, interpret=interpret)
+    return gpu_grouped.rows_matmuls_fp4(_one_or_all_rows(x_mk, m), weights, expert_m, interpret=interpret)
 
 
 def rows_matmuls_float(x_mk, weights, expert_m, *, family=None):
     """`rows_matmuls_fp4` for float experts [E, K, N] (`weight_format="float"`). GPU only: XLA's TPU
     lowering of one token's experts is a matrix-vector product already, not the GPU's column reduction."""
     interpret = _gpu_only("rows_matmuls_float", "grouped.rows_matmul (XLA)", family)
-    return gpu_grouped.rows_matmuls_float(x_mk, weights, expert_m, interpret=interpret)
+    return gpu_grouped.rows_matmuls_float(_one_or_all_rows(x_mk, expert_m.shape[0]), weights, expert_m,
+                                          interpret=interpret)
 
 
 def fp8_matmuls(x_mk, weights, *, family=None):

@@ -94,11 +94,19 @@ def test_rows_fp4_kernel_matches_twin(experts, dtype, monkeypatch):
     ref1 = grouped.rows_matmul(x[:1], w, e)
     _close(ref1, grouped.rows_matmul(jnp.broadcast_to(x[:1], x.shape), w, e))
     _close(gpu_grouped.rows_matmuls_fp4(x[:1], [(w["values"], w["scales"])], e, interpret=INTERPRET)[0], ref1)
+    # x of R = M / 2 rows, row m reading x[m // 2] (a few tokens' assignments): twin, GPU and TPU routes
+    xr = x[::2] if len(experts) % 2 == 0 else None
+    ref_r = None if xr is None else grouped.rows_matmul(jnp.repeat(xr, 2, axis=0), w, e)
+    if xr is not None:
+        _close(grouped.rows_matmul(xr, w, e), ref_r)
+        _close(kernels.rows_matmuls(xr, [w], e, kernels="pallas")[0], ref_r)
     monkeypatch.setattr(kernels_pallas, "platform", lambda family=None: ("tpu", True))
     (tpu,) = kernels.rows_matmuls(x, [w], e, kernels="pallas")
     _close(tpu, ref)
     (tpu,) = kernels.rows_matmuls(x[:1], [w], e, kernels="pallas")
     _close(tpu, ref1)
+    if xr is not None:
+        _close(kernels.rows_matmuls(xr, [w], e, kernels="pallas")[0], ref_r)
 
 
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
