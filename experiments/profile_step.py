@@ -8,8 +8,10 @@ Every method of the dsv41_jax modules runs under a `jax.named_scope` of its clas
 `api.generate` call (the jitted loop, cache donated) is traced with `jax.profiler`; each kernel of the
 trace is matched to its HLO instruction and so to the innermost two scopes and the primitive at the
 fusion's root ("MoE.__call__/MoE._routed:select_n"). Pallas kernels keep their own names. Prints kernels
-and GPU microseconds per step by source and by scope, largest first, and the step time outside the
-profiler (the profiler runs kernels one by one, without command buffers: its gaps are not the real ones).
+and GPU microseconds per step by source and by scope, largest first, the GPU's idle time by the kernel after
+each gap, the host events during the gaps of 50 us or more, and the step time of the loop outside the
+profiler (traced, XLA's command buffers still run: their graph launches are among the host events; the
+profiler's own overhead is why the step time is measured without it).
 Weights and cache are random, as in `experiments.bench_decode`.
 """
 

@@ -14,8 +14,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wgmma     # ~7 min: wgmma tests, sweep, b1 A/B
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wgmma2    # ~9.5 min: tests, b1 A/B, b8 after
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wgmma_b8_before  # ~4 min: b8 Triton; b1 no cmdbuf
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf_cc  # ~4 min: custom calls in cmd buffers
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf_cc_b8  # ~4 min: the same at batch 8
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cmdbuf_cc  # ~3 min: Mosaic calls in cmd buffers
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode chunks    # ~5 min: 5 or 20 steps per call
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode scan_ab   # ~3 min: the Hopper scan, b8 128K
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode chunks16  # ~2.5 min: b1, b8, 16 steps per call
@@ -131,30 +130,27 @@ GROUPS["wgmma2"] = [(AB_TESTS[0], AB_TESTS[1], 100, AB_TESTS[3])] + [
 # (Triton and Mosaic) into its command buffers. Triton calls are not FFI handlers: they could enter only as
 # a listed legacy target, a flag this XLA does not know (both runs stopped at flag parsing). The flag's "+A,+B"
 # form may apply only its first item (XLA's flag parser as read in its source returns inside its loop), hence
-# the whole list of command types. LOOP adds the generation loop itself (a CUDA graph with conditional
-# nodes), possible only once every op of the step is a command.
+# the whole list of command types. The generation loop itself as one graph (WHILE, CONDITIONAL) needs every
+# op of the step to be a command: not while Triton kernels remain, so no group asks for it.
 CC_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"
 CC = {"XLA_FLAGS": f"--xla_gpu_enable_command_buffer={CC_TYPES}"}  # jax 0.11.2's XLA has no legacy-target flag
-CC_LOOP = {"XLA_FLAGS": CC["XLA_FLAGS"].replace(CC_TYPES, CC_TYPES + ",WHILE,CONDITIONAL")}
-GROUPS["cmdbuf_cc"] = [(f"profile_slice_b1_{name}", PROFILE_B1["v41-slice"], 85, env)
-                       for name, env in (("plain", {}), ("cc", CC), ("cc_loop", CC_LOOP))]
-GROUPS["cmdbuf_cc_b8"] = [(f"profile_slice_b8_{name}", GROUPS["profile_b8"][0][1], 110, env)
-                          for name, env in (("cc_loop", CC_LOOP), ("plain", {}))]
-GROUPS["scan_ab"] = [(f"profile_slice_b8_128k_{side}", ["experiments.profile_step", "--preset", "v41-slice", "--batch",
-                                                         "8", "--context", "131072", "--chunk", "16", "--top", "400",
-                                                         "--out", f"/tmp/i12_scan_{side}"], 130, {})
-                      for side in ("scan_off", "scan_on")]
+
+def slice_profile(batch: int, chunk: int = 5, context: int = 4096, top: int = 25) -> list[str]:
+    """`profile_step` of the v41 slice (module and arguments of a step)."""
+    return ["experiments.profile_step", "--preset", "v41-slice", "--batch", str(batch), "--context", str(context),
+            "--chunk", str(chunk), "--top", str(top), "--out", f"/tmp/i12_slice_b{batch}_c{chunk}_{context}"]
+
+
+GROUPS["cmdbuf_cc"] = [(f"profile_slice_b{b}_{name}", slice_profile(b), 90, env)
+                       for b in (1, 8) for name, env in (("plain", {}), ("cc", CC))]
+GROUPS["scan_ab"] = [(f"profile_slice_b8_128k_{side}", slice_profile(8, 16, 131072, top=400), 130, {})
+                     for side in ("scan_off", "scan_on")]
 # the slice at 4K with `experiments.decode`'s 16 steps per call (its first run, after `scan_ab` in that call,
 # had the Hopper scan's defective CTA split)
-GROUPS["chunks16"] = [
-    (f"profile_slice_b{b}_chunk16", ["experiments.profile_step", "--preset", "v41-slice", "--batch", str(b), "--chunk",
-                                     "16", "--top", "25", "--out", f"/tmp/i12_c{b}_16"], 100, {}) for b in (1, 8)]
-# the one large GPU gap of a call (b1: 210-270 us in 5 steps) is the host's first graph launch of the call (the
-# graph updated for the call's new argument buffers); 20 steps per call spread it 4x thinner
-GROUPS["chunks"] = [(f"profile_slice_b{b}_chunk{c}", ["experiments.profile_step", "--preset", "v41-slice", "--batch",
-                                                      str(b), "--chunk", str(c), "--top", "25", "--out", f"/tmp/i12_c{b}_{c}"],
-                     110, {}) for b, c in ((8, 5), (8, 20), (1, 20))]
-
+GROUPS["chunks16"] = [(f"profile_slice_b{b}_chunk16", slice_profile(b, 16), 100, {}) for b in (1, 8)]
+# the one large GPU gap of a call (b1: 210-270 us in 5 steps) is the host's first graph launch of the call;
+# 20 steps per call spread it 4x thinner
+GROUPS["chunks"] = [(f"profile_slice_b{b}_chunk{c}", slice_profile(b, c), 110, {}) for b, c in ((8, 5), (8, 20), (1, 20))]
 
 def last_table(log: str, name: str) -> str:
     """The bench's final table (the profile's summary and source table), or the log's tail if it has none."""
