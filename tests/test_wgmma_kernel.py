@@ -92,8 +92,25 @@ def test_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match="do not fit"):
         gpu_wgmma.rows_matmuls_fp4_wgmma(jnp.zeros((1, 256), jnp.bfloat16), [(values, scales), (values[:1], scales[:1])],
                                    ids)
-    assert not gpu_wgmma.supported(jnp.zeros((1, 256), jnp.bfloat16), [(values, scales)], ids.shape[0]) \
-        or gpu_wgmma.is_hopper()
+
+
+def test_dispatch_takes_it_only_where_it_computes(monkeypatch):
+    """`supported` (the dispatch's test) on a Hopper GPU: bf16 x whose rows divide M, K % 256, N % 64; never
+    elsewhere, nor while ON is off."""
+    values, scales = _packed(2, 64, 256)
+    x = jnp.zeros((2, 256), jnp.bfloat16)
+    monkeypatch.setattr(gpu_wgmma, "is_hopper", lambda: False)
+    assert not gpu_wgmma.supported(x, [(values, scales)], 4)
+    monkeypatch.setattr(gpu_wgmma, "is_hopper", lambda: True)
+    assert gpu_wgmma.supported(x, [(values, scales)], 4) and gpu_wgmma.supported(x[:1], [(values, scales)], 6)
+    assert not gpu_wgmma.supported(x, [(values, scales)], 5)  # 2 rows do not divide 5
+    assert not gpu_wgmma.supported(x.astype(jnp.float32), [(values, scales)], 4)
+    v128, s128 = _packed(2, 64, 128)
+    assert not gpu_wgmma.supported(x[:, :128], [(v128, s128)], 4)  # K = 128: not whole 256-input steps
+    v32, s32 = _packed(2, 32, 256)
+    assert not gpu_wgmma.supported(x, [(v32, s32)], 4)  # N = 32
+    monkeypatch.setattr(gpu_wgmma, "ON", False)
+    assert not gpu_wgmma.supported(x, [(values, scales)], 4)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
