@@ -34,6 +34,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
 from jax._src.lib.mlir.dialects import math as mlir_math
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -62,34 +63,42 @@ def key_perm() -> np.ndarray:
 
 
 @functools.cache
-def _decode_keys(row0: int):
-    """inline_mgpu: (a step's key bytes [64 T, 64] u8, its scale bytes [T, 256] u8 (64 T rows x 4)) -> bf16
+def _decode_keys(row0: int, ptx: str):
+    """inline_mgpu: (a step's key bytes [64 T, 64] u8, its scale bytes [T, 256] u8 (64 T rows x 4)) -> (bf16
     [64, 128] of rows row0 .. row0 + 63 in WGMMA_LAYOUT (column c: channel key_perm()[c]), each group times
-    2**(e_g - e_max of its row)."""
+    2**(e_g - e_max of its row); i32 [64, 8] WGMMA_LAYOUT, every element of a row its e_max). ptx: DECODE_PTX,
+    or a replacement with its operands (benchmarks)."""
 
-    @wgmma_operand((TP, D), (plgpu.RefType(), plgpu.RefType()))
+    @wgmma_operand((TP, D), (plgpu.RefType(), plgpu.RefType()),
+                   plgpu.ShapeDtypeStruct((TP, 8), jnp.int32, plgpu.Layout.WGMMA))
     def decode(put, k_smem, s_smem):
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
         warp, q, r = warpgroup_coords()
         k_ptr, s_ptr = mgpu_utils.memref_ptr(k_smem), mgpu_utils.memref_ptr(s_smem)
+        e_maxes = []
         for half in range(2):
             row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(row0 + 8 * half))
             words = llvm.load(ir.VectorType.get((4,), i32),
                               mgpu_utils.getelementptr(k_ptr, [arith.addi(arith.muli(row, i32_const(64)),
                                                                          arith.muli(q, i32_const(16)))], i8))
-            four = llvm.load(i32, mgpu_utils.getelementptr(s_ptr, [arith.muli(row, i32_const(4))], i8))
-            byte = lambda g: arith.andi(arith.shrui(four, i32_const(8 * g)), i32_const(0xFF))  # noqa: E731
-            e_max = functools.reduce(arith.maxui, [byte(g) for g in range(4)])
-            e_q = arith.andi(arith.shrui(four, arith.muli(q, i32_const(8))), i32_const(0xFF))
+            # thread q decodes group q of its row: its scale byte, and the row's largest over the row's 4 lanes
+            e_q = arith.extui(i32, llvm.load(i8, mgpu_utils.getelementptr(
+                s_ptr, [arith.addi(arith.muli(row, i32_const(4)), q)], i8)))
+            e_max = mgpu_utils.warp_tree_reduce(e_q, arith.maxui, 4)
+            e_maxes.append(e_max)
             # the PTX's E2M1 * 2**-126 times bf16 2**(e_q - e_max + 126) (exponent field e_q - e_max + 253)
             # = E2M1 * 2**(e_q - e_max), in [2**-1, 6] for the row's largest group; 0 for groups 2**-252 below it
             expo = arith.maxsi(arith.addi(arith.subi(e_q, e_max), i32_const(253)), i32_const(0))
             mult = pow2_bf16x2(expo)
             for u in range(4):
                 word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([u]))
-                outs = mgpu_utils.inline_ptx(DECODE_PTX, word, mult, result_types=[i32] * 4)
+                outs = mgpu_utils.inline_ptx(ptx, word, mult, result_types=[i32] * 4)
                 for i, reg in enumerate(outs):
                     put(half, 4 * u + i, reg)
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TP, 8)), dtype=object)
+        for half, e_max in enumerate(e_maxes):
+            regs[0, 0, 0, 0, half, 0, 0, 0, 0] = vector.broadcast(ir.VectorType.get((2,), i32), e_max)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=False)
 
     return decode
 
@@ -97,17 +106,16 @@ def _decode_keys(row0: int):
 @functools.cache
 def _epilogue(h: int, row0: int, q_parts: int):
     """inline_mgpu: (acc f32 [64, q_parts * H] WGMMA layout of the step's rows row0 .. row0 + 63 (q_parts 2:
-    hi columns, then lo), w_smem f32 [H], the step's scale bytes [T, 256] u8, out gmem f32 [B, N], b, the
+    hi columns, then lo), the rows' e_max (`_decode_keys`), w_smem f32 [H], out gmem f32 [B, N], b, the
     step's first position, reachable) -> stores the 64 scores."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), _SPLAT,
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), _SPLAT,
                                   _SPLAT, _SPLAT))
-    def epilogue(ctx, acc, w_smem, s_smem, o_gmem, b, p0, reach):
+    def epilogue(ctx, acc, e_maxes, w_smem, o_gmem, b, p0, reach):
         del ctx
-        f32, i32, i8 = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        f32 = ir.F32Type.get()
         b, p0, reach = (a.registers.item() for a in (b, p0, reach))
         warp, q, r = warpgroup_coords()
-        s_ptr = mgpu_utils.memref_ptr(s_smem)
         zero = arith.constant(f32, 0.0)
         totals = []
         for half in range(2):  # rows 16 warp + r + 8 half: every thread of the row ends with its total
@@ -124,18 +132,18 @@ def _epilogue(h: int, row0: int, q_parts: int):
                     total = arith.mulf(relu, w) if total is None else mlir_math.fma(relu, w, total)
             totals.append(mgpu_utils.warp_tree_reduce(total, arith.addf, 4))  # the row's lanes 4r .. 4r + 3
         # thread q < 2 of the row scales and stores half q: one predicated stretch of code for both halves
-        half = arith.andi(q, i32_const(1))
-        total = arith.select(arith.cmpi(arith.CmpIPredicate.eq, half, i32_const(0)), totals[0], totals[1])
+        first = arith.cmpi(arith.CmpIPredicate.eq, arith.andi(q, i32_const(1)), i32_const(0))
+        total = arith.select(first, totals[0], totals[1])
+        e_max = arith.select(first, *(vector.extract(e_maxes.registers[0, 0, 0, 0, half, 0, 0, 0, 0],
+                                                     dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+                                      for half in range(2)))
         row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r),
-                         arith.addi(arith.muli(half, i32_const(8)), i32_const(row0)))
-        four = llvm.load(i32, mgpu_utils.getelementptr(s_ptr, [arith.muli(row, i32_const(4))], i8))
-        e_max = functools.reduce(arith.maxui, [arith.andi(arith.shrui(four, i32_const(8 * g)), i32_const(0xFF))
-                                               for g in range(4)])
+                         arith.addi(arith.muli(arith.andi(q, i32_const(1)), i32_const(8)), i32_const(row0)))
         # * 2**(e_max - 127) in two exact f32 factors (each exponent within [-64, 64])
         e = arith.subi(e_max, i32_const(127))
         e1 = arith.shrsi(e, i32_const(1))
         for part in (e1, arith.subi(e, e1)):
-            scale = arith.bitcast(f32, arith.shli(arith.addi(part, i32_const(127)), i32_const(23)))
+            scale = arith.bitcast(f32, arith.addi(arith.muli(part, i32_const(1 << 23)), i32_const(127 << 23)))
             total = arith.mulf(total, scale)
         pos_n = arith.addi(p0, row)
         total = arith.select(arith.cmpi(arith.CmpIPredicate.slt, pos_n, reach), total,
@@ -186,16 +194,16 @@ def tiles_per_step_for(n: int) -> int:
 
 # Defaults measured on the H200 at 128K and 1M positions x batch 8 (docs/BENCHMARKS.md, eighteenth session):
 # 1056 CTAs (8 per SM), 4 tiles per step, 2 stages.
-@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas"))
+@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                          reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int = 4, q_parts: int = 2,
-                         ctas: int = 1056) -> jax.Array:
+                         ctas: int = 1056, decode_ptx: str = DECODE_PTX) -> jax.Array:
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
     stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; must
     divide N / 64: `tiles_per_step_for`); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16
     (exact for the model's FP4-grid queries; half the MMA work); ctas: CTAs wanted over the batch
-    (`split_steps`)."""
+    (`split_steps`); decode_ptx: the keys' decode (DECODE_PTX's operands; benchmarks replace it)."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
     b, h, d = q_bhd.shape
@@ -229,12 +237,13 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
 
             for i in range(tiles_per_step):
                 def acc_scope(acc_ref, i=i):
-                    plgpu.wgmma(acc_ref, _decode_keys(TP * i)(k_smem, s_smem), q_smem.transpose((1, 0)))
+                    keys, e_max = _decode_keys(TP * i, decode_ptx)(k_smem, s_smem)
+                    plgpu.wgmma(acc_ref, keys, q_smem.transpose((1, 0)))
                     plgpu.wgmma_wait(0)
-                    return acc_ref[...]
+                    return acc_ref[...], e_max
 
-                acc = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
-                _epilogue(h, TP * i, q_parts)(acc, w_smem, s_smem, o_gmem, seq, (first + t) * rows, reach)
+                acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
+                _epilogue(h, TP * i, q_parts)(acc, e_max, w_smem, o_gmem, seq, (first + t) * rows, reach)
 
         plgpu.emit_pipeline(
             step,

@@ -17,7 +17,7 @@ whole E8M0 block [64, K/32] is one contiguous run of bytes, fetched once by TMA:
 
 Decode (`_decode_tile`, inline PTX on the registers): a thread reads 16 B (one 32-input scale group of one
 row) per load and turns each 32-bit word (8 codes) into four bf16x2 holding sign << 15 | mag << 6, which
-is E2M1 * 2**-126 exactly (shift, mask, lop3), then one fma.rn.bf16x2 by 2**(E + 126) scales them, exactly
+is E2M1 * 2**-126 exactly (mask, multiply, mask), then one fma.rn.bf16x2 by 2**(E + 126) scales them, exactly
 while the E8M0 byte is <= 128 (as `gpu_grouped`'s bf16 fast path; released expert scales are far below).
 The K order inside a 256-input step is permuted (`k_perm`) so that each thread's decoded registers are
 exactly its WGMMA_LAYOUT registers with no shuffle; x's columns get the same permutation in the wrapper
@@ -53,16 +53,21 @@ _V_TRANSFORMS = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))  
 _X_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 [8, 256]
 
 # One 32-bit word of packed codes (8 inputs: byte b holds inputs 2b (low nibble), 2b + 1) -> four bf16x2,
-# output i = inputs WORD_PAIRS[i] (low, high half). Shifting the word left by 4i puts the codes of inputs
-# 3 - i and 7 - i in the top nibble of each 16-bit lane; there the sign is already bit 15 and the magnitude
-# (bits 12..14) >> 6 lands in bits 6..8: bf16 bits sign << 15 | mag << 6 = E2M1 * 2**-126 (mag 1 a
-# subnormal), exact. One fma.rn.bf16x2 by $5 = 2**(E + 126) scales it exactly; the addend -0 keeps the sign
-# of zeros. 3 ALU ops + 1 FMA per two weights.
+# output i = inputs WORD_PAIRS[i] (low, high half), each lane bf16 bits sign << 15 | mag << 6 = E2M1 * 2**-126
+# (mag 1 a subnormal), exact. A mask keeps one nibble per 16-bit lane (of the word, or of the word >> 8 for
+# bytes 1 and 3); one integer multiply writes two copies of it, shifted so that one copy's sign lands in bit
+# 15 and the other's magnitude in bits 6..8 (y: nibble at bits 4..7, * (2**8 + 2**2); x: bits 0..3,
+# * (2**12 + 2**6); the copies do not overlap, so the product is their OR); a mask keeps those 4 bits. One
+# fma.rn.bf16x2 by $5 = 2**(E + 126) scales it exactly; the addend -0 keeps the sign of zeros. Per word 9 ALU
+# ops, 4 IMAD and 4 HFMA2 (ptxas, sm_90a); the kernels are bound by the ALU pipe (half rate), and the
+# shift-mask-lop3 form before this took 12 ALU and 3 IMAD.
 WORD_PAIRS = ((3, 7), (2, 6), (1, 5), (0, 4))
-_OUT = ("shr.b32 m, {q}, 6; and.b32 m, m, 0x01C001C0; lop3.b32 m, {q}, 0x80008000, m, 0xEA; "  # (q & S) | m
-        "fma.rn.bf16x2 ${i}, m, $5, z; ")
-DECODE_PTX = ("{ .reg .b32 q, m, z; mov.b32 z, 0x80008000; " + _OUT.format(q="$4", i=0)
-              + "".join(f"shl.b32 q, $4, {4 * i}; " + _OUT.format(q="q", i=i) for i in (1, 2, 3)) + "}")
+_NIBBLE = {"y": ("0x00F000F0", (1 << 8) + (1 << 2)), "x": ("0x000F000F", (1 << 12) + (1 << 6))}
+DECODE_PTX = ("{ .reg .b32 v, l, t, z; mov.b32 z, 0x80008000; shr.b32 v, $4, 8; "
+              + "".join(f"and.b32 l, {src}, {_NIBBLE[n][0]}; mul.lo.u32 t, l, {_NIBBLE[n][1]}; "
+                        f"and.b32 t, t, 0x81C081C0; fma.rn.bf16x2 ${i}, t, $5, z; "
+                        for i, (src, n) in enumerate((("v", "y"), ("v", "x"), ("$4", "y"), ("$4", "x"))))
+              + "}")
 
 
 def k_perm() -> np.ndarray:
@@ -103,19 +108,20 @@ def warpgroup_coords():
 def pow2_bf16x2(field):
     """i32 bits of a bf16x2 whose two halves are the power of two with exponent field `field` (i32, 0 .. 254;
     0 gives +0): the FMA factor of the PTX decodes."""
-    bits = arith.shli(field, i32_const(7))
-    return arith.ori(bits, arith.shli(bits, i32_const(16)))
+    return arith.muli(field, i32_const((1 << 23) + (1 << 7)))  # field << 23 | field << 7: an IMAD, not 3 ALU ops
 
 
-def wgmma_operand(shape: tuple[int, int], arg_types: tuple):
+def wgmma_operand(shape: tuple[int, int], arg_types: tuple, extra=None):
     """Decorator for the in-register decodes: fill(put, *args) computes a thread's bf16x2 words (i32 bits) and
     calls put(half, c, bits) for register c of its row half (rows 16 warp + r + 8 half in WGMMA_LAYOUT); the
     result is an inline_mgpu function of `arg_types` returning bf16 `shape` in WGMMA_LAYOUT (a wgmma's
-    register operand)."""
+    register operand), or, with `extra` (a plgpu.ShapeDtypeStruct), that and the FragmentedArray fill
+    returns."""
 
     def wrap(fill):
-        @plgpu.inline_mgpu(arg_types=arg_types,
-                           return_type=plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, plgpu.Layout.WGMMA))
+        operand = plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, plgpu.Layout.WGMMA)
+
+        @plgpu.inline_mgpu(arg_types=arg_types, return_type=operand if extra is None else (operand, extra))
         def decode(ctx, *args):
             del ctx
             bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -124,8 +130,9 @@ def wgmma_operand(shape: tuple[int, int], arg_types: tuple):
             def put(half, c, bits):
                 regs[0, c, 0, 0, half, 0, 0, 0, 0] = mgpu_utils.bitcast(bits, bf16x2)
 
-            fill(put, *args)
-            return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+            more = fill(put, *args)
+            out = mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+            return out if extra is None else (out, more)
 
         return decode
 

@@ -81,6 +81,28 @@ def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step, q_part
         assert err <= 1e-6, err
 
 
+@pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
+def test_every_row_exact_at_its_own_scale_on_the_gpu():
+    """Rows at scales 2**-87 .. 2**72, groups up to 2**-30 below their row's largest and one row's 2**-149
+    below (the decode scales each row by its own e_max, found across the row's 4 threads): each score
+    within 1e-5 of its row's magnitude sum_h |w_h| |q_h| . |k_n| (an error relative to the largest score
+    would hide the small rows)."""
+    b, h, n = 2, 32, 1024
+    q, w, rec = index_case(7, b, h, scan.D, n)
+    rng = np.random.default_rng(7)
+    base = rng.integers(40, 200, (b, n, 1))
+    scales = base - rng.integers(0, 31, (b, n, scan.D // scan.GROUP))
+    scales[0, 5] = [190, 41, 180, 100]
+    rec = {"values": rec["values"], "scales": jnp.asarray(scales, jnp.uint8)}
+    reach = jnp.full((b,), n, jnp.int32)
+    want = np.asarray(ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY), np.float64)
+    got = np.asarray(scan.indexer_scores_wgmma(q, w, rec["values"], rec["scales"], reach, q_parts=1), np.float64)
+    k = np.asarray(quant.INDEX_KEY.decode(rec), np.float64)  # [B, N, D]
+    mag = np.einsum("bh,bhd,bnd->bn", np.abs(np.asarray(w, np.float64)), np.abs(np.asarray(q, np.float64)), np.abs(k))
+    assert np.all(np.isfinite(want)) and np.all(mag > 0)
+    assert np.max(np.abs(got - want) / mag) <= 1e-5
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
 def test_dispatch_takes_it_when_on_with_block_maxima(monkeypatch):
     """`kernels_pallas.indexer_scores_decode` on an H100/H200 with ON: the wgmma scan, and the candidate

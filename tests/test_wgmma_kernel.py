@@ -29,16 +29,17 @@ def _ptx_model(word: np.ndarray, exp_u8: np.ndarray) -> np.ndarray:
     """float64 [..., 4, 2]: DECODE_PTX's four bf16x2 outputs (low, high lane) for uint32 words and E8M0 bytes,
     instruction by instruction (the FMA's product is exact in bf16 here, as the test below checks)."""
     ptx = gpu_wgmma.DECODE_PTX  # the model below follows its instructions and constants
-    assert re.findall(r"\b(shl|shr|and|lop3|fma)\.", ptx) == ["shr", "and", "lop3", "fma"] + ["shl", "shr", "and",
-                                                                                            "lop3", "fma"] * 3
-    assert all(c in ptx for c in ("shr.b32 m, q, 6;", "0x01C001C0", "0x80008000, m, 0xEA", "fma.rn.bf16x2"))
+    assert re.findall(r"\b(shr|and|mul|fma)\.", ptx) == ["shr"] + ["and", "mul", "and", "fma"] * 4
+    steps = re.findall(r"and\.b32 l, (\$4|v), (0x[0-9A-F]+); mul\.lo\.u32 t, l, (\d+); and\.b32 t, t, (0x[0-9A-F]+); "
+                       r"fma\.rn\.bf16x2 \$(\d), t, \$5, z;", ptx)
+    assert "shr.b32 v, $4, 8;" in ptx and [int(s[4]) for s in steps] == [0, 1, 2, 3]
     mult = ((exp_u8.astype(np.uint32) + 126) << 7).astype(np.uint16)  # bf16 2**(E + 126), E = byte - 127
+    v = word >> np.uint32(8)
     outs = []
-    for i in range(4):
-        q = (word << np.uint32(4 * i)).astype(np.uint32)
-        m = (q >> np.uint32(6)) & np.uint32(0x01C001C0)
-        m = (q & np.uint32(0x80008000)) | m  # lop3 0xEA: (a & b) | c
-        lanes = np.stack([m & np.uint32(0xFFFF), m >> np.uint32(16)], -1).astype(np.uint16)
+    for src, mask, k, keep, _ in steps:
+        t = (word if src == "$4" else v) & np.uint32(int(mask, 16))
+        t = ((t.astype(np.uint64) * int(k)) & 0xFFFFFFFF).astype(np.uint32) & np.uint32(int(keep, 16))
+        lanes = np.stack([t & np.uint32(0xFFFF), t >> np.uint32(16)], -1).astype(np.uint16)
         outs.append(_bf16_bits_to_float(lanes) * _bf16_bits_to_float(mult)[..., None])
     return np.stack(outs, -2)
 

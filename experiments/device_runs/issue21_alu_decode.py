@@ -1,0 +1,136 @@
+"""Issues 21 and 12 on one H200 (nineteenth session): the FP4 decode off the ALU pipe.
+
+The scan and the experts' kernel share `gpu_wgmma.DECODE_PTX`. ptxas (sm_90a) turns the eighteenth session's
+decode (PREVIOUS_PTX below: shift, shift, mask, lop3 per output) into 12 ALU ops, 3 IMAD and 4 HFMA2 per word
+of 8 codes, the new one (mask, multiply, mask) into 9 ALU, 4 IMAD, 4 HFMA2; the ALU pipe issues at half rate.
+The scan also finds a row's largest scale byte with two shuffles instead of in each of its 4 threads, and
+hands it to the epilogue instead of recomputing it. This run: the GPU tests compiled; the scan at 128K and
+1M x 8 (from HBM) with DECODE_PTX, PREVIOUS_PTX and no decode (moves: wrong numbers by design, what the
+decode costs), against the Triton scan; the experts' kernel at the v41 shapes with both decodes; then the
+scan's and the experts' PTX, ptxas report and SASS (when the machine's tools write it) under $OUT/mgpu.
+Table last; logs under $OUT.
+
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_alu_decode      (~5 min)
+"""
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from experiments.bench_kernels import copy_bandwidth, index_data, nbytes, time_hbm
+from experiments.bench_wgmma import E, NO_DECODE, SHAPES, TOP_K, check, time_loop
+from experiments.bench_weights import expert_data
+from kernels_pallas import gpu_indexer, gpu_indexer_wgmma, gpu_wgmma
+
+OUT = os.environ.get("OUT") or "/tmp/i21a_out"
+PREVIOUS_OUT = ("shr.b32 m, {q}, 6; and.b32 m, m, 0x01C001C0; lop3.b32 m, {q}, 0x80008000, m, 0xEA; "
+                "fma.rn.bf16x2 ${i}, m, $5, z; ")
+PREVIOUS_PTX = ("{ .reg .b32 q, m, z; mov.b32 z, 0x80008000; " + PREVIOUS_OUT.format(q="$4", i=0)
+                + "".join(f"shl.b32 q, $4, {4 * i}; " + PREVIOUS_OUT.format(q="q", i=i) for i in (1, 2, 3)) + "}")
+DECODES = {"new decode": gpu_wgmma.DECODE_PTX, "previous decode": PREVIOUS_PTX}
+DUMP = """
+import jax, jax.numpy as jnp
+from experiments.bench_kernels import index_data
+from experiments.bench_weights import expert_data
+from kernels_pallas import gpu_indexer_wgmma as s, gpu_wgmma as g
+q, w, rec = index_data(jax.random.key(0), 8, 1 << 17)
+print(s.indexer_scores_wgmma(q, w, rec['values'], rec['scales'], jnp.full((8,), 5000, jnp.int32), q_parts=1).sum())
+v, sc = expert_data(jax.random.key(1), 8, 2304, 5120)
+x = jax.random.normal(jax.random.key(2), (1, 5120), jnp.bfloat16)
+print(g.rows_matmuls_fp4_wgmma(x, [(v, sc)], jnp.arange(6, dtype=jnp.int32))[0].sum())
+"""
+
+
+def tests() -> None:
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_indexer_wgmma.py",
+                          "tests/test_wgmma_kernel.py"], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "JAX_PLATFORMS": "cuda"})
+    open(os.path.join(OUT, "tests.log"), "w").write(run.stdout + run.stderr)
+    print("\n".join((run.stdout + run.stderr).strip().splitlines()[-8:]), flush=True)
+
+
+def scan_rows(peak: float) -> list[tuple]:
+    rows = []
+    for ctx, b in ((131072, 8), (1048576, 8)):
+        q, w, rec = index_data(jax.random.key(ctx), b, ctx)
+        args = (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32))
+        moved = nbytes(rec) + b * ctx * 4
+        ref = gpu_indexer.indexer_scores(*args, variant="fp8-asm-gl")
+        calls = {f"wgmma, {name}": functools.partial(gpu_indexer_wgmma.indexer_scores_wgmma, q_parts=1, decode_ptx=ptx)
+                 for name, ptx in {**DECODES, "NO DECODE (moves)": NO_DECODE}.items()}
+        calls["triton f16"] = lambda *a: gpu_indexer.indexer_scores(*a, variant="f16")
+        for name, fn in calls.items():
+            try:
+                got = fn(*args)
+                fin = jnp.isfinite(ref)
+                err = float(jnp.max(jnp.where(fin, jnp.abs(got - ref), 0)) / jnp.max(jnp.where(fin, jnp.abs(ref), 0)))
+                t, _ = time_hbm(fn, args, perturb=1)
+                gbs = moved / t / 1e9
+                rows.append(("scan", f"{ctx} x {b}", name, f"{t * 1e6:.1f}", f"{gbs:.0f}", f"{100 * gbs * 1e9 / peak:.1f}%",
+                             f"{err:.1e}"))
+                print(" | ".join(rows[-1]), flush=True)
+            except Exception as ex:  # noqa: BLE001 -- report and go on
+                print(f"scan {ctx} x {b} {name}: FAILED {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
+        del q, w, rec, args, ref
+    return rows
+
+
+def expert_rows(peak: float, reps: int = 64) -> list[tuple]:
+    rows, key = [], jax.random.key(0)
+    for name, (n, k) in SHAPES.items():
+        values, scales = expert_data(jax.random.fold_in(key, n), E, n, k)
+        for label, ptx in DECODES.items():
+            check(name, label, {"decode_ptx": ptx}, values, scales, key)
+        for tokens in (1, 8):
+            m = tokens * TOP_K
+            ids_r = lax.top_k(jax.random.uniform(jax.random.fold_in(key, m), (reps, tokens, E)),
+                              TOP_K)[1].astype(jnp.int32).reshape(reps, m)
+            x = jax.random.normal(key, (tokens, k), jnp.bfloat16)
+            moved = m * n * (k // 2 + k // 32)
+            for label, ptx in DECODES.items():
+                call = functools.partial(gpu_wgmma.rows_matmuls_fp4_wgmma, decode_ptx=ptx)
+                one = lambda x, v, s, i, call=call: call(x, [(v, s)], i)[0]  # noqa: E731
+                kern, _, _ = time_loop(one, x, values, scales, ids_r, "fp4_rows_wgmma")
+                gbs = moved / (kern * 1e-6) / 1e9
+                rows.append(("experts", f"{name} {m} rows", label, f"{kern:.1f}", f"{gbs:.0f}",
+                             f"{100 * gbs * 1e9 / peak:.1f}%", "-"))
+                print(" | ".join(rows[-1]), flush=True)
+        del values, scales
+    return rows
+
+
+def dump() -> None:
+    tmp = "/tmp/mgpu_dump"
+    env = {**os.environ, "MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_SASS": "1",
+           "MOSAIC_GPU_DUMP_TO": tmp, "PYTHONPATH": "."}
+    run = subprocess.run([sys.executable, "-c", DUMP], capture_output=True, text=True, timeout=120, env=env)
+    open(os.path.join(OUT, "dump.log"), "w").write(run.stdout + run.stderr[-20000:])
+    os.makedirs(os.path.join(OUT, "mgpu"), exist_ok=True)
+    names = sorted(os.listdir(tmp)) if os.path.isdir(tmp) else []
+    print(f"dump: {len(names)} files, e.g. {names[:6]}", flush=True)
+    ours = [f for f in names if "indexer_scores_wgmma" in f or "fp4_rows_wgmma" in f]
+    for f in [f for f in (ours or names) if not f.endswith(".mlir")][:40]:  # names without the kernel's: all
+        shutil.copy(os.path.join(tmp, f), os.path.join(OUT, "mgpu", f))
+
+
+def main() -> int:
+    os.makedirs(OUT, exist_ok=True)
+    tests()
+    peak = copy_bandwidth(1.0)
+    rows = scan_rows(peak) + expert_rows(peak)
+    dump()
+    print(f"\ncopy peak {peak / 1e9:.0f} GB/s\n| kernel | shape | variant | GPU us | GB/s | % of copy | max rel diff vs "
+          "triton fp8-asm-gl |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
