@@ -116,7 +116,6 @@ def _epilogue(h: int, row0: int, q_parts: int):
         f32 = ir.F32Type.get()
         b, p0, reach = (a.registers.item() for a in (b, p0, reach))
         warp, q, r = warpgroup_coords()
-        zero = arith.constant(f32, 0.0)
         totals = []
         for half in range(2):  # rows 16 warp + r + 8 half: every thread of the row ends with its total
             total = None
@@ -128,8 +127,10 @@ def _epilogue(h: int, row0: int, q_parts: int):
                                                       for v in parts])
                     head = arith.addi(arith.muli(q, i32_const(2)), i32_const(8 * c + j))
                     w = memref.load(w_smem, [index_of(head)])
-                    relu = arith.maximumf(x, zero)  # one fma per head: the kernel is bound by its instruction count
-                    total = arith.mulf(relu, w) if total is None else mlir_math.fma(relu, w, total)
+                    # 2 relu(x) = x + |x| exactly: an FADD on the FMA pipe where a max would take the ALU pipe,
+                    # which bounds the kernel; the 2 leaves with the row's scale
+                    relu2 = arith.addf(x, mlir_math.absf(x))
+                    total = arith.mulf(relu2, w) if total is None else mlir_math.fma(relu2, w, total)
             totals.append(mgpu_utils.warp_tree_reduce(total, arith.addf, 4))  # the row's lanes 4r .. 4r + 3
         # thread q < 2 of the row scales and stores half q: one predicated stretch of code for both halves
         first = arith.cmpi(arith.CmpIPredicate.eq, arith.andi(q, i32_const(1)), i32_const(0))
@@ -139,8 +140,8 @@ def _epilogue(h: int, row0: int, q_parts: int):
                                       for half in range(2)))
         row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r),
                          arith.addi(arith.muli(arith.andi(q, i32_const(1)), i32_const(8)), i32_const(row0)))
-        # * 2**(e_max - 127) in two exact f32 factors (each exponent within [-64, 64])
-        e = arith.subi(e_max, i32_const(127))
+        # * 2**(e_max - 127) / 2 in two exact f32 factors (each exponent within [-64, 64])
+        e = arith.subi(e_max, i32_const(128))
         e1 = arith.shrsi(e, i32_const(1))
         for part in (e1, arith.subi(e, e1)):
             scale = arith.bitcast(f32, arith.addi(arith.muli(part, i32_const(1 << 23)), i32_const(127 << 23)))

@@ -7,10 +7,10 @@ The scan also finds a row's largest scale byte with two shuffles instead of in e
 hands it to the epilogue instead of recomputing it. This run: the GPU tests compiled; the scan at 128K and
 1M x 8 (from HBM) with DECODE_PTX, PREVIOUS_PTX and no decode (moves: wrong numbers by design, what the
 decode costs), against the Triton scan; the experts' kernel at the v41 shapes with both decodes; then the
-scan's and the experts' PTX, ptxas report and SASS (when the machine's tools write it) under $OUT/mgpu.
+scan's and the experts' PTX and ptxas report under $OUT/mgpu.
 Table last; logs under $OUT.
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue21_alu_decode      (~5 min)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_alu_decode [tests | scantests] [ab] [waves] [dump]  (~5 min)
 """
 
 import functools
@@ -47,9 +47,9 @@ print(g.rows_matmuls_fp4_wgmma(x, [(v, sc)], jnp.arange(6, dtype=jnp.int32))[0].
 """
 
 
-def tests() -> None:
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_indexer_wgmma.py",
-                          "tests/test_wgmma_kernel.py"], capture_output=True, text=True, timeout=240,
+def tests(paths: list[str]) -> None:
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
+                         capture_output=True, text=True, timeout=240,
                          env={**os.environ, "JAX_PLATFORMS": "cuda"})
     open(os.path.join(OUT, "tests.log"), "w").write(run.stdout + run.stderr)
     print("\n".join((run.stdout + run.stderr).strip().splitlines()[-8:]), flush=True)
@@ -70,10 +70,10 @@ def scan_rows(peak: float) -> list[tuple]:
                 got = fn(*args)
                 fin = jnp.isfinite(ref)
                 err = float(jnp.max(jnp.where(fin, jnp.abs(got - ref), 0)) / jnp.max(jnp.where(fin, jnp.abs(ref), 0)))
-                t, _ = time_hbm(fn, args, perturb=1)
+                t, info = time_hbm(fn, args, perturb=1)
                 gbs = moved / t / 1e9
-                rows.append(("scan", f"{ctx} x {b}", name, f"{t * 1e6:.1f}", f"{gbs:.0f}", f"{100 * gbs * 1e9 / peak:.1f}%",
-                             f"{err:.1e}"))
+                rows.append(("scan", f"{ctx} x {b}", name, f"{t * 1e6:.1f}", str(info["pallas_us"]), str(info["kernels"]),
+                             f"{gbs:.0f}", f"{100 * gbs * 1e9 / peak:.1f}%", f"{err:.1e}"))
                 print(" | ".join(rows[-1]), flush=True)
             except Exception as ex:  # noqa: BLE001 -- report and go on
                 print(f"scan {ctx} x {b} {name}: FAILED {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
@@ -98,7 +98,7 @@ def expert_rows(peak: float, reps: int = 64) -> list[tuple]:
                 one = lambda x, v, s, i, call=call: call(x, [(v, s)], i)[0]  # noqa: E731
                 kern, _, _ = time_loop(one, x, values, scales, ids_r, "fp4_rows_wgmma")
                 gbs = moved / (kern * 1e-6) / 1e9
-                rows.append(("experts", f"{name} {m} rows", label, f"{kern:.1f}", f"{gbs:.0f}",
+                rows.append(("experts", f"{name} {m} rows", label, f"{kern:.1f}", f"{kern:.1f}", "-", f"{gbs:.0f}",
                              f"{100 * gbs * 1e9 / peak:.1f}%", "-"))
                 print(" | ".join(rows[-1]), flush=True)
         del values, scales
@@ -107,10 +107,12 @@ def expert_rows(peak: float, reps: int = 64) -> list[tuple]:
 
 def dump() -> None:
     tmp = "/tmp/mgpu_dump"
-    env = {**os.environ, "MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_SASS": "1",
-           "MOSAIC_GPU_DUMP_TO": tmp, "PYTHONPATH": "."}
+    os.makedirs(tmp, exist_ok=True)  # the SASS needs nvdisasm, which the machine lacks: ptxas + nvdisasm here
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false", "MOSAIC_GPU_DUMP_PTX": "1",
+           "MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_TO": tmp, "PYTHONPATH": "."}
     run = subprocess.run([sys.executable, "-c", DUMP], capture_output=True, text=True, timeout=120, env=env)
     open(os.path.join(OUT, "dump.log"), "w").write(run.stdout + run.stderr[-20000:])
+    print("dump:", run.returncode, (run.stdout + run.stderr)[-1500:], flush=True)
     os.makedirs(os.path.join(OUT, "mgpu"), exist_ok=True)
     names = sorted(os.listdir(tmp)) if os.path.isdir(tmp) else []
     print(f"dump: {len(names)} files, e.g. {names[:6]}", flush=True)
@@ -119,18 +121,45 @@ def dump() -> None:
         shutil.copy(os.path.join(tmp, f), os.path.join(OUT, "mgpu", f))
 
 
-def main() -> int:
+def wave_rows(peak: float) -> list[tuple]:
+    """The scan (new decode) at 1056, 1312 and 2112 CTAs (8, ~10 and 16 per SM). One wave of 5 per SM (656,
+    the most an SM holds at 44 KB of shared memory each) and 528 measured no faster (second call)."""
+    rows = []
+    for ctx, b in ((131072, 8), (1048576, 8)):
+        q, w, rec = index_data(jax.random.key(ctx), b, ctx)
+        args = (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32))
+        moved = nbytes(rec) + b * ctx * 4
+        for ctas, stages in ((1056, 2), (1312, 2), (2112, 2)):
+            fn = functools.partial(gpu_indexer_wgmma.indexer_scores_wgmma, q_parts=1, ctas=ctas, stages=stages)
+            t, info = time_hbm(fn, args, perturb=1)
+            gbs = moved / t / 1e9
+            rows.append(("scan", f"{ctx} x {b}", f"{ctas} CTAs, {stages} stages", f"{t * 1e6:.1f}",
+                         str(info["pallas_us"]), str(info["kernels"]), f"{gbs:.0f}",
+                         f"{100 * gbs * 1e9 / peak:.1f}%", "-"))
+            print(" | ".join(rows[-1]), flush=True)
+        del q, w, rec, args
+    return rows
+
+
+GROUPS = {"ab": lambda peak: scan_rows(peak) + expert_rows(peak), "waves": wave_rows}
+
+
+def main(argv: list[str]) -> int:
+    """argv: groups to run (default: tests ab dump; scantests: the scan's tests alone)."""
+    groups = argv or ["tests", "ab", "dump"]
     os.makedirs(OUT, exist_ok=True)
-    tests()
+    if "tests" in groups or "scantests" in groups:
+        tests(["tests/test_indexer_wgmma.py"] + (["tests/test_wgmma_kernel.py"] if "tests" in groups else []))
     peak = copy_bandwidth(1.0)
-    rows = scan_rows(peak) + expert_rows(peak)
-    dump()
-    print(f"\ncopy peak {peak / 1e9:.0f} GB/s\n| kernel | shape | variant | GPU us | GB/s | % of copy | max rel diff vs "
-          "triton fp8-asm-gl |\n|---|---|---|---|---|---|---|")
+    rows = [r for g in groups if g in GROUPS for r in GROUPS[g](peak)]
+    if "dump" in groups:
+        dump()
+    print(f"\ncopy peak {peak / 1e9:.0f} GB/s\n| kernel | shape | variant | GPU us | kernel us | kernels | GB/s | % of copy | "
+          "max rel diff vs triton fp8-asm-gl |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))
