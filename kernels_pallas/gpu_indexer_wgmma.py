@@ -193,12 +193,12 @@ def tiles_per_step_for(n: int) -> int:
     return next(t for t in (4, 2, 1) if (n // TP) % t == 0)
 
 
-# Defaults measured on the H200 at 128K and 1M positions x batch 8 (docs/BENCHMARKS.md, eighteenth session):
-# 1056 CTAs (8 per SM), 4 tiles per step, 2 stages.
+# Defaults measured on the H200 at 128K and 1M positions x batch 8 (docs/BENCHMARKS.md, eighteenth and
+# nineteenth sessions): 2112 CTAs (16 per SM; 1056 was 1-3% slower), 4 tiles per step, 2 stages.
 @functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                          reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int = 4, q_parts: int = 2,
-                         ctas: int = 1056, decode_ptx: str = DECODE_PTX) -> jax.Array:
+                         ctas: int = 2112, decode_ptx: str = DECODE_PTX) -> jax.Array:
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
     stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; must

@@ -71,9 +71,9 @@ def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step, q_part
     q, w, rec = index_case(n + b, b, h, scan.D, n)  # q on the FP4 grid, as the model's: exact in bf16
     reach = jnp.asarray(reach, jnp.int32)
     want = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
-    ctas = 3 if n == 320 else 1056  # 320: 5 steps in 3 CTAs, the last range overlapping (`split_steps`)
+    split = {"ctas": 3} if n == 320 else {}  # 320: 5 steps in 3 CTAs, the last range overlapping (`split_steps`)
     got = scan.indexer_scores_wgmma(q, w, rec["values"], rec["scales"], reach, tiles_per_step=tiles_per_step,
-                                    q_parts=q_parts, ctas=ctas)
+                                    q_parts=q_parts, **split)
     np.testing.assert_array_equal(np.isinf(np.asarray(got)), np.isinf(np.asarray(want)))
     fin = np.isfinite(np.asarray(want))
     if fin.any():

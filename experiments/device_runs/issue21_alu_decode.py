@@ -108,7 +108,8 @@ def expert_rows(peak: float, reps: int = 64) -> list[tuple]:
 def dump() -> None:
     tmp = "/tmp/mgpu_dump"
     os.makedirs(tmp, exist_ok=True)  # the SASS needs nvdisasm, which the machine lacks: ptxas + nvdisasm here
-    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false", "MOSAIC_GPU_DUMP_PTX": "1",
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+           "MOSAIC_GPU_DUMP_PTX": "1",
            "MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_TO": tmp, "PYTHONPATH": "."}
     run = subprocess.run([sys.executable, "-c", DUMP], capture_output=True, text=True, timeout=120, env=env)
     open(os.path.join(OUT, "dump.log"), "w").write(run.stdout + run.stderr[-20000:])
@@ -117,7 +118,7 @@ def dump() -> None:
     names = sorted(os.listdir(tmp)) if os.path.isdir(tmp) else []
     print(f"dump: {len(names)} files, e.g. {names[:6]}", flush=True)
     ours = [f for f in names if "indexer_scores_wgmma" in f or "fp4_rows_wgmma" in f]
-    for f in [f for f in (ours or names) if not f.endswith(".mlir")][:40]:  # names without the kernel's: all
+    for f in [f for f in (ours or names) if f.endswith((".ptx", ".ptxas"))][:8]:  # names without the kernel's: all
         shutil.copy(os.path.join(tmp, f), os.path.join(OUT, "mgpu", f))
 
 
