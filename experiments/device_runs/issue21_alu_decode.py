@@ -10,7 +10,7 @@ decode costs), against the Triton scan; the experts' kernel at the v41 shapes wi
 scan's and the experts' PTX and ptxas report under $OUT/mgpu.
 Table last; logs under $OUT.
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue21_alu_decode [tests | scantests] [ab] [waves] [dump]  (~5 min)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_alu_decode [tests | scantests] [ab] [sweep] [dump]  (~5 min)
 """
 
 import functools
@@ -122,27 +122,30 @@ def dump() -> None:
         shutil.copy(os.path.join(tmp, f), os.path.join(OUT, "mgpu", f))
 
 
-def wave_rows(peak: float) -> list[tuple]:
-    """The scan (new decode) at 1056, 1312 and 2112 CTAs (8, ~10 and 16 per SM). One wave of 5 per SM (656,
-    the most an SM holds at 44 KB of shared memory each) and 528 measured no faster (second call)."""
+def sweep_rows(peak: float) -> list[tuple]:
+    """The scan (new decode) over CTAs wanted (third call: 1056 / 1312 / 2112 gave 68.2 / 69.7 / 69.6% at 1M x 8;
+    one wave of 5 per SM, 656, and 528 no faster in the second) and tiles per step x stages: at 80 registers
+    (ptxas, fourth call) shared memory limits an SM to 5 CTAs of 4 tiles x 2 stages (44 KB); 2 tiles x 2 or
+    3 stages (26-35 KB) let 6 share it."""
     rows = []
     for ctx, b in ((131072, 8), (1048576, 8)):
         q, w, rec = index_data(jax.random.key(ctx), b, ctx)
         args = (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32))
         moved = nbytes(rec) + b * ctx * 4
-        for ctas, stages in ((1056, 2), (1312, 2), (2112, 2)):
-            fn = functools.partial(gpu_indexer_wgmma.indexer_scores_wgmma, q_parts=1, ctas=ctas, stages=stages)
+        for ctas, tiles, stages in ((2112, 4, 2), (2112, 2, 2), (2112, 2, 3), (3168, 2, 2), (1584, 4, 2)):
+            fn = functools.partial(gpu_indexer_wgmma.indexer_scores_wgmma, q_parts=1, ctas=ctas, stages=stages,
+                                   tiles_per_step=tiles)
             t, info = time_hbm(fn, args, perturb=1)
             gbs = moved / t / 1e9
-            rows.append(("scan", f"{ctx} x {b}", f"{ctas} CTAs, {stages} stages", f"{t * 1e6:.1f}",
-                         str(info["pallas_us"]), str(info["kernels"]), f"{gbs:.0f}",
+            rows.append(("scan", f"{ctx} x {b}", f"{ctas} CTAs, {tiles} tiles/step, {stages} stages",
+                         f"{t * 1e6:.1f}", str(info["pallas_us"]), str(info["kernels"]), f"{gbs:.0f}",
                          f"{100 * gbs * 1e9 / peak:.1f}%", "-"))
             print(" | ".join(rows[-1]), flush=True)
         del q, w, rec, args
     return rows
 
 
-GROUPS = {"ab": lambda peak: scan_rows(peak) + expert_rows(peak), "waves": wave_rows}
+GROUPS = {"ab": lambda peak: scan_rows(peak) + expert_rows(peak), "sweep": sweep_rows}
 
 
 def main(argv: list[str]) -> int:
