@@ -4,22 +4,24 @@ It has the contract of `gpu_indexer.indexer_scores` without `block`: score[b, n]
 sum_h w[b, h] * relu(q[b, h] . k[b, n]), -inf at n >= reachable[b], over the packed FP4 index keys
 (`quant.INDEX_KEY`: E2M1 pairs uint8 [B, N, D/2], E8M0 per 32 channels uint8 [B, N, D/32]), D = 128.
 Issue 21 asks the scan for >= 70% of the copy bandwidth; the Triton scan's f16 / FP8 decode capped it at
-~45% (docs/BENCHMARKS.md, issue 21 sections). Measured on the H200 (same sections): exact to the jnp twin
-(1e-7), 59% of the copy peak at 1M x 8 and 47% at 128K x 8 (the Triton scan 31% / 27%). It is bound by its
-instruction issue (~340 per thread per 64 positions, 144 of them the decode), not by its loads. In the model's
-dispatch while `ON` (on: in the slice at 128K x 8 the two scans took 59 us instead of 103 and the step's GPU
-time fell 61 us). This is the experts' form of `gpu_wgmma` applied to keys:
+~45% (docs/BENCHMARKS.md, issue 21 sections). Measured on the H200 (same sections, nineteenth session): exact
+to the jnp twin (1e-7); at 1M x 8 69.6-71.7% of the copy peak of the same call (227 us), at 128K x 8 53-54%
+(37.5 us, of which ~4 us are XLA's small kernels around it and ~6 us the kernel's fixed cost); the Triton scan
+31% / 27%. ptxas: 80 registers, ~300 instructions per thread per 64 positions (136 of them the decode), the
+ALU pipe no longer the first limit. In the model's dispatch while `ON`. This is the experts' form of
+`gpu_wgmma` applied to keys:
 
 Per CTA (grid: sequence x range of positions, `split_steps`): one warpgroup; q^T [D, q_parts H] (q in bf16,
 or its hi and lo bf16 halves so that q . k keeps ~16 bits of any q) and w stay in shared memory; a TMA
 pipeline streams `tiles_per_step` tiles of 64 positions per step (a tile's 64 x 64 key bytes and 64 x 4 scale
 bytes). Each tile: the keys decoded by the experts' PTX (`gpu_wgmma.DECODE_PTX`) straight into the wgmma's
 register operand, each row's groups scaled by 2**(e_g - e_max) (e_max: the row's largest scale byte; groups
-2**-252 below it become 0), one 64 x q_parts H x 128 wgmma, then the epilogue on the accumulator's registers:
-hi + lo per head, relu, times w, summed over the head columns a thread holds and across the 4 threads of a
-row (shuffles), times 2**(e_max - 127), -inf past reachable, stored by 2 of the row's threads (one half of
-the rows each). The channel order inside each row is permuted (`key_perm`) so that a thread's decoded words
-are its own WGMMA-layout registers; q is permuted alike.
+2**-252 below it become 0; the 4 threads of a row each load their group's byte and take the row's largest
+by two shuffles), one 64 x q_parts H x 128 wgmma, then the epilogue on the accumulator's registers: hi + lo
+per head, 2 relu (x + |x|), times w, summed over the head columns a thread holds and across the 4 threads of
+a row (shuffles), times 2**(e_max - 127) / 2 (e_max handed over by the decode), -inf past reachable, stored
+by 2 of the row's threads (one half of the rows each). The channel order inside each row is permuted
+(`key_perm`) so that a thread's decoded words are its own WGMMA-layout registers; q is permuted alike.
 """
 
 from __future__ import annotations
