@@ -89,10 +89,11 @@ def time_loop(call, x, values, scales, ids_r, prefix):
     return sum(r["us_per_step"] for r in mine), prof[0]["us_per_step"], 1e6 * statistics.median(walls)
 
 
-def fp8_section(key, peak: float, reps: int) -> tuple[list[tuple[str, ...]], int]:
+def fp8_section(key, peak: float, reps: int, variants: dict[str, dict] | None = None) -> tuple[list[tuple[str, ...]], int]:
     """The FP8 projections of a v41 layer (`bench_weights.fp8_ops`) at 1 and 8 rows: each launch checked
     against `grouped.fp8_matmul`, then timed (GPU time of all kernels per call, `reps` weight copies called
-    in turn so that they come from HBM) against the Triton kernel. Rows of the table, failed checks."""
+    in turn so that they come from HBM) against the Triton kernel. variants: more labelled wgmma kernel
+    arguments to time (e.g. another decode_ptx). Rows of the table, failed checks."""
     import dsv41_jax as d
     from experiments.bench_kernels import random_bytes
     from experiments.bench_weights import fp8_ops
@@ -104,8 +105,8 @@ def fp8_section(key, peak: float, reps: int) -> tuple[list[tuple[str, ...]], int
                    for i, n in enumerate(ns)] for r in range(reps)]
         for m in (1, 8):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
-            if x.shape[1] % 1024:
-                rows_out.append((op, str(m), "wgmma: not supported (K % 1024)", "-", "-", "-"))
+            if gpu_wgmma.fp8_scale_box(x.shape[1]) is None:
+                rows_out.append((op, str(m), "wgmma: not supported (K)", "-", "-", "-"))
                 continue
             got = gpu_wgmma.fp8_matmuls_wgmma(x, copies[0])
             for y, (q, e) in zip(got, copies[0]):
@@ -115,7 +116,10 @@ def fp8_section(key, peak: float, reps: int) -> tuple[list[tuple[str, ...]], int
                 failed += not ok
                 print(f"FP8 {op} x[{m}]: max|diff| / max|ref| = {err:.2e} {'ok' if ok else 'FAILED'}", flush=True)
             moved = sum(n * k + (n // 32) * (k // 32) for n in ns)
-            for label, fn in (("wgmma", gpu_wgmma.fp8_matmuls_wgmma), ("triton", gpu_grouped.fp8_matmuls)):
+            fns = {"wgmma": gpu_wgmma.fp8_matmuls_wgmma, "triton": gpu_grouped.fp8_matmuls}
+            fns.update({label: functools.partial(gpu_wgmma.fp8_matmuls_wgmma, **kw)
+                        for label, kw in (variants or {}).items()})
+            for label, fn in fns.items():
                 run = jax.jit(lambda x, cs, fn=fn: [fn(x, c) for c in cs])
                 jax.block_until_ready(run(x, copies))
                 with tempfile.TemporaryDirectory() as tmp:

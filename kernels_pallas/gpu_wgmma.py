@@ -289,15 +289,17 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
 # ----------------------------------------------------------------------------- FP8 block-format projections
 # As the experts' kernel, with one weight matrix per launch entry (no expert index), x of up to 8 rows all kept,
 # 256 E4M3 bytes per row and step (two 128 B swizzle columns), and the 32 x 32 block scales of a CTA's 64 rows
-# (2 rows of K/32 bytes) as one TMA box.
-# One 32-bit word of E4M3 bytes (inputs 0..3) -> two bf16x2 (inputs 0, 1 and 2, 3): prmt spreads two bytes into
-# the low bytes of the 16-bit lanes, then bits 0..6 << 4 and the sign bit 7 << 8 make bf16 bits whose value
-# is E4M3 * 2**-120 exactly (subnormals included); one fma.rn.bf16x2 by $3 = 2**(E - 7) scales it exactly
-# while the E8M0 byte is <= 134 (`gpu_grouped.FP8_FAST_MAX`, as its bf16 fast path).
-_FP8_OUT = ("shl.b32 m, t, 4; and.b32 m, m, 0x07F007F0; shl.b32 s, t, 8; lop3.b32 m, s, 0x80008000, m, 0xEA; "
-            "fma.rn.bf16x2 ${i}, m, $3, z; ")
-FP8_DECODE_PTX = ("{ .reg .b32 t, m, s, z; mov.b32 z, 0x80008000; prmt.b32 t, $2, 0, 0x4140; "
-                  + _FP8_OUT.format(i=0) + "prmt.b32 t, $2, 0, 0x4342; " + _FP8_OUT.format(i=1) + "}")
+# (2 rows of K/32 bytes, K/16 contiguous bytes) as one TMA box (`fp8_scale_box`).
+# One 32-bit word of E4M3 bytes (inputs 0..3) -> two bf16x2 (inputs 0, 1 and 2, 3): prmt puts each of two bytes
+# into the low byte of a 16-bit lane and its sign, replicated (prmt's sign mode, selector nibble 8 | byte), into
+# the high byte; << 4 and one mask keep the byte's bits 0..6 in bits 4..10 and a sign copy in bit 15: bf16 bits
+# whose value is E4M3 * 2**-120 exactly (subnormals included). One fma.rn.bf16x2 by $3 = 2**(E - 7) scales it
+# exactly while the E8M0 byte is <= 134 (`gpu_grouped.FP8_FAST_MAX`, as its bf16 fast path). Per word 4 ALU ops,
+# 2 IMAD, 2 HFMA2 (the form with a second shift and a lop3 took 6 ALU and 4 IMAD).
+FP8_SELECTORS = (0x9180, 0xB3A2)  # lanes (byte 0, byte 1) and (byte 2, byte 3), each with its sign byte above
+FP8_DECODE_PTX = ("{ .reg .b32 t, m, z; mov.b32 z, 0x80008000; "
+                  + "".join(f"prmt.b32 t, $2, 0, {sel:#06x}; shl.b32 m, t, 4; and.b32 m, m, 0x87F087F0; "
+                            f"fma.rn.bf16x2 ${i}, m, $3, z; " for i, sel in enumerate(FP8_SELECTORS)) + "}")
 _W8_TRANSFORMS = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))  # uint8 [64, 256]
 _FP8_CHUNKS = (0, 1, 8, 9)  # thread q's 16 B chunks of a row's 256 bytes: 2q + these (scale groups q, q + 4)
 
@@ -315,9 +317,18 @@ def fp8_k_perm() -> np.ndarray:
     return p
 
 
+def fp8_scale_box(k: int) -> tuple[int, int] | None:
+    """The TMA box [rows, cols] u8 of a CTA's K/16 scale bytes: [K/1024, 64] when 1024 divides K, else [1, K/16]
+    (a box row is at most 256 elements and a multiple of 16 bytes: K % 256 == 0, K <= 4096); None if neither."""
+    if k % 1024 == 0:
+        return k // 1024, 64
+    return (1, k // 16) if k % 256 == 0 and k <= 4096 else None
+
+
 def _decode_fp8_tile(k: int, ptx: str):
-    """inline_mgpu: (E4M3 SMEM tile [64, 256] u8, the CTA's scales [K/1024, 64] u8 (2 rows of K/32), step) ->
-    bf16 [64, 256] in WGMMA_LAYOUT, column c holding input fp8_k_perm()[c] of the step's 256."""
+    """inline_mgpu: (E4M3 SMEM tile [64, 256] u8, the CTA's scales `fp8_scale_box(k)` u8 (2 rows of K/32),
+    step) -> bf16 [64, 256] in WGMMA_LAYOUT, column c holding input fp8_k_perm()[c] of the step's 256."""
+    cols = fp8_scale_box(k)[1]
 
     @wgmma_operand((TN, TK), (plgpu.RefType(_W8_TRANSFORMS), plgpu.RefType(), _SPLAT))
     def decode(put, w_smem, s_smem, step):
@@ -336,7 +347,8 @@ def _decode_fp8_tile(k: int, ptx: str):
                 words = llvm.load(ir.VectorType.get((4,), i32), mgpu_utils.getelementptr(w_ptr, [off], i8))
                 group = arith.divui(ch, i32_const(2))
                 flat = arith.addi(arith.muli(s_row, groups), arith.addi(arith.muli(step, i32_const(8)), group))
-                e = memref.load(s_smem, [index_of(arith.divui(flat, i32_const(64))), index_of(arith.remui(flat, i32_const(64)))])
+                e = memref.load(s_smem, [index_of(arith.divui(flat, i32_const(cols))),
+                                         index_of(arith.remui(flat, i32_const(cols)))])
                 mult = pow2_bf16x2(arith.addi(arith.extui(i32, e), i32_const(120)))  # 2**(byte - 7)
                 for w in range(4):
                     word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([w]))
@@ -349,10 +361,10 @@ def _decode_fp8_tile(k: int, ptx: str):
 
 def fp8_supported(x_mk: jax.Array, weights) -> bool:
     """True when the model's dispatch runs `fp8_matmuls_wgmma` on these arguments: ON, bf16 x of at most 8 rows,
-    K a multiple of 1024 (whole 256-input steps, and a CTA's scales as one TMA box), every N a multiple of 64,
-    an H100/H200."""
+    K with whole 256-input steps whose CTA scales make one TMA box (`fp8_scale_box`: K % 1024 == 0, or
+    K % 256 == 0 up to 4096), every N a multiple of 64, an H100/H200."""
     m, k = x_mk.shape
-    return (ON and x_mk.dtype == jnp.bfloat16 and 1 <= m <= TM and k % 1024 == 0
+    return (ON and x_mk.dtype == jnp.bfloat16 and 1 <= m <= TM and fp8_scale_box(k) is not None
             and all(q.shape == (q.shape[0], k) and q.shape[0] % TN == 0 for q, _ in weights) and is_hopper())
 
 
@@ -374,8 +386,10 @@ def fp8_matmuls_wgmma(x_mk: jax.Array, weights, *, splits: int | None = None, st
     for q, e in weights:
         if q.shape != (q.shape[0], k) or e.shape != (q.shape[0] // SCALE_BLOCK, k // SCALE_BLOCK) or q.shape[0] % TN:
             raise ValueError(f"FP8 weight {q.shape} / scales {e.shape} do not fit x {x_mk.shape} (N % {TN} == 0)")
-    if x_mk.dtype != jnp.bfloat16 or not 1 <= m <= TM or k % 1024:
-        raise ValueError(f"the wgmma FP8 kernel needs bf16 x of 1..{TM} rows and K % 1024 == 0; got x "
+    box = fp8_scale_box(k)
+    if x_mk.dtype != jnp.bfloat16 or not 1 <= m <= TM or box is None:
+        raise ValueError(f"the wgmma FP8 kernel needs bf16 x of 1..{TM} rows and K % 1024 == 0 or K % 256 == 0 "
+                         f"up to 4096; got x "
                          f"{x_mk.shape} {x_mk.dtype}")
     starts = np.cumsum([0] + [n // TN for n in ns])  # weight i's output tiles: [starts[i], starts[i + 1])
     steps = k // TK
@@ -386,7 +400,7 @@ def fp8_matmuls_wgmma(x_mk: jax.Array, weights, *, splits: int | None = None, st
     xp = x_mk.reshape(m, steps, TK)[:, :, fp8_k_perm()].reshape(m, k)
     xp = jnp.pad(xp, ((0, TM - m), (0, 0)))
     qs = [jax.lax.bitcast_convert_type(q, jnp.uint8) if q.dtype != jnp.uint8 else q for q, _ in weights]
-    s_views = [e.reshape(n // TN, k // 1024, 64) for (_, e), n in zip(weights, ns)]  # a CTA's 2 scale rows
+    s_views = [e.reshape(n // TN, *box) for (_, e), n in zip(weights, ns)]  # a CTA's 2 scale rows
     decode = _decode_fp8_tile(k, decode_ptx)
     n_w = len(weights)
 
@@ -425,7 +439,7 @@ def fp8_matmuls_wgmma(x_mk: jax.Array, weights, *, splits: int | None = None, st
         out_type=jax.ShapeDtypeStruct((splits * m, int(starts[-1]) * TN), jnp.float32),
         grid=(int(starts[-1]), splits),
         grid_names=("n", "s"),
-        scratch_types=(plgpu.SMEM((k // 1024, 64), jnp.uint8), plgpu.Barrier(num_arrivals=1),
+        scratch_types=(plgpu.SMEM(box, jnp.uint8), plgpu.Barrier(num_arrivals=1),
                        plgpu.SMEM((TN, TM), jnp.float32)),
         kernel_name=f"fp8_wgmma_{'_'.join(map(str, ns))}x{k}",
     )

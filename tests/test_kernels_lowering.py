@@ -31,8 +31,8 @@ KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_mat
 @pytest.mark.parametrize("preset,batch,hopper,want", [
     ("v41-slice", 1, False, SCAN | FEW | {"fp8_matmuls", "rows_matmuls_fp4"}),  # one token: its experts as rows
     ("v41-slice", 8, False, SCAN | FEW | {"fp8_matmuls", "grouped_matmuls_fp4"}),
-    ("v41-slice", 1, True, HOPPER_SCAN | FEW | MOSAIC | {"fp8_matmuls"}),  # an H100/H200: the wgmma experts
-    ("v41-slice", 8, True, HOPPER_SCAN | FEW | MOSAIC | {"fp8_matmuls"}),  # ... for a few tokens' rows too
+    ("v41-slice", 1, True, HOPPER_SCAN | FEW | MOSAIC),  # an H100/H200: the wgmma experts and every FP8 projection
+    ("v41-slice", 8, True, HOPPER_SCAN | FEW | MOSAIC),  # ... for a few tokens' rows too
     ("v41-slice", 64, False, SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),
     ("v41-slice", 64, True, HOPPER_SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),  # past EXPERT_ROWS_TOKENS
     ("small", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float weights: only the row form has a kernel

@@ -178,8 +178,9 @@ def test_fp8_decode_bits_give_every_byte_times_its_scale():
     """FP8_DECODE_PTX modelled instruction by instruction: every E4M3 byte but the NaNs, in every position of a
     word, times 2**(E - 7) with E up to the fast path's 134: the E4M3 value times 2**(E - 127), exact in bf16."""
     ptx = gpu_wgmma.FP8_DECODE_PTX
-    assert re.findall(r"\b(prmt|shl|and|lop3|fma)\.", ptx) == (["prmt"] + ["shl", "and", "shl", "lop3", "fma"]) * 2
-    assert all(c in ptx for c in ("0x4140", "0x4342", "0x07F007F0", "0x80008000, m, 0xEA"))
+    assert re.findall(r"\b(prmt|shl|and|lop3|fma)\.", ptx) == ["prmt", "shl", "and", "fma"] * 2
+    sels = [int(v, 16) for v in re.findall(r"prmt\.b32 t, \$2, 0, (0x[0-9a-f]+);", ptx)]
+    assert sels == list(gpu_wgmma.FP8_SELECTORS) and ptx.count("shl.b32 m, t, 4; and.b32 m, m, 0x87F087F0;") == 2
     codes = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint32)  # E4M3 NaN: 0x7F, 0xFF
     rng = np.random.default_rng(1)
     words4 = np.stack([rng.permutation(np.resize(codes, 4 * len(codes)))[:len(codes)] for _ in range(4)], -1)
@@ -188,11 +189,15 @@ def test_fp8_decode_bits_give_every_byte_times_its_scale():
     exps = np.resize(np.arange(100, 135, dtype=np.uint32), len(codes))
     mult = _bf16_bits_to_float(((exps + 120) << 7).astype(np.uint16))
     e4m3 = np.asarray(jnp.asarray(words4.astype(np.uint8)).view(jnp.float8_e4m3fn).astype(jnp.float32), np.float64)
-    for sel in (0x4140, 0x4342):
-        lo, hi = (sel & 0xF), (sel >> 8) & 0xF  # the prmt's source bytes of the two lanes
-        t = ((words >> np.uint32(8 * lo)) & np.uint32(0xFF)) | (((words >> np.uint32(8 * hi)) & np.uint32(0xFF)) << np.uint32(16))
-        m = (t << np.uint32(4)) & np.uint32(0x07F007F0)
-        m = ((t << np.uint32(8)) & np.uint32(0x80008000)) | m
+    for sel in sels:
+        t = np.zeros_like(words)
+        for out_byte in range(4):  # prmt: nibble n picks byte n & 7 of (a, b = 0); with bit 3, that byte's sign
+            n = (sel >> (4 * out_byte)) & 0xF
+            src = (words >> np.uint32(8 * (n & 7))) & np.uint32(0xFF) if n & 7 < 4 else np.zeros_like(words)
+            byte = np.where(src & np.uint32(0x80), np.uint32(0xFF), np.uint32(0)) if n & 8 else src
+            t |= byte.astype(np.uint32) << np.uint32(8 * out_byte)
+        m = (t << np.uint32(4)) & np.uint32(0x87F087F0)
+        lo, hi = sel & 0xF, (sel >> 8) & 0xF  # the lanes' source bytes
         for lane, j in enumerate((lo, hi)):
             bits = (m >> np.uint32(16 * lane)) & np.uint32(0xFFFF)
             got = _bf16_bits_to_float(bits.astype(np.uint16)) * mult
@@ -206,10 +211,21 @@ def test_fp8_k_permutation_keeps_each_threads_inputs_in_its_scale_groups():
     assert np.all(np.isin(p // 32 - thread, (0, 4)))  # groups q and q + 4 of 8 per step
 
 
+def test_fp8_scale_box_takes_the_layers_k():
+    """The v41 FP8 projections' K (4096, 1280, 8192, 2304) all make a CTA's scales one TMA box; rows of at most
+    256 bytes, a multiple of 16."""
+    for k in (4096, 1280, 8192, 2304, 256):
+        rows, cols = gpu_wgmma.fp8_scale_box(k)
+        assert rows * cols == k // 16 and cols <= 256 and cols % 16 == 0
+    assert gpu_wgmma.fp8_scale_box(4352) is None and gpu_wgmma.fp8_scale_box(1200) is None
+
+
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
-@pytest.mark.parametrize("m,ns,k,splits", [(1, (1024, 512), 2048, None), (8, (192,), 1024, 1), (5, (64, 128), 3072, 3)])
+@pytest.mark.parametrize("m,ns,k,splits", [(1, (1024, 512), 2048, None), (8, (192,), 1024, 1), (5, (64, 128), 3072, 3),
+                                           (2, (256,), 1280, None), (8, (64, 128), 2304, 3)])
 def test_fp8_matches_the_twin_on_the_gpu(m, ns, k, splits):
-    """Projections of one input in one launch (unequal widths), K split or not, 1..8 rows."""
+    """Projections of one input in one launch (unequal widths), K split or not, 1..8 rows; K = 1280 and 2304
+    (scales as a [1, K/16] box)."""
     rng = np.random.default_rng(m)
     ws = [(jnp.asarray(rng.integers(0, 256, (n, k)) & 0xFE, jnp.uint8),
            jnp.asarray(rng.integers(114, 135, (n // 32, k // 32)), jnp.uint8)) for n in ns]

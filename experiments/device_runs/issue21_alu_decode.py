@@ -1,6 +1,7 @@
 """Issues 21 and 12 on one H200 (nineteenth session): the FP4 decode off the ALU pipe.
 
-The scan and the experts' kernel share `gpu_wgmma.DECODE_PTX`. ptxas (sm_90a) turns the eighteenth session's
+The scan and the experts' kernel share `gpu_wgmma.DECODE_PTX`; the FP8 projections' decode got the same
+treatment (`FP8_DECODE_PTX`: prmt with the sign byte, one shift, one mask) and K = 1280 / 2304 (`fp8` group). ptxas (sm_90a) turns the eighteenth session's
 decode (PREVIOUS_PTX below: shift, shift, mask, lop3 per output) into 12 ALU ops, 3 IMAD and 4 HFMA2 per word
 of 8 codes, the new one (mask, multiply, mask) into 9 ALU, 4 IMAD, 4 HFMA2; the ALU pipe issues at half rate.
 The scan also finds a row's largest scale byte with two shuffles instead of in each of its 4 threads, and
@@ -10,7 +11,7 @@ decode costs), against the Triton scan; the experts' kernel at the v41 shapes wi
 scan's and the experts' PTX and ptxas report under $OUT/mgpu.
 Table last; logs under $OUT.
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue21_alu_decode [tests | scantests] [ab] [sweep] [dump]  (~5 min)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_alu_decode [tests | scantests | fp8tests] [ab] [sweep] [fp8] [dump]  (~5 min)
 """
 
 import functools
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from experiments.bench_kernels import copy_bandwidth, index_data, nbytes, time_hbm
-from experiments.bench_wgmma import E, NO_DECODE, SHAPES, TOP_K, check, time_loop
+from experiments.bench_wgmma import E, NO_DECODE, SHAPES, TOP_K, check, fp8_section, time_loop
 from experiments.bench_weights import expert_data
 from kernels_pallas import gpu_indexer, gpu_indexer_wgmma, gpu_wgmma
 
@@ -34,6 +35,10 @@ PREVIOUS_OUT = ("shr.b32 m, {q}, 6; and.b32 m, m, 0x01C001C0; lop3.b32 m, {q}, 0
 PREVIOUS_PTX = ("{ .reg .b32 q, m, z; mov.b32 z, 0x80008000; " + PREVIOUS_OUT.format(q="$4", i=0)
                 + "".join(f"shl.b32 q, $4, {4 * i}; " + PREVIOUS_OUT.format(q="q", i=i) for i in (1, 2, 3)) + "}")
 DECODES = {"new decode": gpu_wgmma.DECODE_PTX, "previous decode": PREVIOUS_PTX}
+PREVIOUS_FP8_OUT = ("shl.b32 m, t, 4; and.b32 m, m, 0x07F007F0; shl.b32 s, t, 8; lop3.b32 m, s, 0x80008000, m, 0xEA; "
+                    "fma.rn.bf16x2 ${i}, m, $3, z; ")
+PREVIOUS_FP8_PTX = ("{ .reg .b32 t, m, s, z; mov.b32 z, 0x80008000; prmt.b32 t, $2, 0, 0x4140; "
+                    + PREVIOUS_FP8_OUT.format(i=0) + "prmt.b32 t, $2, 0, 0x4342; " + PREVIOUS_FP8_OUT.format(i=1) + "}")
 DUMP = """
 import jax, jax.numpy as jnp
 from experiments.bench_kernels import index_data
@@ -145,7 +150,16 @@ def sweep_rows(peak: float) -> list[tuple]:
     return rows
 
 
-GROUPS = {"ab": lambda peak: scan_rows(peak) + expert_rows(peak), "sweep": sweep_rows}
+def fp8_rows(peak: float) -> list[tuple]:
+    """The FP8 projections of a v41 layer (`bench_wgmma.fp8_section`: checked, then timed from HBM) with the new
+    FP8 decode, the previous one, and Triton; K = 1280 and 2304 (wq_b, index wq_b, shared w2) now on wgmma."""
+    table, failed = fp8_section(jax.random.key(0), peak, 16,
+                                {"wgmma, previous FP8 decode": {"decode_ptx": PREVIOUS_FP8_PTX}})
+    print(f"FP8 checks failed: {failed}", flush=True)
+    return [("fp8", f"{op} x{m}", label, us, us, "-", gbs, pct, "-") for op, m, label, us, gbs, pct in table]
+
+
+GROUPS = {"ab": lambda peak: scan_rows(peak) + expert_rows(peak), "sweep": sweep_rows, "fp8": fp8_rows}
 
 
 def main(argv: list[str]) -> int:
@@ -154,6 +168,8 @@ def main(argv: list[str]) -> int:
     os.makedirs(OUT, exist_ok=True)
     if "tests" in groups or "scantests" in groups:
         tests(["tests/test_indexer_wgmma.py"] + (["tests/test_wgmma_kernel.py"] if "tests" in groups else []))
+    if "fp8tests" in groups:
+        tests(["tests/test_wgmma_kernel.py", "-k", "fp8"])
     peak = copy_bandwidth(1.0)
     rows = [r for g in groups if g in GROUPS for r in GROUPS[g](peak)]
     if "dump" in groups:
