@@ -59,8 +59,8 @@ _X_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  #
 # 15 and the other's magnitude in bits 6..8 (y: nibble at bits 4..7, * (2**8 + 2**2); x: bits 0..3,
 # * (2**12 + 2**6); the copies do not overlap, so the product is their OR); a mask keeps those 4 bits. One
 # fma.rn.bf16x2 by $5 = 2**(E + 126) scales it exactly; the addend -0 keeps the sign of zeros. Per word 9 ALU
-# ops, 4 IMAD and 4 HFMA2 (ptxas, sm_90a); the kernels are bound by the ALU pipe (half rate), and the
-# shift-mask-lop3 form before this took 12 ALU and 3 IMAD.
+# ops, 4 IMAD and 4 HFMA2 (ptxas, sm_90a); the shift-mask-lop3 form before this took 12 ALU and 3 IMAD, and the
+# ALU pipe, which issues at half rate, bound the kernels (docs/BENCHMARKS.md, thirteenth pass).
 WORD_PAIRS = ((3, 7), (2, 6), (1, 5), (0, 4))
 _NIBBLE = {"y": ("0x00F000F0", (1 << 8) + (1 << 2)), "x": ("0x000F000F", (1 << 12) + (1 << 6))}
 DECODE_PTX = ("{ .reg .b32 v, l, t, z; mov.b32 z, 0x80008000; shr.b32 v, $4, 8; "
@@ -295,7 +295,8 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
 # the high byte; << 4 and one mask keep the byte's bits 0..6 in bits 4..10 and a sign copy in bit 15: bf16 bits
 # whose value is E4M3 * 2**-120 exactly (subnormals included). One fma.rn.bf16x2 by $3 = 2**(E - 7) scales it
 # exactly while the E8M0 byte is <= 134 (`gpu_grouped.FP8_FAST_MAX`, as its bf16 fast path). Per word 4 ALU ops,
-# 2 IMAD, 2 HFMA2 (the form with a second shift and a lop3 took 6 ALU and 4 IMAD).
+# 2 shifts (SHF or IMAD, as ptxas balances its pipes), 2 HFMA2; the form with a second shift and a lop3 took
+# 6 ALU ops and 4 shifts.
 FP8_SELECTORS = (0x9180, 0xB3A2)  # lanes (byte 0, byte 1) and (byte 2, byte 3), each with its sign byte above
 FP8_DECODE_PTX = ("{ .reg .b32 t, m, z; mov.b32 z, 0x80008000; "
                   + "".join(f"prmt.b32 t, $2, 0, {sel:#06x}; shl.b32 m, t, 4; and.b32 m, m, 0x87F087F0; "
