@@ -1,7 +1,7 @@
-"""The Hopper indexer scan (`kernels_pallas.gpu_indexer_wgmma`, not wired in yet): what a CPU
-can check (the channel permutation, the q split, that it lowers for CUDA) and, on an H100/H200, its scores
-against `ops.indexer_scores_decode` (the same bound as the Triton scan's tests: ~1e-6 of the largest score,
-the same -inf pattern)."""
+"""The Hopper indexer scan (`kernels_pallas.gpu_indexer_wgmma`, the dispatch's full scan on an H100/H200): what
+a CPU can check (the channel permutation, the q split, the CTA split, that it lowers for CUDA and that the
+dispatch takes it) and, on an H100/H200, its scores against `ops.indexer_scores_decode` (the same bound as the
+Triton scan's tests: ~1e-6 of the largest score, the same -inf pattern; and each row at its own scale)."""
 
 from __future__ import annotations
 
