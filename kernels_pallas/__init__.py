@@ -48,8 +48,7 @@ def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | Non
     if fam == "gpu" and not interpret and gpu_indexer_wgmma.supported(q_bhd, key_rec["values"], block):
         b, n = key_rec["values"].shape[:2]
         scores = gpu_indexer_wgmma.indexer_scores_wgmma(q_bhd, w_bh, key_rec["values"], key_rec["scales"],
-                                                        reachable_b, q_parts=1,
-                                                        tiles_per_step=gpu_indexer_wgmma.tiles_per_step_for(n))
+                                                        reachable_b, q_parts=1)
         return scores if block is None else (scores, scores.reshape(b, n // block, block).max(axis=-1))
     mod = tpu_indexer if fam == "tpu" else gpu_indexer
     return mod.indexer_scores(q_bhd, w_bh, key_rec["values"], key_rec["scales"], reachable_b, block=block,

@@ -6,9 +6,9 @@ sum_h w[b, h] * relu(q[b, h] . k[b, n]), -inf at n >= reachable[b], over the pac
 Issue 21 asks the scan for >= 70% of the copy bandwidth; the Triton scan's f16 / FP8 decode capped it at
 ~45% (docs/BENCHMARKS.md, issue 21 sections). Measured on the H200 (same sections, nineteenth session): exact
 to the jnp twin (1e-7); at 1M x 8 69.6-71.7% of the copy peak of the same call (227 us), at 128K x 8 53-54%
-(37.5 us, of which ~4 us are XLA's small kernels around it and ~6 us the kernel's fixed cost); the Triton scan
-31% / 27%. ptxas: 80 registers, ~300 instructions per thread per 64 positions (136 of them the decode), the
-ALU pipe no longer the first limit. In the model's dispatch while `ON`. This is the experts' form of
+(37.6 us: the kernel 33.6 us, the call's other ~3 kernels ~4 us; the kernel's 1M rate would give 27.8); the
+Triton scan 31% / 27%. SASS (`experiments.sass_mix`): 80 registers, ~300 instructions per thread per 64
+positions (136 of them the decode), the ALU pipe no longer the first limit. In the model's dispatch while `ON`. This is the experts' form of
 `gpu_wgmma` applied to keys:
 
 Per CTA (grid: sequence x range of positions, `split_steps`): one warpgroup; q^T [D, q_parts H] (q in bf16,
@@ -135,13 +135,14 @@ def _epilogue(h: int, row0: int, q_parts: int):
                     total = arith.mulf(relu2, w) if total is None else mlir_math.fma(relu2, w, total)
             totals.append(mgpu_utils.warp_tree_reduce(total, arith.addf, 4))  # the row's lanes 4r .. 4r + 3
         # thread q < 2 of the row scales and stores half q: one predicated stretch of code for both halves
-        first = arith.cmpi(arith.CmpIPredicate.eq, arith.andi(q, i32_const(1)), i32_const(0))
+        half = arith.andi(q, i32_const(1))
+        first = arith.cmpi(arith.CmpIPredicate.eq, half, i32_const(0))
         total = arith.select(first, totals[0], totals[1])
         e_max = arith.select(first, *(vector.extract(e_maxes.registers[0, 0, 0, 0, half, 0, 0, 0, 0],
                                                      dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
                                       for half in range(2)))
         row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r),
-                         arith.addi(arith.muli(arith.andi(q, i32_const(1)), i32_const(8)), i32_const(row0)))
+                         arith.addi(arith.muli(half, i32_const(8)), i32_const(row0)))
         # * 2**(e_max - 127) / 2 in two exact f32 factors (each exponent within [-64, 64])
         e = arith.subi(e_max, i32_const(128))
         e1 = arith.shrsi(e, i32_const(1))
@@ -199,12 +200,12 @@ def tiles_per_step_for(n: int) -> int:
 # nineteenth sessions): 2112 CTAs (16 per SM; 1056 was 1-3% slower), 4 tiles per step, 2 stages.
 @functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
-                         reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int = 4, q_parts: int = 2,
+                         reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int | None = None, q_parts: int = 2,
                          ctas: int = 2112, decode_ptx: str = DECODE_PTX) -> jax.Array:
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
     stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; must
-    divide N / 64: `tiles_per_step_for`); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16
+    divide N / 64; default `tiles_per_step_for(N)`, 4 where it divides); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16
     (exact for the model's FP4-grid queries; half the MMA work); ctas: CTAs wanted over the batch
     (`split_steps`); decode_ptx: the keys' decode (DECODE_PTX's operands; benchmarks replace it)."""
     if q_parts not in (1, 2):
@@ -214,7 +215,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     if d != D or h % 8 or n % TP or key_values.shape != (b, n, D // 2) or key_scales.shape != (b, n, D // GROUP):
         raise ValueError(f"the wgmma scan needs q [B, H % 8 == 0, {D}], keys [B, N % {TP} == 0, {D // 2}] and "
                          f"scales [B, N, {D // GROUP}]; got {q_bhd.shape}, {key_values.shape}, {key_scales.shape}")
-    tiles = n // TP
+    tiles, tiles_per_step = n // TP, tiles_per_step or tiles_per_step_for(n)
     if tiles % tiles_per_step:
         raise ValueError(f"tiles_per_step={tiles_per_step} must divide the {tiles} tiles of {TP} positions")
     all_steps, rows = tiles // tiles_per_step, TP * tiles_per_step

@@ -60,30 +60,46 @@ def tests(paths: list[str]) -> None:
     print("\n".join((run.stdout + run.stderr).strip().splitlines()[-8:]), flush=True)
 
 
-def scan_rows(peak: float) -> list[tuple]:
+def _row(kind: str, shape: str, variant: str, us: float, kernel_us, kernels, moved: int, peak: float, err="-"):
+    """One table row (and its line on stdout): GB/s and % of the copy peak from the bytes moved per call."""
+    gbs = moved / (us * 1e-6) / 1e9
+    row = (kind, shape, variant, f"{us:.1f}", str(kernel_us), str(kernels), f"{gbs:.0f}", f"{100 * gbs * 1e9 / peak:.1f}%",
+           err)
+    print(" | ".join(row), flush=True)
+    return row
+
+
+def _scan_table(peak: float, calls: dict, check: bool) -> list[tuple]:
+    """Each scan of `calls` (name -> fn(q, w, values, scales, reachable)) at 128K and 1M positions x 8, timed from
+    HBM (`time_hbm`); with `check`, its max difference to the Triton FP8 scan over the finite scores first."""
     rows = []
     for ctx, b in ((131072, 8), (1048576, 8)):
         q, w, rec = index_data(jax.random.key(ctx), b, ctx)
         args = (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32))
         moved = nbytes(rec) + b * ctx * 4
-        ref = gpu_indexer.indexer_scores(*args, variant="fp8-asm-gl")
-        calls = {f"wgmma, {name}": functools.partial(gpu_indexer_wgmma.indexer_scores_wgmma, q_parts=1, decode_ptx=ptx)
-                 for name, ptx in {**DECODES, "NO DECODE (moves)": NO_DECODE}.items()}
-        calls["triton f16"] = lambda *a: gpu_indexer.indexer_scores(*a, variant="f16")
+        ref = gpu_indexer.indexer_scores(*args, variant="fp8-asm-gl") if check else None
         for name, fn in calls.items():
             try:
-                got = fn(*args)
-                fin = jnp.isfinite(ref)
-                err = float(jnp.max(jnp.where(fin, jnp.abs(got - ref), 0)) / jnp.max(jnp.where(fin, jnp.abs(ref), 0)))
+                err = "-"
+                if ref is not None:
+                    got, fin = fn(*args), jnp.isfinite(ref)
+                    rel = jnp.max(jnp.where(fin, jnp.abs(got - ref), 0)) / jnp.max(jnp.where(fin, jnp.abs(ref), 0))
+                    err = f"{float(rel):.1e}"
                 t, info = time_hbm(fn, args, perturb=1)
-                gbs = moved / t / 1e9
-                rows.append(("scan", f"{ctx} x {b}", name, f"{t * 1e6:.1f}", str(info["pallas_us"]), str(info["kernels"]),
-                             f"{gbs:.0f}", f"{100 * gbs * 1e9 / peak:.1f}%", f"{err:.1e}"))
-                print(" | ".join(rows[-1]), flush=True)
+                rows.append(_row("scan", f"{ctx} x {b}", name, t * 1e6, info["pallas_us"], info["kernels"], moved, peak,
+                                 err))
             except Exception as ex:  # noqa: BLE001 -- report and go on
                 print(f"scan {ctx} x {b} {name}: FAILED {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
         del q, w, rec, args, ref
     return rows
+
+
+def scan_rows(peak: float) -> list[tuple]:
+    """The scan with DECODE_PTX, PREVIOUS_PTX and no decode, and the Triton f16 scan, each checked."""
+    calls = {f"wgmma, {name}": functools.partial(gpu_indexer_wgmma.indexer_scores_wgmma, q_parts=1, decode_ptx=ptx)
+             for name, ptx in {**DECODES, "NO DECODE (moves)": NO_DECODE}.items()}
+    calls["triton f16"] = lambda *a: gpu_indexer.indexer_scores(*a, variant="f16")
+    return _scan_table(peak, calls, check=True)
 
 
 def expert_rows(peak: float, reps: int = 64) -> list[tuple]:
@@ -102,10 +118,7 @@ def expert_rows(peak: float, reps: int = 64) -> list[tuple]:
                 call = functools.partial(gpu_wgmma.rows_matmuls_fp4_wgmma, decode_ptx=ptx)
                 one = lambda x, v, s, i, call=call: call(x, [(v, s)], i)[0]  # noqa: E731
                 kern, _, _ = time_loop(one, x, values, scales, ids_r, "fp4_rows_wgmma")
-                gbs = moved / (kern * 1e-6) / 1e9
-                rows.append(("experts", f"{name} {m} rows", label, f"{kern:.1f}", f"{kern:.1f}", "-", f"{gbs:.0f}",
-                             f"{100 * gbs * 1e9 / peak:.1f}%", "-"))
-                print(" | ".join(rows[-1]), flush=True)
+                rows.append(_row("experts", f"{name} {m} rows", label, kern, f"{kern:.1f}", "-", moved, peak))
         del values, scales
     return rows
 
@@ -132,22 +145,9 @@ def sweep_rows(peak: float) -> list[tuple]:
     one wave of 5 per SM, 656, and 528 no faster in the second) and tiles per step x stages: at 80 registers
     (ptxas, fourth call) shared memory limits an SM to 5 CTAs of 4 tiles x 2 stages (44 KB); 2 tiles x 2 or
     3 stages (26-35 KB) let 6 share it."""
-    rows = []
-    for ctx, b in ((131072, 8), (1048576, 8)):
-        q, w, rec = index_data(jax.random.key(ctx), b, ctx)
-        args = (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32))
-        moved = nbytes(rec) + b * ctx * 4
-        for ctas, tiles, stages in ((2112, 4, 2), (2112, 2, 2), (2112, 2, 3), (3168, 2, 2), (1584, 4, 2)):
-            fn = functools.partial(gpu_indexer_wgmma.indexer_scores_wgmma, q_parts=1, ctas=ctas, stages=stages,
-                                   tiles_per_step=tiles)
-            t, info = time_hbm(fn, args, perturb=1)
-            gbs = moved / t / 1e9
-            rows.append(("scan", f"{ctx} x {b}", f"{ctas} CTAs, {tiles} tiles/step, {stages} stages",
-                         f"{t * 1e6:.1f}", str(info["pallas_us"]), str(info["kernels"]), f"{gbs:.0f}",
-                         f"{100 * gbs * 1e9 / peak:.1f}%", "-"))
-            print(" | ".join(rows[-1]), flush=True)
-        del q, w, rec, args
-    return rows
+    return _scan_table(peak, {f"{ctas} CTAs, {tiles} tiles/step, {stages} stages": functools.partial(
+        gpu_indexer_wgmma.indexer_scores_wgmma, q_parts=1, ctas=ctas, stages=stages, tiles_per_step=tiles)
+        for ctas, tiles, stages in ((2112, 4, 2), (2112, 2, 2), (2112, 2, 3), (3168, 2, 2), (1584, 4, 2))}, check=False)
 
 
 def fp8_rows(peak: float) -> list[tuple]:
