@@ -103,22 +103,28 @@ def trace_events(trace_dir: str) -> tuple[list[dict], list[dict]]:
     return [e for e in spans if e.get("pid") in gpu], [e for e in spans if e.get("pid") not in gpu]
 
 
+def gaps(kernels: list[dict]):
+    """Yield (start us, end us, the kernel after it) for each idle stretch of the GPU's timeline (kernels sorted by
+    start; overlapping kernels count as busy)."""
+    end = None
+    for e in kernels:
+        if end is not None and e["ts"] > end:
+            yield end, e["ts"], e
+        end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
+
+
 def host_in_gaps(kernels: list[dict], host: list[dict], min_gap_us: float = 50.0) -> tuple[int, dict]:
     """(number of GPU idle gaps >= min_gap_us, {host event name: [events, us overlapping those gaps]}): what
     the host was doing while the GPU waited, e.g. at a step boundary."""
-    gaps, end = [], None
-    for e in kernels:
-        if end is not None and e["ts"] - end >= min_gap_us:
-            gaps.append((end, e["ts"]))
-        end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
+    long = [(g0, g1) for g0, g1, _ in gaps(kernels) if g1 - g0 >= min_gap_us]
     by = collections.defaultdict(lambda: [0, 0.0])
     for e in host:
-        for g0, g1 in gaps:
+        for g0, g1 in long:
             overlap = min(g1, e["ts"] + e["dur"]) - max(g0, e["ts"])
             if overlap > 0:
                 by[e["name"][:90]][0] += 1
                 by[e["name"][:90]][1] += overlap
-    return len(gaps), dict(by)
+    return len(long), dict(by)
 
 
 def attribute(kernels: list[dict], sources: dict[str, str], steps: int) -> dict[str, list[float]]:
@@ -135,13 +141,10 @@ def idle_before(kernels: list[dict], sources: dict[str, str], steps: int) -> dic
     """{source: [kernels per step, GPU idle us per step just before them]}: the gaps of the GPU's timeline
     charged to the kernel that ends each (host launches, command-buffer boundaries)."""
     by = collections.defaultdict(lambda: [0.0, 0.0])
-    end = None
-    for e in kernels:
-        if end is not None and e["ts"] > end:
-            where = sources.get(e["name"], e["name"])
-            by[where][0] += 1 / steps
-            by[where][1] += (e["ts"] - end) / steps
-        end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
+    for g0, g1, e in gaps(kernels):
+        where = sources.get(e["name"], e["name"])
+        by[where][0] += 1 / steps
+        by[where][1] += (g1 - g0) / steps
     return dict(by)
 
 

@@ -47,3 +47,10 @@ def test_host_in_gaps_charges_only_the_large_gaps():
             {"name": "early", "ts": 0, "dur": 5}]
     n, during = ps.host_in_gaps(kernels, host)
     assert n == 1 and during == {"cuGraphLaunch": [1, 80]}
+
+
+def test_idle_before_charges_each_gap_to_the_kernel_after_it():
+    """Overlapping kernels count as busy (a2 runs inside and past a): the gaps are 20..100 (before b) and 110..115."""
+    kernels = [{"name": "a", "ts": 0, "dur": 10}, {"name": "a2", "ts": 5, "dur": 15}, {"name": "b", "ts": 100, "dur": 10},
+               {"name": "c", "ts": 115, "dur": 5}]
+    assert ps.idle_before(kernels, {"b": "Attention:dot"}, steps=2) == {"Attention:dot": [0.5, 40.0], "c": [0.5, 2.5]}
