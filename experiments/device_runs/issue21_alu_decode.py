@@ -53,6 +53,8 @@ print(g.rows_matmuls_fp4_wgmma(x, [(v, sc)], jnp.arange(6, dtype=jnp.int32))[0].
 
 
 def tests(paths: list[str]) -> None:
+    """The GPU tests in `paths`, compiled (JAX_PLATFORMS=cuda): log under $OUT, tail printed."""
+    os.makedirs(OUT, exist_ok=True)
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
                          capture_output=True, text=True, timeout=240,
                          env={**os.environ, "JAX_PLATFORMS": "cuda"})
@@ -69,9 +71,10 @@ def _row(kind: str, shape: str, variant: str, us: float, kernel_us, kernels, mov
     return row
 
 
-def _scan_table(peak: float, calls: dict, check: bool) -> list[tuple]:
+def scan_table(peak: float, calls: dict, check: bool) -> list[tuple]:
     """Each scan of `calls` (name -> fn(q, w, values, scales, reachable)) at 128K and 1M positions x 8, timed from
-    HBM (`time_hbm`); with `check`, its max difference to the Triton FP8 scan over the finite scores first."""
+    HBM (`time_hbm`); with `check`, first its max difference to the Triton FP8 scan over the finite scores (of
+    the largest) and whether its -inf pattern is the same."""
     rows = []
     for ctx, b in ((131072, 8), (1048576, 8)):
         q, w, rec = index_data(jax.random.key(ctx), b, ctx)
@@ -84,7 +87,8 @@ def _scan_table(peak: float, calls: dict, check: bool) -> list[tuple]:
                 if ref is not None:
                     got, fin = fn(*args), jnp.isfinite(ref)
                     rel = jnp.max(jnp.where(fin, jnp.abs(got - ref), 0)) / jnp.max(jnp.where(fin, jnp.abs(ref), 0))
-                    err = f"{float(rel):.1e}"
+                    same = bool(jnp.array_equal(jnp.isinf(got), jnp.isinf(ref)))
+                    err = f"{float(rel):.1e}, -inf {'same' if same else 'DIFFERENT'}"
                 t, info = time_hbm(fn, args, perturb=1)
                 rows.append(_row("scan", f"{ctx} x {b}", name, t * 1e6, info["pallas_us"], info["kernels"], moved, peak,
                                  err))
@@ -99,7 +103,7 @@ def scan_rows(peak: float) -> list[tuple]:
     calls = {f"wgmma, {name}": functools.partial(gpu_indexer_wgmma.indexer_scores_wgmma, q_parts=1, decode_ptx=ptx)
              for name, ptx in {**DECODES, "NO DECODE (moves)": NO_DECODE}.items()}
     calls["triton f16"] = lambda *a: gpu_indexer.indexer_scores(*a, variant="f16")
-    return _scan_table(peak, calls, check=True)
+    return scan_table(peak, calls, check=True)
 
 
 def expert_rows(peak: float, reps: int = 64) -> list[tuple]:
@@ -145,7 +149,7 @@ def sweep_rows(peak: float) -> list[tuple]:
     one wave of 5 per SM, 656, and 528 no faster in the second) and tiles per step x stages: at 80 registers
     (ptxas, fourth call) shared memory limits an SM to 5 CTAs of 4 tiles x 2 stages (44 KB); 2 tiles x 2 or
     3 stages (26-35 KB) let 6 share it."""
-    return _scan_table(peak, {f"{ctas} CTAs, {tiles} tiles/step, {stages} stages": functools.partial(
+    return scan_table(peak, {f"{ctas} CTAs, {tiles} tiles/step, {stages} stages": functools.partial(
         gpu_indexer_wgmma.indexer_scores_wgmma, q_parts=1, ctas=ctas, stages=stages, tiles_per_step=tiles)
         for ctas, tiles, stages in ((2112, 4, 2), (2112, 2, 2), (2112, 2, 3), (3168, 2, 2), (1584, 4, 2))}, check=False)
 
@@ -162,6 +166,13 @@ def fp8_rows(peak: float) -> list[tuple]:
 GROUPS = {"ab": lambda peak: scan_rows(peak) + expert_rows(peak), "sweep": sweep_rows, "fp8": fp8_rows}
 
 
+def print_table(peak: float, rows: list[tuple]) -> None:
+    print(f"\ncopy peak {peak / 1e9:.0f} GB/s\n| kernel | shape | variant | GPU us | kernel us | kernels | GB/s | % of copy | "
+          "max rel diff vs triton fp8-asm-gl, -inf pattern |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
 def main(argv: list[str]) -> int:
     """argv: groups to run (default: tests ab dump; scantests: the scan's tests alone)."""
     groups = argv or ["tests", "ab", "dump"]
@@ -174,10 +185,7 @@ def main(argv: list[str]) -> int:
     rows = [r for g in groups if g in GROUPS for r in GROUPS[g](peak)]
     if "dump" in groups:
         dump()
-    print(f"\ncopy peak {peak / 1e9:.0f} GB/s\n| kernel | shape | variant | GPU us | kernel us | kernels | GB/s | % of copy | "
-          "max rel diff vs triton fp8-asm-gl |\n|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print_table(peak, rows)
     return 0
 
 
