@@ -91,6 +91,23 @@ def kernel_sources(hlo_text: str) -> dict[str, str]:
     return out
 
 
+def command_buffers(hlo_text: str) -> dict[str, collections.Counter]:
+    """{command-buffer computation name: Counter of its instructions' opcodes} from compiled HLO text: what
+    each of XLA's CUDA graphs holds (XLA names the graph thunk after its computation, '.' as '_')."""
+    out, current = {}, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"%?(command_buffer[\w.\-]*) ", line)
+        if head:
+            current = out.setdefault(re.sub(r"[.\-]", "_", head.group(1)), collections.Counter())
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            op = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = \S+(?: \S+)*? ([\w\-]+)\(", line)
+            if op:
+                current[op.group(1)] += 1
+    return out
+
+
 def trace_events(trace_dir: str) -> tuple[list[dict], list[dict]]:
     """(GPU kernel events, host events), each {name, ts, dur} in us, sorted by start, of the newest Perfetto
     trace in trace_dir."""
@@ -203,6 +220,9 @@ def _profile(args) -> dict:
                                   n_steps=args.chunk, kernels=api.resolve(args.kernels)).compile().as_text()
     with open(os.path.join(args.out, "hlo.txt"), "w") as f:
         f.write(hlo)
+    print("\n| command buffer | instructions | largest kinds |\n|---|---|---|")
+    for name, ops in command_buffers(hlo).items():
+        print(f"| {name} | {sum(ops.values())} | {', '.join(f'{k} {n}' for k, n in ops.most_common(4))} |")
     trace_dir = os.path.join(args.out, "trace")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         call()

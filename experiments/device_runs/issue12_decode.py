@@ -18,6 +18,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode chunks    # ~5 min: 5 or 20 steps per call
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode scan_ab   # ~3 min: the Hopper scan, b8 128K
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode chunks16  # ~2.5 min: b1, b8, 16 steps per call
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode callgap   # ~7 min: the call-start gap, b8
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -151,6 +152,15 @@ GROUPS["chunks16"] = [(f"profile_slice_b{b}_chunk16", slice_profile(b, 16), 100,
 # the one large GPU gap of a call (b1: 210-270 us in 5 steps) is the host's first graph launch of the call;
 # 20 steps per call spread it 4x thinner
 GROUPS["chunks"] = [(f"profile_slice_b{b}_chunk{c}", slice_profile(b, c), 110, {}) for b, c in ((8, 5), (8, 20), (1, 20))]
+# twentieth session: the call's first graph launch (`command_buffer_8`, iteration 0) holds the GPU ~1.1 ms per
+# call at batch 8, ~0.23 ms at batch 1: is it the graph (command buffers off, or Mosaic calls inside them), and
+# is it per call (40 steps per call)? Each profile prints its command buffers' contents.
+NO_CMDBUF = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}
+GROUPS["callgap"] = [("profile_slice_b8_chunk20", slice_profile(8, 20), 100, {}),
+                     ("profile_slice_b8_chunk20_no_cmdbuf", slice_profile(8, 20), 100, NO_CMDBUF),
+                     ("profile_slice_b8_chunk20_cc", slice_profile(8, 20), 100, CC),
+                     ("profile_slice_b8_chunk40", slice_profile(8, 40), 110, {}),
+                     ("profile_slice_b1_chunk20_no_cmdbuf", slice_profile(1, 20), 90, NO_CMDBUF)]
 
 def last_table(log: str, name: str) -> str:
     """The bench's final table (the profile's summary and source table), or the log's tail if it has none."""
