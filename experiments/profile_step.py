@@ -91,23 +91,6 @@ def kernel_sources(hlo_text: str) -> dict[str, str]:
     return out
 
 
-def command_buffers(hlo_text: str) -> dict[str, collections.Counter]:
-    """{command-buffer computation name: Counter of its instructions' opcodes} from compiled HLO text: what
-    each of XLA's CUDA graphs holds (XLA names the graph thunk after its computation, '.' as '_')."""
-    out, current = {}, None
-    for line in hlo_text.splitlines():
-        head = re.match(r"%?(command_buffer[\w.\-]*) ", line)
-        if head:
-            current = out.setdefault(re.sub(r"[.\-]", "_", head.group(1)), collections.Counter())
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            op = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = \S+(?: \S+)*? ([\w\-]+)\(", line)
-            if op:
-                current[op.group(1)] += 1
-    return out
-
-
 def trace_events(trace_dir: str) -> tuple[list[dict], list[dict]]:
     """(GPU kernel events, host events), each {name, ts, dur} in us, sorted by start, of the newest Perfetto
     trace in trace_dir."""
@@ -177,6 +160,10 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=5, help="decode steps per traced call")
+    p.add_argument("--queued", type=int, default=1,
+                   help="generate calls dispatched before the host waits for the last one's tokens (1: a sync per "
+                        "call, as a client that reads each call's tokens before the next; >1: the host queues the "
+                        "next call while the GPU runs this one)")
     p.add_argument("--kernels", default="auto", choices=["auto", "jnp", "pallas"])
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out", default="/tmp/profile_step", help="trace, HLO text and JSON rows go here")
@@ -199,9 +186,13 @@ def _profile(args) -> dict:
     tokens = jax.random.randint(jax.random.key(2), (args.batch,), 0, cfg.vocab_size)
     os.makedirs(args.out, exist_ok=True)
 
+    steps = args.chunk * args.queued  # decode steps per timed (and traced) call()
+
     def call():
         nonlocal cache
-        toks, _, cache = api.generate(cfg, params, cache, tokens, args.chunk, kernels=args.kernels, validate=False)
+        for _ in range(args.queued):  # each call's cache is the next one's input: queued without a host sync
+            toks, _, cache = api.generate(cfg, params, cache, tokens, args.chunk, kernels=args.kernels,
+                                          validate=False)
         jax.block_until_ready(toks)
 
     t = time.perf_counter()
@@ -211,7 +202,7 @@ def _profile(args) -> dict:
     for _ in range(8):
         t = time.perf_counter()
         call()
-        times.append((time.perf_counter() - t) / args.chunk * 1e3)
+        times.append((time.perf_counter() - t) / steps * 1e3)
     step_ms = statistics.median(times)
     b = args.batch
     one = lambda v, dt: jnp.full((b,), v, dt)
@@ -220,19 +211,17 @@ def _profile(args) -> dict:
                                   n_steps=args.chunk, kernels=api.resolve(args.kernels)).compile().as_text()
     with open(os.path.join(args.out, "hlo.txt"), "w") as f:
         f.write(hlo)
-    print("\n| command buffer | instructions | largest kinds |\n|---|---|---|")
-    for name, ops in command_buffers(hlo).items():
-        print(f"| {name} | {sum(ops.values())} | {', '.join(f'{k} {n}' for k, n in ops.most_common(4))} |")
     trace_dir = os.path.join(args.out, "trace")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         call()
     kernels, host = trace_events(trace_dir)
     if not kernels:
         raise SystemExit("the trace has no GPU kernels: run this on a GPU")
-    rows = attribute(kernels, kernel_sources(hlo), args.chunk)
+    rows = attribute(kernels, kernel_sources(hlo), steps)
     busy = sum(us for _, us in rows.values())
-    print(f"\n{args.preset} batch {b}, context {args.context}: {step_ms:.3f} ms/step (loop, not profiled); "
-          f"{len(kernels) / args.chunk:.0f} kernels and {busy / 1e3:.3f} ms of GPU time per step")
+    print(f"\n{args.preset} batch {b}, context {args.context}: {step_ms:.3f} ms/step (loop, not profiled; "
+          f"{args.chunk} steps per call, {args.queued} call(s) per host sync); "
+          f"{len(kernels) / steps:.0f} kernels and {busy / 1e3:.3f} ms of GPU time per step")
     _table("source", rows, args.top)
     scopes = collections.defaultdict(lambda: [0.0, 0.0])
     for k, (n, us) in rows.items():
@@ -240,14 +229,14 @@ def _profile(args) -> dict:
         scopes[key][0] += n
         scopes[key][1] += us
     _table("scope", dict(scopes), args.top)
-    idle = idle_before(kernels, kernel_sources(hlo), args.chunk)
+    idle = idle_before(kernels, kernel_sources(hlo), steps)
     print(f"\nGPU idle between kernels: {sum(us for _, us in idle.values()):.1f} us per step (traced call)")
     _table("idle before", idle, 15)
     n_gaps, during = host_in_gaps(kernels, host)
-    print(f"\n{n_gaps} GPU gaps of >= 50 us in {args.chunk} steps; host events overlapping them (all threads):")
-    _table("host event in the gaps", {k: [n / args.chunk, us / args.chunk] for k, (n, us) in during.items()}, 25,
+    print(f"\n{n_gaps} GPU gaps of >= 50 us in {steps} steps; host events overlapping them (all threads):")
+    _table("host event in the gaps", {k: [n / steps, us / steps] for k, (n, us) in during.items()}, 25,
            "events / step | us in the gaps / step")
-    result = {"step_ms": step_ms, "kernels_per_step": len(kernels) / args.chunk, "gpu_us_per_step": busy,
+    result = {"step_ms": step_ms, "kernels_per_step": len(kernels) / steps, "gpu_us_per_step": busy,
               "by_source": rows}
     with open(os.path.join(args.out, "attribution.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -54,24 +54,3 @@ def test_idle_before_charges_each_gap_to_the_kernel_after_it():
     kernels = [{"name": "a", "ts": 0, "dur": 10}, {"name": "a2", "ts": 5, "dur": 15}, {"name": "b", "ts": 100, "dur": 10},
                {"name": "c", "ts": 115, "dur": 5}]
     assert ps.idle_before(kernels, {"b": "Attention:dot"}, steps=2) == {"Attention:dot": [0.5, 40.0], "c": [0.5, 2.5]}
-
-
-def test_command_buffers_counts_each_graphs_opcodes():
-    hlo = """HloModule m
-
-%command_buffer.8 (p0: f32[8], p1: s32[8]) -> (f32[8], s32[8]) {
-  %p0 = f32[8]{0} parameter(0)
-  %p1 = s32[8]{0} parameter(1)
-  %fusion.2 = f32[8]{0} fusion(%p0), kind=kLoop, calls=%fused_computation.2
-  %fusion.3 = s32[8]{0} fusion(%p1), kind=kLoop, calls=%fused_computation.3
-  ROOT %tuple = (f32[8]{0}, s32[8]{0}) tuple(%fusion.2, %fusion.3)
-}
-
-%body (x: f32[8]) -> f32[8] {
-  %x = f32[8]{0} parameter(0)
-  ROOT %call = (f32[8]{0}, s32[8]{0}) call(%x, %x), to_apply=%command_buffer.8
-}
-"""
-    out = ps.command_buffers(hlo)
-    assert list(out) == ["command_buffer_8"]
-    assert out["command_buffer_8"] == {"parameter": 2, "fusion": 2, "tuple": 1}

@@ -18,7 +18,8 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode chunks    # ~5 min: 5 or 20 steps per call
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode scan_ab   # ~3 min: the Hopper scan, b8 128K
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode chunks16  # ~2.5 min: b1, b8, 16 steps per call
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode callgap   # ~7 min: the call-start gap, b8
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode callgap   # ~4 min: the call-start gap, b8
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode queued    # ~4 min: calls queued, b8 and b1
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -136,10 +137,11 @@ GROUPS["wgmma2"] = [(AB_TESTS[0], AB_TESTS[1], 100, AB_TESTS[3])] + [
 CC_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"
 CC = {"XLA_FLAGS": f"--xla_gpu_enable_command_buffer={CC_TYPES}"}  # jax 0.11.2's XLA has no legacy-target flag
 
-def slice_profile(batch: int, chunk: int = 5, context: int = 4096, top: int = 25) -> list[str]:
+def slice_profile(batch: int, chunk: int = 5, context: int = 4096, top: int = 25, queued: int = 1) -> list[str]:
     """`profile_step` of the v41 slice (module and arguments of a step)."""
     return ["experiments.profile_step", "--preset", "v41-slice", "--batch", str(batch), "--context", str(context),
-            "--chunk", str(chunk), "--top", str(top), "--out", f"/tmp/i12_slice_b{batch}_c{chunk}_{context}"]
+            "--chunk", str(chunk), "--top", str(top), "--queued", str(queued),
+            "--out", f"/tmp/i12_slice_b{batch}_c{chunk}_{context}_q{queued}"]
 
 
 GROUPS["cmdbuf_cc"] = [(f"profile_slice_b{b}_{name}", slice_profile(b), 90, env)
@@ -161,6 +163,10 @@ GROUPS["callgap"] = [("profile_slice_b8_chunk20", slice_profile(8, 20), 100, {})
                      ("profile_slice_b8_chunk20_cc", slice_profile(8, 20), 100, CC),
                      ("profile_slice_b8_chunk40", slice_profile(8, 40), 110, {}),
                      ("profile_slice_b1_chunk20_no_cmdbuf", slice_profile(1, 20), 90, NO_CMDBUF)]
+# (first call: the gap is ~1.1 ms per call, at 20 or 40 steps; command buffers off or Mosaic calls inside them
+# are slower.) Does it hide when the host queues the next call before it reads this one's tokens?
+GROUPS["queued"] = [(f"profile_slice_b{b}_chunk20_queued{q}", slice_profile(b, 20, queued=q), 110, {})
+                    for b, q in ((8, 1), (8, 4), (1, 4), (1, 1))]
 
 def last_table(log: str, name: str) -> str:
     """The bench's final table (the profile's summary and source table), or the log's tail if it has none."""
