@@ -3,7 +3,7 @@
     python -m experiments.bench_kernels [--contexts 8192,131072,1048576] [--batches 1,8,64] [--out FILE.json]
 
 Per (context, batch): the indexer scan over `context` compressed positions (a ratio-1 source, the
-largest), the selection (top-512 positions + top-2048 candidate blocks of 8 from the scan's block
+largest; by default the scan the model's dispatch takes on this GPU, `--scan-variant` for a Triton one), the selection (top-512 positions + top-2048 candidate blocks of 8 from the scan's block
 maxima), a Reindex layer's pool scan (only the 2048 x 8 pool positions of that context, gathered by
 block) with its top-512, and the sparse attention (64 heads x 512, 512 selected entries + 128-entry
 window). Bytes are counted from the arrays before timing. Peak bandwidth is a device copy measured in
@@ -33,6 +33,7 @@ from jax.experimental.pallas import triton as plt
 
 from dsv41_jax import ops, quant
 from experiments import _cli
+import kernels_pallas
 from kernels_pallas import decode, gpu_attention, gpu_indexer, gpu_select
 
 H_IDX, D_IDX, TOPK, N_BLOCKS, BLOCK = 32, 128, 512, 2048, 8
@@ -213,8 +214,13 @@ def bench_scan_and_select(rec_rows: Rows, key, args):
     ctx, b = rec_rows.ctx, rec_rows.b
     reach = jnp.full((b,), ctx, jnp.int32)
     q, w, rec = index_data(key, b, ctx)
-    scan = lambda q, w, v, s, r: gpu_indexer.indexer_scores(q, w, v, s, r, block=BLOCK, block_n=args.block_n,
-                                                             num_warps=args.warps, variant=args.scan_variant, **KW)
+    if args.scan_variant == "dispatch":  # what the model calls: the wgmma scan on an H100/H200, else Triton f16
+        scan = lambda q, w, v, s, r: kernels_pallas.indexer_scores_decode(q, w, {"values": v, "scales": s}, r,
+                                                                          block=BLOCK)
+    else:
+        scan = lambda q, w, v, s, r: gpu_indexer.indexer_scores(q, w, v, s, r, block=BLOCK, block_n=args.block_n,
+                                                                 num_warps=args.warps, variant=args.scan_variant,
+                                                                 **KW)
     scan_args = (q, w, rec["values"], rec["scales"], reach)
     scores, bmax = scan(*scan_args)
     moved = nbytes(rec) + b * ctx * 4 + b * (ctx // BLOCK) * 4 + nbytes(q, w)
@@ -459,7 +465,9 @@ def main(argv=None):
     p.add_argument("--block-k", type=int, default=32)
     p.add_argument("--att-warps", type=int, default=8)
     p.add_argument("--splits", type=int, default=0, help="attention splits (0: fill the GPU)")
-    p.add_argument("--scan-variant", default="f16", choices=gpu_indexer.VARIANTS)
+    p.add_argument("--scan-variant", default="dispatch", choices=("dispatch", *gpu_indexer.VARIANTS),
+                   help="dispatch: the scan kernels_pallas.indexer_scores_decode takes on this GPU (the wgmma "
+                        "scan on an H100/H200); else the Triton scan's variant, with --block-n / --warps")
     p.add_argument("--att-variant", default="flash", choices=("flash", "split"))
     p.add_argument("--head-block", type=int, default=None, help="flash attention: heads per program")
     p.add_argument("--channel-block", type=int, default=128, help="split attention: channels per p.v program")
