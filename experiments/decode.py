@@ -337,12 +337,13 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
     temp, seed, chunk = _loop_setup(args, b)
 
     def decode_chunk(cache, nxt, done: int, n: int):
-        """n steps in one call, sampling on device; the tokens come back to the host (nxt: int32 [B] there),
-        where they are sliced: no eager device op compiles inside the timed loop."""
+        """n steps in one call, sampling on device (nxt: int32 [B], on the host or the device); nothing is read
+        back: returns the device's tokens [B, chunk] (past n: each sequence's last token, repeated), the last
+        of them (the next call's nxt) and the cache."""
         toks, _, cache = d.generate(cfg, params, cache, nxt, chunk, temperature_b=temp, seed_b=seed,
                                     step_b=1 + done, budget_b=n, kernels=args.kernels, validate=False,
                                     placement=placement)
-        return np.asarray(toks)[:, :n], cache
+        return toks, toks[:, -1], cache
     shape = (cfg, b, capacity, args.kernels, args.mesh, args.layout)  # what a compiled program depends on
     labels = {"prefill": f"prefill [B={b}, T={width}]",
               "decode": f"decode [B={b}, capacity={capacity}, {chunk} steps per call]"}
@@ -365,19 +366,26 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
     if steps:
         t0 = time.perf_counter()
         with compiling(("decode", chunk, *shape), labels["decode"]):
-            toks, cache = decode_chunk(cache, nxt, 0, min(chunk, steps))
-        out.append(toks)
-        done, nxt = toks.shape[1], toks[:, -1]
+            toks, nxt, cache = decode_chunk(cache, nxt, 0, min(chunk, steps))
+            out.append(np.asarray(toks)[:, :min(chunk, steps)])
+        done = out[-1].shape[1]
         t_first = time.perf_counter() - t0  # includes compiling the decode loop
-    # the bar starts after that compile, so its rate and ETA are the steps'
+    # the bar starts after that compile, so its rate and ETA are the steps'. Each call is queued before the
+    # previous call's tokens are read back, so the host's work between calls (its launches, reading the tokens)
+    # overlaps the GPU's: the next call's first token is the previous call's last, still on the device.
     with tqdm(total=steps - done, desc="decode", unit="tok", disable=steps < 32, file=sys.stderr) as bar:
+        t0, pending = time.perf_counter(), None
         while done < steps:
-            t0 = time.perf_counter()
-            toks, cache = decode_chunk(cache, nxt, done, min(chunk, steps - done))
-            t_loop += time.perf_counter() - t0
-            out.append(toks)
-            done, nxt = done + toks.shape[1], toks[:, -1]
-            bar.update(toks.shape[1])
+            n = min(chunk, steps - done)
+            toks, nxt, cache = decode_chunk(cache, nxt, done, n)
+            if pending is not None:
+                out.append(np.asarray(pending[0])[:, :pending[1]])
+                bar.update(pending[1])
+            pending, done = (toks, n), done + n
+        if pending is not None:
+            out.append(np.asarray(pending[0])[:, :pending[1]])
+            bar.update(pending[1])
+        t_loop = time.perf_counter() - t0
     gen = np.concatenate(out, axis=1)  # [B, new]
 
     live = cache_bytes(cache)  # measured from the arrays this run allocated
