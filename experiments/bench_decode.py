@@ -10,7 +10,7 @@ Weights are random in the released formats (`--weight-format fp8`: FP8 + E8M0/32
 FP4 + E8M0/32 routed experts), generated on the device leaf by leaf; the cache is filled with random
 bytes in the released formats at the given context (`--context` tokens in every sequence). Each row:
 ms per step (median of `--steps` donated decode steps, after warm-up), the same with `--chunk` steps
-per call (`api.generate`: sampling on device), the bytes a step must move (stored weights of the
+per call (`api.generate`: sampling on device; `--queued N`: N calls per host sync), the bytes a step must move (stored weights of the
 dense layers and of the experts the batch was routed to in that step, embedding/Engram rows, and the
 cache a step reads: window rings, the selected entries, the index keys each indexer scans), the copy
 bandwidth measured in the same run, their ratio, launches per step (instructions of the compiled
@@ -304,11 +304,12 @@ def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> 
     toks, _, cache = gen(cache)
     toks.block_until_ready()
     gtimes = []
-    for _ in range(max(2, args.steps // args.chunk)):
+    for _ in range(max(2, args.steps // (args.chunk * args.queued))):
         t = time.perf_counter()
-        toks, _, cache = gen(cache)
+        for _ in range(args.queued):  # queued behind each other, one host sync for the group
+            toks, _, cache = gen(cache)
         toks.block_until_ready()
-        gtimes.append((time.perf_counter() - t) / args.chunk)
+        gtimes.append((time.perf_counter() - t) / (args.chunk * args.queued))
     loop_ms = 1e3 * statistics.median(gtimes)
     prof = None
     if args.profile:
@@ -332,7 +333,8 @@ def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> 
                 tokens_per_s=batch * 1e3 / loop_ms, tokens_per_s_per_device=batch * 1e3 / loop_ms / n_dev,
                 comm_us_step=comm_us, comm_share=None if comm_us is None else comm_us / prof[0]["us_per_step"],
                 comm_share_of_step=None if comm_us is None else comm_us / (1e3 * loop_ms),
-                ms_step=ms, ms_step_loop=loop_ms, roofline_ms=roof_ms,
+                ms_step=ms, ms_step_loop=loop_ms, steps_per_call=args.chunk, calls_per_sync=args.queued,
+                roofline_ms=roof_ms,
                 ratio=ms / roof_ms, ratio_loop=loop_ms / roof_ms, bytes_must_move=must, dense_bytes=w["dense"],
                 expert_bytes=w["experts"], cache_bytes_read=c_bytes, experts_hit=hit, launches=n_launch,
                 compile_s=compile_s, profile=prof, peak_bytes=stats.get("peak_bytes_in_use"), logit_absmax=float(jnp.abs(logits).max()))
@@ -352,6 +354,10 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=16,
                    help="steps per api.generate call (16: what experiments.decode runs; each call pays one graph "
                         "update, docs/BENCHMARKS.md twelfth pass)")
+    p.add_argument("--queued", type=int, default=1,
+                   help="calls the loop timing queues before the host waits (1: a sync per call; experiments.decode "
+                        "queues each call before reading the previous call's tokens, so its host work overlaps the "
+                        "GPU's)")
     p.add_argument("--copy-gb", type=float, default=4.0, help="GiB of the copy that measures the peak bandwidth")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="trace one --chunk loop per point into DIR and print GPU time per kernel")
@@ -409,6 +415,7 @@ def main(argv=None) -> list[dict]:
             rows.append(r)
             print(f"  {r['ms_step']:.3f} ms/step ({r['ms_step_loop']:.3f} in the loop), roofline {r['roofline_ms']:.3f} "
                   f"ms, compile {r['compile_s']:.1f} s", flush=True)
+    print(f"\n(the loop: {args.chunk} steps per api.generate call, {args.queued} call(s) per host sync)")
     print("\n| batch | context | ms/step | ms/step (loop) | must move GB | roofline ms | step/roof | loop/roof | "
           "experts hit | launches | peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
