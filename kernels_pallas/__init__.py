@@ -10,8 +10,6 @@ unless `family` ("gpu" | "tpu") is given.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -45,17 +43,13 @@ def _gpu_only(kernel: str, instead: str, family: str | None = None) -> bool:
 def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | None = None, family=None):
     """f32 [B, N] scores, -inf past reachable (and block maxima [B, ceil(N/block)] with `block`). q: the model's
     indexer queries, on the FP4 grid: the GPU scans take them exactly (others are rounded, to bf16 or f16). On
-    an H100/H200 while `gpu_indexer_wgmma.ON`: the wgmma scan, its block maxima of 8 (the model's) from its
-    epilogue, of other blocks by XLA after it."""
+    an H100/H200 while `gpu_indexer_wgmma.ON`: the wgmma scan, its block maxima by XLA after it."""
     fam, interpret = platform(family)
     if fam == "gpu" and not interpret and gpu_indexer_wgmma.supported(q_bhd, key_rec["values"], block):
         b, n = key_rec["values"].shape[:2]
-        scan = functools.partial(gpu_indexer_wgmma.indexer_scores_wgmma, q_bhd, w_bh, key_rec["values"],
-                                 key_rec["scales"], reachable_b, q_parts=1)
-        if block in (None, gpu_indexer_wgmma.BLOCK):
-            return scan(block=block)
-        scores = scan()
-        return scores, scores.reshape(b, n // block, block).max(axis=-1)
+        scores = gpu_indexer_wgmma.indexer_scores_wgmma(q_bhd, w_bh, key_rec["values"], key_rec["scales"],
+                                                        reachable_b, q_parts=1)
+        return scores if block is None else (scores, scores.reshape(b, n // block, block).max(axis=-1))
     mod = tpu_indexer if fam == "tpu" else gpu_indexer
     return mod.indexer_scores(q_bhd, w_bh, key_rec["values"], key_rec["scales"], reachable_b, block=block,
                               interpret=interpret)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm, vector
+from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
 from jax._src.lib.mlir.dialects import math as mlir_math
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
@@ -46,7 +46,6 @@ from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, i32_const, index_o
 D = 128  # channels of an index key
 TP = 64  # positions per step: the wgmma's M
 GROUP = 32  # channels per E8M0 scale
-BLOCK = 8  # positions per block maximum (`block=`): rows 8 half + 0..7 of a warp, lanes 4r + q over r
 _SPLAT = plgpu.Layout.WG_SPLAT(shape=())
 _Q_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 [2H, 128]
 
@@ -107,17 +106,15 @@ def _decode_keys(row0: int, ptx: str):
 
 
 @functools.cache
-def _epilogue(h: int, row0: int, q_parts: int, block_max: bool):
+def _epilogue(h: int, row0: int, q_parts: int):
     """inline_mgpu: (acc f32 [64, q_parts * H] WGMMA layout of the step's rows row0 .. row0 + 63 (q_parts 2:
-    hi columns, then lo), the rows' e_max (`_decode_keys`), w_smem f32 [H], out gmem f32 [B, N], (block_max:
-    block maxima gmem f32 [B, N / 8],) b, the step's first position, reachable) -> stores the 64 scores (and
-    their 8 block maxima)."""
+    hi columns, then lo), the rows' e_max (`_decode_keys`), w_smem f32 [H], out gmem f32 [B, N], b, the
+    step's first position, reachable) -> stores the 64 scores."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(),
-                                  *((plgpu.RefType(),) if block_max else ()), _SPLAT, _SPLAT, _SPLAT))
-    def epilogue(ctx, acc, e_maxes, w_smem, o_gmem, *rest):
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), _SPLAT,
+                                  _SPLAT, _SPLAT))
+    def epilogue(ctx, acc, e_maxes, w_smem, o_gmem, b, p0, reach):
         del ctx
-        *bm_gmem, b, p0, reach = rest
         f32 = ir.F32Type.get()
         b, p0, reach = (a.registers.item() for a in (b, p0, reach))
         warp, q, r = warpgroup_coords()
@@ -155,16 +152,8 @@ def _epilogue(h: int, row0: int, q_parts: int, block_max: bool):
         pos_n = arith.addi(p0, row)
         total = arith.select(arith.cmpi(arith.CmpIPredicate.slt, pos_n, reach), total,
                              arith.constant(f32, float("-inf")))
-        store = arith.cmpi(arith.CmpIPredicate.ult, q, i32_const(2))
-        with mgpu_utils.when(store):
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, q, i32_const(2))):
             memref.store(total, o_gmem, [index_of(b), index_of(pos_n)])
-        if block_max:  # a block's 8 rows are lanes 4r + q, r = 0..7, of one half: butterfly over r
-            top = total
-            for lanes in (4, 8, 16):
-                top = arith.maximumf(top, nvvm.shfl_sync(i32_const(-1), top, i32_const(lanes), i32_const(0x1F),
-                                                         nvvm.ShflKind.bfly))
-            with mgpu_utils.when(arith.andi(store, arith.cmpi(arith.CmpIPredicate.eq, r, i32_const(0)))):
-                memref.store(top, bm_gmem[0], [index_of(b), index_of(arith.shrui(pos_n, i32_const(3)))])
 
     return epilogue
 
@@ -209,13 +198,11 @@ def tiles_per_step_for(n: int) -> int:
 
 # Defaults measured on the H200 at 128K and 1M positions x batch 8 (docs/BENCHMARKS.md, eighteenth and
 # nineteenth sessions): 2112 CTAs (16 per SM; 1056 was 1-3% slower), 4 tiles per step, 2 stages.
-@functools.partial(jax.jit, static_argnames=("block", "stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx"))
+@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
-                         reachable_b: jax.Array, *, block: int | None = None, stages: int = 2,
-                         tiles_per_step: int | None = None, q_parts: int = 2, ctas: int = 2112,
-                         decode_ptx: str = DECODE_PTX):
-    """Scores f32 [B, N] (`gpu_indexer.indexer_scores`; block: None, or 8 for (scores, block maxima f32
-    [B, N / 8]), each block's largest score, from the epilogue's registers): q f32/bf16 [B, H, 128] with H % 8 == 0,
+                         reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int | None = None, q_parts: int = 2,
+                         ctas: int = 2112, decode_ptx: str = DECODE_PTX) -> jax.Array:
+    """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
     stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; must
     divide N / 64; default `tiles_per_step_for(N)`, 4 where it divides); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16
@@ -223,9 +210,6 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     (`split_steps`); decode_ptx: the keys' decode (DECODE_PTX's operands; benchmarks replace it)."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
-    if block not in (None, BLOCK):
-        raise ValueError(f"the wgmma scan's block maxima are over {BLOCK} positions (a half-row group of the "
-                         f"WGMMA layout), got block={block}: take maxima of other blocks from the scores")
     b, h, d = q_bhd.shape
     n = key_values.shape[1]
     if d != D or h % 8 or n % TP or key_values.shape != (b, n, D // 2) or key_scales.shape != (b, n, D // GROUP):
@@ -240,8 +224,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     w = w_bh.astype(jnp.float32)
     s_view = key_scales.reshape(b, tiles, TP * D // GROUP)  # a tile's 256 scale bytes; a step's: one TMA box
 
-    def body(reach_gmem, q_gmem, w_gmem, k_gmem, s_gmem, o_gmem, *rest):
-        *bm_gmem, q_smem, w_smem, q_bar, w_bar = rest  # bm_gmem: [the block maxima] with `block`
+    def body(reach_gmem, q_gmem, w_gmem, k_gmem, s_gmem, o_gmem, q_smem, w_smem, q_bar, w_bar):
         seq, part = lax.axis_index("b"), lax.axis_index("c")
         first = jnp.minimum(part * steps, all_steps - steps)  # this CTA's first step (`split_steps`)
         plgpu.copy_gmem_to_smem(q_gmem.at[seq], q_smem, q_bar)
@@ -264,8 +247,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
                     return acc_ref[...], e_max
 
                 acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
-                _epilogue(h, TP * i, q_parts, block is not None)(acc, e_max, w_smem, o_gmem, *bm_gmem, seq,
-                                                                 (first + t) * rows, reach)
+                _epilogue(h, TP * i, q_parts)(acc, e_max, w_smem, o_gmem, seq, (first + t) * rows, reach)
 
         plgpu.emit_pipeline(
             step,
@@ -277,8 +259,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
 
     kernel = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((b, n), jnp.float32) if block is None else
-                  (jax.ShapeDtypeStruct((b, n), jnp.float32), jax.ShapeDtypeStruct((b, n // BLOCK), jnp.float32))),
+        out_type=jax.ShapeDtypeStruct((b, n), jnp.float32),
         grid=(b, per_seq),
         grid_names=("b", "c"),
         scratch_types=(plgpu.SMEM((q_parts * h, D), jnp.bfloat16, transforms=_Q_TRANSFORMS),

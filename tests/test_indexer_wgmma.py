@@ -57,14 +57,8 @@ def test_lowers_for_cuda():
     assert "mosaic_gpu" in text and "indexer_scores_wgmma_32_2" in text
     one = jax.jit(lambda *a: scan.indexer_scores_wgmma(*a, q_parts=1, ctas=528))
     assert "indexer_scores_wgmma_32_1" in one.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    with_max = jax.jit(lambda *a: scan.indexer_scores_wgmma(*a, q_parts=1, block=8))
-    assert "indexer_scores_wgmma_32_1" in with_max.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    scores, bmax = jax.eval_shape(with_max, *args)
-    assert scores.shape == (b, n) and bmax.shape == (b, n // 8)
     with pytest.raises(ValueError, match="q_parts"):
         scan.indexer_scores_wgmma(*(jnp.zeros(a.shape, a.dtype) for a in args), q_parts=3)
-    with pytest.raises(ValueError, match="block maxima are over 8"):
-        scan.indexer_scores_wgmma(*(jnp.zeros(a.shape, a.dtype) for a in args), block=16)
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
@@ -85,11 +79,6 @@ def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step, q_part
     if fin.any():
         err = np.abs(np.asarray(got)[fin] - np.asarray(want)[fin]).max() / np.abs(np.asarray(want)[fin]).max()
         assert err <= 1e-6, err
-    if q_parts == 1:  # the dispatch's form: block maxima of 8 from the epilogue, the max of its own scores
-        scores, bmax = scan.indexer_scores_wgmma(q, w, rec["values"], rec["scales"], reach, block=8,
-                                                 tiles_per_step=tiles_per_step, q_parts=1, **split)
-        np.testing.assert_array_equal(np.asarray(scores), np.asarray(got))
-        np.testing.assert_array_equal(np.asarray(bmax), np.asarray(got).reshape(b, n // 8, 8).max(axis=-1))
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")

@@ -11,7 +11,7 @@ decode costs), against the Triton scan; the experts' kernel at the v41 shapes wi
 scan's and the experts' PTX and ptxas report under $OUT/mgpu.
 Table last; logs under $OUT.
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue21_alu_decode [tests | scantests | fp8tests] [ab] [sweep] [fp8] [bmax] [dump]  (~5 min)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_alu_decode [tests | scantests | fp8tests] [ab] [sweep] [fp8] [dump]  (~5 min)
 """
 
 import functools
@@ -163,21 +163,7 @@ def fp8_rows(peak: float) -> list[tuple]:
     return [("fp8", f"{op} x{m}", label, us, us, "-", gbs, pct, "-") for op, m, label, us, gbs, pct in table]
 
 
-def bmax_rows(peak: float) -> list[tuple]:
-    """Twentieth session: the dispatch's scan with the block maxima (8 positions) by XLA after it (before) and from
-    the kernel's epilogue (3 shuffles over a block's 8 lanes, one store per block; exactness is the GPU tests')."""
-    scan = functools.partial(gpu_indexer_wgmma.indexer_scores_wgmma, q_parts=1)
-
-    def after_xla(*a):
-        scores = scan(*a)
-        return scores, scores.reshape(scores.shape[0], -1, 8).max(axis=-1)
-
-    return scan_table(peak, {"block maxima by XLA": after_xla, "block maxima in the epilogue":
-                             functools.partial(scan, block=8)}, check=False)
-
-
-GROUPS = {"ab": lambda peak: scan_rows(peak) + expert_rows(peak), "sweep": sweep_rows, "fp8": fp8_rows,
-          "bmax": bmax_rows}
+GROUPS = {"ab": lambda peak: scan_rows(peak) + expert_rows(peak), "sweep": sweep_rows, "fp8": fp8_rows}
 
 
 def print_table(peak: float, rows: list[tuple]) -> None:
