@@ -10,11 +10,11 @@ Weights are random in the released formats (`--weight-format fp8`: FP8 + E8M0/32
 FP4 + E8M0/32 routed experts), generated on the device leaf by leaf; the cache is filled with random
 bytes in the released formats at the given context (`--context` tokens in every sequence). Each row:
 ms per step (median of `--steps` donated decode steps, after warm-up), the same with `--chunk` steps
-per call (`api.generate`: sampling on device; `--queued N`: N calls per host sync), the bytes a step must move (stored weights of the
-dense layers and of the experts the batch was routed to in that step, embedding/Engram rows, and the
-cache a step reads: window rings, the selected entries, the index keys each indexer scans), the copy
-bandwidth measured in the same run, their ratio, launches per step (instructions of the compiled
-program outside fusions) and the peak device memory.
+per call (`api.generate`: sampling on device; `--queued N`: N calls per host sync), the bytes a step
+must move (stored weights of the dense layers and of the experts the batch was routed to in that step,
+embedding/Engram rows, and the cache a step reads: window rings, the selected entries, the index keys
+each indexer scans), the copy bandwidth measured in the same run, their ratio, launches per step
+(instructions of the compiled program outside fusions) and the peak device memory.
 
 The `v41-slice` preset is 6 layers of the released shapes: window / Full m=2 with Engram / Reuse /
 Full m=1 candidate source / Reuse / Reindex. Engram tables are shrunk (a lookup reads B x rows, not the

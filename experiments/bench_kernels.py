@@ -3,8 +3,9 @@
     python -m experiments.bench_kernels [--contexts 8192,131072,1048576] [--batches 1,8,64] [--out FILE.json]
 
 Per (context, batch): the indexer scan over `context` compressed positions (a ratio-1 source, the
-largest; by default the scan the model's dispatch takes on this GPU, `--scan-variant` for a Triton one), the selection (top-512 positions + top-2048 candidate blocks of 8 from the scan's block
-maxima), a Reindex layer's pool scan (only the 2048 x 8 pool positions of that context, gathered by
+largest; by default the scan the model's dispatch takes on this GPU, `--scan-variant` for a Triton one),
+the selection (top-512 positions + top-2048 candidate blocks of 8 from the scan's block maxima), a
+Reindex layer's pool scan (only the 2048 x 8 pool positions of that context, gathered by
 block) with its top-512, and the sparse attention (64 heads x 512, 512 selected entries + 128-entry
 window). Bytes are counted from the arrays before timing. Peak bandwidth is a device copy measured in
 the same run. Dense reference: `jax.nn.dot_product_attention` (cuDNN) over the uncompressed context,

@@ -155,8 +155,8 @@ GROUPS["chunks16"] = [(f"profile_slice_b{b}_chunk16", slice_profile(b, 16), 100,
 # 20 steps per call spread it 4x thinner
 GROUPS["chunks"] = [(f"profile_slice_b{b}_chunk{c}", slice_profile(b, c), 110, {}) for b, c in ((8, 5), (8, 20), (1, 20))]
 # twentieth session: the call's first graph launch (`command_buffer_8`, iteration 0) holds the GPU ~1.1 ms per
-# call at batch 8, ~0.23 ms at batch 1: is it the graph (command buffers off, or Mosaic calls inside them), and
-# is it per call (40 steps per call)? Each profile prints its command buffers' contents.
+# call at batch 8 (nineteenth session): is it the graph (command buffers off, or Mosaic calls inside them), and
+# is it per call (40 steps per call)?
 NO_CMDBUF = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}
 GROUPS["callgap"] = [("profile_slice_b8_chunk20", slice_profile(8, 20), 100, {}),
                      ("profile_slice_b8_chunk20_no_cmdbuf", slice_profile(8, 20), 100, NO_CMDBUF),
