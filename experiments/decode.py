@@ -374,17 +374,19 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
     # previous call's tokens are read back, so the host's work between calls (its launches, reading the tokens)
     # overlaps the GPU's: the next call's first token is the previous call's last, still on the device.
     with tqdm(total=steps - done, desc="decode", unit="tok", disable=steps < 32, file=sys.stderr) as bar:
+        def read_back(toks, n: int) -> None:  # a call's n new tokens to the host
+            out.append(np.asarray(toks)[:, :n])
+            bar.update(n)
+
         t0, pending = time.perf_counter(), None
         while done < steps:
             n = min(chunk, steps - done)
             toks, nxt, cache = decode_chunk(cache, nxt, done, n)
             if pending is not None:
-                out.append(np.asarray(pending[0])[:, :pending[1]])
-                bar.update(pending[1])
+                read_back(*pending)
             pending, done = (toks, n), done + n
         if pending is not None:
-            out.append(np.asarray(pending[0])[:, :pending[1]])
-            bar.update(pending[1])
+            read_back(*pending)
         t_loop = time.perf_counter() - t0
     gen = np.concatenate(out, axis=1)  # [B, new]
 
