@@ -148,6 +148,20 @@ def idle_before(kernels: list[dict], sources: dict[str, str], steps: int) -> dic
     return dict(by)
 
 
+def one_step(kernels: list[dict], sources: dict[str, str], steps: int) -> list[tuple[float, float, str]]:
+    """[(GPU idle us before it, its us, source)] for each kernel of one step in the middle of the traced call,
+    in launch order: a step starts at the embedding's kernel (the first kernel of `Transformer.forward`)."""
+    starts = [i for i, e in enumerate(kernels) if "Embedding.__call__" in sources.get(e["name"], "")]
+    if len(starts) < 2:
+        return []
+    i0, i1 = starts[len(starts) // 2 - 1], starts[len(starts) // 2]
+    rows, end = [], kernels[i0 - 1]["ts"] + kernels[i0 - 1]["dur"] if i0 else kernels[i0]["ts"]
+    for e in kernels[i0:i1]:
+        rows.append((max(0.0, e["ts"] - end), e["dur"], sources.get(e["name"], e["name"])))
+        end = max(end, e["ts"] + e["dur"])
+    return rows
+
+
 def _table(title: str, rows: dict[str, list[float]], top: int, cols: str = "kernels / step | GPU us / step") -> None:
     print(f"\n| {title} | {cols} |\n|---|---|---|")
     for k, (n, us) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]:
@@ -166,6 +180,8 @@ def parse_args(argv=None):
                         "next call while the GPU runs this one)")
     p.add_argument("--kernels", default="auto", choices=["auto", "jnp", "pallas"])
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--timeline", action="store_true",
+                   help="also print one step's kernels in launch order (idle before, duration, source)")
     p.add_argument("--out", default="/tmp/profile_step", help="trace, HLO text and JSON rows go here")
     return p.parse_args(argv)
 
@@ -236,6 +252,11 @@ def _profile(args) -> dict:
     print(f"\n{n_gaps} GPU gaps of >= 50 us in {steps} steps; host events overlapping them (all threads):")
     _table("host event in the gaps", {k: [n / steps, us / steps] for k, (n, us) in during.items()}, 25,
            "events / step | us in the gaps / step")
+    if args.timeline:
+        rows1 = one_step(kernels, kernel_sources(hlo), steps)
+        print(f"\none step's {len(rows1)} kernels in launch order:\n\n| # | idle us before | us | source |\n|---|---|---|---|")
+        for i, (idle_us, us, where) in enumerate(rows1):
+            print(f"| {i} | {idle_us:.1f} | {us:.1f} | {where} |")
     result = {"step_ms": step_ms, "kernels_per_step": len(kernels) / steps, "gpu_us_per_step": busy,
               "by_source": rows}
     with open(os.path.join(args.out, "attribution.json"), "w") as f:
