@@ -194,6 +194,16 @@ def rows_matmuls(x_mk, ws, expert_m, *, kernels="jnp"):
     return [jnp.zeros_like(y).at[order].set(y) for y in _kp.grouped_matmuls_fp4(x_mk[order], pairs, sizes)]
 
 
+def slots_matmuls(x_rk, ws, slots_s, m: int, *, kernels="jnp"):
+    """[f32 [m, N] per weight in `ws`] by slots (`grouped.slots_matmul`: each slot's expert read once for the
+    rows it names); on the Hopper kernel (`kernels_pallas.slots_matmuls_fp4`, packed FP4 weights, where
+    `expert_rows_on` holds) weights of one shape share one launch."""
+    if resolve(kernels) != "jnp" and all(grouped.is_packed(w) for w in ws) and _kp.rows_fp4_wgmma(
+            x_rk[:1], [(w["values"], w["scales"]) for w in ws], m):
+        return _kp.slots_matmuls_fp4(x_rk, [(w["values"], w["scales"]) for w in ws], slots_s, m)
+    return [grouped.slots_matmul(x_rk, w, slots_s, m) for w in ws]
+
+
 # Tokens up to which a decode step's routed experts run as rows on the Hopper wgmma kernel (below). The slice
 # on the H200 (seventeenth session, docs/BENCHMARKS.md "Eleventh pass"): batch 8's experts 2,129 -> 1,689 us
 # per step against the Triton grouped kernel. Batch 64 was not measured with it: its 384 assignments hold

@@ -300,3 +300,57 @@ def test_scales_beyond_the_fast_decode_are_reported():
                 "layers/1/attn/wo_b/scale": jnp.full((2, 2), gpu_grouped.FP8_FAST_MAX + 1, jnp.uint8)}
     assert kernels.scales_beyond_fast_decode(bad) == ["layers/1/ffn/w2_scale", "layers/1/attn/wo_b/scale"]
 
+
+
+@pytest.mark.parametrize("ids", [
+    [[3, 1, 7], [1, 3, 5], [2, 7, 3], [0, 4, 6]],  # shared experts in several tokens
+    [[5, 2], [5, 2], [5, 2], [5, 2], [5, 2], [5, 2], [5, 2], [5, 2]],  # all 8 tokens on the same 2 experts
+    [[-1, 4, -1], [4, -1, 6]],  # assignments to no (local) expert: zero rows, twice in one token
+    [[1, 2, 3]],  # one token
+])
+def test_expert_slots_read_each_expert_once_and_cover_every_assignment(ids):
+    """`expert_slots`: one slot per distinct expert reads it; every assignment's row is one slot column's
+    destination exactly once; `slots_matmul` of the slots equals the rows form (an expert read per row)."""
+    ids = np.asarray(ids, np.int32)
+    n, k = ids.shape
+    s1, s2 = (np.asarray(s) for s in grouped.expert_slots(jnp.asarray(ids.reshape(-1)), k))
+    assert s1.shape == s2.shape == (n * k, 10)
+    reading = s1[s1[:, 0] >= 0, 0]
+    assert sorted(reading) == sorted(set(ids[ids >= 0].tolist()))  # each expert once
+    for s in (s1, s2):
+        dest = s[:, 2:][s[:, 2:] >= 0]
+        assert sorted(dest) == list(range(n * k))  # every row named exactly once
+        for slot in s:
+            for c, d_c in enumerate(slot[2:]):
+                if d_c >= 0:  # the row's expert, and (first matmul) its token's column
+                    assert slot[0] == max(ids.reshape(-1)[d_c], -1)
+                    assert s is s2 or c == d_c // k
+    assert (s1[:, 1] == 0).all() and (s2[:, 1] == np.arange(n * k)).all()
+    w = _experts(e=8, k=64, n=48)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(n, 64)), jnp.float32)
+    expert = jnp.asarray(ids.reshape(-1))
+    want = grouped.rows_matmul(x, w, expert)  # row m reads token m // k
+    _close(grouped.slots_matmul(x, w, jnp.asarray(s1), n * k), want, rel=0)
+    rows = jnp.asarray(np.random.default_rng(2).normal(size=(n * k, 64)), jnp.float32)
+    _close(grouped.slots_matmul(grouped.slot_rows(rows, jnp.asarray(s2)), w, jnp.asarray(s2), n * k),
+           grouped.rows_matmul(rows, w, expert), rel=0)
+
+
+def test_moe_slots_path_equals_the_rows_path(monkeypatch):
+    """A few tokens' MoE by slots (taken where the Hopper kernel runs; here its jnp twin) equals the layer
+    by rows, to the bit: the same products per assignment row."""
+    import dsv41_jax.moe as moe_mod
+
+    cfg = _moe_cfg()
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(6, cfg.dim)), jnp.float32)
+    w, _, _ = moe.router(x)
+    ids = jnp.asarray([[0, 1], [0, 1], [2, 3], [1, 2], [3, 4], [5, 0]], jnp.int32)  # experts shared by tokens
+    run = lambda: moe._routed(x, w, ids, moe._raw_experts(), 0, moe.n_experts, "jnp")  # noqa: E731
+    monkeypatch.setattr(moe_mod, "expert_rows_on", lambda *a: True)
+    made = []
+    monkeypatch.setattr(moe_mod, "expert_slots", lambda *a: made.append(1) or grouped.expert_slots(*a))
+    slots = run()
+    assert made  # the slots path ran
+    monkeypatch.setattr(moe_mod, "expert_slots", lambda *a: None)  # the rows form
+    np.testing.assert_array_equal(np.asarray(slots), np.asarray(run()))
