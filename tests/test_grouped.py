@@ -310,29 +310,27 @@ def test_scales_beyond_the_fast_decode_are_reported():
 ])
 def test_expert_slots_read_each_expert_once_and_cover_every_assignment(ids):
     """`expert_slots`: one slot per distinct expert reads it; every assignment's row is one slot column's
-    destination exactly once; `slots_matmul` of the slots equals the rows form (an expert read per row)."""
+    destination exactly once, in its token's column for the first matmul; `slots_matmul` of the slots (both
+    matmuls) equals the rows form (an expert read per row)."""
     ids = np.asarray(ids, np.int32)
     n, k = ids.shape
-    s1, s2 = (np.asarray(s) for s in grouped.expert_slots(jnp.asarray(ids.reshape(-1)), k))
-    assert s1.shape == s2.shape == (n * k, 10)
-    reading = s1[s1[:, 0] >= 0, 0]
+    expert = jnp.asarray(ids.reshape(-1))
+    dest = np.asarray(grouped.expert_slots(expert, k))
+    assert dest.shape == (n * k, 8)
+    reading = ids.reshape(-1)[(dest >= 0).any(1) & (ids.reshape(-1) >= 0)]
     assert sorted(reading) == sorted(set(ids[ids >= 0].tolist()))  # each expert once
-    for s in (s1, s2):
-        dest = s[:, 2:][s[:, 2:] >= 0]
-        assert sorted(dest) == list(range(n * k))  # every row named exactly once
-        for slot in s:
-            for c, d_c in enumerate(slot[2:]):
-                if d_c >= 0:  # the row's expert, and (first matmul) its token's column
-                    assert slot[0] == max(ids.reshape(-1)[d_c], -1)
-                    assert s is s2 or c == d_c // k
-    assert (s1[:, 1] == 0).all() and (s2[:, 1] == np.arange(n * k)).all()
+    assert sorted(dest[dest >= 0]) == list(range(n * k))  # every row named exactly once
+    for s, slot in enumerate(dest):
+        for c, d_c in enumerate(slot):
+            if d_c >= 0:  # the row's expert, in its token's column
+                assert ids.reshape(-1)[s] == ids.reshape(-1)[d_c] and c == d_c // k
     w = _experts(e=8, k=64, n=48)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(n, 64)), jnp.float32)
-    expert = jnp.asarray(ids.reshape(-1))
-    want = grouped.rows_matmul(x, w, expert)  # row m reads token m // k
-    _close(grouped.slots_matmul(x, w, jnp.asarray(s1), n * k), want, rel=0)
     rows = jnp.asarray(np.random.default_rng(2).normal(size=(n * k, 64)), jnp.float32)
-    _close(grouped.slots_matmul(grouped.slot_rows(rows, jnp.asarray(s2)), w, jnp.asarray(s2), n * k),
+    m_rows = jnp.arange(n * k, dtype=jnp.int32)
+    dest = jnp.asarray(dest)
+    _close(grouped.slots_matmul(x, w, expert, 0 * m_rows, dest), grouped.rows_matmul(x, w, expert), rel=0)
+    _close(grouped.slots_matmul(grouped.slot_rows(rows, dest), w, expert, m_rows, dest),
            grouped.rows_matmul(rows, w, expert), rel=0)
 
 

@@ -71,7 +71,7 @@ GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160,
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
 # (file, the text now, the text before): a few tokens' experts as slots (each expert read once), off in the
 # "before" tree (twenty-first session, `slots`)
-SINCE_MEASURED = [("dsv41_jax/moe.py", "slots = expert_slots(expert, k) if n > 1 else None", "slots = None")]
+SINCE_MEASURED = [("dsv41_jax/moe.py", "dest = expert_slots(expert, k) if n > 1 else None", "dest = None")]
 # `scan_ab`: the Hopper indexer scan off (a copy of the tree) and on (as it is), batch 8 at 128K, where the
 # encoder's Full layers scan 64K and 128K positions (eighteenth session: the scans 102.8 -> 59.3 us, the step's
 # GPU time 3.561 -> 3.500 ms; every row of the profiles printed)
