@@ -169,10 +169,11 @@ GROUPS["queued"] = [(f"profile_slice_b{b}_chunk20_queued{q}", slice_profile(b, 2
                     for b, q in ((8, 1), (8, 4), (1, 4), (1, 1))]
 
 # twenty-first session: batch 8's experts as slots that read each distinct expert once (48 rows read ~45
-# experts); the kernels' GPU tests, then the batch-8 profile before / after, twice
+# experts); the kernels' GPU tests, then the batch-8 profile before / after, twice, and batch 1 (rows, as before)
 GROUPS["slots"] = [(AB_TESTS[0], AB_TESTS[1], 120, AB_TESTS[3])] + [
     (f"profile_slice_b8{rep}_{side}", slice_profile(8, 20, queued=4, top=40), 110, {})
-    for rep in ("", "_again") for side in ("before", "after")]
+    for rep in ("", "_again") for side in ("before", "after")] + [
+    ("profile_slice_b1_after", slice_profile(1, 20, queued=4, top=40), 100, {})]
 
 
 def last_table(log: str, name: str) -> str:
