@@ -120,15 +120,15 @@ def slots_matmul(x_rk: jax.Array, w, expert_s: jax.Array, xblock_s: jax.Array, d
     return rows_matmul(x_rk[jnp.minimum(x_row, x_rk.shape[0] - 1)], w, expert)
 
 
-def expert_slots(expert_m: jax.Array, k: int) -> jax.Array:
-    """The slots (`slots_matmul`) of a few tokens' expert assignments that read each expert once: dest_sc
-    int32 [M, 8] for expert_s = expert_m.
+def expert_slots(expert_m: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The slots (`slots_matmul`) of a few tokens' expert assignments that read each expert once: (expert_s
+    int32 [M], dest_sc int32 [M, 8]).
 
     expert_m int32 [M = N k]: assignment m is token m // k's, to expert expert_m[m] (-1: none, a zero row); a
     token's experts are distinct; N <= 8. Slot s belongs to assignment s. At an expert's first assignment
     the slot keeps each token c's product at its assignment to the expert (dest_sc[s, c]; -1 where token c
-    has none); later assignments of an expert name no rows (their slots read nothing); an assignment to no
-    expert keeps its own row (its zeros). Two matmuls use them: the tokens' rows x [N, K] as block 0 of every
+    has none); later assignments of an expert name no rows and no expert (their slots read nothing); an
+    assignment to no expert keeps its own row (its zeros). Two matmuls use them: the tokens' rows x [N, K] as block 0 of every
     slot (xblock 0: column c is token c), then the activations in slot order (`slot_rows`, xblock s).
     Elementwise over the slots (unrolled over the N k assignments): one small fusion on a GPU."""
     m = expert_m.shape[0]
@@ -146,7 +146,8 @@ def expert_slots(expert_m: jax.Array, k: int) -> jax.Array:
         first = first & ~((d_c >= 0) & (tok_s > c))  # an earlier token holds the expert: not its first assignment
     dest_sc = jnp.stack(dest + [jnp.full((m,), -1, jnp.int32)] * (SLOT_ROWS - n), axis=1)
     own_sc = jnp.where(jnp.arange(SLOT_ROWS)[None, :] == tok_s[:, None], s_idx[:, None], -1)
-    return jnp.where(routed[:, None], jnp.where(first[:, None], dest_sc, -1), own_sc)
+    return (jnp.where(first, expert_m, -1),
+            jnp.where(routed[:, None], jnp.where(first[:, None], dest_sc, -1), own_sc))
 
 
 def slot_rows(rows_m: jax.Array, dest_sc: jax.Array) -> jax.Array:

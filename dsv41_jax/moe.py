@@ -146,18 +146,19 @@ class MoE(nnx.Module):
         """
         n, k = ids_nk.shape
         local = ids_nk.reshape(-1) - first_expert
-        dest = None
+        slots = None
         stored = lambda names: [self._stored(raw, m) for m in names]  # noqa: E731
         if n == 1 or expert_rows_on(kernels, x_nd, stored(("w1", "w3")), n * k):
-            expert = jnp.where((local >= 0) & (local < n_local), local, -1)
-            dest = expert_slots(expert, k) if n > 1 else None
+            expert = local if n_local == self.n_experts and isinstance(first_expert, int) and not first_expert \
+                else jnp.where((local >= 0) & (local < n_local), local, -1)  # (all local: no select kernel)
+            slots = expert_slots(expert, k) if n > 1 else None
             m_rows = jnp.arange(n * k, dtype=jnp.int32)
 
             def mm(a, stage, *names):  # stage 0: x_nd's rows, 1: the activations (in slot order for slots)
-                if dest is None:  # row m reads token m // k's row (no broadcast copy)
+                if slots is None:  # row m reads token m // k's row (no broadcast copy)
                     return rows_matmuls(a, stored(names), expert, kernels=kernels)
                 # slot s's rows: the tokens' (block 0), then block s
-                return slots_matmuls(a, stored(names), expert, m_rows * stage, dest, kernels=kernels)
+                return slots_matmuls(a, stored(names), slots[0], m_rows * stage, slots[1], kernels=kernels)
 
             xs, w_rows = x_nd, w_nk.reshape(-1)
             combine = lambda ys: jnp.sum(ys.reshape(n, k, -1), axis=1)  # noqa: E731
@@ -167,8 +168,8 @@ class MoE(nnx.Module):
             xs, w_rows = x_nd[order // k], w_nk.reshape(-1)[order]
             combine = lambda ys: jnp.zeros(x_nd.shape, jnp.float32).at[order // k].add(ys)  # noqa: E731
         h1, h3 = mm(xs, 0, "w1", "w3")
-        if dest is not None:  # gathered before the SwiGLU, which XLA then fuses with the gather
-            h1, h3, w_rows = (slot_rows(a, dest) for a in (h1, h3, w_rows))
+        if slots is not None:  # gathered before the SwiGLU, which XLA then fuses with the gather
+            h1, h3, w_rows = (slot_rows(a, slots[1]) for a in (h1, h3, w_rows))
         act = (swiglu(h1, h3, self.limit) * w_rows[:, None]).astype(x_nd.dtype)
         if self.act_quant:  # the release weights the activation before quantizing it for w2
             act = quantize_activation(act)

@@ -240,18 +240,22 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
     x bf16 [R, K] with R dividing M (R = 1: one token's k assignments read its one row; R = M: a row each;
     R = M / k: each token's k assignments); weights: (values uint8 [E, N, K/2] FP4 E2M1 pairs, low nibble
     = even input; scales uint8 [E, N, K/32] E8M0, bytes <= 128) pairs of one shape, one launch for all.
-    `slots_matmuls_fp4_wgmma` with a slot per row (constant maps), which keeps the one column of x's 8-row
-    block that holds the row's input."""
+    A CTA per (output tile, row) multiplies the row's expert by the 8-row block of x that holds the row's
+    input and keeps that one column (`slots_matmuls_fp4_wgmma` with a slot per row, its maps from the CTA's
+    index).
+    splits: CTAs sharing one output tile's K (a divisor of K / 256; their partial sums are added after).
+    stages: TMA pipeline depth. Each step's wgmma is waited for before the next step's decode: a wgmma reads
+    its register operand while it runs, and overwriting those registers early (the decode of step t + 1
+    overlapping the wgmma of step t, `wgmma_wait(1)`) gave wrong values on the H200. decode_ptx: the decode's
+    PTX (its operands as DECODE_PTX's); benchmarks replace it to time the kernel without its decode
+    (`experiments.bench_wgmma`)."""
     rows, m = x_mk.shape[0], expert_m.shape[0]
     if rows < 1 or m % rows:
         raise ValueError(f"the wgmma FP4 kernel needs x [R, K] with R | M; got x {x_mk.shape}, M={m}")
-    xrow = np.arange(m) // (m // rows)
-    dest = np.where(np.arange(TM)[None, :] == (xrow % TM)[:, None], np.arange(m)[:, None], -1)
-    return slots_matmuls_fp4_wgmma(x_mk, weights, expert_m, jnp.asarray(xrow // TM, jnp.int32),
-                                   jnp.asarray(dest, jnp.int32), splits=splits, stages=stages, decode_ptx=decode_ptx)
+    return fp4_experts_wgmma(x_mk, weights, expert_m, None, share=m // rows, splits=splits, stages=stages,
+                             decode_ptx=decode_ptx)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages", "decode_ptx"))
 def slots_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_s: jax.Array, xblock_s: jax.Array, dest_sc: jax.Array,
                             *, splits: int = 1, stages: int = 4, decode_ptx: str = DECODE_PTX) -> list[jax.Array]:
     """[y f32 [M, N] per weight], M = S: for each slot s and column c < 8 with dest_sc[s, c] >= 0,
@@ -260,15 +264,22 @@ def slots_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_s: jax.Array, xbloc
     One CTA per (output tile, slot) reads its expert once and multiplies it by one 8-row block of x (the wgmma's
     N): tokens that share an expert (a decode batch of up to 8) take it in one read, each keeping its column.
     Every row of y must be one slot's destination exactly once (rows no slot names are not written); a slot
-    with no destination reads nothing. `dsv41_jax.grouped.expert_slots` makes the slots of a few tokens'
-    assignments, `grouped.slots_matmul` is the twin. x bf16 [R, K] (rows padded to a multiple of 8 here),
-    expert_s, xblock_s int32 [S], dest_sc int32 [S, 8]; weights as `rows_matmuls_fp4_wgmma`'s.
-    splits: CTAs sharing one output tile's K (a divisor of K / 256; their partial sums are added after).
-    stages: TMA pipeline depth. Each step's wgmma is waited for before the next step's decode: a wgmma reads
-    its register operand while it runs, and overwriting those registers early (the decode of step t + 1
-    overlapping the wgmma of step t, `wgmma_wait(1)`) gave wrong values on the H200. decode_ptx: the decode's
-    PTX (its operands as DECODE_PTX's); benchmarks replace it to time the kernel without its decode
-    (`experiments.bench_wgmma`)."""
+    that names rows but no expert writes zeros, one with expert -1 and no rows costs nothing.
+    `dsv41_jax.grouped.expert_slots` makes the slots of a few tokens' assignments, `grouped.slots_matmul` is
+    the twin. x bf16 [R, K] (rows padded to a multiple of 8 here), expert_s, xblock_s int32 [S], dest_sc int32
+    [S, 8]; weights and the keywords as `rows_matmuls_fp4_wgmma`'s."""
+    m = expert_s.shape[0]
+    if xblock_s.shape != (m,) or dest_sc.shape != (m, TM):
+        raise ValueError(f"expert_s {expert_s.shape}, xblock_s {xblock_s.shape} and dest_sc {dest_sc.shape} must be "
+                         f"[S], [S] and [S, {TM}]")
+    return fp4_experts_wgmma(x_mk, weights, expert_s, (xblock_s, dest_sc), share=None, splits=splits, stages=stages,
+                             decode_ptx=decode_ptx)
+
+
+@functools.partial(jax.jit, static_argnames=("share", "splits", "stages", "decode_ptx"))
+def fp4_experts_wgmma(x_mk, weights, expert_s, maps, *, share, splits, stages, decode_ptx) -> list[jax.Array]:
+    """The kernel of `rows_matmuls_fp4_wgmma` (maps None, `share` rows of the call per x row: each CTA's x block
+    and column from its index) and `slots_matmuls_fp4_wgmma` (maps (xblock_s, dest_sc), read by each CTA)."""
     (e_count, n, half), (rows, k), m = weights[0][0].shape, x_mk.shape, expert_s.shape[0]
     n_w, steps = len(weights), k // TK
     for values, scales in weights:
@@ -277,9 +288,6 @@ def slots_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_s: jax.Array, xbloc
     if k != 2 * half or k % TK or n % TN or steps % splits or x_mk.dtype != jnp.bfloat16:
         raise ValueError(f"the wgmma FP4 kernel needs bf16 x [R, K] with K % {TK} == 0, N % {TN} == 0 and "
                          f"splits | K / {TK}; got x {x_mk.shape} {x_mk.dtype}, N={n}, splits={splits}")
-    if xblock_s.shape != (m,) or dest_sc.shape != (m, TM):
-        raise ValueError(f"expert_s {expert_s.shape}, xblock_s {xblock_s.shape} and dest_sc {dest_sc.shape} must be "
-                         f"[S], [S] and [S, {TM}]")
     per, n_tiles = steps // splits, n // TN
     # x's columns in the wgmma's K order, rows padded to a multiple of 8 (B = 8 rows of x, transposed)
     xp = x_mk.reshape(rows, steps, TK)[:, :, k_perm()].reshape(rows, k)
@@ -287,13 +295,18 @@ def slots_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_s: jax.Array, xbloc
     s_views = [s.reshape(e_count, n_tiles, k // 128, 256) for _, s in weights]  # a CTA's scales: one box
     decode = _decode_tile(k, decode_ptx)
 
-    def body(expert_ref, xblock_ref, dest_ref, xp_gmem, *refs):
+    def body(expert_ref, *refs):
+        map_refs, (xp_gmem, *refs) = (refs[:2], refs[2:]) if maps is not None else ((), refs)
         v_gmems, s_gmems, (o_gmem, s_smem, s_bar, o_smem) = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
         wj, slot, sp = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
         wi, j = wj // n_tiles, wj % n_tiles
-        # read first: a load at the store would add its latency to every CTA's tail
-        e, xb, dest = expert_ref[slot], xblock_ref[slot], [dest_ref[slot * TM + c] for c in range(TM)]
-        live = (e >= 0) & (functools.reduce(jnp.maximum, dest) >= 0)
+        e, row0 = expert_ref[slot], (wi * splits + sp) * m
+        if maps is None:  # a slot per row: x row slot // share, its one column kept
+            xb = slot // share // TM
+            store = lambda: _store_columns(1)(o_smem, o_gmem, row0 + slot, j * TN, slot // share % TM)  # noqa: E731
+        else:  # read first: a load at the store would add its latency to every CTA's tail
+            xb, dest = map_refs[0][slot], [map_refs[1][slot * TM + c] for c in range(TM)]
+            store = lambda: _store_slot()(o_smem, o_gmem, row0, j * TN, *dest)  # noqa: E731
 
         def acc_scope(acc_ref):
             def run(v_gmem, s_gmem):
@@ -314,11 +327,11 @@ def slots_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_s: jax.Array, xbloc
                 )(v_gmem.at[e], xp_gmem)
 
             for w_idx in range(n_w):
-                pl.when(live & (wi == w_idx))(functools.partial(run, v_gmems[w_idx], s_gmems[w_idx]))
+                pl.when((e >= 0) & (wi == w_idx))(functools.partial(run, v_gmems[w_idx], s_gmems[w_idx]))
             return acc_ref[...]
 
-        o_smem[...] = pl.run_scoped(acc_scope, plgpu.ACC((TN, TM), jnp.float32))  # zeros when not live
-        _store_slot()(o_smem, o_gmem, (wi * splits + sp) * m, j * TN, *dest)
+        o_smem[...] = pl.run_scoped(acc_scope, plgpu.ACC((TN, TM), jnp.float32))  # zeros when e < 0
+        store()
 
     kernel = plgpu.kernel(
         body,
@@ -329,8 +342,8 @@ def slots_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_s: jax.Array, xbloc
                        plgpu.SMEM((TN, TM), jnp.float32)),
         kernel_name=f"fp4_rows_wgmma_{n}x{k}",
     )
-    out = kernel(expert_s.astype(jnp.int32), xblock_s.astype(jnp.int32), dest_sc.astype(jnp.int32).reshape(-1), xp,
-                 *[v for v, _ in weights], *s_views)
+    map_args = [] if maps is None else [maps[0].astype(jnp.int32), maps[1].astype(jnp.int32).reshape(-1)]
+    out = kernel(expert_s.astype(jnp.int32), *map_args, xp, *[v for v, _ in weights], *s_views)
     return list(out.reshape(n_w, splits, m, n).sum(1))
 
 

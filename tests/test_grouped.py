@@ -315,22 +315,22 @@ def test_expert_slots_read_each_expert_once_and_cover_every_assignment(ids):
     ids = np.asarray(ids, np.int32)
     n, k = ids.shape
     expert = jnp.asarray(ids.reshape(-1))
-    dest = np.asarray(grouped.expert_slots(expert, k))
-    assert dest.shape == (n * k, 8)
-    reading = ids.reshape(-1)[(dest >= 0).any(1) & (ids.reshape(-1) >= 0)]
-    assert sorted(reading) == sorted(set(ids[ids >= 0].tolist()))  # each expert once
+    expert_s, dest = (np.asarray(a) for a in grouped.expert_slots(expert, k))
+    assert expert_s.shape == (n * k,) and dest.shape == (n * k, 8)
+    assert sorted(expert_s[expert_s >= 0]) == sorted(set(ids[ids >= 0].tolist()))  # each expert read once
+    assert ((expert_s >= 0) == ((dest >= 0).any(1) & (ids.reshape(-1) >= 0))).all()  # by the slots with rows
     assert sorted(dest[dest >= 0]) == list(range(n * k))  # every row named exactly once
     for s, slot in enumerate(dest):
         for c, d_c in enumerate(slot):
-            if d_c >= 0:  # the row's expert, in its token's column
-                assert ids.reshape(-1)[s] == ids.reshape(-1)[d_c] and c == d_c // k
+            if d_c >= 0:  # the row's expert (or none: zeros), in its token's column
+                assert max(expert_s[s], -1) == max(ids.reshape(-1)[d_c], -1) and c == d_c // k
     w = _experts(e=8, k=64, n=48)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(n, 64)), jnp.float32)
     rows = jnp.asarray(np.random.default_rng(2).normal(size=(n * k, 64)), jnp.float32)
     m_rows = jnp.arange(n * k, dtype=jnp.int32)
-    dest = jnp.asarray(dest)
-    _close(grouped.slots_matmul(x, w, expert, 0 * m_rows, dest), grouped.rows_matmul(x, w, expert), rel=0)
-    _close(grouped.slots_matmul(grouped.slot_rows(rows, dest), w, expert, m_rows, dest),
+    expert_s, dest = jnp.asarray(expert_s), jnp.asarray(dest)
+    _close(grouped.slots_matmul(x, w, expert_s, 0 * m_rows, dest), grouped.rows_matmul(x, w, expert), rel=0)
+    _close(grouped.slots_matmul(grouped.slot_rows(rows, dest), w, expert_s, m_rows, dest),
            grouped.rows_matmul(rows, w, expert), rel=0)
 
 
