@@ -100,62 +100,6 @@ def rows_matmul(x_mk: jax.Array, w, expert_m: jax.Array) -> jax.Array:
     return jnp.where((expert_m >= 0)[:, None], y, 0.0)
 
 
-SLOT_ROWS = 8  # x rows one slot multiplies its expert by: the Hopper kernel's wgmma N (`kernels_pallas.gpu_wgmma`)
-
-
-def slots_matmul(x_rk: jax.Array, w, expert_s: jax.Array, xblock_s: jax.Array, dest_sc: jax.Array) -> jax.Array:
-    """y f32 [S, N] by slots (the slot contract): slot s multiplies expert expert_s[s] of `w` (< 0: zeros) by x
-    rows 8 xblock_s[s] + c, c < 8, and puts row c's product in y[dest_sc[s, c]] where that is >= 0. Every row
-    of y is one slot's destination exactly once. expert_s, xblock_s int32 [S], dest_sc int32 [S, 8]; x [R, K]
-    holding the rows the slots name.
-
-    The contract of `kernels_pallas.gpu_wgmma.slots_matmuls_fp4_wgmma`, which reads each slot's expert once
-    for all its rows; here by `rows_matmul` on the rows the slots name (an expert read per row)."""
-    m = expert_s.shape[0]
-    named = (dest_sc >= 0).reshape(-1)
-    at = jnp.where(named, dest_sc.reshape(-1), m)  # unnamed columns: dropped
-    src = (xblock_s[:, None] * SLOT_ROWS + jnp.arange(SLOT_ROWS)).reshape(-1)
-    x_row = jnp.zeros((m,), jnp.int32).at[at].set(src, mode="drop")
-    expert = jnp.full((m,), -1, jnp.int32).at[at].set(jnp.repeat(expert_s, SLOT_ROWS), mode="drop")
-    return rows_matmul(x_rk[jnp.minimum(x_row, x_rk.shape[0] - 1)], w, expert)
-
-
-def expert_slots(expert_m: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The slots (`slots_matmul`) of a few tokens' expert assignments that read each expert once: (expert_s
-    int32 [M], dest_sc int32 [M, 8]).
-
-    expert_m int32 [M = N k]: assignment m is token m // k's, to expert expert_m[m] (-1: none, a zero row); a
-    token's experts are distinct; N <= 8. Slot s belongs to assignment s. At an expert's first assignment
-    the slot keeps each token c's product at its assignment to the expert (dest_sc[s, c]; -1 where token c
-    has none); later assignments of an expert name no rows and no expert (their slots read nothing); an
-    assignment to no expert keeps its own row (its zeros). Two matmuls use them: the tokens' rows x [N, K] as block 0 of every
-    slot (xblock 0: column c is token c), then the activations in slot order (`slot_rows`, xblock s).
-    Elementwise over the slots (unrolled over the N k assignments): one small fusion on a GPU."""
-    m = expert_m.shape[0]
-    n = m // k
-    if n * k != m or n > SLOT_ROWS:
-        raise ValueError(f"expert_slots: {m} assignments must be N tokens x k={k} with N <= {SLOT_ROWS}")
-    s_idx = jnp.arange(m, dtype=jnp.int32)
-    tok_s, routed = s_idx // k, expert_m >= 0
-    first, dest = routed, []
-    for c in range(n):  # token c's assignment to slot s's expert, if any
-        d_c = jnp.full((m,), -1, jnp.int32)
-        for j in range(k):
-            d_c = jnp.where(routed & (expert_m == expert_m[c * k + j]), c * k + j, d_c)
-        dest.append(d_c)
-        first = first & ~((d_c >= 0) & (tok_s > c))  # an earlier token holds the expert: not its first assignment
-    dest_sc = jnp.stack(dest + [jnp.full((m,), -1, jnp.int32)] * (SLOT_ROWS - n), axis=1)
-    own_sc = jnp.where(jnp.arange(SLOT_ROWS)[None, :] == tok_s[:, None], s_idx[:, None], -1)
-    return (jnp.where(first, expert_m, -1),
-            jnp.where(routed[:, None], jnp.where(first[:, None], dest_sc, -1), own_sc))
-
-
-def slot_rows(rows_m: jax.Array, dest_sc: jax.Array) -> jax.Array:
-    """Rows in slot order, the second matmul's x of `expert_slots`: [8 M, ...], row 8 s + c = rows[dest_sc[s, c]]
-    (rows [M, ...] in assignment order; row 0 where dest_sc[s, c] < 0, a column no one keeps)."""
-    return rows_m[jnp.maximum(dest_sc, 0).reshape(-1)]
-
-
 # ----------------------------------------------------------------------------- dense FP8 blocks
 FP8_BLOCK = 32  # dense FP8 weights: one E8M0 scale per 32x32 block
 

@@ -194,16 +194,6 @@ def rows_matmuls(x_mk, ws, expert_m, *, kernels="jnp"):
     return [jnp.zeros_like(y).at[order].set(y) for y in _kp.grouped_matmuls_fp4(x_mk[order], pairs, sizes)]
 
 
-def slots_matmuls(x_rk, ws, expert_s, xblock_s, dest_sc, *, kernels="jnp"):
-    """[f32 [S, N] per weight in `ws`] by slots (`grouped.slots_matmul`: each slot's expert read once for the
-    rows it names); on the Hopper kernel (`kernels_pallas.slots_matmuls_fp4`, packed FP4 weights, where
-    `expert_rows_on` holds) weights of one shape share one launch."""
-    pairs = [(w["values"], w["scales"]) for w in ws] if all(grouped.is_packed(w) for w in ws) else None
-    if resolve(kernels) != "jnp" and pairs and _kp.rows_fp4_wgmma(x_rk[:1], pairs, expert_s.shape[0]):
-        return _kp.slots_matmuls_fp4(x_rk, pairs, expert_s, xblock_s, dest_sc)
-    return [grouped.slots_matmul(x_rk, w, expert_s, xblock_s, dest_sc) for w in ws]
-
-
 # Tokens up to which a decode step's routed experts run as rows on the Hopper wgmma kernel (below). The slice
 # on the H200 (seventeenth session, docs/BENCHMARKS.md "Eleventh pass"): batch 8's experts 2,129 -> 1,689 us
 # per step against the Triton grouped kernel. Batch 64 was not measured with it: its 384 assignments hold

@@ -20,9 +20,8 @@ from flax import nnx
 
 from dsv41_jax import expert_parallel
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.grouped import EXPERT_FP4, expert_slots, slot_rows, sort_by_group
-from dsv41_jax.kernels import (expert_rows_on, grouped_matmuls, route, route_on, rows_matmuls, slots_matmuls,
-                               twin_gradient)
+from dsv41_jax.grouped import EXPERT_FP4, sort_by_group
+from dsv41_jax.kernels import expert_rows_on, grouped_matmuls, route, route_on, rows_matmuls, twin_gradient
 from dsv41_jax.layers import (Buffer, activation_quant, linears, normal_init, quantize_activation,
                               released_fp8_linear, weights_fp8)
 from dsv41_jax.sequence_split import per_sequence
@@ -138,42 +137,30 @@ class MoE(nnx.Module):
         One token (a batch-1 decode step): its k experts are distinct, so each assignment is a row that
         names its expert (`kernels.rows_matmuls`): the same expert bytes with no sort, counts or scatter
         around them (on the GPU those were ~12 small kernels per layer). A few tokens on an H100/H200
-        (`kernels.expert_rows_on`): slots (`grouped.expert_slots`), one per expert, which the Hopper kernel
-        reads once for all the tokens routed to it, each product landing in its assignment's row (an expert
-        two tokens share was read twice as rows: 48 reads for ~45 distinct experts at batch 8 of v41-flash).
-        Otherwise: assignments sorted by expert into ragged groups (an expert shared by several tokens is read
-        once); assignments to other experts sort last and fall outside the groups (zero rows).
+        (`kernels.expert_rows_on`) the same way: an expert two tokens share is read twice, which costs less
+        than the sort and the grouped kernel. Otherwise: assignments sorted by expert into ragged groups (an
+        expert shared by several tokens is read once); assignments to other experts sort last and fall
+        outside the groups (zero rows).
         """
         n, k = ids_nk.shape
         local = ids_nk.reshape(-1) - first_expert
-        slots = None
         stored = lambda names: [self._stored(raw, m) for m in names]  # noqa: E731
         if n == 1 or expert_rows_on(kernels, x_nd, stored(("w1", "w3")), n * k):
             expert = local if n_local == self.n_experts and isinstance(first_expert, int) and not first_expert \
                 else jnp.where((local >= 0) & (local < n_local), local, -1)  # (all local: no select kernel)
-            slots = expert_slots(expert, k) if n > 1 else None
-            m_rows = jnp.arange(n * k, dtype=jnp.int32)
-
-            def mm(a, stage, *names):  # stage 0: x_nd's rows, 1: the activations (in slot order for slots)
-                if slots is None:  # row m reads token m // k's row (no broadcast copy)
-                    return rows_matmuls(a, stored(names), expert, kernels=kernels)
-                # slot s's rows: the tokens' (block 0), then block s
-                return slots_matmuls(a, stored(names), slots[0], m_rows * stage, slots[1], kernels=kernels)
-
-            xs, w_rows = x_nd, w_nk.reshape(-1)
+            mm = lambda a, *names: rows_matmuls(a, stored(names), expert, kernels=kernels)  # noqa: E731
+            xs, w_rows = x_nd, w_nk.reshape(-1)  # row m reads token m // k's row (no broadcast copy)
             combine = lambda ys: jnp.sum(ys.reshape(n, k, -1), axis=1)  # noqa: E731
         else:
             order, sizes = sort_by_group(local, n_local)  # grouped by expert, foreign assignments last
-            mm = lambda a, _, *names: grouped_matmuls(a, stored(names), sizes, kernels=kernels)  # noqa: E731
+            mm = lambda a, *names: grouped_matmuls(a, stored(names), sizes, kernels=kernels)  # noqa: E731
             xs, w_rows = x_nd[order // k], w_nk.reshape(-1)[order]
             combine = lambda ys: jnp.zeros(x_nd.shape, jnp.float32).at[order // k].add(ys)  # noqa: E731
-        h1, h3 = mm(xs, 0, "w1", "w3")
-        if slots is not None:  # gathered before the SwiGLU, which XLA then fuses with the gather
-            h1, h3, w_rows = (slot_rows(a, slots[1]) for a in (h1, h3, w_rows))
+        h1, h3 = mm(xs, "w1", "w3")
         act = (swiglu(h1, h3, self.limit) * w_rows[:, None]).astype(x_nd.dtype)
         if self.act_quant:  # the release weights the activation before quantizing it for w2
             act = quantize_activation(act)
-        (ys,) = mm(act, 1, "w2")
+        (ys,) = mm(act, "w2")
         return combine(ys)
 
     def __call__(self, x_btd: jax.Array, *, kernels: str = "jnp",

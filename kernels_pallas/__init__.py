@@ -127,15 +127,6 @@ def rows_matmuls_fp4(x_mk, weights, expert_m, *, family=None):
     return gpu_grouped.rows_matmuls_fp4(_one_or_all_rows(x_mk, m), weights, expert_m, interpret=interpret)
 
 
-def slots_matmuls_fp4(x_rk, weights, expert_s, xblock_s, dest_sc):
-    """[f32 [S, N] per (values, scales) in `weights`] by slots (`dsv41_jax.grouped.slots_matmul`'s contract) in
-    one launch: the Hopper wgmma kernel (`gpu_wgmma.slots_matmuls_fp4_wgmma`), compiled on an H100/H200 only."""
-    if not rows_fp4_wgmma(x_rk[:1], weights, expert_s.shape[0]):
-        raise ValueError("slots_matmuls_fp4 runs on an H100/H200 (wgmma) with bf16 x, K % 256 == 0 and N % 64 == 0; "
-                         "elsewhere use dsv41_jax.grouped.slots_matmul")
-    return gpu_wgmma.slots_matmuls_fp4_wgmma(x_rk, weights, expert_s, xblock_s, dest_sc)
-
-
 def rows_matmuls_float(x_mk, weights, expert_m, *, family=None):
     """`rows_matmuls_fp4` for float experts [E, K, N] (`weight_format="float"`). GPU only: XLA's TPU
     lowering of one token's experts is a matrix-vector product already, not the GPU's column reduction."""

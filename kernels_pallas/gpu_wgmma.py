@@ -211,28 +211,7 @@ def is_hopper() -> bool:
     return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
 
 
-@functools.cache
-def _store_slot():
-    """inline_mgpu: o_gmem[row0 + d_c, n0 + i] = o_smem[i, c] for i < 64 and each column c < 8 whose destination
-    row d_c (8 scalars) is >= 0 (threads 0..63: coalesced 256 B rows)."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT, *[_SPLAT] * TM))
-    def store(ctx, o_smem, o_gmem, row0, n0, *dest):
-        del ctx
-        row0, n0 = row0.registers.item(), n0.registers.item()
-        mgpu_utils.warpgroup_barrier()  # o_smem was written by other threads
-        tid = mgpu_utils.thread_idx()
-        lt = arith.CmpIPredicate.ult
-        for c, d in enumerate(dest):
-            d = d.registers.item()
-            keep = arith.andi(arith.cmpi(lt, tid, i32_const(TN)), arith.cmpi(arith.CmpIPredicate.sge, d, i32_const(0)))
-            with mgpu_utils.when(keep):
-                v = memref.load(o_smem, [index_of(tid), index_of(i32_const(c))])
-                memref.store(v, o_gmem, [index_of(arith.addi(row0, d)), index_of(arith.addi(n0, tid))])
-
-    return store
-
-
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "decode_ptx"))
 def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, splits: int = 1, stages: int = 4,
                            decode_ptx: str = DECODE_PTX) -> list[jax.Array]:
     """[y f32 [M, N] per weight]: row m = x[m // (M / R)] @ W[expert_m[m]]^T, zero where expert_m[m] < 0.
@@ -240,73 +219,33 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
     x bf16 [R, K] with R dividing M (R = 1: one token's k assignments read its one row; R = M: a row each;
     R = M / k: each token's k assignments); weights: (values uint8 [E, N, K/2] FP4 E2M1 pairs, low nibble
     = even input; scales uint8 [E, N, K/32] E8M0, bytes <= 128) pairs of one shape, one launch for all.
-    A CTA per (output tile, row) multiplies the row's expert by the 8-row block of x that holds the row's
-    input and keeps that one column (`slots_matmuls_fp4_wgmma` with a slot per row, its maps from the CTA's
-    index).
     splits: CTAs sharing one output tile's K (a divisor of K / 256; their partial sums are added after).
     stages: TMA pipeline depth. Each step's wgmma is waited for before the next step's decode: a wgmma reads
     its register operand while it runs, and overwriting those registers early (the decode of step t + 1
     overlapping the wgmma of step t, `wgmma_wait(1)`) gave wrong values on the H200. decode_ptx: the decode's
     PTX (its operands as DECODE_PTX's); benchmarks replace it to time the kernel without its decode
     (`experiments.bench_wgmma`)."""
-    rows, m = x_mk.shape[0], expert_m.shape[0]
-    if rows < 1 or m % rows:
-        raise ValueError(f"the wgmma FP4 kernel needs x [R, K] with R | M; got x {x_mk.shape}, M={m}")
-    return fp4_experts_wgmma(x_mk, weights, expert_m, None, share=m // rows, splits=splits, stages=stages,
-                             decode_ptx=decode_ptx)
-
-
-def slots_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_s: jax.Array, xblock_s: jax.Array, dest_sc: jax.Array,
-                            *, splits: int = 1, stages: int = 4, decode_ptx: str = DECODE_PTX) -> list[jax.Array]:
-    """[y f32 [M, N] per weight], M = S: for each slot s and column c < 8 with dest_sc[s, c] >= 0,
-    y[dest_sc[s, c]] = x[8 xblock_s[s] + c] @ W[expert_s[s]]^T (zero where expert_s[s] < 0).
-
-    One CTA per (output tile, slot) reads its expert once and multiplies it by one 8-row block of x (the wgmma's
-    N): tokens that share an expert (a decode batch of up to 8) take it in one read, each keeping its column.
-    Every row of y must be one slot's destination exactly once (rows no slot names are not written); a slot
-    that names rows but no expert writes zeros, one with expert -1 and no rows costs nothing.
-    `dsv41_jax.grouped.expert_slots` makes the slots of a few tokens' assignments, `grouped.slots_matmul` is
-    the twin. x bf16 [R, K] (rows padded to a multiple of 8 here), expert_s, xblock_s int32 [S], dest_sc int32
-    [S, 8]; weights and the keywords as `rows_matmuls_fp4_wgmma`'s."""
-    m = expert_s.shape[0]
-    if xblock_s.shape != (m,) or dest_sc.shape != (m, TM):
-        raise ValueError(f"expert_s {expert_s.shape}, xblock_s {xblock_s.shape} and dest_sc {dest_sc.shape} must be "
-                         f"[S], [S] and [S, {TM}]")
-    return fp4_experts_wgmma(x_mk, weights, expert_s, (xblock_s, dest_sc), share=None, splits=splits, stages=stages,
-                             decode_ptx=decode_ptx)
-
-
-@functools.partial(jax.jit, static_argnames=("share", "splits", "stages", "decode_ptx"))
-def fp4_experts_wgmma(x_mk, weights, expert_s, maps, *, share, splits, stages, decode_ptx) -> list[jax.Array]:
-    """The kernel of `rows_matmuls_fp4_wgmma` (maps None, `share` rows of the call per x row: each CTA's x block
-    and column from its index) and `slots_matmuls_fp4_wgmma` (maps (xblock_s, dest_sc), read by each CTA)."""
-    (e_count, n, half), (rows, k), m = weights[0][0].shape, x_mk.shape, expert_s.shape[0]
-    n_w, steps = len(weights), k // TK
+    (e_count, n, half), k, m = weights[0][0].shape, x_mk.shape[1], expert_m.shape[0]
+    rows, n_w, steps = x_mk.shape[0], len(weights), k // TK
     for values, scales in weights:
         if values.shape != (e_count, n, half) or scales.shape != (e_count, n, k // SCALE_BLOCK):
             raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
-    if k != 2 * half or k % TK or n % TN or steps % splits or x_mk.dtype != jnp.bfloat16:
-        raise ValueError(f"the wgmma FP4 kernel needs bf16 x [R, K] with K % {TK} == 0, N % {TN} == 0 and "
-                         f"splits | K / {TK}; got x {x_mk.shape} {x_mk.dtype}, N={n}, splits={splits}")
-    per, n_tiles = steps // splits, n // TN
+    if k != 2 * half or k % TK or n % TN or m % rows or steps % splits or x_mk.dtype != jnp.bfloat16:
+        raise ValueError(f"the wgmma FP4 kernel needs bf16 x [R, K] with R | M, K % {TK} == 0, N % {TN} == 0 and "
+                         f"splits | K / {TK}; got x {x_mk.shape} {x_mk.dtype}, M={m}, N={n}, splits={splits}")
+    per, share, n_tiles = steps // splits, m // rows, n // TN
     # x's columns in the wgmma's K order, rows padded to a multiple of 8 (B = 8 rows of x, transposed)
     xp = x_mk.reshape(rows, steps, TK)[:, :, k_perm()].reshape(rows, k)
     xp = jnp.pad(xp, ((0, -rows % TM), (0, 0)))
     s_views = [s.reshape(e_count, n_tiles, k // 128, 256) for _, s in weights]  # a CTA's scales: one box
     decode = _decode_tile(k, decode_ptx)
 
-    def body(expert_ref, *refs):
-        map_refs, (xp_gmem, *refs) = (refs[:2], refs[2:]) if maps is not None else ((), refs)
+    def body(expert_ref, xp_gmem, *refs):
         v_gmems, s_gmems, (o_gmem, s_smem, s_bar, o_smem) = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
-        wj, slot, sp = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
+        wj, row, sp = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
         wi, j = wj // n_tiles, wj % n_tiles
-        e, row0 = expert_ref[slot], (wi * splits + sp) * m
-        if maps is None:  # a slot per row: x row slot // share, its one column kept
-            xb = slot // share // TM
-            store = lambda: _store_columns(1)(o_smem, o_gmem, row0 + slot, j * TN, slot // share % TM)  # noqa: E731
-        else:  # read first: a load at the store would add its latency to every CTA's tail
-            xb, dest = map_refs[0][slot], [map_refs[1][slot * TM + c] for c in range(TM)]
-            store = lambda: _store_slot()(o_smem, o_gmem, row0, j * TN, *dest)  # noqa: E731
+        e = expert_ref[row]
+        xrow = row // share
 
         def acc_scope(acc_ref):
             def run(v_gmem, s_gmem):
@@ -322,7 +261,8 @@ def fp4_experts_wgmma(x_mk, weights, expert_s, maps, *, share, splits, stages, d
                     step,
                     grid=(per,),
                     in_specs=[plgpu.BlockSpec((TN, TK // 2), lambda t: (j, sp * per + t), transforms=_V_TRANSFORMS),
-                              plgpu.BlockSpec((TM, TK), lambda t: (xb, sp * per + t), transforms=_X_TRANSFORMS)],
+                              plgpu.BlockSpec((TM, TK), lambda t: (xrow // TM, sp * per + t),
+                                              transforms=_X_TRANSFORMS)],
                     max_concurrent_steps=stages,
                 )(v_gmem.at[e], xp_gmem)
 
@@ -331,7 +271,7 @@ def fp4_experts_wgmma(x_mk, weights, expert_s, maps, *, share, splits, stages, d
             return acc_ref[...]
 
         o_smem[...] = pl.run_scoped(acc_scope, plgpu.ACC((TN, TM), jnp.float32))  # zeros when e < 0
-        store()
+        _store_columns(1)(o_smem, o_gmem, (wi * splits + sp) * m + row, j * TN, xrow % TM)
 
     kernel = plgpu.kernel(
         body,
@@ -342,8 +282,7 @@ def fp4_experts_wgmma(x_mk, weights, expert_s, maps, *, share, splits, stages, d
                        plgpu.SMEM((TN, TM), jnp.float32)),
         kernel_name=f"fp4_rows_wgmma_{n}x{k}",
     )
-    map_args = [] if maps is None else [maps[0].astype(jnp.int32), maps[1].astype(jnp.int32).reshape(-1)]
-    out = kernel(expert_s.astype(jnp.int32), *map_args, xp, *[v for v, _ in weights], *s_views)
+    out = kernel(expert_m.astype(jnp.int32), xp, *[v for v, _ in weights], *s_views)
     return list(out.reshape(n_w, splits, m, n).sum(1))
 
 

@@ -22,7 +22,7 @@ from tests.kernel_checks import lower_for_h200
 
 SCAN = {"indexer_scores", "indexer_scores_pool", "topk_from_levels", "sparse_attention"}  # the cache side
 FEW = {"hyper_in", "route"}  # decode rows <= 8
-MOSAIC = {"fp4_experts_wgmma", "fp8_matmuls_wgmma", "indexer_scores_wgmma"}  # Mosaic GPU; the rest Triton
+MOSAIC = {"rows_matmuls_fp4_wgmma", "fp8_matmuls_wgmma", "indexer_scores_wgmma"}  # Mosaic GPU; the rest Triton
 HOPPER_SCAN = SCAN - {"indexer_scores"} | {"indexer_scores_wgmma"}  # an H100/H200: the full scans on wgmma
 KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_matmuls_fp4", "rows_matmuls_float"}
 

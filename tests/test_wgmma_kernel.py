@@ -235,27 +235,3 @@ def test_fp8_matches_the_twin_on_the_gpu(m, ns, k, splits):
         want = grouped.fp8_matmul(x, jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn), e)
         assert y.shape == want.shape
         np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
-
-
-@pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
-@pytest.mark.parametrize("splits", [1, 3])
-def test_slots_match_the_twin_and_the_rows_on_the_gpu(splits):
-    """Eight tokens' k = 6 assignments with shared experts and assignments to no expert, as slots (each expert
-    read once, `grouped.expert_slots`): both matmuls equal the twin (`grouped.slots_matmul`) and, to the bit,
-    the rows form (an expert read per assignment), whose products they are."""
-    e, n, k, tokens, top = 16, 192, 768, 8, 6
-    pairs = [_packed(e, n, k, seed=s) for s in (3, 4)]
-    rng = np.random.default_rng(7)
-    ids = np.stack([rng.choice(e, top, replace=False) for _ in range(tokens)]).astype(np.int32)
-    ids[3, 2] = ids[5, 4] = -1
-    expert = jnp.asarray(ids.reshape(-1))
-    (expert_s, dest), m_rows = grouped.expert_slots(expert, top), jnp.arange(tokens * top, dtype=jnp.int32)
-    x = jnp.asarray(rng.standard_normal((tokens, k)), jnp.bfloat16)
-    rows = jnp.asarray(rng.standard_normal((tokens * top, k)), jnp.bfloat16)
-    for xs, xblock, as_rows in ((x, 0 * m_rows, x), (grouped.slot_rows(rows, dest), m_rows, rows)):
-        got = gpu_wgmma.slots_matmuls_fp4_wgmma(xs, pairs, expert_s, xblock, dest, splits=splits)
-        by_rows = gpu_wgmma.rows_matmuls_fp4_wgmma(as_rows, pairs, expert, splits=splits)
-        for y, y_rows, (values, scales) in zip(got, by_rows, pairs):
-            want = grouped.slots_matmul(xs, {"values": values, "scales": scales}, expert_s, xblock, dest)
-            np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
-            np.testing.assert_array_equal(np.asarray(y), np.asarray(y_rows))

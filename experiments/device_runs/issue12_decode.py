@@ -20,7 +20,6 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode chunks16  # ~2.5 min: b1, b8, 16 steps per call
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode callgap   # ~4 min: the call-start gap, b8
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode queued    # ~4 min: calls queued, b8 and b1
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode slots     # ~5.5 min: experts as slots, b8 A/B, b1
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -69,9 +68,10 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# (file, the text now, the text before): a few tokens' experts as slots (each expert read once), off in the
-# "before" tree (twenty-first session, `slots`)
-SINCE_MEASURED = [("dsv41_jax/moe.py", "slots = expert_slots(expert, k) if n > 1 else None", "slots = None")]
+# (file, the text now, the text before): the wgmma weight kernels, off in the "before" tree (measured in the
+# same calls at batch 1; batch 8 only against the tenth pass, `wgmma_b8_before` is its same-machine half)
+SINCE_MEASURED = [("kernels_pallas/gpu_wgmma.py",
+                   'return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"', "return False")]
 # `scan_ab`: the Hopper indexer scan off (a copy of the tree) and on (as it is), batch 8 at 128K, where the
 # encoder's Full layers scan 64K and 128K positions (eighteenth session: the scans 102.8 -> 59.3 us, the step's
 # GPU time 3.561 -> 3.500 ms; every row of the profiles printed)
@@ -167,14 +167,6 @@ GROUPS["callgap"] = [("profile_slice_b8_chunk20", slice_profile(8, 20), 100, {})
 # are slower.) Does it hide when the host queues the next call before it reads this one's tokens?
 GROUPS["queued"] = [(f"profile_slice_b{b}_chunk20_queued{q}", slice_profile(b, 20, queued=q), 110, {})
                     for b, q in ((8, 1), (8, 4), (1, 4), (1, 1))]
-
-# twenty-first session: batch 8's experts as slots that read each distinct expert once (48 rows read ~45
-# experts); the kernels' GPU tests, then the batch-8 profile before / after and batch 1 (rows, as before)
-GROUPS["slots"] = [(AB_TESTS[0], AB_TESTS[1], 120, AB_TESTS[3])] + [
-    (f"profile_slice_b8{rep}_{side}", slice_profile(8, 20, queued=4, top=40), 110, {})
-    for rep in ("",) for side in ("before", "after")] + [
-    ("profile_slice_b1_after", slice_profile(1, 20, queued=4, top=40), 100, {})]
-
 
 def last_table(log: str, name: str) -> str:
     """The bench's final table (the profile's summary and source table), or the log's tail if it has none."""
