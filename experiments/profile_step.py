@@ -154,7 +154,7 @@ def one_step(kernels: list[dict], sources: dict[str, str], steps: int) -> list[t
     starts = [i for i, e in enumerate(kernels) if "Embedding.__call__" in sources.get(e["name"], "")]
     if len(starts) < 2:
         return []
-    i0, i1 = starts[len(starts) // 2 - 1], starts[len(starts) // 2]
+    i0, i1 = starts[(len(starts) - 1) // 2], starts[(len(starts) - 1) // 2 + 1]
     rows, end = [], kernels[i0 - 1]["ts"] + kernels[i0 - 1]["dur"] if i0 else kernels[i0]["ts"]
     for e in kernels[i0:i1]:
         rows.append((max(0.0, e["ts"] - end), e["dur"], sources.get(e["name"], e["name"])))
