@@ -2,6 +2,7 @@
 
     python -m experiments.profile_step                      # the v41 slice, batch 1, 4K, 5 steps per call
     python -m experiments.profile_step --preset small --batch 8 --out /tmp/prof
+    python -m experiments.profile_step --batch 8 --chunk 20 --queued 4 --timeline   # + one step, kernel by kernel
 
 Every method of the dsv41_jax modules runs under a `jax.named_scope` of its class and name
 ("MoE._routed"), so the op name XLA keeps on each fused kernel says which code made it. One
@@ -11,7 +12,8 @@ fusion's root ("MoE.__call__/MoE._routed:select_n"). Pallas kernels keep their o
 and GPU microseconds per step by source and by scope, largest first, the GPU's idle time by the kernel after
 each gap, the host events during the gaps of 50 us or more, and the step time of the loop outside the
 profiler (traced, XLA's command buffers still run: their graph launches are among the host events; the
-profiler's own overhead is why the step time is measured without it).
+profiler's own overhead is why the step time is measured without it); with --timeline, one step's kernels in
+launch order with the GPU's idle time before each (where the step's idle time sits).
 Weights and cache are random, as in `experiments.bench_decode`.
 """
 
