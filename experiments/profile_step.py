@@ -152,12 +152,14 @@ def idle_before(kernels: list[dict], sources: dict[str, str], steps: int) -> dic
 
 def one_step(kernels: list[dict], sources: dict[str, str], steps: int) -> list[tuple[float, float, str]]:
     """[(GPU idle us before it, its us, source)] for each kernel of one step in the middle of the traced call,
-    in launch order: a step starts at the embedding's kernel (the first kernel of `Transformer.forward`)."""
-    starts = [i for i, e in enumerate(kernels) if "Embedding.__call__" in sources.get(e["name"], "")]
-    if len(starts) < 2:
+    in launch order: a step is what runs after one LM head's kernel (`Transformer.forward/Linear`, every
+    step's last large kernel) up to and with the next one's."""
+    heads = [i for i, e in enumerate(kernels) if sources.get(e["name"], "").startswith("Transformer.forward/Linear.")]
+    if len(heads) < 2:
         return []
-    i0, i1 = starts[(len(starts) - 1) // 2], starts[(len(starts) - 1) // 2 + 1]
-    rows, end = [], kernels[i0 - 1]["ts"] + kernels[i0 - 1]["dur"] if i0 else kernels[i0]["ts"]
+    mid = (len(heads) - 2) // 2  # of the len(heads) - 1 whole steps between heads
+    i0, i1 = heads[mid] + 1, heads[mid + 1] + 1
+    rows, end = [], kernels[i0 - 1]["ts"] + kernels[i0 - 1]["dur"]
     for e in kernels[i0:i1]:
         rows.append((max(0.0, e["ts"] - end), e["dur"], sources.get(e["name"], e["name"])))
         end = max(end, e["ts"] + e["dur"])

@@ -57,10 +57,11 @@ def test_idle_before_charges_each_gap_to_the_kernel_after_it():
 
 
 def test_one_step_lists_a_middle_steps_kernels_in_order_with_the_idle_before_each():
-    """Three steps of two kernels each (the embedding's first): the middle one is listed from its embedding up to
-    the next step's, each with the GPU idle since the previous kernel ended (overlap counts as busy)."""
-    src = {"emb": "Transformer.forward/Embedding.__call__:select_n", "mm": "MoE.__call__/MoE._routed:gather"}
+    """Three steps of two kernels each (the LM head's last): the middle one is listed from the kernel after the
+    first head up to the second head, each with the GPU idle since the previous kernel ended (overlap counts
+    as busy)."""
+    src = {"head": "Transformer.forward/Linear.__call__:dot_general", "mm": "MoE.__call__/MoE._routed:gather"}
     kernels = [{"name": n, "ts": ts, "dur": dur} for n, ts, dur in
-               [("emb", 0, 2), ("mm", 3, 4), ("emb", 10, 2), ("mm", 11, 5), ("emb", 20, 1), ("mm", 22, 1)]]
-    assert ps.one_step(kernels, src, steps=3) == [(3.0, 2, src["emb"]), (0.0, 5, src["mm"])]
+               [("mm", 0, 2), ("head", 3, 4), ("mm", 10, 2), ("head", 11, 5), ("mm", 20, 1), ("head", 22, 1)]]
+    assert ps.one_step(kernels, src, steps=3) == [(3.0, 2, src["mm"]), (0.0, 5, src["head"])]
     assert ps.one_step(kernels[:2], src, steps=1) == []  # one step: no step boundary to cut at
