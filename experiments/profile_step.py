@@ -150,7 +150,7 @@ def idle_before(kernels: list[dict], sources: dict[str, str], steps: int) -> dic
     return dict(by)
 
 
-def one_step(kernels: list[dict], sources: dict[str, str], steps: int) -> list[tuple[float, float, str]]:
+def one_step(kernels: list[dict], sources: dict[str, str]) -> list[tuple[float, float, str]]:
     """[(GPU idle us before it, its us, source)] for each kernel of one step in the middle of the traced call,
     in launch order: a step is what runs after one LM head's kernel (`Transformer.forward/Linear`, every
     step's last large kernel) up to and with the next one's."""
@@ -158,12 +158,9 @@ def one_step(kernels: list[dict], sources: dict[str, str], steps: int) -> list[t
     if len(heads) < 2:
         return []
     mid = (len(heads) - 2) // 2  # of the len(heads) - 1 whole steps between heads
-    i0, i1 = heads[mid] + 1, heads[mid + 1] + 1
-    rows, end = [], kernels[i0 - 1]["ts"] + kernels[i0 - 1]["dur"]
-    for e in kernels[i0:i1]:
-        rows.append((max(0.0, e["ts"] - end), e["dur"], sources.get(e["name"], e["name"])))
-        end = max(end, e["ts"] + e["dur"])
-    return rows
+    step = kernels[heads[mid]:heads[mid + 1] + 1]  # from the first head, whose end starts the idle count
+    idle = {id(e): g1 - g0 for g0, g1, e in gaps(step)}
+    return [(idle.get(id(e), 0.0), e["dur"], sources.get(e["name"], e["name"])) for e in step[1:]]
 
 
 def _table(title: str, rows: dict[str, list[float]], top: int, cols: str = "kernels / step | GPU us / step") -> None:
@@ -237,7 +234,8 @@ def _profile(args) -> dict:
     kernels, host = trace_events(trace_dir)
     if not kernels:
         raise SystemExit("the trace has no GPU kernels: run this on a GPU")
-    rows = attribute(kernels, kernel_sources(hlo), steps)
+    sources = kernel_sources(hlo)
+    rows = attribute(kernels, sources, steps)
     busy = sum(us for _, us in rows.values())
     print(f"\n{args.preset} batch {b}, context {args.context}: {step_ms:.3f} ms/step (loop, not profiled; "
           f"{args.chunk} steps per call, {args.queued} call(s) per host sync); "
@@ -249,7 +247,7 @@ def _profile(args) -> dict:
         scopes[key][0] += n
         scopes[key][1] += us
     _table("scope", dict(scopes), args.top)
-    idle = idle_before(kernels, kernel_sources(hlo), steps)
+    idle = idle_before(kernels, sources, steps)
     print(f"\nGPU idle between kernels: {sum(us for _, us in idle.values()):.1f} us per step (traced call)")
     _table("idle before", idle, 15)
     n_gaps, during = host_in_gaps(kernels, host)
@@ -257,7 +255,7 @@ def _profile(args) -> dict:
     _table("host event in the gaps", {k: [n / steps, us / steps] for k, (n, us) in during.items()}, 25,
            "events / step | us in the gaps / step")
     if args.timeline:
-        rows1 = one_step(kernels, kernel_sources(hlo), steps)
+        rows1 = one_step(kernels, sources)
         print(f"\none step's {len(rows1)} kernels in launch order:\n\n| # | idle us before | us | source |\n|---|---|---|---|")
         for i, (idle_us, us, where) in enumerate(rows1):
             print(f"| {i} | {idle_us:.1f} | {us:.1f} | {where} |")

@@ -63,5 +63,5 @@ def test_one_step_lists_a_middle_steps_kernels_in_order_with_the_idle_before_eac
     src = {"head": "Transformer.forward/Linear.__call__:dot_general", "mm": "MoE.__call__/MoE._routed:gather"}
     kernels = [{"name": n, "ts": ts, "dur": dur} for n, ts, dur in
                [("mm", 0, 2), ("head", 3, 4), ("mm", 10, 2), ("head", 11, 5), ("mm", 20, 1), ("head", 22, 1)]]
-    assert ps.one_step(kernels, src, steps=3) == [(3.0, 2, src["mm"]), (0.0, 5, src["head"])]
-    assert ps.one_step(kernels[:2], src, steps=1) == []  # one step: no step boundary to cut at
+    assert ps.one_step(kernels, src) == [(3.0, 2, src["mm"]), (0.0, 5, src["head"])]
+    assert ps.one_step(kernels[:2], src) == []  # one step: no step boundary to cut at
