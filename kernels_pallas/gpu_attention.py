@@ -52,17 +52,17 @@ def padded_heads(h: int) -> int:
     return max(16, -(-h // 16) * 16)
 
 
-def prepare_query(q_bhd: jax.Array, scale: float):
-    """q [B, H, D] -> (q16 [B, Hp, D] float16 with max |q| per head in [0.5, 1), logit scale [B, Hp])."""
-    b, h, _ = q_bhd.shape
-    hp = padded_heads(h)
-    q = q_bhd.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(q), axis=-1)
-    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))
-    e = e.astype(jnp.float32)
-    q16 = (q * jnp.exp2(-e)[..., None]).astype(jnp.float16)
-    pad = ((0, 0), (0, hp - h))
-    return jnp.pad(q16, (*pad, (0, 0))), jnp.pad(jnp.exp2(e) * scale, pad)
+def scaled_query(q_chunks, scale: float):
+    """Rows of q f32 [n, D], given as column chunks [n, dc] -> (the chunks in float16, logit scale f32 [n]):
+    each row times the power of two 2**-e that puts its max |q| in [0.5, 1) (e from the exponent bits of the
+    max, as frexp; a zero row keeps e = 1), the logit scale 2**e * scale. Traced inside the kernels, on each
+    program's heads (in XLA it was three kernels before each call)."""
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(c), axis=1) for c in q_chunks])
+    bits = jax.lax.bitcast_convert_type(jnp.where(amax > 0, amax, 1.0), jnp.int32)
+    e = jnp.clip(((bits >> 23) & 0xFF) - 126, -125, 126)  # amax = f * 2**e, f in [0.5, 1) (normal amax)
+    down = jax.lax.bitcast_convert_type((127 - e) << 23, jnp.float32)  # 2**-e, exact
+    up = jax.lax.bitcast_convert_type((127 + e) << 23, jnp.float32)  # 2**e
+    return [(c * down[:, None]).astype(jnp.float16) for c in q_chunks], up * scale
 
 
 def _window_tile(wv_ref, ws_ref, b, t0, tk, c0=0, dc=None):
@@ -106,12 +106,11 @@ def _over_tiles(first, last, n_wt: int, n_et: int, window_fn, entry_fn, carry):
     return jax.lax.fori_loop(jnp.clip(first - n_wt, 0, n_et), jnp.clip(last - n_wt, 0, n_et), entry_fn, carry)
 
 
-def _flash_kernel(q_ref, qs_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, *out_refs,
-                  tk: int, n_wt: int, n_et: int, k: int, per_split: int, hb: int, final: bool):
+def _flash_kernel(q_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, *out_refs,
+                  tk: int, n_wt: int, n_et: int, k: int, per_split: int, hb: int, final: bool, scale: float):
     b, s, hblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads = pl.ds(hblk * hb, hb)
-    q = q_ref[b, heads, :]
-    qs = qs_ref[b, heads]
+    (q,), qs = scaled_query([q_ref[b, heads, :]], scale)
     d = q.shape[1]
     window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k)
 
@@ -141,16 +140,15 @@ def _flash_kernel(q_ref, qs_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_r
         l_ref[b, s, heads] = l
 
 
-def _logits_kernel(q_ref, qs_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, p_ref, m_ref, l_ref, *,
-                   tk: int, n_wt: int, n_et: int, k: int, per_split: int, dc: int):
+def _logits_kernel(q_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, p_ref, m_ref, l_ref, *,
+                   tk: int, n_wt: int, n_et: int, k: int, per_split: int, dc: int, scale: float):
     """Program (b, s): for each key tile t of range s, p = exp(logit - m_t) float16 [Hp, tk] into
     p_ref[b, :, t * tk:], the tile max m_t and the sum of its p (f32 [Hp]) into m_ref / l_ref[b, t]."""
     b, s = pl.program_id(0), pl.program_id(1)
-    qs = qs_ref[b]
     hp, d = q_ref.shape[1], q_ref.shape[2]
     window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k)
-
-    q_chunks = [q_ref[b, :, pl.ds(c0, dc)] for c0 in range(0, d, dc)]  # loaded once, not once per key tile
+    # loaded once, not once per key tile
+    q_chunks, qs = scaled_query([q_ref[b, :, pl.ds(c0, dc)] for c0 in range(0, d, dc)], scale)
 
     def emit(tile_fn, t, slot, carry):
         logits = jnp.zeros((hp, tk), jnp.float32)
@@ -237,8 +235,9 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
                          f"entries {entry_values.shape}")
     if variant not in ("flash", "split"):
         raise ValueError(f"attention variant must be 'flash' or 'split', got {variant!r}")
-    q16, qs = prepare_query(q_bhd, scale)
-    hp = q16.shape[1]
+    hp = padded_heads(h)
+    q = q_bhd.astype(jnp.float32)
+    q = q if hp == h else jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))  # zero heads: never read back
     hb = head_block or hp
     dc = min(channel_block, d)
     if hp % hb or hb % 16 or d % dc or dc % WINDOW_SCALE_BLOCK:
@@ -254,11 +253,11 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
     if variant == "split":
         n_t = n_wt + n_et
         p, m, l = pl.pallas_call(
-            functools.partial(_logits_kernel, dc=dc, **tiles), grid=(b, splits), interpret=interpret,
+            functools.partial(_logits_kernel, dc=dc, scale=scale, **tiles), grid=(b, splits), interpret=interpret,
             out_shape=[jax.ShapeDtypeStruct((b, hp, n_t * tk), jnp.float16),
                        jax.ShapeDtypeStruct((b, n_t, hp), jnp.float32), jax.ShapeDtypeStruct((b, n_t, hp), jnp.float32)],
             compiler_params=params, name="sparse_attention_logits",
-        )(q16, qs, *keys)
+        )(q, *keys)
         out = pl.pallas_call(
             functools.partial(_pv_kernel, dc=dc, **tiles), grid=(b, d // dc, splits), interpret=interpret,
             out_shape=jax.ShapeDtypeStruct((b, splits, hp, d), jnp.float32), compiler_params=params,
@@ -273,8 +272,8 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
                      jax.ShapeDtypeStruct((b, splits, hp), jnp.float32),
                      jax.ShapeDtypeStruct((b, splits, hp), jnp.float32)]
     outs = pl.pallas_call(
-        functools.partial(_flash_kernel, hb=hb, final=final, **tiles), grid=(b, splits, hp // hb),
+        functools.partial(_flash_kernel, hb=hb, final=final, scale=scale, **tiles), grid=(b, splits, hp // hb),
         out_shape=out_shape, interpret=interpret, compiler_params=params, name="sparse_attention",
-    )(q16, qs, sink, *keys)
+    )(q, sink, *keys)
     out = outs[0] if final else combine(*outs, sink)
     return out[:, :h]
