@@ -32,6 +32,7 @@ split as the placement says.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 import jax
@@ -349,9 +350,23 @@ def _generate(cfg: ModelConfig, params, cache, tokens_b, temperature_b, seed_b, 
         count = jnp.where(live, jnp.where(stop, budget_b, count + 1), count)
         return (cache, nxt, count), (nxt, live)
 
-    init = (cache, tokens_b, jnp.zeros_like(budget_b))
+    init = (per_layer_window(cache), tokens_b, jnp.zeros_like(budget_b))
     (cache, _, _), (toks, emitted) = jax.lax.scan(one_step, init, length=n_steps)
-    return toks.T, emitted.T, cache
+    return toks.T, emitted.T, stacked_window(cache)
+
+
+def per_layer_window(cache: Cache) -> Cache:
+    """The cache with its window rings as a tuple of per-layer record dicts ([B, W, ...] each), as the
+    generation loop carries them: a layer's ring is then updated in its own buffer, where in the stacked
+    [L, B, W, ...] arrays XLA copied each layer's new ring into its slot (on the H200, 2 memcpy kernels per
+    layer and step). `stacked_window` undoes it."""
+    n = jax.tree.leaves(cache.window)[0].shape[0]
+    return dataclasses.replace(cache, window=tuple(jax.tree.map(lambda a, l=l: a[l], cache.window) for l in range(n)))
+
+
+def stacked_window(cache: Cache) -> Cache:
+    """`per_layer_window` undone: the rings stacked [L, B, W, ...] again."""
+    return dataclasses.replace(cache, window=jax.tree.map(lambda *rings: jnp.stack(rings), *cache.window))
 
 
 _GENERATE_STATIC = ("cfg", "n_steps", "kernels")

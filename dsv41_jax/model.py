@@ -129,9 +129,15 @@ class Transformer(nnx.Module):
         window, layer_aux = cache.window, []
         for layer in range(n_run):
             ids = engram_ids[:, :, e_slot[layer]] if layer in e_slot else None
-            ring = jax.tree.map(lambda a, l=layer: a[l], window)
+            if isinstance(window, tuple):  # a ring per layer (`per_layer_window`): the layer's own arrays
+                ring = window[layer]
+            else:
+                ring = jax.tree.map(lambda a, l=layer: a[l], window)
             h, pre, ring, pub, aux = self.layers[layer](h, pre, inp, ring, pub, ids, image_mask, layer in targets)
-            window = jax.tree.map(lambda a, r, l=layer: a.at[l].set(r), window, ring)  # the cache takes the slice
+            if isinstance(window, tuple):
+                window = window[:layer] + (ring,) + window[layer + 1:]
+            else:
+                window = jax.tree.map(lambda a, r, l=layer: a.at[l].set(r), window, ring)  # the cache takes the slice
             layer_aux.append(aux)
         new_len = cache.lengths + n_new_b
         start = cache.window_start
