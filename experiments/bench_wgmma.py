@@ -3,6 +3,7 @@
     python -m experiments.bench_wgmma              # H100/H200: checks, then the variant sweep and its table
     python -m experiments.bench_wgmma --reps 128
     python -m experiments.bench_wgmma --fp8-only
+    python -m experiments.bench_wgmma --sweep --tokens 1 --fp8-rows 1   # every K split, pipeline depths 3 / 6
 
 For w1-like ([E, 2304, 5120]) and w2-like ([E, 5120, 2304]) experts: first each variant's values against
 the jnp twin (`grouped.rows_matmul`; x of one row, one row per assignment, one per 8 tokens' 6 assignments;
@@ -37,9 +38,12 @@ E, TOP_K = 384, 6
 NO_DECODE = "{ mov.b32 $0, $4; mov.b32 $1, $5; mov.b32 $2, $4; mov.b32 $3, $5; }"  # words as weights
 
 
-def variants(k: int) -> dict[str, dict]:
-    splits = [s for s in (2, 3, 4, 5) if (k // gpu_wgmma.TK) % s == 0]
-    out = {"st4": {}, "st3": {"stages": 3}, "st2": {"stages": 2}}
+def variants(k: int, sweep: bool = False) -> dict[str, dict]:
+    """The FP4 kernel's labelled arguments to time at K: pipeline depths, K splits (`sweep`: every divisor of
+    the K steps up to 10, and 6 stages), the decode-less diagnostic."""
+    steps = k // gpu_wgmma.TK
+    splits = [s for s in (range(2, 11) if sweep else (2, 3, 4, 5)) if steps % s == 0]
+    out = {"st4": {}, "st3": {"stages": 3}, "st2": {"stages": 2}, **({"st6": {"stages": 6}} if sweep else {})}
     out.update({f"split{s}": {"splits": s} for s in splits})
     out.update({"NO-DECODE": {"decode_ptx": NO_DECODE}, f"NO-DECODE split{splits[-1]}": {"decode_ptx": NO_DECODE,
                                                                                          "splits": splits[-1]}})
@@ -89,11 +93,19 @@ def time_loop(call, x, values, scales, ids_r, prefix):
     return sum(r["us_per_step"] for r in mine), prof[0]["us_per_step"], 1e6 * statistics.median(walls)
 
 
-def fp8_section(key, peak: float, reps: int, variants: dict[str, dict] | None = None) -> tuple[list[tuple[str, ...]], int]:
-    """The FP8 projections of a v41 layer (`bench_weights.fp8_ops`) at 1 and 8 rows: each launch checked
+def fp8_variants(k: int, tiles: int) -> dict[str, dict]:
+    """The FP8 kernel's labelled arguments for `--sweep`: every K split up to 16 other than `fp8_splits`'
+    choice (the CTAs per SM and the last wave's size change with it), and 3 / 6 pipeline stages."""
+    steps, default = k // gpu_wgmma.TK, gpu_wgmma.fp8_splits(k, tiles)
+    out = {f"split{s} ({s * tiles} CTAs)": {"splits": s} for s in range(1, 17) if steps % s == 0 and s != default}
+    return {**out, "st3": {"stages": 3}, "st6": {"stages": 6}}
+
+
+def fp8_section(key, peak: float, reps: int, variants=None, rows=(1, 8)) -> tuple[list[tuple[str, ...]], int]:
+    """The FP8 projections of a v41 layer (`bench_weights.fp8_ops`) at `rows` rows of x: each launch checked
     against `grouped.fp8_matmul`, then timed (GPU time of all kernels per call, `reps` weight copies called
-    in turn so that they come from HBM) against the Triton kernel. variants: more labelled wgmma kernel
-    arguments to time (e.g. another decode_ptx). Rows of the table, failed checks."""
+    in turn so that they come from HBM) against the Triton kernel. variants: fn(K, output tiles) -> more
+    labelled wgmma kernel arguments to time (e.g. `fp8_variants`). Rows of the table, failed checks."""
     import dsv41_jax as d
     from experiments.bench_kernels import random_bytes
     from experiments.bench_weights import fp8_ops
@@ -103,7 +115,7 @@ def fp8_section(key, peak: float, reps: int, variants: dict[str, dict] | None = 
         copies = [[(random_bytes(jax.random.fold_in(key, 100 * r + i), (n, k)) & 0xFE,  # no NaN codes
                     jax.random.randint(jax.random.fold_in(key, r), (n // 32, k // 32), 114, 118).astype(jnp.uint8))
                    for i, n in enumerate(ns)] for r in range(reps)]
-        for m in (1, 8):
+        for m in rows:
             x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
             if gpu_wgmma.fp8_scale_box(x.shape[1]) is None:
                 rows_out.append((op, str(m), "wgmma: not supported (K)", "-", "-", "-"))
@@ -116,9 +128,11 @@ def fp8_section(key, peak: float, reps: int, variants: dict[str, dict] | None = 
                 failed += not ok
                 print(f"FP8 {op} x[{m}]: max|diff| / max|ref| = {err:.2e} {'ok' if ok else 'FAILED'}", flush=True)
             moved = sum(n * k + (n // 32) * (k // 32) for n in ns)
-            fns = {"wgmma": gpu_wgmma.fp8_matmuls_wgmma, "triton": gpu_grouped.fp8_matmuls}
+            tiles = sum(n // gpu_wgmma.TN for n in ns)
+            fns = {f"wgmma (split{gpu_wgmma.fp8_splits(k, tiles)})": gpu_wgmma.fp8_matmuls_wgmma,
+                   "triton": gpu_grouped.fp8_matmuls}
             fns.update({label: functools.partial(gpu_wgmma.fp8_matmuls_wgmma, **kw)
-                        for label, kw in (variants or {}).items()})
+                        for label, kw in (variants(k, tiles) if variants else {}).items()})
             for label, fn in fns.items():
                 run = jax.jit(lambda x, cs, fn=fn: [fn(x, c) for c in cs])
                 jax.block_until_ready(run(x, copies))
@@ -134,6 +148,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=64, help="calls per timed loop (one expert set each)")
     parser.add_argument("--fp8-only", action="store_true", help="only the FP8 projections")
+    parser.add_argument("--sweep", action="store_true", help="every K split and 3 / 6 pipeline stages of both kernels")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8], help="tokens of the experts' timings")
+    parser.add_argument("--fp8-rows", type=int, nargs="+", default=[1, 8], help="rows of x of the FP8 timings")
     args = parser.parse_args(argv)
     if not gpu_wgmma.is_hopper():
         raise SystemExit(f"the wgmma kernel needs an H100/H200 (sm_90); this is {jax.devices()[0]}")
@@ -142,11 +159,11 @@ def main(argv=None) -> int:
     key, failed, table = jax.random.key(0), 0, []
     for name, (n, k) in ({} if args.fp8_only else SHAPES).items():
         values, scales = expert_data(jax.random.fold_in(key, n), E, n, k)  # scale bytes 118..123
-        vs = variants(k)
+        vs = variants(k, args.sweep)
         for label, kw in vs.items():
             if "NO-DECODE" not in label:
                 failed += not check(name, label, kw, values, scales, key)
-        for tokens in (1, 8):
+        for tokens in args.tokens:
             rows = tokens * TOP_K
             ids_r = lax.top_k(jax.random.uniform(jax.random.fold_in(key, rows), (args.reps, tokens, E)),
                               TOP_K)[1].astype(jnp.int32).reshape(args.reps, rows)
@@ -168,7 +185,8 @@ def main(argv=None) -> int:
                 print(f"  {name} {rows} rows {label}: {kern:.1f} us kernel, {total:.1f} us all kernels, "
                       f"{wall:.1f} us wall per call", flush=True)
         del values, scales
-    fp8_table, failed_fp8 = fp8_section(key, peak, reps=16)
+    fp8_table, failed_fp8 = fp8_section(key, peak, reps=16, variants=fp8_variants if args.sweep else None,
+                                        rows=args.fp8_rows)
     failed += failed_fp8
     print("\n| FP8 op | rows | kernel | GPU us (all kernels) | GB/s | % of copy |\n|---|---|---|---|---|---|")
     for row in fp8_table:

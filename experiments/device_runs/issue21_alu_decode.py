@@ -158,7 +158,7 @@ def fp8_rows(peak: float) -> list[tuple]:
     """The FP8 projections of a v41 layer (`bench_wgmma.fp8_section`: checked, then timed from HBM) with the new
     FP8 decode, the previous one, and Triton; K = 1280 and 2304 (wq_b, index wq_b, shared w2) now on wgmma."""
     table, failed = fp8_section(jax.random.key(0), peak, 16,
-                                {"wgmma, previous FP8 decode": {"decode_ptx": PREVIOUS_FP8_PTX}})
+                                lambda k, tiles: {"wgmma, previous FP8 decode": {"decode_ptx": PREVIOUS_FP8_PTX}})
     print(f"FP8 checks failed: {failed}", flush=True)
     return [("fp8", f"{op} x{m}", label, us, us, "-", gbs, pct, "-") for op, m, label, us, gbs, pct in table]
 

@@ -1,0 +1,64 @@
+"""Issue 12 at batch 1 on one H200: the kernels that decide the step, alone, with their launch parameters swept.
+
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels          # ~6 min
+
+After the twenty-second session's first call (slice b1 1.636 ms/step, 1.78x; GPU busy 1.656 ms) the weight
+kernels of a batch-1 step run at 55-75% of the copy peak (FP8 wo_b / wq_b / shared experts, FP4 routed
+experts: ~240 us over their bytes at the peak) and each of the 12 `hyper_in` launches takes ~5.3 us for a
+row of 4 x 5120 and a 4 x 4 Sinkhorn. Steps: `bench_wgmma --sweep` at one token (every K split and pipeline
+depth of both kernels, each checked against its twin first), then `hyper_in` at 1 and 8 rows with 1, 2, 4
+and 8 warps (GPU time per launch, a jitted chain of 32 launches on distinct rows, from a profiler trace).
+Logs in $OUT.
+"""
+
+import os
+import sys
+import tempfile
+
+from experiments.device_runs._steps import OUT, step
+
+
+def hyper_warps() -> None:
+    """GPU us per `gpu_hyper.hyper_in` launch at the v41 stream (hc 4 x 5120, bf16) by num_warps."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax import hyper, layers
+    from experiments.bench_decode import kernel_profile
+    from kernels_pallas import gpu_hyper
+
+    reps, hc, d = 32, 4, 5120
+    print("| rows | num_warps | GPU us per launch | max abs diff vs 4 warps |\n|---|---|---|---|", flush=True)
+    for n in (1, 8):
+        key = jax.random.key(n)
+        h = jax.random.normal(key, (reps, n, hc, d), jnp.bfloat16)
+        mixes = jax.random.normal(jax.random.fold_in(key, 1), (reps, n, (2 + hc) * hc), jnp.float32) * 30
+        pre_mix = jax.nn.sigmoid(jax.random.normal(jax.random.fold_in(key, 2), (reps, n, hc)))
+        norm_w = 1 + 0.1 * jax.random.normal(jax.random.fold_in(key, 3), (d,))
+        scale, base = jnp.array([0.1, 0.2, 0.3]), 0.1 * jax.random.normal(jax.random.fold_in(key, 4), ((2 + hc) * hc,))
+        ref = None
+        for warps in (4, 1, 2, 8):
+            call = jax.jit(lambda h, m, p, warps=warps: [gpu_hyper.hyper_in(
+                h[i], m[i], p[i], norm_w, scale, base, coefficients=hyper.coefficients,
+                collapse_rows=hyper.collapse_rows, norm=layers.rms_apply, iters=20, hc_eps=1e-6, mix_eps=1e-20,
+                norm_eps=1e-20, num_warps=warps) for i in range(reps)])
+            out = jax.block_until_ready(call(h, mixes, pre_mix))
+            ref = ref or out
+            diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                       for o, r in zip(out, ref) for a, b in zip(o, r))
+            with tempfile.TemporaryDirectory() as tmp:
+                prof = kernel_profile(lambda: jax.block_until_ready(call(h, mixes, pre_mix)), tmp, reps, top=10)
+            us = sum(r["us_per_step"] for r in prof[2:] if r["name"].startswith("hyper_in"))
+            print(f"| {n} | {warps} | {us:.2f} | {diff:.3g} |", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["hyper"]:
+        hyper_warps()
+        raise SystemExit(0)
+    step("wgmma_sweep_b1", ["-m", "experiments.bench_wgmma", "--sweep", "--tokens", "1", "--fp8-rows", "1",
+                            "--reps", "32"], 330)
+    step("hyper_warps", ["-m", "experiments.device_runs.issue12_b1_kernels", "hyper"], 120)
+    for name in ("wgmma_sweep_b1", "hyper_warps"):
+        log = open(os.path.join(OUT, f"{name}.log")).read()
+        print(f"\n== {name}\n{log[log.find(chr(10) + '| '):].strip()[-6000:]}")
