@@ -212,14 +212,15 @@ def is_hopper() -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "stages", "decode_ptx"))
-def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, splits: int = 1, stages: int = 4,
+def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, splits: int | None = None, stages: int = 4,
                            decode_ptx: str = DECODE_PTX) -> list[jax.Array]:
     """[y f32 [M, N] per weight]: row m = x[m // (M / R)] @ W[expert_m[m]]^T, zero where expert_m[m] < 0.
 
     x bf16 [R, K] with R dividing M (R = 1: one token's k assignments read its one row; R = M: a row each;
     R = M / k: each token's k assignments); weights: (values uint8 [E, N, K/2] FP4 E2M1 pairs, low nibble
     = even input; scales uint8 [E, N, K/32] E8M0, bytes <= 128) pairs of one shape, one launch for all.
-    splits: CTAs sharing one output tile's K (a divisor of K / 256; their partial sums are added after).
+    splits: CTAs sharing one output tile's K (a divisor of K / 256; their partial sums are added after; default
+    `k_splits` toward FP4_CTAS).
     stages: TMA pipeline depth. Each step's wgmma is waited for before the next step's decode: a wgmma reads
     its register operand while it runs, and overwriting those registers early (the decode of step t + 1
     overlapping the wgmma of step t, `wgmma_wait(1)`) gave wrong values on the H200. decode_ptx: the decode's
@@ -227,6 +228,7 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
     (`experiments.bench_wgmma`)."""
     (e_count, n, half), k, m = weights[0][0].shape, x_mk.shape[1], expert_m.shape[0]
     rows, n_w, steps = x_mk.shape[0], len(weights), k // TK
+    splits = splits or k_splits(steps, n_w * (n // TN) * m, FP4_CTAS)
     for values, scales in weights:
         if values.shape != (e_count, n, half) or scales.shape != (e_count, n, k // SCALE_BLOCK):
             raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
@@ -369,10 +371,20 @@ def fp8_supported(x_mk: jax.Array, weights) -> bool:
             and all(q.shape == (q.shape[0], k) and q.shape[0] % TN == 0 for q, _ in weights) and is_hopper())
 
 
-def fp8_splits(k: int, tiles: int) -> int:
-    """K splits of an FP8 launch: the fewest (a divisor of K / 256) that give every SM of an H200 (132) a CTA."""
-    steps = k // TK
-    return next(s for s in range(1, steps + 1) if steps % s == 0 and (s * tiles >= 132 or s == steps))
+# CTAs a launch aims for (`k_splits`). One CTA per output tile leaves a batch-1 launch a few hundred CTAs: the
+# H200's 132 SMs hold 2-3 of them each, and the last, partial round of CTAs runs with the HBM half idle. Splitting
+# K over more CTAs evens the rounds out, each at least 2 steps long (one step is pipeline fill alone). H200, batch
+# 1, every split timed (docs/BENCHMARKS.md, sixteenth pass): FP8 wo_b 17.0 -> 14.1 us (2 -> 16 splits), shared
+# w1 + w3 11.6 -> 9.7 (2 -> 10), wq_a + wkv 8.1 -> 7.3 (5 -> 10); FP4 w1 alone of one token's 6 experts 22.6 ->
+# 19.8 us with the splits' sum (216 -> 2,160 CTAs); launches already wide (batch 8's experts: 3,456 CTAs) stay whole.
+FP8_CTAS, FP4_CTAS = 1024, 3000
+
+
+def k_splits(steps: int, ctas: int, target: int) -> int:
+    """K splits of a launch of `ctas` CTAs over `steps` K steps: the fewest (a divisor of steps leaving each CTA
+    at least 2 steps) that reach `target` CTAs, else the most such."""
+    ok = [s for s in range(1, steps // 2 + 1) if steps % s == 0] or [1]
+    return next((s for s in ok if s * ctas >= target), ok[-1])
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "stages", "decode_ptx"))
@@ -380,7 +392,7 @@ def fp8_matmuls_wgmma(x_mk: jax.Array, weights, *, splits: int | None = None, st
                       decode_ptx: str = FP8_DECODE_PTX) -> list[jax.Array]:
     """[y f32 [M, N_i] = x [M, K] @ W_i^T] in one launch, for W_i in the released FP8 block format (E4M3 bytes
     uint8 or float8_e4m3fn [N_i, K], E8M0 uint8 [N_i/32, K/32], bytes <= 134). x bf16, M <= 8. splits: CTAs
-    sharing one output tile's K (default `fp8_splits`); stages: TMA pipeline depth (each wgmma waited for
+    sharing one output tile's K (default `k_splits` toward FP8_CTAS); stages: TMA pipeline depth (each wgmma waited for
     before the next decode, as in `rows_matmuls_fp4_wgmma`)."""
     m, k = x_mk.shape
     ns = [q.shape[0] for q, _ in weights]
@@ -394,7 +406,7 @@ def fp8_matmuls_wgmma(x_mk: jax.Array, weights, *, splits: int | None = None, st
                          f"{x_mk.shape} {x_mk.dtype}")
     starts = np.cumsum([0] + [n // TN for n in ns])  # weight i's output tiles: [starts[i], starts[i + 1])
     steps = k // TK
-    splits = splits or fp8_splits(k, int(starts[-1]))
+    splits = splits or k_splits(steps, int(starts[-1]), FP8_CTAS)
     if steps % splits:
         raise ValueError(f"splits={splits} must divide K / {TK} = {steps}")
     per = steps // splits

@@ -20,7 +20,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode chunks16  # ~2.5 min: b1, b8, 16 steps per call
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode callgap   # ~4 min: the call-start gap, b8
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode queued    # ~4 min: calls queued, b8 and b1
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode attnq     # ~6 min: the branch next/attention-query-in-kernel
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode splits    # ~6 min: the weight kernels' K splits
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -36,7 +36,6 @@ latest kernels (AB_TESTS), then the batch-1 profiles of `small`, the slice and `
 since the last GPU measurement, timed against the code before them on one machine.
 """
 
-import json
 import os
 import sys
 
@@ -70,12 +69,15 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# (file, the text now, the text before), taken back in the "before" tree: the branch next/attention-query-in-kernel
-# (twenty-first session): q's per-head scaling inside the GPU attention kernel, and the generation loop carrying
-# the window rings per layer; the "before" tree is main's gpu_attention.py, api.py and model.py (pairs of text
-# in the JSON file, made from `git diff main` of those files: remake it when they change)
-SINCE_MEASURED = [tuple(r) for r in json.load(open(os.path.join(os.path.dirname(__file__),
-                                                                 "reverts_branch.json")))]
+# (file, the text now, the text before), taken back in the "before" tree: the weight kernels' K splits toward
+# FP8_CTAS / FP4_CTAS (twenty-second session), back to the rule before (FP8: the fewest splits giving 132 CTAs;
+# FP4: none). The branch next/attention-query-in-kernel was timed at 79e28c4 (`attnq`, its reverts then in
+# reverts_branch.json) and merged.
+SINCE_MEASURED = [("kernels_pallas/gpu_wgmma.py", "splits = splits or k_splits(steps, n_w * (n // TN) * m, FP4_CTAS)",
+                   "splits = splits or 1"),
+                  ("kernels_pallas/gpu_wgmma.py", "splits = splits or k_splits(steps, int(starts[-1]), FP8_CTAS)",
+                   "splits = splits or next(s for s in range(1, steps + 1) if steps % s == 0 and "
+                   "(s * int(starts[-1]) >= 132 or s == steps))")]
 # `scan_ab`: the Hopper indexer scan off (a copy of the tree) and on (as it is), batch 8 at 128K, where the
 # encoder's Full layers scan 64K and 128K positions (eighteenth session: the scans 102.8 -> 59.3 us, the step's
 # GPU time 3.561 -> 3.500 ms; every row of the profiles printed)
@@ -172,11 +174,10 @@ GROUPS["callgap"] = [("profile_slice_b8_chunk20", slice_profile(8, 20), 100, {})
 GROUPS["queued"] = [(f"profile_slice_b{b}_chunk20_queued{q}", slice_profile(b, 20, queued=q), 110, {})
                     for b, q in ((8, 1), (8, 4), (1, 4), (1, 1))]
 
-# the branch: the GPU tests of the attention kernel, then batch 8 and batch 1 before / after
-GROUPS["attnq"] = [("attnq_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "-q", "-k", "sparse_attention", "-p",
-                                        "no:cacheprovider"], 100, {"JAX_PLATFORMS": "cuda"})] + [
-    (f"profile_slice_b{b}_{side}", slice_profile(b, 20, queued=4, top=40), 110, {})
-    for b in (8, 1) for side in ("before", "after")]
+# twenty-second session: the weight kernels' K splits (SINCE_MEASURED), their GPU tests, then batch 1 and 8
+# before / after
+GROUPS["splits"] = [AB_TESTS] + [(f"profile_slice_b{b}_{side}", slice_profile(b, 20, queued=4, top=40), 110, {})
+                                 for b in (1, 8) for side in ("before", "after")]
 
 
 def last_table(log: str, name: str) -> str:
