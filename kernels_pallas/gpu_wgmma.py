@@ -228,7 +228,7 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
     (`experiments.bench_wgmma`)."""
     (e_count, n, half), k, m = weights[0][0].shape, x_mk.shape[1], expert_m.shape[0]
     rows, n_w, steps = x_mk.shape[0], len(weights), k // TK
-    splits = splits or k_splits(steps, n_w * (n // TN) * m, FP4_CTAS)
+    splits = splits or k_splits(steps, n_w * (n // TN) * m, FP4_CTAS, min_steps=2)
     for values, scales in weights:
         if values.shape != (e_count, n, half) or scales.shape != (e_count, n, k // SCALE_BLOCK):
             raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
@@ -373,17 +373,20 @@ def fp8_supported(x_mk: jax.Array, weights) -> bool:
 
 # CTAs a launch aims for (`k_splits`). One CTA per output tile leaves a batch-1 launch a few hundred CTAs: the
 # H200's 132 SMs hold 2-3 of them each, and the last, partial round of CTAs runs with the HBM half idle. Splitting
-# K over more CTAs evens the rounds out, each at least 2 steps long (one step is pipeline fill alone). H200, batch
-# 1, every split timed (docs/BENCHMARKS.md, sixteenth pass): FP8 wo_b 17.0 -> 14.1 us (2 -> 16 splits), shared
-# w1 + w3 11.6 -> 9.7 (2 -> 10), wq_a + wkv 8.1 -> 7.3 (5 -> 10); FP4 w1 alone of one token's 6 experts 22.6 ->
-# 19.8 us with the splits' sum (216 -> 2,160 CTAs); launches already wide (batch 8's experts: 3,456 CTAs) stay whole.
+# K over more CTAs evens the rounds out. H200, batch 1, every split up to 16 timed (docs/BENCHMARKS.md, sixteenth
+# pass): FP8 wo_b 17.0 -> 14.1 us (2 -> 16 splits), shared w1 + w3 11.6 -> 9.7 (2 -> 10), wq_a + wkv 8.1 -> 7.3
+# (5 -> 10), the rest within 0.2 us at any split; one FP8 step per CTA costs nothing, while an FP4 CTA fetches its
+# whole K's scales: FP4 w1 alone for one token's 6 experts 22.6 -> 19.8 us with the splits' sum (216 -> 2,160
+# CTAs of 2 steps), w2 14.1 -> 18.2 us at 1 step per CTA. Launches already wide (batch 8's experts: 3,456
+# CTAs) stay whole.
 FP8_CTAS, FP4_CTAS = 1024, 3000
+MAX_SPLITS = 16  # the sweep's range
 
 
-def k_splits(steps: int, ctas: int, target: int) -> int:
-    """K splits of a launch of `ctas` CTAs over `steps` K steps: the fewest (a divisor of steps leaving each CTA
-    at least 2 steps) that reach `target` CTAs, else the most such."""
-    ok = [s for s in range(1, steps // 2 + 1) if steps % s == 0] or [1]
+def k_splits(steps: int, ctas: int, target: int, min_steps: int = 1) -> int:
+    """K splits of a launch of `ctas` CTAs over `steps` K steps: the fewest (a divisor of steps, at most
+    MAX_SPLITS, leaving each CTA at least `min_steps` steps) that reach `target` CTAs, else the most such."""
+    ok = [s for s in range(1, min(MAX_SPLITS, steps // min_steps) + 1) if steps % s == 0] or [1]
     return next((s for s in ok if s * ctas >= target), ok[-1])
 
 

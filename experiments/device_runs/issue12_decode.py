@@ -21,6 +21,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode callgap   # ~4 min: the call-start gap, b8
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode queued    # ~4 min: calls queued, b8 and b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode splits    # ~6 min: the weight kernels' K splits
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode points    # ~9 min: b1 + b8, small, b64 (queued)
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -73,7 +74,8 @@ GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160,
 # FP8_CTAS / FP4_CTAS (twenty-second session), back to the rule before (FP8: the fewest splits giving 132 CTAs;
 # FP4: none). The branch next/attention-query-in-kernel was timed at 79e28c4 (`attnq`, its reverts then in
 # reverts_branch.json) and merged.
-SINCE_MEASURED = [("kernels_pallas/gpu_wgmma.py", "splits = splits or k_splits(steps, n_w * (n // TN) * m, FP4_CTAS)",
+SINCE_MEASURED = [("kernels_pallas/gpu_wgmma.py",
+                   "splits = splits or k_splits(steps, n_w * (n // TN) * m, FP4_CTAS, min_steps=2)",
                    "splits = splits or 1"),
                   ("kernels_pallas/gpu_wgmma.py", "splits = splits or k_splits(steps, int(starts[-1]), FP8_CTAS)",
                    "splits = splits or next(s for s in range(1, steps + 1) if steps % s == 0 and "
@@ -178,6 +180,16 @@ GROUPS["queued"] = [(f"profile_slice_b{b}_chunk20_queued{q}", slice_profile(b, 2
 # before / after
 GROUPS["splits"] = [AB_TESTS] + [(f"profile_slice_b{b}_{side}", slice_profile(b, 20, queued=4, top=40), 110, {})
                                  for b in (1, 8) for side in ("before", "after")]
+
+# the issue's points as the fourteenth pass ran them (calls queued), in one call (~9 min): slice b1 and b8 in one
+# process, `small` b1, slice b64
+GROUPS["points"] = [
+    ("bench_slice_q4", ["experiments.bench_decode", "--batch", "1", "8", "--steps", "160", "--chunk", "20",
+                        "--queued", "4"], 280, {}),
+    ("bench_small_b1_q4", ["experiments.bench_decode", "--preset", "small", "--batch", "1", "--steps", "80",
+                           "--chunk", "20", "--queued", "4"], 100, {}),
+    ("bench_slice_b64_q2", ["experiments.bench_decode", "--batch", "64", "--steps", "40", "--chunk", "10",
+                            "--queued", "2"], 195, {})]
 
 
 def last_table(log: str, name: str) -> str:
