@@ -38,26 +38,15 @@ def apply_rope(x: jax.Array, pos: jax.Array, inv_freq: np.ndarray, inverse: bool
 
     x: [B, T, D] or [B, T, H, D]; pos: [B, T] int (absolute token positions). Returns x's dtype.
     Pairs are (2i, 2i+1) of the rotated tail, taken as complex numbers; `inverse` conjugates.
-    Written as one elementwise expression over all D channels, so that XLA fuses it with its neighbours
-    (a slice-and-concatenate form is a kernel of its own before a GEMM or a custom call: 7 per decode step of
-    the v41 slice on the H200): channel 2i + j is re * a_j + im * b_j of its pair (re, im), with (a, b) =
-    (cos, -sin), (sin, cos) on the rotated tail, in the products' order of the complex form, and (1, 0), (0, 1)
-    on the head, whose values pass exactly.
     """
-    rd, d = 2 * len(inv_freq), x.shape[-1]
+    rd = 2 * len(inv_freq)
     ang = pos.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, rd/2]
     if x.ndim == 4:
         ang = ang[:, :, None, :]
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     if inverse:
         sin = -sin
-    head = np.arange(d) < d - rd
-    pad = [(0, 0)] * (ang.ndim - 1) + [(d - rd, 0)]
-
-    def factor(even, odd, head_even: float):  # [..., D]: even / odd channel factors, the head's constants
-        tail = jnp.pad(jnp.stack([even, odd], axis=-1).reshape(*even.shape[:-1], rd), pad)
-        return jnp.where(head, np.where(np.arange(d) % 2 == 0, head_even, 1 - head_even), tail)
-
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], d // 2, 1, 2)
-    re, im = (jnp.broadcast_to(pairs[..., j], (*x.shape[:-1], d // 2, 2)).reshape(x.shape) for j in (0, 1))
-    return (re * factor(cos, sin, 1.0) + im * factor(-sin, cos, 0.0)).astype(x.dtype)
+    head, tail = x[..., :-rd], x[..., -rd:].astype(jnp.float32)
+    re, im = tail[..., 0::2], tail[..., 1::2]
+    rot = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1).reshape(tail.shape)
+    return jnp.concatenate([head, rot.astype(x.dtype)], axis=-1)

@@ -52,18 +52,17 @@ def padded_heads(h: int) -> int:
     return max(16, -(-h // 16) * 16)
 
 
-def query_scales(q_bhd: jax.Array, scale: float):
-    """q f32 [B, H, D] -> (2**-e, 2**e * scale), f32 [B, H] each: the power of two 2**-e that puts a head's
-    max |q| in [0.5, 1) (e from the exponent bits of the max, as frexp; a zero head keeps e = 1) and the
-    logit scale that takes it back out. One XLA reduction (XLA may fuse it with q's producer); the kernels
-    multiply q by 2**-e as they load it (a max inside every program cost ~3-4 us per call on the H200:
-    docs/BENCHMARKS.md, sixteenth pass)."""
-    amax = jnp.max(jnp.abs(q_bhd), axis=-1)
+def scaled_query(q_chunks, scale: float):
+    """Rows of q f32 [n, D], given as column chunks [n, dc] -> (the chunks in float16, logit scale f32 [n]):
+    each row times the power of two 2**-e that puts its max |q| in [0.5, 1) (e from the exponent bits of the
+    max, as frexp; a zero row keeps e = 1), the logit scale 2**e * scale. Traced inside the kernels, on each
+    program's heads (in XLA it was three kernels before each call)."""
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(c), axis=1) for c in q_chunks])
     bits = jax.lax.bitcast_convert_type(jnp.where(amax > 0, amax, 1.0), jnp.int32)
     e = jnp.clip(((bits >> 23) & 0xFF) - 126, -125, 126)  # amax = f * 2**e, f in [0.5, 1) (normal amax)
     down = jax.lax.bitcast_convert_type((127 - e) << 23, jnp.float32)  # 2**-e, exact
     up = jax.lax.bitcast_convert_type((127 + e) << 23, jnp.float32)  # 2**e
-    return down, up * scale
+    return [(c * down[:, None]).astype(jnp.float16) for c in q_chunks], up * scale
 
 
 def _window_tile(wv_ref, ws_ref, b, t0, tk, c0=0, dc=None):
@@ -107,12 +106,11 @@ def _over_tiles(first, last, n_wt: int, n_et: int, window_fn, entry_fn, carry):
     return jax.lax.fori_loop(jnp.clip(first - n_wt, 0, n_et), jnp.clip(last - n_wt, 0, n_et), entry_fn, carry)
 
 
-def _flash_kernel(q_ref, qd_ref, qs_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, *out_refs,
-                  tk: int, n_wt: int, n_et: int, k: int, per_split: int, hb: int, final: bool):
+def _flash_kernel(q_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, *out_refs,
+                  tk: int, n_wt: int, n_et: int, k: int, per_split: int, hb: int, final: bool, scale: float):
     b, s, hblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads = pl.ds(hblk * hb, hb)
-    q = (q_ref[b, heads, :] * qd_ref[b, heads][:, None]).astype(jnp.float16)
-    qs = qs_ref[b, heads]
+    (q,), qs = scaled_query([q_ref[b, heads, :]], scale)
     d = q.shape[1]
     window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k)
 
@@ -142,16 +140,15 @@ def _flash_kernel(q_ref, qd_ref, qs_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_r
         l_ref[b, s, heads] = l
 
 
-def _logits_kernel(q_ref, qd_ref, qs_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, p_ref, m_ref, l_ref,
-                   *, tk: int, n_wt: int, n_et: int, k: int, per_split: int, dc: int):
+def _logits_kernel(q_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, p_ref, m_ref, l_ref, *,
+                   tk: int, n_wt: int, n_et: int, k: int, per_split: int, dc: int, scale: float):
     """Program (b, s): for each key tile t of range s, p = exp(logit - m_t) float16 [Hp, tk] into
     p_ref[b, :, t * tk:], the tile max m_t and the sum of its p (f32 [Hp]) into m_ref / l_ref[b, t]."""
     b, s = pl.program_id(0), pl.program_id(1)
     hp, d = q_ref.shape[1], q_ref.shape[2]
     window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k)
-    qd, qs = qd_ref[b], qs_ref[b]
     # loaded once, not once per key tile
-    q_chunks = [(q_ref[b, :, pl.ds(c0, dc)] * qd[:, None]).astype(jnp.float16) for c0 in range(0, d, dc)]
+    q_chunks, qs = scaled_query([q_ref[b, :, pl.ds(c0, dc)] for c0 in range(0, d, dc)], scale)
 
     def emit(tile_fn, t, slot, carry):
         logits = jnp.zeros((hp, tk), jnp.float32)
@@ -240,9 +237,7 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
         raise ValueError(f"attention variant must be 'flash' or 'split', got {variant!r}")
     hp = padded_heads(h)
     q = q_bhd.astype(jnp.float32)
-    pad = ((0, 0), (0, hp - h))  # zero heads: never read back
-    qd, qs = (jnp.pad(a, pad) for a in query_scales(q, scale))
-    q = jnp.pad(q, (*pad, (0, 0)))
+    q = q if hp == h else jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))  # zero heads: never read back
     hb = head_block or hp
     dc = min(channel_block, d)
     if hp % hb or hb % 16 or d % dc or dc % WINDOW_SCALE_BLOCK:
@@ -258,11 +253,11 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
     if variant == "split":
         n_t = n_wt + n_et
         p, m, l = pl.pallas_call(
-            functools.partial(_logits_kernel, dc=dc, **tiles), grid=(b, splits), interpret=interpret,
+            functools.partial(_logits_kernel, dc=dc, scale=scale, **tiles), grid=(b, splits), interpret=interpret,
             out_shape=[jax.ShapeDtypeStruct((b, hp, n_t * tk), jnp.float16),
                        jax.ShapeDtypeStruct((b, n_t, hp), jnp.float32), jax.ShapeDtypeStruct((b, n_t, hp), jnp.float32)],
             compiler_params=params, name="sparse_attention_logits",
-        )(q, qd, qs, *keys)
+        )(q, *keys)
         out = pl.pallas_call(
             functools.partial(_pv_kernel, dc=dc, **tiles), grid=(b, d // dc, splits), interpret=interpret,
             out_shape=jax.ShapeDtypeStruct((b, splits, hp, d), jnp.float32), compiler_params=params,
@@ -277,8 +272,8 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
                      jax.ShapeDtypeStruct((b, splits, hp), jnp.float32),
                      jax.ShapeDtypeStruct((b, splits, hp), jnp.float32)]
     outs = pl.pallas_call(
-        functools.partial(_flash_kernel, hb=hb, final=final, **tiles), grid=(b, splits, hp // hb),
+        functools.partial(_flash_kernel, hb=hb, final=final, scale=scale, **tiles), grid=(b, splits, hp // hb),
         out_shape=out_shape, interpret=interpret, compiler_params=params, name="sparse_attention",
-    )(q, qd, qs, sink, *keys)
+    )(q, sink, *keys)
     out = outs[0] if final else combine(*outs, sink)
     return out[:, :h]

@@ -20,7 +20,6 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode chunks16  # ~2.5 min: b1, b8, 16 steps per call
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode callgap   # ~4 min: the call-start gap, b8
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode queued    # ~4 min: calls queued, b8 and b1
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode qrope     # ~3 min: q's exponent by XLA, RoPE
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode points    # ~9 min: b1 + b8, small, b64 (queued)
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
@@ -37,7 +36,6 @@ latest kernels (AB_TESTS), then the batch-1 profiles of `small`, the slice and `
 since the last GPU measurement, timed against the code before them on one machine.
 """
 
-import json
 import os
 import sys
 
@@ -71,12 +69,10 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# (file, the text now, the text before), taken back in the "before" tree: q's exponent computed by XLA (the
-# attention kernels only multiply) and RoPE as one elementwise expression (twenty-second session); pairs of
-# text in the JSON file, made from `git diff` of gpu_attention.py and rope.py (remake it when they change).
-# Timed before: the weight kernels' K splits (`splits` at 38594e8), the branch next/attention-query-in-kernel
-# (`attnq` at 79e28c4).
-SINCE_MEASURED = [tuple(r) for r in json.load(open(os.path.join(os.path.dirname(__file__), "reverts_qrope.json")))]
+# (file, the text now, the text before), taken back in the "before" tree: nothing unmeasured now. Timed: the
+# weight kernels' K splits (`splits` at 38594e8), the branch next/attention-query-in-kernel (`attnq` at 79e28c4),
+# q's exponent by XLA and RoPE without its concatenate (`qrope` at 342860d, slower, taken back).
+SINCE_MEASURED = []
 # `scan_ab`: the Hopper indexer scan off (a copy of the tree) and on (as it is), batch 8 at 128K, where the
 # encoder's Full layers scan 64K and 128K positions (eighteenth session: the scans 102.8 -> 59.3 us, the step's
 # GPU time 3.561 -> 3.500 ms; every row of the profiles printed)
@@ -172,11 +168,6 @@ GROUPS["callgap"] = [("profile_slice_b8_chunk20", slice_profile(8, 20), 100, {})
 # are slower.) Does it hide when the host queues the next call before it reads this one's tokens?
 GROUPS["queued"] = [(f"profile_slice_b{b}_chunk20_queued{q}", slice_profile(b, 20, queued=q), 110, {})
                     for b, q in ((8, 1), (8, 4), (1, 4), (1, 1))]
-
-# twenty-second session: the GPU attention tests, then batch 1 before / after SINCE_MEASURED (~3 min)
-GROUPS["qrope"] = [("attention_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "-q", "-k", "sparse_attention",
-                                            "-p", "no:cacheprovider"], 70, {"JAX_PLATFORMS": "cuda"})] + [
-    (f"profile_slice_b1_{side}", slice_profile(1, 20, queued=4, top=60), 75, {}) for side in ("before", "after")]
 
 # the issue's points as the fourteenth pass ran them (calls queued), in one call (~9 min): slice b1 and b8 in one
 # process, `small` b1, slice b64
