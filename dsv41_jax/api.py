@@ -358,8 +358,8 @@ def _generate(cfg: ModelConfig, params, cache, tokens_b, temperature_b, seed_b, 
 def per_layer_window(cache: Cache) -> Cache:
     """The cache with its window rings as a tuple of per-layer record dicts ([B, W, ...] each), as the
     generation loop carries them: a layer's ring is then updated in its own buffer, where in the stacked
-    [L, B, W, ...] arrays XLA copied each layer's new ring into its slot (on the H200, 2 memcpy kernels per
-    layer and step). `stacked_window` undoes it."""
+    [L, B, W, ...] arrays XLA copied each layer's new ring into its slot (the v41 slice on the H200: ~10 memcpy
+    kernels per step fewer, docs/BENCHMARKS.md sixteenth pass). `stacked_window` undoes it."""
     n = jax.tree.leaves(cache.window)[0].shape[0]
     return dataclasses.replace(cache, window=tuple(jax.tree.map(lambda a, l=l: a[l], cache.window) for l in range(n)))
 

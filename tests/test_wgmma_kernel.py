@@ -220,6 +220,22 @@ def test_fp8_scale_box_takes_the_layers_k():
     assert gpu_wgmma.fp8_scale_box(4352) is None and gpu_wgmma.fp8_scale_box(1200) is None
 
 
+def test_k_splits_are_the_fewest_whole_splits_reaching_the_target():
+    """Every choice divides the steps, leaves each CTA its minimum steps and stays within MAX_SPLITS; it is the
+    fewest such split reaching the target, or the largest when none does. At the v41 launches: the splits the
+    H200 sweep chose (docs/BENCHMARKS.md, sixteenth pass)."""
+    for steps in range(1, 40):
+        for ctas in (1, 28, 80, 432, 3456):
+            for target, min_steps in ((gpu_wgmma.FP8_CTAS, 1), (gpu_wgmma.FP4_CTAS, 2)):
+                s = gpu_wgmma.k_splits(steps, ctas, target, min_steps)
+                ok = [c for c in range(1, gpu_wgmma.MAX_SPLITS + 1) if steps % c == 0 and steps // c >= min_steps]
+                assert s == (next((c for c in ok if c * ctas >= target), ok[-1]) if ok else 1)
+    fp8 = functools.partial(gpu_wgmma.k_splits, target=gpu_wgmma.FP8_CTAS)
+    fp4 = functools.partial(gpu_wgmma.k_splits, target=gpu_wgmma.FP4_CTAS, min_steps=2)
+    assert (fp8(32, 80), fp8(20, 72), fp8(20, 28), fp8(5, 512), fp8(9, 80)) == (16, 10, 10, 5, 9)
+    assert (fp4(20, 432), fp4(9, 480), fp4(20, 3456), fp4(9, 3840)) == (10, 3, 1, 1)  # batch 1 w1+w3, w2; batch 8
+
+
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
 @pytest.mark.parametrize("m,ns,k,splits", [(1, (1024, 512), 2048, None), (8, (192,), 1024, 1), (5, (64, 128), 3072, 3),
                                            (2, (256,), 1280, None), (8, (64, 128), 2304, 3)])

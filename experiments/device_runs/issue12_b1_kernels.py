@@ -1,6 +1,6 @@
 """Issue 12 at batch 1 on one H200: the kernels that decide the step, alone, with their launch parameters swept.
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels          # ~6 min
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels          # ~2.5 min
 
 After the twenty-second session's first call (slice b1 1.636 ms/step, 1.78x; GPU busy 1.656 ms) the weight
 kernels of a batch-1 step run at 55-75% of the copy peak (FP8 wo_b / wq_b / shared experts, FP4 routed
