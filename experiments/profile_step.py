@@ -150,14 +150,18 @@ def idle_before(kernels: list[dict], sources: dict[str, str], steps: int) -> dic
     return dict(by)
 
 
-def one_step(kernels: list[dict], sources: dict[str, str]) -> list[tuple[float, float, str]]:
+def one_step(kernels: list[dict], sources: dict[str, str], chunk: int = 1) -> list[tuple[float, float, str]]:
     """[(GPU idle us before it, its us, source)] for each kernel of one step in the middle of the traced call,
     in launch order: a step is what runs after one LM head's kernel (`Transformer.forward/Linear`, every
-    step's last large kernel) up to and with the next one's."""
+    step's last large kernel) up to and with the next one's. With `chunk` steps per generate call, the step
+    is one in the middle of a call: a call's first step also runs the call's start (its carried buffers'
+    copies, ~20 memcpys of the v41 slice), which the middle step of 4 calls of 20 was."""
     heads = [i for i, e in enumerate(kernels) if sources.get(e["name"], "").startswith("Transformer.forward/Linear.")]
     if len(heads) < 2:
         return []
-    mid = (len(heads) - 2) // 2  # of the len(heads) - 1 whole steps between heads
+    # step j (j >= 1) runs from heads[j - 1] to heads[j]; the middle call's middle step, or the middle step
+    j = (len(heads) // chunk // 2) * chunk + chunk // 2 if chunk > 1 else len(heads) // 2
+    mid = min(max(j, 1), len(heads) - 1) - 1
     step = kernels[heads[mid]:heads[mid + 1] + 1]  # from the first head, whose end starts the idle count
     idle = {id(e): g1 - g0 for g0, g1, e in gaps(step)}
     return [(idle.get(id(e), 0.0), e["dur"], sources.get(e["name"], e["name"])) for e in step[1:]]
@@ -255,7 +259,7 @@ def _profile(args) -> dict:
     _table("host event in the gaps", {k: [n / steps, us / steps] for k, (n, us) in during.items()}, 25,
            "events / step | us in the gaps / step")
     if args.timeline:
-        rows1 = one_step(kernels, sources)
+        rows1 = one_step(kernels, sources, args.chunk)
         print(f"\none step's {len(rows1)} kernels in launch order:\n\n| # | idle us before | us | source |\n|---|---|---|---|")
         for i, (idle_us, us, where) in enumerate(rows1):
             print(f"| {i} | {idle_us:.1f} | {us:.1f} | {where} |")

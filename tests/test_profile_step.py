@@ -65,3 +65,12 @@ def test_one_step_lists_a_middle_steps_kernels_in_order_with_the_idle_before_eac
                [("mm", 0, 2), ("head", 3, 4), ("mm", 10, 2), ("head", 11, 5), ("mm", 20, 1), ("head", 22, 1)]]
     assert ps.one_step(kernels, src) == [(3.0, 2, src["mm"]), (0.0, 5, src["head"])]
     assert ps.one_step(kernels[:2], src) == []  # one step: no step boundary to cut at
+
+
+def test_one_step_of_chunked_calls_is_not_a_calls_first():
+    """Two calls of 3 steps, each step's kernel named by its index: the listed step is call 2's middle one (4),
+    not its first (3), which also runs the call's start."""
+    src = {"head": "Transformer.forward/Linear.__call__:dot_general"}
+    kernels = [{"name": n, "ts": 10 * i + dt, "dur": 1} for i in range(6) for n, dt in ((f"k{i}", 0), ("head", 5))]
+    assert [where for _, _, where in ps.one_step(kernels, src, chunk=3)] == ["k4", src["head"]]
+    assert [where for _, _, where in ps.one_step(kernels, src)] == ["k3", src["head"]]  # no chunk: the middle
