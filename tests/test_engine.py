@@ -17,6 +17,7 @@ import pytest
 import dsv41_jax as d
 from dsv41_jax import api
 from dsv41_jax.plan import build_plan, encoder_depth
+from dsv41_jax.sampling import sample
 from dsv41_jax.serving import Engine, EngineConfig, Request, slots_for_budget
 from dsv41_jax.tiers import block_chain
 
@@ -205,6 +206,37 @@ def test_slots_join_and_leave_without_recompiling(model, cold):
     for msg, want in zip(errors, ["empty prompt", "too long", "temperature", "temperature", "max_new_tokens", "outside"]):
         assert msg and want in msg, (want, msg)
     assert all(r.error is None and r.metrics["ttft_s"] > 0 for r in out[:4])
+
+
+def one_call_at_a_time(eng: Engine, req: Request, chunk: int) -> list[int]:
+    """A request's tokens by the engine's prefill, then `api.generate` calls of `chunk` steps on its own row, each
+    call's tokens read back before the next call (what the engine computed before it queued its calls)."""
+    cfg = eng.cfg
+    logits, row, _ = eng.prefill(np.asarray(req.prompt, np.int32))
+    temp, seed = np.array([req.temperature], np.float32), np.array([req.seed], np.uint32)
+    toks = [int(np.asarray(sample(logits, temp, seed, np.zeros(1, np.int32)))[0])]
+    stops = np.array([list(req.stop_tokens) + [-1] * (4 - len(req.stop_tokens))], np.int32)
+    while toks[-1] not in req.stop_tokens and len(toks) < req.max_new_tokens:
+        out, emitted, row = api.generate(cfg, eng.params, row, np.array([toks[-1]], np.int32), chunk,
+                                         temperature_b=temp, seed_b=seed, step_b=len(toks),
+                                         budget_b=min(req.max_new_tokens - len(toks), chunk), stop_ids_bs=stops)
+        toks += [int(t) for t in np.asarray(out)[0][np.asarray(emitted)[0]]]
+    return toks
+
+
+def test_queued_calls_give_the_tokens_of_one_call_at_a_time(model, cold):
+    """Four requests over 2 slots, 3 steps per call: sampled and greedy, a stop token, budgets that end inside
+    a call, requests admitted while a call is in flight. Each request's tokens equal those of its prompt run
+    alone with each call read back before the next."""
+    stop = cold.tokens[7]
+    reqs = [Request(PROMPT, max_new_tokens=NEW), Request(PROMPT[:20], max_new_tokens=7, temperature=0.8, seed=3),
+            Request(PROMPT, max_new_tokens=NEW, stop_tokens=(stop,)),
+            Request(PROMPT[:30], max_new_tokens=5, temperature=1.0, seed=9)]
+    out = engine(model, decode_chunk=3).generate(reqs)
+    want = [one_call_at_a_time(engine(model), r, 3) for r in reqs]
+    assert [r.tokens for r in out] == want
+    assert want[2] == cold.tokens[:cold.tokens.index(stop) + 1] and out[2].stop_reason == "stop_token"
+    assert [len(t) for t in want] == [NEW, 7, len(want[2]), 5]
 
 
 def test_stop_token_and_budget(model, cold):

@@ -29,6 +29,13 @@ prompt's last token, so the state at P is a reusable prefix:
   or by bounded replay: the protocol is `PrefixCache`'s (serving/prefix_cache.py), the engine runs the
   model work it asks for.
 
+Decode calls are queued (plain decoding): each `step` dispatches the next `decode_chunk`-step call before it
+reads the previous call's tokens back, so the host's work between calls (reading tokens, finishing requests,
+the next launch) overlaps the device's. A slot's next call starts from its previous call's last token, count
+and remaining budget, computed on the device (`_carry`); the host reads those tokens one step later, so a
+request's tokens stream one call behind, and a slot whose request finished in a call is freed (and admits the
+next request) one call later. Tokens are exactly those of a call at a time (tests/test_engine.py).
+
 Speculative decoding (`EngineConfig.speculative="dspark"`, a model with DSpark stages): each compiled
 decode call runs `decode_chunk` draft-verify steps (`api.speculative_generate`) instead of plain steps,
 emitting 1 to dspark_block_size + 1 tokens per step; at temperature 0 the tokens are exactly the plain
@@ -156,6 +163,31 @@ class _Live:
     spans: list = field(default_factory=list)  # ImageSpan of each image in `prompt`
 
 
+@dataclass
+class _Call:
+    """A dispatched decode call whose tokens the host has not read yet: its outputs and per-slot inputs on the
+    device, and the request each slot held when it was dispatched."""
+    toks: jax.Array  # int32 [B, n]
+    emitted: jax.Array  # bool [B, n]
+    tok: jax.Array  # int32 [B]: the tokens it fed first
+    count: jax.Array  # int32 [B]: tokens each slot had sampled before it (its sampling step)
+    remain: jax.Array  # int32 [B]: tokens each slot could still sample before it (0: idle)
+    slots: dict  # slot -> _Live
+
+
+@jax.jit
+def _carry(carried_b, tok_b, count_b, remain_b, toks, emitted, tok, count, remain):
+    """The next call's (newest token, sampled tokens, tokens it may still sample) per slot: the host's values
+    (the first three [B]), and for the slots `carried_b` (bool [B]) that the previous call ran for the same
+    request, that call's outcome from its outputs and inputs (as `_Call` holds them), computed on the device
+    without reading anything back. (A request that ended in that call on a stop id has budget left here: its
+    slot samples on for one more call, whose tokens `_collect` drops.)"""
+    n_em = emitted.sum(axis=1, dtype=jnp.int32)
+    last = jnp.take_along_axis(toks, jnp.maximum(n_em - 1, 0)[:, None], axis=1)[:, 0]
+    after = (jnp.where(n_em > 0, last, tok), count + n_em, remain - n_em)
+    return tuple(jnp.where(carried_b, a, h) for a, h in zip(after, (tok_b, count_b, remain_b)))
+
+
 class Engine:
     def __init__(self, cfg: ModelConfig, params, ecfg: EngineConfig | None = None):
         ecfg = EngineConfig() if ecfg is None else ecfg
@@ -173,6 +205,7 @@ class Engine:
         self.queue: list[_Live] = []
         self.done: list[Result] = []
         self._n = 0
+        self._inflight: _Call | None = None  # the decode call dispatched by the last step, not read yet
 
     # ------------------------------------------------------------------ requests
     def validate(self, req: Request) -> np.ndarray:
@@ -264,14 +297,25 @@ class Engine:
 
     # ------------------------------------------------------------------ scheduling
     def step(self) -> None:
-        """Admit waiting requests into free slots (prefill), then `decode_chunk` decode steps for all live
-        slots in one compiled call (`api.generate`: sampling and stops on device, the cache donated)."""
+        """Admit waiting requests into free slots (prefill), dispatch `decode_chunk` decode steps for all live
+        slots in one compiled call (`api.generate`: sampling and stops on device, the cache donated), then read
+        back and emit the tokens of the call the previous step dispatched (module docstring: queued calls)."""
         free = [s for s in range(self.n_slots) if s not in self.live]
         while free and self.queue:
             self._admit(self.queue.pop(0), free.pop(0))
-        if not self.live:
+        if self.ecfg.speculative:
+            if self.live:
+                self._speculative_chunk(*self._host_inputs())
             return
-        b, n = self.n_slots, self.ecfg.decode_chunk
+        prev, self._inflight = self._inflight, self._dispatch(self._inflight) if self.live else None
+        if prev is not None:
+            self._collect(prev)
+
+    def _host_inputs(self):
+        """Per-slot inputs of a decode call from the host's view of the live requests: (newest token,
+        temperature, seed, sampled tokens, tokens left to sample, stop ids [B, S] -1 padded); idle slots
+        have nothing left to sample."""
+        b = self.n_slots
         tok, budget = np.zeros(b, np.int32), np.zeros(b, np.int32)
         temp, seed, count = np.zeros(b, np.float32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
         width = max([4] + [len(lv.req.stop_tokens) for lv in self.live.values()])
@@ -280,17 +324,35 @@ class Engine:
             tok[s], budget[s] = lv.res.tokens[-1], lv.req.max_new_tokens - len(lv.res.tokens)
             temp[s], seed[s], count[s] = lv.req.temperature, lv.req.seed, len(lv.res.tokens)
             stops[s, :len(lv.req.stop_tokens)] = lv.req.stop_tokens
-        if self.ecfg.speculative:
-            self._speculative_chunk(tok, temp, seed, count, budget, stops)
-            return
+        return tok, temp, seed, count, budget, stops
+
+    def _dispatch(self, prev: _Call | None) -> _Call:
+        """Queue a decode call for the live slots, nothing read back: a slot that `prev` ran for the same
+        request starts from prev's outcome on the device (`_carry`), the others from the host's view."""
+        n = self.ecfg.decode_chunk
+        tok, temp, seed, count, remain, stops = self._host_inputs()
+        carried = np.zeros(self.n_slots, bool)
+        if prev is not None:
+            carried[[s for s, lv in self.live.items() if prev.slots.get(s) is lv]] = True
+        if carried.any():
+            tok, count, remain = _carry(carried, tok, count, remain, prev.toks, prev.emitted, prev.tok, prev.count,
+                                        prev.remain)
+        b = self.n_slots
         with compiling(("decode", self.cfg, b, n, stops.shape[1], self.ecfg.capacity, self.ecfg.kernels),
                        f"decode [B={b}, capacity={self.ecfg.capacity}, {n} steps per call]", self.ecfg.progress):
             toks, emitted, self.cache = api.generate(self.cfg, self.params, self.cache, tok, n, temperature_b=temp,
-                                                     seed_b=seed, step_b=count, budget_b=np.minimum(budget, n),
-                                                     stop_ids_bs=stops, kernels=self.ecfg.kernels)
-        toks, emitted = np.asarray(toks), np.asarray(emitted)  # outside the notice: it times the compile
-        for s in list(self.live):
+                                                     seed_b=seed, step_b=count, budget_b=jnp.minimum(remain, n),
+                                                     stop_ids_bs=stops, kernels=self.ecfg.kernels, validate=False)
+        return _Call(toks, emitted, *(jnp.asarray(a) for a in (tok, count, remain)), dict(self.live))
+
+    def _collect(self, call: _Call) -> None:
+        """Read a call's tokens back and emit them for the slots that still hold the request they held when
+        it was dispatched (a cancelled or finished request's slot may have taken another since)."""
+        toks, emitted = np.asarray(call.toks), np.asarray(call.emitted)
+        for s, lv in call.slots.items():
             for t in toks[s][emitted[s]]:  # the device stopped each sequence where _emit finishes it
+                if self.live.get(s) is not lv:
+                    break
                 self._emit(s, int(t))
 
     def _speculative_chunk(self, tok, temp, seed, count, budget, stops) -> None:
