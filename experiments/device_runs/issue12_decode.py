@@ -20,7 +20,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode chunks16  # ~2.5 min: b1, b8, 16 steps per call
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode callgap   # ~4 min: the call-start gap, b8
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode queued    # ~4 min: calls queued, b8 and b1
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode points    # ~9 min: b1 + b8, small, b64 (queued)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode points    # ~7 min: b1 + b8, small, b64 (queued)
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -169,7 +169,7 @@ GROUPS["callgap"] = [("profile_slice_b8_chunk20", slice_profile(8, 20), 100, {})
 GROUPS["queued"] = [(f"profile_slice_b{b}_chunk20_queued{q}", slice_profile(b, 20, queued=q), 110, {})
                     for b, q in ((8, 1), (8, 4), (1, 4), (1, 1))]
 
-# the issue's points as the fourteenth pass ran them (calls queued), in one call (~9 min): slice b1 and b8 in one
+# the issue's points as the fourteenth pass ran them (calls queued), in one call (~7 min): slice b1 and b8 in one
 # process, `small` b1, slice b64
 GROUPS["points"] = [
     ("bench_slice_q4", ["experiments.bench_decode", "--batch", "1", "8", "--steps", "160", "--chunk", "20",
