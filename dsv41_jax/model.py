@@ -94,6 +94,9 @@ class Transformer(nnx.Module):
         image_embeds [B, T, dim] and image_mask bool [B, T] (both or neither): positions where the mask
         is set take image_embeds instead of their token's embedding and are image positions for Engram
         and the routers (module docstring). A span may be cut between chunks: its rows are inputs.
+
+        cache.window is the stacked [L, B, W, ...] records or, inside the generation loop, a tuple of each
+        layer's own (`api.per_layer_window`); the cache returned keeps the form it came in.
         """
         cfg = self.cfg
         b, t = tokens_bt.shape

@@ -94,11 +94,11 @@ def time_loop(call, x, values, scales, ids_r, prefix):
 
 
 def fp8_variants(k: int, tiles: int) -> dict[str, dict]:
-    """The FP8 kernel's labelled arguments for `--sweep`: every K split up to 16 other than the default's
+    """The FP8 kernel's labelled arguments for `--sweep`: every K split up to MAX_SPLITS other than the default's
     (the CTAs per SM and the last wave's size change with it), and 3 / 6 pipeline stages."""
-    steps = k // gpu_wgmma.TK
-    default = gpu_wgmma.k_splits(steps, tiles, gpu_wgmma.FP8_CTAS)
-    out = {f"split{s} ({s * tiles} CTAs)": {"splits": s} for s in range(1, 17) if steps % s == 0 and s != default}
+    steps, default = k // gpu_wgmma.TK, gpu_wgmma.fp8_splits(k, tiles)
+    out = {f"split{s} ({s * tiles} CTAs)": {"splits": s} for s in range(1, gpu_wgmma.MAX_SPLITS + 1)
+           if steps % s == 0 and s != default}
     return {**out, "st3": {"stages": 3}, "st6": {"stages": 6}}
 
 
@@ -130,8 +130,7 @@ def fp8_section(key, peak: float, reps: int, variants=None, rows=(1, 8)) -> tupl
                 print(f"FP8 {op} x[{m}]: max|diff| / max|ref| = {err:.2e} {'ok' if ok else 'FAILED'}", flush=True)
             moved = sum(n * k + (n // 32) * (k // 32) for n in ns)
             tiles = sum(n // gpu_wgmma.TN for n in ns)
-            fns = {f"wgmma (split{gpu_wgmma.k_splits(k // gpu_wgmma.TK, tiles, gpu_wgmma.FP8_CTAS)})":
-                   gpu_wgmma.fp8_matmuls_wgmma,
+            fns = {f"wgmma (split{gpu_wgmma.fp8_splits(k, tiles)})": gpu_wgmma.fp8_matmuls_wgmma,
                    "triton": gpu_grouped.fp8_matmuls}
             fns.update({label: functools.partial(gpu_wgmma.fp8_matmuls_wgmma, **kw)
                         for label, kw in (variants(k, tiles) if variants else {}).items()})

@@ -56,7 +56,9 @@ def scaled_query(q_chunks, scale: float):
     """Rows of q f32 [n, D], given as column chunks [n, dc] -> (the chunks in float16, logit scale f32 [n]):
     each row times the power of two 2**-e that puts its max |q| in [0.5, 1) (e from the exponent bits of the
     max, as frexp; a zero row keeps e = 1), the logit scale 2**e * scale. Traced inside the kernels, on each
-    program's heads (in XLA it was three kernels before each call)."""
+    program's heads: in XLA it was three kernels before each call; here each call takes ~3-4 us longer on the
+    H200, less than those kernels and their idle (docs/BENCHMARKS.md, sixteenth pass; computing the exponent
+    in one XLA reduction instead was slower)."""
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(c), axis=1) for c in q_chunks])
     bits = jax.lax.bitcast_convert_type(jnp.where(amax > 0, amax, 1.0), jnp.int32)
     e = jnp.clip(((bits >> 23) & 0xFF) - 126, -125, 126)  # amax = f * 2**e, f in [0.5, 1) (normal amax)

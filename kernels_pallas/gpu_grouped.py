@@ -61,12 +61,15 @@ def choose_tiles(m: int, k: int, n: int, n_groups: int) -> tuple[int, int, int]:
 MIN_PROGRAMS = 264  # 2 per SM of an H200: below that, K is split across programs
 
 
-def k_splits(k_steps: int, programs: int) -> int:
-    """How many programs share one output tile's K chunks: the fewest that give MIN_PROGRAMS programs
-    (a divisor of k_steps, so every split has the same trip count). A projection with few output tiles
-    (wq_a: 1024 outputs = 16 tiles of 64) otherwise streams its whole weight through 16 of 132 SMs."""
-    want = -(-MIN_PROGRAMS // max(programs, 1))
-    return next(s for s in range(1, k_steps + 1) if k_steps % s == 0 and (s >= want or s == k_steps))
+def k_splits(k_steps: int, programs: int, target: int = MIN_PROGRAMS, min_steps: int = 1,
+             max_splits: int | None = None) -> int:
+    """How many programs share one output tile's K chunks: the fewest (a divisor of k_steps, so every split has
+    the same trip count, leaving each at least `min_steps` chunks, at most `max_splits`) that give `target`
+    programs, else the most such. A projection with few output tiles (wq_a: 1024 outputs = 16 tiles of 64)
+    otherwise streams its whole weight through 16 of 132 SMs. (The Hopper kernels' targets: `gpu_wgmma`.)"""
+    top = min(max_splits or k_steps, k_steps // min_steps)
+    ok = [s for s in range(1, top + 1) if k_steps % s == 0] or [1]
+    return next((s for s in ok if s * programs >= target), ok[-1])
 
 
 def inclusive_sum(x_g: jax.Array) -> jax.Array:

@@ -44,6 +44,8 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas import gpu_grouped
+
 TN = 64  # output rows per CTA: the wgmma M of one warpgroup
 TK = 256  # inputs per pipeline step: 128 packed bytes per row = one 128 B swizzle row; 8 scale groups
 TM = 8  # rows of x per wgmma (its N): the smallest
@@ -220,7 +222,7 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
     R = M / k: each token's k assignments); weights: (values uint8 [E, N, K/2] FP4 E2M1 pairs, low nibble
     = even input; scales uint8 [E, N, K/32] E8M0, bytes <= 128) pairs of one shape, one launch for all.
     splits: CTAs sharing one output tile's K (a divisor of K / 256; their partial sums are added after; default
-    `k_splits` toward FP4_CTAS).
+    `fp4_splits`).
     stages: TMA pipeline depth. Each step's wgmma is waited for before the next step's decode: a wgmma reads
     its register operand while it runs, and overwriting those registers early (the decode of step t + 1
     overlapping the wgmma of step t, `wgmma_wait(1)`) gave wrong values on the H200. decode_ptx: the decode's
@@ -228,7 +230,7 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
     (`experiments.bench_wgmma`)."""
     (e_count, n, half), k, m = weights[0][0].shape, x_mk.shape[1], expert_m.shape[0]
     rows, n_w, steps = x_mk.shape[0], len(weights), k // TK
-    splits = splits or k_splits(steps, n_w * (n // TN) * m, FP4_CTAS, min_steps=2)
+    splits = splits or fp4_splits(k, n_w * (n // TN) * m)
     for values, scales in weights:
         if values.shape != (e_count, n, half) or scales.shape != (e_count, n, k // SCALE_BLOCK):
             raise ValueError(f"FP4 experts {values.shape} / scales {scales.shape} do not fit x {x_mk.shape}")
@@ -371,23 +373,27 @@ def fp8_supported(x_mk: jax.Array, weights) -> bool:
             and all(q.shape == (q.shape[0], k) and q.shape[0] % TN == 0 for q, _ in weights) and is_hopper())
 
 
-# CTAs a launch aims for (`k_splits`). One CTA per output tile leaves a batch-1 launch a few hundred CTAs: the
+# CTAs a launch aims for (`gpu_grouped.k_splits`). One CTA per output tile leaves a batch-1 launch a few hundred CTAs: the
 # H200's 132 SMs hold 2-3 of them each, and the last, partial round of CTAs runs with the HBM half idle. Splitting
 # K over more CTAs evens the rounds out. H200, batch 1, every split up to 16 timed (docs/BENCHMARKS.md, sixteenth
 # pass): FP8 wo_b 17.0 -> 14.1 us (2 -> 16 splits), shared w1 + w3 11.6 -> 9.7 (2 -> 10), wq_a + wkv 8.1 -> 7.3
-# (5 -> 10), the rest within 0.2 us at any split; one FP8 step per CTA costs nothing, while an FP4 CTA fetches its
-# whole K's scales: FP4 w1 alone for one token's 6 experts 22.6 -> 19.8 us with the splits' sum (216 -> 2,160
+# (5 -> 10), wq_b / shared w2 / the indexer's wq_b within 0.2 us of their best at the rule's choice; one FP8 step
+# per CTA costs nothing there (and the indexer's wq_b at one CTA per tile lost 1.3 us in the slice), while an FP4
+# CTA fetches its whole K's scales: FP4 w1 alone for one token's 6 experts 22.6 -> 19.8 us with the splits' sum (216 -> 2,160
 # CTAs of 2 steps), w2 14.1 -> 18.2 us at 1 step per CTA. Launches already wide (batch 8's experts: 3,456
 # CTAs) stay whole.
 FP8_CTAS, FP4_CTAS = 1024, 3000
 MAX_SPLITS = 16  # the sweep's range
 
 
-def k_splits(steps: int, ctas: int, target: int, min_steps: int = 1) -> int:
-    """K splits of a launch of `ctas` CTAs over `steps` K steps: the fewest (a divisor of steps, at most
-    MAX_SPLITS, leaving each CTA at least `min_steps` steps) that reach `target` CTAs, else the most such."""
-    ok = [s for s in range(1, min(MAX_SPLITS, steps // min_steps) + 1) if steps % s == 0] or [1]
-    return next((s for s in ok if s * ctas >= target), ok[-1])
+def fp8_splits(k: int, tiles: int) -> int:
+    """`fp8_matmuls_wgmma`'s default K splits for K inputs and `tiles` output tiles of 64."""
+    return gpu_grouped.k_splits(k // TK, tiles, FP8_CTAS, max_splits=MAX_SPLITS)
+
+
+def fp4_splits(k: int, ctas: int) -> int:
+    """`rows_matmuls_fp4_wgmma`'s default K splits for K inputs and `ctas` CTAs of a whole K."""
+    return gpu_grouped.k_splits(k // TK, ctas, FP4_CTAS, min_steps=2, max_splits=MAX_SPLITS)
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "stages", "decode_ptx"))
@@ -395,7 +401,7 @@ def fp8_matmuls_wgmma(x_mk: jax.Array, weights, *, splits: int | None = None, st
                       decode_ptx: str = FP8_DECODE_PTX) -> list[jax.Array]:
     """[y f32 [M, N_i] = x [M, K] @ W_i^T] in one launch, for W_i in the released FP8 block format (E4M3 bytes
     uint8 or float8_e4m3fn [N_i, K], E8M0 uint8 [N_i/32, K/32], bytes <= 134). x bf16, M <= 8. splits: CTAs
-    sharing one output tile's K (default `k_splits` toward FP8_CTAS); stages: TMA pipeline depth (each wgmma waited for
+    sharing one output tile's K (default `fp8_splits`); stages: TMA pipeline depth (each wgmma waited for
     before the next decode, as in `rows_matmuls_fp4_wgmma`)."""
     m, k = x_mk.shape
     ns = [q.shape[0] for q, _ in weights]
@@ -409,7 +415,7 @@ def fp8_matmuls_wgmma(x_mk: jax.Array, weights, *, splits: int | None = None, st
                          f"{x_mk.shape} {x_mk.dtype}")
     starts = np.cumsum([0] + [n // TN for n in ns])  # weight i's output tiles: [starts[i], starts[i + 1])
     steps = k // TK
-    splits = splits or k_splits(steps, int(starts[-1]), FP8_CTAS)
+    splits = splits or fp8_splits(k, int(starts[-1]))
     if steps % splits:
         raise ValueError(f"splits={splits} must divide K / {TK} = {steps}")
     per = steps // splits

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax import grouped
-from kernels_pallas import gpu_wgmma
+from kernels_pallas import gpu_grouped, gpu_wgmma
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
 
@@ -221,19 +221,22 @@ def test_fp8_scale_box_takes_the_layers_k():
 
 
 def test_k_splits_are_the_fewest_whole_splits_reaching_the_target():
-    """Every choice divides the steps, leaves each CTA its minimum steps and stays within MAX_SPLITS; it is the
-    fewest such split reaching the target, or the largest when none does. At the v41 launches: the splits the
-    H200 sweep chose (docs/BENCHMARKS.md, sixteenth pass)."""
+    """Every choice divides the steps, leaves each CTA its minimum steps (when the steps allow any split) and
+    stays within the cap; a smaller such split would not reach the target, and one that misses the target
+    has no larger such split. At the v41 launches: the splits the H200 sweep chose (docs/BENCHMARKS.md,
+    sixteenth pass)."""
     for steps in range(1, 40):
         for ctas in (1, 28, 80, 432, 3456):
             for target, min_steps in ((gpu_wgmma.FP8_CTAS, 1), (gpu_wgmma.FP4_CTAS, 2)):
-                s = gpu_wgmma.k_splits(steps, ctas, target, min_steps)
-                ok = [c for c in range(1, gpu_wgmma.MAX_SPLITS + 1) if steps % c == 0 and steps // c >= min_steps]
-                assert s == (next((c for c in ok if c * ctas >= target), ok[-1]) if ok else 1)
-    fp8 = functools.partial(gpu_wgmma.k_splits, target=gpu_wgmma.FP8_CTAS)
-    fp4 = functools.partial(gpu_wgmma.k_splits, target=gpu_wgmma.FP4_CTAS, min_steps=2)
-    assert (fp8(32, 80), fp8(20, 72), fp8(20, 28), fp8(5, 512), fp8(9, 80)) == (16, 10, 10, 5, 9)
-    assert (fp4(20, 432), fp4(9, 480), fp4(20, 3456), fp4(9, 3840)) == (10, 3, 1, 1)  # batch 1 w1+w3, w2; batch 8
+                s = gpu_grouped.k_splits(steps, ctas, target, min_steps, gpu_wgmma.MAX_SPLITS)
+                valid = lambda c: steps % c == 0 and steps // c >= min_steps and c <= gpu_wgmma.MAX_SPLITS  # noqa: E731
+                assert steps % s == 0 and (valid(s) or (s == 1 and steps < min_steps))
+                assert not any(valid(c) and c * ctas >= target for c in range(1, s))
+                assert s * ctas >= target or not any(valid(c) for c in range(s + 1, steps + 1))
+    fp8 = [gpu_wgmma.fp8_splits(k, tiles) for k, tiles in ((8192, 80), (5120, 72), (5120, 28), (1280, 512), (2304, 80))]
+    assert fp8 == [16, 10, 10, 5, 9]  # wo_b, shared w1 + w3, wq_a + wkv, wq_b, shared w2
+    fp4 = [gpu_wgmma.fp4_splits(k, ctas) for k, ctas in ((5120, 432), (2304, 480), (5120, 3456), (2304, 3840))]
+    assert fp4 == [10, 3, 1, 1]  # batch 1 w1 + w3, w2; batch 8
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
