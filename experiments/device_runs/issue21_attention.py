@@ -1,0 +1,91 @@
+"""Issue 21's attention on one H200: the wgmma kernel's GPU tests (ptxas' report of it saved), then the Triton
+default and the wgmma kernel at several key splits, timed from HBM (L2 flushed before every call; GPU time of
+the call's kernels from a profiler trace) against the copy bandwidth measured in the same run. Logs under $OUT.
+
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_attention [BATCH ...]     (~3 minutes)
+"""
+
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+T0 = time.time()
+OUT = os.environ.get("OUT") or "/tmp/i21a_out"
+os.makedirs(OUT, exist_ok=True)
+LOG = open(os.path.join(OUT, "attention.log"), "w")
+BATCHES = [int(a) for a in sys.argv[1:]] or [64]
+
+
+def say(*a):
+    msg = " ".join(str(x) for x in a)
+    print(msg, flush=True)
+    LOG.write(msg + "\n")
+    LOG.flush()
+
+
+dump = os.path.join(OUT, "mosaic")
+env = dict(os.environ, PYTHONPATH=".", JAX_PLATFORMS="cuda", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
+try:
+    r = subprocess.run([sys.executable, "-m", "pytest", "tests/test_attention_wgmma.py", "-q", "-x", "-p",
+                        "no:cacheprovider"], capture_output=True, text=True, timeout=240, env=env)
+    with open(os.path.join(OUT, "tests.log"), "w") as f:
+        f.write(r.stdout + r.stderr)
+    tail = (r.stdout + r.stderr).strip().splitlines()
+    say("TESTS rc", r.returncode, "|", tail[-1] if tail else "")
+    if r.returncode:
+        say("\n".join(tail[-60:])[-5000:])
+except Exception as e:
+    say("TESTS did not finish:", repr(e)[:300])
+say(f"[{time.time() - T0:.0f}s] tests done")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from dsv41_jax import ops, quant  # noqa: E402
+from experiments import bench_kernels as bk  # noqa: E402
+from kernels_pallas import gpu_attention, gpu_attention_wgmma  # noqa: E402
+
+peak = bk.copy_bandwidth(2.0)
+say(f"device {jax.devices()[0].device_kind}; copy {peak / 1e9:.0f} GB/s (read + write) = peak")
+SCALE = bk.D_ATT ** -0.5
+ROWS = []
+
+
+def triton(splits):
+    return lambda q, wv, ws, ok, ev, es, idx, sink: gpu_attention.sparse_attention(
+        q, wv, ws, ok, ev, es, idx, sink, SCALE, splits=splits, block_k=64, num_warps=8)
+
+
+def wgmma(splits):
+    return lambda q, wv, ws, ok, ev, es, idx, sink: gpu_attention_wgmma.sparse_attention_wgmma(
+        q, wv, ws, ok, ev, es, idx, sink, SCALE, splits=splits)
+
+
+for b in BATCHES:
+    q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17)
+    rows_read = {"values": entries["values"][:, :bk.TOPK], "scales": entries["scales"][:, :bk.TOPK]}
+    moved = bk.nbytes(q, window, wvalid, rows_read, idx) + b * bk.H_ATT * bk.D_ATT * 4
+    args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
+    ref = ops.sparse_attention_decode(q, window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, SCALE)
+    variants = [("triton flash, default splits", triton(gpu_attention.default_splits(b)))]
+    variants += [(f"wgmma, {s} splits", wgmma(s)) for s in sorted({1, 2, 3, gpu_attention_wgmma.default_splits(b, 10)})]
+    for name, fn in variants:
+        try:
+            err = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
+            t, info = bk.time_hbm(fn, args, perturb=7)
+            ROWS.append((b, name, t * 1e6, info.get("pallas_us"), info.get("kernels"), moved / t / peak, err))
+            say(f"  128K x{b} {name:32s} {t * 1e6:8.1f} us  {100 * moved / t / peak:5.1f}% of copy  {info}  "
+                f"rel err {err:.2e}")
+        except Exception as e:
+            say(f"  128K x{b} {name:32s} FAILED {type(e).__name__}: {str(e)[:600]}")
+            traceback.print_exc(file=LOG)
+    del args, q, window, entries, ref
+
+say(f"\n[{time.time() - T0:.0f}s] attention, 128K entries, from HBM; copy peak {peak / 1e9:.0f} GB/s; "
+    f"bytes: q, window, 512 gathered entry rows, idx, f32 out")
+say("| batch | kernel | us | Pallas us | kernels | % of copy | rel. error |")
+say("|---|---|---|---|---|---|---|")
+for b, name, us, pus, kern, frac, err in ROWS:
+    say(f"| {b} | {name} | {us:.1f} | {pus} | {kern} | {100 * frac:.1f} | {err:.1e} |")

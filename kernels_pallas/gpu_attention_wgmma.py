@@ -1,0 +1,371 @@
+"""Sparse attention for many decode sequences on Hopper's warpgroup MMA (Pallas, Mosaic GPU lowering).
+
+The contract of `gpu_attention.sparse_attention` (`ops.sparse_attention_decode`) for the released head shape
+(64 heads x 512 channels, K = V): out[b, h] = sum_s p[b, h, s] kv[b, s] over the sequence's window ring
+(E4M3 bytes, E8M0 per 32 channels) and its selected entries (E2M1 pairs, E4M3 per 16 channels), one softmax
+over both with the per-head sink in the denominator only. Issue 21 asks >= 40% of the copy bandwidth at batch
+64; the Triton kernel's programs hold a [64, 512] f32 accumulator in one program (9.2%, docs/BENCHMARKS.md).
+
+Per CTA (grid: sequence x key range, `splits`): two warpgroups, each owning half of the output channels, so
+each holds a [64 heads, 256] f32 accumulator (128 registers a thread). Per tile of 64 keys:
+- both warpgroups decode 32 of its rows each, straight from global memory (the rows are gathered by index;
+  nothing is staged), into one bf16 [64 keys, 512] tile in shared memory (two slots, so the next tile's
+  decode never overwrites keys a wgmma of the other warpgroup may still read), then meet at a CTA barrier;
+- each computes the whole logits tile S [64 heads, 64 keys] = q . keys^T (two wgmmas of K = 256; the
+  tensor cores do this twice per CTA, which costs less than exchanging p between the warpgroups would
+  cost in barriers), starting from the keys' validity as a bias (0 or -2**120: no mask pass);
+- the online softmax in exp2, then p (bf16, registers) . keys[:, its 256 channels] into its accumulator.
+The partial (acc, running max, sum) of each key range goes to `gpu_attention.combine` with the sink.
+
+Numbers, all exact until the MMA: an entry value E2M1 x E4M3 has at most 6 significant bits and a window
+value E4M3 x 2**e at most 4, so both are exact in bf16; they are held as value x 2**-10 (`KEY_SHIFT`) so
+that one bf16 fma scales the experts' decode (`gpu_wgmma.DECODE_PTX`: E2M1 x 2**-126) by E4M3 x 2**116
+without leaving bf16's range. q and p are rounded to bf16 (2**-9 relative), so the output agrees with the
+float32 reference to ~2e-3 relative (tests use 5e-3, as for the Triton kernel).
+
+Channel order: the decode writes each 8-channel group in the order `PERM8` (the experts' PTX emits its
+pairs so), q is permuted alike before the kernel, and the combine puts the output channels back.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas import gpu_attention
+from kernels_pallas.gpu_wgmma import DECODE_PTX, WORD_PAIRS, i32_const, is_hopper, pow2_bf16x2
+
+H = 64  # heads: the wgmma's M
+D = 512  # channels of a key / value
+HALF = D // 2  # channels of one warpgroup's accumulator (a wgmma's N is at most 256)
+T = 64  # keys per tile: the logits wgmma's N
+KEY_SHIFT = 10  # keys are held in bf16 as value * 2**-KEY_SHIFT
+NEG = -(2.0 ** 120)  # bias of an invalid key: times the logit scale it stays finite in f32, exp2 gives 0
+PERM8 = tuple(c for pair in WORD_PAIRS for c in pair)  # column 8u + p holds channel 8u + PERM8[p]
+WINDOW_GROUP, ENTRY_GROUP = gpu_attention.WINDOW_SCALE_BLOCK, gpu_attention.ENTRY_SCALE_BLOCK
+_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 [64, 256]
+_SPLAT = plgpu.Layout.WG_SPLAT(shape=())
+_CTA_BARRIER = 8  # named barrier id for both warpgroups (ids 1, 2 are the warpgroups' own)
+
+# E4M3 scale pair (one b16) -> two bf16x2, each both halves E4M3 x 2**116 (exact: 4 significant bits, and
+# 2**116 keeps E4M3's range inside bf16's); the f32 route handles E4M3 subnormals with no special case.
+SCALE_PTX = ("{ .reg .b32 h2, ta, tb; .reg .b16 a, b; .reg .f32 fa, fb; "
+             "cvt.rn.f16x2.e4m3x2 h2, $2; mov.b32 {a, b}, h2; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; "
+             f"mul.f32 fa, fa, 0f{(116 + 127) << 23:08X}; mul.f32 fb, fb, 0f{(116 + 127) << 23:08X}; "
+             "mov.b32 ta, fa; mov.b32 tb, fb; prmt.b32 $0, ta, 0, 0x3232; prmt.b32 $1, tb, 0, 0x3232; }")
+
+
+def _window_selector(x: int, y: int) -> int:
+    """prmt selector: bytes x, y of (A, B) into the two 16-bit lanes, each with its sign byte above."""
+    return x | (8 | x) << 4 | y << 8 | (8 | y) << 12
+
+
+# Two words of E4M3 bytes (channels 0..3 in $4, 4..7 in $5) -> four bf16x2 in the PERM8 pair order, each
+# E4M3 x 2**-120 (the FP8 weights' decode, `gpu_wgmma.FP8_DECODE_PTX`) times $6 = 2**(E - 17): the window
+# value x 2**-KEY_SHIFT for E8M0 byte E (exact while E <= 144, i.e. scales up to 2**17).
+WINDOW_PTX = ("{ .reg .b32 t, m, z; mov.b32 z, 0x80008000; "
+              + "".join(f"prmt.b32 t, $4, $5, {_window_selector(x, y):#06x}; shl.b32 m, t, 4; "
+                        f"and.b32 m, m, 0x87F087F0; fma.rn.bf16x2 ${i}, m, $6, z; "
+                        for i, (x, y) in enumerate(WORD_PAIRS)) + "}")
+
+
+def channel_perm() -> np.ndarray:
+    """p[c]: the channel that column c of the kernel's keys, q and output holds."""
+    return (np.arange(D) // 8 * 8 + np.asarray(PERM8)[np.arange(D) % 8]).astype(np.int64)
+
+
+def _i64(v):
+    return arith.extui(ir.IntegerType.get_signless(64), v)
+
+
+def _smem_offset(slot, half, row, col):
+    """Byte offset of bf16 keys[slot, half, row, col] in the [2, 2, 64, 256] tile, tiled (8, 64) with the 128 B
+    swizzle: 1 KB tiles [slot][half][row // 8][col // 64], 128 B a row, 16 B chunk j at j ^ (row % 8); col % 8
+    is 0 (a chunk)."""
+    c = lambda v: i32_const(v) if isinstance(v, int) else v
+    r8 = arith.remui(row, c(8))
+    tile = arith.addi(arith.muli(arith.addi(arith.muli(arith.addi(arith.muli(c(slot), c(2)), c(half)), c(8)),
+                                            arith.divui(row, c(8))), c(4)), arith.divui(c(col), c(64)))
+    chunk = arith.xori(arith.divui(arith.remui(c(col), c(64)), c(8)), r8)
+    return arith.addi(arith.addi(arith.muli(tile, c(1024)), arith.muli(r8, c(128))), arith.muli(chunk, c(16)))
+
+
+def _store16(k_ptr, off, words):
+    vec = ir.VectorType.get((4,), ir.IntegerType.get_signless(32))
+    v = llvm.mlir_undef(vec)
+    for i, w in enumerate(words):
+        v = llvm.insertelement(v, w, arith.constant(ir.IntegerType.get_signless(32), i))
+    llvm.store(v, mgpu_utils.getelementptr(k_ptr, [off], ir.IntegerType.get_signless(8)), alignment=16)
+
+
+def _load(ptr, off64, ty, align):
+    return llvm.load(ty, mgpu_utils.getelementptr(ptr, [off64], ir.IntegerType.get_signless(8)), alignment=align)
+
+
+def _thread_row():
+    """(warpgroup, tile row this thread decodes (32 per warpgroup), q = its quarter of the row), i32."""
+    tid = mgpu_utils.thread_idx()
+    wg, t = arith.shrui(tid, i32_const(7)), arith.andi(tid, i32_const(127))
+    return wg, arith.addi(arith.muli(wg, i32_const(32)), arith.shrui(t, i32_const(2))), arith.andi(t, i32_const(3))
+
+
+def _cta_sync():
+    """Keys written by both warpgroups visible to both warpgroups' wgmmas."""
+    nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+    mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)
+
+
+@functools.cache
+def _decode_entries(n_rows: int):
+    """inline_mgpu: (keys smem, entry values gmem u8 [B, N, 256], scales u8 [B, N, 32], idx i32 [B, K], b, slot,
+    first entry e0) -> keys[slot] rows r = entry idx[b, e0 + r] x 2**-KEY_SHIFT in PERM8 order (row 0 for
+    idx < 0: finite, and masked by the bias). n_rows: N."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                                  _SPLAT, _SPLAT, _SPLAT))
+    def decode(ctx, k_smem, ev, es, idx, b, slot, e0):
+        del ctx
+        i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
+        b, slot, e0 = (a.registers.item() for a in (b, slot, e0))
+        _, row, q = _thread_row()
+        k_ptr, ev_ptr, es_ptr = (mgpu_utils.memref_ptr(r) for r in (k_smem, ev, es))
+        ix = memref.load(idx, [arith.index_cast(ir.IndexType.get(), v) for v in (b, arith.addi(e0, row))])
+        ix = arith.maxsi(ix, i32_const(0))
+        entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))  # i64: B x N x 256 may pass 2**31
+        loads = []
+        for k in range(4):  # raw 16 B chunk i = q + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
+            i = arith.addi(q, i32_const(4 * k))
+            v_off = arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(arith.muli(i, i32_const(16))))
+            s_off = arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), _i64(arith.muli(i, i32_const(2))))
+            loads.append((i, _load(ev_ptr, v_off, ir.VectorType.get((4,), i32), 16), _load(es_ptr, s_off, i16, 2)))
+        for i, words, sc in loads:
+            mults = mgpu_utils.inline_ptx(SCALE_PTX, sc, result_types=[i32, i32])
+            half = arith.divui(i, i32_const(8))
+            for u in range(4):
+                word = llvm.extractelement(words, arith.constant(i32, u))
+                outs = mgpu_utils.inline_ptx(DECODE_PTX, word, mults[u // 2], result_types=[i32] * 4)
+                col = arith.addi(arith.muli(arith.remui(i, i32_const(8)), i32_const(32)), i32_const(8 * u))
+                _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
+        _cta_sync()
+
+    return decode
+
+
+@functools.cache
+def _decode_window():
+    """inline_mgpu: (keys smem, window values gmem u8 [B, W, 512], E8M0 scales u8 [B, W, 16], b, slot, first row
+    w0) -> keys[slot] rows r = window row w0 + r x 2**-KEY_SHIFT in PERM8 order."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT))
+    def decode(ctx, k_smem, wv, ws, b, slot, w0):
+        del ctx
+        i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        b, slot, w0 = (a.registers.item() for a in (b, slot, w0))
+        _, row, q = _thread_row()
+        w_rows = ir.MemRefType(wv.type).shape[1]
+        k_ptr, wv_ptr, ws_ptr = (mgpu_utils.memref_ptr(r) for r in (k_smem, wv, ws))
+        rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(arith.addi(w0, row)))
+        loads = []
+        for k in range(8):  # raw 16 B chunk i = q + 4k: channels 16i .. 16i + 15, E8M0 byte i // 2
+            i = arith.addi(q, i32_const(4 * k))
+            v_off = arith.addi(arith.muli(rec, _i64(i32_const(D))), _i64(arith.muli(i, i32_const(16))))
+            s_off = arith.addi(arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), _i64(arith.divui(i, i32_const(2))))
+            loads.append((i, _load(wv_ptr, v_off, ir.VectorType.get((4,), i32), 16), _load(ws_ptr, s_off, i8, 1)))
+        for i, words, e in loads:
+            field = arith.minui(arith.addi(arith.extui(i32, e), i32_const(127 - 17)), i32_const(254))
+            mult = pow2_bf16x2(field)
+            half = arith.divui(i, i32_const(16))
+            for p in range(2):
+                a, b2 = (llvm.extractelement(words, arith.constant(i32, 2 * p + j)) for j in range(2))
+                outs = mgpu_utils.inline_ptx(WINDOW_PTX, a, b2, mult, result_types=[i32] * 4)
+                col = arith.addi(arith.muli(arith.remui(i, i32_const(16)), i32_const(16)), i32_const(8 * p))
+                _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
+        _cta_sync()
+
+    return decode
+
+
+@functools.cache
+def _bias():
+    """inline_mgpu: (validity i32 gmem [B, n_keys], b, first key k0) -> f32 [64, 64] WGMMA layout, column n
+    0 where key k0 + n is valid, NEG where not (the logits accumulator's start)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT),
+                       return_type=plgpu.ShapeDtypeStruct((H, T), jnp.float32, plgpu.Layout.WGMMA))
+    def bias(ctx, ok, b, k0):
+        del ctx
+        i32, i64, f32 = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.F32Type.get())
+        b, k0 = (a.registers.item() for a in (b, k0))
+        n_keys = ir.MemRefType(ok.type).shape[1]
+        lane = arith.remui(mgpu_utils.thread_idx(), i32_const(32))
+        q = arith.remui(lane, i32_const(4))
+        ptr = mgpu_utils.memref_ptr(ok)
+        base = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_keys))), _i64(arith.addi(k0, arith.muli(q, i32_const(2)))))
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((H, T)), dtype=object)
+        zero, neg = arith.constant(f32, 0.0), arith.constant(f32, NEG)
+        for c in range(T // 8):  # columns 8c + 2q + {0, 1}
+            pair = _load(ptr, arith.addi(arith.muli(base, _i64(i32_const(4))), _i64(i32_const(32 * c))),
+                         i64, 8)
+            vals = []
+            for j in range(2):
+                flag = arith.trunci(i32, arith.shrui(pair, arith.constant(i64, 32 * j)))
+                vals.append(arith.select(arith.cmpi(arith.CmpIPredicate.ne, flag, i32_const(0)), zero, neg))
+            vec = llvm.mlir_undef(ir.VectorType.get((2,), f32))
+            for j, v in enumerate(vals):
+                vec = llvm.insertelement(vec, v, arith.constant(i32, j))
+            for half in range(2):
+                regs[0, c, 0, 0, half, 0, 0, 0, 0] = vec
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return bias
+
+
+@functools.cache
+def _store_partials():
+    """inline_mgpu: (acc f32 [64, 256] WGMMA, m, l f32 [64, 8] WGMMA (every column the row's value), o gmem f32
+    [B, S, 64, 512], m / l gmem f32 [B, S, 64], b, s) -> o[b, s, :, 256 wg + columns]; warpgroup 0 also m, l."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(),
+                                  plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT))
+    def store(ctx, acc, m, l, o, m_out, l_out, b, s):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        b, s = (a.registers.item() for a in (b, s))
+        splits = ir.MemRefType(o.type).shape[1]
+        tid = mgpu_utils.thread_idx()
+        wg = arith.shrui(tid, i32_const(7))
+        warp = arith.remui(arith.shrui(tid, i32_const(5)), i32_const(4))
+        lane = arith.remui(tid, i32_const(32))
+        q, r = arith.remui(lane, i32_const(4)), arith.divui(lane, i32_const(4))
+        seq = arith.addi(arith.muli(b, i32_const(splits)), s)
+        o_ptr = mgpu_utils.memref_ptr(o)
+        for half in range(2):
+            row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(8 * half))
+            grow = _i64(arith.addi(arith.muli(seq, i32_const(H)), row))
+            for c in range(HALF // 8):
+                col = arith.addi(arith.addi(arith.muli(wg, i32_const(HALF)), arith.muli(q, i32_const(2))), i32_const(8 * c))
+                off = arith.muli(arith.addi(arith.muli(grow, _i64(i32_const(D))), _i64(col)), _i64(i32_const(4)))
+                llvm.store(acc.registers[0, c, 0, 0, half, 0, 0, 0, 0],
+                           mgpu_utils.getelementptr(o_ptr, [off], ir.IntegerType.get_signless(8)), alignment=8)
+            first = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, wg, i32_const(0)),
+                               arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))
+            with mgpu_utils.when(first):
+                for src, dst in ((m, m_out), (l, l_out)):
+                    v = llvm.extractelement(src.registers[0, 0, 0, 0, half, 0, 0, 0, 0], arith.constant(i32, 0))
+                    memref.store(v, dst, [arith.index_cast(ir.IndexType.get(), x) for x in (b, s, row)])
+
+    return store
+
+
+def supported(q_bhd: jax.Array, window_values: jax.Array, entry_values: jax.Array) -> bool:
+    """True when `sparse_attention_decode` can run this kernel: 64 heads x 512 channels, a window of whole
+    64-key tiles, an H100/H200."""
+    _, h, d = q_bhd.shape
+    return h == H and d == D and window_values.shape[1] % T == 0 and entry_values.shape[-1] * 2 == D and is_hopper()
+
+
+def default_splits(b: int, tiles: int, sms: int = 132) -> int:
+    """Key ranges per sequence for `tiles` key tiles: as many as keep one wave of CTAs (one fits an SM: each
+    holds 192 KB of shared memory), at most one per tile."""
+    return max(1, min(tiles, sms // b))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "splits"))
+def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
+                           sink_h, scale: float, *, splits: int | None = None):
+    """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
+    u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
+    by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
+    (default `default_splits`)."""
+    b, h, d = q_bhd.shape
+    w, k, n = window_values.shape[1], idx_bk.shape[1], entry_values.shape[1]
+    if (h, d) != (H, D) or w % T or window_values.shape != (b, w, D) or window_scales.shape != (b, w, D // WINDOW_GROUP):
+        raise ValueError(f"the wgmma attention needs q [B, {H}, {D}] and a window [B, W % {T} == 0, {D}] + "
+                         f"[B, W, {D // WINDOW_GROUP}]; got q {q_bhd.shape}, window {window_values.shape} / "
+                         f"{window_scales.shape}")
+    if entry_values.shape != (b, n, D // 2) or entry_scales.shape != (b, n, D // ENTRY_GROUP):
+        raise ValueError(f"entries must be [B, N, {D // 2}] + [B, N, {D // ENTRY_GROUP}]; got {entry_values.shape} / "
+                         f"{entry_scales.shape}")
+    kp = -(-k // T) * T
+    idx = jnp.pad(idx_bk.astype(jnp.int32), ((0, 0), (0, kp - k)), constant_values=-1)
+    ok = jnp.concatenate([window_valid.astype(jnp.int32), (idx >= 0).astype(jnp.int32)], axis=1)  # [B, W + Kp]
+    n_wt, n_t = w // T, (w + kp) // T
+    splits = splits or default_splits(b, n_t)
+    per = -(-n_t // splits)
+    # q in the kernel's channel order, bf16, as two [64, 256] halves
+    q = q_bhd.astype(jnp.float32)[:, :, channel_perm()].astype(jnp.bfloat16).reshape(b, H, 2, HALF).transpose(0, 2, 1, 3)
+    c = scale * 2.0 ** KEY_SHIFT * math.log2(math.e)  # logits in log2 units from q . (keys x 2**-KEY_SHIFT)
+
+    def body(q_gmem, wv, ws, ev, es, idx_gmem, ok_gmem, o_gmem, m_gmem, l_gmem, q_smem, k_smem, q_bars):
+        seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
+        plgpu.copy_gmem_to_smem(q_gmem.at[seq, wg], q_smem.at[wg], q_bars.at[wg])  # each warpgroup one half
+        plgpu.barrier_wait(q_bars.at[0])
+        plgpu.barrier_wait(q_bars.at[1])
+        first = part * per
+        last = jnp.minimum(first + per, n_t)
+
+        def tile(t, carry):
+            acc, m, l = carry
+            slot = (t - first) % 2
+
+            @pl.when(t < n_wt)
+            def _():
+                _decode_window()(k_smem, wv, ws, seq, slot, t * T)
+
+            @pl.when(t >= n_wt)
+            def _():
+                _decode_entries(n)(k_smem, ev, es, idx_gmem, seq, slot, (t - n_wt) * T)
+
+            def qk(acc_ref):
+                for hf in range(2):
+                    plgpu.wgmma(acc_ref, q_smem.at[hf], k_smem.at[slot, hf].transpose((1, 0)))
+
+            s = plgpu.ACC.init(_bias()(ok_gmem, seq, t * T))
+            s = pl.run_state(qk)(s) * c
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), k_smem.at[slot, wg])
+
+            return pl.run_state(pv)(plgpu.ACC.init(acc)), m_new, l
+
+        acc = plgpu.layout_cast(jnp.zeros((H, HALF), jnp.float32), plgpu.Layout.WGMMA)
+        m = plgpu.layout_cast(jnp.full((H,), gpu_attention.M_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l = plgpu.layout_cast(jnp.zeros((H,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc, m, l = lax.fori_loop(first, last, tile, (acc, m, l))
+        wide = lambda v: lax.broadcast_in_dim(v, (H, 8), [0])
+        _store_partials()(acc, wide(m), wide(l), o_gmem, m_gmem, l_gmem, seq, part)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((b, splits, H, D), jnp.float32), jax.ShapeDtypeStruct((b, splits, H), jnp.float32),
+                  jax.ShapeDtypeStruct((b, splits, H), jnp.float32)),
+        grid=(b, splits),
+        grid_names=("b", "s"),
+        num_threads=2,
+        thread_name="wg",
+        scratch_types=(plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
+                       plgpu.SMEM((2, 2, T, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
+                       plgpu.Barrier(num_arrivals=1, num_barriers=2)),
+        kernel_name="sparse_attention_wgmma",
+    )
+    o, m, l = kernel(q, window_values, window_scales, entry_values, entry_scales, idx, ok)
+    inv = np.argsort(channel_perm())
+    o = o[..., inv] * 2.0 ** KEY_SHIFT
+    return gpu_attention.combine(o, m * math.log(2.0), l, sink_h.astype(jnp.float32))
+

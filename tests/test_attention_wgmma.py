@@ -1,0 +1,98 @@
+"""The Hopper sparse attention (`kernels_pallas.gpu_attention_wgmma`): what a CPU can check (the channel order
+of its decodes, their PTX's bit arithmetic modelled in numpy, that it lowers for CUDA) and, on an H100/H200,
+its output against `ops.sparse_attention_decode` (the Triton kernel's bound: 5e-3 relative per sequence, a
+sequence with no valid key exactly zero)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kernels_pallas import gpu_attention_wgmma as att
+from kernels_pallas import gpu_wgmma
+from tests.test_kernels_gpu import _attention_case, attention_ref
+
+ON_HOPPER = gpu_wgmma.is_hopper()
+
+
+def test_channel_order_is_a_permutation_within_each_group_of_8():
+    p = att.channel_perm()
+    assert sorted(p) == list(range(att.D))
+    assert np.all(p // 8 == np.arange(att.D) // 8)
+
+
+def _bf16(bits):
+    return np.asarray(bits, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _prmt_sign(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 with sign replication: result byte i = byte (sel_i & 7) of (b:a), or its sign (0x00 / 0xFF)
+    when sel_i & 8."""
+    src = (a | b << 32).to_bytes(8, "little")
+    out = 0
+    for lane in range(4):
+        s = (sel >> (4 * lane)) & 0xF
+        byte = src[s & 7]
+        out |= ((0xFF if byte & 0x80 else 0) if s & 8 else byte) << (8 * lane)
+    return out
+
+
+@pytest.mark.parametrize("e", [100, 127, 144])
+def test_window_decode_model_gives_e4m3_times_scale_in_perm8_order(e):
+    """A numpy model of WINDOW_PTX (prmt with sign bytes, << 4, mask, times 2**(E - 17)) on every E4M3 byte."""
+    codes = np.arange(256, dtype=np.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # no NaN bytes (the codec never writes them)
+    for raw in np.resize(codes, (-(-codes.size // 8), 8)):
+        a, b = (int(w) for w in raw.view("<u4"))
+        outs = []
+        for x, y in gpu_wgmma.WORD_PAIRS:
+            m = (_prmt_sign(a, b, att._window_selector(x, y)) << 4) & 0x87F087F0
+            outs.extend(_bf16([m & 0xFFFF, m >> 16]) * np.float32(2.0 ** (e - 17)))
+        want = raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32)[list(att.PERM8)] * 2.0 ** (e - 127 - att.KEY_SHIFT)
+        np.testing.assert_array_equal(np.asarray(outs, np.float32), want)
+
+
+def test_entry_values_are_exact_bf16_products():
+    """SCALE_PTX's factor E4M3 x 2**116 is exact in bf16, and the decode's E2M1 x 2**-126 times it is
+    E2M1 x E4M3 x 2**-KEY_SHIFT, itself a bf16 (so the one fma.rn.bf16x2 is exact), for every pair."""
+    s = np.arange(256, dtype=np.uint8)
+    s = s[(s & 0x7F) != 0x7F].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    factor = s * np.float32(2.0 ** 116)
+    np.testing.assert_array_equal(factor.astype(ml_dtypes.bfloat16).astype(np.float32), factor)
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -6], np.float32)
+    prod = (e2m1[:, None] * np.float32(2.0 ** -126)) * factor[None, :]
+    np.testing.assert_array_equal(prod, e2m1[:, None] * s[None, :] * np.float32(2.0 ** -att.KEY_SHIFT))
+    np.testing.assert_array_equal(prod.astype(ml_dtypes.bfloat16).astype(np.float32), prod)
+    assert np.abs(prod[prod != 0]).min() >= 2.0 ** -126  # normal: no subnormal rounding anywhere
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
+def test_lowers_for_cuda():
+    s = jax.ShapeDtypeStruct
+    b, w, n, k = 2, 128, 300, 512
+    args = (s((b, att.H, att.D), jnp.float32), s((b, w, att.D), jnp.uint8), s((b, w, att.D // 32), jnp.uint8),
+            s((b, w), jnp.bool_), s((b, n, att.D // 2), jnp.uint8), s((b, n, att.D // 16), jnp.uint8),
+            s((b, k), jnp.int32), s((att.H,), jnp.float32))
+    f = jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=3))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "sparse_attention_wgmma" in text
+    with pytest.raises(ValueError, match="64 heads|wgmma attention"):
+        jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05)).trace(
+            s((b, 16, att.D), jnp.float32), *args[1:]).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
+@pytest.mark.parametrize("b,w,n,k,splits", [(3, 128, 300, 512, 1), (3, 128, 300, 512, 3), (5, 64, 2000, 300, 4)])
+def test_matches_the_reference(b, w, n, k, splits):
+    q, window, valid, entries, idx, sink = _attention_case(splits, b, att.H, att.D, w, n, k)
+    scale = att.D ** -0.5
+    ref = attention_ref(q, window, valid, entries, idx, sink, scale)
+    out = att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],
+                                     entries["scales"], idx, sink, scale, splits=splits)
+    np.testing.assert_array_equal(out[0], 0.0)
+    for i in range(1, b):
+        err = float(jnp.linalg.norm(out[i] - ref[i]) / jnp.linalg.norm(ref[i]))
+        assert err < 5e-3, (i, err)
