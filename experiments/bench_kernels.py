@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plt
 from dsv41_jax import ops, quant
 from experiments import _cli
 import kernels_pallas
-from kernels_pallas import decode, gpu_attention, gpu_indexer, gpu_select
+from kernels_pallas import decode, gpu_attention, gpu_attention_wgmma, gpu_indexer, gpu_select
 
 H_IDX, D_IDX, TOPK, N_BLOCKS, BLOCK = 32, 128, 512, 2048, 8
 H_ATT, D_ATT, WINDOW = 64, 512, 128
@@ -317,9 +317,12 @@ def bench_attention(rec_rows: Rows, key, args):
     scale = D_ATT ** -0.5
     rows_read = {"values": entries["values"][:, :TOPK], "scales": entries["scales"][:, :TOPK]}
     moved = nbytes(q, window, wvalid, rows_read, idx) + b * H_ATT * D_ATT * 4
-    splits = args.splits or gpu_attention.default_splits(b)
+    splits = args.splits or (gpu_attention_wgmma.default_splits(b, (WINDOW + TOPK) // gpu_attention_wgmma.T)
+                             if args.att_variant == "wgmma" else gpu_attention.default_splits(b))
 
     def attn(q, wv, ws, ok, ev, es, idx, sink):
+        if args.att_variant == "wgmma":
+            return gpu_attention_wgmma.sparse_attention_wgmma(q, wv, ws, ok, ev, es, idx, sink, scale, splits=splits)
         return gpu_attention.sparse_attention(q, wv, ws, ok, ev, es, idx, sink, scale, variant=args.att_variant,
                                               splits=splits, block_k=args.block_k, head_block=args.head_block,
                                               channel_block=args.channel_block, num_warps=args.att_warps, **KW)
@@ -469,7 +472,8 @@ def main(argv=None):
     p.add_argument("--scan-variant", default="dispatch", choices=("dispatch", *gpu_indexer.VARIANTS),
                    help="dispatch: the scan kernels_pallas.indexer_scores_decode takes on this GPU (the wgmma "
                         "scan on an H100/H200); else the Triton scan's variant, with --block-n / --warps")
-    p.add_argument("--att-variant", default="flash", choices=("flash", "split"))
+    p.add_argument("--att-variant", default="flash", choices=("flash", "split", "wgmma"),
+                   help="wgmma: the Hopper kernel (kernels_pallas.gpu_attention_wgmma; --splits 0 = its default)")
     p.add_argument("--head-block", type=int, default=None, help="flash attention: heads per program")
     p.add_argument("--channel-block", type=int, default=128, help="split attention: channels per p.v program")
     p.add_argument("--ref-limit-gb", type=float, default=40.0, help="skip the jnp indexer above this temp size")
