@@ -121,34 +121,57 @@ def _thread_row():
 
 
 def _cta_sync():
-    """Keys written by both warpgroups visible to both warpgroups' wgmmas."""
+    """Both warpgroups meet (named barrier over 256 threads), after a fence that makes this thread's shared
+    memory writes visible to the tensor cores' reads (wgmma)."""
     nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
     mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)
 
 
+def _publish_validity(mask_ptr, slot, valid, q):
+    """Warp w's ballot of its 8 rows' validity (bit 4r for row 8w + r, from the row's q = 0 thread) into
+    mask[slot, w] (u32 [2, 8] in shared memory), for `_bias`."""
+    pred = arith.andi(valid, arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))
+    bits = mgpu_utils.inline_ptx("{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, 0xffffffff; }",
+                                 arith.extui(ir.IntegerType.get_signless(32), pred), result_types=ir.IntegerType.get_signless(32))
+    tid = mgpu_utils.thread_idx()
+    warp = arith.shrui(tid, i32_const(5))
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, arith.andi(tid, i32_const(31)), i32_const(0))):
+        off = arith.muli(arith.addi(arith.muli(slot, i32_const(8)), warp), i32_const(4))
+        llvm.store(bits, mgpu_utils.getelementptr(mask_ptr, [off], ir.IntegerType.get_signless(8)), alignment=4)
+
+
+def _prefetch_l2(ptr, off64, lines: int):
+    """prefetch.L2 of `lines` 128 B lines from ptr + off64 (bytes)."""
+    for j in range(lines):
+        mgpu_utils.inline_ptx("prefetch.L2 [$0];", mgpu_utils.getelementptr(
+            ptr, [arith.addi(off64, _i64(i32_const(128 * j)))], ir.IntegerType.get_signless(8)), has_side_effects=True)
+
+
 @functools.cache
 def _decode_entries(n_rows: int):
-    """inline_mgpu: (keys smem, entry values gmem u8 [B, N, 256], scales u8 [B, N, 32], idx i32 [B, K], b, slot,
-    first entry e0) -> keys[slot] rows r = entry idx[b, e0 + r] x 2**-KEY_SHIFT in PERM8 order (row 0 for
-    idx < 0: finite, and masked by the bias). n_rows: N."""
+    """inline_mgpu: (keys smem, validity masks smem, entry values gmem u8 [B, N, 256], scales u8 [B, N, 32],
+    idx i32 [B, K], b, slot, first entry e0) -> keys[slot] rows r = entry idx[b, e0 + r] x 2**-KEY_SHIFT in
+    PERM8 order (row 0 for idx < 0: finite, and masked by the bias), their validity in masks[slot]. Both
+    warpgroups meet before (the slot's last readers are done) and after (its keys are written). n_rows: N."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                  _SPLAT, _SPLAT, _SPLAT))
-    def decode(ctx, k_smem, ev, es, idx, b, slot, e0):
+                                  plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT))
+    def decode(ctx, k_smem, masks, ev, es, idx, b, slot, e0):
         del ctx
         i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
         b, slot, e0 = (a.registers.item() for a in (b, slot, e0))
         _, row, q = _thread_row()
         k_ptr, ev_ptr, es_ptr = (mgpu_utils.memref_ptr(r) for r in (k_smem, ev, es))
         ix = memref.load(idx, [arith.index_cast(ir.IndexType.get(), v) for v in (b, arith.addi(e0, row))])
-        ix = arith.maxsi(ix, i32_const(0))
-        entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))  # i64: B x N x 256 may pass 2**31
+        valid = arith.cmpi(arith.CmpIPredicate.sge, ix, i32_const(0))
+        entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
         loads = []
         for k in range(4):  # raw 16 B chunk i = q + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
             i = arith.addi(q, i32_const(4 * k))
             v_off = arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(arith.muli(i, i32_const(16))))
             s_off = arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), _i64(arith.muli(i, i32_const(2))))
             loads.append((i, _load(ev_ptr, v_off, ir.VectorType.get((4,), i32), 16), _load(es_ptr, s_off, i16, 2)))
+        mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)
         for i, words, sc in loads:
             mults = mgpu_utils.inline_ptx(SCALE_PTX, sc, result_types=[i32, i32])
             half = arith.divui(i, i32_const(8))
@@ -157,6 +180,7 @@ def _decode_entries(n_rows: int):
                 outs = mgpu_utils.inline_ptx(DECODE_PTX, word, mults[u // 2], result_types=[i32] * 4)
                 col = arith.addi(arith.muli(arith.remui(i, i32_const(8)), i32_const(32)), i32_const(8 * u))
                 _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
+        _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
         _cta_sync()
 
     return decode
@@ -164,24 +188,28 @@ def _decode_entries(n_rows: int):
 
 @functools.cache
 def _decode_window():
-    """inline_mgpu: (keys smem, window values gmem u8 [B, W, 512], E8M0 scales u8 [B, W, 16], b, slot, first row
-    w0) -> keys[slot] rows r = window row w0 + r x 2**-KEY_SHIFT in PERM8 order."""
+    """inline_mgpu: (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0 scales u8 [B, W, 16],
+    validity i8 [B, W], b, slot, first row w0) -> keys[slot] rows r = window row w0 + r x 2**-KEY_SHIFT in PERM8
+    order, their validity in masks[slot]; both warpgroups meet before and after, as `_decode_entries`."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT))
-    def decode(ctx, k_smem, wv, ws, b, slot, w0):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                                  plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT))
+    def decode(ctx, k_smem, masks, wv, ws, wok, b, slot, w0):
         del ctx
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
         b, slot, w0 = (a.registers.item() for a in (b, slot, w0))
         _, row, q = _thread_row()
         w_rows = ir.MemRefType(wv.type).shape[1]
-        k_ptr, wv_ptr, ws_ptr = (mgpu_utils.memref_ptr(r) for r in (k_smem, wv, ws))
+        k_ptr, wv_ptr, ws_ptr, ok_ptr = (mgpu_utils.memref_ptr(r) for r in (k_smem, wv, ws, wok))
         rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(arith.addi(w0, row)))
+        valid = arith.cmpi(arith.CmpIPredicate.ne, _load(ok_ptr, rec, i8, 1), arith.constant(i8, 0))
         loads = []
         for k in range(8):  # raw 16 B chunk i = q + 4k: channels 16i .. 16i + 15, E8M0 byte i // 2
             i = arith.addi(q, i32_const(4 * k))
             v_off = arith.addi(arith.muli(rec, _i64(i32_const(D))), _i64(arith.muli(i, i32_const(16))))
             s_off = arith.addi(arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), _i64(arith.divui(i, i32_const(2))))
             loads.append((i, _load(wv_ptr, v_off, ir.VectorType.get((4,), i32), 16), _load(ws_ptr, s_off, i8, 1)))
+        mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)
         for i, words, e in loads:
             field = arith.minui(arith.addi(arith.extui(i32, e), i32_const(127 - 17)), i32_const(254))
             mult = pow2_bf16x2(field)
@@ -191,38 +219,68 @@ def _decode_window():
                 outs = mgpu_utils.inline_ptx(WINDOW_PTX, a, b2, mult, result_types=[i32] * 4)
                 col = arith.addi(arith.muli(arith.remui(i, i32_const(16)), i32_const(16)), i32_const(8 * p))
                 _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
+        _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
         _cta_sync()
 
     return decode
 
 
 @functools.cache
-def _bias():
-    """inline_mgpu: (validity i32 gmem [B, n_keys], b, first key k0) -> f32 [64, 64] WGMMA layout, column n
-    0 where key k0 + n is valid, NEG where not (the logits accumulator's start)."""
+def _prefetch(n_rows: int, w_rows: int, n_wt: int, per: int):
+    """inline_mgpu: (entry values, scales, idx, window values, scales (gmem), b, first tile, last tile) ->
+    prefetch.L2 of every key row this CTA will decode (its tiles [first, last) of 64 keys: window tiles, then
+    entry tiles), so that their HBM reads all start at once and the decodes' loads hit L2."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT),
-                       return_type=plgpu.ShapeDtypeStruct((H, T), jnp.float32, plgpu.Layout.WGMMA))
-    def bias(ctx, ok, b, k0):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5 + (_SPLAT,) * 3)
+    def prefetch(ctx, ev, es, idx, wv, ws, b, first, last):
         del ctx
-        i32, i64, f32 = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.F32Type.get())
-        b, k0 = (a.registers.item() for a in (b, k0))
-        n_keys = ir.MemRefType(ok.type).shape[1]
-        lane = arith.remui(mgpu_utils.thread_idx(), i32_const(32))
-        q = arith.remui(lane, i32_const(4))
-        ptr = mgpu_utils.memref_ptr(ok)
-        base = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_keys))), _i64(arith.addi(k0, arith.muli(q, i32_const(2)))))
+        b, first, last = (a.registers.item() for a in (b, first, last))
+        ev_ptr, es_ptr, wv_ptr, ws_ptr = (mgpu_utils.memref_ptr(r) for r in (ev, es, wv, ws))
+        tid = mgpu_utils.thread_idx()
+        lt = lambda x, y: arith.cmpi(arith.CmpIPredicate.slt, x, y)
+        for j in range(-(-per * T // 256)):
+            key = arith.addi(tid, i32_const(256 * j))  # the CTA's key slot: tile first + key // 64
+            tile = arith.addi(first, arith.divui(key, i32_const(T)))
+            pos = arith.addi(arith.muli(tile, i32_const(T)), arith.remui(key, i32_const(T)))
+            with mgpu_utils.when(lt(tile, last)):
+                with mgpu_utils.when(lt(tile, i32_const(n_wt))):
+                    rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(pos))
+                    _prefetch_l2(wv_ptr, arith.muli(rec, _i64(i32_const(D))), D // 128)
+                    _prefetch_l2(ws_ptr, arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), 1)
+                with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.sge, tile, i32_const(n_wt))):
+                    e = arith.subi(pos, i32_const(n_wt * T))
+                    ix = memref.load(idx, [arith.index_cast(ir.IndexType.get(), v) for v in (b, e)])
+                    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.sge, ix, i32_const(0))):
+                        entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))
+                        _prefetch_l2(ev_ptr, arith.muli(entry, _i64(i32_const(D // 2))), D // 256)
+                        _prefetch_l2(es_ptr, arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), 1)
+
+    return prefetch
+
+
+@functools.cache
+def _bias():
+    """inline_mgpu: (validity masks smem u32 [2, 8], slot) -> f32 [64, 64] WGMMA layout, column n 0 where key n
+    of the slot's tile is valid, NEG where not (the logits accumulator's start)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT),
+                       return_type=plgpu.ShapeDtypeStruct((H, T), jnp.float32, plgpu.Layout.WGMMA))
+    def bias(ctx, masks, slot):
+        del ctx
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        slot = slot.registers.item()
+        q = arith.remui(mgpu_utils.thread_idx(), i32_const(4))
+        ptr = mgpu_utils.memref_ptr(masks)
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((H, T)), dtype=object)
         zero, neg = arith.constant(f32, 0.0), arith.constant(f32, NEG)
-        for c in range(T // 8):  # columns 8c + 2q + {0, 1}
-            pair = _load(ptr, arith.addi(arith.muli(base, _i64(i32_const(4))), _i64(i32_const(32 * c))),
-                         i64, 8)
-            vals = []
-            for j in range(2):
-                flag = arith.trunci(i32, arith.shrui(pair, arith.constant(i64, 32 * j)))
-                vals.append(arith.select(arith.cmpi(arith.CmpIPredicate.ne, flag, i32_const(0)), zero, neg))
+        for c in range(T // 8):  # columns 8c + 2q + {0, 1}: keys of warp word c, bits 4 (2q + j)
+            word = llvm.load(i32, mgpu_utils.getelementptr(
+                ptr, [arith.muli(arith.addi(arith.muli(slot, i32_const(8)), i32_const(c)), i32_const(4))],
+                ir.IntegerType.get_signless(8)), alignment=4)
             vec = llvm.mlir_undef(ir.VectorType.get((2,), f32))
-            for j, v in enumerate(vals):
+            for j in range(2):
+                bit = arith.andi(arith.shrui(word, arith.addi(arith.muli(q, i32_const(8)), i32_const(4 * j))), i32_const(1))
+                v = arith.select(arith.cmpi(arith.CmpIPredicate.ne, bit, i32_const(0)), zero, neg)
                 vec = llvm.insertelement(vec, v, arith.constant(i32, j))
             for half in range(2):
                 regs[0, c, 0, 0, half, 0, 0, 0, 0] = vec
@@ -234,13 +292,14 @@ def _bias():
 @functools.cache
 def _store_partials():
     """inline_mgpu: (acc f32 [64, 256] WGMMA, m, l f32 [64, 8] WGMMA (every column the row's value), o gmem f32
-    [B, S, 64, 512], m / l gmem f32 [B, S, 64], b, s) -> o[b, s, :, 256 wg + columns]; warpgroup 0 also m, l."""
+    [B, S, 64, 512], m / l gmem f32 [B, S, 64], b, s) -> o[b, s, :, channels of warpgroup wg's columns] =
+    acc x 2**KEY_SHIFT in channel order; warpgroup 0 also m, l."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(),
                                   plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT))
     def store(ctx, acc, m, l, o, m_out, l_out, b, s):
         del ctx
-        i32 = ir.IntegerType.get_signless(32)
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
         b, s = (a.registers.item() for a in (b, s))
         splits = ir.MemRefType(o.type).shape[1]
         tid = mgpu_utils.thread_idx()
@@ -250,14 +309,18 @@ def _store_partials():
         q, r = arith.remui(lane, i32_const(4)), arith.divui(lane, i32_const(4))
         seq = arith.addi(arith.muli(b, i32_const(splits)), s)
         o_ptr = mgpu_utils.memref_ptr(o)
+        shift = arith.constant(f32, 2.0 ** KEY_SHIFT)
+        # column 8c + 2q + j holds channel 8c + PERM8[2q + j] = 8c + (3 - q) + 4j (WORD_PAIRS)
+        ch0 = arith.addi(arith.muli(wg, i32_const(HALF)), arith.subi(i32_const(3), q))
         for half in range(2):
             row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(8 * half))
-            grow = _i64(arith.addi(arith.muli(seq, i32_const(H)), row))
+            grow = arith.muli(_i64(arith.addi(arith.muli(seq, i32_const(H)), row)), _i64(i32_const(D)))
             for c in range(HALF // 8):
-                col = arith.addi(arith.addi(arith.muli(wg, i32_const(HALF)), arith.muli(q, i32_const(2))), i32_const(8 * c))
-                off = arith.muli(arith.addi(arith.muli(grow, _i64(i32_const(D))), _i64(col)), _i64(i32_const(4)))
-                llvm.store(acc.registers[0, c, 0, 0, half, 0, 0, 0, 0],
-                           mgpu_utils.getelementptr(o_ptr, [off], ir.IntegerType.get_signless(8)), alignment=8)
+                vec = acc.registers[0, c, 0, 0, half, 0, 0, 0, 0]
+                for j in range(2):
+                    v = arith.mulf(llvm.extractelement(vec, arith.constant(i32, j)), shift)
+                    off = arith.muli(arith.addi(grow, _i64(arith.addi(ch0, i32_const(8 * c + 4 * j)))), _i64(i32_const(4)))
+                    llvm.store(v, mgpu_utils.getelementptr(o_ptr, [off], ir.IntegerType.get_signless(8)), alignment=4)
             first = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, wg, i32_const(0)),
                                arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))
             with mgpu_utils.when(first):
@@ -298,41 +361,45 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         raise ValueError(f"entries must be [B, N, {D // 2}] + [B, N, {D // ENTRY_GROUP}]; got {entry_values.shape} / "
                          f"{entry_scales.shape}")
     kp = -(-k // T) * T
-    idx = jnp.pad(idx_bk.astype(jnp.int32), ((0, 0), (0, kp - k)), constant_values=-1)
-    ok = jnp.concatenate([window_valid.astype(jnp.int32), (idx >= 0).astype(jnp.int32)], axis=1)  # [B, W + Kp]
+    idx = idx_bk.astype(jnp.int32)
+    idx = idx if kp == k else jnp.pad(idx, ((0, 0), (0, kp - k)), constant_values=-1)
     n_wt, n_t = w // T, (w + kp) // T
     splits = splits or default_splits(b, n_t)
     per = -(-n_t // splits)
-    # q in the kernel's channel order, bf16, as two [64, 256] halves
-    q = q_bhd.astype(jnp.float32)[:, :, channel_perm()].astype(jnp.bfloat16).reshape(b, H, 2, HALF).transpose(0, 2, 1, 3)
+    q = query_bf16(q_bhd)
     c = scale * 2.0 ** KEY_SHIFT * math.log2(math.e)  # logits in log2 units from q . (keys x 2**-KEY_SHIFT)
 
-    def body(q_gmem, wv, ws, ev, es, idx_gmem, ok_gmem, o_gmem, m_gmem, l_gmem, q_smem, k_smem, q_bars):
+    def body(q_gmem, wv, ws, wok, ev, es, idx_gmem, o_gmem, m_gmem, l_gmem, q_smem, k_smem, masks, q_bars):
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
-        plgpu.copy_gmem_to_smem(q_gmem.at[seq, wg], q_smem.at[wg], q_bars.at[wg])  # each warpgroup one half
-        plgpu.barrier_wait(q_bars.at[0])
-        plgpu.barrier_wait(q_bars.at[1])
+        # each warpgroup fetches one half of q's channels; both use both
+        plgpu.copy_gmem_to_smem(q_gmem.at[seq, :, pl.ds(wg * HALF, HALF)], q_smem.at[wg], q_bars.at[wg])
         first = part * per
         last = jnp.minimum(first + per, n_t)
+        _prefetch(n, w, n_wt, per)(ev, es, idx_gmem, wv, ws, seq, first, last)
+
+        def decode(t, slot):
+            @pl.when(t < n_wt)
+            def _():
+                _decode_window()(k_smem, masks, wv, ws, wok, seq, slot, t * T)
+
+            @pl.when(t >= n_wt)
+            def _():
+                _decode_entries(n)(k_smem, masks, ev, es, idx_gmem, seq, slot, (t - n_wt) * T)
+
+        pl.when(first < last)(lambda: decode(first, 0))
+        plgpu.barrier_wait(q_bars.at[0])
+        plgpu.barrier_wait(q_bars.at[1])
 
         def tile(t, carry):
             acc, m, l = carry
             slot = (t - first) % 2
 
-            @pl.when(t < n_wt)
-            def _():
-                _decode_window()(k_smem, wv, ws, seq, slot, t * T)
-
-            @pl.when(t >= n_wt)
-            def _():
-                _decode_entries(n)(k_smem, ev, es, idx_gmem, seq, slot, (t - n_wt) * T)
-
             def qk(acc_ref):
                 for hf in range(2):
                     plgpu.wgmma(acc_ref, q_smem.at[hf], k_smem.at[slot, hf].transpose((1, 0)))
+                pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot))  # while the tensor cores run
 
-            s = plgpu.ACC.init(_bias()(ok_gmem, seq, t * T))
-            s = pl.run_state(qk)(s) * c
+            s = pl.run_state(qk)(plgpu.ACC.init(_bias()(masks, slot))) * c
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -349,7 +416,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         l = plgpu.layout_cast(jnp.zeros((H,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc, m, l = lax.fori_loop(first, last, tile, (acc, m, l))
         wide = lambda v: lax.broadcast_in_dim(v, (H, 8), [0])
-        _store_partials()(acc, wide(m), wide(l), o_gmem, m_gmem, l_gmem, seq, part)
+        _store_partials()(acc, wide(m * math.log(2.0)), wide(l), o_gmem, m_gmem, l_gmem, seq, part)
 
     kernel = plgpu.kernel(
         body,
@@ -361,11 +428,16 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         thread_name="wg",
         scratch_types=(plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
                        plgpu.SMEM((2, 2, T, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
-                       plgpu.Barrier(num_arrivals=1, num_barriers=2)),
+                       plgpu.SMEM((2, 8), jnp.uint32), plgpu.Barrier(num_arrivals=1, num_barriers=2)),
         kernel_name="sparse_attention_wgmma",
     )
-    o, m, l = kernel(q, window_values, window_scales, entry_values, entry_scales, idx, ok)
-    inv = np.argsort(channel_perm())
-    o = o[..., inv] * 2.0 ** KEY_SHIFT
-    return gpu_attention.combine(o, m * math.log(2.0), l, sink_h.astype(jnp.float32))
+    o, m, l = kernel(q, window_values, window_scales, window_valid.astype(jnp.int8), entry_values, entry_scales, idx)
+    return gpu_attention.combine(o, m, l, sink_h.astype(jnp.float32))
 
+
+def query_bf16(q_bhd: jax.Array) -> jax.Array:
+    """bf16 [B, H, 512]: q in the kernel's channel order (`channel_perm`), as reshapes (no gather): channel
+    8u + 4h + a sits at column 8u + 2(3 - a) + h."""
+    b, h, d = q_bhd.shape
+    q = q_bhd.astype(jnp.float32).reshape(b, h, d // 8, 2, 4)[..., ::-1]
+    return q.swapaxes(-1, -2).reshape(b, h, d).astype(jnp.bfloat16)

@@ -26,6 +26,7 @@ def say(*a):
 
 
 dump = os.path.join(OUT, "mosaic")
+os.makedirs(dump, exist_ok=True)
 env = dict(os.environ, PYTHONPATH=".", JAX_PLATFORMS="cuda", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
 try:
     r = subprocess.run([sys.executable, "-m", "pytest", "tests/test_attention_wgmma.py", "-q", "-x", "-p",
