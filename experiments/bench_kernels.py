@@ -141,7 +141,8 @@ def time_hbm(fn, args, perturb: int, reps: int = 20) -> tuple[float, dict]:
     mine = [r for r in rows if not r["name"].startswith("l2_flush")]
     us = sum(r["us_per_step"] for r in mine)
     pallas = sum(r["us_per_step"] for r in mine if r["name"].startswith(PALLAS_NAMES))
-    return us * 1e-6, {"pallas_us": round(pallas, 2), "kernels": round(sum(r["calls_per_step"] for r in mine), 1)}
+    return us * 1e-6, {"pallas_us": round(pallas, 2), "kernels": round(sum(r["calls_per_step"] for r in mine), 1),
+                       "by_kernel": {r["name"][:48]: round(r["us_per_step"], 2) for r in mine[:8]}}
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:

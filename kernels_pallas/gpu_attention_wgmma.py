@@ -344,13 +344,19 @@ def default_splits(b: int, tiles: int, sms: int = 132) -> int:
     return max(1, min(tiles, sms // b))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits"))
+ABLATIONS = ("prefetch", "decode", "qk", "pv", "store")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "skip"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
-                           sink_h, scale: float, *, splits: int | None = None):
+                           sink_h, scale: float, *, splits: int | None = None, skip: tuple[str, ...] = ()):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
-    (default `default_splits`)."""
+    (default `default_splits`). skip: parts of ABLATIONS left out, for benchmarks that time the rest (the
+    output is then wrong)."""
+    if set(skip) - set(ABLATIONS):
+        raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     b, h, d = q_bhd.shape
     w, k, n = window_values.shape[1], idx_bk.shape[1], entry_values.shape[1]
     if (h, d) != (H, D) or w % T or window_values.shape != (b, w, D) or window_scales.shape != (b, w, D // WINDOW_GROUP):
@@ -375,9 +381,12 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         plgpu.copy_gmem_to_smem(q_gmem.at[seq, :, pl.ds(wg * HALF, HALF)], q_smem.at[wg], q_bars.at[wg])
         first = part * per
         last = jnp.minimum(first + per, n_t)
-        _prefetch(n, w, n_wt, per)(ev, es, idx_gmem, wv, ws, seq, first, last)
+        if "prefetch" not in skip:
+            _prefetch(n, w, n_wt, per)(ev, es, idx_gmem, wv, ws, seq, first, last)
 
         def decode(t, slot):
+            if "decode" in skip:
+                return
             @pl.when(t < n_wt)
             def _():
                 _decode_window()(k_smem, masks, wv, ws, wok, seq, slot, t * T)
@@ -395,7 +404,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             slot = (t - first) % 2
 
             def qk(acc_ref):
-                for hf in range(2):
+                for hf in range(0 if "qk" in skip else 2):
                     plgpu.wgmma(acc_ref, q_smem.at[hf], k_smem.at[slot, hf].transpose((1, 0)))
                 pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot))  # while the tensor cores run
 
@@ -407,7 +416,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), k_smem.at[slot, wg])
+                if "pv" not in skip:
+                    plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), k_smem.at[slot, wg])
 
             return pl.run_state(pv)(plgpu.ACC.init(acc)), m_new, l
 
@@ -416,7 +426,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         l = plgpu.layout_cast(jnp.zeros((H,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc, m, l = lax.fori_loop(first, last, tile, (acc, m, l))
         wide = lambda v: lax.broadcast_in_dim(v, (H, 8), [0])
-        _store_partials()(acc, wide(m * math.log(2.0)), wide(l), o_gmem, m_gmem, l_gmem, seq, part)
+        if "store" not in skip:
+            _store_partials()(acc, wide(m * math.log(2.0)), wide(l), o_gmem, m_gmem, l_gmem, seq, part)
 
     kernel = plgpu.kernel(
         body,

@@ -59,9 +59,9 @@ def triton(splits):
         q, wv, ws, ok, ev, es, idx, sink, SCALE, splits=splits, block_k=64, num_warps=8)
 
 
-def wgmma(splits):
+def wgmma(splits, skip=()):
     return lambda q, wv, ws, ok, ev, es, idx, sink: gpu_attention_wgmma.sparse_attention_wgmma(
-        q, wv, ws, ok, ev, es, idx, sink, SCALE, splits=splits)
+        q, wv, ws, ok, ev, es, idx, sink, SCALE, splits=splits, skip=skip)
 
 
 for b in BATCHES:
@@ -72,9 +72,12 @@ for b in BATCHES:
     ref = ops.sparse_attention_decode(q, window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, SCALE)
     variants = [("triton flash, default splits", triton(gpu_attention.default_splits(b)))]
     variants += [(f"wgmma, {s} splits", wgmma(s)) for s in sorted({1, 2, 3, gpu_attention_wgmma.default_splits(b, 10)})]
+    if b == 64:  # what each part costs: the kernel without it (wrong numbers)
+        variants += [(f"wgmma, 2 splits, no {part}", wgmma(2, (part,))) for part in gpu_attention_wgmma.ABLATIONS]
+        variants += [("wgmma, 2 splits, loads + stores only", wgmma(2, ("qk", "pv", "decode")))]
     for name, fn in variants:
         try:
-            err = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
+            err = float(jnp.linalg.norm(jnp.nan_to_num(fn(*args)) - ref) / jnp.linalg.norm(ref))
             t, info = bk.time_hbm(fn, args, perturb=7)
             ROWS.append((b, name, t * 1e6, info.get("pallas_us"), info.get("kernels"), moved / t / peak, err))
             say(f"  128K x{b} {name:32s} {t * 1e6:8.1f} us  {100 * moved / t / peak:5.1f}% of copy  {info}  "
