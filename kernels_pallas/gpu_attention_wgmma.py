@@ -290,16 +290,55 @@ def _bias():
 
 
 @functools.cache
-def _store_partials():
-    """inline_mgpu: (acc f32 [64, 256] WGMMA, m, l f32 [64, 8] WGMMA (every column the row's value), o gmem f32
-    [B, S, 64, 512], m / l gmem f32 [B, S, 64], b, s) -> o[b, s, :, channels of warpgroup wg's columns] =
-    acc x 2**KEY_SHIFT in channel order; warpgroup 0 also m, l."""
+def _load_query():
+    """inline_mgpu: (q gmem f32 [B, 64, 512], q smem bf16 [2, 64, 256] (channel halves), b) -> q[b] rounded to
+    bf16 in the kernel's channel order (`channel_perm`): a thread reads 8 channels (two 16 B loads, whole lines
+    over a warp) and writes their 16 B chunk."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(),
-                                  plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT))
-    def store(ctx, acc, m, l, o, m_out, l_out, b, s):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(_TRANSFORMS), _SPLAT))
+    def load(ctx, q_gmem, q_smem, b):
         del ctx
         i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        b = b.registers.item()
+        tid = mgpu_utils.thread_idx()
+        g_ptr, s_ptr = mgpu_utils.memref_ptr(q_gmem), mgpu_utils.memref_ptr(q_smem)
+        base = arith.muli(_i64(b), _i64(i32_const(H * D * 4)))
+        groups = []
+        for i in range(H * D // 8 // 256):  # 8-channel group g = tid + 256 i: row g // 64, channels 8 (g % 64) + ...
+            g = arith.addi(tid, i32_const(256 * i))
+            off = arith.addi(base, _i64(arith.muli(g, i32_const(32))))
+            vals = [_load(g_ptr, arith.addi(off, _i64(i32_const(16 * h))), ir.VectorType.get((4,), f32), 16)
+                    for h in range(2)]
+            groups.append((g, vals))
+        for g, vals in groups:
+            ch = [llvm.extractelement(vals[c // 4], arith.constant(i32, c % 4)) for c in range(8)]
+            words = [mgpu_utils.inline_ptx("cvt.rn.bf16x2.f32 $0, $1, $2;", ch[PERM8[2 * j + 1]], ch[PERM8[2 * j]],
+                                           result_types=i32) for j in range(4)]
+            row, u = arith.divui(g, i32_const(D // 8)), arith.remui(g, i32_const(D // 8))
+            half = arith.divui(u, i32_const(HALF // 8))
+            col = arith.muli(arith.remui(u, i32_const(HALF // 8)), i32_const(8))
+            _store16(s_ptr, _smem_offset(0, half, row, col), words)
+
+    return load
+
+
+@functools.cache
+def _store_partials():
+    """inline_mgpu: (acc f32 [64, 256] WGMMA, m, l f32 [64, 8] WGMMA (every column the row's value), the keys'
+    smem (free now: the output's staging), o gmem f32 [B, S, 64, 512], m / l gmem f32 [B, S, 64], b, s) ->
+    o[b, s, :, warpgroup wg's 256 channels] = acc x 2**KEY_SHIFT in channel order; warpgroup 0 also m, l.
+
+    The accumulator's registers hold 2 channels of a row each, 16 B of a row per 4 threads: stored to global
+    memory directly they cost 2.7x the kernel's other work (ablation, docs/BENCHMARKS.md). So each warpgroup
+    writes its [64, 256] block to shared memory (rows of 1 KB, 16 B chunk k at k ^ (row % 8): no bank
+    conflicts either way) and then copies it out in whole rows, 16 B a thread."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA,
+                                  plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                                  _SPLAT, _SPLAT))
+    def store(ctx, acc, m, l, k_smem, o, m_out, l_out, b, s):
+        del ctx
+        i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
         b, s = (a.registers.item() for a in (b, s))
         splits = ir.MemRefType(o.type).shape[1]
         tid = mgpu_utils.thread_idx()
@@ -308,25 +347,40 @@ def _store_partials():
         lane = arith.remui(tid, i32_const(32))
         q, r = arith.remui(lane, i32_const(4)), arith.divui(lane, i32_const(4))
         seq = arith.addi(arith.muli(b, i32_const(splits)), s)
+        stage = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(k_smem), [arith.muli(wg, i32_const(H * HALF * 4))], i8)
         o_ptr = mgpu_utils.memref_ptr(o)
         shift = arith.constant(f32, 2.0 ** KEY_SHIFT)
-        # column 8c + 2q + j holds channel 8c + PERM8[2q + j] = 8c + (3 - q) + 4j (WORD_PAIRS)
-        ch0 = arith.addi(arith.muli(wg, i32_const(HALF)), arith.subi(i32_const(3), q))
+        mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)  # both done with the keys
         for half in range(2):
             row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(8 * half))
-            grow = arith.muli(_i64(arith.addi(arith.muli(seq, i32_const(H)), row)), _i64(i32_const(D)))
+            row_off = arith.muli(row, i32_const(HALF * 4))
             for c in range(HALF // 8):
                 vec = acc.registers[0, c, 0, 0, half, 0, 0, 0, 0]
-                for j in range(2):
+                for j in range(2):  # column 8c + 2q + j holds channel 8c + PERM8[2q + j] = 8c + (3 - q) + 4j
+                    ch = arith.addi(arith.subi(i32_const(8 * c + 3 + 4 * j), q), i32_const(0))
+                    chunk = arith.xori(arith.shrui(ch, i32_const(2)), arith.andi(row, i32_const(7)))
+                    off = arith.addi(row_off, arith.addi(arith.muli(chunk, i32_const(16)),
+                                                         arith.muli(arith.andi(ch, i32_const(3)), i32_const(4))))
                     v = arith.mulf(llvm.extractelement(vec, arith.constant(i32, j)), shift)
-                    off = arith.muli(arith.addi(grow, _i64(arith.addi(ch0, i32_const(8 * c + 4 * j)))), _i64(i32_const(4)))
-                    llvm.store(v, mgpu_utils.getelementptr(o_ptr, [off], ir.IntegerType.get_signless(8)), alignment=4)
+                    llvm.store(v, mgpu_utils.getelementptr(stage, [off], i8), alignment=4)
             first = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, wg, i32_const(0)),
                                arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))
             with mgpu_utils.when(first):
                 for src, dst in ((m, m_out), (l, l_out)):
                     v = llvm.extractelement(src.registers[0, 0, 0, 0, half, 0, 0, 0, 0], arith.constant(i32, 0))
                     memref.store(v, dst, [arith.index_cast(ir.IndexType.get(), x) for x in (b, s, row)])
+        mgpu_utils.warpgroup_barrier()
+        t = arith.andi(tid, i32_const(127))
+        k = arith.andi(t, i32_const(63))
+        for i in range(H // 2):  # rows 2i + t // 64: a warp copies 512 contiguous bytes of one row
+            row = arith.addi(arith.shrui(t, i32_const(6)), i32_const(2 * i))
+            src = arith.addi(arith.muli(row, i32_const(HALF * 4)),
+                             arith.muli(arith.xori(k, arith.andi(row, i32_const(7))), i32_const(16)))
+            v = llvm.load(ir.VectorType.get((4,), f32), mgpu_utils.getelementptr(stage, [src], i8), alignment=16)
+            dst = arith.muli(arith.addi(arith.muli(_i64(arith.addi(arith.muli(seq, i32_const(H)), row)), _i64(i32_const(D))),
+                                        _i64(arith.addi(arith.muli(wg, i32_const(HALF)), arith.muli(k, i32_const(4))))),
+                             _i64(i32_const(4)))
+            llvm.store(v, mgpu_utils.getelementptr(o_ptr, [dst], i8), alignment=16)
 
     return store
 
@@ -372,13 +426,10 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     n_wt, n_t = w // T, (w + kp) // T
     splits = splits or default_splits(b, n_t)
     per = -(-n_t // splits)
-    q = query_bf16(q_bhd)
     c = scale * 2.0 ** KEY_SHIFT * math.log2(math.e)  # logits in log2 units from q . (keys x 2**-KEY_SHIFT)
 
-    def body(q_gmem, wv, ws, wok, ev, es, idx_gmem, o_gmem, m_gmem, l_gmem, q_smem, k_smem, masks, q_bars):
+    def body(q_gmem, wv, ws, wok, ev, es, idx_gmem, o_gmem, m_gmem, l_gmem, q_smem, k_smem, masks):
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
-        # each warpgroup fetches one half of q's channels; both use both
-        plgpu.copy_gmem_to_smem(q_gmem.at[seq, :, pl.ds(wg * HALF, HALF)], q_smem.at[wg], q_bars.at[wg])
         first = part * per
         last = jnp.minimum(first + per, n_t)
         if "prefetch" not in skip:
@@ -395,9 +446,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             def _():
                 _decode_entries(n)(k_smem, masks, ev, es, idx_gmem, seq, slot, (t - n_wt) * T)
 
+        _load_query()(q_gmem, q_smem, seq)  # made visible to the wgmmas by the first decode's fence and barrier
         pl.when(first < last)(lambda: decode(first, 0))
-        plgpu.barrier_wait(q_bars.at[0])
-        plgpu.barrier_wait(q_bars.at[1])
 
         def tile(t, carry):
             acc, m, l = carry
@@ -427,7 +477,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         acc, m, l = lax.fori_loop(first, last, tile, (acc, m, l))
         wide = lambda v: lax.broadcast_in_dim(v, (H, 8), [0])
         if "store" not in skip:
-            _store_partials()(acc, wide(m * math.log(2.0)), wide(l), o_gmem, m_gmem, l_gmem, seq, part)
+            _store_partials()(acc, wide(m * math.log(2.0)), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
 
     kernel = plgpu.kernel(
         body,
@@ -439,16 +489,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         thread_name="wg",
         scratch_types=(plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
                        plgpu.SMEM((2, 2, T, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
-                       plgpu.SMEM((2, 8), jnp.uint32), plgpu.Barrier(num_arrivals=1, num_barriers=2)),
+                       plgpu.SMEM((2, 8), jnp.uint32)),
         kernel_name="sparse_attention_wgmma",
     )
-    o, m, l = kernel(q, window_values, window_scales, window_valid.astype(jnp.int8), entry_values, entry_scales, idx)
+    o, m, l = kernel(q_bhd.astype(jnp.float32), window_values, window_scales, window_valid.astype(jnp.int8), entry_values, entry_scales, idx)
     return gpu_attention.combine(o, m, l, sink_h.astype(jnp.float32))
 
-
-def query_bf16(q_bhd: jax.Array) -> jax.Array:
-    """bf16 [B, H, 512]: q in the kernel's channel order (`channel_perm`), as reshapes (no gather): channel
-    8u + 4h + a sits at column 8u + 2(3 - a) + h."""
-    b, h, d = q_bhd.shape
-    q = q_bhd.astype(jnp.float32).reshape(b, h, d // 8, 2, 4)[..., ::-1]
-    return q.swapaxes(-1, -2).reshape(b, h, d).astype(jnp.bfloat16)

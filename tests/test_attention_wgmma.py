@@ -24,11 +24,6 @@ def test_channel_order_is_a_permutation_within_each_group_of_8():
     assert np.all(p // 8 == np.arange(att.D) // 8)
 
 
-def test_query_in_channel_order_without_a_gather():
-    q = jax.random.normal(jax.random.key(0), (2, att.H, att.D))
-    np.testing.assert_array_equal(att.query_bf16(q), q[:, :, att.channel_perm()].astype(jnp.bfloat16))
-
-
 def _bf16(bits):
     return np.asarray(bits, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
 

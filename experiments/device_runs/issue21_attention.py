@@ -2,7 +2,9 @@
 default and the wgmma kernel at several key splits, timed from HBM (L2 flushed before every call; GPU time of
 the call's kernels from a profiler trace) against the copy bandwidth measured in the same run. Logs under $OUT.
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue21_attention [BATCH ...]     (~3 minutes)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_attention [BATCH ...]     (~2 minutes)
+
+ABLATE=1 also times the wgmma kernel at batch 64 without each of its parts (`gpu_attention_wgmma.ABLATIONS`).
 """
 
 import os
@@ -72,7 +74,7 @@ for b in BATCHES:
     ref = ops.sparse_attention_decode(q, window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, SCALE)
     variants = [("triton flash, default splits", triton(gpu_attention.default_splits(b)))]
     variants += [(f"wgmma, {s} splits", wgmma(s)) for s in sorted({1, 2, 3, gpu_attention_wgmma.default_splits(b, 10)})]
-    if b == 64:  # what each part costs: the kernel without it (wrong numbers)
+    if b == 64 and os.environ.get("ABLATE"):  # what each part costs: the kernel without it (wrong numbers)
         variants += [(f"wgmma, 2 splits, no {part}", wgmma(2, (part,))) for part in gpu_attention_wgmma.ABLATIONS]
         variants += [("wgmma, 2 splits, loads + stores only", wgmma(2, ("qk", "pv", "decode")))]
     for name, fn in variants:
