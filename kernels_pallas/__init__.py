@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import (gpu_attention, gpu_grouped, gpu_hyper, gpu_indexer, gpu_indexer_wgmma, gpu_router,
-                            gpu_select, gpu_wgmma, tpu_attention, tpu_grouped, tpu_indexer, tpu_select)
+from kernels_pallas import (gpu_attention, gpu_attention_wgmma, gpu_grouped, gpu_hyper, gpu_indexer, gpu_indexer_wgmma,
+                            gpu_router, gpu_select, gpu_wgmma, tpu_attention, tpu_grouped, tpu_indexer, tpu_select)
 
 __all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode",
            "grouped_matmuls_fp4", "rows_matmuls_fp4", "rows_matmuls_float", "fp8_matmuls", "hyper_in", "route",
@@ -77,6 +77,9 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid_bw, entry_rec, idx_b
             entry_rec["scales"], idx_bk, sink_h, float(scale))
     if fam == "tpu":
         return tpu_attention.sparse_attention(*args, interpret=interpret)
+    if not interpret and q_bhd.shape[0] >= gpu_attention_wgmma.MIN_BATCH and gpu_attention_wgmma.supported(
+            q_bhd, window_rec["values"], entry_rec["values"]):
+        return gpu_attention_wgmma.sparse_attention_wgmma(*args)
     # Tiles measured on the H200 at 128K (docs/BENCHMARKS.md, issue 21): a few sequences are latency-bound,
     # so heads go in blocks of 16 with 32-key tiles and 4 warps, and enough key ranges to give ~132 SMs
     # one program each (batch 1: 20.8 us against 35.1 us for the batch-64 tiles); many sequences fill the

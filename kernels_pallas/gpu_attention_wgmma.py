@@ -43,8 +43,8 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas import gpu_attention
-from kernels_pallas.gpu_wgmma import DECODE_PTX, WORD_PAIRS, i32_const, is_hopper, pow2_bf16x2
+from kernels_pallas import gpu_attention, gpu_wgmma
+from kernels_pallas.gpu_wgmma import DECODE_PTX, WORD_PAIRS, i32_const, pow2_bf16x2
 
 H = 64  # heads: the wgmma's M
 D = 512  # channels of a key / value
@@ -385,11 +385,18 @@ def _store_partials():
     return store
 
 
+# The dispatch (`kernels_pallas.sparse_attention_decode`) takes this kernel from MIN_BATCH sequences on (H200,
+# 128K entries, from HBM, docs/BENCHMARKS.md: batch 64 47.7 us against the Triton kernel's 84.7, batch 16 24.9
+# against 39.1); fewer sequences keep the Triton kernel's head-block tiles (batch 1: 20.8 us).
+MIN_BATCH = 16
+
+
 def supported(q_bhd: jax.Array, window_values: jax.Array, entry_values: jax.Array) -> bool:
     """True when `sparse_attention_decode` can run this kernel: 64 heads x 512 channels, a window of whole
     64-key tiles, an H100/H200."""
     _, h, d = q_bhd.shape
-    return h == H and d == D and window_values.shape[1] % T == 0 and entry_values.shape[-1] * 2 == D and is_hopper()
+    return (h == H and d == D and window_values.shape[1] % T == 0 and entry_values.shape[-1] * 2 == D
+            and gpu_wgmma.is_hopper())
 
 
 def default_splits(b: int, tiles: int, sms: int = 132) -> int:
