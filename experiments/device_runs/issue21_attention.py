@@ -48,7 +48,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from dsv41_jax import ops, quant  # noqa: E402
 from experiments import bench_kernels as bk  # noqa: E402
-from kernels_pallas import gpu_attention, gpu_attention_wgmma  # noqa: E402
+import kernels_pallas  # noqa: E402
+from kernels_pallas import gpu_attention_wgmma  # noqa: E402
 
 peak = bk.copy_bandwidth(2.0)
 say(f"device {jax.devices()[0].device_kind}; copy {peak / 1e9:.0f} GB/s (read + write) = peak")
@@ -56,9 +57,14 @@ SCALE = bk.D_ATT ** -0.5
 ROWS = []
 
 
-def triton(splits):
-    return lambda q, wv, ws, ok, ev, es, idx, sink: gpu_attention.sparse_attention(
-        q, wv, ws, ok, ev, es, idx, sink, SCALE, splits=splits, block_k=64, num_warps=8)
+def triton(q, wv, ws, ok, ev, es, idx, sink):
+    """The dispatch's Triton kernel (its tiles for this batch), as before the wgmma kernel."""
+    min_batch, gpu_attention_wgmma.MIN_BATCH = gpu_attention_wgmma.MIN_BATCH, 1 << 30
+    try:
+        return kernels_pallas.sparse_attention_decode(q, {"values": wv, "scales": ws}, ok, {"values": ev, "scales": es},
+                                                      idx, sink, SCALE)
+    finally:
+        gpu_attention_wgmma.MIN_BATCH = min_batch
 
 
 def wgmma(splits, skip=()):
@@ -72,8 +78,9 @@ for b in BATCHES:
     moved = bk.nbytes(q, window, wvalid, rows_read, idx) + b * bk.H_ATT * bk.D_ATT * 4
     args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
     ref = ops.sparse_attention_decode(q, window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, SCALE)
-    variants = [("triton flash, default splits", triton(gpu_attention.default_splits(b)))]
-    variants += [(f"wgmma, {s} splits", wgmma(s)) for s in sorted({1, 2, 3, gpu_attention_wgmma.default_splits(b, 10)})]
+    default = gpu_attention_wgmma.default_splits(b, 10)
+    variants = [("Triton (the dispatch's tiles)", triton), (f"wgmma, default ({default} splits)", wgmma(None))]
+    variants += [(f"wgmma, {s} splits", wgmma(s)) for s in sorted({max(1, default // 2), min(10, default * 2)} - {default})]
     if b == 64 and os.environ.get("ABLATE"):  # what each part costs: the kernel without it (wrong numbers)
         variants += [(f"wgmma, 2 splits, no {part}", wgmma(2, (part,))) for part in gpu_attention_wgmma.ABLATIONS]
         variants += [("wgmma, 2 splits, loads + stores only", wgmma(2, ("qk", "pv", "decode")))]
