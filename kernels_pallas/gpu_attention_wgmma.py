@@ -386,9 +386,9 @@ def _store_partials():
 
 
 # The dispatch (`kernels_pallas.sparse_attention_decode`) takes this kernel from MIN_BATCH sequences on (H200,
-# 128K entries, from HBM, docs/BENCHMARKS.md: batch 64 47.7 us against the Triton kernel's 84.7, batch 16 24.9
-# against 39.1); fewer sequences keep the Triton kernel's head-block tiles (batch 1: 20.8 us).
-MIN_BATCH = 16
+# 128K entries, from HBM, docs/BENCHMARKS.md: batch 64 47.3 us against the Triton kernel's 85.1, 32: 31.3 / 62.0,
+# 16: 25.7 / 39.1, 8: 20.4 / 34.9); fewer sequences keep the Triton kernel's head-block tiles (batch 1: 20.8 us).
+MIN_BATCH = 8
 
 
 def supported(q_bhd: jax.Array, window_values: jax.Array, entry_values: jax.Array) -> bool:

@@ -22,6 +22,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode queued    # ~4 min: calls queued, b8 and b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode points    # ~7 min: b1 + b8, small, b64 (queued)
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode attention_ab  # ~5 min: wgmma attention, b64 128K
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode attention_ab_b8  # ~4 min: the same, b8 4K
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -74,7 +75,7 @@ GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160,
 # attention from 16 sequences (`attention_ab`). Timed: the weight kernels' K splits (`splits` at 38594e8), the
 # branch next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without its
 # concatenate (`qrope` at 342860d, slower, taken back).
-SINCE_MEASURED = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 16", "MIN_BATCH = 1 << 30")]
+SINCE_MEASURED = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 8", "MIN_BATCH = 1 << 30")]
 # `scan_ab`: the Hopper indexer scan off (a copy of the tree) and on (as it is), batch 8 at 128K, where the
 # encoder's Full layers scan 64K and 128K positions (eighteenth session: the scans 102.8 -> 59.3 us, the step's
 # GPU time 3.561 -> 3.500 ms; every row of the profiles printed)
@@ -181,9 +182,11 @@ GROUPS["points"] = [
     ("bench_slice_b64_q2", ["experiments.bench_decode", "--batch", "64", "--steps", "40", "--chunk", "10",
                             "--queued", "2"], 195, {})]
 
-# the wgmma attention (batch >= 16) against the Triton kernel in the slice, batch 64 at 128K (~5 min)
+# the wgmma attention against the Triton kernel in the slice: batch 64 at 128K (~5 min), batch 8 at 4K (~4 min)
 GROUPS["attention_ab"] = [(f"profile_slice_b64_128k_{side}", slice_profile(64, 10, 131072, top=40), 170, {})
                           for side in ("before", "after")]
+GROUPS["attention_ab_b8"] = [(f"profile_slice_b8_{side}", slice_profile(8, 20, top=40), 130, {})
+                             for side in ("before", "after")]
 
 
 def last_table(log: str, name: str) -> str:
