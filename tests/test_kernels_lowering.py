@@ -25,7 +25,7 @@ FEW = {"hyper_in", "route"}  # decode rows <= 8
 MOSAIC = {"rows_matmuls_fp4_wgmma", "fp8_matmuls_wgmma", "indexer_scores_wgmma", "sparse_attention_wgmma"}  # the rest Triton
 HOPPER_SCAN = SCAN - {"indexer_scores"} | {"indexer_scores_wgmma"}  # an H100/H200: the full scans on wgmma
 WEIGHTS = MOSAIC - {"indexer_scores_wgmma", "sparse_attention_wgmma"}  # the weight kernels on wgmma
-MANY = HOPPER_SCAN - {"sparse_attention"} | {"sparse_attention_wgmma"}  # ... and from 16 sequences the attention
+MANY = HOPPER_SCAN - {"sparse_attention"} | {"sparse_attention_wgmma"}  # ... and from 8 sequences the attention
 KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_matmuls_fp4", "rows_matmuls_float"}
 
 
@@ -34,7 +34,7 @@ KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_mat
     ("v41-slice", 1, False, SCAN | FEW | {"fp8_matmuls", "rows_matmuls_fp4"}),  # one token: its experts as rows
     ("v41-slice", 8, False, SCAN | FEW | {"fp8_matmuls", "grouped_matmuls_fp4"}),
     ("v41-slice", 1, True, HOPPER_SCAN | FEW | WEIGHTS),  # an H100/H200: the wgmma experts and every FP8 projection
-    ("v41-slice", 8, True, HOPPER_SCAN | FEW | WEIGHTS),  # ... for a few tokens' rows too
+    ("v41-slice", 8, True, MANY | FEW | WEIGHTS),  # ... for a few tokens' rows too, and the wgmma attention
     ("v41-slice", 64, False, SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),
     ("v41-slice", 64, True, MANY | {"fp8_matmuls", "grouped_matmuls_fp4"}),  # past EXPERT_ROWS_TOKENS
     ("small", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float weights: only the row form has a kernel
