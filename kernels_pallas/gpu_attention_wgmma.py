@@ -385,10 +385,11 @@ def _store_partials():
     return store
 
 
-# The dispatch (`kernels_pallas.sparse_attention_decode`) takes this kernel from MIN_BATCH sequences on (H200,
-# 128K entries, from HBM, docs/BENCHMARKS.md: batch 64 47.3 us against the Triton kernel's 85.1, 32: 31.3 / 62.0,
-# 16: 25.7 / 39.1, 8: 20.4 / 34.9); fewer sequences keep the Triton kernel's head-block tiles (batch 1: 20.8 us).
-MIN_BATCH = 8
+# The dispatch (`kernels_pallas.sparse_attention_decode`) takes this kernel from MIN_BATCH sequences on. H200,
+# 128K entries, from HBM, against the dispatch's Triton tiles (docs/BENCHMARKS.md, twenty-third session): batch 64
+# 47.3 / 85.1 us, 32: 31.3 / 62.0, 16: 25.7 / 39.1, 8: 20.4 / 34.4, 4: 18.5 / 25.8, 2: 17.5 / 22.7; at batch 1 a
+# tie (18.0 / 17.8), where the Triton kernel stays: its float16 operands are 40x more exact.
+MIN_BATCH = 2
 
 
 def supported(q_bhd: jax.Array, window_values: jax.Array, entry_values: jax.Array) -> bool:

@@ -25,7 +25,7 @@ FEW = {"hyper_in", "route"}  # decode rows <= 8
 MOSAIC = {"rows_matmuls_fp4_wgmma", "fp8_matmuls_wgmma", "indexer_scores_wgmma", "sparse_attention_wgmma"}  # the rest Triton
 HOPPER_SCAN = SCAN - {"indexer_scores"} | {"indexer_scores_wgmma"}  # an H100/H200: the full scans on wgmma
 WEIGHTS = MOSAIC - {"indexer_scores_wgmma", "sparse_attention_wgmma"}  # the weight kernels on wgmma
-MANY = HOPPER_SCAN - {"sparse_attention"} | {"sparse_attention_wgmma"}  # ... and from 8 sequences the attention
+MANY = HOPPER_SCAN - {"sparse_attention"} | {"sparse_attention_wgmma"}  # ... and from 2 sequences the attention
 KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_matmuls_fp4", "rows_matmuls_float"}
 
 

@@ -71,11 +71,11 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# (file, the text now, the text before), taken back in the "before" tree. Unmeasured in the slice: the wgmma
-# attention from 16 sequences (`attention_ab`). Timed: the weight kernels' K splits (`splits` at 38594e8), the
+# (file, the text now, the text before), taken back in the "before" tree. The wgmma attention (from 2 sequences;
+# the slice timed at batch 8 and 64: `attention_ab`, `attention_ab_b8`, twenty-third session). Timed: the weight kernels' K splits (`splits` at 38594e8), the
 # branch next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without its
 # concatenate (`qrope` at 342860d, slower, taken back).
-SINCE_MEASURED = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 8", "MIN_BATCH = 1 << 30")]
+SINCE_MEASURED = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 2", "MIN_BATCH = 1 << 30")]
 # `scan_ab`: the Hopper indexer scan off (a copy of the tree) and on (as it is), batch 8 at 128K, where the
 # encoder's Full layers scan 64K and 128K positions (eighteenth session: the scans 102.8 -> 59.3 us, the step's
 # GPU time 3.561 -> 3.500 ms; every row of the profiles printed)
