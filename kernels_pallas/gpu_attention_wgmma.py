@@ -10,24 +10,29 @@ Measured on the H200 (docs/BENCHMARKS.md, twenty-third session): batch 64 at 128
 warpgroups work one tile in lockstep, so decode, wgmmas and softmax take turns (the section says what is next).
 
 Per CTA (grid: sequence x key range, `splits`): two warpgroups, each owning half of the output channels, so
-each holds a [64 heads, 256] f32 accumulator (128 registers a thread). Per tile of 64 keys:
+each holds a [64 heads, 256] f32 accumulator (128 registers a thread). At its start every key row of its range is
+prefetched to L2 (`_prefetch`) and q is loaded and rounded to bf16 (`_load_query`). Per tile of 64 keys:
 - both warpgroups decode 32 of its rows each, straight from global memory (the rows are gathered by index;
-  nothing is staged), into one bf16 [64 keys, 512] tile in shared memory (two slots, so the next tile's
-  decode never overwrites keys a wgmma of the other warpgroup may still read), then meet at a CTA barrier;
-- each computes the whole logits tile S [64 heads, 64 keys] = q . keys^T (two wgmmas of K = 256; the
-  tensor cores do this twice per CTA, which costs less than exchanging p between the warpgroups would
-  cost in barriers), starting from the keys' validity as a bias (0 or -2**120: no mask pass);
+  nothing is staged), into one bf16 [64 keys, 512] tile in shared memory (two slots), meeting at a CTA barrier
+  before (the slot's last readers are done) and after (its keys are written); the next tile's decode runs
+  while the tensor cores compute this tile's logits;
+- each computes the whole logits tile S [64 heads, 64 keys] = q . keys^T (two wgmmas of K = 256: the tensor
+  cores do this twice per CTA, the simple form; summing per-warpgroup halves through shared memory is not
+  tried), starting from the keys' validity as a bias (0 or -2**120, from warp ballots: no mask pass);
 - the online softmax in exp2, then p (bf16, registers) . keys[:, its 256 channels] into its accumulator.
-The partial (acc, running max, sum) of each key range goes to `gpu_attention.combine` with the sink.
+The partials (acc, running max, sum) of each key range are staged in the free key slots and written in whole
+rows (`_store_partials`), then merged by `gpu_attention.combine` with the sink.
 
 Numbers, all exact until the MMA: an entry value E2M1 x E4M3 has at most 6 significant bits and a window
 value E4M3 x 2**e at most 4, so both are exact in bf16; they are held as value x 2**-10 (`KEY_SHIFT`) so
 that one bf16 fma scales the experts' decode (`gpu_wgmma.DECODE_PTX`: E2M1 x 2**-126) by E4M3 x 2**116
-without leaving bf16's range. q and p are rounded to bf16 (2**-9 relative), so the output agrees with the
-float32 reference to ~2e-3 relative (tests use 5e-3, as for the Triton kernel).
+without leaving bf16's range (window scales up to 2**17). q and p are rounded to bf16 (2**-9 relative), so the
+output agrees with the float32 reference to ~3e-3 relative as measured (tests use 5e-3, as for the Triton
+kernel, whose float16 operands give ~1e-4).
 
 Channel order: the decode writes each 8-channel group in the order `PERM8` (the experts' PTX emits its
-pairs so), q is permuted alike before the kernel, and the combine puts the output channels back.
+pairs so; `channel_perm`), q is permuted alike as the kernel loads it, and the output's stores put the
+channels back.
 """
 
 from __future__ import annotations
