@@ -155,6 +155,19 @@ def _prefetch_l2(ptr, off64, lines: int):
             ptr, [arith.addi(off64, _i64(i32_const(128 * j)))], ir.IntegerType.get_signless(8)), has_side_effects=True)
 
 
+def _write_tile(k_smem, masks, slot, row, q, valid, loads, decode_chunk):
+    """The common part of the decodes: both warpgroups meet (the slot's last readers are done), each loaded
+    chunk goes through decode_chunk(chunk index, words, scale) -> [(channel half, column, four bf16x2)], stored
+    in the slot's swizzled tile, the row's validity published, and both meet again (its keys are written)."""
+    mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)
+    k_ptr = mgpu_utils.memref_ptr(k_smem)
+    for i, words, scale in loads:
+        for half, col, outs in decode_chunk(i, words, scale):
+            _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
+    _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
+    _cta_sync()
+
+
 @functools.cache
 def _decode_entries(n_rows: int):
     """inline_mgpu: (keys smem, validity masks smem, entry values gmem u8 [B, N, 256], scales u8 [B, N, 32],
@@ -169,7 +182,7 @@ def _decode_entries(n_rows: int):
         i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
         b, slot, e0 = (a.registers.item() for a in (b, slot, e0))
         _, row, q = _thread_row()
-        k_ptr, ev_ptr, es_ptr = (mgpu_utils.memref_ptr(r) for r in (k_smem, ev, es))
+        ev_ptr, es_ptr = mgpu_utils.memref_ptr(ev), mgpu_utils.memref_ptr(es)
         ix = memref.load(idx, [arith.index_cast(ir.IndexType.get(), v) for v in (b, arith.addi(e0, row))])
         valid = arith.cmpi(arith.CmpIPredicate.sge, ix, i32_const(0))
         entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
@@ -179,17 +192,16 @@ def _decode_entries(n_rows: int):
             v_off = arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(arith.muli(i, i32_const(16))))
             s_off = arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), _i64(arith.muli(i, i32_const(2))))
             loads.append((i, _load(ev_ptr, v_off, ir.VectorType.get((4,), i32), 16), _load(es_ptr, s_off, i16, 2)))
-        mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)
-        for i, words, sc in loads:
+
+        def chunk(i, words, sc):  # 4 words of 8 channels; the first two under scale byte 2i, the last two 2i + 1
             mults = mgpu_utils.inline_ptx(SCALE_PTX, sc, result_types=[i32, i32])
-            half = arith.divui(i, i32_const(8))
             for u in range(4):
-                word = llvm.extractelement(words, arith.constant(i32, u))
-                outs = mgpu_utils.inline_ptx(DECODE_PTX, word, mults[u // 2], result_types=[i32] * 4)
+                outs = mgpu_utils.inline_ptx(DECODE_PTX, llvm.extractelement(words, arith.constant(i32, u)),
+                                             mults[u // 2], result_types=[i32] * 4)
                 col = arith.addi(arith.muli(arith.remui(i, i32_const(8)), i32_const(32)), i32_const(8 * u))
-                _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
-        _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
-        _cta_sync()
+                yield arith.divui(i, i32_const(8)), col, outs
+
+        _write_tile(k_smem, masks, slot, row, q, valid, loads, chunk)
 
     return decode
 
@@ -208,7 +220,7 @@ def _decode_window():
         b, slot, w0 = (a.registers.item() for a in (b, slot, w0))
         _, row, q = _thread_row()
         w_rows = ir.MemRefType(wv.type).shape[1]
-        k_ptr, wv_ptr, ws_ptr, ok_ptr = (mgpu_utils.memref_ptr(r) for r in (k_smem, wv, ws, wok))
+        wv_ptr, ws_ptr, ok_ptr = (mgpu_utils.memref_ptr(r) for r in (wv, ws, wok))
         rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(arith.addi(w0, row)))
         valid = arith.cmpi(arith.CmpIPredicate.ne, _load(ok_ptr, rec, i8, 1), arith.constant(i8, 0))
         loads = []
@@ -217,18 +229,16 @@ def _decode_window():
             v_off = arith.addi(arith.muli(rec, _i64(i32_const(D))), _i64(arith.muli(i, i32_const(16))))
             s_off = arith.addi(arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), _i64(arith.divui(i, i32_const(2))))
             loads.append((i, _load(wv_ptr, v_off, ir.VectorType.get((4,), i32), 16), _load(ws_ptr, s_off, i8, 1)))
-        mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)
-        for i, words, e in loads:
-            field = arith.minui(arith.addi(arith.extui(i32, e), i32_const(127 - 17)), i32_const(254))
-            mult = pow2_bf16x2(field)
-            half = arith.divui(i, i32_const(16))
+
+        def chunk(i, words, e):  # 4 words of 4 channels, one E8M0 byte: two 8-channel groups
+            mult = pow2_bf16x2(arith.minui(arith.addi(arith.extui(i32, e), i32_const(127 - 17)), i32_const(254)))
             for p in range(2):
                 a, b2 = (llvm.extractelement(words, arith.constant(i32, 2 * p + j)) for j in range(2))
                 outs = mgpu_utils.inline_ptx(WINDOW_PTX, a, b2, mult, result_types=[i32] * 4)
                 col = arith.addi(arith.muli(arith.remui(i, i32_const(16)), i32_const(16)), i32_const(8 * p))
-                _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
-        _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
-        _cta_sync()
+                yield arith.divui(i, i32_const(16)), col, outs
+
+        _write_tile(k_smem, masks, slot, row, q, valid, loads, chunk)
 
     return decode
 
