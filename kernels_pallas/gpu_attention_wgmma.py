@@ -6,8 +6,10 @@ The contract of `gpu_attention.sparse_attention` (`ops.sparse_attention_decode`)
 over both with the per-head sink in the denominator only. Issue 21 asks >= 40% of the copy bandwidth at batch
 64; the Triton kernel's programs hold a [64, 512] f32 accumulator in one program (9.2%, docs/BENCHMARKS.md).
 Measured on the H200 (docs/BENCHMARKS.md, twenty-third session): batch 64 at 128K 47.3 us, 17.0% of the copy peak
-(Triton 85.1 us); batch 8 20.4 us (34.4); the slice's batch-64 step 14.860 -> 14.638 ms. Not at 40%: the two
-warpgroups work one tile in lockstep, so decode, wgmmas and softmax take turns (the section says what is next).
+(Triton 85.1 us); batch 8 20.4 us (34.4); the slice's batch-64 step 14.860 -> 14.638 ms. Not at 40%: with 2 key
+ranges per sequence the call moves ~73 MB for the 30.7 MB counted (q read per CTA, f32 partials and their combine),
+and the two warpgroups work one tile in lockstep, so loads, decode, wgmmas and softmax take turns (the section
+says what is next: a 2-CTA cluster per sequence).
 
 Per CTA (grid: sequence x key range, `splits`): two warpgroups, each owning half of the output channels, so
 each holds a [64 heads, 256] f32 accumulator (128 registers a thread). At its start every key row of its range is
