@@ -54,7 +54,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import gpu_attention, gpu_wgmma
-from kernels_pallas.gpu_wgmma import DECODE_PTX, WORD_PAIRS, i32_const, pow2_bf16x2
+from kernels_pallas.gpu_wgmma import DECODE_PTX, WORD_PAIRS, i32_const, index_of, pow2_bf16x2, warpgroup_coords
 
 H = 64  # heads: the wgmma's M
 D = 512  # channels of a key / value
@@ -124,10 +124,9 @@ def _load(ptr, off64, ty, align):
 
 
 def _thread_row():
-    """(warpgroup, tile row this thread decodes (32 per warpgroup), q = its quarter of the row), i32."""
+    """(tile row this thread decodes: 8 per warp, 4 threads a row = 8 warp + lane // 4; q = lane % 4), i32."""
     tid = mgpu_utils.thread_idx()
-    wg, t = arith.shrui(tid, i32_const(7)), arith.andi(tid, i32_const(127))
-    return wg, arith.addi(arith.muli(wg, i32_const(32)), arith.shrui(t, i32_const(2))), arith.andi(t, i32_const(3))
+    return arith.shrui(tid, i32_const(2)), arith.andi(tid, i32_const(3))
 
 
 def _cta_sync():
@@ -183,9 +182,9 @@ def _decode_entries(n_rows: int):
         del ctx
         i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
         b, slot, e0 = (a.registers.item() for a in (b, slot, e0))
-        _, row, q = _thread_row()
+        row, q = _thread_row()
         ev_ptr, es_ptr = mgpu_utils.memref_ptr(ev), mgpu_utils.memref_ptr(es)
-        ix = memref.load(idx, [arith.index_cast(ir.IndexType.get(), v) for v in (b, arith.addi(e0, row))])
+        ix = memref.load(idx, [index_of(v) for v in (b, arith.addi(e0, row))])
         valid = arith.cmpi(arith.CmpIPredicate.sge, ix, i32_const(0))
         entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
         loads = []
@@ -220,7 +219,7 @@ def _decode_window():
         del ctx
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
         b, slot, w0 = (a.registers.item() for a in (b, slot, w0))
-        _, row, q = _thread_row()
+        row, q = _thread_row()
         w_rows = ir.MemRefType(wv.type).shape[1]
         wv_ptr, ws_ptr, ok_ptr = (mgpu_utils.memref_ptr(r) for r in (wv, ws, wok))
         rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(arith.addi(w0, row)))
@@ -269,7 +268,7 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, per: int):
                     _prefetch_l2(ws_ptr, arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), 1)
                 with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.sge, tile, i32_const(n_wt))):
                     e = arith.subi(pos, i32_const(n_wt * T))
-                    ix = memref.load(idx, [arith.index_cast(ir.IndexType.get(), v) for v in (b, e)])
+                    ix = memref.load(idx, [index_of(v) for v in (b, e)])
                     with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.sge, ix, i32_const(0))):
                         entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))
                         _prefetch_l2(ev_ptr, arith.muli(entry, _i64(i32_const(D // 2))), D // 256)
@@ -349,8 +348,9 @@ def _store_partials():
     o[b, s, :, warpgroup wg's 256 channels] = acc x 2**KEY_SHIFT in channel order; warpgroup 0 also m, l.
 
     The accumulator's registers hold 2 channels of a row each, 16 B of a row per 4 threads: stored to global
-    memory directly they cost 2.7x the kernel's other work (ablation, docs/BENCHMARKS.md). So each warpgroup
-    writes its [64, 256] block to shared memory (rows of 1 KB, 16 B chunk k at k ^ (row % 8): no bank
+    memory directly (4-byte scatters once the channels are put back in order) the batch-64 kernel took 41.5 us;
+    staged as here, with q's load moved into the kernel in the same change, 37.5 us (docs/BENCHMARKS.md). Each
+    warpgroup writes its [64, 256] block to shared memory (rows of 1 KB, 16 B chunk k at k ^ (row % 8): no bank
     conflicts either way) and then copies it out in whole rows, 16 B a thread."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA,
@@ -363,9 +363,7 @@ def _store_partials():
         splits = ir.MemRefType(o.type).shape[1]
         tid = mgpu_utils.thread_idx()
         wg = arith.shrui(tid, i32_const(7))
-        warp = arith.remui(arith.shrui(tid, i32_const(5)), i32_const(4))
-        lane = arith.remui(tid, i32_const(32))
-        q, r = arith.remui(lane, i32_const(4)), arith.divui(lane, i32_const(4))
+        warp, q, r = warpgroup_coords()
         seq = arith.addi(arith.muli(b, i32_const(splits)), s)
         stage = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(k_smem), [arith.muli(wg, i32_const(H * HALF * 4))], i8)
         o_ptr = mgpu_utils.memref_ptr(o)
@@ -388,7 +386,7 @@ def _store_partials():
             with mgpu_utils.when(first):
                 for src, dst in ((m, m_out), (l, l_out)):
                     v = llvm.extractelement(src.registers[0, 0, 0, 0, half, 0, 0, 0, 0], arith.constant(i32, 0))
-                    memref.store(v, dst, [arith.index_cast(ir.IndexType.get(), x) for x in (b, s, row)])
+                    memref.store(v, dst, [index_of(x) for x in (b, s, row)])
         mgpu_utils.warpgroup_barrier()
         t = arith.andi(tid, i32_const(127))
         k = arith.andi(t, i32_const(63))
