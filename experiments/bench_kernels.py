@@ -189,6 +189,14 @@ def attention_data(key, b, n):
     return q, window, jnp.ones((b, WINDOW), bool), entries, idx.astype(jnp.int32), sink
 
 
+def attention_bytes(q, window, wvalid, entries, idx) -> int:
+    """Bytes a sparse-attention call must move: q, the window and its validity, the TOPK gathered entry rows
+    (values and scales), idx, and the f32 output."""
+    rows_read = {"values": entries["values"][:, :TOPK], "scales": entries["scales"][:, :TOPK]}
+    b = q.shape[0]
+    return nbytes(q, window, wvalid, rows_read, idx) + b * H_ATT * D_ATT * 4
+
+
 def nbytes(*trees) -> int:
     return sum(int(x.size) * x.dtype.itemsize for t in trees for x in jax.tree.leaves(t))
 
@@ -316,8 +324,7 @@ def bench_attention(rec_rows: Rows, key, args):
     ctx, b = rec_rows.ctx, rec_rows.b
     q, window, wvalid, entries, idx, sink = attention_data(key, b, ctx)
     scale = D_ATT ** -0.5
-    rows_read = {"values": entries["values"][:, :TOPK], "scales": entries["scales"][:, :TOPK]}
-    moved = nbytes(q, window, wvalid, rows_read, idx) + b * H_ATT * D_ATT * 4
+    moved = attention_bytes(q, window, wvalid, entries, idx)
     splits = args.splits or (gpu_attention_wgmma.default_splits(b, (WINDOW + TOPK) // gpu_attention_wgmma.T)
                              if args.att_variant == "wgmma" else gpu_attention.default_splits(b))
 

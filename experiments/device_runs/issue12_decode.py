@@ -71,11 +71,13 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# (file, the text now, the text before), taken back in the "before" tree. The wgmma attention (from 2 sequences;
-# the slice timed at batch 8 and 64: `attention_ab`, `attention_ab_b8`, twenty-third session). Timed: the weight kernels' K splits (`splits` at 38594e8), the
-# branch next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without its
-# concatenate (`qrope` at 342860d, slower, taken back).
-SINCE_MEASURED = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 2", "MIN_BATCH = 1 << 30")]
+# (file, the text now, the text before), taken back in the "before" tree: nothing unmeasured now. Timed: the wgmma
+# attention (`attention_ab`, `attention_ab_b8`, twenty-third session), the weight kernels' K splits (`splits` at
+# 38594e8), the branch next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without
+# its concatenate (`qrope` at 342860d, slower, taken back).
+SINCE_MEASURED = []
+# `attention_ab*`: the Hopper attention off (the dispatch's Triton kernel at every batch) in a copy of the tree
+ATTENTION_OFF = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 2", "MIN_BATCH = 1 << 30")]
 # `scan_ab`: the Hopper indexer scan off (a copy of the tree) and on (as it is), batch 8 at 128K, where the
 # encoder's Full layers scan 64K and 128K positions (eighteenth session: the scans 102.8 -> 59.3 us, the step's
 # GPU time 3.561 -> 3.500 ms; every row of the profiles printed)
@@ -184,9 +186,9 @@ GROUPS["points"] = [
 
 # the wgmma attention against the Triton kernel in the slice: batch 64 at 128K (~5 min), batch 8 at 4K (~4 min)
 GROUPS["attention_ab"] = [(f"profile_slice_b64_128k_{side}", slice_profile(64, 10, 131072, top=40), 170, {})
-                          for side in ("before", "after")]
+                          for side in ("attention_off", "attention_on")]
 GROUPS["attention_ab_b8"] = [(f"profile_slice_b8_{side}", slice_profile(8, 20, top=40), 130, {})
-                             for side in ("before", "after")]
+                             for side in ("attention_off", "attention_on")]
 
 
 def last_table(log: str, name: str) -> str:
@@ -208,12 +210,14 @@ def last_table(log: str, name: str) -> str:
 
 if __name__ == "__main__":
     steps = GROUPS[sys.argv[1] if len(sys.argv) > 1 else "default"]
-    before = tree_before(SINCE_MEASURED) if any(name.endswith("_before") for name, *_ in steps) else None
-    off = tree_before(SCAN_OFF, "/tmp/tree_scan_off") if any(name.endswith("_scan_off") for name, *_ in steps) else None
+    # a step whose name ends in one of these runs in a copy of the tree with that list of changes taken back
+    trees = {"_before": SINCE_MEASURED, "_scan_off": SCAN_OFF, "_attention_off": ATTENTION_OFF}
+    trees = {end: tree_before(reverts, f"/tmp/tree{end}") for end, reverts in trees.items()
+             if any(name.endswith(end) for name, *_ in steps)}
     for name, (module, *args), timeout_s, env in steps:
         out = ["--out", os.path.join(OUT, f"{name}.json")] if module == "experiments.bench_decode" else []
         env = {**env, **AFTER_ENV} if name.endswith(("_after", "tests")) else env
-        cwd = before if name.endswith("_before") else off if name.endswith("_scan_off") else None
+        cwd = next((tree for end, tree in trees.items() if name.endswith(end)), None)
         step(name, ["-m", module, *args, *out], timeout_s, env, cwd=cwd)
     for name, *_ in steps:
         print(f"\n== {name}\n{last_table(open(os.path.join(OUT, f'{name}.log')).read(), name)}")

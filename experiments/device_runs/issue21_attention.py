@@ -8,13 +8,13 @@ ABLATE=1 also times the wgmma kernel at batch 64 without each of its parts (`gpu
 """
 
 import os
-import subprocess
 import sys
 import time
 import traceback
 
+from experiments.device_runs._steps import OUT, step
+
 T0 = time.time()
-OUT = os.environ.get("OUT") or "/tmp/i21a_out"
 os.makedirs(OUT, exist_ok=True)
 LOG = open(os.path.join(OUT, "attention.log"), "w")
 BATCHES = [int(a) for a in sys.argv[1:]] or [64]
@@ -29,18 +29,12 @@ def say(*a):
 
 dump = os.path.join(OUT, "mosaic")
 os.makedirs(dump, exist_ok=True)
-env = dict(os.environ, PYTHONPATH=".", JAX_PLATFORMS="cuda", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
-try:
-    r = subprocess.run([sys.executable, "-m", "pytest", "tests/test_attention_wgmma.py", "-q", "-x", "-p",
-                        "no:cacheprovider"], capture_output=True, text=True, timeout=240, env=env)
-    with open(os.path.join(OUT, "tests.log"), "w") as f:
-        f.write(r.stdout + r.stderr)
-    tail = (r.stdout + r.stderr).strip().splitlines()
-    say("TESTS rc", r.returncode, "|", tail[-1] if tail else "")
-    if r.returncode:
-        say("\n".join(tail[-60:])[-5000:])
-except Exception as e:
-    say("TESTS did not finish:", repr(e)[:300])
+rc = step("tests", ["-m", "pytest", "tests/test_attention_wgmma.py", "-q", "-x", "-p", "no:cacheprovider"], 240,
+          {"JAX_PLATFORMS": "cuda", "MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_TO": dump})
+tail = open(os.path.join(OUT, "tests.log")).read().strip().splitlines()
+say("TESTS rc", rc, "|", tail[-1] if tail else "")
+if rc:
+    say("\n".join(tail[-60:])[-5000:])
 say(f"[{time.time() - T0:.0f}s] tests done")
 
 import jax  # noqa: E402
@@ -74,11 +68,10 @@ def wgmma(splits, skip=()):
 
 for b in BATCHES:
     q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17)
-    rows_read = {"values": entries["values"][:, :bk.TOPK], "scales": entries["scales"][:, :bk.TOPK]}
-    moved = bk.nbytes(q, window, wvalid, rows_read, idx) + b * bk.H_ATT * bk.D_ATT * 4
+    moved = bk.attention_bytes(q, window, wvalid, entries, idx)
     args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
     ref = ops.sparse_attention_decode(q, window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, SCALE)
-    default = gpu_attention_wgmma.default_splits(b, 10)
+    default = gpu_attention_wgmma.default_splits(b, (bk.WINDOW + bk.TOPK) // gpu_attention_wgmma.T)
     variants = [("Triton (the dispatch's tiles)", triton), (f"wgmma, default ({default} splits)", wgmma(None))]
     variants += [(f"wgmma, {s} splits", wgmma(s)) for s in sorted({max(1, default // 2), min(10, default * 2)} - {default})]
     if b == 64 and os.environ.get("ABLATE"):  # what each part costs: the kernel without it (wrong numbers)

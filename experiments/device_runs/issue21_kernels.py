@@ -148,8 +148,7 @@ ATT = {64: [("flash", 3, 64, None, 128, 8), ("split", 2, 32, None, 128, 8), ("sp
 
 def attention_case(b, ctx=1 << (10 if DRY else 17)):
     q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, ctx)
-    rows_read = {"values": entries["values"][:, :bk.TOPK], "scales": entries["scales"][:, :bk.TOPK]}
-    moved = bk.nbytes(q, window, wvalid, rows_read, idx) + b * bk.H_ATT * bk.D_ATT * 4
+    moved = bk.attention_bytes(q, window, wvalid, entries, idx)
     args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
     ref = ops.sparse_attention_decode(q, window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink,
                                       bk.D_ATT ** -0.5)
