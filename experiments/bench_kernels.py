@@ -103,13 +103,13 @@ def l2_flush(buf, x):
 PALLAS_NAMES = ("indexer_scores", "sparse_attention", "scan_")  # kernel names (pallas_call name=) in "pallas_us"
 
 
-def time_hbm(fn, args, perturb: int, reps: int = 20) -> tuple[float, dict]:
+def time_hbm(fn, args, perturb: int, reps: int = 20, top: int = 8) -> tuple[float, dict]:
     """(GPU seconds per call of fn(*args), details) with the L2 flushed before every call.
 
     A jitted loop of `reps` x (l2_flush, fn), fn's args[perturb] passed through the flush (pick a small
     array with power-of-two dims); from a profiler trace: all GPU time except the flush's (the call's
     kernels: the Pallas kernels and XLA's small ones around them), per call. details: us of the kernels
-    named in PALLAS_NAMES and kernels per call. With --smoke (CPU),
+    named in PALLAS_NAMES, kernels per call, us of the `top` longest kernels by name. With --smoke (CPU),
     wall time per call of the same loop.
     """
     from experiments.bench_decode import kernel_profile  # imported here: bench_decode imports this module
@@ -142,7 +142,7 @@ def time_hbm(fn, args, perturb: int, reps: int = 20) -> tuple[float, dict]:
     us = sum(r["us_per_step"] for r in mine)
     pallas = sum(r["us_per_step"] for r in mine if r["name"].startswith(PALLAS_NAMES))
     return us * 1e-6, {"pallas_us": round(pallas, 2), "kernels": round(sum(r["calls_per_step"] for r in mine), 1),
-                       "by_kernel": {r["name"][:48]: round(r["us_per_step"], 2) for r in mine[:8]}}
+                       "by_kernel": {r["name"][:48]: round(r["us_per_step"], 2) for r in mine[:top]}}
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:
