@@ -20,8 +20,9 @@ row) per load and turns each 32-bit word (8 codes) into four bf16x2 holding sign
 is E2M1 * 2**-126 exactly (mask, multiply, mask), then one fma.rn.bf16x2 by 2**(E + 126) scales them, exactly
 while the E8M0 byte is <= 128 (as `gpu_grouped`'s bf16 fast path; released expert scales are far below).
 The K order inside a 256-input step is permuted (`k_perm`) so that each thread's decoded registers are
-exactly its WGMMA_LAYOUT registers with no shuffle; x's columns get the same permutation in the wrapper
-(a sum over K does not care about the order; x is a few KB).
+exactly its WGMMA_LAYOUT registers with no shuffle; x's columns take the same permutation (a sum over K does
+not care about the order) as a CTA of at most X_STEPS_MAX steps loads its x range into shared memory
+(`_load_x`, the order by a formula: `x_column_input`), or, for longer CTAs, by XLA before a TMA pipeline.
 
 The Mosaic GPU interpreter of jax 0.11.2 fails on a register-operand wgmma, so this kernel has no interpret
 mode: its values are checked compiled on the GPU (tests/test_kernels_gpu.py), its lowering on the CPU
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm, vector
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -111,6 +112,104 @@ def pow2_bf16x2(field):
     """i32 bits of a bf16x2 whose two halves are the power of two with exponent field `field` (i32, 0 .. 254;
     0 gives +0): the FMA factor of the PTX decodes."""
     return arith.muli(field, i32_const((1 << 23) + (1 << 7)))  # field << 23 | field << 7: an IMAD, not 3 ALU ops
+
+
+class U32:
+    """An i32 MLIR value under Python's integer operators (unsigned division and remainder), so that one formula
+    serves numpy (tests) and a kernel."""
+
+    def __init__(self, v):
+        self.v = v
+
+    @staticmethod
+    def _of(o):
+        return o.v if isinstance(o, U32) else i32_const(o)
+
+    def __add__(self, o):
+        return U32(arith.addi(self.v, self._of(o)))
+
+    def __sub__(self, o):
+        return U32(arith.subi(self.v, self._of(o)))
+
+    def __rsub__(self, o):
+        return U32(arith.subi(self._of(o), self.v))
+
+    def __mul__(self, o):
+        return U32(arith.muli(self.v, self._of(o)))
+
+    def __floordiv__(self, o):
+        return U32(arith.divui(self.v, self._of(o)))
+
+    def __mod__(self, o):
+        return U32(arith.remui(self.v, self._of(o)))
+
+    def __xor__(self, o):
+        return U32(arith.xori(self.v, self._of(o)))
+
+    __radd__, __rmul__ = __add__, __mul__
+
+
+def x_column_input(t, fp8: bool):
+    """The input (of a 256-input step) that K column 2t of a kernel's wgmma holds: `k_perm()[2t]` (FP4) or
+    `fp8_k_perm()[2t]` (FP8), as a formula of t < 128 (an int, a numpy array or a U32); column 2t + 1 holds
+    that + X_PAIR[fp8]."""
+    if fp8:
+        return 32 * (t % 4) + 16 * (t // 32 % 2) + 128 * (t // 64) + 2 * (t // 4 % 8)
+    return 64 * (t % 4) + 32 * (t // 64) + 8 * (t // 16 % 4) + 3 - 2 * (t // 8 % 2) - t // 4 % 2
+
+
+X_PAIR = {False: 4, True: 1}
+# A CTA of at most X_STEPS_MAX pipeline steps loads its x range itself (`_load_x`): x [R, K] as the caller
+# has it, no permuted and padded copy by XLA before each launch (a kernel of ~2 us with its gap: 37 of them in
+# the batch-1 step). Its smem, 4 KB a step, stays small beside the pipeline's 4 stages of 8-16 KB; longer CTAs
+# take x by TMA, permuted and padded by XLA (`_x_for_tma`).
+X_STEPS_MAX = 4
+
+
+@functools.cache
+def _load_x(rows: int, steps: int, k: int, fp8: bool):
+    """inline_mgpu: (x gmem bf16 [R, K], x smem bf16 [steps, 8, 256] (_X_TRANSFORMS), first row, first input)
+    -> smem[s, r, c] = x[row0 + r, k0 + 256 s + input of column c] for r < rows (rows r >= `rows` are left
+    as they are: their output columns are not kept); then a fence and a warpgroup barrier, so that the
+    wgmmas read them. Thread t writes columns 2t, 2t + 1 of each row and step (one 4 B store)."""
+    pair = X_PAIR[fp8]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(_X_TRANSFORMS), _SPLAT, _SPLAT))
+    def load(ctx, x_gmem, x_smem, row0, k0):
+        del ctx
+        i32, i16, i8 = (ir.IntegerType.get_signless(w) for w in (32, 16, 8))
+        row0, k0 = (a.registers.item() for a in (row0, k0))
+        t = U32(mgpu_utils.thread_idx())
+        col = x_column_input(t, fp8)
+        g_ptr, s_ptr = mgpu_utils.memref_ptr(x_gmem), mgpu_utils.memref_ptr(x_smem)
+        at = lambda ptr, off: mgpu_utils.getelementptr(ptr, [off], i8)
+        words = []
+        for r in range(rows):
+            for st in range(steps):
+                elem = (U32(row0) + r) * k + U32(k0) + (TK * st) + col  # bf16 elements: 2 bytes each
+                off = arith.extui(ir.IntegerType.get_signless(64), (elem * 2).v)
+                if pair == 1:  # the two inputs are adjacent: one 4 B load
+                    w = llvm.load(i32, at(g_ptr, off), alignment=4)
+                else:
+                    lo, hi = (arith.extui(i32, llvm.load(i16, at(g_ptr, arith.addi(off, arith.constant(
+                        ir.IntegerType.get_signless(64), 2 * pair * j))), alignment=2)) for j in range(2))
+                    w = arith.ori(lo, arith.shli(hi, i32_const(16)))
+                words.append((r, st, w))
+        for r, st, w in words:  # [steps, 1, 4, 8, 64] tiles, 128 B rows, 16 B chunk j of row r at j ^ r
+            off = st * 4096 + t // 32 * 1024 + r * 128 + (t % 32 // 4 ^ r) * 16 + t % 4 * 4
+            llvm.store(w, at(s_ptr, off.v), alignment=4)
+        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+        mgpu_utils.warpgroup_barrier()
+
+    return load
+
+
+def _x_for_tma(x_mk: jax.Array, perm: np.ndarray) -> jax.Array:
+    """x [R, K] with each 256-input step's columns in the kernel's order `perm`, rows padded to a multiple of 8:
+    the TMA operand of CTAs longer than X_STEPS_MAX steps (an XLA kernel before the launch)."""
+    rows, k = x_mk.shape
+    xp = x_mk.reshape(rows, k // TK, TK)[:, :, perm].reshape(rows, k)
+    return jnp.pad(xp, ((0, -rows % TM), (0, 0)))
 
 
 def wgmma_operand(shape: tuple[int, int], arg_types: tuple, extra=None):
@@ -238,44 +337,46 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
         raise ValueError(f"the wgmma FP4 kernel needs bf16 x [R, K] with R | M, K % {TK} == 0, N % {TN} == 0 and "
                          f"splits | K / {TK}; got x {x_mk.shape} {x_mk.dtype}, M={m}, N={n}, splits={splits}")
     per, share, n_tiles = steps // splits, m // rows, n // TN
-    # x's columns in the wgmma's K order, rows padded to a multiple of 8 (B = 8 rows of x, transposed)
-    xp = x_mk.reshape(rows, steps, TK)[:, :, k_perm()].reshape(rows, k)
-    xp = jnp.pad(xp, ((0, -rows % TM), (0, 0)))
+    direct = per <= X_STEPS_MAX  # the CTA loads its x (one row) itself; else x by TMA, prepared by XLA
+    xp = x_mk if direct else _x_for_tma(x_mk, k_perm())
     s_views = [s.reshape(e_count, n_tiles, k // 128, 256) for _, s in weights]  # a CTA's scales: one box
     decode = _decode_tile(k, decode_ptx)
 
     def body(expert_ref, xp_gmem, *refs):
-        v_gmems, s_gmems, (o_gmem, s_smem, s_bar, o_smem) = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
+        v_gmems, s_gmems, (o_gmem, s_smem, s_bar, o_smem, *x_own) = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
         wj, row, sp = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
         wi, j = wj // n_tiles, wj % n_tiles
         e = expert_ref[row]
         xrow = row // share
+        if direct:
+            _load_x(1, per, k, False)(xp_gmem, x_own[0], xrow, sp * per * TK)
 
         def acc_scope(acc_ref):
             def run(v_gmem, s_gmem):
                 plgpu.copy_gmem_to_smem(s_gmem.at[e, j], s_smem, s_bar)
 
-                def step(idx, v_smem, x_smem):
+                def step(idx, v_smem, *x_smem):
                     (t,) = idx
                     pl.when(t == 0)(lambda: plgpu.barrier_wait(s_bar))  # once: a wait flips the phase
-                    plgpu.wgmma(acc_ref, decode(v_smem, s_smem, sp * per + t), x_smem.transpose((1, 0)))
+                    x_tile = x_own[0].at[t] if direct else x_smem[0]
+                    plgpu.wgmma(acc_ref, decode(v_smem, s_smem, sp * per + t), x_tile.transpose((1, 0)))
                     plgpu.wgmma_wait(0)  # before the next decode overwrites the registers it reads
 
                 plgpu.emit_pipeline(
                     step,
                     grid=(per,),
-                    in_specs=[plgpu.BlockSpec((TN, TK // 2), lambda t: (j, sp * per + t), transforms=_V_TRANSFORMS),
-                              plgpu.BlockSpec((TM, TK), lambda t: (xrow // TM, sp * per + t),
-                                              transforms=_X_TRANSFORMS)],
+                    in_specs=[plgpu.BlockSpec((TN, TK // 2), lambda t: (j, sp * per + t), transforms=_V_TRANSFORMS)]
+                    + ([] if direct else [plgpu.BlockSpec((TM, TK), lambda t: (xrow // TM, sp * per + t),
+                                                          transforms=_X_TRANSFORMS)]),
                     max_concurrent_steps=stages,
-                )(v_gmem.at[e], xp_gmem)
+                )(v_gmem.at[e], *([] if direct else [xp_gmem]))
 
             for w_idx in range(n_w):
                 pl.when((e >= 0) & (wi == w_idx))(functools.partial(run, v_gmems[w_idx], s_gmems[w_idx]))
             return acc_ref[...]
 
         o_smem[...] = pl.run_scoped(acc_scope, plgpu.ACC((TN, TM), jnp.float32))  # zeros when e < 0
-        _store_columns(1)(o_smem, o_gmem, (wi * splits + sp) * m + row, j * TN, xrow % TM)
+        _store_columns(1)(o_smem, o_gmem, (wi * splits + sp) * m + row, j * TN, 0 if direct else xrow % TM)
 
     kernel = plgpu.kernel(
         body,
@@ -283,7 +384,8 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
         grid=(n_w * n_tiles, m, splits),
         grid_names=("n", "m", "s"),
         scratch_types=(plgpu.SMEM((k // 128, 256), jnp.uint8), plgpu.Barrier(num_arrivals=1),
-                       plgpu.SMEM((TN, TM), jnp.float32)),
+                       plgpu.SMEM((TN, TM), jnp.float32),
+                       *([plgpu.SMEM((per, TM, TK), jnp.bfloat16, transforms=_X_TRANSFORMS)] if direct else [])),
         kernel_name=f"fp4_rows_wgmma_{n}x{k}",
     )
     out = kernel(expert_m.astype(jnp.int32), xp, *[v for v, _ in weights], *s_views)
@@ -419,35 +521,39 @@ def fp8_matmuls_wgmma(x_mk: jax.Array, weights, *, splits: int | None = None, st
     if steps % splits:
         raise ValueError(f"splits={splits} must divide K / {TK} = {steps}")
     per = steps // splits
-    xp = x_mk.reshape(m, steps, TK)[:, :, fp8_k_perm()].reshape(m, k)
-    xp = jnp.pad(xp, ((0, TM - m), (0, 0)))
+    direct = per <= X_STEPS_MAX  # the CTA loads its x (m rows) itself; else x by TMA, prepared by XLA
+    xp = x_mk if direct else _x_for_tma(x_mk, fp8_k_perm())
     qs = [jax.lax.bitcast_convert_type(q, jnp.uint8) if q.dtype != jnp.uint8 else q for q, _ in weights]
     s_views = [e.reshape(n // TN, *box) for (_, e), n in zip(weights, ns)]  # a CTA's 2 scale rows
     decode = _decode_fp8_tile(k, decode_ptx)
     n_w = len(weights)
 
     def body(xp_gmem, *refs):
-        q_gmems, s_gmems, (o_gmem, s_smem, s_bar, o_smem) = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
+        q_gmems, s_gmems, (o_gmem, s_smem, s_bar, o_smem, *x_own) = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
         tile, sp = lax.axis_index("n"), lax.axis_index("s")
+        if direct:
+            _load_x(m, per, k, True)(xp_gmem, x_own[0], 0, sp * per * TK)
 
         def acc_scope(acc_ref):
             def run(i):
                 j = tile - int(starts[i])
                 plgpu.copy_gmem_to_smem(s_gmems[i].at[j], s_smem, s_bar)
 
-                def step(idx, w_smem, x_smem):
+                def step(idx, w_smem, *x_smem):
                     (t,) = idx
                     pl.when(t == 0)(lambda: plgpu.barrier_wait(s_bar))
-                    plgpu.wgmma(acc_ref, decode(w_smem, s_smem, sp * per + t), x_smem.transpose((1, 0)))
+                    x_tile = x_own[0].at[t] if direct else x_smem[0]
+                    plgpu.wgmma(acc_ref, decode(w_smem, s_smem, sp * per + t), x_tile.transpose((1, 0)))
                     plgpu.wgmma_wait(0)
 
                 plgpu.emit_pipeline(
                     step,
                     grid=(per,),
-                    in_specs=[plgpu.BlockSpec((TN, TK), lambda t: (j, sp * per + t), transforms=_W8_TRANSFORMS),
-                              plgpu.BlockSpec((TM, TK), lambda t: (0, sp * per + t), transforms=_X_TRANSFORMS)],
+                    in_specs=[plgpu.BlockSpec((TN, TK), lambda t: (j, sp * per + t), transforms=_W8_TRANSFORMS)]
+                    + ([] if direct else [plgpu.BlockSpec((TM, TK), lambda t: (0, sp * per + t),
+                                                          transforms=_X_TRANSFORMS)]),
                     max_concurrent_steps=stages,
-                )(q_gmems[i], xp_gmem)
+                )(q_gmems[i], *([] if direct else [xp_gmem]))
 
             for i in range(n_w):
                 pl.when((tile >= int(starts[i])) & (tile < int(starts[i + 1])))(functools.partial(run, i))
@@ -462,7 +568,8 @@ def fp8_matmuls_wgmma(x_mk: jax.Array, weights, *, splits: int | None = None, st
         grid=(int(starts[-1]), splits),
         grid_names=("n", "s"),
         scratch_types=(plgpu.SMEM(box, jnp.uint8), plgpu.Barrier(num_arrivals=1),
-                       plgpu.SMEM((TN, TM), jnp.float32)),
+                       plgpu.SMEM((TN, TM), jnp.float32),
+                       *([plgpu.SMEM((per, TM, TK), jnp.bfloat16, transforms=_X_TRANSFORMS)] if direct else [])),
         kernel_name=f"fp8_wgmma_{'_'.join(map(str, ns))}x{k}",
     )
     y = kernel(xp, *qs, *s_views).reshape(splits, m, -1).sum(0)

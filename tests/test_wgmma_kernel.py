@@ -114,12 +114,22 @@ def test_dispatch_takes_it_only_where_it_computes(monkeypatch):
     assert not gpu_wgmma.supported(x, [(values, scales)], 4)
 
 
+def test_x_column_formula_is_the_kernels_k_order():
+    """`_load_x` places x by `x_column_input`: it must be the order the decodes give the wgmma's K columns."""
+    t = np.arange(gpu_wgmma.TK // 2)
+    for fp8, perm in ((False, gpu_wgmma.k_perm()), (True, gpu_wgmma.fp8_k_perm())):
+        first = gpu_wgmma.x_column_input(t, fp8)
+        np.testing.assert_array_equal(perm[0::2], first)
+        np.testing.assert_array_equal(perm[1::2], first + gpu_wgmma.X_PAIR[fp8])
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
-@pytest.mark.parametrize("rows,m,splits", [(1, 6, 1), (6, 6, 2), (2, 12, 1)])
-def test_lowers_for_cuda(rows, m, splits):
-    """One token's k rows, a row each with K split, and two tokens' k rows each (R = M / k), two weights."""
+@pytest.mark.parametrize("rows,m,splits,k", [(1, 6, 1, 512), (6, 6, 2, 512), (2, 12, 1, 512), (1, 6, 1, 1280)])
+def test_lowers_for_cuda(rows, m, splits, k):
+    """One token's k rows, a row each with K split, and two tokens' k rows each (R = M / k), two weights; CTAs
+    that load x themselves (<= X_STEPS_MAX steps) and CTAs that take it by TMA (5 steps)."""
     s = jax.ShapeDtypeStruct
-    e, n, k = 8, 128, 512
+    e, n = 8, 128
     w = (s((e, n, k // 2), jnp.uint8), s((e, n, k // 32), jnp.uint8))
     f = functools.partial(gpu_wgmma.rows_matmuls_fp4_wgmma, splits=splits)
     text = jax.jit(f).trace(s((rows, k), jnp.bfloat16), [w, w], s((m,), jnp.int32)).lower(
@@ -128,11 +138,13 @@ def test_lowers_for_cuda(rows, m, splits):
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
-@pytest.mark.parametrize("rows,m,splits", [(1, 6, 1), (6, 6, 3), (8, 48, 1), (48, 48, 3), (1, 1, 1)])
-def test_matches_the_twin_on_the_gpu(rows, m, splits):
+@pytest.mark.parametrize("rows,m,splits,k", [(1, 6, 1, 768), (6, 6, 3, 768), (8, 48, 1, 768), (48, 48, 3, 768),
+                                             (1, 1, 1, 768), (1, 6, 1, 2560), (8, 48, 2, 2560)])
+def test_matches_the_twin_on_the_gpu(rows, m, splits, k):
     """Two weights in one launch, unequal expert sets, a -1 row (zero), x of one row, a row each, and one row
-    per token's k = 6 assignments; equal to the twin up to f32 summation order."""
-    e, n, k = 16, 192, 768
+    per token's k = 6 assignments; CTAs that load x themselves (3 steps or fewer) and by TMA (5, 10 steps);
+    equal to the twin up to f32 summation order."""
+    e, n = 16, 192
     pairs = [_packed(e, n, k, seed=s) for s in (1, 2)]
     rng = np.random.default_rng(m)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
@@ -241,10 +253,11 @@ def test_k_splits_are_the_fewest_whole_splits_reaching_the_target():
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
 @pytest.mark.parametrize("m,ns,k,splits", [(1, (1024, 512), 2048, None), (8, (192,), 1024, 1), (5, (64, 128), 3072, 3),
-                                           (2, (256,), 1280, None), (8, (64, 128), 2304, 3)])
+                                           (2, (256,), 1280, None), (8, (64, 128), 2304, 3), (3, (128,), 2560, 1),
+                                           (8, (64,), 5120, 1)])
 def test_fp8_matches_the_twin_on_the_gpu(m, ns, k, splits):
     """Projections of one input in one launch (unequal widths), K split or not, 1..8 rows; K = 1280 and 2304
-    (scales as a [1, K/16] box)."""
+    (scales as a [1, K/16] box); CTAs that load x themselves (<= 4 steps) and by TMA (10, 20 steps)."""
     rng = np.random.default_rng(m)
     ws = [(jnp.asarray(rng.integers(0, 256, (n, k)) & 0xFE, jnp.uint8),
            jnp.asarray(rng.integers(114, 135, (n // 32, k // 32)), jnp.uint8)) for n in ns]

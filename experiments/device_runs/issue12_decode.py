@@ -23,6 +23,8 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode points    # ~7 min: b1 + b8, small, b64 (queued)
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode attention_ab  # ~5 min: wgmma attention, b64 128K
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode attention_ab_b8  # ~4 min: the same, b8 4K
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode xload     # ~7 min: x loaded in-kernel, b1 A/B
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode xload_b8  # ~5 min: the same, b8
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -71,11 +73,12 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# (file, the text now, the text before), taken back in the "before" tree: nothing unmeasured now. Timed: the wgmma
+# (file, the text now, the text before), taken back in the "before" tree: the weight kernels' CTAs loading their x
+# themselves (`xload`, `xload_b8`, twenty-fourth session). Timed before: the wgmma
 # attention (`attention_ab`, `attention_ab_b8`, twenty-third session), the weight kernels' K splits (`splits` at
 # 38594e8), the branch next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without
 # its concatenate (`qrope` at 342860d, slower, taken back).
-SINCE_MEASURED = []
+SINCE_MEASURED = [("kernels_pallas/gpu_wgmma.py", "X_STEPS_MAX = 4", "X_STEPS_MAX = 0")]
 # `attention_ab*`: the Hopper attention off (the dispatch's Triton kernel at every batch) in a copy of the tree
 ATTENTION_OFF = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 2", "MIN_BATCH = 1 << 30")]
 # `scan_ab`: the Hopper indexer scan off (a copy of the tree) and on (as it is), batch 8 at 128K, where the
@@ -95,6 +98,8 @@ GROUPS["ab"] = [AB_TESTS] + [(f"profile_{name}_b1_{side}", PROFILE_B1[preset], 9
                              for name, preset in (("small", "small"), ("slice", "v41-slice"), ("small_again", "small"))
                              for side in ("before", "after")]
 
+# the weight kernels' GPU tests, then the slice's b1 profile before / after, twice (~7 min); `xload_b8` below
+GROUPS["xload"] = [AB_TESTS] + GROUPS["ab_slice"]
 # one call when machines are scarce: the tests, `small` and the slice once each side, then the batch-8 point
 GROUPS["ab_b8"] = GROUPS["ab"][:5] + [GROUPS["default"][1]]
 # XLA options that might remove small kernels without code: RAFT for the routers' top-k (XLA's took 5.6 us
@@ -187,6 +192,7 @@ GROUPS["points"] = [
 # the wgmma attention against the Triton kernel in the slice: batch 64 at 128K (~5 min), batch 8 at 4K (~4 min)
 GROUPS["attention_ab"] = [(f"profile_slice_b64_128k_{side}", slice_profile(64, 10, 131072, top=40), 170, {})
                           for side in ("attention_off", "attention_on")]
+GROUPS["xload_b8"] = [(f"profile_slice_b8_{side}", slice_profile(8, 20, top=40), 130, {}) for side in ("before", "after")]
 GROUPS["attention_ab_b8"] = [(f"profile_slice_b8_{side}", slice_profile(8, 20, top=40), 130, {})
                              for side in ("attention_off", "attention_on")]
 
