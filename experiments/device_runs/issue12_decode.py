@@ -73,12 +73,14 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# (file, the text now, the text before), taken back in the "before" tree: the weight kernels' CTAs loading their x
-# themselves (`xload`, `xload_b8`, twenty-fourth session). Timed before: the wgmma
+# (file, the text now, the text before), taken back in the "before" tree: nothing unmeasured now. Timed: the weight
+# kernels' CTAs loading their x (`xload`, `xload_b8`, twenty-fourth session), the wgmma
 # attention (`attention_ab`, `attention_ab_b8`, twenty-third session), the weight kernels' K splits (`splits` at
 # 38594e8), the branch next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without
 # its concatenate (`qrope` at 342860d, slower, taken back).
-SINCE_MEASURED = [("kernels_pallas/gpu_wgmma.py", "X_STEPS_MAX = 4", "X_STEPS_MAX = 0")]
+SINCE_MEASURED = []
+# `xload*`: every CTA of the Hopper weight kernels takes x by TMA, permuted and padded by XLA, in a copy of the tree
+XLOAD_OFF = [("kernels_pallas/gpu_wgmma.py", "X_STEPS_MAX = 4", "X_STEPS_MAX = 0")]
 # `attention_ab*`: the Hopper attention off (the dispatch's Triton kernel at every batch) in a copy of the tree
 ATTENTION_OFF = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 2", "MIN_BATCH = 1 << 30")]
 # `scan_ab`: the Hopper indexer scan off (a copy of the tree) and on (as it is), batch 8 at 128K, where the
@@ -99,7 +101,8 @@ GROUPS["ab"] = [AB_TESTS] + [(f"profile_{name}_b1_{side}", PROFILE_B1[preset], 9
                              for side in ("before", "after")]
 
 # the weight kernels' GPU tests, then the slice's b1 profile before / after, twice (~7 min); `xload_b8` below
-GROUPS["xload"] = [AB_TESTS] + GROUPS["ab_slice"]
+GROUPS["xload"] = [AB_TESTS] + [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
+                                for rep in ("", "_again") for side in ("xload_off", "xload_on")]
 # one call when machines are scarce: the tests, `small` and the slice once each side, then the batch-8 point
 GROUPS["ab_b8"] = GROUPS["ab"][:5] + [GROUPS["default"][1]]
 # XLA options that might remove small kernels without code: RAFT for the routers' top-k (XLA's took 5.6 us
@@ -192,7 +195,8 @@ GROUPS["points"] = [
 # the wgmma attention against the Triton kernel in the slice: batch 64 at 128K (~5 min), batch 8 at 4K (~4 min)
 GROUPS["attention_ab"] = [(f"profile_slice_b64_128k_{side}", slice_profile(64, 10, 131072, top=40), 170, {})
                           for side in ("attention_off", "attention_on")]
-GROUPS["xload_b8"] = [(f"profile_slice_b8_{side}", slice_profile(8, 20, top=40), 130, {}) for side in ("before", "after")]
+GROUPS["xload_b8"] = [(f"profile_slice_b8_{side}", slice_profile(8, 20, top=40), 130, {})
+                      for side in ("xload_off", "xload_on")]
 GROUPS["attention_ab_b8"] = [(f"profile_slice_b8_{side}", slice_profile(8, 20, top=40), 130, {})
                              for side in ("attention_off", "attention_on")]
 
@@ -217,7 +221,7 @@ def last_table(log: str, name: str) -> str:
 if __name__ == "__main__":
     steps = GROUPS[sys.argv[1] if len(sys.argv) > 1 else "default"]
     # a step whose name ends in one of these runs in a copy of the tree with that list of changes taken back
-    trees = {"_before": SINCE_MEASURED, "_scan_off": SCAN_OFF, "_attention_off": ATTENTION_OFF}
+    trees = {"_before": SINCE_MEASURED, "_scan_off": SCAN_OFF, "_attention_off": ATTENTION_OFF, "_xload_off": XLOAD_OFF}
     trees = {end: tree_before(reverts, f"/tmp/tree{end}") for end, reverts in trees.items()
              if any(name.endswith(end) for name, *_ in steps)}
     for name, (module, *args), timeout_s, env in steps:
