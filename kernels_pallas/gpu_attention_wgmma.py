@@ -5,13 +5,14 @@ The contract of `gpu_attention.sparse_attention` (`ops.sparse_attention_decode`)
 (E4M3 bytes, E8M0 per 32 channels) and its selected entries (E2M1 pairs, E4M3 per 16 channels), one softmax
 over both with the per-head sink in the denominator only. Issue 21 asks >= 40% of the copy bandwidth at batch
 64; the Triton kernel's programs hold a [64, 512] f32 accumulator in one program (9.2%, docs/BENCHMARKS.md).
-Measured on the H200 (docs/BENCHMARKS.md, twenty-third session): batch 64 at 128K 47.3 us, 17.0% of the copy peak
-(Triton 85.1 us); batch 8 20.4 us (34.4); the slice's batch-64 step 14.860 -> 14.638 ms. Not at 40%: with 2 key
-ranges per sequence the call moves ~73 MB for the 30.7 MB counted (q read per CTA, f32 partials and their combine),
-and the two warpgroups work one tile in lockstep, so loads, decode, wgmmas and softmax take turns (the section
-says what is next: a 2-CTA cluster per sequence).
+Measured on the H200 (docs/BENCHMARKS.md, twenty-third session), with partials merged by XLA after the kernel:
+batch 64 at 128K 47.3 us, 17.0% of the copy peak (Triton 85.1 us); batch 8 20.4 us (34.4); the slice's batch-64
+step 14.860 -> 14.638 ms. Not at 40%: with 2 key ranges per sequence that call moved ~73 MB for the 30.7 MB
+counted (q read per CTA, f32 partials and their combine), and the two warpgroups work one tile in lockstep, so
+loads, decode, wgmmas and softmax take turns. Now a sequence's key ranges are one cluster that merges in the
+kernel (`_store_merged`): no partials, no combine.
 
-Per CTA (grid: sequence x key range, `splits`): two warpgroups, each owning half of the output channels, so
+Per CTA (grid: sequence x key range, `splits` <= MAX_SPLITS, one cluster a sequence): two warpgroups, each owning half of the output channels, so
 each holds a [64 heads, 256] f32 accumulator (128 registers a thread). At its start every key row of its range is
 prefetched to L2 (`_prefetch`) and q is loaded and rounded to bf16 (`_load_query`). Per tile of 64 keys:
 - both warpgroups decode 32 of its rows each, straight from global memory (the rows are gathered by index;
@@ -22,8 +23,9 @@ prefetched to L2 (`_prefetch`) and q is loaded and rounded to bf16 (`_load_query
   cores do this twice per CTA, the simple form; summing per-warpgroup halves through shared memory is not
   tried), starting from the keys' validity as a bias (0 or -2**120, from warp ballots: no mask pass);
 - the online softmax in exp2, then p (bf16, registers) . keys[:, its 256 channels] into its accumulator.
-The partials (acc, running max, sum) of each key range are staged in the free key slots and written in whole
-rows (`_store_partials`), then merged by `gpu_attention.combine` with the sink.
+The ranges' running maxima and sums meet through global memory at a cluster barrier; each range weighs its
+accumulator (`gpu_attention.combine`'s weights, the sink included), stages it in the free key slots, and range 0
+stores its rows, the others add theirs (`_store_merged`).
 
 Numbers, all exact until the MMA: an entry value E2M1 x E4M3 has at most 6 significant bits and a window
 value E4M3 x 2**e at most 4, so both are exact in bf16; they are held as value x 2**-10 (`KEY_SHIFT`) so
@@ -341,64 +343,100 @@ def _load_query():
     return load
 
 
-@functools.cache
-def _store_partials():
-    """inline_mgpu: (acc f32 [64, 256] WGMMA, m, l f32 [64, 8] WGMMA (every column the row's value), the keys'
-    smem (free now: the output's staging), o gmem f32 [B, S, 64, 512], m / l gmem f32 [B, S, 64], b, s) ->
-    o[b, s, :, warpgroup wg's 256 channels] = acc x 2**KEY_SHIFT in channel order; warpgroup 0 also m, l.
+_CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
+LOG2E = math.log2(math.e)
 
-    The accumulator's registers hold 2 channels of a row each, 16 B of a row per 4 threads: stored to global
-    memory directly (4-byte scatters once the channels are put back in order) the batch-64 kernel took 41.5 us;
-    staged as here, with q's load moved into the kernel in the same change, 37.5 us (docs/BENCHMARKS.md). Each
-    warpgroup writes its [64, 256] block to shared memory (rows of 1 KB, 16 B chunk k at k ^ (row % 8): no bank
-    conflicts either way) and then copies it out in whole rows, 16 B a thread."""
+
+def _ex2(x):
+    return mgpu_utils.inline_ptx("ex2.approx.ftz.f32 $0, $1;", x, result_types=ir.F32Type.get())
+
+
+@functools.cache
+def _store_merged():
+    """inline_mgpu: (acc f32 [64, 256] WGMMA, m, l f32 [64, 8] WGMMA (every column the row's running max in log2
+    units and sum), the keys' smem (free now: the output's staging), stats gmem f32 [B, S, 2, 64], sink f32 [64],
+    o gmem f32 [B, 64, 512], b, s) -> o[b] = the softmax-weighted sum over the cluster's S key ranges with the
+    sink, in channel order.
+
+    The S CTAs of a sequence are one cluster. Each publishes its rows' (m, l) in stats[b, s] (warpgroup 0; both
+    hold the same), all meet (a cluster barrier: release / acquire), and each weighs its accumulator by
+    exp2(m_s - M) / (sum_s' l_s' exp2(m_s' - M) + exp2(sink - M)), M the largest of the m_s' and the sink
+    (`gpu_attention.combine`'s weights). Range 0 stores its weighted rows, all meet again, the others add theirs
+    (red.global.add): no partials array, no combine after the kernel. Each warpgroup stages its [64, 256] block in
+    shared memory (rows of 1 KB, 16 B chunk k at k ^ (row % 8): no bank conflicts either way) and moves it in whole
+    rows, 16 B a thread (direct 4-byte scatters from the accumulator's registers were slower: docs/BENCHMARKS.md,
+    twenty-third session)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA,
                                   plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
                                   _SPLAT, _SPLAT))
-    def store(ctx, acc, m, l, k_smem, o, m_out, l_out, b, s):
+    def store(ctx, acc, m, l, k_smem, stats, sink, o, b, s):
         del ctx
         i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
         b, s = (a.registers.item() for a in (b, s))
-        splits = ir.MemRefType(o.type).shape[1]
+        splits = ir.MemRefType(stats.type).shape[1]
         tid = mgpu_utils.thread_idx()
         wg = arith.shrui(tid, i32_const(7))
         warp, q, r = warpgroup_coords()
-        seq = arith.addi(arith.muli(b, i32_const(splits)), s)
+        rows = [arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(8 * half)) for half in range(2)]
+        row_value = lambda v, half: llvm.extractelement(v.registers[0, 0, 0, 0, half, 0, 0, 0, 0], arith.constant(i32, 0))
+        first = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, wg, i32_const(0)),
+                           arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))
+        with mgpu_utils.when(first):
+            for half, row in enumerate(rows):
+                for kind, v in enumerate((m, l)):
+                    memref.store(row_value(v, half), stats, [index_of(x) for x in (b, s, i32_const(kind), row)])
+        mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)
+        weights = []
+        for half, row in enumerate(rows):
+            ms, ls = ([memref.load(stats, [index_of(x) for x in (b, i32_const(j), i32_const(kind), row)])
+                       for j in range(splits)] for kind in range(2))
+            sk = arith.mulf(memref.load(sink, [index_of(row)]), arith.constant(f32, LOG2E))
+            top = sk
+            for v in ms:
+                top = arith.maximumf(top, v)
+            den = _ex2(arith.subf(sk, top))
+            for mv, lv in zip(ms, ls):
+                den = arith.addf(den, arith.mulf(lv, _ex2(arith.subf(mv, top))))
+            own = _ex2(arith.subf(row_value(m, half), top))
+            weights.append(arith.mulf(arith.divf(own, den), arith.constant(f32, 2.0 ** KEY_SHIFT)))
         stage = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(k_smem), [arith.muli(wg, i32_const(H * HALF * 4))], i8)
         o_ptr = mgpu_utils.memref_ptr(o)
-        shift = arith.constant(f32, 2.0 ** KEY_SHIFT)
         mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)  # both done with the keys
-        for half in range(2):
-            row = arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(8 * half))
+        for half, row in enumerate(rows):
             row_off = arith.muli(row, i32_const(HALF * 4))
             for c in range(HALF // 8):
                 vec = acc.registers[0, c, 0, 0, half, 0, 0, 0, 0]
                 for j in range(2):  # column 8c + 2q + j holds channel 8c + PERM8[2q + j] = 8c + (3 - q) + 4j
-                    ch = arith.addi(arith.subi(i32_const(8 * c + 3 + 4 * j), q), i32_const(0))
+                    ch = arith.subi(i32_const(8 * c + 3 + 4 * j), q)
                     chunk = arith.xori(arith.shrui(ch, i32_const(2)), arith.andi(row, i32_const(7)))
                     off = arith.addi(row_off, arith.addi(arith.muli(chunk, i32_const(16)),
                                                          arith.muli(arith.andi(ch, i32_const(3)), i32_const(4))))
-                    v = arith.mulf(llvm.extractelement(vec, arith.constant(i32, j)), shift)
+                    v = arith.mulf(llvm.extractelement(vec, arith.constant(i32, j)), weights[half])
                     llvm.store(v, mgpu_utils.getelementptr(stage, [off], i8), alignment=4)
-            first = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, wg, i32_const(0)),
-                               arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))
-            with mgpu_utils.when(first):
-                for src, dst in ((m, m_out), (l, l_out)):
-                    v = llvm.extractelement(src.registers[0, 0, 0, 0, half, 0, 0, 0, 0], arith.constant(i32, 0))
-                    memref.store(v, dst, [index_of(x) for x in (b, s, row)])
         mgpu_utils.warpgroup_barrier()
         t = arith.andi(tid, i32_const(127))
         k = arith.andi(t, i32_const(63))
-        for i in range(H // 2):  # rows 2i + t // 64: a warp copies 512 contiguous bytes of one row
+        moves = []
+        for i in range(H // 2):  # rows 2i + t // 64: a warp moves 512 contiguous bytes of one row
             row = arith.addi(arith.shrui(t, i32_const(6)), i32_const(2 * i))
             src = arith.addi(arith.muli(row, i32_const(HALF * 4)),
                              arith.muli(arith.xori(k, arith.andi(row, i32_const(7))), i32_const(16)))
             v = llvm.load(ir.VectorType.get((4,), f32), mgpu_utils.getelementptr(stage, [src], i8), alignment=16)
-            dst = arith.muli(arith.addi(arith.muli(_i64(arith.addi(arith.muli(seq, i32_const(H)), row)), _i64(i32_const(D))),
+            dst = arith.muli(arith.addi(arith.muli(_i64(arith.addi(arith.muli(b, i32_const(H)), row)), _i64(i32_const(D))),
                                         _i64(arith.addi(arith.muli(wg, i32_const(HALF)), arith.muli(k, i32_const(4))))),
                              _i64(i32_const(4)))
-            llvm.store(v, mgpu_utils.getelementptr(o_ptr, [dst], i8), alignment=16)
+            moves.append((mgpu_utils.getelementptr(o_ptr, [dst], i8), v))
+        leader = arith.cmpi(arith.CmpIPredicate.eq, s, i32_const(0))
+        with mgpu_utils.when(leader):
+            for ptr, v in moves:
+                llvm.store(v, ptr, alignment=16)
+        mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)  # range 0's rows are written
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, s, i32_const(0))):
+            for ptr, v in moves:
+                parts = [llvm.extractelement(v, arith.constant(i32, e)) for e in range(4)]
+                mgpu_utils.inline_ptx("red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", ptr, *parts,
+                                      has_side_effects=True)
 
     return store
 
@@ -418,10 +456,14 @@ def supported(q_bhd: jax.Array, window_values: jax.Array, entry_values: jax.Arra
             and gpu_wgmma.is_hopper())
 
 
+MAX_SPLITS = 8  # CTAs of a cluster: the largest portable cluster
+
+
 def default_splits(b: int, tiles: int, sms: int = 132) -> int:
     """Key ranges per sequence for `tiles` key tiles: as many as keep one wave of CTAs (one fits an SM: each
-    holds 192 KB of shared memory), at most one per tile."""
-    return max(1, min(tiles, sms // b))
+    holds 192 KB of shared memory), at most one per tile and MAX_SPLITS, and no empty range."""
+    splits = max(1, min(tiles, sms // b, MAX_SPLITS))
+    return -(-tiles // -(-tiles // splits))
 
 
 ABLATIONS = ("prefetch", "decode", "qk", "pv", "store")
@@ -451,10 +493,12 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     idx = idx if kp == k else jnp.pad(idx, ((0, 0), (0, kp - k)), constant_values=-1)
     n_wt, n_t = w // T, (w + kp) // T
     splits = splits or default_splits(b, n_t)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits={splits}: a sequence's key ranges are one cluster of 1..{MAX_SPLITS} CTAs")
     per = -(-n_t // splits)
     c = scale * 2.0 ** KEY_SHIFT * math.log2(math.e)  # logits in log2 units from q . (keys x 2**-KEY_SHIFT)
 
-    def body(q_gmem, wv, ws, wok, ev, es, idx_gmem, o_gmem, m_gmem, l_gmem, q_smem, k_smem, masks):
+    def body(q_gmem, wv, ws, wok, ev, es, idx_gmem, sink_gmem, o_gmem, stats_gmem, q_smem, k_smem, masks):
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
         first = part * per
         last = jnp.minimum(first + per, n_t)
@@ -503,14 +547,15 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         acc, m, l = lax.fori_loop(first, last, tile, (acc, m, l))
         wide = lambda v: lax.broadcast_in_dim(v, (H, 8), [0])
         if "store" not in skip:
-            _store_partials()(acc, wide(m * math.log(2.0)), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
+            _store_merged()(acc, wide(m), wide(l), k_smem, stats_gmem, sink_gmem, o_gmem, seq, part)
 
     kernel = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((b, splits, H, D), jnp.float32), jax.ShapeDtypeStruct((b, splits, H), jnp.float32),
-                  jax.ShapeDtypeStruct((b, splits, H), jnp.float32)),
-        grid=(b, splits),
-        grid_names=("b", "s"),
+        out_type=(jax.ShapeDtypeStruct((b, H, D), jnp.float32), jax.ShapeDtypeStruct((b, splits, 2, H), jnp.float32)),
+        grid=(b,),
+        grid_names=("b",),
+        cluster=(splits,),
+        cluster_names=("s",),
         num_threads=2,
         thread_name="wg",
         scratch_types=(plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
@@ -518,6 +563,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                        plgpu.SMEM((2, 8), jnp.uint32)),
         kernel_name="sparse_attention_wgmma",
     )
-    o, m, l = kernel(q_bhd.astype(jnp.float32), window_values, window_scales, window_valid.astype(jnp.int8), entry_values, entry_scales, idx)
-    return gpu_attention.combine(o, m, l, sink_h.astype(jnp.float32))
+    o, _ = kernel(q_bhd.astype(jnp.float32), window_values, window_scales, window_valid.astype(jnp.int8), entry_values,
+                  entry_scales, idx, sink_h.astype(jnp.float32))
+    return o
 

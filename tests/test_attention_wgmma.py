@@ -82,12 +82,27 @@ def test_lowers_for_cuda():
     with pytest.raises(ValueError, match="64 heads|wgmma attention"):
         jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05)).trace(
             s((b, 16, att.D), jnp.float32), *args[1:]).lower(lowering_platforms=("cuda",))
+    with pytest.raises(ValueError, match="one cluster"):
+        jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=att.MAX_SPLITS + 1)).trace(*args)
+
+
+def test_default_splits_fill_the_gpu_with_whole_clusters_and_no_empty_range():
+    for b in (1, 2, 3, 8, 16, 33, 64, 200):
+        for tiles in (1, 2, 6, 10, 11, 40):
+            s = att.default_splits(b, tiles)
+            per = -(-tiles // s)
+            assert 1 <= s <= min(att.MAX_SPLITS, tiles) and (s - 1) * per < tiles  # the last range holds a tile
+            assert b * s <= max(132, b)  # one wave of CTAs
+    assert att.default_splits(64, 10) == 2 and att.default_splits(8, 10) == 5  # the bench's 128 + 512 keys
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
-@pytest.mark.parametrize("b,w,n,k,splits", [(3, 128, 300, 512, 1), (3, 128, 300, 512, 3), (5, 64, 2000, 300, 4)])
+@pytest.mark.parametrize("b,w,n,k,splits", [(3, 128, 300, 512, 1), (3, 128, 300, 512, 3), (5, 64, 2000, 300, 4),
+                                             (4, 128, 3000, 512, 8), (2, 128, 3000, 512, None)])
 def test_matches_the_reference(b, w, n, k, splits):
-    q, window, valid, entries, idx, sink = _attention_case(splits, b, att.H, att.D, w, n, k)
+    """Key ranges merged inside their cluster: one, several, some empty (4 ranges of 2 tiles over 6; 8 of 2
+    over 10), the default."""
+    q, window, valid, entries, idx, sink = _attention_case(splits or 0, b, att.H, att.D, w, n, k)
     scale = att.D ** -0.5
     ref = attention_ref(q, window, valid, entries, idx, sink, scale)
     out = att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],

@@ -73,7 +73,8 @@ for b in BATCHES:
     ref = ops.sparse_attention_decode(q, window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, SCALE)
     default = gpu_attention_wgmma.default_splits(b, (bk.WINDOW + bk.TOPK) // gpu_attention_wgmma.T)
     variants = [("Triton (the dispatch's tiles)", triton), (f"wgmma, default ({default} splits)", wgmma(None))]
-    variants += [(f"wgmma, {s} splits", wgmma(s)) for s in sorted({max(1, default // 2), min(10, default * 2)} - {default})]
+    variants += [(f"wgmma, {s} splits", wgmma(s))
+                 for s in sorted({max(1, default // 2), min(gpu_attention_wgmma.MAX_SPLITS, default * 2)} - {default})]
     if b == 64 and os.environ.get("ABLATE"):  # what each part costs: the kernel without it (wrong numbers)
         variants += [(f"wgmma, 2 splits, no {part}", wgmma(2, (part,))) for part in gpu_attention_wgmma.ABLATIONS]
         variants += [("wgmma, 2 splits, loads + stores only", wgmma(2, ("qk", "pv", "decode")))]
