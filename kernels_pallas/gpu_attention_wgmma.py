@@ -9,11 +9,11 @@ Measured on the H200 (docs/BENCHMARKS.md, twenty-third session), with partials m
 batch 64 at 128K 47.3 us, 17.0% of the copy peak (Triton 85.1 us); batch 8 20.4 us (34.4); the slice's batch-64
 step 14.860 -> 14.638 ms. Not at 40%: with 2 key ranges per sequence that call moved ~73 MB for the 30.7 MB
 counted (q read per CTA, f32 partials and their combine), and the two warpgroups work one tile in lockstep, so
-loads, decode, wgmmas and softmax take turns. Now a sequence's key ranges are one cluster that merges in the
-kernel (`_store_merged`): no partials, no combine.
+loads, decode, wgmmas and softmax take turns. Now up to MAX_SPLITS key ranges of a sequence are one cluster
+that merges in the kernel (`_store_merged`: no partials, no combine; batch 64 44.6 us, twenty-fourth session).
 
-Per CTA (grid: sequence x key range, `splits` <= MAX_SPLITS, one cluster a sequence): two warpgroups, each owning half of the output channels, so
-each holds a [64 heads, 256] f32 accumulator (128 registers a thread). At its start every key row of its range is
+Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): two warpgroups, each
+owning half of the output channels, so each holds a [64 heads, 256] f32 accumulator (128 registers a thread). At its start every key row of its range is
 prefetched to L2 (`_prefetch`) and q is loaded and rounded to bf16 (`_load_query`). Per tile of 64 keys:
 - both warpgroups decode 32 of its rows each, straight from global memory (the rows are gathered by index;
   nothing is staged), into one bf16 [64 keys, 512] tile in shared memory (two slots), meeting at a CTA barrier
@@ -23,9 +23,10 @@ prefetched to L2 (`_prefetch`) and q is loaded and rounded to bf16 (`_load_query
   cores do this twice per CTA, the simple form; summing per-warpgroup halves through shared memory is not
   tried), starting from the keys' validity as a bias (0 or -2**120, from warp ballots: no mask pass);
 - the online softmax in exp2, then p (bf16, registers) . keys[:, its 256 channels] into its accumulator.
-The ranges' running maxima and sums meet through global memory at a cluster barrier; each range weighs its
-accumulator (`gpu_attention.combine`'s weights, the sink included), stages it in the free key slots, and range 0
-stores its rows, the others add theirs (`_store_merged`).
+Each CTA stages its accumulator in the free key slots and writes it in whole rows (`_staged_rows`). Within a
+cluster the ranges' running maxima and sums meet through global memory at a cluster barrier, each range weighs its
+rows (`gpu_attention.combine`'s weights, the sink included), range 0 stores them and the others add theirs
+(`_store_merged`); with more ranges each writes partials that `gpu_attention.combine` merges (`_store_partials`).
 
 Numbers, all exact until the MMA: an entry value E2M1 x E4M3 has at most 6 significant bits and a window
 value E4M3 x 2**e at most 4, so both are exact in bf16; they are held as value x 2**-10 (`KEY_SHIFT`) so
@@ -351,43 +352,116 @@ def _ex2(x):
     return mgpu_utils.inline_ptx("ex2.approx.ftz.f32 $0, $1;", x, result_types=ir.F32Type.get())
 
 
+def _my_rows():
+    """(the two accumulator rows this thread holds, i32: 16 warp + r + 8 half; q; warpgroup)."""
+    warp, q, r = warpgroup_coords()
+    rows = [arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(8 * half)) for half in range(2)]
+    return rows, q, arith.shrui(mgpu_utils.thread_idx(), i32_const(7))
+
+
+def _row_value(v, half):
+    """Row `half` of a thread's [64, 8] WGMMA array whose columns all hold the row's value."""
+    return llvm.extractelement(v.registers[0, 0, 0, 0, half, 0, 0, 0, 0], arith.constant(ir.IntegerType.get_signless(32), 0))
+
+
+def _staged_rows(acc, factors, k_smem, out_row0):
+    """The warpgroup's accumulator [64, 256] (row i times factors[half of i]) through shared memory in channel
+    order -> [(pointer offset in bytes into the output, f32 x 4)]: a thread's 32 moves of 16 B, a warp's 512
+    contiguous bytes of one row, output row `out_row0 + row` of 512 f32 channels.
+
+    The accumulator's registers hold 2 channels of a row each, 16 B of a row per 4 threads: stored to global
+    memory directly (4-byte scatters once the channels are put back in order) the batch-64 kernel took 41.5 us;
+    staged, with q's load moved into the kernel in the same change, 37.5 us (docs/BENCHMARKS.md, twenty-third
+    session). Each warpgroup writes its block to the free key slots (rows of 1 KB, 16 B chunk k at k ^ (row % 8):
+    no bank conflicts either way), then reads it back in whole rows."""
+    i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
+    rows, q, wg = _my_rows()
+    stage = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(k_smem), [arith.muli(wg, i32_const(H * HALF * 4))], i8)
+    mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)  # both done with the keys
+    for half, row in enumerate(rows):
+        row_off = arith.muli(row, i32_const(HALF * 4))
+        for c in range(HALF // 8):
+            vec = acc.registers[0, c, 0, 0, half, 0, 0, 0, 0]
+            for j in range(2):  # column 8c + 2q + j holds channel 8c + PERM8[2q + j] = 8c + (3 - q) + 4j
+                ch = arith.subi(i32_const(8 * c + 3 + 4 * j), q)
+                chunk = arith.xori(arith.shrui(ch, i32_const(2)), arith.andi(row, i32_const(7)))
+                off = arith.addi(row_off, arith.addi(arith.muli(chunk, i32_const(16)),
+                                                     arith.muli(arith.andi(ch, i32_const(3)), i32_const(4))))
+                v = arith.mulf(llvm.extractelement(vec, arith.constant(i32, j)), factors[half])
+                llvm.store(v, mgpu_utils.getelementptr(stage, [off], i8), alignment=4)
+    mgpu_utils.warpgroup_barrier()
+    t = arith.andi(mgpu_utils.thread_idx(), i32_const(127))
+    k = arith.andi(t, i32_const(63))
+    moves = []
+    for i in range(H // 2):  # rows 2i + t // 64
+        row = arith.addi(arith.shrui(t, i32_const(6)), i32_const(2 * i))
+        src = arith.addi(arith.muli(row, i32_const(HALF * 4)),
+                         arith.muli(arith.xori(k, arith.andi(row, i32_const(7))), i32_const(16)))
+        v = llvm.load(ir.VectorType.get((4,), f32), mgpu_utils.getelementptr(stage, [src], i8), alignment=16)
+        dst = arith.muli(arith.addi(arith.muli(_i64(arith.addi(out_row0, row)), _i64(i32_const(D))),
+                                    _i64(arith.addi(arith.muli(wg, i32_const(HALF)), arith.muli(k, i32_const(4))))),
+                         _i64(i32_const(4)))
+        moves.append((dst, v))
+    return moves
+
+
+_STORE_ARGS = (plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(_TRANSFORMS), plgpu.RefType(),
+               plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT)
+
+
+@functools.cache
+def _store_partials():
+    """inline_mgpu: (acc f32 [64, 256] WGMMA, m, l f32 [64, 8] WGMMA (every column the row's running max in log2
+    units and sum), the keys' smem (free now), o gmem f32 [B, S, 64, 512], m / l gmem f32 [B, S, 64], b, s) ->
+    o[b, s, :, this warpgroup's 256 channels] = acc in channel order (`_staged_rows`); warpgroup 0 also m (in
+    natural-log units), l: the partials `gpu_attention.combine` merges."""
+
+    @plgpu.inline_mgpu(arg_types=_STORE_ARGS)
+    def store(ctx, acc, m, l, k_smem, o, m_out, l_out, b, s):
+        del ctx
+        b, s = (a.registers.item() for a in (b, s))
+        seq = arith.addi(arith.muli(b, i32_const(ir.MemRefType(o.type).shape[1])), s)
+        rows, q, wg = _my_rows()
+        with mgpu_utils.when(arith.andi(arith.cmpi(arith.CmpIPredicate.eq, wg, i32_const(0)),
+                                        arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))):
+            for half, row in enumerate(rows):
+                ln2 = arith.constant(ir.F32Type.get(), math.log(2.0))
+                memref.store(arith.mulf(_row_value(m, half), ln2), m_out, [index_of(x) for x in (b, s, row)])
+                memref.store(_row_value(l, half), l_out, [index_of(x) for x in (b, s, row)])
+        shift = arith.constant(ir.F32Type.get(), 2.0 ** KEY_SHIFT)
+        o_ptr = mgpu_utils.memref_ptr(o)
+        for dst, v in _staged_rows(acc, (shift, shift), k_smem, arith.muli(seq, i32_const(H))):
+            llvm.store(v, mgpu_utils.getelementptr(o_ptr, [dst], ir.IntegerType.get_signless(8)), alignment=16)
+
+    return store
+
+
 @functools.cache
 def _store_merged():
-    """inline_mgpu: (acc f32 [64, 256] WGMMA, m, l f32 [64, 8] WGMMA (every column the row's running max in log2
-    units and sum), the keys' smem (free now: the output's staging), stats gmem f32 [B, S, 2, 64], sink f32 [64],
-    o gmem f32 [B, 64, 512], b, s) -> o[b] = the softmax-weighted sum over the cluster's S key ranges with the
-    sink, in channel order.
+    """inline_mgpu: (acc, m, l as `_store_partials`, the keys' smem, stats gmem f32 [B, S, 2, 64], sink f32 [64]
+    (natural-log units), o gmem f32 [B, 64, 512], b, s) -> o[b] = the softmax-weighted sum over the cluster's S
+    key ranges with the sink, in channel order.
 
     The S CTAs of a sequence are one cluster. Each publishes its rows' (m, l) in stats[b, s] (warpgroup 0; both
     hold the same), all meet (a cluster barrier: release / acquire), and each weighs its accumulator by
     exp2(m_s - M) / (sum_s' l_s' exp2(m_s' - M) + exp2(sink - M)), M the largest of the m_s' and the sink
     (`gpu_attention.combine`'s weights). Range 0 stores its weighted rows, all meet again, the others add theirs
-    (red.global.add): no partials array, no combine after the kernel. Each warpgroup stages its [64, 256] block in
-    shared memory (rows of 1 KB, 16 B chunk k at k ^ (row % 8): no bank conflicts either way) and moves it in whole
-    rows, 16 B a thread (direct 4-byte scatters from the accumulator's registers were slower: docs/BENCHMARKS.md,
-    twenty-third session)."""
+    (red.global.add): no partials array, no combine after the kernel."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA,
-                                  plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                  _SPLAT, _SPLAT))
+    @plgpu.inline_mgpu(arg_types=_STORE_ARGS)
     def store(ctx, acc, m, l, k_smem, stats, sink, o, b, s):
         del ctx
-        i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
+        i8, f32 = ir.IntegerType.get_signless(8), ir.F32Type.get()
         b, s = (a.registers.item() for a in (b, s))
         splits = ir.MemRefType(stats.type).shape[1]
-        tid = mgpu_utils.thread_idx()
-        wg = arith.shrui(tid, i32_const(7))
-        warp, q, r = warpgroup_coords()
-        rows = [arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(8 * half)) for half in range(2)]
-        row_value = lambda v, half: llvm.extractelement(v.registers[0, 0, 0, 0, half, 0, 0, 0, 0], arith.constant(i32, 0))
-        first = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, wg, i32_const(0)),
-                           arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))
-        with mgpu_utils.when(first):
+        rows, q, wg = _my_rows()
+        with mgpu_utils.when(arith.andi(arith.cmpi(arith.CmpIPredicate.eq, wg, i32_const(0)),
+                                        arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))):
             for half, row in enumerate(rows):
                 for kind, v in enumerate((m, l)):
-                    memref.store(row_value(v, half), stats, [index_of(x) for x in (b, s, i32_const(kind), row)])
+                    memref.store(_row_value(v, half), stats, [index_of(x) for x in (b, s, i32_const(kind), row)])
         mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)
-        weights = []
+        factors = []
         for half, row in enumerate(rows):
             ms, ls = ([memref.load(stats, [index_of(x) for x in (b, i32_const(j), i32_const(kind), row)])
                        for j in range(splits)] for kind in range(2))
@@ -398,43 +472,18 @@ def _store_merged():
             den = _ex2(arith.subf(sk, top))
             for mv, lv in zip(ms, ls):
                 den = arith.addf(den, arith.mulf(lv, _ex2(arith.subf(mv, top))))
-            own = _ex2(arith.subf(row_value(m, half), top))
-            weights.append(arith.mulf(arith.divf(own, den), arith.constant(f32, 2.0 ** KEY_SHIFT)))
-        stage = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(k_smem), [arith.muli(wg, i32_const(H * HALF * 4))], i8)
+            own = _ex2(arith.subf(_row_value(m, half), top))
+            factors.append(arith.mulf(arith.divf(own, den), arith.constant(f32, 2.0 ** KEY_SHIFT)))
         o_ptr = mgpu_utils.memref_ptr(o)
-        mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)  # both done with the keys
-        for half, row in enumerate(rows):
-            row_off = arith.muli(row, i32_const(HALF * 4))
-            for c in range(HALF // 8):
-                vec = acc.registers[0, c, 0, 0, half, 0, 0, 0, 0]
-                for j in range(2):  # column 8c + 2q + j holds channel 8c + PERM8[2q + j] = 8c + (3 - q) + 4j
-                    ch = arith.subi(i32_const(8 * c + 3 + 4 * j), q)
-                    chunk = arith.xori(arith.shrui(ch, i32_const(2)), arith.andi(row, i32_const(7)))
-                    off = arith.addi(row_off, arith.addi(arith.muli(chunk, i32_const(16)),
-                                                         arith.muli(arith.andi(ch, i32_const(3)), i32_const(4))))
-                    v = arith.mulf(llvm.extractelement(vec, arith.constant(i32, j)), weights[half])
-                    llvm.store(v, mgpu_utils.getelementptr(stage, [off], i8), alignment=4)
-        mgpu_utils.warpgroup_barrier()
-        t = arith.andi(tid, i32_const(127))
-        k = arith.andi(t, i32_const(63))
-        moves = []
-        for i in range(H // 2):  # rows 2i + t // 64: a warp moves 512 contiguous bytes of one row
-            row = arith.addi(arith.shrui(t, i32_const(6)), i32_const(2 * i))
-            src = arith.addi(arith.muli(row, i32_const(HALF * 4)),
-                             arith.muli(arith.xori(k, arith.andi(row, i32_const(7))), i32_const(16)))
-            v = llvm.load(ir.VectorType.get((4,), f32), mgpu_utils.getelementptr(stage, [src], i8), alignment=16)
-            dst = arith.muli(arith.addi(arith.muli(_i64(arith.addi(arith.muli(b, i32_const(H)), row)), _i64(i32_const(D))),
-                                        _i64(arith.addi(arith.muli(wg, i32_const(HALF)), arith.muli(k, i32_const(4))))),
-                             _i64(i32_const(4)))
-            moves.append((mgpu_utils.getelementptr(o_ptr, [dst], i8), v))
-        leader = arith.cmpi(arith.CmpIPredicate.eq, s, i32_const(0))
-        with mgpu_utils.when(leader):
+        moves = [(mgpu_utils.getelementptr(o_ptr, [dst], i8), v)
+                 for dst, v in _staged_rows(acc, factors, k_smem, arith.muli(b, i32_const(H)))]
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, s, i32_const(0))):
             for ptr, v in moves:
                 llvm.store(v, ptr, alignment=16)
         mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)  # range 0's rows are written
         with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, s, i32_const(0))):
             for ptr, v in moves:
-                parts = [llvm.extractelement(v, arith.constant(i32, e)) for e in range(4)]
+                parts = [llvm.extractelement(v, arith.constant(ir.IntegerType.get_signless(32), e)) for e in range(4)]
                 mgpu_utils.inline_ptx("red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", ptr, *parts,
                                       has_side_effects=True)
 
@@ -456,26 +505,33 @@ def supported(q_bhd: jax.Array, window_values: jax.Array, entry_values: jax.Arra
             and gpu_wgmma.is_hopper())
 
 
-MAX_SPLITS = 8  # CTAs of a cluster: the largest portable cluster
+# Up to MAX_SPLITS key ranges a sequence's CTAs are one cluster merging in the kernel (`_store_merged`, the largest
+# portable cluster); beyond, each range writes partials that `gpu_attention.combine` merges after the kernel.
+# H200, 128K entries, from HBM (docs/BENCHMARKS.md, twenty-fourth session): batch 64 (2 ranges) 47.3 us with
+# partials, 44.6 merged; batch 8 merged at most 8 ranges, i.e. 2 of its 10 tiles a CTA: 25.0 us (5 ranges) or
+# 22.9 (8), where 10 ranges of one tile with partials took 20.4.
+MAX_SPLITS = 8
 
 
 def default_splits(b: int, tiles: int, sms: int = 132) -> int:
     """Key ranges per sequence for `tiles` key tiles: as many as keep one wave of CTAs (one fits an SM: each
-    holds 192 KB of shared memory), at most one per tile and MAX_SPLITS, and no empty range."""
-    splits = max(1, min(tiles, sms // b, MAX_SPLITS))
+    holds 192 KB of shared memory), at most one per tile, and none empty."""
+    splits = max(1, min(tiles, sms // b))
     return -(-tiles // -(-tiles // splits))
 
 
 ABLATIONS = ("prefetch", "decode", "qk", "pv", "store")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "skip"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
-                           sink_h, scale: float, *, splits: int | None = None, skip: tuple[str, ...] = ()):
+                           sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
+                           skip: tuple[str, ...] = ()):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
-    (default `default_splits`). skip: parts of ABLATIONS left out, for benchmarks that time the rest (the
+    (default `default_splits`). merged: the ranges as one cluster merging in the kernel (at most MAX_SPLITS of
+    them), or partials merged by `gpu_attention.combine` (default: merged when they fit a cluster). skip: parts of ABLATIONS left out, for benchmarks that time the rest (the
     output is then wrong)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
@@ -493,12 +549,20 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     idx = idx if kp == k else jnp.pad(idx, ((0, 0), (0, kp - k)), constant_values=-1)
     n_wt, n_t = w // T, (w + kp) // T
     splits = splits or default_splits(b, n_t)
-    if not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"splits={splits}: a sequence's key ranges are one cluster of 1..{MAX_SPLITS} CTAs")
+    if splits < 1:
+        raise ValueError(f"splits={splits}: a sequence needs at least one key range")
+    merged = splits <= MAX_SPLITS if merged is None else merged
+    if merged and splits > MAX_SPLITS:
+        raise ValueError(f"splits={splits}: merged in the kernel, a sequence's ranges are one cluster of at most "
+                         f"{MAX_SPLITS} CTAs; pass merged=False")
     per = -(-n_t // splits)
     c = scale * 2.0 ** KEY_SHIFT * math.log2(math.e)  # logits in log2 units from q . (keys x 2**-KEY_SHIFT)
 
-    def body(q_gmem, wv, ws, wok, ev, es, idx_gmem, sink_gmem, o_gmem, stats_gmem, q_smem, k_smem, masks):
+    def body(q_gmem, wv, ws, wok, ev, es, idx_gmem, *refs):
+        if merged:
+            sink_gmem, o_gmem, stats_gmem, q_smem, k_smem, masks = refs
+        else:
+            o_gmem, m_gmem, l_gmem, q_smem, k_smem, masks = refs
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
         first = part * per
         last = jnp.minimum(first + per, n_t)
@@ -547,15 +611,19 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         acc, m, l = lax.fori_loop(first, last, tile, (acc, m, l))
         wide = lambda v: lax.broadcast_in_dim(v, (H, 8), [0])
         if "store" not in skip:
-            _store_merged()(acc, wide(m), wide(l), k_smem, stats_gmem, sink_gmem, o_gmem, seq, part)
+            if merged:
+                _store_merged()(acc, wide(m), wide(l), k_smem, stats_gmem, sink_gmem, o_gmem, seq, part)
+            else:
+                _store_partials()(acc, wide(m), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
 
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    launch = (dict(out_type=(f32(b, H, D), f32(b, splits, 2, H)), grid=(b,), grid_names=("b",), cluster=(splits,),
+                   cluster_names=("s",)) if merged else
+              dict(out_type=(f32(b, splits, H, D), f32(b, splits, H), f32(b, splits, H)), grid=(b, splits),
+                   grid_names=("b", "s")))
     kernel = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((b, H, D), jnp.float32), jax.ShapeDtypeStruct((b, splits, 2, H), jnp.float32)),
-        grid=(b,),
-        grid_names=("b",),
-        cluster=(splits,),
-        cluster_names=("s",),
+        **launch,
         num_threads=2,
         thread_name="wg",
         scratch_types=(plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
@@ -563,7 +631,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                        plgpu.SMEM((2, 8), jnp.uint32)),
         kernel_name="sparse_attention_wgmma",
     )
-    o, _ = kernel(q_bhd.astype(jnp.float32), window_values, window_scales, window_valid.astype(jnp.int8), entry_values,
-                  entry_scales, idx, sink_h.astype(jnp.float32))
-    return o
+    args = (q_bhd.astype(jnp.float32), window_values, window_scales, window_valid.astype(jnp.int8), entry_values,
+            entry_scales, idx)
+    if merged:
+        return kernel(*args, sink_h.astype(jnp.float32))[0]
+    return gpu_attention.combine(*kernel(*args), sink_h.astype(jnp.float32))
 

@@ -82,31 +82,38 @@ def test_lowers_for_cuda():
     with pytest.raises(ValueError, match="64 heads|wgmma attention"):
         jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05)).trace(
             s((b, 16, att.D), jnp.float32), *args[1:]).lower(lowering_platforms=("cuda",))
-    with pytest.raises(ValueError, match="one cluster"):
-        jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=att.MAX_SPLITS + 1)).trace(*args)
+    partials = jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=att.MAX_SPLITS + 1))
+    assert "sparse_attention_wgmma" in partials.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ValueError, match="one cluster of at most"):
+        jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=9, merged=True)).trace(*args)
+    with pytest.raises(ValueError, match="at least one key range"):
+        jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=-1)).trace(*args)
 
 
-def test_default_splits_fill_the_gpu_with_whole_clusters_and_no_empty_range():
+def test_default_splits_fill_the_gpu_with_no_empty_range():
     for b in (1, 2, 3, 8, 16, 33, 64, 200):
         for tiles in (1, 2, 6, 10, 11, 40):
             s = att.default_splits(b, tiles)
             per = -(-tiles // s)
-            assert 1 <= s <= min(att.MAX_SPLITS, tiles) and (s - 1) * per < tiles  # the last range holds a tile
+            assert 1 <= s <= tiles and (s - 1) * per < tiles  # the last range holds a tile
             assert b * s <= max(132, b)  # one wave of CTAs
-    assert att.default_splits(64, 10) == 2 and att.default_splits(8, 10) == 5  # the bench's 128 + 512 keys
+    assert att.default_splits(64, 10) == 2 and att.default_splits(8, 10) == 10  # the bench's 128 + 512 keys
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
-@pytest.mark.parametrize("b,w,n,k,splits", [(3, 128, 300, 512, 1), (3, 128, 300, 512, 3), (5, 64, 2000, 300, 4),
-                                             (4, 128, 3000, 512, 8), (2, 128, 3000, 512, None)])
-def test_matches_the_reference(b, w, n, k, splits):
+@pytest.mark.parametrize("b,w,n,k,splits,merged", [(3, 128, 300, 512, 1, None), (3, 128, 300, 512, 3, None),
+                                                    (5, 64, 2000, 300, 4, None), (4, 128, 3000, 512, 8, None),
+                                                    (2, 128, 3000, 512, None, None), (3, 64, 2000, 300, 9, None),
+                                                    (3, 128, 300, 512, 3, False)])
+def test_matches_the_reference(b, w, n, k, splits, merged):
     """Key ranges merged inside their cluster: one, several, some empty (4 ranges of 2 tiles over 6; 8 of 2
-    over 10), the default."""
+    over 10); more ranges than a cluster, merged by `gpu_attention.combine` (the default at 2 sequences: 10;
+    9 over 6 tiles, 3 empty; 3 by choice)."""
     q, window, valid, entries, idx, sink = _attention_case(splits or 0, b, att.H, att.D, w, n, k)
     scale = att.D ** -0.5
     ref = attention_ref(q, window, valid, entries, idx, sink, scale)
     out = att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],
-                                     entries["scales"], idx, sink, scale, splits=splits)
+                                     entries["scales"], idx, sink, scale, splits=splits, merged=merged)
     np.testing.assert_array_equal(out[0], 0.0)
     for i in range(1, b):
         err = float(jnp.linalg.norm(out[i] - ref[i]) / jnp.linalg.norm(ref[i]))

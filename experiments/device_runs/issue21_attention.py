@@ -61,9 +61,9 @@ def triton(q, wv, ws, ok, ev, es, idx, sink):
         gpu_attention_wgmma.MIN_BATCH = min_batch
 
 
-def wgmma(splits, skip=()):
+def wgmma(splits, skip=(), merged=None):
     return lambda q, wv, ws, ok, ev, es, idx, sink: gpu_attention_wgmma.sparse_attention_wgmma(
-        q, wv, ws, ok, ev, es, idx, sink, SCALE, splits=splits, skip=skip)
+        q, wv, ws, ok, ev, es, idx, sink, SCALE, splits=splits, merged=merged, skip=skip)
 
 
 for b in BATCHES:
@@ -75,6 +75,8 @@ for b in BATCHES:
     variants = [("Triton (the dispatch's tiles)", triton), (f"wgmma, default ({default} splits)", wgmma(None))]
     variants += [(f"wgmma, {s} splits", wgmma(s))
                  for s in sorted({max(1, default // 2), min(gpu_attention_wgmma.MAX_SPLITS, default * 2)} - {default})]
+    if default <= gpu_attention_wgmma.MAX_SPLITS:  # merged in the kernel by default: against partials + combine
+        variants += [(f"wgmma, {default} splits, partials", wgmma(default, merged=False))]
     if b == 64 and os.environ.get("ABLATE"):  # what each part costs: the kernel without it (wrong numbers)
         variants += [(f"wgmma, 2 splits, no {part}", wgmma(2, (part,))) for part in gpu_attention_wgmma.ABLATIONS]
         variants += [("wgmma, 2 splits, loads + stores only", wgmma(2, ("qk", "pv", "decode")))]
