@@ -9,6 +9,21 @@ import time
 OUT = os.environ.get("OUT") or "/tmp/device_run_out"
 
 
+def logger(name: str):
+    """(say, file): say(*parts) prints a line and writes it to $OUT/name, flushed (a run killed at its timeout keeps
+    its lines); file, for tracebacks."""
+    os.makedirs(OUT, exist_ok=True)
+    file = open(os.path.join(OUT, name), "w")
+
+    def say(*parts):
+        msg = " ".join(str(p) for p in parts)
+        print(msg, flush=True)
+        file.write(msg + "\n")
+        file.flush()
+
+    return say, file
+
+
 def step(name: str, argv: list[str], timeout_s: float, env: dict | None = None, cwd: str | None = None) -> int:
     """Run `python argv` (PYTHONPATH=., plus `env`) in `cwd` (default: here) with stdout and stderr in
     $OUT/name.log; returns its exit code (124: killed at timeout_s, so that a slow step leaves the later ones

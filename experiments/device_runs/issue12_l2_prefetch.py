@@ -15,18 +15,10 @@ import sys
 import time
 import traceback
 
-from experiments.device_runs._steps import OUT, step
+from experiments.device_runs._steps import OUT, logger, step
 
 T0 = time.time()
-os.makedirs(OUT, exist_ok=True)
-LOG = open(os.path.join(OUT, "l2_prefetch.log"), "w")
-
-
-def say(*a):
-    msg = " ".join(str(x) for x in a)
-    print(msg, flush=True)
-    LOG.write(msg + "\n")
-    LOG.flush()
+say, LOG = logger("l2_prefetch.log")
 
 
 if "tests" in sys.argv[1:]:

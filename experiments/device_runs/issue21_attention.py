@@ -12,19 +12,11 @@ import sys
 import time
 import traceback
 
-from experiments.device_runs._steps import OUT, step
+from experiments.device_runs._steps import OUT, logger, step
 
 T0 = time.time()
-os.makedirs(OUT, exist_ok=True)
-LOG = open(os.path.join(OUT, "attention.log"), "w")
+say, LOG = logger("attention.log")
 BATCHES = [int(a) for a in sys.argv[1:]] or [64]
-
-
-def say(*a):
-    msg = " ".join(str(x) for x in a)
-    print(msg, flush=True)
-    LOG.write(msg + "\n")
-    LOG.flush()
 
 
 dump = os.path.join(OUT, "mosaic")

@@ -12,19 +12,12 @@ import sys
 import time
 import traceback
 
+from experiments.device_runs._steps import OUT, logger
+
 DRY = bool(os.environ.get("I21_DRY"))  # CPU check of this script: interpreted kernels, tiny shapes, no tests
 T0 = time.time()
 BUDGET_S = 330  # no new timing starts after this (one takes < 15 s); the GPU tests come first
-OUT = os.environ.get("OUT") or "/tmp/i21_out"
-os.makedirs(OUT, exist_ok=True)
-LOG = open(os.path.join(OUT, "i21.log"), "w")
-
-
-def say(*a):
-    msg = " ".join(str(x) for x in a)
-    print(msg, flush=True)
-    LOG.write(msg + "\n")
-    LOG.flush()
+say, LOG = logger("i21.log")
 
 
 def left() -> float:
