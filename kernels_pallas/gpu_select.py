@@ -17,7 +17,8 @@ program rescan the whole row in position order; that path is exact and slow, and
 only on exact ties. Work per row: a few levels x 32 reductions over <= 8k entries, plus the pyramid
 (1/7 of the row's bytes, written by the indexer kernel or by one XLA reduction).
 
-Ordering uses `decode.ordered_key` (the float total order of `lax.top_k`): -inf is never selected,
+A row of at most k entries (a single level) skips the search: every entry above -inf is kept. Ordering uses
+`decode.ordered_key` (the float total order of `lax.top_k`): -inf is never selected,
 -0 < +0, ties go to the lowest position. NaN scores are not supported.
 """
 
@@ -87,7 +88,7 @@ def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, interpret:
     lv_refs, out_ref, scratch_ref = refs[:n_lv], refs[n_lv], refs[n_lv + 1]
     r = pl.program_id(0)
     top = n_lv - 1
-    ids = jnp.arange(cap)
+    ids = jnp.arange(_pow2(sizes[top]))  # the top level: at most cap entries, often far fewer
     valid = ids < sizes[top]
     keys = _load_keys(lv_refs[top], r, ids, valid)
     ids = jnp.where(valid, ids, -1)
@@ -113,7 +114,9 @@ def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, interpret:
         ids = jnp.where(valid, child, -1)
         bound = new_bound
 
-    thr = jnp.maximum(bound, _kth_key(keys, k))
+    # A row of at most k entries keeps every one above -inf: no threshold to search (a candidate-block row at
+    # contexts up to k blocks, a top-k row up to k positions).
+    thr = bound if top == 0 and sizes[0] <= k else jnp.maximum(bound, _kth_key(keys, k))
     quota = k - jnp.sum((keys > thr).astype(jnp.int32))
     ties_count = thr > decode.NEG_INF_KEY  # -inf is never selected
     rescan = (thr == bound) & jnp.logical_not(complete) & ties_count
@@ -153,8 +156,9 @@ def topk_from_levels(levels: list[jax.Array], k: int, *, num_warps: int | None =
     sizes = tuple(int(x.shape[-1]) for x in levels)
     if sizes[-1] > cap:
         raise ValueError(f"top level has {sizes[-1]} entries, more than the capacity {cap}: use build_levels")
-    if num_warps is None:
-        num_warps = 4 if cap <= 1024 else 8 if cap <= 4096 else 16
+    if num_warps is None:  # by the widest tensor: the candidates of a level below the top, or the top level alone
+        widest = cap if len(levels) > 1 else _pow2(sizes[0])
+        num_warps = 4 if widest <= 1024 else 8 if widest <= 4096 else 16
     kernel = functools.partial(_kernel, sizes=sizes, k=k, kp=kp, cap=cap, interpret=interpret)
     # Both outputs carry one spare column: lanes a masked scatter skips point there, so that interpret
     # mode (which writes masked lanes back with their old value) cannot clobber a real slot.

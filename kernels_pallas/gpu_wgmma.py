@@ -22,7 +22,7 @@ while the E8M0 byte is <= 128 (as `gpu_grouped`'s bf16 fast path; released exper
 The K order inside a 256-input step is permuted (`k_perm`) so that each thread's decoded registers are
 exactly its WGMMA_LAYOUT registers with no shuffle; x's columns take the same permutation (a sum over K does
 not care about the order) as a CTA of at most X_STEPS_MAX steps loads its x range into shared memory
-(`_load_x`, the order by a formula: `x_column_input`), or, for longer CTAs, by XLA before a TMA pipeline.
+(`_fetch_x`, `_put_x`; the order by a formula: `x_column_input`), or, for longer CTAs, by XLA before a TMA pipeline.
 
 The Mosaic GPU interpreter of jax 0.11.2 fails on a register-operand wgmma, so this kernel has no interpret
 mode: its values are checked compiled on the GPU (tests/test_kernels_gpu.py), its lowering on the CPU
@@ -159,49 +159,76 @@ def x_column_input(t, fp8: bool):
 
 
 X_PAIR = {False: 4, True: 1}
-# A CTA of at most X_STEPS_MAX pipeline steps loads its x range itself (`_load_x`): x [R, K] as the caller
+# A CTA of at most X_STEPS_MAX pipeline steps loads its x range itself (`_fetch_x`, `_put_x`): x [R, K] as the caller
 # has it, no permuted and padded copy by XLA before each launch (a kernel of ~2 us with its gap: 37 of them in
 # the batch-1 step). Its smem, 4 KB a step, stays small beside the pipeline's 4 stages of 8-16 KB; longer CTAs
 # take x by TMA, permuted and padded by XLA (`_x_for_tma`).
 X_STEPS_MAX = 4
 
 
-@functools.cache
-def _load_x(rows: int, steps: int, k: int, fp8: bool):
-    """inline_mgpu: (x gmem bf16 [R, K], x smem bf16 [steps, 8, 256] (_X_TRANSFORMS), first row, first input)
-    -> smem[s, r, c] = x[row0 + r, k0 + 256 s + input of column c] for r < rows (rows r >= `rows` are left
-    as they are: their output columns are not kept); then a fence and a warpgroup barrier, so that the
-    wgmmas read them. Thread t writes columns 2t, 2t + 1 of each row and step (one 4 B store)."""
-    pair = X_PAIR[fp8]
+def _x_layout(rows: int, steps: int):
+    """The registers of `_fetch_x`: thread t's word for row r, step s is register r * steps + s."""
+    n = rows * steps * 128
+    return plgpu.Layout.WG_STRIDED(shape=(n,), vec_size=1), plgpu.ShapeDtypeStruct((n,), jnp.int32,
+                                                                                   plgpu.Layout.WG_STRIDED((n,), 1))
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(_X_TRANSFORMS), _SPLAT, _SPLAT))
-    def load(ctx, x_gmem, x_smem, row0, k0):
+
+@functools.cache
+def _fetch_x(rows: int, steps: int, k: int, fp8: bool):
+    """inline_mgpu: (x gmem bf16 [R, K], first row, first input) -> this thread's bf16x2 words (i32, `_x_layout`)
+    of x[row0 + r, k0 + 256 s + input of column c] for its columns c = 2t, 2t + 1, r < rows, s < steps. Issued
+    before the CTA's pipeline starts and stored by `_put_x` in its first step, so that the loads' latency
+    overlaps the first weight copies."""
+    pair = X_PAIR[fp8]
+    layout, out = _x_layout(rows, steps)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT), return_type=out)
+    def fetch(ctx, x_gmem, row0, k0):
         del ctx
-        i32, i16, i8 = (ir.IntegerType.get_signless(w) for w in (32, 16, 8))
+        i32, i16, i64, i8 = (ir.IntegerType.get_signless(w) for w in (32, 16, 64, 8))
         row0, k0 = (a.registers.item() for a in (row0, k0))
-        t = U32(mgpu_utils.thread_idx())
-        col = x_column_input(t, fp8)
-        g_ptr, s_ptr = mgpu_utils.memref_ptr(x_gmem), mgpu_utils.memref_ptr(x_smem)
-        at = lambda ptr, off: mgpu_utils.getelementptr(ptr, [off], i8)
-        words = []
+        col = x_column_input(U32(mgpu_utils.thread_idx()), fp8)
+        g_ptr = mgpu_utils.memref_ptr(x_gmem)
+        at = lambda off: mgpu_utils.getelementptr(g_ptr, [off], i8)  # noqa: E731
+        regs = np.empty(layout.to_mgpu().registers_shape((rows * steps * 128,)), dtype=object)
         for r in range(rows):
             for st in range(steps):
                 elem = (U32(row0) + r) * k + U32(k0) + (TK * st) + col  # bf16 elements: 2 bytes each
-                off = arith.extui(ir.IntegerType.get_signless(64), (elem * 2).v)
+                off = arith.extui(i64, (elem * 2).v)
                 if pair == 1:  # the two inputs are adjacent: one 4 B load
-                    w = llvm.load(i32, at(g_ptr, off), alignment=4)
+                    w = llvm.load(i32, at(off), alignment=4)
                 else:
-                    lo, hi = (arith.extui(i32, llvm.load(i16, at(g_ptr, arith.addi(off, arith.constant(
-                        ir.IntegerType.get_signless(64), 2 * pair * j))), alignment=2)) for j in range(2))
+                    lo, hi = (arith.extui(i32, llvm.load(i16, at(arith.addi(off, arith.constant(i64, 2 * pair * j))),
+                                                         alignment=2)) for j in range(2))
                     w = arith.ori(lo, arith.shli(hi, i32_const(16)))
-                words.append((r, st, w))
-        for r, st, w in words:  # [steps, 1, 4, 8, 64] tiles, 128 B rows, 16 B chunk j of row r at j ^ r
-            off = st * 4096 + t // 32 * 1024 + r * 128 + (t % 32 // 4 ^ r) * 16 + t % 4 * 4
-            llvm.store(w, at(s_ptr, off.v), alignment=4)
+                regs[r * steps + st] = vector.broadcast(ir.VectorType.get((1,), i32), w)
+        return mgpu.FragmentedArray(_registers=regs, _layout=layout.to_mgpu(), _is_signed=True)
+
+    return fetch
+
+
+@functools.cache
+def _put_x(rows: int, steps: int):
+    """inline_mgpu: (`_fetch_x`'s words, x smem bf16 [steps, 8, 256] (_X_TRANSFORMS)) -> smem[s, r, 2t..2t+1] =
+    the words (rows r >= `rows` are left as they are: their output columns are not kept); then a fence and a
+    warpgroup barrier, so that the wgmmas read them."""
+    layout, _ = _x_layout(rows, steps)
+
+    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(_X_TRANSFORMS)))
+    def put(ctx, words, x_smem):
+        del ctx
+        t = U32(mgpu_utils.thread_idx())
+        s_ptr = mgpu_utils.memref_ptr(x_smem)
+        for r in range(rows):
+            for st in range(steps):  # [steps, 1, 4, 8, 64] tiles, 128 B rows, 16 B chunk j of row r at j ^ r
+                off = st * 4096 + t // 32 * 1024 + r * 128 + (t % 32 // 4 ^ r) * 16 + t % 4 * 4
+                w = vector.extract(words.registers[r * steps + st], dynamic_position=[],
+                                   static_position=ir.DenseI64ArrayAttr.get([0]))
+                llvm.store(w, mgpu_utils.getelementptr(s_ptr, [off.v], ir.IntegerType.get_signless(8)), alignment=4)
         nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
         mgpu_utils.warpgroup_barrier()
 
-    return load
+    return put
 
 
 def _x_for_tma(x_mk: jax.Array, perm: np.ndarray) -> jax.Array:
@@ -348,8 +375,7 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
         wi, j = wj // n_tiles, wj % n_tiles
         e = expert_ref[row]
         xrow = row // share
-        if direct:
-            _load_x(1, per, k, False)(xp_gmem, x_own[0], xrow, sp * per * TK)
+        words = _fetch_x(1, per, k, False)(xp_gmem, xrow, sp * per * TK) if direct else None
 
         def acc_scope(acc_ref):
             def run(v_gmem, s_gmem):
@@ -357,7 +383,13 @@ def rows_matmuls_fp4_wgmma(x_mk: jax.Array, weights, expert_m: jax.Array, *, spl
 
                 def step(idx, v_smem, *x_smem):
                     (t,) = idx
-                    pl.when(t == 0)(lambda: plgpu.barrier_wait(s_bar))  # once: a wait flips the phase
+
+                    @pl.when(t == 0)
+                    def _():
+                        plgpu.barrier_wait(s_bar)  # once: a wait flips the phase
+                        if direct:
+                            _put_x(1, per)(words, x_own[0])
+
                     x_tile = x_own[0].at[t] if direct else x_smem[0]
                     plgpu.wgmma(acc_ref, decode(v_smem, s_smem, sp * per + t), x_tile.transpose((1, 0)))
                     plgpu.wgmma_wait(0)  # before the next decode overwrites the registers it reads
@@ -531,8 +563,7 @@ def fp8_matmuls_wgmma(x_mk: jax.Array, weights, *, splits: int | None = None, st
     def body(xp_gmem, *refs):
         q_gmems, s_gmems, (o_gmem, s_smem, s_bar, o_smem, *x_own) = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w:]
         tile, sp = lax.axis_index("n"), lax.axis_index("s")
-        if direct:
-            _load_x(m, per, k, True)(xp_gmem, x_own[0], 0, sp * per * TK)
+        words = _fetch_x(m, per, k, True)(xp_gmem, 0, sp * per * TK) if direct else None
 
         def acc_scope(acc_ref):
             def run(i):
@@ -541,7 +572,13 @@ def fp8_matmuls_wgmma(x_mk: jax.Array, weights, *, splits: int | None = None, st
 
                 def step(idx, w_smem, *x_smem):
                     (t,) = idx
-                    pl.when(t == 0)(lambda: plgpu.barrier_wait(s_bar))
+
+                    @pl.when(t == 0)
+                    def _():
+                        plgpu.barrier_wait(s_bar)
+                        if direct:
+                            _put_x(m, per)(words, x_own[0])
+
                     x_tile = x_own[0].at[t] if direct else x_smem[0]
                     plgpu.wgmma(acc_ref, decode(w_smem, s_smem, sp * per + t), x_tile.transpose((1, 0)))
                     plgpu.wgmma_wait(0)

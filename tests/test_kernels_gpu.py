@@ -121,7 +121,8 @@ def _rows(name, rng):
 
 @pytest.mark.parametrize("name,k", [("normal", 8), ("two_levels", 64), ("three_levels", 64), ("rounded_ties", 8),
                                     ("rounded_ties", 64), ("all_equal", 8), ("block_ties", 64), ("neg_inf", 16),
-                                    ("signed_zero", 64), ("short", 8)])
+                                    ("signed_zero", 64), ("short", 8), ("neg_inf", 4096), ("signed_zero", 4096),
+                                    ("all_equal", 3000)])
 def test_select_topk(name, k):
     s = jnp.asarray(_rows(name, np.random.default_rng(k)), jnp.float32)
     np.testing.assert_array_equal(gpu_select.select_topk(s, k, interpret=INTERPRET), topk_ref(s, k))

@@ -73,12 +73,18 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# (file, the text now, the text before), taken back in the "before" tree: nothing unmeasured now. Timed: the weight
+# (file, the text now, the text before), taken back in the "before" tree: the top-k kernel's search skipped for rows
+# of at most k entries, its top level loaded at its own width (twenty-fourth session, unmeasured). Timed: the weight
 # kernels' CTAs loading their x (`xload`, `xload_b8`, twenty-fourth session), the wgmma
 # attention (`attention_ab`, `attention_ab_b8`, twenty-third session), the weight kernels' K splits (`splits` at
 # 38594e8), the branch next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without
 # its concatenate (`qrope` at 342860d, slower, taken back).
-SINCE_MEASURED = []
+SINCE_MEASURED = [
+    ("kernels_pallas/gpu_select.py", "thr = bound if top == 0 and sizes[0] <= k else jnp.maximum(bound, _kth_key(keys, k))",
+     "thr = jnp.maximum(bound, _kth_key(keys, k))"),
+    ("kernels_pallas/gpu_select.py", "ids = jnp.arange(_pow2(sizes[top]))", "ids = jnp.arange(cap)"),
+    ("kernels_pallas/gpu_select.py", "widest = cap if len(levels) > 1 else _pow2(sizes[0])", "widest = cap"),
+]
 # `xload*`: every CTA of the Hopper weight kernels takes x by TMA, permuted and padded by XLA, in a copy of the tree
 XLOAD_OFF = [("kernels_pallas/gpu_wgmma.py", "X_STEPS_MAX = 4", "X_STEPS_MAX = 0")]
 # `attention_ab*`: the Hopper attention off (the dispatch's Triton kernel at every batch) in a copy of the tree
@@ -91,7 +97,8 @@ SCAN_OFF = [("kernels_pallas/gpu_indexer_wgmma.py", "ON = True", "ON = False")]
 AFTER_ENV = {}
 # the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED); in the fifteenth
 # session 150 s held the hyper kernel's tests but not the attention tests after them (19 s in a call apart)
-AB_TESTS = ("ab_gpu_tests", ["pytest", "tests/test_wgmma_kernel.py", "-q", "-p", "no:cacheprovider"], 110,
+AB_TESTS = ("ab_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "-q", "-p", "no:cacheprovider", "-k",
+                            "select or candidate"], 110,
             {"JAX_PLATFORMS": "cuda"})
 # a step whose name ends in "_before" runs in that copy; `ab_slice`: the slice's pair only, twice (~2.5 min)
 GROUPS["ab_slice"] = [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
