@@ -10,8 +10,8 @@ experts 52-63% of the copy peak (Triton 43-49%), 48 rows 79-86% (59-65%).
 
 Per CTA (grid: weight x output tile of 64 x row x K split): one warpgroup. A = 64 output rows of the
 expert's weights, decoded in registers straight into the wgmma's register-operand layout (`WGMMA_LAYOUT`);
-B = x^T from shared memory, N = the 8 rows of x that hold this row's input (one is kept). A TMA pipeline
-streams K in steps of 256 inputs (packed bytes [64, 128], 128 B swizzle; x [8, 256] bf16). The CTA's
+B = x^T from shared memory, N = 8 rows of x (bf16 [8, 256] a step) of which the one holding this row's input
+is kept. A TMA pipeline streams K in steps of 256 inputs (packed bytes [64, 128], 128 B swizzle). The CTA's
 whole E8M0 block [64, K/32] is one contiguous run of bytes, fetched once by TMA: its rows are K/32 bytes
 (72 for w2), which no TMA box can address, but a [E, N/64, K/128, 256] view of the same bytes can.
 
@@ -167,10 +167,10 @@ X_STEPS_MAX = 4
 
 
 def _x_layout(rows: int, steps: int):
-    """The registers of `_fetch_x`: thread t's word for row r, step s is register r * steps + s."""
+    """(layout, array type) of `_fetch_x`'s words: thread t's word for row r, step s is register r * steps + s."""
     n = rows * steps * 128
-    return plgpu.Layout.WG_STRIDED(shape=(n,), vec_size=1), plgpu.ShapeDtypeStruct((n,), jnp.int32,
-                                                                                   plgpu.Layout.WG_STRIDED((n,), 1))
+    layout = plgpu.Layout.WG_STRIDED((n,), 1)
+    return layout, plgpu.ShapeDtypeStruct((n,), jnp.int32, layout)
 
 
 @functools.cache
