@@ -10,11 +10,13 @@ batch 64 at 128K 47.3 us, 17.0% of the copy peak (Triton 85.1 us); batch 8 20.4 
 step 14.860 -> 14.638 ms. Not at 40%: with 2 key ranges per sequence that call moved ~73 MB for the 30.7 MB
 counted (q read per CTA, f32 partials and their combine), and the two warpgroups work one tile in lockstep, so
 loads, decode, wgmmas and softmax take turns. Now up to MAX_SPLITS key ranges of a sequence are one cluster
-that merges in the kernel (`_store_merged`: no partials, no combine; batch 64 44.6 us, twenty-fourth session).
+that merges in the kernel (`_store_merged`: no partials, no combine; batch 64 44.3 us = 18.0%, 47.6 with partials
+in the same call, twenty-fourth session).
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): two warpgroups, each
-owning half of the output channels, so each holds a [64 heads, 256] f32 accumulator (128 registers a thread). At its start every key row of its range is
-prefetched to L2 (`_prefetch`) and q is loaded and rounded to bf16 (`_load_query`). Per tile of 64 keys:
+owning half of the output channels, so each holds a [64 heads, 256] f32 accumulator (128 registers a thread).
+At its start every key row of its range is prefetched to L2 (`_prefetch`) and q is loaded and rounded to bf16
+(`_load_query`). Per tile of 64 keys:
 - both warpgroups decode 32 of its rows each, straight from global memory (the rows are gathered by index;
   nothing is staged), into one bf16 [64 keys, 512] tile in shared memory (two slots), meeting at a CTA barrier
   before (the slot's last readers are done) and after (its keys are written); the next tile's decode runs
@@ -353,10 +355,14 @@ def _ex2(x):
 
 
 def _my_rows():
-    """(the two accumulator rows this thread holds, i32: 16 warp + r + 8 half; q; warpgroup)."""
+    """(the two accumulator rows this thread holds, i32: 16 warp + r + 8 half; q; warpgroup; whether this thread
+    publishes the rows' statistics: warpgroup 0's q = 0 thread, both warpgroups holding the same)."""
     warp, q, r = warpgroup_coords()
     rows = [arith.addi(arith.addi(arith.muli(warp, i32_const(16)), r), i32_const(8 * half)) for half in range(2)]
-    return rows, q, arith.shrui(mgpu_utils.thread_idx(), i32_const(7))
+    wg = arith.shrui(mgpu_utils.thread_idx(), i32_const(7))
+    publishes = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, wg, i32_const(0)),
+                           arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))
+    return rows, q, wg, publishes
 
 
 def _row_value(v, half):
@@ -375,7 +381,7 @@ def _staged_rows(acc, factors, k_smem, out_row0):
     session). Each warpgroup writes its block to the free key slots (rows of 1 KB, 16 B chunk k at k ^ (row % 8):
     no bank conflicts either way), then reads it back in whole rows."""
     i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
-    rows, q, wg = _my_rows()
+    rows, q, wg, _ = _my_rows()
     stage = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(k_smem), [arith.muli(wg, i32_const(H * HALF * 4))], i8)
     mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)  # both done with the keys
     for half, row in enumerate(rows):
@@ -421,11 +427,10 @@ def _store_partials():
         del ctx
         b, s = (a.registers.item() for a in (b, s))
         seq = arith.addi(arith.muli(b, i32_const(ir.MemRefType(o.type).shape[1])), s)
-        rows, q, wg = _my_rows()
-        with mgpu_utils.when(arith.andi(arith.cmpi(arith.CmpIPredicate.eq, wg, i32_const(0)),
-                                        arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))):
+        rows, _, _, publishes = _my_rows()
+        ln2 = arith.constant(ir.F32Type.get(), math.log(2.0))
+        with mgpu_utils.when(publishes):
             for half, row in enumerate(rows):
-                ln2 = arith.constant(ir.F32Type.get(), math.log(2.0))
                 memref.store(arith.mulf(_row_value(m, half), ln2), m_out, [index_of(x) for x in (b, s, row)])
                 memref.store(_row_value(l, half), l_out, [index_of(x) for x in (b, s, row)])
         shift = arith.constant(ir.F32Type.get(), 2.0 ** KEY_SHIFT)
@@ -454,9 +459,8 @@ def _store_merged():
         i8, f32 = ir.IntegerType.get_signless(8), ir.F32Type.get()
         b, s = (a.registers.item() for a in (b, s))
         splits = ir.MemRefType(stats.type).shape[1]
-        rows, q, wg = _my_rows()
-        with mgpu_utils.when(arith.andi(arith.cmpi(arith.CmpIPredicate.eq, wg, i32_const(0)),
-                                        arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))):
+        rows, _, _, publishes = _my_rows()
+        with mgpu_utils.when(publishes):
             for half, row in enumerate(rows):
                 for kind, v in enumerate((m, l)):
                     memref.store(_row_value(v, half), stats, [index_of(x) for x in (b, s, i32_const(kind), row)])
@@ -507,9 +511,9 @@ def supported(q_bhd: jax.Array, window_values: jax.Array, entry_values: jax.Arra
 
 # Up to MAX_SPLITS key ranges a sequence's CTAs are one cluster merging in the kernel (`_store_merged`, the largest
 # portable cluster); beyond, each range writes partials that `gpu_attention.combine` merges after the kernel.
-# H200, 128K entries, from HBM (docs/BENCHMARKS.md, twenty-fourth session): batch 64 (2 ranges) 47.3 us with
-# partials, 44.6 merged; batch 8 merged at most 8 ranges, i.e. 2 of its 10 tiles a CTA: 25.0 us (5 ranges) or
-# 22.9 (8), where 10 ranges of one tile with partials took 20.4.
+# H200, 128K entries, from HBM, one call (docs/BENCHMARKS.md, twenty-fourth session): batch 64 (2 ranges) 47.6 us
+# with partials, 44.3 merged; batch 8 merged in at most 8 ranges, i.e. 2 of its 10 tiles a CTA: 24.6 us (5 ranges)
+# or 22.6 (8), where 10 ranges of one tile with partials took 19.9.
 MAX_SPLITS = 8
 
 
@@ -531,8 +535,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
     (default `default_splits`). merged: the ranges as one cluster merging in the kernel (at most MAX_SPLITS of
-    them), or partials merged by `gpu_attention.combine` (default: merged when they fit a cluster). skip: parts of ABLATIONS left out, for benchmarks that time the rest (the
-    output is then wrong)."""
+    them), or partials merged by `gpu_attention.combine` (default: merged when they fit a cluster). skip: parts
+    of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     b, h, d = q_bhd.shape
@@ -556,7 +560,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         raise ValueError(f"splits={splits}: merged in the kernel, a sequence's ranges are one cluster of at most "
                          f"{MAX_SPLITS} CTAs; pass merged=False")
     per = -(-n_t // splits)
-    c = scale * 2.0 ** KEY_SHIFT * math.log2(math.e)  # logits in log2 units from q . (keys x 2**-KEY_SHIFT)
+    c = scale * 2.0 ** KEY_SHIFT * LOG2E  # logits in log2 units from q . (keys x 2**-KEY_SHIFT)
 
     def body(q_gmem, wv, ws, wok, ev, es, idx_gmem, *refs):
         if merged:
