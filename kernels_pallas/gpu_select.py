@@ -83,12 +83,12 @@ def _load_keys(ref, r, idx, valid):
     return jnp.where(valid, decode.ordered_key(x), decode.EMPTY_KEY)
 
 
-def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, interpret: bool):
+def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, top_width: int, interpret: bool):
     n_lv = len(sizes)
     lv_refs, out_ref, scratch_ref = refs[:n_lv], refs[n_lv], refs[n_lv + 1]
     r = pl.program_id(0)
     top = n_lv - 1
-    ids = jnp.arange(_pow2(sizes[top]))  # the top level: at most cap entries, often far fewer
+    ids = jnp.arange(top_width)  # the top level: at most cap entries, often far fewer
     valid = ids < sizes[top]
     keys = _load_keys(lv_refs[top], r, ids, valid)
     ids = jnp.where(valid, ids, -1)
@@ -156,10 +156,11 @@ def topk_from_levels(levels: list[jax.Array], k: int, *, num_warps: int | None =
     sizes = tuple(int(x.shape[-1]) for x in levels)
     if sizes[-1] > cap:
         raise ValueError(f"top level has {sizes[-1]} entries, more than the capacity {cap}: use build_levels")
+    top_width = _pow2(sizes[-1])
     if num_warps is None:  # by the widest tensor: the candidates of a level below the top, or the top level alone
-        widest = cap if len(levels) > 1 else _pow2(sizes[0])
+        widest = cap if len(levels) > 1 else top_width
         num_warps = 4 if widest <= 1024 else 8 if widest <= 4096 else 16
-    kernel = functools.partial(_kernel, sizes=sizes, k=k, kp=kp, cap=cap, interpret=interpret)
+    kernel = functools.partial(_kernel, sizes=sizes, k=k, kp=kp, cap=cap, top_width=top_width, interpret=interpret)
     # Both outputs carry one spare column: lanes a masked scatter skips point there, so that interpret
     # mode (which writes masked lanes back with their old value) cannot clobber a real slot.
     out, _ = pl.pallas_call(

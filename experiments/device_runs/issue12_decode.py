@@ -82,8 +82,8 @@ GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160,
 SINCE_MEASURED = [
     ("kernels_pallas/gpu_select.py", "thr = bound if top == 0 and sizes[0] <= k else jnp.maximum(bound, _kth_key(keys, k))",
      "thr = jnp.maximum(bound, _kth_key(keys, k))"),
-    ("kernels_pallas/gpu_select.py", "ids = jnp.arange(_pow2(sizes[top]))", "ids = jnp.arange(cap)"),
-    ("kernels_pallas/gpu_select.py", "widest = cap if len(levels) > 1 else _pow2(sizes[0])", "widest = cap"),
+    ("kernels_pallas/gpu_select.py", "ids = jnp.arange(top_width)", "ids = jnp.arange(cap)"),
+    ("kernels_pallas/gpu_select.py", "widest = cap if len(levels) > 1 else top_width", "widest = cap"),
 ]
 # `xload*`: every CTA of the Hopper weight kernels takes x by TMA, permuted and padded by XLA, in a copy of the tree
 XLOAD_OFF = [("kernels_pallas/gpu_wgmma.py", "X_STEPS_MAX = 4", "X_STEPS_MAX = 0")]
@@ -95,11 +95,13 @@ ATTENTION_OFF = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 2", "MIN
 SCAN_OFF = [("kernels_pallas/gpu_indexer_wgmma.py", "ON = True", "ON = False")]
 # kernels off by default until timed, on in the "after" half of `ab` (environment variables); none now
 AFTER_ENV = {}
-# the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED); in the fifteenth
-# session 150 s held the hyper kernel's tests but not the attention tests after them (19 s in a call apart)
+# the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED: the top-k kernel's now);
+# in the fifteenth session 150 s held the hyper kernel's tests but not the attention tests after them (19 s in a
+# call apart). WGMMA_TESTS: the Hopper weight kernels' tests, first in the groups that time those kernels.
 AB_TESTS = ("ab_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "-q", "-p", "no:cacheprovider", "-k",
-                            "select or candidate"], 110,
-            {"JAX_PLATFORMS": "cuda"})
+                            "select or candidate"], 110, {"JAX_PLATFORMS": "cuda"})
+WGMMA_TESTS = ("wgmma_gpu_tests", ["pytest", "tests/test_wgmma_kernel.py", "-q", "-p", "no:cacheprovider"], 110,
+               {"JAX_PLATFORMS": "cuda"})
 # a step whose name ends in "_before" runs in that copy; `ab_slice`: the slice's pair only, twice (~2.5 min)
 GROUPS["ab_slice"] = [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
                       for rep in ("", "_again") for side in ("before", "after")]
@@ -108,7 +110,7 @@ GROUPS["ab"] = [AB_TESTS] + [(f"profile_{name}_b1_{side}", PROFILE_B1[preset], 9
                              for side in ("before", "after")]
 
 # the weight kernels' GPU tests, then the slice's b1 profile before / after, twice (~7 min); `xload_b8` below
-GROUPS["xload"] = [AB_TESTS] + [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
+GROUPS["xload"] = [WGMMA_TESTS] + [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
                                 for rep in ("", "_again") for side in ("xload_off", "xload_on")]
 # one call when machines are scarce: the tests, `small` and the slice once each side, then the batch-8 point
 GROUPS["ab_b8"] = GROUPS["ab"][:5] + [GROUPS["default"][1]]
@@ -132,7 +134,7 @@ GROUPS["diagnose"] = GROUPS["profile_b8"] + [(name, args, 60, env) for name, arg
 
 # the wgmma expert kernel (seventeenth session): its tests, the prototype's sweep of its variants against the
 # Triton kernel, the slice's batch-1 profile before / after (~7 min); then batch 8 before / after (~7 min)
-GROUPS["wgmma"] = [AB_TESTS, ("wgmma_sweep", ["experiments.bench_wgmma"], 250, {})] + \
+GROUPS["wgmma"] = [WGMMA_TESTS, ("wgmma_sweep", ["experiments.bench_wgmma"], 250, {})] + \
     [(f"profile_slice_b1_{side}", PROFILE_B1["v41-slice"], 100, {}) for side in ("before", "after")]
 GROUPS["wgmma_b8"] = [(f"profile_slice_b8_{side}", GROUPS["profile_b8"][0][1], 240, {}) for side in ("before", "after")]
 # after the first call (overlapped wgmma wrong, loop slower with fewer GPU us): the serial kernels' tests, the
@@ -142,7 +144,7 @@ GROUPS["wgmma_b8_before"] = [("profile_slice_b8_before", GROUPS["profile_b8"][0]
                              # is the batch-1 step host-bound? the same step with XLA's command buffers off
                              ("profile_slice_b1_no_cmdbuf", PROFILE_B1["v41-slice"], 85,
                               {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="})]
-GROUPS["wgmma2"] = [(AB_TESTS[0], AB_TESTS[1], 100, AB_TESTS[3])] + [
+GROUPS["wgmma2"] = [(WGMMA_TESTS[0], WGMMA_TESTS[1], 100, WGMMA_TESTS[3])] + [
     (f"profile_slice_b1_{side}", PROFILE_B1["v41-slice"], 90, {}) for side in ("before", "after")] + [
     ("profile_slice_b8_after", GROUPS["profile_b8"][0][1], 200, {}),
     ("profile_slice_b1_after_cmdbuf_cc", PROFILE_B1["v41-slice"], 90,
