@@ -161,7 +161,8 @@ def x_column_input(t, fp8: bool):
 X_PAIR = {False: 4, True: 1}
 # A CTA of at most X_STEPS_MAX pipeline steps loads its x range itself (`_fetch_x`, `_put_x`): x [R, K] as the caller
 # has it, no permuted and padded copy by XLA before each launch. H200 slice, batch 1 (docs/BENCHMARKS.md,
-# seventeenth pass): 18 such kernels (36 us) fewer per step, the loading kernels +13 us, GPU time -18 to -24 us.
+# seventeenth pass, the first form: loads before the pipeline): 18 such kernels (36 us) fewer per step, the loading
+# kernels +13 us, GPU time -18 to -24 us; this form (loads overlapping the first weight copies) timed at batch 8 only.
 # Its smem, 4 KB a step, stays small beside the pipeline's 4 stages of 8-16 KB; longer CTAs (the routed experts'
 # w2 at batch 1: 9 steps) take x by TMA, permuted and padded by XLA (`_x_for_tma`).
 X_STEPS_MAX = 4
