@@ -59,7 +59,8 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import gpu_attention, gpu_wgmma
-from kernels_pallas.gpu_wgmma import DECODE_PTX, WORD_PAIRS, i32_const, index_of, pow2_bf16x2, warpgroup_coords
+from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, U32, i32_const, index_of, pow2_bf16x2, swizzled_offset,
+                                     warpgroup_coords)
 
 H = 64  # heads: the wgmma's M
 D = 512  # channels of a key / value
@@ -105,15 +106,10 @@ def _i64(v):
 
 
 def _smem_offset(slot, half, row, col):
-    """Byte offset of bf16 keys[slot, half, row, col] in the [2, 2, 64, 256] tile, tiled (8, 64) with the 128 B
-    swizzle: 1 KB tiles [slot][half][row // 8][col // 64], 128 B a row, 16 B chunk j at j ^ (row % 8); col % 8
-    is 0 (a chunk)."""
-    c = lambda v: i32_const(v) if isinstance(v, int) else v
-    r8 = arith.remui(row, c(8))
-    tile = arith.addi(arith.muli(arith.addi(arith.muli(arith.addi(arith.muli(c(slot), c(2)), c(half)), c(8)),
-                                            arith.divui(row, c(8))), c(4)), arith.divui(c(col), c(64)))
-    chunk = arith.xori(arith.divui(arith.remui(c(col), c(64)), c(8)), r8)
-    return arith.addi(arith.addi(arith.muli(tile, c(1024)), arith.muli(r8, c(128))), arith.muli(chunk, c(16)))
+    """Byte offset of bf16 keys[slot, half, row, col] in the [2, 2, 64, 256] tile (`gpu_wgmma.swizzled_offset`),
+    an i32 value."""
+    u = U32.of
+    return swizzled_offset(u(slot) * 2 + u(half), u(row), u(col), T).v
 
 
 def _store16(k_ptr, off, words):

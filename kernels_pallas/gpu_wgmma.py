@@ -146,7 +146,20 @@ class U32:
     def __xor__(self, o):
         return U32(arith.xori(self.v, self._of(o)))
 
-    __radd__, __rmul__ = __add__, __mul__
+    __radd__, __rmul__, __rxor__ = __add__, __mul__, __xor__
+
+    @staticmethod
+    def of(v):
+        """v as a U32 if it is an MLIR value, else as it is (a Python int)."""
+        return v if isinstance(v, (int, U32)) else U32(v)
+
+
+def swizzled_offset(lead, row, col, rows: int):
+    """Byte offset of bf16 element [lead, row, col] of a [L, rows, 256] shared-memory array tiled (8, 64) with the
+    128 B swizzle (`_X_TRANSFORMS`; the attention's key tiles): 1 KB tiles [lead][row // 8][col // 64], 128 B a
+    row, 16 B chunk j of row r at j ^ (r % 8). Ints, numpy arrays or U32s."""
+    tile = (lead * (rows // 8) + row // 8) * 4 + col // 64
+    return tile * 1024 + row % 8 * 128 + (col % 64 // 8 ^ row % 8) * 16 + col % 8 * 2
 
 
 def x_column_input(t, fp8: bool):
@@ -222,8 +235,8 @@ def _put_x(rows: int, steps: int):
         t = U32(mgpu_utils.thread_idx())
         s_ptr = mgpu_utils.memref_ptr(x_smem)
         for r in range(rows):
-            for st in range(steps):  # [steps, 1, 4, 8, 64] tiles, 128 B rows, 16 B chunk j of row r at j ^ r
-                off = st * 4096 + t // 32 * 1024 + r * 128 + (t % 32 // 4 ^ r) * 16 + t % 4 * 4
+            for st in range(steps):
+                off = swizzled_offset(st, r, t * 2, TM)
                 w = vector.extract(words.registers[r * steps + st], dynamic_position=[],
                                    static_position=ir.DenseI64ArrayAttr.get([0]))
                 llvm.store(w, mgpu_utils.getelementptr(s_ptr, [off.v], ir.IntegerType.get_signless(8)), alignment=4)

@@ -123,6 +123,18 @@ def test_x_column_formula_is_the_kernels_k_order():
         np.testing.assert_array_equal(perm[1::2], first + gpu_wgmma.X_PAIR[fp8])
 
 
+def test_swizzled_offset_is_the_128_byte_swizzle_of_the_tiled_layout():
+    """The shared-memory offsets the x load and the attention's key tiles compute: the (8, 64)-tiled bf16 layout's
+    byte address with bits 4..6 (the 16 B chunk) XORed by bits 7..9 (the row within its 1 KB tile)."""
+    for lead_n, rows in ((4, 8), (4, 64)):
+        lead, row, col = np.meshgrid(np.arange(lead_n), np.arange(rows), np.arange(256), indexing="ij")
+        plain = ((((lead * (rows // 8) + row // 8) * 4 + col // 64) * 8 + row % 8) * 64 + col % 64) * 2
+        want = plain ^ (((plain >> 7) & 7) << 4)
+        got = gpu_wgmma.swizzled_offset(lead, row, col, rows)
+        np.testing.assert_array_equal(got, want)
+        assert len(np.unique(got)) == got.size  # a bijection onto the array's bytes
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
 @pytest.mark.parametrize("rows,m,splits,k", [(1, 6, 1, 512), (6, 6, 2, 512), (2, 12, 1, 512), (1, 6, 1, 1280)])
 def test_lowers_for_cuda(rows, m, splits, k):
