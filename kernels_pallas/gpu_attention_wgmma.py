@@ -9,9 +9,9 @@ Measured on the H200 (docs/BENCHMARKS.md, twenty-third session), with partials m
 batch 64 at 128K 47.3 us, 17.0% of the copy peak (Triton 85.1 us); batch 8 20.4 us (34.4); the slice's batch-64
 step 14.860 -> 14.638 ms. Not at 40%: with 2 key ranges per sequence that call moved ~73 MB for the 30.7 MB
 counted (q read per CTA, f32 partials and their combine), and the two warpgroups work one tile in lockstep, so
-loads, decode, wgmmas and softmax take turns. Now up to MAX_SPLITS key ranges of a sequence are one cluster
-that merges in the kernel (`_store_merged`: no partials, no combine; batch 64 44.3 us = 18.0%, 47.6 with partials
-in the same call, twenty-fourth session).
+loads, decode, wgmmas and softmax take turns. Now up to MERGED_SPLITS key ranges of a sequence are one
+cluster that merges in the kernel (`_store_merged`: no partials, no combine; batch 64 44.2 us = 18.1%, 46.4 with
+partials in the same call, twenty-fifth session).
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): two warpgroups, each
 owning half of the output channels, so each holds a [64 heads, 256] f32 accumulator (128 registers a thread).
@@ -506,12 +506,13 @@ def supported(q_bhd: jax.Array, window_values: jax.Array, entry_values: jax.Arra
             and gpu_wgmma.is_hopper())
 
 
-# Up to MAX_SPLITS key ranges a sequence's CTAs are one cluster merging in the kernel (`_store_merged`, the largest
-# portable cluster); beyond, each range writes partials that `gpu_attention.combine` merges after the kernel.
-# H200, 128K entries, from HBM, one call (docs/BENCHMARKS.md, twenty-fourth session): batch 64 (2 ranges) 47.6 us
-# with partials, 44.3 merged; batch 8 merged in at most 8 ranges, i.e. 2 of its 10 tiles a CTA: 24.6 us (5 ranges)
-# or 22.6 (8), where 10 ranges of one tile with partials took 19.9.
+# Up to MAX_SPLITS key ranges a sequence's CTAs can be one cluster merging in the kernel (`_store_merged`, the
+# largest portable cluster); by default only up to MERGED_SPLITS are, more write partials that
+# `gpu_attention.combine` merges after the kernel. H200, 128K entries, from HBM, one call (docs/BENCHMARKS.md,
+# twenty-fifth session): batch 64, 2 ranges: 44.2 us merged, 46.4 partials; batch 32, 4 ranges: 48.0 merged, 30.9
+# partials (clusters of 4 do not all fit one wave of SMs); batch 16, 5 ranges: 26.0 merged, 25.5 partials.
 MAX_SPLITS = 8
+MERGED_SPLITS = 2
 
 
 def default_splits(b: int, tiles: int, sms: int = 132) -> int:
@@ -532,7 +533,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
     (default `default_splits`). merged: the ranges as one cluster merging in the kernel (at most MAX_SPLITS of
-    them), or partials merged by `gpu_attention.combine` (default: merged when they fit a cluster). skip: parts
+    them), or partials merged by `gpu_attention.combine` (default: merged up to MERGED_SPLITS). skip: parts
     of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
@@ -552,7 +553,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     splits = splits or default_splits(b, n_t)
     if splits < 1:
         raise ValueError(f"splits={splits}: a sequence needs at least one key range")
-    merged = splits <= MAX_SPLITS if merged is None else merged
+    merged = splits <= MERGED_SPLITS if merged is None else merged
     if merged and splits > MAX_SPLITS:
         raise ValueError(f"splits={splits}: merged in the kernel, a sequence's ranges are one cluster of at most "
                          f"{MAX_SPLITS} CTAs; pass merged=False")

@@ -25,6 +25,9 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode attention_ab_b8  # ~4 min: the same, b8 4K
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode xload     # ~7 min: x loaded in-kernel, b1 A/B
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode xload_b8  # ~5 min: the same, b8
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode xload_b1  # ~4 min: xload without its tests
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode pdl       # ~5 min: XLA's PDL off / on, b1
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode verify    # ~7 min: wgmma tests, slice b1 + b8
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -73,18 +76,14 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# (file, the text now, the text before), taken back in the "before" tree: the top-k kernel's search skipped for rows
-# of at most k entries, its top level loaded at its own width (twenty-fourth session, unmeasured). Timed: the weight
-# kernels' CTAs loading their x (`xload`, `xload_b8`, twenty-fourth session), the wgmma
-# attention (`attention_ab`, `attention_ab_b8`, twenty-third session), the weight kernels' K splits (`splits` at
-# 38594e8), the branch next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without
-# its concatenate (`qrope` at 342860d, slower, taken back).
-SINCE_MEASURED = [
-    ("kernels_pallas/gpu_select.py", "thr = bound if top == 0 and sizes[0] <= k else jnp.maximum(bound, _kth_key(keys, k))",
-     "thr = jnp.maximum(bound, _kth_key(keys, k))"),
-    ("kernels_pallas/gpu_select.py", "ids = jnp.arange(top_width)", "ids = jnp.arange(cap)"),
-    ("kernels_pallas/gpu_select.py", "widest = cap if len(levels) > 1 else top_width", "widest = cap"),
-]
+# (file, the text now, the text before), taken back in the "before" tree: none now. Timed: the top-k kernel's
+# search skipped for rows of at most k entries (`pdl`'s profiles, twenty-fifth session: that select 9.9 -> 1.5 us
+# against the twenty-fourth session's) and its search at 2 bits a step (`issue12_select`), the weight kernels' CTAs
+# loading their x (`xload`, `xload_b8`, twenty-fourth session), the wgmma attention (`attention_ab`,
+# `attention_ab_b8`, twenty-third session), the weight kernels' K splits (`splits` at 38594e8), the branch
+# next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without its concatenate
+# (`qrope` at 342860d, slower, taken back).
+SINCE_MEASURED: list[tuple[str, str, str]] = []
 # `xload*`: every CTA of the Hopper weight kernels takes x by TMA, permuted and padded by XLA, in a copy of the tree
 XLOAD_OFF = [("kernels_pallas/gpu_wgmma.py", "X_STEPS_MAX = 4", "X_STEPS_MAX = 0")]
 # `attention_ab*`: the Hopper attention off (the dispatch's Triton kernel at every batch) in a copy of the tree
@@ -95,7 +94,7 @@ ATTENTION_OFF = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 2", "MIN
 SCAN_OFF = [("kernels_pallas/gpu_indexer_wgmma.py", "ON = True", "ON = False")]
 # kernels off by default until timed, on in the "after" half of `ab` (environment variables); none now
 AFTER_ENV = {}
-# the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED: the top-k kernel's now);
+# the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED: the top-k kernel's);
 # in the fifteenth session 150 s held the hyper kernel's tests but not the attention tests after them (19 s in a
 # call apart). WGMMA_TESTS: the Hopper weight kernels' tests, first in the groups that time those kernels.
 AB_TESTS = ("ab_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "-q", "-p", "no:cacheprovider", "-k",
@@ -112,6 +111,8 @@ GROUPS["ab"] = [AB_TESTS] + [(f"profile_{name}_b1_{side}", PROFILE_B1[preset], 9
 # the weight kernels' GPU tests, then the slice's b1 profile before / after, twice (~7 min); `xload_b8` below
 GROUPS["xload"] = [WGMMA_TESTS] + [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
                                 for rep in ("", "_again") for side in ("xload_off", "xload_on")]
+# the same without the tests (twenty-fifth session: they ran in `verify`'s call), ~4 min
+GROUPS["xload_b1"] = GROUPS["xload"][1:]
 # one call when machines are scarce: the tests, `small` and the slice once each side, then the batch-8 point
 GROUPS["ab_b8"] = GROUPS["ab"][:5] + [GROUPS["default"][1]]
 # XLA options that might remove small kernels without code: RAFT for the routers' top-k (XLA's took 5.6 us
@@ -208,6 +209,19 @@ GROUPS["xload_b8"] = [(f"profile_slice_b8_{side}", slice_profile(8, 20, top=40),
                       for side in ("xload_off", "xload_on")]
 GROUPS["attention_ab_b8"] = [(f"profile_slice_b8_{side}", slice_profile(8, 20, top=40), 130, {})
                              for side in ("attention_off", "attention_on")]
+
+# Programmatic Dependent Launch: does this XLA emit it by default (the probe's PTX), and what does it change in
+# the slice's batch-1 step, ~300 kernels of which ~220 are 1-4 us fusions (twenty-fifth session, ~5 min)
+PDL = {name: {"XLA_FLAGS": f"--xla_gpu_enable_pdl={on} --xla_gpu_enable_pdl_launch={on}"}
+       for name, on in (("pdl_on", "true"), ("pdl_off", "false"))}
+GROUPS["pdl"] = ([(f"pdl_probe_{name}", ["experiments.device_runs.issue12_pdl_probe", f"/tmp/pdl_{name}"], 60, env)
+                  for name, env in (("default", {}), *PDL.items())]
+                 + [(f"profile_slice{rep}_b1_{name}", PROFILE_B1["v41-slice"], 90, env)
+                    for rep in ("", "_again") for name, env in PDL.items()])
+
+# the Hopper weight kernels' GPU tests (not run since the review's swizzled_offset), then the issue's slice points
+# as `points` runs them (~7 min)
+GROUPS["verify"] = [WGMMA_TESTS, GROUPS["points"][0]]
 
 
 def last_table(log: str, name: str) -> str:

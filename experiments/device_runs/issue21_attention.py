@@ -67,8 +67,9 @@ for b in BATCHES:
     variants = [("Triton (the dispatch's tiles)", triton), (f"wgmma, default ({default} splits)", wgmma(None))]
     variants += [(f"wgmma, {s} splits", wgmma(s))
                  for s in sorted({max(1, default // 2), min(gpu_attention_wgmma.MAX_SPLITS, default * 2)} - {default})]
-    if default <= gpu_attention_wgmma.MAX_SPLITS:  # merged in the kernel by default: against partials + combine
-        variants += [(f"wgmma, {default} splits, partials", wgmma(default, merged=False))]
+    if default <= gpu_attention_wgmma.MAX_SPLITS:  # the default's ranges, stored in the other form
+        merged = default > gpu_attention_wgmma.MERGED_SPLITS
+        variants += [(f"wgmma, {default} splits, {'merged' if merged else 'partials'}", wgmma(default, merged=merged))]
     if b == 64 and os.environ.get("ABLATE"):  # what each part costs: the kernel without it (wrong numbers)
         variants += [(f"wgmma, 2 splits, no {part}", wgmma(2, (part,))) for part in gpu_attention_wgmma.ABLATIONS]
         variants += [("wgmma, 2 splits, loads + stores only", wgmma(2, ("qk", "pv", "decode")))]
