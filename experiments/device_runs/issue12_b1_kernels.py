@@ -1,6 +1,7 @@
 """Issue 12 at batch 1 on one H200: the kernels that decide the step, alone, with their launch parameters swept.
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels          # ~2.5 min
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels latency  # ~1.5 min: hyper_in, selects
 
 After the twenty-second session's first call (slice b1 1.636 ms/step, 1.78x; GPU busy 1.656 ms) the weight
 kernels of a batch-1 step run at 55-75% of the copy peak (FP8 wo_b / wq_b / shared experts, FP4 routed
@@ -8,7 +9,11 @@ experts: ~240 us over their bytes at the peak) and each of the 12 `hyper_in` lau
 row of 4 x 5120 and a 4 x 4 Sinkhorn. Steps: `bench_wgmma --sweep` at one token (every K split and pipeline
 depth of both kernels, each checked against its twin first), then `hyper_in` at 1 and 8 rows with 1, 2, 4
 and 8 warps (GPU time per launch, a jitted chain of 32 launches on distinct rows, from a profiler trace).
-Logs in $OUT.
+Logs in $OUT. `latency` (twenty-fifth session): what the two latency-bound kernels spend their time on, one row:
+`hyper_in` with its 20 Sinkhorn iterations or 1, and the top-k selections at the slice's row lengths (4352
+compressed positions at 4K + the bench's 256 spare: two levels; the pool's 16384), as they run and, for 4352,
+with the candidate capacity doubled (one level of 8192). The selects' GPU us leave out the XLA kernel that builds
+a second level (~1.4 us).
 """
 
 import os
@@ -52,9 +57,62 @@ def hyper_warps() -> None:
             print(f"| {n} | {warps} | {us:.2f} | {diff:.3g} |", flush=True)
 
 
+def latency() -> None:
+    """GPU us per launch of `hyper_in` (1 row) by Sinkhorn iterations, and of the top-k kernel by row length and
+    candidate capacity (each checked against `ops.select_topk`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax import hyper, layers, ops
+    from experiments.bench_decode import kernel_profile
+    from kernels_pallas import gpu_hyper, gpu_select
+
+    def per_launch(call, args, name, reps):
+        jax.block_until_ready(call(*args))
+        with tempfile.TemporaryDirectory() as tmp:
+            prof = kernel_profile(lambda: jax.block_until_ready(call(*args)), tmp, reps, top=10)
+        return sum(r["us_per_step"] for r in prof[2:] if r["name"].startswith(name))
+
+    reps, hc, d = 32, 4, 5120
+    key = jax.random.key(0)
+    h = jax.random.normal(key, (reps, 1, hc, d), jnp.bfloat16)
+    mixes = jax.random.normal(jax.random.fold_in(key, 1), (reps, 1, (2 + hc) * hc), jnp.float32) * 30
+    pre_mix = jax.nn.sigmoid(jax.random.normal(jax.random.fold_in(key, 2), (reps, 1, hc)))
+    norm_w = 1 + 0.1 * jax.random.normal(jax.random.fold_in(key, 3), (d,))
+    scale, base = jnp.array([0.1, 0.2, 0.3]), 0.1 * jax.random.normal(jax.random.fold_in(key, 4), ((2 + hc) * hc,))
+    print("| kernel | variant | GPU us per launch | exact |\n|---|---|---|---|", flush=True)
+    for iters in (20, 1):
+        call = jax.jit(lambda h, m, p, iters=iters: [gpu_hyper.hyper_in(
+            h[i], m[i], p[i], norm_w, scale, base, coefficients=hyper.coefficients, collapse_rows=hyper.collapse_rows,
+            norm=layers.rms_apply, iters=iters, hc_eps=1e-6, mix_eps=1e-20, norm_eps=1e-20) for i in range(reps)])
+        print(f"| hyper_in, 1 row | {iters} Sinkhorn iterations | {per_launch(call, (h, mixes, pre_mix), 'hyper_in', reps):.2f} | - |",
+              flush=True)
+    capacity = gpu_select.capacity
+    for n in (4352, 16384):
+        scores = jax.random.normal(jax.random.fold_in(key, n), (reps, 1, n), jnp.float32)
+        ref = jax.jit(jax.vmap(lambda s: ops.select_topk(s, 512)))(scores)
+        variants = [("as is", capacity)]
+        if n <= 2 * capacity(512)[1]:  # a doubled capacity as one level only: children stay kp x 8
+            variants.append(("capacity x2: one level", lambda k: (capacity(k)[0], 2 * capacity(k)[1])))
+        for name, cap in variants:
+            gpu_select.capacity = cap
+            try:
+                # unjitted inside: a jit cache keyed on shapes would reuse the first capacity's kernel
+                top = gpu_select.topk_from_levels.__wrapped__
+                call = jax.jit(lambda s: [top(gpu_select.build_levels(s[i], 512), 512) for i in range(reps)])
+                exact = all(bool((a == b).all()) for a, b in zip(call(scores), ref))
+                us = per_launch(call, (scores,), "select_topk", reps)
+            finally:
+                gpu_select.capacity = capacity
+            print(f"| select_topk, 1 x {n}, k 512 | {name} | {us:.2f} | {exact} |", flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["hyper"]:
         hyper_warps()
+        raise SystemExit(0)
+    if sys.argv[1:] == ["latency"]:
+        latency()
         raise SystemExit(0)
     step("wgmma_sweep_b1", ["-m", "experiments.bench_wgmma", "--sweep", "--tokens", "1", "--fp8-rows", "1",
                             "--reps", "32"], 330)
