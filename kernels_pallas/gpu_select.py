@@ -4,7 +4,8 @@ No Pallas backend lowers `top_k`, and `lax.top_k` over 1M columns costs millisec
 already produced the row (level 0) and, cheaply, its maxima over blocks of 8, 64, 512, ... (level l =
 max over 8 entries of level l-1). One program per row walks that pyramid from the top:
 
-  at each level it holds at most 8k candidate entries (block maxima, ascending positions), finds the
+  at each level it holds at most 8k candidate entries (block maxima, ascending positions; the top level up
+  to 16k, `top_capacity`: one search over 8k-16k entries costs less than two levels), finds the
   k-th largest key among them by a 32-step bitwise search (count >= candidate, a block reduction), and
   keeps only the children of the blocks at or above it: fewer than k blocks when their maxima are
   strictly above it, at most k when ties are taken too. Any block holding a top-k element has its
@@ -51,14 +52,20 @@ def capacity(k: int) -> tuple[int, int]:
     return kp, kp * FANOUT
 
 
+def top_capacity(k: int) -> int:
+    """Entries the top level may hold: twice a level's candidates. H200, one row of 4352 (top-512 at 4K in the
+    slice, twenty-fifth session): one level of 8192 took 17.4 us at 8 warps, two levels (544 block maxima, then
+    4096 candidates) 24.6 us plus the XLA kernel that builds the second level."""
+    return 2 * capacity(k)[1]
+
+
 def build_levels(scores_rn: jax.Array, k: int, first: jax.Array | None = None) -> list[jax.Array]:
-    """[scores, max over 8, max over 64, ...] until a level fits one program's candidate capacity.
+    """[scores, max over 8, max over 64, ...] until a level fits the top level's capacity (`top_capacity`).
 
     `first` may pass level 1 when the scan already wrote it (blocks of 8, -inf padded).
     """
-    _, cap = capacity(k)
     levels = [scores_rn]
-    while levels[-1].shape[-1] > cap:
+    while levels[-1].shape[-1] > top_capacity(k):
         if len(levels) == 1 and first is not None:
             levels.append(first)
             continue
@@ -99,7 +106,7 @@ def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, top_width:
     lv_refs, out_ref, scratch_ref = refs[:n_lv], refs[n_lv], refs[n_lv + 1]
     r = pl.program_id(0)
     top = n_lv - 1
-    ids = jnp.arange(top_width)  # the top level: at most cap entries, often far fewer
+    ids = jnp.arange(top_width)  # the top level: at most 2 cap entries, often far fewer
     valid = ids < sizes[top]
     keys = _load_keys(lv_refs[top], r, ids, valid)
     ids = jnp.where(valid, ids, -1)
@@ -169,12 +176,13 @@ def topk_from_levels(levels: list[jax.Array], k: int, *, num_warps: int | None =
     kp, cap = capacity(k)
     rows = levels[0].shape[0]
     sizes = tuple(int(x.shape[-1]) for x in levels)
-    if sizes[-1] > cap:
-        raise ValueError(f"top level has {sizes[-1]} entries, more than the capacity {cap}: use build_levels")
+    if sizes[-1] > top_capacity(k):
+        raise ValueError(f"top level has {sizes[-1]} entries, more than its capacity {top_capacity(k)}: use "
+                         f"build_levels")
     top_width = _pow2(sizes[-1])
-    if num_warps is None:  # by the widest tensor: the candidates of a level below the top, or the top level alone
-        widest = cap if len(levels) > 1 else top_width
-        num_warps = 4 if widest <= 1024 else 8 if widest <= 4096 else 16
+    if num_warps is None:  # by the widest tensor, the top level or the candidates below it: 8 warps measured
+        widest = max(top_width, cap if len(levels) > 1 else 0)  # fastest at 2048-8192 (`top_capacity`)
+        num_warps = 4 if widest <= 1024 else 8 if widest <= 8192 else 16
     kernel = functools.partial(_kernel, sizes=sizes, k=k, kp=kp, cap=cap, top_width=top_width, bits=bits,
                                interpret=interpret)
     # Both outputs carry one spare column: lanes a masked scatter skips point there, so that interpret

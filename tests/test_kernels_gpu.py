@@ -94,8 +94,10 @@ def _rows(name, rng):
     n = 3000  # one shape [3, n] for the cases that need no particular length: they share their compiles
     if name == "normal":
         return rng.normal(size=(3, n))
-    if name == "two_levels":
+    if name == "two_levels":  # at k = 64 a top level of 625 block maxima: over a level's 512 candidates
         return rng.normal(size=(2, 5000))
+    if name == "one_wide_level":  # at k = 64 one level of 900 entries (`top_capacity`: up to 1024)
+        return np.round(rng.normal(size=(2, 900)) * 4) / 4
     if name == "three_levels":
         return rng.normal(size=(1, 30000))
     if name == "rounded_ties":
@@ -119,8 +121,8 @@ def _rows(name, rng):
     raise KeyError(name)
 
 
-@pytest.mark.parametrize("name,k", [("normal", 8), ("two_levels", 64), ("three_levels", 64), ("rounded_ties", 8),
-                                    ("rounded_ties", 64), ("all_equal", 8), ("block_ties", 64), ("neg_inf", 16),
+@pytest.mark.parametrize("name,k", [("normal", 8), ("two_levels", 64), ("one_wide_level", 64), ("three_levels", 64),
+                                    ("rounded_ties", 8), ("rounded_ties", 64), ("all_equal", 8), ("block_ties", 64), ("neg_inf", 16),
                                     ("signed_zero", 64), ("short", 8), ("neg_inf", 4096), ("signed_zero", 4096),
                                     ("all_equal", 3000)])
 def test_select_topk(name, k):

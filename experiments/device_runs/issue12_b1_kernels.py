@@ -11,9 +11,9 @@ depth of both kernels, each checked against its twin first), then `hyper_in` at 
 and 8 warps (GPU time per launch, a jitted chain of 32 launches on distinct rows, from a profiler trace).
 Logs in $OUT. `latency` (twenty-fifth session): what the two latency-bound kernels spend their time on, one row:
 `hyper_in` with its 20 Sinkhorn iterations or 1, and the top-k selections at the slice's row lengths (4352
-compressed positions at 4K + the bench's 256 spare: two levels; the pool's 16384), as they run and, for 4352,
-with the candidate capacity doubled (one level of 8192). The selects' GPU us leave out the XLA kernel that builds
-a second level (~1.4 us).
+compressed positions at 4K + the bench's 256 spare; the pool's 16384) by warps, 4352 with its top level held to a
+level's 4096 candidates (two levels, as before `gpu_select.top_capacity`) and to twice that (one level of 8192).
+The selects' GPU us leave out the XLA kernel that builds a second level (~1.4 us).
 """
 
 import os
@@ -87,25 +87,25 @@ def latency() -> None:
             norm=layers.rms_apply, iters=iters, hc_eps=1e-6, mix_eps=1e-20, norm_eps=1e-20) for i in range(reps)])
         print(f"| hyper_in, 1 row | {iters} Sinkhorn iterations | {per_launch(call, (h, mixes, pre_mix), 'hyper_in', reps):.2f} | - |",
               flush=True)
-    capacity = gpu_select.capacity
-    for n in (4352, 16384):
+    top_capacity = gpu_select.top_capacity
+    levels = {"top <= cap (before)": lambda k: gpu_select.capacity(k)[1], "top <= 2 cap (now)": top_capacity}
+    for n, variants in ((4352, [("top <= cap (before)", w) for w in (4, 8, 16)]
+                         + [("top <= 2 cap (now)", w) for w in (8, 16, 32)]),
+                        (16384, [("top <= 2 cap (now)", w) for w in (4, 8, 16)])):
         scores = jax.random.normal(jax.random.fold_in(key, n), (reps, 1, n), jnp.float32)
         ref = jax.jit(jax.vmap(lambda s: ops.select_topk(s, 512)))(scores)
-        variants = [("as is", capacity)]
-        if n <= 2 * capacity(512)[1]:  # a doubled capacity as one level only: children stay kp x 8
-            variants.append(("capacity x2: one level", lambda k: (capacity(k)[0], 2 * capacity(k)[1])))
-        for name, cap in variants:
-            gpu_select.capacity = cap
+        for name, warps in variants:
+            gpu_select.top_capacity = levels[name]
             try:
-                # unjitted inside: a jit cache keyed on shapes would reuse the first capacity's kernel
+                # unjitted inside: a jit cache keyed on shapes would reuse the other capacity's kernel
                 top = gpu_select.topk_from_levels.__wrapped__
-                call = jax.jit(lambda s: [top(gpu_select.build_levels(s[i], 512), 512) for i in range(reps)])
+                call = jax.jit(lambda s, w=warps: [top(gpu_select.build_levels(s[i], 512), 512, num_warps=w)
+                                                   for i in range(reps)])
                 exact = all(bool((a == b).all()) for a, b in zip(call(scores), ref))
                 us = per_launch(call, (scores,), "select_topk", reps)
             finally:
-                gpu_select.capacity = capacity
-            print(f"| select_topk, 1 x {n}, k 512 | {name} | {us:.2f} | {exact} |", flush=True)
-
+                gpu_select.top_capacity = top_capacity
+            print(f"| select_topk, 1 x {n}, k 512 | {name}, {warps} warps | {us:.2f} | {exact} |", flush=True)
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["hyper"]:

@@ -76,14 +76,19 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# (file, the text now, the text before), taken back in the "before" tree: none now. Timed: the top-k kernel's
+# (file, the text now, the text before), taken back in the "before" tree: the top-k kernel's top level up to twice a
+# level's candidates and 8 warps up to 8192 entries (twenty-fifth session; alone, one row of 4352: 24.6 -> 17.4 us,
+# `issue12_b1_kernels latency` and its warps; not yet in the step). Timed: the top-k kernel's
 # search skipped for rows of at most k entries (`pdl`'s profiles, twenty-fifth session: that select 9.9 -> 1.5 us
 # against the twenty-fourth session's) and its search at 2 bits a step (`issue12_select`), the weight kernels' CTAs
 # loading their x (`xload`, `xload_b8`, twenty-fourth session), the wgmma attention (`attention_ab`,
 # `attention_ab_b8`, twenty-third session), the weight kernels' K splits (`splits` at 38594e8), the branch
 # next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without its concatenate
 # (`qrope` at 342860d, slower, taken back).
-SINCE_MEASURED: list[tuple[str, str, str]] = []
+SINCE_MEASURED = [
+    ("kernels_pallas/gpu_select.py", "return 2 * capacity(k)[1]", "return capacity(k)[1]"),
+    ("kernels_pallas/gpu_select.py", "8 if widest <= 8192 else 16", "8 if widest <= 4096 else 16"),
+]
 # `xload*`: every CTA of the Hopper weight kernels takes x by TMA, permuted and padded by XLA, in a copy of the tree
 XLOAD_OFF = [("kernels_pallas/gpu_wgmma.py", "X_STEPS_MAX = 4", "X_STEPS_MAX = 0")]
 # `attention_ab*`: the Hopper attention off (the dispatch's Triton kernel at every batch) in a copy of the tree
