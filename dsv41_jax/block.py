@@ -13,7 +13,7 @@ import jax
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.hyper import HyperMix, expand, sublayer_input
+from dsv41_jax.hyper import HyperMix, expand, expand_input, sublayer_input
 from dsv41_jax.layers import RMSNorm
 from dsv41_jax.moe import MoE
 
@@ -40,7 +40,7 @@ class MixedBlock(nnx.Module):
         release, each sub-layer collapses with the `pre` the previous one computed."""
         attn_pre, post, comb, x_btd = sublayer_input(self.hc_attn, self.attn_norm, h_btcd, pre_mix_btc, kernels)
         x_btd, attn_state = attend(x_btd)
-        h_btcd = expand(x_btd, h_btcd, post, comb)
-        ffn_pre, post, comb, x_btd = sublayer_input(self.hc_ffn, self.ffn_norm, h_btcd, attn_pre, kernels)
+        h_btcd, ffn_pre, post, comb, x_btd = expand_input(self.hc_ffn, self.ffn_norm, x_btd, h_btcd, post, comb,
+                                                          attn_pre, kernels)
         x_btd, load_e = self.ffn(x_btd, kernels=kernels, image_mask=image_mask_bt)
         return expand(x_btd, h_btcd, post, comb), ffn_pre, attn_state, load_e

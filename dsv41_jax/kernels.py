@@ -134,6 +134,26 @@ def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
                         pre_mix_nc, shared=(norm_w_d, scale, base))
 
 
+# Rows (tokens) up to which a sub-layer's output expand and the next sub-layer's input side run as one GPU kernel
+# (`gpu_hyper.expand_hyper_in`, where XLA ran the expand, the projection's dot and `hyper_in`): 0, off, until timed
+# on a GPU (twenty-fifth session: interpret-tested and lowered for an H200 only; its A/B is `PYTHONPATH=. python3
+# -m experiments.device_runs.issue12_decode expand`).
+EXPAND_HYPER_IN_ROWS = 0
+
+
+def expand_hyper_in_on(kernels: str, rows: int, hc: int, dim: int) -> bool:
+    """True when `expand_hyper_in` runs its kernel: up to EXPAND_HYPER_IN_ROWS rows, otherwise as `hyper_in_on`."""
+    return _rows_on(kernels, rows, EXPAND_HYPER_IN_ROWS, gpu_only=True) and hc >= 2 and _kp.gpu_hyper.supported(hc, dim)
+
+
+def expand_hyper_in(y_nd, h_ncd, post_nc, comb_ncc, pre_mix_nc, fn_mk, norm_w_d, scale, base, **statics):
+    """(h' [N, hc, D], x [N, D], pre, post [N, hc], comb [N, hc, hc]): `hyper.expand` then the next sub-layer's
+    input side in one GPU launch (`kernels_pallas.gpu_hyper.expand_hyper_in`, statics as there), per device on a
+    mesh."""
+    return per_sequence(lambda *a: _kp.expand_hyper_in(*a, **statics), y_nd, h_ncd, post_nc, comb_ncc, pre_mix_nc,
+                        shared=(fn_mk, norm_w_d, scale, base))
+
+
 # Rows (tokens) up to which a decode step's routing runs as one GPU kernel. The slice's batch-1 step on the
 # H200 (sixteenth session, docs/BENCHMARKS.md "Tenth pass"): the routers' 18 kernels, 63.9 us per step ->
 # 12, 42.1 us (the kernel 3.2 us per call where XLA's top-k took 5.7).

@@ -96,3 +96,117 @@ def hyper_in(h_ncd: jax.Array, mixes_nm: jax.Array, pre_mix_nc: jax.Array, norm_
                    jax.ShapeDtypeStruct((n, hc), f32), jax.ShapeDtypeStruct((n, hc, hc), f32)],
         name="hyper_in",
     )(h_ncd, mixes_nm.reshape(n, 2 + hc, hc), pre_mix_nc, norm_w_d, scale_3, base_m.reshape(2 + hc, hc))
+
+
+# Columns of the stream per program of `expand_hyper_in`: 20 programs at D = 5120 share the projection's weight
+# reads (fn, f32 [(2 + hc) hc, hc D]: 2 MB at the v41 shapes) that one program would read alone.
+EXPAND_COLUMNS = 256
+
+
+def _expand_kernel(y_ref, h_ref, post_ref, comb_ref, pm_ref, fn_ref, w_ref, s_ref, b_ref, cnt_in_ref,
+                   hn_ref, x_ref, pre_out, post_out, comb_out, parts_ref, cnt_ref, *, coefficients, collapse_rows,
+                   norm, iters, hc_eps, mix_eps, norm_eps, interpret):
+    """Program (n, p): columns p of row n's expand, their share of the projection, the collapsed row and the sums
+    of squares, published in parts_ref; the row's last program to arrive (its ticket from an atomic counter)
+    sums the shares in program order, computes the coefficients and normalizes the collapsed row in place."""
+    del cnt_in_ref  # aliased to cnt_ref
+    n, p = pl.program_id(0), pl.program_id(1)
+    hc, d = h_ref.shape[1:]
+    bd = min(chunk(d), EXPAND_COLUMNS)
+    programs, slots = d // bd, parts_ref.shape[1]
+    cols = pl.ds(p * bd, bd)
+    # hyper.expand on these columns, in its order: post_j * y, then + comb[i, j] * h_i for i = 0, 1, ...
+    y = y_ref[n, cols].astype(jnp.float32)
+    res = [h_ref[n, i, cols].astype(jnp.float32) for i in range(hc)]
+    new = []
+    for j in range(hc):
+        out = post_ref[n, j] * y
+        for i in range(hc):
+            out = out + comb_ref[n, i, j] * res[i]
+        new.append(out.astype(hn_ref.dtype))
+        hn_ref[n, j, cols] = new[j]
+    wide = [v.astype(jnp.float32) for v in new]
+    # the projection's share: group r of hc mixes (pre, post, comb rows) over the hc copies' columns
+    for r in range(2 + hc):
+        share = sum(jnp.sum(fn_ref[pl.ds(r * hc, hc), pl.ds(j * d + p * bd, bd)] * wide[j][None, :], axis=1)
+                    for j in range(hc))
+        parts_ref[n, p, r, :] = share
+    x = collapse_rows(new, [pm_ref[n, i] for i in range(hc)])
+    x_ref[n, cols] = x
+    lane = jnp.arange(hc)
+    ss_h = sum(jnp.sum(v * v) for v in wide)
+    ss_x = jnp.sum(x.astype(jnp.float32) * x.astype(jnp.float32))
+    parts_ref[n, p, 2 + hc, :] = jnp.where(lane == 0, ss_h, jnp.where(lane == 1, ss_x, 0.0))
+    if not interpret:  # every thread's stores issued before the ticket's release (interpret mode has no barrier)
+        plt.debug_barrier()
+    ticket = plt.atomic_add(cnt_ref, (n,), jnp.int32(1))
+
+    @pl.when(ticket == programs - 1)
+    def _last():
+        if not interpret:
+            plt.debug_barrier()
+        have = jnp.arange(slots) < programs  # the shares' rows past the programs hold nothing
+        total = lambda r: jnp.sum(plt.load(  # noqa: E731
+            parts_ref.at[n, :, jnp.int32(r), :], mask=jnp.broadcast_to(have[:, None], (slots, hc)), other=0.0,
+            volatile=True), axis=0)
+        comb_sum = jnp.sum(plt.load(parts_ref.at[n, :, pl.ds(2, hc), :],
+                                    mask=jnp.broadcast_to(have[:, None, None], (slots, hc, hc)), other=0.0,
+                                    volatile=True), axis=0)
+        stats = total(2 + hc)
+        rstd = jax.lax.rsqrt(jnp.sum(jnp.where(lane == 0, stats, 0.0)) / (hc * d) + mix_eps)
+        pre, post, comb = coefficients(total(0) * rstd, total(1) * rstd, comb_sum * rstd,
+                                       (s_ref[0], s_ref[1], s_ref[2]), (b_ref[0, :], b_ref[1, :], b_ref[pl.ds(2, hc), :]),
+                                       iters, hc_eps, False)
+        pre_out[n, :] = pre
+        post_out[n, :] = post
+        comb_out[n, :, :] = comb
+        mean_sq = jnp.sum(jnp.where(lane == 1, stats, 0.0)) / d
+        for c in [pl.ds(j * chunk(d), chunk(d)) for j in range(d // chunk(d))]:
+            v = plt.load(x_ref.at[n, c], volatile=True).astype(jnp.float32)
+            x_ref[n, c] = norm(v, w_ref[c], mean_sq, norm_eps, x_ref.dtype)
+        plt.atomic_add(cnt_ref, (n,), jnp.int32(-programs))  # every program has arrived: zero again, for reuse as is
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def expand_hyper_in(y_nd: jax.Array, h_ncd: jax.Array, post_nc: jax.Array, comb_ncc: jax.Array,
+                    pre_mix_nc: jax.Array, fn_mk: jax.Array, norm_w_d: jax.Array, scale_3: jax.Array,
+                    base_m: jax.Array, *, coefficients, collapse_rows, norm, iters: int, hc_eps: float, mix_eps: float,
+                    norm_eps: float, num_warps: int = 4, interpret: bool = False):
+    """A sub-layer's output expanded into the stream and the next sub-layer's input side, in one launch for N rows.
+
+    y [N, D] (the sub-layer's output), h [N, hc, D] (the stream before it; y's dtype), post f32 [N, hc] and
+    comb f32 [N, hc, hc] (that sub-layer's coefficients), pre_mix f32 [N, hc] (the collapse's weights), fn f32
+    [(2 + hc) hc, hc D] (the next sub-layer's projection), norm_w [D], scale f32 [3], base f32 [(2 + hc) hc];
+    statics as `hyper_in`. Returns (h' = `hyper.expand`(y, h, post, comb) [N, hc, D], and `hyper_in`'s (x [N, D],
+    pre, post [N, hc], comb [N, hc, hc]) of h'): what XLA ran as the expand, the projection's dot (2 kernels) and
+    `hyper_in`. Grid N x D / 256: the programs of a row share the projection and meet through an atomic counter
+    (`_expand_kernel`), the last one finishing the row."""
+    n, hc, d = h_ncd.shape
+    if not supported(hc, d) or hc < 2:
+        raise ValueError(f"the expand kernel needs a power-of-two hc >= 2 and D in at most {MAX_CHUNKS} power-of-two "
+                         f"slices of >= 16, got hc={hc}, dim={d}")
+    m = (2 + hc) * hc
+    if (y_nd.shape != (n, d) or post_nc.shape != (n, hc) or comb_ncc.shape != (n, hc, hc)
+            or pre_mix_nc.shape != (n, hc) or fn_mk.shape != (m, hc * d) or norm_w_d.shape != (d,)):
+        raise ValueError(f"shapes do not match h {h_ncd.shape}: y {y_nd.shape}, post {post_nc.shape}, comb "
+                         f"{comb_ncc.shape}, pre_mix {pre_mix_nc.shape}, fn {fn_mk.shape} (want {(m, hc * d)}), "
+                         f"norm weight {norm_w_d.shape}")
+    programs = d // min(chunk(d), EXPAND_COLUMNS)
+    slots = 1 << (programs - 1).bit_length()  # the shares' rows, a power of two: the last program loads them all
+    kernel = functools.partial(_expand_kernel, coefficients=coefficients, collapse_rows=collapse_rows, norm=norm,
+                               iters=iters, hc_eps=hc_eps, mix_eps=mix_eps, norm_eps=norm_eps, interpret=interpret)
+    f32 = jnp.float32
+    out = pl.pallas_call(
+        kernel, grid=(n, programs), interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        out_shape=[jax.ShapeDtypeStruct((n, hc, d), h_ncd.dtype), jax.ShapeDtypeStruct((n, d), h_ncd.dtype),
+                   jax.ShapeDtypeStruct((n, hc), f32), jax.ShapeDtypeStruct((n, hc), f32),
+                   jax.ShapeDtypeStruct((n, hc, hc), f32),
+                   jax.ShapeDtypeStruct((n, slots, 3 + hc, hc), f32),  # each program's shares and sums of squares
+                   jax.ShapeDtypeStruct((n,), jnp.int32)],  # the row's counter, zero before and after
+        input_output_aliases={9: 6},
+        name="expand_hyper_in",
+    )(y_nd, h_ncd, post_nc, comb_ncc, pre_mix_nc, fn_mk, norm_w_d, scale_3, base_m.reshape(2 + hc, hc),
+      jnp.zeros((n,), jnp.int32))
+    h_new, x, pre, post, comb = out[:5]
+    return h_new, x, pre, post, comb
