@@ -90,9 +90,10 @@ def test_dispatch():
                            jnp.ones(24), **STATICS, interpret=True)
 
 
-def test_model_decode_logits_with_the_kernel(monkeypatch):
-    """tiny's first 3 layers, f32: decode logits with the kernel forced on (everything else jnp) against the
-    jnp path, to 1e-5 of the logit scale, from the same cache (filled by jnp decode steps)."""
+def _decode_error(monkeypatch, **dispatch) -> float:
+    """tiny's first 3 layers, f32: the decode logits of a jnp step against the same step traced afresh with the
+    `kernels` dispatch functions in `dispatch` replaced (everything else jnp), from one cache filled by jnp decode
+    steps; max |difference| / logit scale."""
     cfg = truncated(d.preset("tiny").replace(dtype="float32"), 3)
     params = d.init_params(cfg, seed=0)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 5)).astype(np.int32)
@@ -100,16 +101,23 @@ def test_model_decode_logits_with_the_kernel(monkeypatch):
     for i in range(4):
         _, cache = d.decode_step(cfg, params, cache, ids[:, i])
     want, _ = d.decode_step(cfg, params, cache, ids[:, 4])
-    calls = []
-    monkeypatch.setattr(kernels, "hyper_in_on", lambda *a: calls.append(a) or True)
-    # the same decode step, traced afresh with the kernel in it (a new jit of the api's forward: the api's own
-    # jitted step keeps its jnp program, and no other test's compiled programs are dropped from the caches)
-    step = jax.jit(functools.partial(d.forward, cfg))
-    got, _ = step(params, cache, jnp.asarray(ids[:, 4:5]), jnp.ones((2,), jnp.int32))
-    assert len(calls) == 2 * 3  # both sub-layers of each block
+    for name, fn in dispatch.items():
+        monkeypatch.setattr(kernels, name, fn)
+    # a new jit of the api's forward: the api's own jitted step keeps its jnp program, and no other test's
+    # compiled programs are dropped from the caches
+    got, _ = jax.jit(functools.partial(d.forward, cfg))(params, cache, jnp.asarray(ids[:, 4:5]),
+                                                         jnp.ones((2,), jnp.int32))
     want, got = np.asarray(want), np.asarray(got)
-    err = np.abs(got - want).max() / np.abs(want).max()
+    err = float(np.abs(got - want).max() / np.abs(want).max())
     print(f"max |dlogit| / scale {err:.2e}")
+    return err
+
+
+def test_model_decode_logits_with_the_kernel(monkeypatch):
+    """Decode logits with the kernel forced on to 1e-5 of the logit scale (`_decode_error`)."""
+    calls = []
+    err = _decode_error(monkeypatch, hyper_in_on=lambda *a: calls.append(a) or True)
+    assert len(calls) == 2 * 3  # both sub-layers of each block
     assert err <= 1e-5, err
 
 
@@ -165,23 +173,12 @@ def test_expand_dispatch_and_gradient(monkeypatch):
 
 
 def test_model_decode_logits_with_the_expand_kernel(monkeypatch):
-    """As the test above, with the attention sub-layer's expand and the MoE's input side as one kernel (and the
-    attention's input side by `hyper_in`)."""
-    cfg = truncated(d.preset("tiny").replace(dtype="float32"), 3)
-    params = d.init_params(cfg, seed=0)
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 5)).astype(np.int32)
-    cache = d.init_cache(cfg, 2, 32)
-    for i in range(4):
-        _, cache = d.decode_step(cfg, params, cache, ids[:, i])
-    want, _ = d.decode_step(cfg, params, cache, ids[:, 4])
+    """The same with the attention sub-layer's expand and the MoE's input side as one kernel (and the attention's
+    input side by `hyper_in`)."""
     calls = []
-    monkeypatch.setattr(kernels, "hyper_in_on", lambda *a: True)
-    monkeypatch.setattr(kernels, "expand_hyper_in_on", lambda *a: calls.append(a) or True)
-    got, _ = jax.jit(functools.partial(d.forward, cfg))(params, cache, jnp.asarray(ids[:, 4:5]), jnp.ones((2,), jnp.int32))
+    err = _decode_error(monkeypatch, hyper_in_on=lambda *a: True,
+                        expand_hyper_in_on=lambda *a: calls.append(a) or True)
     assert len(calls) == 3  # one per block
-    want, got = np.asarray(want), np.asarray(got)
-    err = np.abs(got - want).max() / np.abs(want).max()
-    print(f"max |dlogit| / scale {err:.2e}")
     assert err <= 1e-5, err
 
 
