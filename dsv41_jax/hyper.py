@@ -11,6 +11,8 @@ l collapses with the FFN-`pre` of layer l-1 (one-hot for layer 0), the FFN with 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -114,6 +116,18 @@ def _input_by_kernel(consts, h_ncd, pre_mix_nc, fn, scale, base, norm_w):
 
 # differentiable through the jnp path: a training forward of few tokens on a GPU reaches the kernel
 _input_kernel = kernels_mod.twin_gradient(_input_by_kernel, _input_reference)
+
+
+class Unexpanded(NamedTuple):
+    """A stream whose last sub-layer output is not yet expanded into it, = `expand(y, h, post, comb)`: passed from
+    a block to the next so that the next sub-layer's input side can run with the expand (`expand_input`)."""
+    y_btd: jax.Array
+    h_btcd: jax.Array
+    post_btc: jax.Array
+    comb_btcc: jax.Array
+
+    def materialize(self) -> jax.Array:
+        return expand(self.y_btd, self.h_btcd, self.post_btc, self.comb_btcc)
 
 
 def expand_input(mix: HyperMix, norm: RMSNorm, y_btd: jax.Array, h_btcd: jax.Array, post_btc: jax.Array,

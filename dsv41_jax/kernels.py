@@ -135,7 +135,8 @@ def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
 
 
 # Rows (tokens) up to which a sub-layer's output expand and the next sub-layer's input side run as one GPU kernel
-# (`gpu_hyper.expand_hyper_in`, where XLA ran the expand, the projection's dot and `hyper_in`): 0, off, until timed
+# (`gpu_hyper.expand_hyper_in`, where XLA ran the expand, the projection's dot and `hyper_in`; within each block,
+# and from a block into the next unless it has Engram or DSpark's capture, `model.Transformer.forward`): 0, off, until timed
 # on a GPU (twenty-fifth session: interpret-tested and lowered for an H200 only; its A/B is `PYTHONPATH=. python3
 # -m experiments.device_runs.issue12_decode expand`).
 EXPAND_HYPER_IN_ROWS = 0

@@ -94,8 +94,8 @@ SINCE_MEASURED = [
 XLOAD_OFF = [("kernels_pallas/gpu_wgmma.py", "X_STEPS_MAX = 4", "X_STEPS_MAX = 0")]
 # `attention_ab*`: the Hopper attention off (the dispatch's Triton kernel at every batch) in a copy of the tree
 ATTENTION_OFF = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 2", "MIN_BATCH = 1 << 30")]
-# `expand`: the attention sub-layer's expand and the MoE's input side as one kernel (`gpu_hyper.expand_hyper_in`,
-# off by default until timed) on, in a copy of the tree
+# `expand`: each sub-layer input side after an expand as one kernel with it (`gpu_hyper.expand_hyper_in`, off by
+# default until timed) on, in a copy of the tree
 EXPAND_ON = [("dsv41_jax/kernels.py", "EXPAND_HYPER_IN_ROWS = 0", "EXPAND_HYPER_IN_ROWS = 8")]
 # `scan_ab`: the Hopper indexer scan off (a copy of the tree) and on (as it is), batch 8 at 128K, where the
 # encoder's Full layers scan 64K and 128K positions (eighteenth session: the scans 102.8 -> 59.3 us, the step's
@@ -233,8 +233,9 @@ GROUPS["pdl"] = ([(f"pdl_probe_{name}", ["experiments.device_runs.issue12_pdl_pr
 GROUPS["verify"] = [WGMMA_TESTS, GROUPS["points"][0]]
 
 # the expand kernel (twenty-fifth session, interpret-tested and lowered only): its GPU tests (they call the kernel
-# whatever the dispatch says), then the slice's batch-1 profile off / on twice and batch 8 off / on (~7 min). Expected: 6 of the
-# step's 12 sub-layer input sides lose the expand and the projection's 2 dot kernels (~5 us each at batch 1).
+# whatever the dispatch says), then the slice's batch-1 profile off / on twice and batch 8 off / on (~7 min).
+# Expected: 10 of the step's 12 sub-layer input sides (not layer 0's attention, after the embedding, nor layer 1's,
+# after Engram) lose the expand and the projection's 2 dot kernels (~5 us each at batch 1).
 HYPER_TESTS = ("hyper_gpu_tests", ["pytest", "tests/test_hyper_kernel.py", "-q", "-p", "no:cacheprovider"],
                120, {"JAX_PLATFORMS": "cuda"})
 GROUPS["expand"] = [HYPER_TESTS] + [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
