@@ -28,7 +28,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode xload_b1  # ~4 min: xload without its tests
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode pdl       # ~5 min: XLA's PDL off / on, b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode verify    # ~7 min: wgmma tests, slice b1 + b8
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode expand    # ~7 min: the expand kernel off / on
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode expand    # ~8 min: the expand kernel off / on
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -233,12 +233,13 @@ GROUPS["pdl"] = ([(f"pdl_probe_{name}", ["experiments.device_runs.issue12_pdl_pr
 GROUPS["verify"] = [WGMMA_TESTS, GROUPS["points"][0]]
 
 # the expand kernel (twenty-fifth session, interpret-tested and lowered only): its GPU tests (they call the kernel
-# whatever the dispatch says), then the slice's batch-1 profile off / on twice and batch 8 off / on (~7 min).
+# whatever the dispatch says), the kernel alone against the path it replaces (`issue12_b1_kernels expand`), then the
+# slice's batch-1 profile off / on twice and batch 8 off / on (~8 min).
 # Expected: 10 of the step's 12 sub-layer input sides (not layer 0's attention, after the embedding, nor layer 1's,
 # after Engram) lose the expand and the projection's 2 dot kernels (~5 us each at batch 1).
 HYPER_TESTS = ("hyper_gpu_tests", ["pytest", "tests/test_hyper_kernel.py", "-q", "-p", "no:cacheprovider"],
                120, {"JAX_PLATFORMS": "cuda"})
-GROUPS["expand"] = [HYPER_TESTS] + [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
+GROUPS["expand"] = [HYPER_TESTS, ("expand_alone", ["experiments.device_runs.issue12_b1_kernels", "expand"], 90, {})] + [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
                                     for rep in ("", "_again") for side in ("expand_off", "expand_on")] + [
     (f"profile_slice_b8_{side}", slice_profile(8, 20, top=40), 130, {}) for side in ("expand_off", "expand_on")]
 
