@@ -138,7 +138,7 @@ def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
 # (`gpu_hyper.expand_hyper_in`, where XLA ran the expand, the projection's dot and `hyper_in`; within each block,
 # and from a block into the next unless it has Engram or DSpark's capture, `model.Transformer.forward`): 0, off, until timed
 # on a GPU (twenty-fifth session: interpret-tested and lowered for an H200 only; its A/B is `PYTHONPATH=. python3
-# -m experiments.device_runs.issue12_decode expand`).
+# -m experiments.device_runs.issue12_decode fused`).
 EXPAND_HYPER_IN_ROWS = 0
 
 
@@ -171,6 +171,23 @@ def route(logits_ne, bias_e, **statics):
     """(weights f32 [N, k], ids int32 [N, k]): the top-k routing of a few rows in one GPU launch
     (`kernels_pallas.gpu_router.route`, statics as there), per device on a mesh."""
     return per_sequence(lambda lg, bias: _kp.route(lg, bias, **statics), logits_ne, shared=(bias_e,))
+
+
+# Rows up to which the router's projection joins the routing kernel (`gpu_router.router_route`, where XLA's dot ran
+# first): 0, off, until timed on a GPU (twenty-fifth session: interpret-tested and lowered only; its A/B is
+# `PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode fused`).
+ROUTER_ROUTE_ROWS = 0
+
+
+def router_route_on(kernels: str, rows: int, n_experts: int) -> bool:
+    """True when `router_route` runs its kernel: up to ROUTER_ROUTE_ROWS rows, otherwise as `route_on`."""
+    return rows <= ROUTER_ROUTE_ROWS and route_on(kernels, rows, n_experts)
+
+
+def router_route(x_nd, w_ed, bias_e, **statics):
+    """(weights f32 [N, k], ids int32 [N, k], logits f32 [N, E]): the router's projection and routing of a few rows
+    in one GPU launch (`kernels_pallas.gpu_router.router_route`, statics as there), per device on a mesh."""
+    return per_sequence(lambda x: _kp.router_route(x, w_ed, bias_e, **statics), x_nd)
 
 
 WEIGHT_KERNEL_ROWS = 384  # rows of x up to which the weight matmuls run the kernels (see the module doc)

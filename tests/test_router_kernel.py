@@ -102,3 +102,76 @@ def test_lowers_to_triton_for_an_h200(e, k, func):
                                        scale=1.5),
         jax.ShapeDtypeStruct((8, e), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.float32))
     assert text.count("xla.gpu.triton") == 1
+
+
+fused = jax.jit(moe._router_route_kernel, static_argnums=0)
+fused_reference = jax.jit(moe._router_route_reference, static_argnums=0)
+
+
+def _x_case(n, e, dim, seed=0):
+    """(x [n, dim], router weight [e, dim], bias [e]): logits ~ N(0, 4), as `_case`'s."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(k1, (n, dim)), 2 * dim ** -0.5 * jax.random.normal(k2, (e, dim)),
+            0.1 * jax.random.normal(k3, (e,)))
+
+
+@pytest.mark.parametrize("n,e,dim,k,func", [(1, 384, 512, 6, "sqrtsoftplus"), (8, 384, 128, 6, "sqrtsoftplus"),
+                                            (3, 16, 64, 2, "softmax"), (2, 9, 96, 9, "softmax")])
+def test_fused_projection_matches_the_jnp_path(n, e, dim, k, func):
+    """The router's dot joined to the routing (`gpu_router.router_route`): logits to f32 summation order, the same
+    expert ids (random logits: no near-ties at these seeds), weights <= 1e-5 relative. 384: 96 programs a row of 4
+    experts; 9 experts: 9 programs of 1."""
+    args = _x_case(n, e, dim, seed=e + n)
+    with jax.default_matmul_precision("highest"):  # the reference's dot in f32 on a GPU too (TF32 otherwise)
+        (w, ids, logits), (w_r, ids_r, logits_r) = fused((k, func, 1.5), *args), fused_reference((k, func, 1.5), *args)
+    np.testing.assert_allclose(logits, logits_r, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(ids, ids_r)
+    np.testing.assert_allclose(w, w_r, rtol=1e-5)
+
+
+def test_fused_projection_dispatch_and_gradient(monkeypatch):
+    """Off by default (untimed); on, for the rows `route` takes; the backward (x and the router weight) is the
+    jnp path's."""
+    assert not kernels.router_route_on("pallas", 1, 384)
+    monkeypatch.setattr(kernels, "ROUTER_ROUTE_ROWS", 8)
+    assert kernels.router_route_on("pallas", 8, 384) and not kernels.router_route_on("pallas", 9, 384)
+    assert not kernels.router_route_on("jnp", 1, 384)
+    x, w_ed, bias = _x_case(3, 16, 64, seed=3)
+    g = jax.random.normal(jax.random.key(4), (3, 2))
+    loss = lambda f: lambda x, w: jnp.sum(f((2, "sqrtsoftplus", 1.5), x, w, bias)[0] * g)  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        got = jax.grad(loss(moe._router_route_kernel), argnums=(0, 1))(x, w_ed)
+        want = jax.grad(loss(moe._router_route_reference), argnums=(0, 1))(x, w_ed)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        assert np.abs(np.asarray(b)).max() > 0
+
+
+def test_moe_layer_with_the_fused_projection(monkeypatch):
+    """The MoE layer of `test_moe_layer_with_the_kernel` with the router's dot in the routing kernel: the same
+    output and load as with jnp."""
+    cfg = d.preset("tiny").replace(dtype="float32", param_dtype="float32")
+    layer = moe.MoE(cfg, rngs=nnx.Rngs(0))
+    layer.router.bias.value = 0.3 * jax.random.normal(jax.random.key(1), layer.router.bias.value.shape)
+    x = jax.random.normal(jax.random.key(2), (2, 1, cfg.dim))
+    monkeypatch.setattr(kernels, "_weight_kernels", lambda kernels_, rows: False)
+    monkeypatch.setattr(kernels, "ROUTER_ROUTE_ROWS", 8)
+    calls = []
+    monkeypatch.setattr(moe, "router_route", lambda *a, **kw: calls.append(a) or kernels.router_route(*a, **kw))
+    with jax.default_matmul_precision("highest"):
+        (y, load), (y_r, load_r) = layer(x, kernels="pallas"), layer(x, kernels="jnp")
+    assert len(calls) == 1
+    np.testing.assert_array_equal(load, load_r)
+    np.testing.assert_allclose(y, y_r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles the kernel in the tests above")
+def test_fused_projection_lowers_to_triton_for_an_h200():
+    """Every operation of the fused kernel's body (its atomic ticket, volatile loads) has a Triton lowering at
+    v41-flash's router (384 x 5120, bf16 rows)."""
+    text = lower_for_h200(
+        lambda x, w, b: gpu_router.router_route(x, w, b, k=6, scores=moe.router_scores, func="sqrtsoftplus",
+                                                weights=moe.routing_weights, scale=1.5),
+        jax.ShapeDtypeStruct((8, 5120), jnp.bfloat16), jax.ShapeDtypeStruct((384, 5120), jnp.float32),
+        jax.ShapeDtypeStruct((384,), jnp.float32))
+    assert text.count("xla.gpu.triton") == 1

@@ -28,7 +28,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode xload_b1  # ~4 min: xload without its tests
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode pdl       # ~5 min: XLA's PDL off / on, b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode verify    # ~7 min: wgmma tests, slice b1 + b8
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode expand    # ~8 min: the expand kernel off / on
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode fused     # ~7 min: the untimed kernels off / on
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -94,9 +94,10 @@ SINCE_MEASURED = [
 XLOAD_OFF = [("kernels_pallas/gpu_wgmma.py", "X_STEPS_MAX = 4", "X_STEPS_MAX = 0")]
 # `attention_ab*`: the Hopper attention off (the dispatch's Triton kernel at every batch) in a copy of the tree
 ATTENTION_OFF = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 2", "MIN_BATCH = 1 << 30")]
-# `expand`: each sub-layer input side after an expand as one kernel with it (`gpu_hyper.expand_hyper_in`, off by
-# default until timed) on, in a copy of the tree
+# `fused`: each sub-layer input side after an expand as one kernel with it (`gpu_hyper.expand_hyper_in`), and the
+# routers' dots in their routing kernel (`gpu_router.router_route`), off by default until timed, on in copies
 EXPAND_ON = [("dsv41_jax/kernels.py", "EXPAND_HYPER_IN_ROWS = 0", "EXPAND_HYPER_IN_ROWS = 8")]
+BOTH_ON = EXPAND_ON + [("dsv41_jax/kernels.py", "ROUTER_ROUTE_ROWS = 0", "ROUTER_ROUTE_ROWS = 8")]
 # `scan_ab`: the Hopper indexer scan off (a copy of the tree) and on (as it is), batch 8 at 128K, where the
 # encoder's Full layers scan 64K and 128K positions (eighteenth session: the scans 102.8 -> 59.3 us, the step's
 # GPU time 3.561 -> 3.500 ms; every row of the profiles printed)
@@ -232,16 +233,17 @@ GROUPS["pdl"] = ([(f"pdl_probe_{name}", ["experiments.device_runs.issue12_pdl_pr
 # as `points` runs them (~7 min)
 GROUPS["verify"] = [WGMMA_TESTS, GROUPS["points"][0]]
 
-# the expand kernel (twenty-fifth session, interpret-tested and lowered only): its GPU tests (they call the kernel
-# whatever the dispatch says), the kernel alone against the path it replaces (`issue12_b1_kernels expand`), then the
-# slice's batch-1 profile off / on twice and batch 8 off / on (~8 min).
-# Expected: 10 of the step's 12 sub-layer input sides (not layer 0's attention, after the embedding, nor layer 1's,
-# after Engram) lose the expand and the projection's 2 dot kernels (~5 us each at batch 1).
-HYPER_TESTS = ("hyper_gpu_tests", ["pytest", "tests/test_hyper_kernel.py", "-q", "-p", "no:cacheprovider"],
-               120, {"JAX_PLATFORMS": "cuda"})
-GROUPS["expand"] = [HYPER_TESTS, ("expand_alone", ["experiments.device_runs.issue12_b1_kernels", "expand"], 90, {})] + [(f"profile_slice{rep}_b1_{side}", PROFILE_B1["v41-slice"], 90, {})
-                                    for rep in ("", "_again") for side in ("expand_off", "expand_on")] + [
-    (f"profile_slice_b8_{side}", slice_profile(8, 20, top=40), 130, {}) for side in ("expand_off", "expand_on")]
+# the two kernels that join XLA's dots to their consumers (twenty-fifth session, interpret-tested and lowered
+# only): their GPU tests (they call the kernels whatever the dispatch says), the expand kernel alone against the
+# path it replaces (`issue12_b1_kernels expand`), then the slice's batch-1 profile with both off, the expand kernel
+# on, both on, and batch 8 off / both on (~7 min). Expected at batch 1: 10 of the step's 12 sub-layer input sides
+# (not layer 0's attention, after the embedding, nor layer 1's, after Engram) lose the expand and the projection's
+# 2 dot kernels (~5 us each), the 6 routers their dot (~3.7 us each).
+FUSED_TESTS = ("fused_gpu_tests", ["pytest", "tests/test_hyper_kernel.py", "tests/test_router_kernel.py", "-q", "-p",
+                                   "no:cacheprovider"], 150, {"JAX_PLATFORMS": "cuda"})
+GROUPS["fused"] = [FUSED_TESTS, ("expand_alone", ["experiments.device_runs.issue12_b1_kernels", "expand"], 90, {})] + [
+    (f"profile_slice_b1_{side}", PROFILE_B1["v41-slice"], 90, {}) for side in ("fused_off", "expand_on", "both_on")] + [
+    (f"profile_slice_b8_{side}", slice_profile(8, 20, top=40), 130, {}) for side in ("fused_off", "both_on")]
 
 
 def last_table(log: str, name: str) -> str:
@@ -265,7 +267,7 @@ if __name__ == "__main__":
     steps = GROUPS[sys.argv[1] if len(sys.argv) > 1 else "default"]
     # a step whose name ends in one of these runs in a copy of the tree with that list of changes taken back
     trees = {"_before": SINCE_MEASURED, "_scan_off": SCAN_OFF, "_attention_off": ATTENTION_OFF, "_xload_off": XLOAD_OFF,
-             "_expand_on": EXPAND_ON}
+             "_expand_on": EXPAND_ON, "_both_on": BOTH_ON}
     trees = {end: tree_before(reverts, f"/tmp/tree{end}") for end, reverts in trees.items()
              if any(name.endswith(end) for name, *_ in steps)}
     for name, (module, *args), timeout_s, env in steps:
