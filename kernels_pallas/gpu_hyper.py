@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.gpu_ticket import last_program
+
 _STATIC = ("coefficients", "collapse_rows", "norm", "iters", "hc_eps", "mix_eps", "norm_eps", "num_warps",
            "interpret")
 MAX_CHUNKS = 8  # a row is read in slices of the largest power of two (<= 1024) dividing D: 5120 = 5 x 1024
@@ -107,8 +109,8 @@ def _expand_kernel(y_ref, h_ref, post_ref, comb_ref, pm_ref, fn_ref, w_ref, s_re
                    hn_ref, x_ref, pre_out, post_out, comb_out, parts_ref, cnt_ref, *, coefficients, collapse_rows,
                    norm, iters, hc_eps, mix_eps, norm_eps, interpret):
     """Program (n, p): columns p of row n's expand, their share of the projection, the collapsed row and the sums
-    of squares, published in parts_ref; the row's last program to arrive (its ticket from an atomic counter)
-    sums the shares in program order, computes the coefficients and normalizes the collapsed row in place."""
+    of squares, published in parts_ref; the row's last program to arrive (`gpu_ticket.last_program`) sums the
+    shares, computes the coefficients and normalizes the collapsed row in place."""
     del cnt_in_ref  # aliased to cnt_ref
     n, p = pl.program_id(0), pl.program_id(1)
     hc, d = h_ref.shape[1:]
@@ -137,14 +139,8 @@ def _expand_kernel(y_ref, h_ref, post_ref, comb_ref, pm_ref, fn_ref, w_ref, s_re
     ss_h = sum(jnp.sum(v * v) for v in wide)
     ss_x = jnp.sum(x.astype(jnp.float32) * x.astype(jnp.float32))
     parts_ref[n, p, 2 + hc, :] = jnp.where(lane == 0, ss_h, jnp.where(lane == 1, ss_x, 0.0))
-    if not interpret:  # every thread's stores issued before the ticket's release (interpret mode has no barrier)
-        plt.debug_barrier()
-    ticket = plt.atomic_add(cnt_ref, (n,), jnp.int32(1))
 
-    @pl.when(ticket == programs - 1)
-    def _last():
-        if not interpret:
-            plt.debug_barrier()
+    def finish():
         have = jnp.arange(slots) < programs  # the shares' rows past the programs hold nothing
         total = lambda r: jnp.sum(plt.load(  # noqa: E731
             parts_ref.at[n, :, jnp.int32(r), :], mask=jnp.broadcast_to(have[:, None], (slots, hc)), other=0.0,
@@ -164,7 +160,8 @@ def _expand_kernel(y_ref, h_ref, post_ref, comb_ref, pm_ref, fn_ref, w_ref, s_re
         for c in [pl.ds(j * chunk(d), chunk(d)) for j in range(d // chunk(d))]:
             v = plt.load(x_ref.at[n, c], volatile=True).astype(jnp.float32)
             x_ref[n, c] = norm(v, w_ref[c], mean_sq, norm_eps, x_ref.dtype)
-        plt.atomic_add(cnt_ref, (n,), jnp.int32(-programs))  # every program has arrived: zero again, for reuse as is
+
+    last_program(cnt_ref, n, programs, finish, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

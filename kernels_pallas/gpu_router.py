@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.gpu_ticket import last_program
+
 _STATIC = ("k", "scores", "func", "weights", "scale", "interpret")
 
 
@@ -78,7 +80,7 @@ def _experts_per_program(e: int, most: int) -> int:
 def _logits_kernel(x_ref, wt_ref, b_ref, cnt_in_ref, w_ref, ids_ref, lg_ref, cnt_ref, *, e, eb, kc, interpret,
                    **statics):
     """Program (n, p): row n's logits of experts p * eb ... (its block of the router weight, read once); the
-    row's last program to arrive (an atomic ticket, as `gpu_hyper._expand_kernel`) routes the row."""
+    row's last program to arrive (`gpu_ticket.last_program`) routes the row."""
     del cnt_in_ref  # aliased to cnt_ref
     n, p = pl.program_id(0), pl.program_id(1)
     d, programs = x_ref.shape[1], e // eb
@@ -86,16 +88,8 @@ def _logits_kernel(x_ref, wt_ref, b_ref, cnt_in_ref, w_ref, ids_ref, lg_ref, cnt
     logits = sum(jnp.sum(wt_ref[rows, pl.ds(c * kc, kc)] * x_ref[n, pl.ds(c * kc, kc)].astype(jnp.float32)[None, :],
                          axis=1) for c in range(d // kc))
     lg_ref[n, rows] = logits
-    if not interpret:  # every thread's stores issued before the ticket's release (interpret mode has no barrier)
-        plt.debug_barrier()
-    ticket = plt.atomic_add(cnt_ref, (n,), jnp.int32(1))
-
-    @pl.when(ticket == programs - 1)
-    def _last():
-        if not interpret:
-            plt.debug_barrier()
-        _route_row(lg_ref, b_ref, w_ref, ids_ref, n, e=e, volatile=True, **statics)
-        plt.atomic_add(cnt_ref, (n,), jnp.int32(-programs))  # every program has arrived: zero again
+    last_program(cnt_ref, n, programs,
+                 lambda: _route_row(lg_ref, b_ref, w_ref, ids_ref, n, e=e, volatile=True, **statics), interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "experts_per_program", "num_warps"))
