@@ -107,6 +107,9 @@ def router_route(x_nd: jax.Array, w_ed: jax.Array, bias_e: jax.Array, *, k: int,
         raise ValueError(f"router_route: x {x_nd.shape}, weight {w_ed.shape}, bias {bias_e.shape}, k={k}: the "
                          f"weight must be [E, D], bias [E], 0 < k <= E, D at most 8 power-of-two slices of >= 16")
     eb = _experts_per_program(e, experts_per_program)
+    bias_e = bias_e.astype(jnp.float32)
+    if interpret:  # as in `route`: the interpreter would move a slice past the array back into it
+        bias_e = jnp.pad(bias_e, (0, _padded(e) - e))
     kernel = functools.partial(_logits_kernel, e=e, eb=eb, kc=kc, k=k, scores=scores, func=func, weights=weights,
                                scale=scale, interpret=interpret)
     w, ids, logits, _ = pl.pallas_call(
@@ -117,5 +120,5 @@ def router_route(x_nd: jax.Array, w_ed: jax.Array, bias_e: jax.Array, *, k: int,
                    jax.ShapeDtypeStruct((n,), jnp.int32)],  # the row's counter, zero before and after
         input_output_aliases={3: 3},
         name="router_route",
-    )(x_nd, w_ed.astype(jnp.float32), bias_e.astype(jnp.float32), jnp.zeros((n,), jnp.int32))
+    )(x_nd, w_ed.astype(jnp.float32), bias_e, jnp.zeros((n,), jnp.int32))
     return w, ids, logits[:, :e]
