@@ -35,11 +35,6 @@ from jax.experimental.pallas import triton as plt
 from kernels_pallas import decode
 
 FANOUT = 8  # entries of level l-1 under one entry of level l
-# bits of the threshold search per step (`_kth_key`). H200 (docs/BENCHMARKS.md, twenty-fifth session): alone, one
-# row, L2 flushed, 8 warps, top-512 of 4096 took 12.3 us with 1 bit a step, 10.8 with 2, 16.1 with 4; but in the
-# slice's batch-1 step 2 bits made two of its four selects slower (8.0 -> 10.8 and 21.3 -> 26.1 us, the others
-# equal): 1 bit stays.
-BITS = 1
 
 
 def _pow2(x: int) -> int:
@@ -77,23 +72,17 @@ def build_levels(scores_rn: jax.Array, k: int, first: jax.Array | None = None) -
     return levels
 
 
-def _kth_key(keys: jax.Array, k: int, bits: int) -> jax.Array:
+def _kth_key(keys: jax.Array, k: int) -> jax.Array:
     """Largest int32 x with #(keys >= x) >= k (EMPTY_KEY when fewer than k real entries).
 
-    Built `bits` bits a step in the unsigned image of the signed order (adding digit x 2**shift with int32
-    wrap-around): each step counts the keys at or above all 2**bits candidate digits at once, so the 32-bit
-    search takes 32 / bits steps, each one block reduction of [2**bits] counts (its latency is the cost).
+    Built bit by bit in the unsigned image of the signed order: adding 2**bit with int32 wrap-around.
     """
-    digits = jnp.arange(1 << bits, dtype=jnp.int32)
-
     def body(i, res):
-        cand = res + jnp.left_shift(digits, 32 - bits * (i + 1))  # [2**bits]; digit 0: res itself
-        cnt = jnp.sum((keys[None, :] >= cand[:, None]).astype(jnp.int32), axis=1)
-        # counts fall with the digit: the largest digit reaching k (0 when none does: fewer than k real keys)
-        digit = jnp.maximum(jnp.sum((cnt >= k).astype(jnp.int32)) - 1, 0)
-        return res + jnp.left_shift(digit, 32 - bits * (i + 1))
+        cand = res + jnp.left_shift(jnp.int32(1), 31 - i)
+        cnt = jnp.sum((keys >= cand).astype(jnp.int32))
+        return jnp.where(cnt >= k, cand, res)
 
-    return jax.lax.fori_loop(0, 32 // bits, body, jnp.int32(decode.EMPTY_KEY))
+    return jax.lax.fori_loop(0, 32, body, jnp.int32(decode.EMPTY_KEY))
 
 
 def _load_keys(ref, r, idx, valid):
@@ -101,7 +90,7 @@ def _load_keys(ref, r, idx, valid):
     return jnp.where(valid, decode.ordered_key(x), decode.EMPTY_KEY)
 
 
-def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, top_width: int, bits: int, interpret: bool):
+def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, top_width: int, interpret: bool):
     n_lv = len(sizes)
     lv_refs, out_ref, scratch_ref = refs[:n_lv], refs[n_lv], refs[n_lv + 1]
     r = pl.program_id(0)
@@ -113,7 +102,7 @@ def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, top_width:
     bound = jnp.int32(decode.NEG_INF_KEY)
     complete = jnp.bool_(True)
     for lvl in range(top, 0, -1):
-        new_bound = jnp.maximum(bound, _kth_key(keys, k, bits))
+        new_bound = jnp.maximum(bound, _kth_key(keys, k))
         n_ge = jnp.sum((keys >= new_bound).astype(jnp.int32))
         take_ties = n_ge <= k
         complete = ((new_bound > bound) | complete) & take_ties
@@ -134,7 +123,7 @@ def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, top_width:
 
     # A row of at most k entries keeps every one above -inf: no threshold to search (a candidate-block row at
     # contexts up to k blocks, a top-k row up to k positions).
-    thr = bound if top == 0 and sizes[0] <= k else jnp.maximum(bound, _kth_key(keys, k, bits))
+    thr = bound if top == 0 and sizes[0] <= k else jnp.maximum(bound, _kth_key(keys, k))
     quota = k - jnp.sum((keys > thr).astype(jnp.int32))
     ties_count = thr > decode.NEG_INF_KEY  # -inf is never selected
     rescan = (thr == bound) & jnp.logical_not(complete) & ties_count
@@ -165,14 +154,10 @@ def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, top_width:
     plt.store(out_ref.at[r, slot], jnp.full((kp,), -1, jnp.int32), mask=(slot >= n_sel) & (slot < k))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "num_warps", "bits", "interpret"))
-def topk_from_levels(levels: list[jax.Array], k: int, *, num_warps: int | None = None, bits: int | None = None,
+@functools.partial(jax.jit, static_argnames=("k", "num_warps", "interpret"))
+def topk_from_levels(levels: list[jax.Array], k: int, *, num_warps: int | None = None,
                      interpret: bool = False) -> jax.Array:
-    """int32 [R, k]: `ops.select_topk(levels[0], k)` for each row, given `build_levels(levels[0], k)`.
-    bits: of the threshold search per step, 1, 2 or 4 (default BITS)."""
-    bits = bits or BITS
-    if bits not in (1, 2, 4):
-        raise ValueError(f"bits={bits}: the threshold search takes 1, 2 or 4 bits a step")
+    """int32 [R, k]: `ops.select_topk(levels[0], k)` for each row, given `build_levels(levels[0], k)`."""
     kp, cap = capacity(k)
     rows = levels[0].shape[0]
     sizes = tuple(int(x.shape[-1]) for x in levels)
@@ -180,11 +165,11 @@ def topk_from_levels(levels: list[jax.Array], k: int, *, num_warps: int | None =
         raise ValueError(f"top level has {sizes[-1]} entries, more than its capacity {top_capacity(k)}: use "
                          f"build_levels")
     top_width = _pow2(sizes[-1])
-    if num_warps is None:  # by the widest tensor, the top level or the candidates below it: 8 warps measured
-        widest = max(top_width, cap if len(levels) > 1 else 0)  # fastest at 2048-8192 (`top_capacity`)
+    if num_warps is None:  # by the widest tensor, the top level or the candidates below it. H200, one row
+        # (twenty-fifth session): 8192 wide 17.4 us at 8 warps, 19.2 at 16; 4096 12.3 at 8, 12.2 at 4, 13.8 at 16
+        widest = max(top_width, cap if len(levels) > 1 else 0)
         num_warps = 4 if widest <= 1024 else 8 if widest <= 8192 else 16
-    kernel = functools.partial(_kernel, sizes=sizes, k=k, kp=kp, cap=cap, top_width=top_width, bits=bits,
-                               interpret=interpret)
+    kernel = functools.partial(_kernel, sizes=sizes, k=k, kp=kp, cap=cap, top_width=top_width, interpret=interpret)
     # Both outputs carry one spare column: lanes a masked scatter skips point there, so that interpret
     # mode (which writes masked lanes back with their old value) cannot clobber a real slot.
     out, _ = pl.pallas_call(
@@ -198,7 +183,7 @@ def topk_from_levels(levels: list[jax.Array], k: int, *, num_warps: int | None =
 
 
 def select_topk(scores: jax.Array, k: int, *, interpret: bool = False, **options) -> jax.Array:
-    """Same contract as `ops.select_topk` (any leading shape); options: of `topk_from_levels`."""
+    """Same contract as `ops.select_topk` (any leading shape); options: of `topk_from_levels` (num_warps)."""
     lead, n = scores.shape[:-1], scores.shape[-1]
     rows = scores.reshape(-1, n).astype(jnp.float32)
     return topk_from_levels(build_levels(rows, k), k, interpret=interpret, **options).reshape(*lead, k)

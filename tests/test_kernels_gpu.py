@@ -130,14 +130,6 @@ def test_select_topk(name, k):
     np.testing.assert_array_equal(gpu_select.select_topk(s, k, interpret=INTERPRET), topk_ref(s, k))
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("name,k", [("two_levels", 64), ("rounded_ties", 8), ("neg_inf", 16), ("signed_zero", 64)])
-def test_select_topk_search_bits(name, k, bits):
-    """The threshold search taking several bits a step selects what one bit a step does."""
-    s = jnp.asarray(_rows(name, np.random.default_rng(k)), jnp.float32)
-    np.testing.assert_array_equal(gpu_select.select_topk(s, k, bits=bits, interpret=INTERPRET), topk_ref(s, k))
-
-
 def test_select_topk_k1_and_leading_dims():
     s = jnp.asarray(np.random.default_rng(1).normal(size=(2, 1, 300)), jnp.float32)
     np.testing.assert_array_equal(gpu_select.select_topk(s, 1, interpret=INTERPRET), topk_ref(s, 1))

@@ -81,7 +81,8 @@ GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160,
 # level's candidates and 8 warps up to 8192 entries (twenty-fifth session; alone, one row of 4352: 24.6 -> 17.4 us,
 # `issue12_b1_kernels latency` and its warps; not yet in the step). Timed: the top-k kernel's
 # search skipped for rows of at most k entries (`pdl`'s profiles, twenty-fifth session: that select 9.9 -> 1.5 us
-# against the twenty-fourth session's) and its search at 2 bits a step (`issue12_select`), the weight kernels' CTAs
+# against the twenty-fourth session's) and its search at 2 bits a step (`issue12_select` at 5933709, slower in the
+# step, taken out), the weight kernels' CTAs
 # loading their x (`xload`, `xload_b8`, twenty-fourth session), the wgmma attention (`attention_ab`,
 # `attention_ab_b8`, twenty-third session), the weight kernels' K splits (`splits` at 38594e8), the branch
 # next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without its concatenate
