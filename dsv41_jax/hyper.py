@@ -159,8 +159,8 @@ def _expand_reference(consts, y_nd, h_ncd, post_nc, comb_ncc, pre_mix_nc, fn, sc
 def _expand_by_kernel(consts, y_nd, h_ncd, post_nc, comb_ncc, pre_mix_nc, fn, scale, base, norm_w):
     iters, eps, mix_eps, norm_eps = consts
     return kernels_mod.expand_hyper_in(y_nd, h_ncd, post_nc, comb_ncc, pre_mix_nc, fn, norm_w, scale, base,
-                                       coefficients=coefficients, collapse_rows=collapse_rows, norm=rms_apply,
-                                       iters=iters, hc_eps=eps, mix_eps=mix_eps, norm_eps=norm_eps)
+                                       expand_rows=expand_rows, coefficients=coefficients, collapse_rows=collapse_rows,
+                                       norm=rms_apply, iters=iters, hc_eps=eps, mix_eps=mix_eps, norm_eps=norm_eps)
 
 
 _expand_kernel = kernels_mod.twin_gradient(_expand_by_kernel, _expand_reference)
@@ -183,8 +183,16 @@ def collapse_rows(rows, weights):
 
 def expand(y_btd: jax.Array, residual_btcd: jax.Array, post_btc: jax.Array, comb_btcc: jax.Array) -> jax.Array:
     """out[j] = post[j] * y + sum_i comb[i, j] * residual[i]: [B, T, D] -> [B, T, hc, D] (comb: copy i -> j)."""
-    out = post_btc[..., None] * y_btd[:, :, None, :].astype(jnp.float32)
     res = residual_btcd.astype(jnp.float32)
-    for i in range(res.shape[2]):
-        out = out + comb_btcc[:, :, i, :, None] * res[:, :, i, None, :]
-    return out.astype(y_btd.dtype)
+    return expand_rows(y_btd[:, :, None, :].astype(jnp.float32), [res[:, :, i, None, :] for i in range(res.shape[2])],
+                       post_btc[..., None], [comb_btcc[:, :, i, :, None] for i in range(res.shape[2])]).astype(y_btd.dtype)
+
+
+def expand_rows(y, rows, post, comb_col):
+    """post * y + comb_col[0] * rows[0] + comb_col[1] * rows[1] + ... in f32, in that order (`expand` on all copies
+    at once; also traced inside the GPU kernel of an expand and the next input side, `kernels_pallas.gpu_hyper`,
+    on one copy's slice: y and rows f32, post and comb_col scalars)."""
+    out = post * y
+    for r, c in zip(rows, comb_col):
+        out = out + c * r
+    return out

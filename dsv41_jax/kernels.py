@@ -143,8 +143,9 @@ EXPAND_HYPER_IN_ROWS = 0
 
 
 def expand_hyper_in_on(kernels: str, rows: int, hc: int, dim: int) -> bool:
-    """True when `expand_hyper_in` runs its kernel: up to EXPAND_HYPER_IN_ROWS rows, otherwise as `hyper_in_on`."""
-    return _rows_on(kernels, rows, EXPAND_HYPER_IN_ROWS, gpu_only=True) and hc >= 2 and _kp.gpu_hyper.supported(hc, dim)
+    """True when `expand_hyper_in` runs its kernel: up to EXPAND_HYPER_IN_ROWS rows, otherwise as `hyper_in_on`
+    (and hc >= 2: its per-row statistics share one hc-wide vector)."""
+    return rows <= EXPAND_HYPER_IN_ROWS and hc >= 2 and hyper_in_on(kernels, rows, hc, dim)
 
 
 def expand_hyper_in(y_nd, h_ncd, post_nc, comb_ncc, pre_mix_nc, fn_mk, norm_w_d, scale, base, **statics):
@@ -179,15 +180,16 @@ def route(logits_ne, bias_e, **statics):
 ROUTER_ROUTE_ROWS = 0
 
 
-def router_route_on(kernels: str, rows: int, n_experts: int) -> bool:
-    """True when `router_route` runs its kernel: up to ROUTER_ROUTE_ROWS rows, otherwise as `route_on`."""
-    return rows <= ROUTER_ROUTE_ROWS and route_on(kernels, rows, n_experts)
+def router_route_on(kernels: str, rows: int, n_experts: int, dim: int) -> bool:
+    """True when `router_route` runs its kernel: up to ROUTER_ROUTE_ROWS rows of a width it reads
+    (`gpu_hyper.supported`), otherwise as `route_on`."""
+    return rows <= ROUTER_ROUTE_ROWS and route_on(kernels, rows, n_experts) and _kp.gpu_hyper.supported(1, dim)
 
 
 def router_route(x_nd, w_ed, bias_e, **statics):
     """(weights f32 [N, k], ids int32 [N, k], logits f32 [N, E]): the router's projection and routing of a few rows
     in one GPU launch (`kernels_pallas.gpu_router.router_route`, statics as there), per device on a mesh."""
-    return per_sequence(lambda x: _kp.router_route(x, w_ed, bias_e, **statics), x_nd)
+    return per_sequence(lambda x, w, bias: _kp.router_route(x, w, bias, **statics), x_nd, shared=(w_ed, bias_e))
 
 
 WEIGHT_KERNEL_ROWS = 384  # rows of x up to which the weight matmuls run the kernels (see the module doc)

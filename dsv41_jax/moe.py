@@ -48,12 +48,13 @@ class Router(nnx.Module):
     def __call__(self, x_nd: jax.Array, image_mask_n: jax.Array | None = None, kernels: str = "jnp"):
         """Returns routing weights f32 [N, k], expert ids int32 [N, k], raw scores f32 [N, E].
         image_mask_n: bool [N], True where the selection uses `bias_vl` (image-span tokens). kernels: a GPU
-        decode step's few rows pick and weigh their experts in one launch (`kernels.route`)."""
+        decode step's few rows pick and weigh their experts in one launch (`kernels.route`; with the projection,
+        `kernels.router_route`, where `kernels.router_route_on` says)."""
         consts = (self.k, self.func, self.scale)
-        if image_mask_n is None and router_route_on(kernels, x_nd.shape[0], self.weight.shape[0]):
+        if image_mask_n is None and router_route_on(kernels, *x_nd.shape[:1], *self.weight.shape):
             w, ids, logits = _router_route_kernel(consts, x_nd, self.weight[...], jax.lax.stop_gradient(self.bias[...]))
             return w, ids, router_scores(logits, self.func)
-        logits = jnp.einsum("nd,ed->ne", x_nd.astype(jnp.float32), self.weight[...])
+        logits = router_logits(x_nd, self.weight[...])
         scores = router_scores(logits, self.func)
         if image_mask_n is None and route_on(kernels, *logits.shape):
             w, ids = _route_kernel(consts, logits, jax.lax.stop_gradient(self.bias[...]))
@@ -62,6 +63,11 @@ class Router(nnx.Module):
         if image_mask_n is not None:
             bias = jnp.where(image_mask_n[:, None], self.bias_vl[...], bias)
         return (*_select(scores, jax.lax.stop_gradient(bias), self.k, self.scale), scores)
+
+
+def router_logits(x_nd: jax.Array, w_ed: jax.Array) -> jax.Array:
+    """f32 [N, E] router logits of x [N, D] and the router weight f32 [E, D]."""
+    return jnp.einsum("nd,ed->ne", x_nd.astype(jnp.float32), w_ed)
 
 
 def router_scores(logits: jax.Array, func: str) -> jax.Array:
@@ -106,7 +112,7 @@ _route_kernel = twin_gradient(_route_by_kernel, _route_reference)
 
 def _router_route_reference(consts, x_nd, w_ed, bias):
     """(w, ids, logits) of x [N, D]: the router's dot and the jnp routing, the fused kernel's twin."""
-    logits = jnp.einsum("nd,ed->ne", x_nd.astype(jnp.float32), w_ed)
+    logits = router_logits(x_nd, w_ed)
     return (*_route_reference(consts, logits, bias), logits)
 
 

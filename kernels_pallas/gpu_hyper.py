@@ -105,27 +105,29 @@ def hyper_in(h_ncd: jax.Array, mixes_nm: jax.Array, pre_mix_nc: jax.Array, norm_
 EXPAND_COLUMNS = 256
 
 
+def _expand_columns(d: int) -> int:
+    """Columns per program of `expand_hyper_in` (a power of two dividing d)."""
+    return min(chunk(d), EXPAND_COLUMNS)
+
+
 def _expand_kernel(y_ref, h_ref, post_ref, comb_ref, pm_ref, fn_ref, w_ref, s_ref, b_ref, cnt_in_ref,
-                   hn_ref, x_ref, pre_out, post_out, comb_out, parts_ref, cnt_ref, *, coefficients, collapse_rows,
-                   norm, iters, hc_eps, mix_eps, norm_eps, interpret):
+                   hn_ref, x_ref, pre_out, post_out, comb_out, parts_ref, cnt_ref, *, expand_rows, coefficients,
+                   collapse_rows, norm, iters, hc_eps, mix_eps, norm_eps, interpret):
     """Program (n, p): columns p of row n's expand, their share of the projection, the collapsed row and the sums
     of squares, published in parts_ref; the row's last program to arrive (`gpu_ticket.last_program`) sums the
     shares, computes the coefficients and normalizes the collapsed row in place."""
     del cnt_in_ref  # aliased to cnt_ref
     n, p = pl.program_id(0), pl.program_id(1)
     hc, d = h_ref.shape[1:]
-    bd = min(chunk(d), EXPAND_COLUMNS)
+    bd = _expand_columns(d)
     programs, slots = d // bd, parts_ref.shape[1]
     cols = pl.ds(p * bd, bd)
-    # hyper.expand on these columns, in its order: post_j * y, then + comb[i, j] * h_i for i = 0, 1, ...
+    # hyper.expand on these columns, copy by copy
     y = y_ref[n, cols].astype(jnp.float32)
     res = [h_ref[n, i, cols].astype(jnp.float32) for i in range(hc)]
     new = []
     for j in range(hc):
-        out = post_ref[n, j] * y
-        for i in range(hc):
-            out = out + comb_ref[n, i, j] * res[i]
-        new.append(out.astype(hn_ref.dtype))
+        new.append(expand_rows(y, res, post_ref[n, j], [comb_ref[n, i, j] for i in range(hc)]).astype(hn_ref.dtype))
         hn_ref[n, j, cols] = new[j]
     wide = [v.astype(jnp.float32) for v in new]
     # the projection's share: group r of hc mixes (pre, post, comb rows) over the hc copies' columns
@@ -164,17 +166,18 @@ def _expand_kernel(y_ref, h_ref, post_ref, comb_ref, pm_ref, fn_ref, w_ref, s_re
     last_program(cnt_ref, n, programs, finish, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "expand_rows"))
 def expand_hyper_in(y_nd: jax.Array, h_ncd: jax.Array, post_nc: jax.Array, comb_ncc: jax.Array,
                     pre_mix_nc: jax.Array, fn_mk: jax.Array, norm_w_d: jax.Array, scale_3: jax.Array,
-                    base_m: jax.Array, *, coefficients, collapse_rows, norm, iters: int, hc_eps: float, mix_eps: float,
-                    norm_eps: float, num_warps: int = 4, interpret: bool = False):
+                    base_m: jax.Array, *, expand_rows, coefficients, collapse_rows, norm, iters: int, hc_eps: float,
+                    mix_eps: float, norm_eps: float, num_warps: int = 4, interpret: bool = False):
     """A sub-layer's output expanded into the stream and the next sub-layer's input side, in one launch for N rows.
 
     y [N, D] (the sub-layer's output), h [N, hc, D] (the stream before it; y's dtype), post f32 [N, hc] and
     comb f32 [N, hc, hc] (that sub-layer's coefficients), pre_mix f32 [N, hc] (the collapse's weights), fn f32
     [(2 + hc) hc, hc D] (the next sub-layer's projection), norm_w [D], scale f32 [3], base f32 [(2 + hc) hc];
-    statics as `hyper_in`. Returns (h' = `hyper.expand`(y, h, post, comb) [N, hc, D], and `hyper_in`'s (x [N, D],
+    expand_rows: the model's `hyper.expand_rows`, traced on one copy's columns; the other statics as `hyper_in`.
+    Returns (h' = `hyper.expand`(y, h, post, comb) [N, hc, D], and `hyper_in`'s (x [N, D],
     pre, post [N, hc], comb [N, hc, hc]) of h'): what XLA ran as the expand, the projection's dot (2 kernels) and
     `hyper_in`. Grid N x D / 256: the programs of a row share the projection and meet through an atomic counter
     (`_expand_kernel`), the last one finishing the row."""
@@ -188,10 +191,11 @@ def expand_hyper_in(y_nd: jax.Array, h_ncd: jax.Array, post_nc: jax.Array, comb_
         raise ValueError(f"shapes do not match h {h_ncd.shape}: y {y_nd.shape}, post {post_nc.shape}, comb "
                          f"{comb_ncc.shape}, pre_mix {pre_mix_nc.shape}, fn {fn_mk.shape} (want {(m, hc * d)}), "
                          f"norm weight {norm_w_d.shape}")
-    programs = d // min(chunk(d), EXPAND_COLUMNS)
+    programs = d // _expand_columns(d)
     slots = 1 << (programs - 1).bit_length()  # the shares' rows, a power of two: the last program loads them all
-    kernel = functools.partial(_expand_kernel, coefficients=coefficients, collapse_rows=collapse_rows, norm=norm,
-                               iters=iters, hc_eps=hc_eps, mix_eps=mix_eps, norm_eps=norm_eps, interpret=interpret)
+    kernel = functools.partial(_expand_kernel, expand_rows=expand_rows, coefficients=coefficients,
+                               collapse_rows=collapse_rows, norm=norm, iters=iters, hc_eps=hc_eps, mix_eps=mix_eps,
+                               norm_eps=norm_eps, interpret=interpret)
     f32 = jnp.float32
     out = pl.pallas_call(
         kernel, grid=(n, programs), interpret=interpret,

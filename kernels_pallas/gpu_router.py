@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas import gpu_hyper
 from kernels_pallas.gpu_ticket import last_program
 
 _STATIC = ("k", "scores", "func", "weights", "scale", "interpret")
@@ -102,10 +103,11 @@ def router_route(x_nd: jax.Array, w_ed: jax.Array, bias_e: jax.Array, *, k: int,
     programs split the weight's 8 MB (v41-flash) and meet through an atomic counter, the last one routing."""
     n, d = x_nd.shape
     e = w_ed.shape[0]
-    kc = min(d & -d, 1024)
-    if w_ed.shape != (e, d) or bias_e.shape != (e,) or not 0 < k <= e or kc < 16 or d // kc > 8:
+    if w_ed.shape != (e, d) or bias_e.shape != (e,) or not 0 < k <= e or not gpu_hyper.supported(1, d):
         raise ValueError(f"router_route: x {x_nd.shape}, weight {w_ed.shape}, bias {bias_e.shape}, k={k}: the "
-                         f"weight must be [E, D], bias [E], 0 < k <= E, D at most 8 power-of-two slices of >= 16")
+                         f"weight must be [E, D], bias [E], 0 < k <= E, D at most {gpu_hyper.MAX_CHUNKS} "
+                         f"power-of-two slices of >= 16")
+    kc = gpu_hyper.chunk(d)  # a row read in slices, as the hyper kernels read theirs
     eb = _experts_per_program(e, experts_per_program)
     bias_e = bias_e.astype(jnp.float32)
     if interpret:  # as in `route`: the interpreter would move a slice past the array back into it

@@ -192,5 +192,5 @@ def test_expand_kernel_lowers_for_an_h200_at_the_v41_shapes():
     args = (s((n, dim), jnp.bfloat16), s((n, c, dim), jnp.bfloat16), s((n, c), jnp.float32),
             s((n, c, c), jnp.float32), s((n, c), jnp.float32), s((m, c * dim), jnp.float32), s((dim,), jnp.float32),
             s((3,), jnp.float32), s((m,), jnp.float32))
-    text = lower_for_h200(lambda *a: gpu_hyper.expand_hyper_in(*a, **STATICS), *args)
+    text = lower_for_h200(lambda *a: gpu_hyper.expand_hyper_in(*a, expand_rows=hyper.expand_rows, **STATICS), *args)
     assert "expand_hyper_in" in text and "xla.gpu.triton" in text

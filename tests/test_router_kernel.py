@@ -130,12 +130,13 @@ def test_fused_projection_matches_the_jnp_path(n, e, dim, k, func):
 
 
 def test_fused_projection_dispatch_and_gradient(monkeypatch):
-    """Off by default (untimed); on, for the rows `route` takes; the backward (x and the router weight) is the
-    jnp path's."""
-    assert not kernels.router_route_on("pallas", 1, 384)
+    """Off by default (untimed); on, for the rows `route` takes of a width the kernel reads; the backward (x and the
+    router weight) is the jnp path's."""
+    assert not kernels.router_route_on("pallas", 1, 384, 5120)
     monkeypatch.setattr(kernels, "ROUTER_ROUTE_ROWS", 8)
-    assert kernels.router_route_on("pallas", 8, 384) and not kernels.router_route_on("pallas", 9, 384)
-    assert not kernels.router_route_on("jnp", 1, 384)
+    assert kernels.router_route_on("pallas", 8, 384, 5120) and not kernels.router_route_on("pallas", 9, 384, 5120)
+    assert not kernels.router_route_on("jnp", 1, 384, 5120)
+    assert not kernels.router_route_on("pallas", 1, 384, 100)  # a row in slices of 4: the kernel does not take it
     x, w_ed, bias = _x_case(3, 16, 64, seed=3)
     g = jax.random.normal(jax.random.key(4), (3, 2))
     loss = lambda f: lambda x, w: jnp.sum(f((2, "sqrtsoftplus", 1.5), x, w, bias)[0] * g)  # noqa: E731
