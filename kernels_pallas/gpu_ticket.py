@@ -6,7 +6,9 @@ Used where a decode step ran an XLA dot and a small kernel after it (`gpu_hyper.
 rate), the small kernel's work in the last one. The counter is an int32 per row, zero before the launch (an
 aliased `jnp.zeros` input) and zero again after it. Ordering: each program's threads meet at a CTA barrier
 before the ticket's acq_rel atomic at GPU scope, and the last program's threads meet again after it, so its
-reads (volatile, past the L1) see every other program's writes.
+reads (volatile, past the L1) see every other program's writes. Not yet run on a GPU (twenty-fifth session:
+interpret-tested and lowered for an H200 only; both kernels are off by default until
+`experiments.device_runs.issue12_decode fused` has compiled and timed them).
 """
 
 from __future__ import annotations
