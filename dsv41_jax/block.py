@@ -13,7 +13,7 @@ import jax
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.hyper import HyperMix, Unexpanded, expand_input, sublayer_input
+from dsv41_jax.hyper import HyperMix, expand, sublayer_input
 from dsv41_jax.layers import RMSNorm
 from dsv41_jax.moe import MoE
 
@@ -32,21 +32,15 @@ class MixedBlock(nnx.Module):
         self.hc_attn, self.hc_ffn = mix(), mix()
 
     def mix(self, h_btcd, pre_mix_btc, attend: Callable[[jax.Array], tuple[jax.Array, Any]], kernels: str,
-            image_mask_bt: jax.Array | None = None, defer: bool = False):
-        """h: [B, T, hc, dim], or the previous block's `Unexpanded` stream; pre_mix: [B, T, hc] from the previous
-        block; attend: x [B, T, dim] -> (y [B, T, dim], whatever else the attention returns); image_mask: bool
-        [B, T] (image-span tokens, routed with `bias_vl`) or None; defer: return the stream `Unexpanded` (for a
-        next block that takes it).
+            image_mask_bt: jax.Array | None = None):
+        """h: [B, T, hc, dim]; pre_mix: [B, T, hc] from the previous block; attend: x [B, T, dim] ->
+        (y [B, T, dim], whatever else the attention returns); image_mask: bool [B, T] (image-span tokens,
+        routed with `bias_vl`) or None.
         Returns (h, next pre_mix, attend's other return, the MoE's routed load int32 [E]): as in the
         release, each sub-layer collapses with the `pre` the previous one computed."""
-        if isinstance(h_btcd, Unexpanded):
-            h_btcd, attn_pre, post, comb, x_btd = expand_input(self.hc_attn, self.attn_norm, *h_btcd, pre_mix_btc,
-                                                               kernels)
-        else:
-            attn_pre, post, comb, x_btd = sublayer_input(self.hc_attn, self.attn_norm, h_btcd, pre_mix_btc, kernels)
+        attn_pre, post, comb, x_btd = sublayer_input(self.hc_attn, self.attn_norm, h_btcd, pre_mix_btc, kernels)
         x_btd, attn_state = attend(x_btd)
-        h_btcd, ffn_pre, post, comb, x_btd = expand_input(self.hc_ffn, self.ffn_norm, x_btd, h_btcd, post, comb,
-                                                          attn_pre, kernels)
+        h_btcd = expand(x_btd, h_btcd, post, comb)
+        ffn_pre, post, comb, x_btd = sublayer_input(self.hc_ffn, self.ffn_norm, h_btcd, attn_pre, kernels)
         x_btd, load_e = self.ffn(x_btd, kernels=kernels, image_mask=image_mask_bt)
-        out = Unexpanded(x_btd, h_btcd, post, comb)
-        return out if defer else out.materialize(), ffn_pre, attn_state, load_e
+        return expand(x_btd, h_btcd, post, comb), ffn_pre, attn_state, load_e

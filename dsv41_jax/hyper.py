@@ -11,8 +11,6 @@ l collapses with the FFN-`pre` of layer l-1 (one-hot for layer 0), the FFN with 
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -118,54 +116,6 @@ def _input_by_kernel(consts, h_ncd, pre_mix_nc, fn, scale, base, norm_w):
 _input_kernel = kernels_mod.twin_gradient(_input_by_kernel, _input_reference)
 
 
-class Unexpanded(NamedTuple):
-    """A stream whose last sub-layer output is not yet expanded into it, = `expand(y, h, post, comb)`: passed from
-    a block to the next so that the next sub-layer's input side can run with the expand (`expand_input`)."""
-    y_btd: jax.Array
-    h_btcd: jax.Array
-    post_btc: jax.Array
-    comb_btcc: jax.Array
-
-    def materialize(self) -> jax.Array:
-        return expand(self.y_btd, self.h_btcd, self.post_btc, self.comb_btcc)
-
-
-def expand_input(mix: HyperMix, norm: RMSNorm, y_btd: jax.Array, h_btcd: jax.Array, post_btc: jax.Array,
-                 comb_btcc: jax.Array, pre_mix_btc: jax.Array, kernels: str):
-    """A sub-layer's output y [B, T, D] expanded into the stream h [B, T, hc, D] (`expand` with its post, comb),
-    then the next sub-layer's input side from that stream (`sublayer_input` with `mix`, `norm`, pre_mix):
-    (h', pre, post, comb, x). A GPU decode step's few rows (`kernels.expand_hyper_in_on`) run both as one kernel
-    (`kernels_pallas.gpu_hyper.expand_hyper_in`, whose projection sums f32 products where XLA's dot on a GPU may
-    use TF32: tests/test_hyper_kernel.py)."""
-    b, t, c, dim = h_btcd.shape
-    if not kernels_mod.expand_hyper_in_on(kernels, b * t, c, dim):
-        h_btcd = expand(y_btd, h_btcd, post_btc, comb_btcc)
-        return (h_btcd, *sublayer_input(mix, norm, h_btcd, pre_mix_btc, kernels))
-    consts = (mix.iters, mix.eps, mix.norm_eps, norm.eps)
-    h_ncd, x_nd, pre, post, comb = _expand_kernel(
-        consts, y_btd.reshape(b * t, dim), h_btcd.reshape(b * t, c, dim), post_btc.reshape(b * t, c),
-        comb_btcc.reshape(b * t, c, c), pre_mix_btc.reshape(b * t, c), mix.fn[...], mix.scale[...], mix.base[...],
-        norm.weight[...])
-    return (h_ncd.reshape(b, t, c, dim), pre.reshape(b, t, c), post.reshape(b, t, c), comb.reshape(b, t, c, c),
-            x_nd.reshape(b, t, dim))
-
-
-def _expand_reference(consts, y_nd, h_ncd, post_nc, comb_ncc, pre_mix_nc, fn, scale, base, norm_w):
-    """(h', x, pre, post, comb) of N rows by the model's jnp path: the expand kernel's twin."""
-    h_ncd = expand(y_nd[:, None], h_ncd[:, None], post_nc[:, None], comb_ncc[:, None])[:, 0]
-    return (h_ncd, *_input_reference(consts, h_ncd, pre_mix_nc, fn, scale, base, norm_w))
-
-
-def _expand_by_kernel(consts, y_nd, h_ncd, post_nc, comb_ncc, pre_mix_nc, fn, scale, base, norm_w):
-    iters, eps, mix_eps, norm_eps = consts
-    return kernels_mod.expand_hyper_in(y_nd, h_ncd, post_nc, comb_ncc, pre_mix_nc, fn, norm_w, scale, base,
-                                       expand_rows=expand_rows, coefficients=coefficients, collapse_rows=collapse_rows,
-                                       norm=rms_apply, iters=iters, hc_eps=eps, mix_eps=mix_eps, norm_eps=norm_eps)
-
-
-_expand_kernel = kernels_mod.twin_gradient(_expand_by_kernel, _expand_reference)
-
-
 # collapse and expand contract over the hc = 4 copies: written as products and sums, not einsums, so that
 # XLA fuses them with their neighbours (a dot over 4 is a kernel of its own: 4 per layer per decode step
 # on the GPU, each reading and writing the whole stream)
@@ -183,16 +133,8 @@ def collapse_rows(rows, weights):
 
 def expand(y_btd: jax.Array, residual_btcd: jax.Array, post_btc: jax.Array, comb_btcc: jax.Array) -> jax.Array:
     """out[j] = post[j] * y + sum_i comb[i, j] * residual[i]: [B, T, D] -> [B, T, hc, D] (comb: copy i -> j)."""
+    out = post_btc[..., None] * y_btd[:, :, None, :].astype(jnp.float32)
     res = residual_btcd.astype(jnp.float32)
-    return expand_rows(y_btd[:, :, None, :].astype(jnp.float32), [res[:, :, i, None, :] for i in range(res.shape[2])],
-                       post_btc[..., None], [comb_btcc[:, :, i, :, None] for i in range(res.shape[2])]).astype(y_btd.dtype)
-
-
-def expand_rows(y, rows, post, comb_col):
-    """post * y + comb_col[0] * rows[0] + comb_col[1] * rows[1] + ... in f32, in that order (`expand` on all copies
-    at once; also traced inside the GPU kernel of an expand and the next input side, `kernels_pallas.gpu_hyper`,
-    on one copy's slice: y and rows f32, post and comb_col scalars)."""
-    out = post * y
-    for r, c in zip(rows, comb_col):
-        out = out + c * r
-    return out
+    for i in range(res.shape[2]):
+        out = out + comb_btcc[:, :, i, :, None] * res[:, :, i, None, :]
+    return out.astype(y_btd.dtype)

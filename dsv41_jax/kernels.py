@@ -134,28 +134,6 @@ def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
                         pre_mix_nc, shared=(norm_w_d, scale, base))
 
 
-# Rows (tokens) up to which a sub-layer's output expand and the next sub-layer's input side run as one GPU kernel
-# (`gpu_hyper.expand_hyper_in`, where XLA ran the expand, the projection's dot and `hyper_in`; within each block,
-# and from a block into the next unless it has Engram or DSpark's capture, `model.Transformer.forward`): 0, off, until timed
-# on a GPU (twenty-fifth session: interpret-tested and lowered for an H200 only; its A/B is `PYTHONPATH=. python3
-# -m experiments.device_runs.issue12_decode fused`).
-EXPAND_HYPER_IN_ROWS = 0
-
-
-def expand_hyper_in_on(kernels: str, rows: int, hc: int, dim: int) -> bool:
-    """True when `expand_hyper_in` runs its kernel: up to EXPAND_HYPER_IN_ROWS rows, otherwise as `hyper_in_on`
-    (and hc >= 2: its per-row statistics share one hc-wide vector)."""
-    return rows <= EXPAND_HYPER_IN_ROWS and hc >= 2 and hyper_in_on(kernels, rows, hc, dim)
-
-
-def expand_hyper_in(y_nd, h_ncd, post_nc, comb_ncc, pre_mix_nc, fn_mk, norm_w_d, scale, base, **statics):
-    """(h' [N, hc, D], x [N, D], pre, post [N, hc], comb [N, hc, hc]): `hyper.expand` then the next sub-layer's
-    input side in one GPU launch (`kernels_pallas.gpu_hyper.expand_hyper_in`, statics as there), per device on a
-    mesh."""
-    return per_sequence(lambda *a: _kp.expand_hyper_in(*a, **statics), y_nd, h_ncd, post_nc, comb_ncc, pre_mix_nc,
-                        shared=(fn_mk, norm_w_d, scale, base))
-
-
 # Rows (tokens) up to which a decode step's routing runs as one GPU kernel. The slice's batch-1 step on the
 # H200 (sixteenth session, docs/BENCHMARKS.md "Tenth pass"): the routers' 18 kernels, 63.9 us per step ->
 # 12, 42.1 us (the kernel 3.2 us per call where XLA's top-k took 5.7).
@@ -172,24 +150,6 @@ def route(logits_ne, bias_e, **statics):
     """(weights f32 [N, k], ids int32 [N, k]): the top-k routing of a few rows in one GPU launch
     (`kernels_pallas.gpu_router.route`, statics as there), per device on a mesh."""
     return per_sequence(lambda lg, bias: _kp.route(lg, bias, **statics), logits_ne, shared=(bias_e,))
-
-
-# Rows up to which the router's projection joins the routing kernel (`gpu_router.router_route`, where XLA's dot ran
-# first): 0, off, until timed on a GPU (twenty-fifth session: interpret-tested and lowered only; its A/B is
-# `PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode fused`).
-ROUTER_ROUTE_ROWS = 0
-
-
-def router_route_on(kernels: str, rows: int, n_experts: int, dim: int) -> bool:
-    """True when `router_route` runs its kernel: up to ROUTER_ROUTE_ROWS rows of a width it reads
-    (`gpu_hyper.supported`), otherwise as `route_on`."""
-    return rows <= ROUTER_ROUTE_ROWS and route_on(kernels, rows, n_experts) and _kp.gpu_hyper.supported(1, dim)
-
-
-def router_route(x_nd, w_ed, bias_e, **statics):
-    """(weights f32 [N, k], ids int32 [N, k], logits f32 [N, E]): the router's projection and routing of a few rows
-    in one GPU launch (`kernels_pallas.gpu_router.router_route`, statics as there), per device on a mesh."""
-    return per_sequence(lambda x, w, bias: _kp.router_route(x, w, bias, **statics), x_nd, shared=(w_ed, bias_e))
 
 
 WEIGHT_KERNEL_ROWS = 384  # rows of x up to which the weight matmuls run the kernels (see the module doc)

@@ -22,8 +22,7 @@ from dsv41_jax.engram import Engram
 from dsv41_jax.engram_hash import EngramHashLayout, advance_history, ngram_hash_ids, ngram_windows
 from dsv41_jax.block import MixedBlock
 from dsv41_jax.dspark import DSparkStage
-from dsv41_jax import kernels as kernels_mod
-from dsv41_jax.hyper import Unexpanded, collapse
+from dsv41_jax.hyper import collapse
 from dsv41_jax.indexer import released_key_owner
 from dsv41_jax.layers import Buffer, Embedding, Linear, RMSNorm
 from dsv41_jax.plan import build_plan
@@ -38,16 +37,12 @@ class Block(MixedBlock):
         self.engram = Engram(cfg, engram_rows, rngs=rngs) if engram_rows else None
 
     def __call__(self, h_btcd, pre_mix_btc, inp: StepInputs, ring: dict, pub: Published, engram_ids=None,
-                 image_mask_bt=None, capture: bool = False, defer: bool = False):
-        """h: [B, T, hc, dim], or `Unexpanded` (the previous block's, deferred: not for a block with Engram or
-        capture, which read the stream); pre_mix: [B, T, hc] from the previous block; ring: this layer's window
-        ring before the chunk; pub: what the earlier layers published; image_mask: bool [B, T] or None (text
-        only). Returns (h, next pre_mix, ring after the chunk, `Published` for the next layer, `LayerAux`); h
-        `Unexpanded` with defer. capture: also return this block's input stream (after Engram) averaged over the
+                 image_mask_bt=None, capture: bool = False):
+        """h: [B, T, hc, dim]; pre_mix: [B, T, hc] from the previous block; ring: this layer's window ring
+        before the chunk; pub: what the earlier layers published; image_mask: bool [B, T] or None (text
+        only). Returns (h, next pre_mix, ring after the chunk, `Published` for the next layer,
+        `LayerAux`). capture: also return this block's input stream (after Engram) averaged over the
         hc copies, [B, T, dim] (`LayerAux.hidden_btd`): what DSpark reads from its target layers."""
-        if isinstance(h_btcd, Unexpanded) and (self.engram is not None or capture):
-            raise ValueError("a block with Engram or capture reads its input stream: pass it expanded "
-                             "(Unexpanded.materialize()), not deferred")
         if self.engram is not None:
             h_btcd = self.engram(h_btcd, engram_ids, kernels=inp.kernels, image_mask=image_mask_bt)
         hidden = jnp.mean(h_btcd.astype(jnp.float32), axis=2).astype(h_btcd.dtype) if capture else None
@@ -57,7 +52,7 @@ class Block(MixedBlock):
             return out_btd, (ring_after, pub_after, aux)
 
         h_btcd, pre_mix_btc, (ring, pub, aux), load_e = self.mix(h_btcd, pre_mix_btc, attend, inp.kernels,
-                                                                 image_mask_bt, defer)
+                                                                 image_mask_bt)
         return h_btcd, pre_mix_btc, ring, pub, dataclasses.replace(aux, expert_load_e=load_e, hidden_btd=hidden)
 
 
@@ -135,18 +130,13 @@ class Transformer(nnx.Module):
         e_slot = {l: i for i, l in enumerate(cfg.engram_layer_ids)}
         targets = cfg.dspark_target_layer_ids if cfg.has_dspark and with_aux else ()
         window, layer_aux = cache.window, []
-        # a block's last expand deferred into the next block's attention input side, as one kernel
-        # (`hyper.expand_input`) where it runs, unless that block reads the stream itself (Engram, DSpark's capture)
-        fuse = kernels_mod.expand_hyper_in_on(kernels, b * t, cfg.hc_mult, cfg.dim)
-        defer = [fuse and nxt < n_run and nxt not in e_slot and nxt not in targets for nxt in range(1, n_run + 1)]
         for layer in range(n_run):
             ids = engram_ids[:, :, e_slot[layer]] if layer in e_slot else None
             if isinstance(window, tuple):  # a ring per layer (`per_layer_window`): the layer's own arrays
                 ring = window[layer]
             else:
                 ring = jax.tree.map(lambda a, l=layer: a[l], window)
-            h, pre, ring, pub, aux = self.layers[layer](h, pre, inp, ring, pub, ids, image_mask, layer in targets,
-                                                        defer[layer])
+            h, pre, ring, pub, aux = self.layers[layer](h, pre, inp, ring, pub, ids, image_mask, layer in targets)
             if isinstance(window, tuple):
                 window = window[:layer] + (ring,) + window[layer + 1:]
             else:

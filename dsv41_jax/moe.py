@@ -21,8 +21,7 @@ from flax import nnx
 from dsv41_jax import expert_parallel
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.grouped import EXPERT_FP4, sort_by_group
-from dsv41_jax.kernels import (expert_rows_on, grouped_matmuls, route, route_on, router_route, router_route_on,
-                               rows_matmuls, twin_gradient)
+from dsv41_jax.kernels import expert_rows_on, grouped_matmuls, route, route_on, rows_matmuls, twin_gradient
 from dsv41_jax.layers import (Buffer, activation_quant, linears, normal_init, quantize_activation,
                               released_fp8_linear, weights_fp8)
 from dsv41_jax.sequence_split import per_sequence
@@ -48,26 +47,16 @@ class Router(nnx.Module):
     def __call__(self, x_nd: jax.Array, image_mask_n: jax.Array | None = None, kernels: str = "jnp"):
         """Returns routing weights f32 [N, k], expert ids int32 [N, k], raw scores f32 [N, E].
         image_mask_n: bool [N], True where the selection uses `bias_vl` (image-span tokens). kernels: a GPU
-        decode step's few rows pick and weigh their experts in one launch (`kernels.route`; with the projection,
-        `kernels.router_route`, where `kernels.router_route_on` says)."""
-        consts = (self.k, self.func, self.scale)
-        if image_mask_n is None and router_route_on(kernels, *x_nd.shape[:1], *self.weight.shape):
-            w, ids, logits = _router_route_kernel(consts, x_nd, self.weight[...], jax.lax.stop_gradient(self.bias[...]))
-            return w, ids, router_scores(logits, self.func)
-        logits = router_logits(x_nd, self.weight[...])
+        decode step's few rows pick and weigh their experts in one launch (`kernels.route`)."""
+        logits = jnp.einsum("nd,ed->ne", x_nd.astype(jnp.float32), self.weight[...])
         scores = router_scores(logits, self.func)
         if image_mask_n is None and route_on(kernels, *logits.shape):
-            w, ids = _route_kernel(consts, logits, jax.lax.stop_gradient(self.bias[...]))
+            w, ids = _route_kernel((self.k, self.func, self.scale), logits, jax.lax.stop_gradient(self.bias[...]))
             return w, ids, scores
         bias = self.bias[...]
         if image_mask_n is not None:
             bias = jnp.where(image_mask_n[:, None], self.bias_vl[...], bias)
         return (*_select(scores, jax.lax.stop_gradient(bias), self.k, self.scale), scores)
-
-
-def router_logits(x_nd: jax.Array, w_ed: jax.Array) -> jax.Array:
-    """f32 [N, E] router logits of x [N, D] and the router weight f32 [E, D]."""
-    return jnp.einsum("nd,ed->ne", x_nd.astype(jnp.float32), w_ed)
 
 
 def router_scores(logits: jax.Array, func: str) -> jax.Array:
@@ -108,20 +97,6 @@ def _route_by_kernel(consts, logits, bias):
 
 # differentiable through the jnp path: a training forward of few tokens on a GPU reaches the kernel
 _route_kernel = twin_gradient(_route_by_kernel, _route_reference)
-
-
-def _router_route_reference(consts, x_nd, w_ed, bias):
-    """(w, ids, logits) of x [N, D]: the router's dot and the jnp routing, the fused kernel's twin."""
-    logits = router_logits(x_nd, w_ed)
-    return (*_route_reference(consts, logits, bias), logits)
-
-
-def _router_route_by_kernel(consts, x_nd, w_ed, bias):
-    k, func, scale = consts
-    return router_route(x_nd, w_ed, bias, k=k, scores=router_scores, func=func, weights=routing_weights, scale=scale)
-
-
-_router_route_kernel = twin_gradient(_router_route_by_kernel, _router_route_reference)
 
 
 class MoE(nnx.Module):

@@ -17,8 +17,8 @@ from kernels_pallas import (gpu_attention, gpu_attention_wgmma, gpu_grouped, gpu
                             gpu_router, gpu_select, gpu_wgmma, tpu_attention, tpu_grouped, tpu_indexer, tpu_select)
 
 __all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode",
-           "grouped_matmuls_fp4", "rows_matmuls_fp4", "rows_matmuls_float", "fp8_matmuls", "hyper_in",
-           "expand_hyper_in", "route", "router_route", "platform"]
+           "grouped_matmuls_fp4", "rows_matmuls_fp4", "rows_matmuls_float", "fp8_matmuls", "hyper_in", "route",
+           "platform"]
 
 
 def platform(family: str | None = None) -> tuple[str, bool]:
@@ -155,20 +155,6 @@ def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
                               interpret=_gpu_only("hyper_in", "the jnp path"), **statics)
 
 
-def expand_hyper_in(y_nd, h_ncd, post_nc, comb_ncc, pre_mix_nc, fn_mk, norm_w_d, scale, base, **statics):
-    """A sub-layer's output expanded into the stream and the next sub-layer's input side, for a few rows
-    (`gpu_hyper.expand_hyper_in`; GPU kernel only)."""
-    return gpu_hyper.expand_hyper_in(y_nd, h_ncd, post_nc, comb_ncc, pre_mix_nc, fn_mk, norm_w_d, scale, base,
-                                     interpret=_gpu_only("expand_hyper_in", "the jnp path"), **statics)
-
-
 def route(logits_ne, bias_e, **statics):
     """A decode step's top-k routing for a few rows (`gpu_router.route`; GPU kernel only)."""
     return gpu_router.route(logits_ne, bias_e, interpret=_gpu_only("route", "the jnp path"), **statics)
-
-
-def router_route(x_nd, w_ed, bias_e, **statics):
-    """The router's projection and its routing for a few rows in one launch (`gpu_router.router_route`; GPU
-    kernel only)."""
-    return gpu_router.router_route(x_nd, w_ed, bias_e, interpret=_gpu_only("router_route", "the jnp path"),
-                                   **statics)

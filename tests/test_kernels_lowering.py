@@ -26,9 +26,7 @@ MOSAIC = {"rows_matmuls_fp4_wgmma", "fp8_matmuls_wgmma", "indexer_scores_wgmma",
 HOPPER_SCAN = SCAN - {"indexer_scores"} | {"indexer_scores_wgmma"}  # an H100/H200: the full scans on wgmma
 WEIGHTS = MOSAIC - {"indexer_scores_wgmma", "sparse_attention_wgmma"}  # the weight kernels on wgmma
 MANY = HOPPER_SCAN - {"sparse_attention"} | {"sparse_attention_wgmma"}  # ... and from 2 sequences the attention
-UNTIMED = {"expand_hyper_in", "router_route"}  # off by default until timed on a GPU
-KERNELS = SCAN | FEW | MOSAIC | UNTIMED | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_matmuls_fp4",
-                                           "rows_matmuls_float"}
+KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_matmuls_fp4", "rows_matmuls_float"}
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles the step for real")
@@ -40,8 +38,6 @@ KERNELS = SCAN | FEW | MOSAIC | UNTIMED | {"fp8_matmuls", "rows_matmuls_fp4", "g
     ("v41-slice", 64, False, SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),
     ("v41-slice", 64, True, MANY | {"fp8_matmuls", "grouped_matmuls_fp4"}),  # past EXPERT_ROWS_TOKENS
     ("small", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float weights: only the row form has a kernel
-    # the untimed kernels on: every sub-layer input side after an expand, the routers' dots in their routing
-    ("v41-slice", 1, True, HOPPER_SCAN | {"hyper_in"} | UNTIMED | WEIGHTS),
 ])
 def test_decode_step_lowers_for_an_h200(preset, batch, hopper, want):
     cfg = slice_config(weight_format="fp8") if preset == "v41-slice" else d.preset(preset)
@@ -52,9 +48,7 @@ def test_decode_step_lowers_for_an_h200(preset, batch, hopper, want):
             mock.patch.object(kernels_pallas.gpu_wgmma, "is_hopper", lambda: hopper), \
             mock.patch.object(kernels_pallas.gpu_indexer_wgmma, "is_hopper", lambda: hopper), \
             mock.patch.object(kernels_pallas.gpu_wgmma, "ON", True), \
-            mock.patch.object(kernels_pallas.gpu_indexer_wgmma, "ON", True), \
-            mock.patch.object(d.kernels, "EXPAND_HYPER_IN_ROWS", 8 if UNTIMED <= want else 0), \
-            mock.patch.object(d.kernels, "ROUTER_ROUTE_ROWS", 8 if UNTIMED <= want else 0):
+            mock.patch.object(kernels_pallas.gpu_indexer_wgmma, "ON", True):
         text = lower_for_h200(lambda p, c, t, n: api.forward(cfg, p, c, t, n, kernels="pallas"),
                               api.abstract_params(cfg), cache, rows(1), rows())
     # each kernel's jitted wrapper is a function of the module (a repeated one gets a numbered name)

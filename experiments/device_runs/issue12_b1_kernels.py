@@ -2,7 +2,6 @@
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels          # ~2.5 min
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels latency  # ~1.5 min: hyper_in, selects
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels expand   # ~1 min: the expand kernel alone
 
 After the twenty-second session's first call (slice b1 1.636 ms/step, 1.78x; GPU busy 1.656 ms) the weight
 kernels of a batch-1 step run at 55-75% of the copy peak (FP8 wo_b / wq_b / shared experts, FP4 routed
@@ -108,53 +107,7 @@ def latency() -> None:
                 gpu_select.top_capacity = top_capacity
             print(f"| select_topk, 1 x {n}, k 512 | {name}, {warps} warps | {us:.2f} | {exact} |", flush=True)
 
-def expand() -> None:
-    """GPU us per call of a sub-layer's expand and the next input side at the v41 stream (hc 4 x 5120, bf16), 1 and
-    8 rows: XLA's expand and projection dot with `hyper_in` (the model's path now) against `expand_hyper_in`
-    (checked against it: the largest difference of each output)."""
-    import jax
-    import jax.numpy as jnp
-
-    from dsv41_jax import hyper
-    from experiments.bench_decode import kernel_profile
-
-    reps, hc, d = 16, 4, 5120
-    consts = (20, 1e-6, 1e-20, 1e-20)  # Sinkhorn iterations, hc eps, the projection's and the norm's eps
-    def now(y, h, post, comb, pre_mix, *shared):
-        h = hyper.expand(y[:, None], h[:, None], post[:, None], comb[:, None])[:, 0]
-        return (h, *hyper._input_by_kernel(consts, h, pre_mix, *shared))
-
-    paths = {"XLA expand + dot + hyper_in": now, "expand_hyper_in": lambda *a: hyper._expand_by_kernel(consts, *a)}
-    print("| rows | path | GPU us per call | kernels per call | max abs diff vs the first |\n|---|---|---|---|---|",
-          flush=True)
-    for n in (1, 8):
-        k = jax.random.split(jax.random.key(n), 9)
-        m = (2 + hc) * hc
-        args = [((3 * jax.random.normal(k[0], (reps, n, d))).astype(jnp.bfloat16)),
-                (3 * jax.random.normal(k[1], (reps, n, hc, d))).astype(jnp.bfloat16),
-                2 * jax.random.uniform(k[2], (reps, n, hc)),
-                jax.nn.softmax(jax.random.normal(k[3], (reps, n, hc, hc)), axis=-1),
-                jax.random.uniform(k[4], (reps, n, hc), minval=0.05, maxval=1.0)]
-        shared = (0.05 * jax.random.normal(k[5], (m, hc * d)), jax.random.uniform(k[6], (3,), minval=0.05, maxval=1.0),
-                  jax.random.normal(k[7], (m,)), 1 + 0.1 * jax.random.normal(k[8], (d,)))
-        ref = None
-        for name, path in paths.items():
-            call = jax.jit(lambda *a, path=path: [path(*(x[i] for x in a), *shared) for i in range(reps)])
-            out = jax.block_until_ready(call(*args))
-            ref = ref or out
-            diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                       for o, r in zip(out, ref) for a, b in zip(o, r))
-            with tempfile.TemporaryDirectory() as tmp:
-                prof = kernel_profile(lambda: jax.block_until_ready(call(*args)), tmp, reps, top=1000)
-            rows = prof[2:]
-            us, kernels = sum(r["us_per_step"] for r in rows), sum(r["calls_per_step"] for r in rows)
-            print(f"| {n} | {name} | {us:.2f} | {kernels:.1f} | {diff:.3g} |", flush=True)
-
-
 if __name__ == "__main__":
-    if sys.argv[1:] == ["expand"]:
-        expand()
-        raise SystemExit(0)
     if sys.argv[1:] == ["hyper"]:
         hyper_warps()
         raise SystemExit(0)

@@ -28,7 +28,6 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode xload_b1  # ~4 min: xload without its tests
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode pdl       # ~5 min: XLA's PDL off / on, b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode verify    # ~7 min: wgmma tests, slice b1 + b8
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode fused     # ~7 min: the untimed kernels off / on
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -77,28 +76,21 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# (file, the text now, the text before), taken back in the "before" tree: the top-k kernel's top level up to twice a
-# level's candidates and 8 warps up to 8192 entries (twenty-fifth session; alone, one row of 4352: 24.6 -> 17.4 us,
-# `issue12_b1_kernels latency` and its warps; not yet in the step). Timed: the top-k kernel's
-# search skipped for rows of at most k entries (`pdl`'s profiles, twenty-fifth session: that select 9.9 -> 1.5 us
-# against the twenty-fourth session's) and its search at 2 bits a step (`issue12_select` at 5933709, slower in the
-# step, taken out), the weight kernels' CTAs
+# (file, the text now, the text before), taken back in the "before" tree; none now. Timed: the top-k kernel's top
+# level up to twice a level's candidates, 8 warps up to 8192 entries (`ab_slice`, twenty-sixth session: the select
+# of a 4352-entry row 24.0 -> 10.4 us, GPU -13 / -12 us), its search skipped for rows of at most k entries (`pdl`'s
+# profiles, twenty-fifth session: that select 9.9 -> 1.5 us against the twenty-fourth session's) and its search at 2
+# bits a step (`issue12_select` at 5933709, slower in the step, taken out), the weight kernels' CTAs
 # loading their x (`xload`, `xload_b8`, twenty-fourth session), the wgmma attention (`attention_ab`,
 # `attention_ab_b8`, twenty-third session), the weight kernels' K splits (`splits` at 38594e8), the branch
 # next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without its concatenate
-# (`qrope` at 342860d, slower, taken back).
-SINCE_MEASURED = [
-    ("kernels_pallas/gpu_select.py", "return 2 * capacity(k)[1]", "return capacity(k)[1]"),
-    ("kernels_pallas/gpu_select.py", "8 if widest <= 8192 else 16", "8 if widest <= 4096 else 16"),
-]
+# (`qrope` at 342860d, slower, taken back), the expand and router kernels joined to XLA's dots (`fused` at 88966b7:
+# slower, taken out).
+SINCE_MEASURED = []
 # `xload*`: every CTA of the Hopper weight kernels takes x by TMA, permuted and padded by XLA, in a copy of the tree
 XLOAD_OFF = [("kernels_pallas/gpu_wgmma.py", "X_STEPS_MAX = 4", "X_STEPS_MAX = 0")]
 # `attention_ab*`: the Hopper attention off (the dispatch's Triton kernel at every batch) in a copy of the tree
 ATTENTION_OFF = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 2", "MIN_BATCH = 1 << 30")]
-# `fused`: each sub-layer input side after an expand as one kernel with it (`gpu_hyper.expand_hyper_in`), and the
-# routers' dots in their routing kernel (`gpu_router.router_route`), off by default until timed, on in copies
-EXPAND_ON = [("dsv41_jax/kernels.py", "EXPAND_HYPER_IN_ROWS = 0", "EXPAND_HYPER_IN_ROWS = 8")]
-BOTH_ON = EXPAND_ON + [("dsv41_jax/kernels.py", "ROUTER_ROUTE_ROWS = 0", "ROUTER_ROUTE_ROWS = 8")]
 # `scan_ab`: the Hopper indexer scan off (a copy of the tree) and on (as it is), batch 8 at 128K, where the
 # encoder's Full layers scan 64K and 128K positions (eighteenth session: the scans 102.8 -> 59.3 us, the step's
 # GPU time 3.561 -> 3.500 ms; every row of the profiles printed)
@@ -234,18 +226,6 @@ GROUPS["pdl"] = ([(f"pdl_probe_{name}", ["experiments.device_runs.issue12_pdl_pr
 # as `points` runs them (~7 min)
 GROUPS["verify"] = [WGMMA_TESTS, GROUPS["points"][0]]
 
-# the two kernels that join XLA's dots to their consumers (twenty-fifth session, interpret-tested and lowered
-# only): their GPU tests (they call the kernels whatever the dispatch says), the expand kernel alone against the
-# path it replaces (`issue12_b1_kernels expand`), then the slice's batch-1 profile with both off, the expand kernel
-# on, both on, and batch 8 off / both on (~7 min). Expected at batch 1: 10 of the step's 12 sub-layer input sides
-# (not layer 0's attention, after the embedding, nor layer 1's, after Engram) lose the expand and the projection's
-# 2 dot kernels (~5 us each), the 6 routers their dot (~3.7 us each).
-FUSED_TESTS = ("fused_gpu_tests", ["pytest", "tests/test_hyper_kernel.py", "tests/test_router_kernel.py", "-q", "-p",
-                                   "no:cacheprovider"], 150, {"JAX_PLATFORMS": "cuda"})
-GROUPS["fused"] = [FUSED_TESTS, ("expand_alone", ["experiments.device_runs.issue12_b1_kernels", "expand"], 90, {})] + [
-    (f"profile_slice_b1_{side}", PROFILE_B1["v41-slice"], 90, {}) for side in ("fused_off", "expand_on", "both_on")] + [
-    (f"profile_slice_b8_{side}", slice_profile(8, 20, top=40), 130, {}) for side in ("fused_off", "both_on")]
-
 
 def last_table(log: str, name: str) -> str:
     """The bench's final table (the profile's summary and source table), or the log's tail if it has none."""
@@ -267,8 +247,7 @@ def last_table(log: str, name: str) -> str:
 if __name__ == "__main__":
     steps = GROUPS[sys.argv[1] if len(sys.argv) > 1 else "default"]
     # a step whose name ends in one of these runs in a copy of the tree with that list of changes taken back
-    trees = {"_before": SINCE_MEASURED, "_scan_off": SCAN_OFF, "_attention_off": ATTENTION_OFF, "_xload_off": XLOAD_OFF,
-             "_expand_on": EXPAND_ON, "_both_on": BOTH_ON}
+    trees = {"_before": SINCE_MEASURED, "_scan_off": SCAN_OFF, "_attention_off": ATTENTION_OFF, "_xload_off": XLOAD_OFF}
     trees = {end: tree_before(reverts, f"/tmp/tree{end}") for end, reverts in trees.items()
              if any(name.endswith(end) for name, *_ in steps)}
     for name, (module, *args), timeout_s, env in steps:
