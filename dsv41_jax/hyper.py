@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax import kernels as kernels_mod
-from dsv41_jax.layers import RMSNorm, normal_init, rms_apply, rms_norm, row_products
+from dsv41_jax.layers import RMSNorm, normal_init, rms_apply, rms_norm
 
 
 def coefficients(pre_c, post_c, comb_cc, scale, base, iters: int, eps: float, unroll: bool):
@@ -106,7 +106,7 @@ def _input_reference(consts, h_ncd, pre_mix_nc, fn, scale, base, norm_w):
 def _input_by_kernel(consts, h_ncd, pre_mix_nc, fn, scale, base, norm_w):
     """`_input_reference` by XLA's projection dot and the kernel."""
     iters, eps, mix_eps, norm_eps = consts
-    mixes_nm = row_products(h_ncd.reshape(h_ncd.shape[0], -1), fn)
+    mixes_nm = jnp.einsum("ri,mi->rm", h_ncd.reshape(h_ncd.shape[0], -1).astype(jnp.float32), fn)
     return kernels_mod.hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w, scale, base, coefficients=coefficients,
                                 collapse_rows=collapse_rows, norm=rms_apply, iters=iters, hc_eps=eps, mix_eps=mix_eps,
                                 norm_eps=norm_eps)

@@ -131,13 +131,6 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], self.eps)
 
 
-def row_products(x_nk: jax.Array, w_mk: jax.Array) -> jax.Array:
-    """x [N, K] . w [M, K] -> [N, M] f32 as products and a sum over K, for a decode step's few rows on a GPU:
-    XLA lowers this to one reduction kernel in exact f32, where its dot of one row runs split-K in TF32 (a GEMV
-    and its reduce, two kernels)."""
-    return jnp.sum(x_nk.astype(jnp.float32)[:, None, :] * w_mk[None].astype(jnp.float32), axis=-1)
-
-
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x [..., D] normalized in f32 over D, times weight [D], in x's dtype (RMSNorm's math)."""
     xf = x.astype(jnp.float32)

@@ -23,7 +23,7 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.grouped import EXPERT_FP4, sort_by_group
 from dsv41_jax.kernels import expert_rows_on, grouped_matmuls, route, route_on, rows_matmuls, twin_gradient
 from dsv41_jax.layers import (Buffer, activation_quant, linears, normal_init, quantize_activation,
-                              released_fp8_linear, row_products, weights_fp8)
+                              released_fp8_linear, weights_fp8)
 from dsv41_jax.sequence_split import per_sequence
 
 
@@ -48,11 +48,9 @@ class Router(nnx.Module):
         """Returns routing weights f32 [N, k], expert ids int32 [N, k], raw scores f32 [N, E].
         image_mask_n: bool [N], True where the selection uses `bias_vl` (image-span tokens). kernels: a GPU
         decode step's few rows pick and weigh their experts in one launch (`kernels.route`)."""
-        by_kernel = image_mask_n is None and route_on(kernels, x_nd.shape[0], self.weight.shape[0])
-        logits = (row_products(x_nd, self.weight[...]) if by_kernel
-                  else jnp.einsum("nd,ed->ne", x_nd.astype(jnp.float32), self.weight[...]))
+        logits = jnp.einsum("nd,ed->ne", x_nd.astype(jnp.float32), self.weight[...])
         scores = router_scores(logits, self.func)
-        if by_kernel:
+        if image_mask_n is None and route_on(kernels, *logits.shape):
             w, ids = _route_kernel((self.k, self.func, self.scale), logits, jax.lax.stop_gradient(self.bias[...]))
             return w, ids, scores
         bias = self.bias[...]

@@ -56,9 +56,9 @@ def test_kernel_matches_the_jnp_path(n, c, dim, dtype):
     args = _case(n, c, dim, dtype)
     (x, pre, post, comb), (x_r, pre_r, post_r, comb_r) = kernel(CONSTS, *args), reference(CONSTS, *args)
     assert x.shape == (n, dim) and x.dtype == dtype and comb.shape == (n, c, c)
-    np.testing.assert_allclose(pre, pre_r, rtol=1e-5)
-    np.testing.assert_allclose(post, post_r, rtol=1e-5)
-    np.testing.assert_allclose(comb, comb_r, atol=1e-5)
+    np.testing.assert_allclose(pre, pre_r, rtol=1e-6)
+    np.testing.assert_allclose(post, post_r, rtol=1e-6)
+    np.testing.assert_allclose(comb, comb_r, atol=1e-6)
     np.testing.assert_allclose(comb.sum(-2), 1, atol=1e-4)  # doubly stochastic, as the model's
     ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 1e-6
     np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(x_r, np.float32), rtol=ulp, atol=1e-6)
