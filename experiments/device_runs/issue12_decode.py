@@ -28,6 +28,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode xload_b1  # ~4 min: xload without its tests
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode pdl       # ~5 min: XLA's PDL off / on, b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode verify    # ~7 min: wgmma tests, slice b1 + b8
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cublas    # ~3 min: XLA's dots by cuBLAS, b1
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -123,10 +124,16 @@ GROUPS["ab_b8"] = GROUPS["ab"][:5] + [GROUPS["default"][1]]
 # Triton multi-output fusions; the slice's batch-1 profile with each, then `small`'s plain and heroless (~5 min)
 XLA_OPTIONS = {"plain": {}, "raft_topk": {"XLA_FLAGS": "--xla_gpu_experimental_enable_raft_for_stable_topk=true"},
                "heroless": {"XLA_FLAGS": "--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true"},
-               "multi_output": {"XLA_FLAGS": "--xla_gpu_unsupported_enable_triton_multi_output_fusion=true"}}
+               "multi_output": {"XLA_FLAGS": "--xla_gpu_unsupported_enable_triton_multi_output_fusion=true"},
+               # cuBLAS for XLA's dots: the mHC projections run as a split-K Triton GEMM and its reduce (24 kernels,
+               # 41 us at batch 1, nineteenth pass), and as products and a row sum XLA still made two kernels
+               "no_triton_gemm": {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}}
 GROUPS["flags"] = ([(f"profile_slice_b1_{name}", PROFILE_B1["v41-slice"], 80, env) for name, env in XLA_OPTIONS.items()]
                    + [(f"profile_small_b1_{name}", PROFILE_B1["small"], 80, XLA_OPTIONS[name])
                       for name in ("plain", "heroless")])
+# XLA's dots by cuBLAS against the defaults, the slice's batch-1 profile twice each (~3 min)
+GROUPS["cublas"] = [(f"profile_slice{rep}_b1_{name}", PROFILE_B1["v41-slice"], 80, XLA_OPTIONS[name])
+                    for rep in ("", "_again") for name in ("plain", "no_triton_gemm")]
 # where the batch-8 step's time goes (no profile of it since the third pass; ninth pass: 2.04x of its roofline,
 # the routed experts estimated at ~3 of its 4.3 ms)
 GROUPS["profile_b8"] = [("profile_slice_b8", ["experiments.profile_step", "--preset", "v41-slice", "--batch", "8",
