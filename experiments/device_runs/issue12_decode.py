@@ -28,7 +28,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode xload_b1  # ~4 min: xload without its tests
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode pdl       # ~5 min: XLA's PDL off / on, b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode verify    # ~7 min: wgmma tests, slice b1 + b8
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cublas    # ~3 min: XLA's dots by cuBLAS, b1
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cublas    # ~5.5 min: XLA's dots by cuBLAS, heroless fusion, b1
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -131,9 +131,11 @@ XLA_OPTIONS = {"plain": {}, "raft_topk": {"XLA_FLAGS": "--xla_gpu_experimental_e
 GROUPS["flags"] = ([(f"profile_slice_b1_{name}", PROFILE_B1["v41-slice"], 80, env) for name, env in XLA_OPTIONS.items()]
                    + [(f"profile_small_b1_{name}", PROFILE_B1["small"], 80, XLA_OPTIONS[name])
                       for name in ("plain", "heroless")])
-# XLA's dots by cuBLAS against the defaults, the slice's batch-1 profile twice each (~3 min)
+# XLA's dots by cuBLAS against the defaults, the slice's batch-1 profile twice each (~3 min), then heroless
+# priority fusion with the time to compile that `flags` did not give it (60 s; ~2.5 min)
 GROUPS["cublas"] = [(f"profile_slice{rep}_b1_{name}", PROFILE_B1["v41-slice"], 80, XLA_OPTIONS[name])
-                    for rep in ("", "_again") for name in ("plain", "no_triton_gemm")]
+                    for rep in ("", "_again") for name in ("plain", "no_triton_gemm")] + [
+    ("profile_slice_b1_heroless", PROFILE_B1["v41-slice"], 150, XLA_OPTIONS["heroless"])]
 # where the batch-8 step's time goes (no profile of it since the third pass; ninth pass: 2.04x of its roofline,
 # the routed experts estimated at ~3 of its 4.3 ms)
 GROUPS["profile_b8"] = [("profile_slice_b8", ["experiments.profile_step", "--preset", "v41-slice", "--batch", "8",
