@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels          # ~2.5 min
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels latency  # ~1.5 min: hyper_in, selects
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels attention  # ~3 min: attention's tiles at 4K
 
 After the twenty-second session's first call (slice b1 1.636 ms/step, 1.78x; GPU busy 1.656 ms) the weight
 kernels of a batch-1 step run at 55-75% of the copy peak (FP8 wo_b / wq_b / shared experts, FP4 routed
@@ -14,6 +15,9 @@ Logs in $OUT. `latency` (twenty-fifth session): what the two latency-bound kerne
 compressed positions at 4K + the bench's 256 spare; the pool's 16384) by warps, 4352 with its top level held to a
 level's 4096 candidates (two levels, as before `gpu_select.top_capacity`) and to twice that (one level of 8192).
 The selects' GPU us leave out the XLA kernel that builds a second level (~1.4 us).
+`attention` (twenty-sixth session): the batch-1 step's sparse attention (Triton, 5 calls a step at 14 us each in
+the slice at 4K, with the split combine's 2 XLA kernels ~2.8 us more) by its launch parameters at the step's shape:
+128 window keys + 512 of 4352 entries, 64 heads. The dispatch's tiles were measured at 128K only (issue 21).
 """
 
 import os
@@ -107,7 +111,45 @@ def latency() -> None:
                 gpu_select.top_capacity = top_capacity
             print(f"| select_topk, 1 x {n}, k 512 | {name}, {warps} warps | {us:.2f} | {exact} |", flush=True)
 
+def attention() -> None:
+    """GPU us per batch-1 sparse-attention call (the kernel and the split combine's XLA kernels) at 4K by splits,
+    heads per program, keys per tile and warps; 64 calls on distinct inputs (~80 MB: more than the L2), each
+    variant checked against `ops.sparse_attention_decode`."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax import ops, quant
+    from experiments.bench_decode import kernel_profile
+    from experiments.bench_kernels import D_ATT, attention_data
+    from kernels_pallas import gpu_attention
+
+    reps, n = 64, 4352
+    data = [attention_data(jax.random.key(i), 1, n) for i in range(reps)]
+    args = [(q, w["values"], w["scales"], ok, e["values"], e["scales"], idx, sink) for q, w, ok, e, idx, sink in data]
+    scale = D_ATT ** -0.5
+    ref = [ops.sparse_attention_decode(q, {"values": wv, "scales": ws}, ok, quant.WINDOW_KV,
+                                       {"values": ev, "scales": es}, idx, quant.MAIN_KV, sink, scale)
+           for q, wv, ws, ok, ev, es, idx, sink in args]
+    # (splits, heads per program, keys per tile, warps); the first is the dispatch's at batch 1
+    variants = [(20, 16, 32, 4), (10, 16, 32, 4), (5, 16, 32, 4), (40, 16, 16, 4), (20, 16, 16, 4),
+                (20, 32, 32, 4), (10, 32, 32, 8), (20, 64, 32, 8), (5, 64, 32, 8), (10, 16, 64, 4), (2, 16, 64, 4)]
+    print("| splits | heads per program | keys per tile | warps | GPU us per call | kernels per call | "
+          "max rel err |\n|---|---|---|---|---|---|---|", flush=True)
+    for splits, hb, bk, warps in variants:
+        call = jax.jit(lambda a, splits=splits, hb=hb, bk=bk, warps=warps: [gpu_attention.sparse_attention(
+            *x, scale, splits=splits, block_k=bk, head_block=hb, num_warps=warps) for x in a])
+        out = jax.block_until_ready(call(args))
+        err = max(float(jnp.linalg.norm(o - r) / jnp.linalg.norm(r)) for o, r in zip(out, ref))
+        with tempfile.TemporaryDirectory() as tmp:
+            prof = kernel_profile(lambda: jax.block_until_ready(call(args)), tmp, reps, top=10)
+        print(f"| {splits} | {hb} | {bk} | {warps} | {prof[0]['us_per_step']:.2f} | {prof[0]['calls_per_step']:.1f} | "
+              f"{err:.2g} |", flush=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["attention"]:
+        attention()
+        raise SystemExit(0)
     if sys.argv[1:] == ["hyper"]:
         hyper_warps()
         raise SystemExit(0)
