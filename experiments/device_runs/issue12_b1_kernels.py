@@ -112,8 +112,8 @@ def latency() -> None:
             print(f"| select_topk, 1 x {n}, k 512 | {name}, {warps} warps | {us:.2f} | {exact} |", flush=True)
 
 def attention() -> None:
-    """GPU us per batch-1 sparse-attention call (the kernel and the split combine's XLA kernels) at 4K by splits,
-    heads per program, keys per tile and warps; 64 calls on distinct inputs (~80 MB: more than the L2), each
+    """GPU us per batch-1 sparse-attention call (the kernels and the split combine's XLA kernels) at 4K by
+    variant, splits, heads (flash) or channels (split) per program, keys per tile and warps; 64 calls on distinct inputs (~80 MB: more than the L2), each
     variant checked against `ops.sparse_attention_decode`."""
     import jax
     import jax.numpy as jnp
@@ -130,20 +130,25 @@ def attention() -> None:
     ref = [ops.sparse_attention_decode(q, {"values": wv, "scales": ws}, ok, quant.WINDOW_KV,
                                        {"values": ev, "scales": es}, idx, quant.MAIN_KV, sink, scale)
            for q, wv, ws, ok, ev, es, idx, sink in args]
-    # (splits, heads per program, keys per tile, warps); the first is the dispatch's at batch 1
-    variants = [(20, 16, 32, 4), (10, 16, 32, 4), (5, 16, 32, 4), (40, 16, 16, 4), (20, 16, 16, 4),
-                (20, 32, 32, 4), (10, 32, 32, 8), (20, 64, 32, 8), (5, 64, 32, 8), (10, 16, 64, 4), (2, 16, 64, 4)]
-    print("| splits | heads per program | keys per tile | warps | GPU us per call | kernels per call | "
-          "max rel err |\n|---|---|---|---|---|---|---|", flush=True)
-    for splits, hb, bk, warps in variants:
-        call = jax.jit(lambda a, splits=splits, hb=hb, bk=bk, warps=warps: [gpu_attention.sparse_attention(
-            *x, scale, splits=splits, block_k=bk, head_block=hb, num_warps=warps) for x in a])
+    # (variant, splits, heads per program (flash) or channels per p.v program (split), keys per tile, warps); the
+    # first is the dispatch's at batch 1
+    variants = [("flash", 20, 16, 32, 4), ("flash", 10, 16, 32, 4), ("flash", 5, 16, 32, 4), ("flash", 40, 16, 16, 4),
+                ("flash", 20, 16, 16, 4), ("flash", 20, 32, 32, 4), ("flash", 10, 32, 32, 8), ("flash", 20, 64, 32, 8),
+                ("flash", 5, 64, 32, 8), ("flash", 10, 16, 64, 4), ("flash", 2, 16, 64, 4),
+                ("split", 5, 128, 32, 4), ("split", 10, 128, 32, 4), ("split", 5, 256, 32, 8)]
+    print("| variant | splits | heads / channels per program | keys per tile | warps | GPU us per call | "
+          "kernels per call | max rel err |\n|---|---|---|---|---|---|---|---|", flush=True)
+    for variant, splits, block, bk, warps in variants:
+        tiles = {"head_block": block} if variant == "flash" else {"channel_block": block}
+        call = jax.jit(lambda a, variant=variant, splits=splits, tiles=tiles, bk=bk, warps=warps: [
+            gpu_attention.sparse_attention(*x, scale, variant=variant, splits=splits, block_k=bk, num_warps=warps,
+                                           **tiles) for x in a])
         out = jax.block_until_ready(call(args))
         err = max(float(jnp.linalg.norm(o - r) / jnp.linalg.norm(r)) for o, r in zip(out, ref))
         with tempfile.TemporaryDirectory() as tmp:
             prof = kernel_profile(lambda: jax.block_until_ready(call(args)), tmp, reps, top=10)
-        print(f"| {splits} | {hb} | {bk} | {warps} | {prof[0]['us_per_step']:.2f} | {prof[0]['calls_per_step']:.1f} | "
-              f"{err:.2g} |", flush=True)
+        print(f"| {variant} | {splits} | {block} | {bk} | {warps} | {prof[0]['us_per_step']:.2f} | "
+              f"{prof[0]['calls_per_step']:.1f} | {err:.2g} |", flush=True)
 
 
 if __name__ == "__main__":
