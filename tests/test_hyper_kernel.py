@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,12 +26,6 @@ from kernels_pallas import gpu_hyper
 CONSTS = (20, 1e-6, 1e-20, 1e-20)  # Sinkhorn iterations, hc eps, the projection's and the norm's eps (released)
 STATICS = dict(coefficients=hyper.coefficients, collapse_rows=hyper.collapse_rows, norm=layers.rms_apply, iters=20,
                hc_eps=1e-6, mix_eps=1e-20, norm_eps=1e-20)
-
-
-@pytest.fixture(autouse=True)
-def _exact_f32_dots():
-    with jax.default_matmul_precision("highest"):  # TF32 otherwise on a GPU, in both paths' projection dot
-        yield
 
 
 def _case(n, c, dim, dtype, seed=0):
@@ -62,6 +57,29 @@ def test_kernel_matches_the_jnp_path(n, c, dim, dtype):
     np.testing.assert_allclose(comb.sum(-2), 1, atol=1e-4)  # doubly stochastic, as the model's
     ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 1e-6
     np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(x_r, np.float32), rtol=ulp, atol=1e-6)
+
+
+def _dot_precisions(jaxpr) -> list:
+    """The precision of every dot_general in a closed jaxpr, nested jaxprs (jit, custom_vjp) included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(eqn.params["precision"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += _dot_precisions(sub)
+    return out
+
+
+def test_projection_asks_for_ieee_f32():
+    """hc_fn is f32 in the release, whose projection is an f32 linear: both paths' projection dots ask for
+    HIGHEST, which a CPU always gives and a GPU otherwise replaces by TF32 (fn rounded to 10 mantissa bits)."""
+    args = _case(1, 4, 64, jnp.bfloat16)
+    h, pre_mix, fn, scale, base, norm_w = args
+    jnp_path = jax.make_jaxpr(lambda h, fn: hyper.mix_coefficients(h[:, None], fn, scale, base, 20, 1e-6, 1e-20))
+    kernel_path = jax.make_jaxpr(functools.partial(hyper._input_by_kernel, CONSTS))
+    for jaxpr in (jnp_path(h, fn), kernel_path(*args)):
+        precisions = _dot_precisions(jaxpr.jaxpr)
+        assert precisions and all(p == (jax.lax.Precision.HIGHEST,) * 2 for p in precisions), precisions
 
 
 def test_gradient_is_the_jnp_paths():

@@ -77,17 +77,18 @@ PROFILE_B1 = {preset: ["experiments.profile_step", "--preset", preset, "--batch"
 GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160, {}),
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
-# (file, the text now, the text before), taken back in the "before" tree; none now. Timed: the top-k kernel's top
-# level up to twice a level's candidates, 8 warps up to 8192 entries (`ab_slice`, twenty-sixth session: the select
-# of a 4352-entry row 24.0 -> 10.4 us, GPU -13 / -12 us), its search skipped for rows of at most k entries (`pdl`'s
-# profiles, twenty-fifth session: that select 9.9 -> 1.5 us against the twenty-fourth session's) and its search at 2
-# bits a step (`issue12_select` at 5933709, slower in the step, taken out), the weight kernels' CTAs
+# (file, the text now, the text before), taken back in the "before" tree: the mHC projections asking for IEEE f32
+# (twenty-sixth session, `hyper.F32_DOT`: XLA ran them in TF32 on the GPU; is the batch-1 step slower?). Timed: the
+# top-k kernel's top level up to twice a level's candidates, 8 warps up to 8192 entries (`ab_slice`, twenty-sixth
+# session: the select of a 4352-entry row 24.0 -> 10.4 us, GPU -13 / -12 us), its search skipped for rows of at most k
+# entries (`pdl`'s profiles, twenty-fifth session: that select 9.9 -> 1.5 us against the twenty-fourth session's) and
+# its search at 2 bits a step (`issue12_select` at 5933709, slower in the step, taken out), the weight kernels' CTAs
 # loading their x (`xload`, `xload_b8`, twenty-fourth session), the wgmma attention (`attention_ab`,
 # `attention_ab_b8`, twenty-third session), the weight kernels' K splits (`splits` at 38594e8), the branch
-# next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without its concatenate
-# (`qrope` at 342860d, slower, taken back), the expand and router kernels joined to XLA's dots (`fused` at 88966b7:
-# slower, taken out).
-SINCE_MEASURED = []
+# next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without its concatenate (`qrope`
+# at 342860d, slower, taken back), the expand and router kernels joined to XLA's dots (`fused` at 88966b7: slower,
+# taken out).
+SINCE_MEASURED = [("dsv41_jax/hyper.py", "F32_DOT = jax.lax.Precision.HIGHEST", "F32_DOT = None")]
 # `xload*`: every CTA of the Hopper weight kernels takes x by TMA, permuted and padded by XLA, in a copy of the tree
 XLOAD_OFF = [("kernels_pallas/gpu_wgmma.py", "X_STEPS_MAX = 4", "X_STEPS_MAX = 0")]
 # `attention_ab*`: the Hopper attention off (the dispatch's Triton kernel at every batch) in a copy of the tree
@@ -98,11 +99,11 @@ ATTENTION_OFF = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 2", "MIN
 SCAN_OFF = [("kernels_pallas/gpu_indexer_wgmma.py", "ON = True", "ON = False")]
 # kernels off by default until timed, on in the "after" half of `ab` (environment variables); none now
 AFTER_ENV = {}
-# the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED: the top-k kernel's);
+# the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED: the hyper kernel's);
 # in the fifteenth session 150 s held the hyper kernel's tests but not the attention tests after them (19 s in a
 # call apart). WGMMA_TESTS: the Hopper weight kernels' tests, first in the groups that time those kernels.
-AB_TESTS = ("ab_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "-q", "-p", "no:cacheprovider", "-k",
-                            "select or candidate"], 110, {"JAX_PLATFORMS": "cuda"})
+AB_TESTS = ("ab_gpu_tests", ["pytest", "tests/test_hyper_kernel.py", "-q", "-p", "no:cacheprovider"], 110,
+            {"JAX_PLATFORMS": "cuda"})
 WGMMA_TESTS = ("wgmma_gpu_tests", ["pytest", "tests/test_wgmma_kernel.py", "-q", "-p", "no:cacheprovider"], 110,
                {"JAX_PLATFORMS": "cuda"})
 # a step whose name ends in "_before" runs in that copy; `ab_slice`: the slice's pair only, twice (~2.5 min)
