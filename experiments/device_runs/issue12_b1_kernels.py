@@ -16,8 +16,9 @@ compressed positions at 4K + the bench's 256 spare; the pool's 16384) by warps, 
 level's 4096 candidates (two levels, as before `gpu_select.top_capacity`) and to twice that (one level of 8192).
 The selects' GPU us leave out the XLA kernel that builds a second level (~1.4 us).
 `attention` (twenty-sixth session): the batch-1 step's sparse attention (Triton, 5 calls a step at 14 us each in
-the slice at 4K, with the split combine's 2 XLA kernels ~2.8 us more) by its launch parameters at the step's shape:
-128 window keys + 512 of 4352 entries, 64 heads. The dispatch's tiles were measured at 128K only (issue 21).
+the slice at 4K, with the split combine's 2 XLA kernels ~2.8 us more) by its launch parameters at the step's shape
+(128 window keys + 512 of 4352 entries, 64 heads), one `bench_kernels` run each (~15 s). The dispatch's tiles were
+measured at 128K only (issue 21).
 """
 
 import os
@@ -111,49 +112,36 @@ def latency() -> None:
                 gpu_select.top_capacity = top_capacity
             print(f"| select_topk, 1 x {n}, k 512 | {name}, {warps} warps | {us:.2f} | {exact} |", flush=True)
 
-def attention() -> None:
-    """GPU us per batch-1 sparse-attention call (the kernels and the split combine's XLA kernels) at 4K by
-    variant, splits, heads (flash) or channels (split) per program, keys per tile and warps; 64 calls on distinct inputs (~80 MB: more than the L2), each
-    variant checked against `ops.sparse_attention_decode`."""
-    import jax
-    import jax.numpy as jnp
+# the b1 sparse attention's launch parameters, each one `bench_kernels` run at the step's 4K shape (its attention
+# row: the L2 flushed before every call, relative error against the jnp twin, % of the copy peak):
+# (variant, splits, heads per program (flash) or channels per p.v program (split), keys per tile, warps); the first
+# is the dispatch's at batch 1
+ATTENTION_VARIANTS = [("flash", 20, 16, 32, 4), ("flash", 10, 16, 32, 4), ("flash", 5, 16, 32, 4),
+                      ("flash", 40, 16, 16, 4), ("flash", 20, 16, 16, 4), ("flash", 20, 32, 32, 4),
+                      ("flash", 10, 32, 32, 8), ("flash", 20, 64, 32, 8), ("flash", 5, 64, 32, 8),
+                      ("flash", 10, 16, 64, 4), ("flash", 2, 16, 64, 4),
+                      ("split", 5, 128, 32, 4), ("split", 10, 128, 32, 4), ("split", 5, 256, 32, 8)]
 
-    from dsv41_jax import ops, quant
-    from experiments.bench_decode import kernel_profile
-    from experiments.bench_kernels import D_ATT, attention_data
-    from kernels_pallas import gpu_attention
 
-    reps, n = 64, 4352
-    data = [attention_data(jax.random.key(i), 1, n) for i in range(reps)]
-    args = [(q, w["values"], w["scales"], ok, e["values"], e["scales"], idx, sink) for q, w, ok, e, idx, sink in data]
-    scale = D_ATT ** -0.5
-    ref = [ops.sparse_attention_decode(q, {"values": wv, "scales": ws}, ok, quant.WINDOW_KV,
-                                       {"values": ev, "scales": es}, idx, quant.MAIN_KV, sink, scale)
-           for q, wv, ws, ok, ev, es, idx, sink in args]
-    # (variant, splits, heads per program (flash) or channels per p.v program (split), keys per tile, warps); the
-    # first is the dispatch's at batch 1
-    variants = [("flash", 20, 16, 32, 4), ("flash", 10, 16, 32, 4), ("flash", 5, 16, 32, 4), ("flash", 40, 16, 16, 4),
-                ("flash", 20, 16, 16, 4), ("flash", 20, 32, 32, 4), ("flash", 10, 32, 32, 8), ("flash", 20, 64, 32, 8),
-                ("flash", 5, 64, 32, 8), ("flash", 10, 16, 64, 4), ("flash", 2, 16, 64, 4),
-                ("split", 5, 128, 32, 4), ("split", 10, 128, 32, 4), ("split", 5, 256, 32, 8)]
-    print("| variant | splits | heads / channels per program | keys per tile | warps | GPU us per call | "
-          "kernels per call | max rel err |\n|---|---|---|---|---|---|---|---|", flush=True)
-    for variant, splits, block, bk, warps in variants:
-        tiles = {"head_block": block} if variant == "flash" else {"channel_block": block}
-        call = jax.jit(lambda a, variant=variant, splits=splits, tiles=tiles, bk=bk, warps=warps: [
-            gpu_attention.sparse_attention(*x, scale, variant=variant, splits=splits, block_k=bk, num_warps=warps,
-                                           **tiles) for x in a])
-        out = jax.block_until_ready(call(args))
-        err = max(float(jnp.linalg.norm(o - r) / jnp.linalg.norm(r)) for o, r in zip(out, ref))
-        with tempfile.TemporaryDirectory() as tmp:
-            prof = kernel_profile(lambda: jax.block_until_ready(call(args)), tmp, reps, top=10)
-        print(f"| {variant} | {splits} | {block} | {bk} | {warps} | {prof[0]['us_per_step']:.2f} | "
-              f"{prof[0]['calls_per_step']:.1f} | {err:.2g} |", flush=True)
+def attention_steps() -> list[str]:
+    """Run `bench_kernels --only attention` once per ATTENTION_VARIANTS entry; returns the step names."""
+    names = []
+    for variant, splits, block, bk, warps in ATTENTION_VARIANTS:
+        name = f"attention_{variant}_s{splits}_b{block}_k{bk}_w{warps}"
+        tile = ["--head-block" if variant == "flash" else "--channel-block", str(block)]
+        step(name, ["-m", "experiments.bench_kernels", "--contexts", "4352", "--batches", "1", "--only", "attention",
+                    "--att-variant", variant, "--splits", str(splits), *tile, "--block-k", str(bk),
+                    "--att-warps", str(warps)], 90)
+        names.append(name)
+    return names
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["attention"]:
-        attention()
+        for name in attention_steps():
+            log = open(os.path.join(OUT, f"{name}.log")).read()
+            print(f"== {name}: " + next((ln.strip() for ln in log.splitlines() if ln.lstrip().startswith(
+                ("attention", "failed"))), log[-300:]))
         raise SystemExit(0)
     if sys.argv[1:] == ["hyper"]:
         hyper_warps()
