@@ -19,9 +19,12 @@ from dsv41_jax import kernels as kernels_mod
 from dsv41_jax.layers import RMSNorm, normal_init, rms_apply, rms_norm
 
 
-# The coefficient projection in IEEE f32, as the release's f32 linear: hc_fn is stored in f32, and XLA runs f32
-# dots in TF32 on a GPU unless asked (its 10-bit mantissa would round fn; the stream's bf16 values are exact either way).
-F32_DOT = jax.lax.Precision.HIGHEST
+def projection(x_flat: jax.Array, fn: jax.Array) -> jax.Array:
+    """The coefficient projection: x [..., hc * D] (the stream, any float dtype) . fn [(2+hc)*hc, hc * D] ->
+    [..., (2+hc)*hc] f32, in IEEE f32 as the release's f32 linear: hc_fn is stored in f32, and XLA runs f32 dots
+    in TF32 on a GPU unless asked (its 10-bit mantissa would round fn; the stream's bf16 values are exact either
+    way; what the rounding did to logits: experiments.tf32_effect)."""
+    return jnp.einsum("...i,mi->...m", x_flat.astype(jnp.float32), fn, precision=jax.lax.Precision.HIGHEST)
 
 
 def coefficients(pre_c, post_c, comb_cc, scale, base, iters: int, eps: float, unroll: bool):
@@ -78,7 +81,7 @@ def mix_coefficients(x_btcd, fn, scale, base, iters: int, eps: float, norm_eps: 
     """`HyperMix`'s math on its parameters: x [B, T, hc, D] -> pre, post [B, T, hc], comb [B, T, hc, hc]."""
     x = x_btcd.reshape(*x_btcd.shape[:-2], -1).astype(jnp.float32)
     rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm_eps)
-    mixes = jnp.einsum("...i,mi->...m", x, fn, precision=F32_DOT) * rstd
+    mixes = projection(x, fn) * rstd
     # materialized once: XLA otherwise fuses the (cheap-looking, serial) Sinkhorn iterations into every
     # element of the [B, T, hc, D] collapse / expand that reads them (H200 profile: 4.8 us per expand)
     return jax.lax.optimization_barrier(sinkhorn_split(mixes, scale, base, x_btcd.shape[-2], iters, eps, unroll))
@@ -111,7 +114,7 @@ def _input_reference(consts, h_ncd, pre_mix_nc, fn, scale, base, norm_w):
 def _input_by_kernel(consts, h_ncd, pre_mix_nc, fn, scale, base, norm_w):
     """`_input_reference` by XLA's projection dot and the kernel."""
     iters, eps, mix_eps, norm_eps = consts
-    mixes_nm = jnp.einsum("ri,mi->rm", h_ncd.reshape(h_ncd.shape[0], -1).astype(jnp.float32), fn, precision=F32_DOT)
+    mixes_nm = projection(h_ncd.reshape(h_ncd.shape[0], -1), fn)
     return kernels_mod.hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w, scale, base, coefficients=coefficients,
                                 collapse_rows=collapse_rows, norm=rms_apply, iters=iters, hc_eps=eps, mix_eps=mix_eps,
                                 norm_eps=norm_eps)

@@ -1,5 +1,5 @@
 """What XLA's TF32 default on a GPU does to the logits through the one f32-stored weight the model multiplies
-by activations: the mHC coefficient projections' hc_fn (`hyper.F32_DOT` asks for IEEE f32 since the
+by activations: the mHC coefficient projections' hc_fn (`hyper.projection` asks for IEEE f32 since the
 twenty-sixth session). Runs on a CPU, which computes every f32 dot in IEEE f32:
 
     python -m experiments.tf32_effect [--preset tiny] [--dtype bfloat16] [--tokens 64] [--seeds 0 1 2]

@@ -78,7 +78,7 @@ GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160,
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
 # (file, the text now, the text before), taken back in the "before" tree: the mHC projections asking for IEEE f32
-# (twenty-sixth session, `hyper.F32_DOT`: XLA ran them in TF32 on the GPU; is the batch-1 step slower?). Timed: the
+# (twenty-sixth session, `hyper.projection`: XLA ran them in TF32 on the GPU; is the batch-1 step slower?). Timed: the
 # top-k kernel's top level up to twice a level's candidates, 8 warps up to 8192 entries (`ab_slice`, twenty-sixth
 # session: the select of a 4352-entry row 24.0 -> 10.4 us, GPU -13 / -12 us), its search skipped for rows of at most k
 # entries (`pdl`'s profiles, twenty-fifth session: that select 9.9 -> 1.5 us against the twenty-fourth session's) and
@@ -88,7 +88,7 @@ GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160,
 # next/attention-query-in-kernel (`attnq` at 79e28c4), q's exponent by XLA and RoPE without its concatenate (`qrope`
 # at 342860d, slower, taken back), the expand and router kernels joined to XLA's dots (`fused` at 88966b7: slower,
 # taken out).
-SINCE_MEASURED = [("dsv41_jax/hyper.py", "F32_DOT = jax.lax.Precision.HIGHEST", "F32_DOT = None")]
+SINCE_MEASURED = [("dsv41_jax/hyper.py", "fn, precision=jax.lax.Precision.HIGHEST)", "fn)")]
 # `xload*`: every CTA of the Hopper weight kernels takes x by TMA, permuted and padded by XLA, in a copy of the tree
 XLOAD_OFF = [("kernels_pallas/gpu_wgmma.py", "X_STEPS_MAX = 4", "X_STEPS_MAX = 0")]
 # `attention_ab*`: the Hopper attention off (the dispatch's Triton kernel at every batch) in a copy of the tree
