@@ -4,13 +4,14 @@ twenty-sixth session). Runs on a CPU, which computes every f32 dot in IEEE f32:
 
     python -m experiments.tf32_effect [--preset tiny] [--dtype bfloat16] [--tokens 64] [--seeds 0 1 2]
 
-Prefill logits of random token ids on random weights, three ways: as stored; every hc_fn rounded to TF32 (10
-mantissa bits, round to nearest: `lax.reduce_precision`, how a TF32 dot reads an f32 operand; the stream's
-bf16 values are exact in TF32, so in a bf16 model this is all that a TF32 projection changes); every hc_fn
-entry moved by one f32 ulp (the size of a change of summation order). Prints each variant's distance from the
-first: max and median |difference| over the largest |logit|, and the share of positions whose top token is
-unchanged, one row per seed (weights, token ids and the ulp directions). Dense FP8 / FP4 quantizers inside the model turn small input differences into code flips, so the
-max is the largest single move and the median the typical one.
+Prefill logits of random token ids on random weights, three ways: as stored; every hc_fn rounded to TF32's 10
+mantissa bits (to nearest, `lax.reduce_precision`; a TF32 dot reads an f32 operand at that width, rounded or
+truncated by its kernel; the stream's bf16 values are exact in TF32, so in a bf16 model this is what a TF32
+projection changes); every hc_fn entry moved by one f32 ulp (the size of a change of summation order). Prints each
+variant's distance from the first: max and median |difference| over the largest |logit|, and the share of positions
+whose top token is unchanged, one row per seed (weights, token ids and the ulp directions). The FP8 / FP4 quantizers
+inside the model turn small input differences into code flips, so the max is the largest single move and the median
+the typical one.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def main(argv=None):
         raise _cli.UserError(f"--tokens must be >= 1, got {args.tokens}")
     cfg = config.preset(args.preset, **({"dtype": args.dtype} if args.dtype else {}))
     print(f"{args.preset} ({cfg.dtype}), 2 x {args.tokens} tokens: distance from the logits as stored")
-    print("| seed | hc_fn | max |diff| / max |logit| | median | top token unchanged |\n|---|---|---|---|---|", flush=True)
+    print("| seed | hc_fn | max |diff| / max |logit| | median | top token unchanged |\n|---|---|---|---|---|",
+          flush=True)
     for seed in args.seeds:
         params = api.init_params(cfg, seed=seed)
         if not any(_is_hc_fn(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]):

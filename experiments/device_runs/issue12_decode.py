@@ -28,7 +28,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode xload_b1  # ~4 min: xload without its tests
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode pdl       # ~5 min: XLA's PDL off / on, b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode verify    # ~7 min: wgmma tests, slice b1 + b8
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cublas    # ~5.5 min: XLA's dots by cuBLAS, heroless fusion, b1
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cublas    # ~5.5 min: cuBLAS dots, heroless, b1
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
