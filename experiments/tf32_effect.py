@@ -58,13 +58,13 @@ def main(argv=None):
     if args.tokens < 1:
         raise _cli.UserError(f"--tokens must be >= 1, got {args.tokens}")
     cfg = config.preset(args.preset, **({"dtype": args.dtype} if args.dtype else {}))
+    if not any(_is_hc_fn(path) for path, _ in jax.tree_util.tree_flatten_with_path(api.abstract_params(cfg))[0]):
+        raise _cli.UserError(f"preset {args.preset!r} has no hyper-connections (hc_mult 1): nothing to round")
     print(f"{args.preset} ({cfg.dtype}), 2 x {args.tokens} tokens: distance from the logits as stored")
     print("| seed | hc_fn | max |diff| / max |logit| | median | top token unchanged |\n|---|---|---|---|---|",
           flush=True)
     for seed in args.seeds:
         params = api.init_params(cfg, seed=seed)
-        if not any(_is_hc_fn(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]):
-            raise _cli.UserError(f"preset {args.preset!r} has no hyper-connections (hc_mult 1): nothing to round")
         ids = jax.random.randint(jax.random.key(seed), (2, args.tokens), 0, cfg.vocab_size, jnp.int32)
         lengths = jnp.full((2,), args.tokens, jnp.int32)
         logits = {}
