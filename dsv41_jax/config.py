@@ -38,7 +38,7 @@ _HF_KEYS = {
 
 # ModelConfig fields that are choices of how to run, not part of a checkpoint's config
 RUNTIME_FIELDS = ("dtype", "param_dtype", "quantize_cache", "index_keys", "weight_format", "activation_quant",
-                  "sinkhorn_unroll")
+                  "sinkhorn_unroll", "matmul_precision")
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,10 @@ class ModelConfig:
     # Sinkhorn loop of mHC: "auto" unrolls on accelerators (fused steps, 2.6x faster decode on the H200,
     # but 36-99 s first compiles) and keeps it rolled on CPU; "rolled" compiles fast everywhere
     sinkhorn_unroll: Literal["auto", "unrolled", "rolled"] = "auto"
+    # what the model's dots ask for (dsv41_jax.precision): "auto" is IEEE f32 for a float32 model and the
+    # caller's jax.default_matmul_precision for a bfloat16 one; "inherit" always the caller's (e.g. TF32 on a
+    # GPU at XLA's default, to train a float32 model faster); "highest" always IEEE f32
+    matmul_precision: Literal["auto", "inherit", "highest"] = "auto"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -232,6 +236,8 @@ class ModelConfig:
         need(self.weight_format in ("float", "fp8"), f"weight_format must be float|fp8, got {self.weight_format!r}")
         need(self.sinkhorn_unroll in ("auto", "unrolled", "rolled"),
              f"sinkhorn_unroll must be auto|unrolled|rolled, got {self.sinkhorn_unroll!r}")
+        need(self.matmul_precision in ("auto", "inherit", "highest"),
+             f"matmul_precision must be auto|inherit|highest, got {self.matmul_precision!r}")
         need(self.window_size > 0, "window_size must be positive")
         for name in ("engram_layer_ids",):
             for l in getattr(self, name):

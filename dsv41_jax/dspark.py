@@ -62,6 +62,7 @@ from dsv41_jax.engram_hash import advance_history
 from dsv41_jax.hyper import collapse
 from dsv41_jax.layers import Embedding, Linear, RMSNorm, released_fp8_linear
 from dsv41_jax.plan import LayerPlan, Mode, build_plan
+from dsv41_jax.precision import model_precision
 from dsv41_jax.quant import fake_quant, fake_quant_ste
 from dsv41_jax.rope import apply_rope
 
@@ -135,6 +136,7 @@ def init_draft_window(cfg: ModelConfig, batch: int) -> dict:
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+@model_precision
 def write_rings(model, window: dict, hidden_btf: jax.Array, lengths_b: jax.Array, n_new_b: jax.Array,
                 kernels: str = "jnp") -> dict:
     """Append the main KV of n_new_b[b] positions (lengths_b[b] + [0, T)) to every stage's ring.
@@ -189,6 +191,7 @@ def _confidence(last, x_bkd, embeds_bkr) -> jax.Array:
     return last.confidence_head.proj(feats, jnp.float32)[..., 0]
 
 
+@model_precision
 def draft(model, window: dict, tok_b: jax.Array, lengths_b: jax.Array, temperature_b: jax.Array,
           seed_b: jax.Array, step_b: jax.Array, kernels: str = "jnp"):
     """Draft K = dspark_block_size tokens after t0 = tok_b (position lengths_b, not cached).
@@ -214,6 +217,7 @@ def draft(model, window: dict, tok_b: jax.Array, lengths_b: jax.Array, temperatu
     return jnp.stack(drafts, axis=1), jnp.stack(biased, axis=1), _confidence(last, x, jnp.stack(embeds, axis=1))
 
 
+@model_precision
 def distill_loss(model, hidden_btf: jax.Array, target_btv: jax.Array, tokens_bt: jax.Array,
                  anchors: tuple[int, ...]):
     """Self-distillation loss of the draft stages on a frozen target's forward over tokens_bt [B, T].

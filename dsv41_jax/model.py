@@ -26,6 +26,7 @@ from dsv41_jax.hyper import collapse
 from dsv41_jax.indexer import released_key_owner
 from dsv41_jax.layers import Buffer, Embedding, Linear, RMSNorm
 from dsv41_jax.plan import build_plan
+from dsv41_jax.precision import model_precision
 from dsv41_jax.partitioning import annotate_params
 from dsv41_jax.step import ForwardAux, Published, StepInputs
 from dsv41_jax.vision import build_vision, image_span
@@ -75,6 +76,7 @@ class Transformer(nnx.Module):
                 setattr(self, name, module)
         annotate_params(self)  # logical axes (partitioning.PARAM_AXES) -> each param's NNX metadata
 
+    @model_precision
     def forward(self, cache: Cache, tokens_bt: jax.Array, n_new_b: jax.Array, *, all_logits: bool,
                 layers: int | None = None, kernels: str = "jnp", training: bool = False, with_aux: bool = False,
                 image_embeds: jax.Array | None = None, image_mask: jax.Array | None = None):

@@ -33,6 +33,7 @@ from flax import nnx
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.images import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, span_types
 from dsv41_jax.layers import Linear, RMSNorm, normal_init
+from dsv41_jax.precision import model_precision
 
 VISION_NORM_EPS = 1e-6
 
@@ -156,6 +157,7 @@ def build_vision(cfg: ModelConfig, *, rngs: nnx.Rngs) -> dict:
                 image_newline=delim(), image_end=delim())
 
 
+@model_precision
 def image_span(model, patches_nc: jax.Array, n_vit_h: int, n_vit_w: int, n_llm_h: int, n_llm_w: int) -> jax.Array:
     """Embeddings [n_span, dim] (activation dtype) of one image's prompt span (module docstring)."""
     dt = jnp.dtype(model.cfg.dtype)

@@ -4,6 +4,7 @@ import functools
 from unittest import mock
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -69,3 +70,14 @@ def lower_for_h200(fn, *args) -> str:
     h200 = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
     with mock.patch.object(gpu_info, "get_gpu_info", h200):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def dot_precisions(jaxpr) -> list:
+    """The precision of every dot_general in a jaxpr, nested jaxprs (jit, custom_vjp, pallas_call) included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(eqn.params["precision"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += dot_precisions(sub)
+    return out

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ import dsv41_jax as d
 from dsv41_jax import hyper, kernels, layers
 from experiments.bench_decode import truncated
 from kernels_pallas import gpu_hyper
+from tests.kernel_checks import dot_precisions
 
 CONSTS = (20, 1e-6, 1e-20, 1e-20)  # Sinkhorn iterations, hc eps, the projection's and the norm's eps (released)
 STATICS = dict(coefficients=hyper.coefficients, collapse_rows=hyper.collapse_rows, norm=layers.rms_apply, iters=20,
@@ -59,17 +59,6 @@ def test_kernel_matches_the_jnp_path(n, c, dim, dtype):
     np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(x_r, np.float32), rtol=ulp, atol=1e-6)
 
 
-def _dot_precisions(jaxpr) -> list:
-    """The precision of every dot_general in a closed jaxpr, nested jaxprs (jit, custom_vjp) included."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            out.append(eqn.params["precision"])
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            out += _dot_precisions(sub)
-    return out
-
-
 def test_projection_asks_for_ieee_f32():
     """hc_fn is f32 in the release, whose projection is an f32 linear: both paths' projection dots ask for
     HIGHEST, which a CPU always gives and a GPU otherwise replaces by TF32 (fn rounded to 10 mantissa bits)."""
@@ -78,7 +67,7 @@ def test_projection_asks_for_ieee_f32():
     jnp_path = jax.make_jaxpr(lambda h, fn: hyper.mix_coefficients(h[:, None], fn, scale, base, 20, 1e-6, 1e-20))
     kernel_path = jax.make_jaxpr(functools.partial(hyper._input_by_kernel, CONSTS))
     for jaxpr in (jnp_path(h, fn), kernel_path(*args)):
-        precisions = _dot_precisions(jaxpr.jaxpr)
+        precisions = dot_precisions(jaxpr.jaxpr)
         assert precisions and all(p == (jax.lax.Precision.HIGHEST,) * 2 for p in precisions), precisions
 
 
