@@ -1,0 +1,31 @@
+"""The parity tests (tests/test_parity.py) compiled for one GPU: does the float32 model match the official
+goldens there as it does on a CPU?
+
+    PYTHONPATH=. python3 -m experiments.device_runs.parity_gpu          # ~8 min: 4 cases, 150 s each at most
+
+Before `dsv41_jax.precision` (twenty-seventh session, H200) XLA ran the f32 model's dots in TF32 and the f32 fp8
+prefill and decode cases failed (up to 1.12 of a logit scale of 4.26); with JAX_DEFAULT_MATMUL_PRECISION=highest
+they held to 1.3-1.7e-6. The whole file ran past 270 s after two cases (every case compiles its programs afresh
+on the GPU), so each case here is its own step: the official f32 cases with activation quantization on (prefill,
+decode with the released index keys) and off (prefill), and the HF port's decode. Each step prints its case's
+line (max |dlogit|, strict positions, greedy agreement) and pytest's verdict; logs in $OUT/<case>.log.
+"""
+
+import os
+
+from experiments.device_runs._steps import OUT, step
+
+CASES = {"f32_fp8_prefill": "test_matches_official_at_f32 and fp8-prefill",
+         "f32_fp8_decode_released": "test_matches_official_at_f32 and fp8-decode_released",
+         "f32_bf16_prefill": "test_matches_official_at_f32 and bf16-prefill",
+         "hf_q1_decode": "test_matches_hf_transformers_at_f32 and q1-decode"}
+GPU = {"JAX_PLATFORMS": "cuda", "DSV41_PARITY_FULL": "1"}
+
+if __name__ == "__main__":
+    for name, selector in CASES.items():
+        step(name, ["-m", "pytest", "tests/test_parity.py", "-q", "-s", "-p", "no:cacheprovider", "-k", selector],
+             150, GPU)
+    for name in CASES:
+        lines = open(os.path.join(OUT, f"{name}.log")).read().splitlines()
+        print(f"== {name}: " + " | ".join(ln.strip(".F ") for ln in lines if "dlogit" in ln or " passed" in ln
+                                          or " failed" in ln))
