@@ -1,6 +1,7 @@
 """What a CPU can check of the GPU decode step: the whole step of the released shapes (the 6-layer v41 slice,
-FP8 / FP4 weights) and of `small`, lowered for an H200 with the Pallas kernels compiled (not interpreted),
-uses exactly the kernels each batch should, and every operation of their bodies has a Triton lowering.
+FP8 / FP4 weights), of `small` and of `tiny` (float32: its dots in IEEE f32, dsv41_jax.precision), lowered for an
+H200 with the Pallas kernels compiled (not interpreted), uses exactly the kernels each batch should, and every
+operation of their bodies has a Triton lowering.
 Compiling the Triton modules, and their values, need a GPU (tests/test_kernels_gpu.py and the kernels' own
 tests, compiled there)."""
 
@@ -38,6 +39,7 @@ KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_mat
     ("v41-slice", 64, False, SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),
     ("v41-slice", 64, True, MANY | {"fp8_matmuls", "grouped_matmuls_fp4"}),  # past EXPERT_ROWS_TOKENS
     ("small", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float weights: only the row form has a kernel
+    ("tiny", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float32: the kernels' dots in IEEE f32 (precision.py)
 ])
 def test_decode_step_lowers_for_an_h200(preset, batch, hopper, want):
     cfg = slice_config(weight_format="fp8") if preset == "v41-slice" else d.preset(preset)
