@@ -12,7 +12,9 @@ model trained in TF32 for speed); "highest" asks for IEEE f32 in any model.
 The precision is read when a dot is traced, so `model_precision` wraps the functions through which the model
 traces its dots: `Transformer.forward` (prefill, decode, generation, training), the draft stages'
 (`dspark.draft`, `dspark.write_rings`, `dspark.distill_loss`) and the vision tower's (`vision.image_span`).
-Kernels' own dots follow it too (Triton: IEEE for f32 operands; Mosaic TPU: an fp32 contraction).
+Kernels' own dots with f32 operands follow it too (Triton: IEEE; Mosaic TPU: an fp32 contraction); kernels that
+round their operands on purpose (the sparse attention's f16 p in Triton, bf16 q and p on Hopper's wgmma) keep
+their stated tolerances, so the exact path of a float32 model is `kernels="jnp"` (the api's default).
 """
 
 from __future__ import annotations
