@@ -132,7 +132,8 @@ class ModelConfig:
     sinkhorn_unroll: Literal["auto", "unrolled", "rolled"] = "auto"
     # what the model's dots ask for (dsv41_jax.precision): "auto" is IEEE f32 for a float32 model and the
     # caller's jax.default_matmul_precision for a bfloat16 one; "inherit" always the caller's (e.g. TF32 on a
-    # GPU at XLA's default, to train a float32 model faster); "highest" always IEEE f32
+    # GPU at XLA's default, to train a float32 model faster); "highest" always IEEE f32. A dot that asks for
+    # itself keeps it either way (`hyper.projection`: hc_fn is stored in f32)
     matmul_precision: Literal["auto", "inherit", "highest"] = "auto"
 
     # ------------------------------------------------------------------ construction

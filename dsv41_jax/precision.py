@@ -6,8 +6,8 @@ HIGHEST, i.e. IEEE f32, as the reference computes (torch keeps TF32 off for matm
 the H200 (docs/PARITY.md, "On a GPU"): the f32 parity cases sat up to 1.12 of a logit scale of 4.26 from the
 official goldens at DEFAULT, 1.3-1.7e-6 at HIGHEST. A bfloat16 model keeps the caller's setting (DEFAULT unless
 set): its dots' operands are bf16, exact in TF32 and in a bf16 pass, except where a dot asks for itself
-(`hyper.projection`: hc_fn is stored in f32). "inherit" leaves every model at the caller's setting (a float32
-model trained in TF32 for speed); "highest" asks for IEEE f32 in any model.
+(`hyper.projection`: hc_fn is stored in f32, whatever the setting). "inherit" leaves every model at the caller's
+setting (a float32 model trained in TF32 for speed); "highest" asks for IEEE f32 in any model.
 
 The precision is read when a dot is traced, so `model_precision` wraps the functions through which the model
 traces its dots: `Transformer.forward` (prefill, decode, generation, training), the draft stages'

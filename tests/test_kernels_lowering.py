@@ -39,7 +39,7 @@ KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_mat
     ("v41-slice", 64, False, SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),
     ("v41-slice", 64, True, MANY | {"fp8_matmuls", "grouped_matmuls_fp4"}),  # past EXPERT_ROWS_TOKENS
     ("small", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float weights: only the row form has a kernel
-    ("tiny", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float32: the kernels' dots in IEEE f32 (precision.py)
+    ("tiny", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float32: its kernels traced under HIGHEST lower too
 ])
 def test_decode_step_lowers_for_an_h200(preset, batch, hopper, want):
     cfg = slice_config(weight_format="fp8") if preset == "v41-slice" else d.preset(preset)

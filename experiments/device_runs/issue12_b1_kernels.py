@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels          # ~2.5 min
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels latency  # ~1.5 min: hyper_in, selects
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels attention  # ~3 min: attention's tiles at 4K
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels attention  # ~5 min: attention's tiles at 4K
 
 After the twenty-second session's first call (slice b1 1.636 ms/step, 1.78x; GPU busy 1.656 ms) the weight
 kernels of a batch-1 step run at 55-75% of the copy peak (FP8 wo_b / wq_b / shared experts, FP4 routed
@@ -17,8 +17,10 @@ level's 4096 candidates (two levels, as before `gpu_select.top_capacity`) and to
 The selects' GPU us leave out the XLA kernel that builds a second level (~1.4 us).
 `attention` (twenty-sixth session): the batch-1 step's sparse attention (Triton, 5 calls a step at 14 us each in
 the slice at 4K, with the split combine's 2 XLA kernels ~2.8 us more) by its launch parameters at the step's shape
-(128 window keys + 512 of 4352 entries, 64 heads), one `bench_kernels` run each (~15 s). The dispatch's tiles were
-measured at 128K only (issue 21).
+(128 window keys + 512 of 4352 entries, 64 heads), one `bench_kernels` run each (~20 s); the closing summary on
+stdout has every row (a device call brings back only some of its 15 logs: twenty-seventh session, 8). Result
+(twenty-seventh session, docs/BENCHMARKS.md twentieth pass): the dispatch's tiles, measured at 128K, are the
+fastest at 4K too.
 """
 
 import os

@@ -78,7 +78,8 @@ GROUPS["profiles"] = [("small_b1", ["experiments.bench_decode", *SMALL_B1], 160,
                       ("profile_small_b1", PROFILE_B1["small"], 120, {}),
                       ("profile_b1", PROFILE_B1["v41-slice"], 120, {})]
 # (file, the text now, the text before), taken back in the "before" tree; none now. Timed: the mHC projections in
-# IEEE f32 (`ab`, twenty-seventh session: their 24 kernels 41.2 -> 40.0 us, GPU 1.560 ms either way), the top-k kernel's top level up to twice a level's candidates, 8 warps up to 8192 entries (`ab_slice`, twenty-sixth
+# IEEE f32 (`ab`, twenty-seventh session: their 24 kernels 41.2 -> 40.0 us, GPU 1.560 ms either way), the top-k
+# kernel's top level up to twice a level's candidates, 8 warps up to 8192 entries (`ab_slice`, twenty-sixth
 # session: the select of a 4352-entry row 24.0 -> 10.4 us, GPU -13 / -12 us), its search skipped for rows of at most k
 # entries (`pdl`'s profiles, twenty-fifth session: that select 9.9 -> 1.5 us against the twenty-fourth session's) and
 # its search at 2 bits a step (`issue12_select` at 5933709, slower in the step, taken out), the weight kernels' CTAs
@@ -98,7 +99,8 @@ ATTENTION_OFF = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 2", "MIN
 SCAN_OFF = [("kernels_pallas/gpu_indexer_wgmma.py", "ON = True", "ON = False")]
 # kernels off by default until timed, on in the "after" half of `ab` (environment variables); none now
 AFTER_ENV = {}
-# the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED: the hyper kernel's);
+# the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED; now the hyper kernel's,
+# of the last change timed);
 # in the fifteenth session 150 s held the hyper kernel's tests but not the attention tests after them (19 s in a
 # call apart); in the twenty-seventh 110 s held 8 of the hyper kernel's 9 (its model-decode test alone: 78 s).
 # WGMMA_TESTS: the Hopper weight kernels' tests, first in the groups that time those kernels.

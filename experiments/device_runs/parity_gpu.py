@@ -10,7 +10,8 @@ on the GPU), so each case here is its own step: the official f32 cases with acti
 decode with the released index keys) and off (prefill), and the bfloat16 model (as released: the product's
 default dtype, its dots at XLA's default precision) against the reference's own f32-vs-bf16 gap. Each step
 prints its case's line (max |dlogit|, strict positions or the gap, greedy agreement) and pytest's verdict; logs
-in $OUT/<case>.log.
+in $OUT/<case>.log. The tests run with conftest.py's settings, as a user runs them (JAX_DISABLE_MOST_OPTIMIZATIONS=1;
+the measurement above set it to 0, XLA's whole pipeline).
 """
 
 import os
