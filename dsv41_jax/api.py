@@ -126,9 +126,22 @@ def forward(cfg: ModelConfig, params, cache: Cache, tokens_bt, n_new_b, *, all_l
                          image_embeds=image_embeds_btd, image_mask=image_mask_bt)
 
 
+# XLA options of every program compiled here. On a GPU, XLA records each run of fusions between custom calls as a
+# command buffer (a CUDA graph) and by default chains its kernels in the order it scheduled them; CONCURRENT
+# records only their data dependencies, so that the small kernels beside a weight stream (norms, routing, mHC,
+# the attention's glue) overlap it. H200, the v41 slice at batch 1: 1.63 -> 1.46 ms per decode step
+# (docs/BENCHMARKS.md, twenty-first pass). Other backends ignore xla_gpu_ options.
+COMPILER_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+
+
+def _jit(fn, **kwargs):
+    """jax.jit with COMPILER_OPTIONS."""
+    return jax.jit(fn, compiler_options=COMPILER_OPTIONS, **kwargs)
+
+
 _STATIC = ("cfg", "all_logits", "layers", "kernels")
-_forward_jit = jax.jit(forward, static_argnames=_STATIC)
-_forward_donating = jax.jit(forward, static_argnames=_STATIC, donate_argnames=("cache",))
+_forward_jit = _jit(forward, static_argnames=_STATIC)
+_forward_donating = _jit(forward, static_argnames=_STATIC, donate_argnames=("cache",))
 
 
 @lru_cache(maxsize=32)
@@ -136,8 +149,8 @@ def _jit_on_mesh(fn, static_argnames: tuple, donate: bool, placement: Placement,
     """`fn` jitted to run on `placement`'s mesh: its first n_rows outputs split like the sequences, the
     last one (the cache) as the placement puts caches. The placement is active while it runs: the routed
     experts read its mesh and sequence split (moe.py, expert_parallel.py)."""
-    jitted = jax.jit(fn, static_argnames=static_argnames, donate_argnames=("cache",) if donate else (),
-                     out_shardings=(*(placement.rows,) * n_rows, placement.cache))
+    jitted = _jit(fn, static_argnames=static_argnames, donate_argnames=("cache",) if donate else (),
+                  out_shardings=(*(placement.rows,) * n_rows, placement.cache))
 
     def run(*args, **kwargs):
         with placement.active():
@@ -160,7 +173,7 @@ def _encode(cfg: ModelConfig, params, patches_nc, *, grid: tuple[int, int, int, 
     return bind(cfg, params).image_span(patches_nc, *grid)
 
 
-_encode_jit = jax.jit(_encode, static_argnames=("cfg", "grid"))
+_encode_jit = _jit(_encode, static_argnames=("cfg", "grid"))
 
 
 def encode_image(cfg: ModelConfig, params, image) -> jax.Array:
@@ -370,7 +383,7 @@ def stacked_window(cache: Cache) -> Cache:
 
 
 _GENERATE_STATIC = ("cfg", "n_steps", "kernels")
-_generate_jit = jax.jit(_generate, static_argnames=_GENERATE_STATIC, donate_argnames=("cache",))
+_generate_jit = _jit(_generate, static_argnames=_GENERATE_STATIC, donate_argnames=("cache",))
 
 
 @lru_cache(maxsize=256)
@@ -442,8 +455,8 @@ def _speculative_prefill(cfg: ModelConfig, params, cache, window, tokens_bt, n_n
     return logits, new_cache, window
 
 
-_speculative_prefill_jit = jax.jit(_speculative_prefill, static_argnames=("cfg", "kernels"),
-                                   donate_argnames=("cache", "window"))
+_speculative_prefill_jit = _jit(_speculative_prefill, static_argnames=("cfg", "kernels"),
+                                donate_argnames=("cache", "window"))
 
 
 def speculative_prefill(cfg: ModelConfig, params, cache: Cache, window: dict, tokens_bt, lengths_b, *,
@@ -483,8 +496,8 @@ def _speculative_generate(cfg: ModelConfig, params, cache, window, tokens_b, tem
     return out.transpose(1, 0, 2), n_out.T, accepted.T, tok, cache, window
 
 
-_speculative_generate_jit = jax.jit(_speculative_generate, static_argnames=("cfg", "n_steps", "kernels"),
-                                    donate_argnames=("cache", "window"))
+_speculative_generate_jit = _jit(_speculative_generate, static_argnames=("cfg", "n_steps", "kernels"),
+                                 donate_argnames=("cache", "window"))
 
 
 def speculative_generate(cfg: ModelConfig, params, cache: Cache, window: dict, tokens_b, n_steps: int, *,

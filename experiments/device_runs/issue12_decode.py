@@ -29,6 +29,8 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode pdl       # ~5 min: XLA's PDL off / on, b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode verify    # ~7 min: wgmma tests, slice b1 + b8
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cublas    # ~5.5 min: cuBLAS dots, heroless, b1
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode concurrent  # ~9 min: graphs as DAGs, b1
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode concurrent_points  # ~7.5 min: check, b1 + b8
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -234,9 +236,24 @@ GROUPS["pdl"] = ([(f"pdl_probe_{name}", ["experiments.device_runs.issue12_pdl_pr
                  + [(f"profile_slice{rep}_b1_{name}", PROFILE_B1["v41-slice"], 90, env)
                     for rep in ("", "_again") for name, env in PDL.items()])
 
+# twenty-eighth session: XLA records each command buffer with its default scheduling ("LHS": the thunks in
+# order, one after another); CONCURRENT records the data dependencies only, so independent kernels of a graph
+# segment may overlap (the small kernels beside the weight streams). The batch-1 point with each, then the
+# profile with it (~8 min)
+CONCURRENT = {"XLA_FLAGS": "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"}
+B1_POINT = ["experiments.bench_decode", "--batch", "1", "--steps", "160", "--chunk", "20", "--queued", "4"]
+GROUPS["concurrent"] = [("bench_slice_b1_q4_plain", B1_POINT, 140, {}),
+                        ("bench_slice_b1_q4_concurrent", B1_POINT, 140, CONCURRENT),
+                        ("profile_slice_b1_concurrent", slice_profile(1, 20, top=40, queued=4), 110, CONCURRENT),
+                        ("bench_slice_b1_q4_plain_again", B1_POINT, 140, {})]
+
 # the Hopper weight kernels' GPU tests (not run since the review's swizzled_offset), then the issue's slice points
 # as `points` runs them (~7 min)
 GROUPS["verify"] = [WGMMA_TESTS, GROUPS["points"][0]]
+# with it made the api's default (api.COMPILER_OPTIONS): the same tokens and cache bits as XLA's default order,
+# then the slice's batch-1 and batch-8 points as `points` runs them (~7.5 min)
+GROUPS["concurrent_points"] = [("concurrent_check", ["experiments.device_runs.concurrent_check"], 200, {}),
+                               GROUPS["points"][0]]
 
 
 def last_table(log: str, name: str) -> str:
