@@ -1,6 +1,6 @@
 """Does the api's command-buffer scheduling (`api.COMPILER_OPTIONS`: CONCURRENT, graph kernels ordered by their
-data dependencies only) compute what XLA's default order computes? The v41 slice with random released-format
-weights and a random 4K cache, greedy `api.generate` for 2 calls of 20 steps from the same inputs, once through
+data dependencies only) compute what XLA's default order computes? The v41 slice with random weights in the
+released formats (FP8 projections, FP4 experts) and a random 4K cache, greedy `api.generate` for 2 calls of 20 steps from the same inputs, once through
 the api and once through the same function jitted without the options; the sampled tokens and every cache array
 after the 40 steps are compared bit for bit (every kernel of the step is deterministic at these batch sizes).
 
@@ -29,7 +29,7 @@ def run(gen, cfg, params, cache, tokens):
 
 
 def main(batches=(1, 8)) -> int:
-    cfg = slice_config()
+    cfg = slice_config(weight_format="fp8")  # as bench_decode runs it
     params = api.freeze(random_params(cfg))
     plain = jax.jit(api._generate, static_argnames=api._GENERATE_STATIC, donate_argnames=("cache",))
 

@@ -31,6 +31,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode cublas    # ~5.5 min: cuBLAS dots, heroless, b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode concurrent  # ~9 min: graphs as DAGs, b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode concurrent_points  # ~7.5 min: check, b1 + b8
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode concurrent_wide  # ~7.5 min: check, small, b64
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -254,6 +255,8 @@ GROUPS["verify"] = [WGMMA_TESTS, GROUPS["points"][0]]
 # then the slice's batch-1 and batch-8 points as `points` runs them (~7.5 min)
 GROUPS["concurrent_points"] = [("concurrent_check", ["experiments.device_runs.concurrent_check"], 200, {}),
                                GROUPS["points"][0]]
+# the check again (its first run built bf16 experts: out of memory), `small` b1 and the slice at b64 (~7.5 min)
+GROUPS["concurrent_wide"] = [GROUPS["concurrent_points"][0], *GROUPS["points"][1:]]
 
 
 def last_table(log: str, name: str) -> str:
