@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax import dspark
+from dsv41_jax.compile_options import jit as _jit
 from dsv41_jax.cache import Cache, cache_capacity, init_cache
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.images import EncodedSpan
@@ -124,19 +125,6 @@ def forward(cfg: ModelConfig, params, cache: Cache, tokens_bt, n_new_b, *, all_l
     model = bind(cfg, params)
     return model.forward(cache, tokens_bt, n_new_b, all_logits=all_logits, layers=layers, kernels=kernels,
                          image_embeds=image_embeds_btd, image_mask=image_mask_bt)
-
-
-# XLA options of every program compiled here. On a GPU, XLA records each run of fusions between custom calls as a
-# command buffer (a CUDA graph) and by default chains its kernels in the order it scheduled them; CONCURRENT
-# records only their data dependencies, so that the small kernels beside a weight stream (norms, routing, mHC,
-# the attention's glue) overlap it. H200, the v41 slice at batch 1: 1.63 -> 1.46 ms per decode step
-# (docs/BENCHMARKS.md, twenty-first pass). Other backends ignore xla_gpu_ options.
-COMPILER_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
-
-
-def _jit(fn, **kwargs):
-    """jax.jit with COMPILER_OPTIONS."""
-    return jax.jit(fn, compiler_options=COMPILER_OPTIONS, **kwargs)
 
 
 _STATIC = ("cfg", "all_logits", "layers", "kernels")

@@ -41,6 +41,7 @@ import numpy as np
 from tqdm import tqdm
 
 import dsv41_jax as d
+from dsv41_jax import compile_options
 from dsv41_jax.cache import cache_bytes
 from dsv41_jax.compile_notice import compiling
 from dsv41_jax.sampling import sample
@@ -523,7 +524,7 @@ def run_speculative(args, cfg, params, tokens, lengths, capacity: int, plain_gen
     return gen, m
 
 
-@partial(jax.jit, static_argnames=("cfg", "kernels"))
+@partial(compile_options.jit, static_argnames=("cfg", "kernels"))  # as the api compiles
 def _draft(params, cache, window, tok, temp, seed, *, cfg, kernels):
     """One DSpark draft of the block after tok [B], on its own (timed by `_time_draft_and_verify`)."""
     from dsv41_jax import api, dspark
@@ -532,7 +533,7 @@ def _draft(params, cache, window, tok, temp, seed, *, cfg, kernels):
                         jnp.zeros_like(tok), kernels)
 
 
-@partial(jax.jit, static_argnames=("cfg", "kernels"))
+@partial(compile_options.jit, static_argnames=("cfg", "kernels"))  # as the api compiles
 def _verify(params, cache, window, tok, drafts, q_logits, temp, seed, *, cfg, kernels):
     """One verify (target forward over K + 1 tokens, accept, commit) on its own, with budget 1: nothing of
     the caller's state changes (the arrays are not donated)."""

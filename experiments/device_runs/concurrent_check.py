@@ -1,4 +1,4 @@
-"""Does the api's command-buffer scheduling (`api.COMPILER_OPTIONS`: CONCURRENT, graph kernels ordered by their
+"""Does the api's command-buffer scheduling (`compile_options.COMPILER_OPTIONS`: CONCURRENT, graph kernels ordered by their
 data dependencies only) compute what XLA's default order computes? The v41 slice with random weights in the
 released formats (FP8 projections, FP4 experts) and a random 4K cache, greedy `api.generate` for 2 calls of 20 steps from the same inputs, once through
 the api and once through the same function jitted without the options; the sampled tokens and every cache array
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax import api
+from dsv41_jax import api, compile_options
 from experiments.bench_decode import random_cache, random_params, slice_config
 
 STEPS, CALLS, CONTEXT = 20, 2, 4096
@@ -40,7 +40,7 @@ def main(batches=(1, 8)) -> int:
         finally:
             api._generate_jit = saved
 
-    print(f"options {api.COMPILER_OPTIONS}; {CALLS} calls of {STEPS} steps, context {CONTEXT}", flush=True)
+    print(f"options {compile_options.COMPILER_OPTIONS}; {CALLS} calls of {STEPS} steps, context {CONTEXT}", flush=True)
     print("| batch | tokens equal | cache arrays | arrays differing | elements differing |\n|---|---|---|---|---|")
     failed = 0
     for b in batches:

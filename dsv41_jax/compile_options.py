@@ -1,0 +1,35 @@
+"""The XLA options the project's programs compile with, decided in one place, and the jit that passes them.
+
+On a GPU, XLA records each run of fusions between custom calls as a command buffer (a CUDA graph) and by default
+chains its kernels in the order it scheduled them; CONCURRENT records only their data dependencies, so that a
+decode step's small kernels (norms, routing, mHC, the attention's glue) run beside its weight streams. H200, the
+v41 slice at batch 1: 1.63 -> 1.46 ms per step, the same tokens and cache bits (docs/BENCHMARKS.md, twenty-first
+pass). Other backends ignore xla_gpu_ options.
+
+JAX takes compiler options on top-level jits only (staging one inside another trace is an error), and the api's
+functions also run inside a caller's jit, scan, eval_shape, vmap or grad: `jit` passes the options only when
+called at top level; elsewhere the call is traced into the caller's program, which compiles with the caller's
+options.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax._src import core as jax_core  # trace_state_clean: no public equivalent in jax 0.11
+
+COMPILER_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+
+
+class jit:  # noqa: N801 - used as jax.jit is
+    """`jax.jit(fn, **kwargs)` with COMPILER_OPTIONS at top level, without them inside another trace. Attributes
+    (`lower`, `trace`, `eval_shape`, ...) are the top-level program's."""
+
+    def __init__(self, fn, **kwargs):
+        self.top = jax.jit(fn, compiler_options=COMPILER_OPTIONS, **kwargs)
+        self.nested = jax.jit(fn, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return (self.top if jax_core.trace_state_clean() else self.nested)(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.top, name)
