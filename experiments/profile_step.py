@@ -9,8 +9,9 @@ Every method of the dsv41_jax modules runs under a `jax.named_scope` of its clas
 `api.generate` call (the jitted loop, cache donated) is traced with `jax.profiler`; each kernel of the
 trace is matched to its HLO instruction and so to the innermost two scopes and the primitive at the
 fusion's root ("MoE.__call__/MoE._routed:select_n"). Pallas kernels keep their own names. Prints kernels
-and GPU microseconds per step by source and by scope, largest first, the GPU's idle time by the kernel after
-each gap, the host events during the gaps of 50 us or more, and the step time of the loop outside the
+and GPU microseconds per step by source and by scope, largest first, the time each source's kernels ran with no
+other kernel (kernels overlap under CONCURRENT command buffers: that is the step's serial part), the GPU's idle
+time by the kernel after each gap, the host events during the gaps of 50 us or more, and the step time of the loop outside the
 profiler (traced, XLA's command buffers still run: their graph launches are among the host events; the
 profiler's own overhead is why the step time is measured without it); with --timeline, one step's kernels in
 launch order with the GPU's idle time before each (where the step's idle time sits).
@@ -139,6 +140,28 @@ def attribute(kernels: list[dict], sources: dict[str, str], steps: int) -> dict[
     return dict(by)
 
 
+def alone(kernels: list[dict], sources: dict[str, str], steps: int) -> tuple[float, dict[str, list[float]]]:
+    """(us per step the GPU runs any kernel, {source: [kernels per step, us per step it ran with no other kernel]}).
+    With the command buffers' kernels ordered by data only (compile_options) kernels overlap, so their summed
+    durations overstate the step; the time a kernel runs alone is the step's serial part: what shortening that
+    kernel can save."""
+    edges = sorted([(e["ts"] + e["dur"], 0, i) for i, e in enumerate(kernels)]  # ends before starts at one time
+                   + [(e["ts"], 1, i) for i, e in enumerate(kernels)])
+    by = collections.defaultdict(lambda: [0.0, 0.0])
+    for e in kernels:
+        by[sources.get(e["name"], e["name"])][0] += 1 / steps
+    running, busy, last = set(), 0.0, None
+    for t, starts, i in edges:
+        if running and last is not None:
+            busy += t - last
+            if len(running) == 1:
+                (j,) = running
+                by[sources.get(kernels[j]["name"], kernels[j]["name"])][1] += (t - last) / steps
+        (running.add if starts else running.discard)(i)
+        last = t
+    return busy / steps, dict(by)
+
+
 def idle_before(kernels: list[dict], sources: dict[str, str], steps: int) -> dict[str, list[float]]:
     """{source: [kernels per step, GPU idle us per step just before them]}: the gaps of the GPU's timeline
     charged to the kernel that ends each (host launches, command-buffer boundaries)."""
@@ -241,10 +264,13 @@ def _profile(args) -> dict:
     sources = kernel_sources(hlo)
     rows = attribute(kernels, sources, steps)
     busy = sum(us for _, us in rows.values())
+    union, solo = alone(kernels, sources, steps)
     print(f"\n{args.preset} batch {b}, context {args.context}: {step_ms:.3f} ms/step (loop, not profiled; "
           f"{args.chunk} steps per call, {args.queued} call(s) per host sync); "
-          f"{len(kernels) / steps:.0f} kernels and {busy / 1e3:.3f} ms of GPU time per step")
+          f"{len(kernels) / steps:.0f} kernels and {busy / 1e3:.3f} ms of GPU time per step; the GPU runs a kernel "
+          f"{union / 1e3:.3f} ms of it, one alone {sum(us for _, us in solo.values()) / 1e3:.3f} ms")
     _table("source", rows, args.top)
+    _table("source, alone", solo, args.top, "kernels / step | us / step with no other kernel running")
     scopes = collections.defaultdict(lambda: [0.0, 0.0])
     for k, (n, us) in rows.items():
         key = k.split(":")[0] if ":" in k else k
@@ -264,7 +290,7 @@ def _profile(args) -> dict:
         for i, (idle_us, us, where) in enumerate(rows1):
             print(f"| {i} | {idle_us:.1f} | {us:.1f} | {where} |")
     result = {"step_ms": step_ms, "kernels_per_step": len(kernels) / steps, "gpu_us_per_step": busy,
-              "by_source": rows}
+              "busy_us_per_step": union, "by_source": rows, "alone_by_source": solo}
     with open(os.path.join(args.out, "attribution.json"), "w") as f:
         json.dump(result, f, indent=1)
     return result

@@ -74,3 +74,13 @@ def test_one_step_of_chunked_calls_is_not_a_calls_first():
     kernels = [{"name": n, "ts": 10 * i + dt, "dur": 1} for i in range(6) for n, dt in ((f"k{i}", 0), ("head", 5))]
     assert [where for _, _, where in ps.one_step(kernels, src, chunk=3)] == ["k4", src["head"]]
     assert [where for _, _, where in ps.one_step(kernels, src)] == ["k3", src["head"]]  # no chunk: the middle
+
+
+def test_alone_charges_only_the_time_a_kernel_runs_by_itself():
+    """a 0..10 and a2 5..20 overlap on 5..10; b 30..40 runs alone; c 40..45 starts as b ends (not an overlap). Busy
+    0..20 and 30..45 (35 us in 5 steps); alone: a 5 us, a2 10, b 10, c 5."""
+    kernels = [{"name": "a", "ts": 0, "dur": 10}, {"name": "a2", "ts": 5, "dur": 15}, {"name": "b", "ts": 30, "dur": 10},
+               {"name": "c", "ts": 40, "dur": 5}]
+    busy, solo = ps.alone(kernels, {"b": "MoE:dot"}, steps=5)
+    assert busy == 35 / 5
+    assert solo == {"a": [0.2, 1.0], "a2": [0.2, 2.0], "MoE:dot": [0.2, 2.0], "c": [0.2, 1.0]}
