@@ -9,15 +9,27 @@ pass). Other backends ignore xla_gpu_ options.
 JAX takes compiler options on top-level jits only (staging one inside another trace is an error), and the api's
 functions also run inside a caller's jit, scan, eval_shape, vmap or grad: `jit` passes the options only when
 called at top level; elsewhere the call is traced into the caller's program, which compiles with the caller's
-options.
+options. An option the user's XLA_FLAGS set is left to the flag.
 """
 
 from __future__ import annotations
 
+import os
+
 import jax
 from jax._src import core as jax_core  # trace_state_clean: no public equivalent in jax 0.11
 
-COMPILER_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+DEFAULTS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+
+
+def options(xla_flags: str) -> dict:
+    """DEFAULTS less those the user's XLA_FLAGS set: an option passed to a compile overrides the flag, and a flag
+    given explicitly (e.g. `--xla_gpu_command_buffer_scheduling_mode=LHS`, XLA's default, to compare) wins."""
+    given = {flag.split("=", 1)[0].lstrip("-") for flag in xla_flags.split()}
+    return {k: v for k, v in DEFAULTS.items() if k not in given}
+
+
+COMPILER_OPTIONS = options(os.environ.get("XLA_FLAGS", ""))  # read once, as XLA reads its flags
 
 
 class jit:  # noqa: N801 - used as jax.jit is

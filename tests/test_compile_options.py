@@ -72,3 +72,11 @@ def test_the_api_runs_inside_a_callers_trace():
 
     _, scanned = jax.lax.scan(body, cache, length=1)
     np.testing.assert_allclose(np.asarray(scanned[0]), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_an_option_set_in_xla_flags_is_left_to_the_flag():
+    key = next(iter(compile_options.DEFAULTS))
+    assert compile_options.options("") == compile_options.DEFAULTS
+    assert compile_options.options(f"--xla_dump_to=/tmp/x --{key}=LHS") == {k: v for k, v in
+                                                                               compile_options.DEFAULTS.items() if k != key}
+    assert compile_options.options(f"--{key}_other=1") == compile_options.DEFAULTS  # a longer name is another flag
