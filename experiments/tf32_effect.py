@@ -17,6 +17,7 @@ the typical one.
 from __future__ import annotations
 
 import argparse
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -35,16 +36,16 @@ def variants(params, seed: int) -> dict:
     """{name: params} with every hc_fn as stored, rounded to TF32, moved one ulp up or down at random."""
     key = jax.random.key(seed)
 
-    def one_ulp(a):
-        up = jax.random.bernoulli(jax.random.fold_in(key, a.size), 0.5, a.shape)
+    def one_ulp(path, a):  # each leaf its own directions (keyed by its path: leaves of one size differ too)
+        leaf_key = jax.random.fold_in(key, zlib.crc32(jax.tree_util.keystr(path).encode()))
+        up = jax.random.bernoulli(leaf_key, 0.5, a.shape)
         return jnp.nextafter(a, jnp.where(up, jnp.inf, -jnp.inf).astype(a.dtype))
 
     def with_fn(f):
-        return jax.tree_util.tree_map_with_path(lambda p, a: f(a) if _is_hc_fn(p) else a, params)
+        return jax.tree_util.tree_map_with_path(lambda p, a: f(p, a) if _is_hc_fn(p) else a, params)
 
-    return {"as stored": params,
-            "hc_fn rounded to TF32": with_fn(lambda a: jax.lax.reduce_precision(a, exponent_bits=8, mantissa_bits=10)),
-            "hc_fn moved 1 ulp": with_fn(one_ulp)}
+    tf32 = lambda _, a: jax.lax.reduce_precision(a, exponent_bits=8, mantissa_bits=10)  # noqa: E731
+    return {"as stored": params, "hc_fn rounded to TF32": with_fn(tf32), "hc_fn moved 1 ulp": with_fn(one_ulp)}
 
 
 @_cli.entry_point
