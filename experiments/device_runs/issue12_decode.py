@@ -252,7 +252,7 @@ GROUPS["concurrent"] = [("bench_slice_b1_q4_plain", B1_POINT, 140, {}),
 # the Hopper weight kernels' GPU tests (not run since the review's swizzled_offset), then the issue's slice points
 # as `points` runs them (~7 min)
 GROUPS["verify"] = [WGMMA_TESTS, GROUPS["points"][0]]
-# with it made the api's default (compile_options.COMPILER_OPTIONS): the same tokens and cache bits as XLA's default order,
+# with it made the api's default (compile_options.GPU_OPTIONS): the same tokens and cache bits as XLA's default order,
 # then the slice's batch-1 and batch-8 points as `points` runs them (~7.5 min)
 GROUPS["concurrent_points"] = [("concurrent_check", ["experiments.device_runs.concurrent_check"], 200, {}),
                                GROUPS["points"][0]]
