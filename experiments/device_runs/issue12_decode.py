@@ -33,6 +33,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode concurrent_points  # ~7.5 min: check, b1 + b8
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode concurrent_wide  # ~7.5 min: check, small, b64
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode concurrent_flags  # ~9 min: more in the graphs, b1
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profile_alone  # ~4 min: the serial part, b1 + b8
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -265,6 +266,10 @@ SMALL_GRAPHS = "--xla_gpu_graph_min_graph_size=1"
 GROUPS["concurrent_flags"] = [(f"bench_slice_b1_q4_{name}", B1_POINT, 130, env) for name, env in (
     ("api", {}), ("cc", CC), ("small_graphs", {"XLA_FLAGS": SMALL_GRAPHS}),
     ("cc_small_graphs", {"XLA_FLAGS": f"{CC['XLA_FLAGS']} {SMALL_GRAPHS}"}))]
+# where batch 1's serial time is under CONCURRENT: profile_step's "alone" table (each source's time with no other
+# kernel running) and one step's timeline, batch 1 and 8 (~4 min)
+GROUPS["profile_alone"] = [(f"profile_slice_b{b}_alone", [*slice_profile(b, 20, top=60, queued=4), "--timeline"], 110, {})
+                           for b in (1, 8)]
 
 
 def last_table(log: str, name: str) -> str:
