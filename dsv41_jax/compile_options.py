@@ -4,7 +4,7 @@ On a GPU, XLA records each run of fusions between custom calls as a command buff
 chains its kernels in the order it scheduled them; CONCURRENT records only their data dependencies, so that a
 decode step's small kernels (norms, routing, mHC, the attention's glue) run beside its weight streams. H200, the
 v41 slice at batch 1: 1.63 -> 1.46 ms per step, the same tokens and cache bits (docs/BENCHMARKS.md, twenty-first
-pass). Other backends compile without it.
+pass). Other backends compile without it, and so do programs on a mesh (api's `placement=`: not measured there).
 
 JAX takes compiler options on top-level jits only (staging one inside another trace is an error), and the api's
 functions also run inside a caller's jit, scan, eval_shape, vmap or grad: `jit` passes the options only when
