@@ -147,9 +147,7 @@ def alone(kernels: list[dict], sources: dict[str, str], steps: int) -> tuple[flo
     kernel can save."""
     edges = sorted([(e["ts"] + e["dur"], 0, i) for i, e in enumerate(kernels)]  # ends before starts at one time
                    + [(e["ts"], 1, i) for i, e in enumerate(kernels)])
-    by = collections.defaultdict(lambda: [0.0, 0.0])
-    for e in kernels:
-        by[sources.get(e["name"], e["name"])][0] += 1 / steps
+    by = {where: [n, 0.0] for where, (n, _) in attribute(kernels, sources, steps).items()}
     running, busy, last = set(), 0.0, None
     for t, starts, i in edges:
         if running and last is not None:
@@ -159,7 +157,7 @@ def alone(kernels: list[dict], sources: dict[str, str], steps: int) -> tuple[flo
                 by[sources.get(kernels[j]["name"], kernels[j]["name"])][1] += (t - last) / steps
         (running.add if starts else running.discard)(i)
         last = t
-    return busy / steps, dict(by)
+    return busy / steps, by
 
 
 def idle_before(kernels: list[dict], sources: dict[str, str], steps: int) -> dict[str, list[float]]:

@@ -39,16 +39,15 @@ def test_options_by_backend_and_xla_flags():
 
 
 def test_a_gpu_program_carries_the_options(monkeypatch):
-    """The api's jit on a GPU (the backend stood in for): the forward program's options are GPU_OPTIONS; the api's
-    own programs here carry this backend's."""
+    """The api's jit on a GPU (the backend stood in for): the forward program's options are GPU_OPTIONS; every
+    one-device program of the api is such a jit."""
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setattr(compile_options, "_backend", lambda: "gpu")
     as_on_gpu = compile_options.jit(api.forward, static_argnames=api._STATIC)
     assert _options(_trace_forward(as_on_gpu)) == compile_options.GPU_OPTIONS
-    monkeypatch.undo()
-    want = compile_options.options(jax.default_backend(), "")
-    for jitted in (api._forward_jit, api._forward_donating):
-        assert _options(_trace_forward(jitted)) == want
+    programs = ("_forward_jit", "_forward_donating", "_generate_jit", "_encode_jit", "_speculative_prefill_jit",
+                "_speculative_generate_jit")
+    assert all(isinstance(getattr(api, name), compile_options.jit) for name in programs)
 
 
 def test_gpu_options_are_valid_options():
