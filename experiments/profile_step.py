@@ -11,7 +11,8 @@ trace is matched to its HLO instruction and so to the innermost two scopes and t
 fusion's root ("MoE.__call__/MoE._routed:select_n"). Pallas kernels keep their own names. Prints kernels
 and GPU microseconds per step by source and by scope, largest first, the time each source's kernels ran with no
 other kernel (kernels overlap under CONCURRENT command buffers: that is the step's serial part), the GPU's idle
-time by the kernel after each gap, the host events during the gaps of 50 us or more, and the step time of the loop outside the
+time by the kernel after each gap, the host events during the gaps of 50 us or more and in the whole call, how far the host's loop iterations
+run ahead of the GPU's steps, and the step time of the loop outside the
 profiler (traced, XLA's command buffers still run: their graph launches are among the host events; the
 profiler's own overhead is why the step time is measured without it); with --timeline, one step's kernels in
 launch order with the GPU's idle time before each (where the step's idle time sits).
@@ -21,6 +22,7 @@ Weights and cache are random, as in `experiments.bench_decode`.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import contextlib
 import functools
@@ -128,6 +130,35 @@ def host_in_gaps(kernels: list[dict], host: list[dict], min_gap_us: float = 50.0
                 by[e["name"][:90]][0] += 1
                 by[e["name"][:90]][1] += overlap
     return len(long), dict(by)
+
+
+ITER = re.compile(r"\[iter=\d+\]")
+
+
+def host_lead(kernels: list[dict], host: list[dict], sources: dict[str, str]) -> dict | None:
+    """How far the host runs ahead of the GPU, step by step: the host's `[iter=k]` events of the generate loop's
+    `while` (one per decode step, in order) against the GPU's steps (each ends with its LM head kernel). Returns
+    {"host_us": median host time per iteration, "lead_us": [min, median] of (the GPU's start of step s - the
+    host's start of iteration s)}, or None when the counts do not match. A lead near 0 means the GPU waited for
+    the host's launches (or the host waited for the GPU); a lead of many steps means the host's work is hidden."""
+    iters = sorted((e for e in host if ITER.fullmatch(e["name"])), key=lambda e: e["ts"])
+    heads = [e for e in kernels if sources.get(e["name"], "").startswith("Transformer.forward/Linear.")]
+    if not iters or len(iters) != len(heads):
+        return None
+    ts = [k["ts"] for k in kernels]
+    # step s starts with the first kernel launched after step s - 1's head ended
+    starts = [ts[0]] + [ts[min(bisect.bisect_left(ts, h["ts"] + h["dur"]), len(ts) - 1)] for h in heads[:-1]]
+    leads = [g - e["ts"] for g, e in zip(starts, iters)]
+    return {"host_us": statistics.median(e["dur"] for e in iters), "lead_us": [min(leads), statistics.median(leads)]}
+
+
+def host_totals(host: list[dict], steps: int) -> dict[str, list[float]]:
+    """{host event name: [events per step, us per step]} over the whole traced call, all threads."""
+    by = collections.defaultdict(lambda: [0.0, 0.0])
+    for e in host:
+        by[e["name"][:90]][0] += 1 / steps
+        by[e["name"][:90]][1] += e["dur"] / steps
+    return dict(by)
 
 
 def attribute(kernels: list[dict], sources: dict[str, str], steps: int) -> dict[str, list[float]]:
@@ -282,13 +313,18 @@ def _profile(args) -> dict:
     print(f"\n{n_gaps} GPU gaps of >= 50 us in {steps} steps; host events overlapping them (all threads):")
     _table("host event in the gaps", {k: [n / steps, us / steps] for k, (n, us) in during.items()}, 25,
            "events / step | us in the gaps / step")
+    lead = host_lead(kernels, host, sources)
+    if lead:
+        print(f"\nhost: {lead['host_us']:.0f} us per loop iteration (median); the host starts an iteration "
+              f"{lead['lead_us'][0]:.0f} us (min) / {lead['lead_us'][1]:.0f} us (median) before the GPU starts it")
+    _table("host event, whole call", host_totals(host, steps), 25, "events / step | us / step")
     if args.timeline:
         rows1 = one_step(kernels, sources, args.chunk)
         print(f"\none step's {len(rows1)} kernels in launch order:\n\n| # | idle us before | us | source |\n|---|---|---|---|")
         for i, (idle_us, us, where) in enumerate(rows1):
             print(f"| {i} | {idle_us:.1f} | {us:.1f} | {where} |")
     result = {"step_ms": step_ms, "kernels_per_step": len(kernels) / steps, "gpu_us_per_step": busy,
-              "busy_us_per_step": union, "by_source": rows, "alone_by_source": solo}
+              "busy_us_per_step": union, "host_lead": lead, "by_source": rows, "alone_by_source": solo}
     with open(os.path.join(args.out, "attribution.json"), "w") as f:
         json.dump(result, f, indent=1)
     return result

@@ -84,3 +84,22 @@ def test_alone_charges_only_the_time_a_kernel_runs_by_itself():
     busy, solo = ps.alone(kernels, {"b": "MoE:dot"}, steps=5)
     assert busy == 35 / 5
     assert solo == {"a": [0.2, 1.0], "a2": [0.2, 2.0], "MoE:dot": [0.2, 2.0], "c": [0.2, 1.0]}
+
+
+def test_host_lead_compares_each_iteration_with_its_gpu_step():
+    """Three GPU steps (a kernel, then the LM head) starting at 10, 160 and 400; the host starts its iterations at 0,
+    150 and 170: leads 10, 10 and 230 (min 10, median 10). Moved to 100, the third host start is the second
+    iteration: leads 10, 60, 250. Counts that do not match give None."""
+    head = "Transformer.forward/Linear.__call__:dot_general"
+    kernels = []
+    for t0 in (10, 160, 400):
+        kernels += [{"name": "k", "ts": t0, "dur": 50}, {"name": "head", "ts": t0 + 50, "dur": 50}]
+    host = [{"name": f"[iter={i}]", "ts": t, "dur": d} for i, (t, d) in enumerate(((0, 140), (150, 20), (170, 30)))]
+    host.append({"name": "cuGraphLaunch", "ts": 1, "dur": 5})
+    lead = ps.host_lead(kernels, host, {"head": head})
+    assert lead == {"host_us": 30, "lead_us": [10, 10]}
+    host[2]["ts"] = 100
+    assert ps.host_lead(kernels, host, {"head": head})["lead_us"] == [10, 60]
+    assert ps.host_lead(kernels, host[:2], {"head": head}) is None
+    assert ps.host_totals(host, steps=3) == {"[iter=0]": [1 / 3, 140 / 3], "[iter=1]": [1 / 3, 20 / 3],
+                                             "[iter=2]": [1 / 3, 10.0], "cuGraphLaunch": [1 / 3, 5 / 3]}

@@ -271,6 +271,23 @@ GROUPS["concurrent_flags"] = [(f"bench_slice_b1_q4_{name}", B1_POINT, 130, env) 
 GROUPS["profile_alone"] = [(f"profile_slice_b{b}_alone", [*slice_profile(b, 20, top=60, queued=4), "--timeline"], 110, {})
                            for b in (1, 8)]
 
+# twenty-ninth session: whether the host keeps ahead of batch 1's GPU steps (profile_step's host lead: a call's
+# start costs the host ~0.5 ms of graph updates, which the GPU waits for unless the host is steps ahead), and
+# what 40 steps per call (half the call starts) give the point (~6 min)
+GROUPS["hostlead"] = [("profile_slice_b1_hostlead", slice_profile(1, 20, top=30, queued=4), 110, {}),
+                      ("bench_slice_b1_q4_chunk20", B1_POINT, 130, {}),
+                      ("bench_slice_b1_q4_chunk40", [*B1_POINT[:5], "--chunk", "40", "--queued", "4"], 130, {})]
+
+# the open item of the twenty-eighth session: prefill and the speculative programs under the api's CONCURRENT
+# order against XLA's default (the order by XLA_FLAGS). Prefill: the slice's 256-token chunk, time and logits (bit-
+# compared afterwards from the returned files, `concurrent_prefill --compare`); speculative: the CLI's DSpark run on
+# `tiny`, the preset with draft stages (draft / verify ms per step, tokens equal to plain decoding's). Their first
+# run (twenty-ninth session, 200 s / 150 s a step) ran out of time in the compiles: each group is one call now
+LHS = {"XLA_FLAGS": "--xla_gpu_command_buffer_scheduling_mode=LHS"}
+PREFILL = "experiments.device_runs.concurrent_prefill"
+SPEC_TINY = ["experiments.decode", "--preset", "tiny", "--speculative", "dspark", "--batch", "4", "--max-new-tokens", "64"]
+GROUPS["concurrent_prefill"] = [("prefill_api", [PREFILL, "api"], 285, {}), ("prefill_lhs", [PREFILL, "lhs"], 285, LHS)]
+GROUPS["concurrent_spec"] = [("spec_tiny_api", SPEC_TINY, 285, {}), ("spec_tiny_lhs", SPEC_TINY, 285, LHS)]
 
 def last_table(log: str, name: str) -> str:
     """The bench's final table (the profile's summary and source table), or the log's tail if it has none."""
