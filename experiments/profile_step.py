@@ -3,19 +3,21 @@
     python -m experiments.profile_step                      # the v41 slice, batch 1, 4K, 5 steps per call
     python -m experiments.profile_step --preset small --batch 8 --out /tmp/prof
     python -m experiments.profile_step --batch 8 --chunk 20 --queued 4 --timeline   # + one step, kernel by kernel
+    python -m experiments.profile_step --from-events /tmp/profile_step/events.json.gz --timeline   # again, any machine
 
 Every method of the dsv41_jax modules runs under a `jax.named_scope` of its class and name
 ("MoE._routed"), so the op name XLA keeps on each fused kernel says which code made it. One
 `api.generate` call (the jitted loop, cache donated) is traced with `jax.profiler`; each kernel of the
 trace is matched to its HLO instruction and so to the innermost two scopes and the primitive at the
 fusion's root ("MoE.__call__/MoE._routed:select_n"). Pallas kernels keep their own names. Prints kernels
-and GPU microseconds per step by source and by scope, largest first, the time each source's kernels ran with no
-other kernel (kernels overlap under CONCURRENT command buffers: that is the step's serial part), the GPU's idle
-time by the kernel after each gap, the host events during the gaps of 50 us or more and in the whole call, how far the host's loop iterations
-run ahead of the GPU's steps, and the step time of the loop outside the
-profiler (traced, XLA's command buffers still run: their graph launches are among the host events; the
-profiler's own overhead is why the step time is measured without it); with --timeline, one step's kernels in
-launch order with the GPU's idle time before each (where the step's idle time sits).
+and GPU microseconds per step by source and by scope, largest first; the time each source's kernels ran with no
+other kernel (kernels overlap under CONCURRENT command buffers: that is the step's serial part); the GPU's idle
+time by the kernel after each gap; the host events during the gaps of 50 us or more and in the whole call; how
+far the host's loop iterations run ahead of the GPU's steps; the time no weight-streaming kernel runs (the HBM
+mostly idle) by source; and the step time of the loop outside the profiler (the profiler's own overhead is why
+it is measured without it). With --timeline, one step's kernels in launch order with their start and the GPU's
+idle time before each. The traced call's events are saved (`events.json.gz` in --out): `--from-events` prints
+the same tables from that file on any machine.
 Weights and cache are random, as in `experiments.bench_decode`.
 """
 
@@ -202,9 +204,9 @@ def idle_before(kernels: list[dict], sources: dict[str, str], steps: int) -> dic
     return dict(by)
 
 
-def one_step(kernels: list[dict], sources: dict[str, str], chunk: int = 1) -> list[tuple[float, float, str]]:
-    """[(GPU idle us before it, its us, source)] for each kernel of one step in the middle of the traced call,
-    in launch order: a step is what runs after one LM head's kernel (`Transformer.forward/Linear`, every
+def one_step(kernels: list[dict], sources: dict[str, str], chunk: int = 1) -> list[tuple[float, float, float, str]]:
+    """[(start us from the step's start, GPU idle us before it, its us, source)] for each kernel of one step in the
+    middle of the traced call, in launch order (start and duration show which kernels overlap): a step is what runs after one LM head's kernel (`Transformer.forward/Linear`, every
     step's last large kernel) up to and with the next one's. With `chunk` steps per generate call, the step
     is one in the middle of a call: a call's first step also runs the call's start (its carried buffers'
     copies, ~20 memcpys of the v41 slice), which the middle step of 4 calls of 20 was."""
@@ -216,7 +218,52 @@ def one_step(kernels: list[dict], sources: dict[str, str], chunk: int = 1) -> li
     mid = min(max(j, 1), len(heads) - 1) - 1
     step = kernels[heads[mid]:heads[mid + 1] + 1]  # from the first head, whose end starts the idle count
     idle = {id(e): g1 - g0 for g0, g1, e in gaps(step)}
-    return [(idle.get(id(e), 0.0), e["dur"], sources.get(e["name"], e["name"])) for e in step[1:]]
+    t0 = step[0]["ts"] + step[0]["dur"]  # the previous step's head ends
+    return [(e["ts"] - t0, idle.get(id(e), 0.0), e["dur"], sources.get(e["name"], e["name"])) for e in step[1:]]
+
+
+# the kernels that stream weights: the FP8 / FP4 Mosaic kernels, the LM head and wo_a (XLA's dots)
+WEIGHT_STREAM = re.compile(r"(fp8|fp4_rows)_wgmma_|^Transformer\.forward/Linear\.|project_out:(convert_element_type|dot_general)$")
+
+
+def weight_idle(kernels: list[dict], sources: dict[str, str], steps: int) -> tuple[float, dict[str, list[float]]]:
+    """(us per step the GPU runs kernels but none that streams weights (`WEIGHT_STREAM`), {source: [kernels per
+    step, us per step of that time, shared equally among the kernels running]}): the latency-bound time between
+    the weight streams, with the HBM mostly idle, and whose kernels fill it."""
+    edges = sorted([(e["ts"] + e["dur"], 0, i) for i, e in enumerate(kernels)]
+                   + [(e["ts"], 1, i) for i, e in enumerate(kernels)])
+    where = [sources.get(e["name"], e["name"]) for e in kernels]
+    by = {w: [n, 0.0] for w, (n, _) in attribute(kernels, sources, steps).items()}
+    running, total, last = set(), 0.0, None
+    for t, starts, i in edges:
+        if running and last is not None and t > last and not any(WEIGHT_STREAM.search(where[j]) for j in running):
+            total += t - last
+            for j in running:
+                by[where[j]][1] += (t - last) / len(running) / steps
+        (running.add if starts else running.discard)(i)
+        last = t
+    return total / steps, {w: v for w, v in by.items() if v[1] > 0}
+
+
+def save_events(path: str, kernels: list[dict], host: list[dict], sources: dict[str, str], steps: int,
+                chunk: int) -> None:
+    """The traced call's kernels and host events (name, start, duration) and each kernel's source, gzipped JSON:
+    what `--from-events` analyses again without a GPU (~0.2 MB for 80 steps of the slice, where the trace and the
+    HLO it needs are ~2 MB)."""
+    names = {e["name"] for e in kernels}
+    data = {"steps": steps, "chunk": chunk, "sources": {n: sources[n] for n in names if n in sources},
+            "kernels": [[e["name"], e["ts"], e["dur"]] for e in kernels],
+            "host": [[e["name"][:90], e["ts"], e["dur"]] for e in host]}
+    with gzip.open(path, "wt") as f:
+        json.dump(data, f)
+
+
+def load_events(path: str) -> tuple[list[dict], list[dict], dict[str, str], int, int]:
+    """`save_events`'s file back: (kernels, host events, sources, steps, chunk)."""
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    as_events = lambda rows: [{"name": n, "ts": ts, "dur": dur} for n, ts, dur in rows]
+    return as_events(data["kernels"]), as_events(data["host"]), data["sources"], data["steps"], data["chunk"]
 
 
 def _table(title: str, rows: dict[str, list[float]], top: int, cols: str = "kernels / step | GPU us / step") -> None:
@@ -239,12 +286,18 @@ def parse_args(argv=None):
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--timeline", action="store_true",
                    help="also print one step's kernels in launch order (idle before, duration, source)")
-    p.add_argument("--out", default="/tmp/profile_step", help="trace, HLO text and JSON rows go here")
+    p.add_argument("--out", default="/tmp/profile_step", help="trace, HLO text, events and JSON rows go here")
+    p.add_argument("--from-events", metavar="FILE", help="analyse a saved events.json.gz (any machine, no GPU) "
+                   "instead of profiling")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.from_events:
+        kernels, host, sources, steps, chunk = load_events(args.from_events)
+        print(f"{args.from_events}: {steps} steps, {chunk} per call")
+        return report(kernels, host, sources, steps, chunk, args)
     with scoped_methods() as n:
         print(f"named scopes on {n} methods", flush=True)
         return _profile(args)
@@ -291,12 +344,22 @@ def _profile(args) -> dict:
     if not kernels:
         raise SystemExit("the trace has no GPU kernels: run this on a GPU")
     sources = kernel_sources(hlo)
+    save_events(os.path.join(args.out, "events.json.gz"), kernels, host, sources, steps, args.chunk)
+    print(f"\n{args.preset} batch {b}, context {args.context}: {step_ms:.3f} ms/step (loop, not profiled; "
+          f"{args.chunk} steps per call, {args.queued} call(s) per host sync)")
+    result = report(kernels, host, sources, steps, args.chunk, args)
+    result["step_ms"] = step_ms
+    with open(os.path.join(args.out, "attribution.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def report(kernels: list[dict], host: list[dict], sources: dict[str, str], steps: int, chunk: int, args) -> dict:
+    """Print the tables of a traced call of `steps` decode steps (`chunk` per generate call); returns its rows."""
     rows = attribute(kernels, sources, steps)
     busy = sum(us for _, us in rows.values())
     union, solo = alone(kernels, sources, steps)
-    print(f"\n{args.preset} batch {b}, context {args.context}: {step_ms:.3f} ms/step (loop, not profiled; "
-          f"{args.chunk} steps per call, {args.queued} call(s) per host sync); "
-          f"{len(kernels) / steps:.0f} kernels and {busy / 1e3:.3f} ms of GPU time per step; the GPU runs a kernel "
+    print(f"{len(kernels) / steps:.0f} kernels and {busy / 1e3:.3f} ms of GPU time per step; the GPU runs a kernel "
           f"{union / 1e3:.3f} ms of it, one alone {sum(us for _, us in solo.values()) / 1e3:.3f} ms")
     _table("source", rows, args.top)
     _table("source, alone", solo, args.top, "kernels / step | us / step with no other kernel running")
@@ -318,16 +381,17 @@ def _profile(args) -> dict:
         print(f"\nhost: {lead['host_us']:.0f} us per loop iteration (median); the host starts an iteration "
               f"{lead['lead_us'][0]:.0f} us (min) / {lead['lead_us'][1]:.0f} us (median) before the GPU starts it")
     _table("host event, whole call", host_totals(host, steps), 25, "events / step | us / step")
+    no_weights, waiting = weight_idle(kernels, sources, steps)
+    print(f"\nno weight stream running (HBM mostly idle): {no_weights:.1f} us per step")
+    _table("source, no weight stream running", waiting, args.top, "kernels / step | us / step (shared)")
     if args.timeline:
-        rows1 = one_step(kernels, sources, args.chunk)
-        print(f"\none step's {len(rows1)} kernels in launch order:\n\n| # | idle us before | us | source |\n|---|---|---|---|")
-        for i, (idle_us, us, where) in enumerate(rows1):
-            print(f"| {i} | {idle_us:.1f} | {us:.1f} | {where} |")
-    result = {"step_ms": step_ms, "kernels_per_step": len(kernels) / steps, "gpu_us_per_step": busy,
-              "busy_us_per_step": union, "host_lead": lead, "by_source": rows, "alone_by_source": solo}
-    with open(os.path.join(args.out, "attribution.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    return result
+        rows1 = one_step(kernels, sources, chunk)
+        print(f"\none step's {len(rows1)} kernels in launch order:\n\n| # | start us | idle us before | us | source |\n"
+              "|---|---|---|---|---|")
+        for i, (start_us, idle_us, us, where) in enumerate(rows1):
+            print(f"| {i} | {start_us:.1f} | {idle_us:.1f} | {us:.1f} | {where} |")
+    return {"kernels_per_step": len(kernels) / steps, "gpu_us_per_step": busy, "busy_us_per_step": union,
+            "no_weight_stream_us_per_step": no_weights, "host_lead": lead, "by_source": rows, "alone_by_source": solo}
 
 
 if __name__ == "__main__":

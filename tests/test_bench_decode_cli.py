@@ -1,4 +1,9 @@
-"""experiments.bench_decode on CPU: the loop's steps per call and calls per host sync reach its rows."""
+"""experiments.bench_decode on CPU: the loop's steps per call and calls per host sync reach its rows; the serving
+loop's timing."""
+
+import time
+
+import numpy as np
 
 from experiments import bench_decode
 
@@ -8,5 +13,36 @@ def test_bench_decode_times_queued_calls_on_tiny(capsys):
                               "--queued", "2", "--kernels", "jnp", "--copy-gb", "0.01"])
     (row,) = rows
     assert (row["steps_per_call"], row["calls_per_sync"], row["batch"]) == (2, 2, 2)
-    assert row["ms_step_loop"] > 0 and row["roofline_ms"] > 0 and row["bytes_must_move"] > 0
-    assert "(the loop: 2 steps per api.generate call, 2 call(s) per host sync)" in capsys.readouterr().out
+    assert row["ms_step_loop"] > 0 and row["ms_step_serving"] > 0 and row["roofline_ms"] > 0 and row["bytes_must_move"] > 0
+    assert row["ratio_serving"] == row["ms_step_serving"] / row["roofline_ms"]
+    assert "(the loop: 2 steps per api.generate call, 2 call(s) per host sync; serving:" in capsys.readouterr().out
+
+
+class _Device:
+    """A GPU stand-in running each dispatched call after the previous one, `seconds` each (the first `first`): a
+    call's tokens turn into an array once its deadline passes (np.asarray waits for it)."""
+
+    def __init__(self, seconds: float, first: float):
+        self.seconds, self.first, self.end = seconds, first, None
+
+    def __call__(self, cache):
+        now = time.perf_counter()
+        self.end = now + self.first if self.end is None else max(now, self.end) + self.seconds
+        return _Tokens(self.end), None, cache + 1
+
+
+class _Tokens:
+    def __init__(self, ready: float):
+        self.ready = ready
+
+    def __array__(self, dtype=None, copy=None):
+        time.sleep(max(0.0, self.ready - time.perf_counter()))
+        return np.zeros((1, 4), np.int32)
+
+
+def test_serving_loop_counts_the_steady_state_not_the_pipeline_filling():
+    """Calls of 20 ms of 4 steps each, the first (as a call after a host wait) 200 ms: 5 ms per step, the first
+    call's delay not counted, every call dispatched once (the cache threads through)."""
+    ms, cache = bench_decode.serving_loop_ms(_Device(0.02, 0.2), 0, calls=6, chunk=4)
+    assert cache == 7
+    assert 4.5 < ms < 6.5, ms

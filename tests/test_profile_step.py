@@ -58,12 +58,12 @@ def test_idle_before_charges_each_gap_to_the_kernel_after_it():
 
 def test_one_step_lists_a_middle_steps_kernels_in_order_with_the_idle_before_each():
     """Three steps of two kernels each (the LM head's last): the middle one is listed from the kernel after the
-    first head up to the second head, each with the GPU idle since the previous kernel ended (overlap counts
-    as busy)."""
+    first head up to the second head, each with its start after the first head's end and the GPU idle since the
+    previous kernel ended (overlap counts as busy)."""
     src = {"head": "Transformer.forward/Linear.__call__:dot_general", "mm": "MoE.__call__/MoE._routed:gather"}
     kernels = [{"name": n, "ts": ts, "dur": dur} for n, ts, dur in
                [("mm", 0, 2), ("head", 3, 4), ("mm", 10, 2), ("head", 11, 5), ("mm", 20, 1), ("head", 22, 1)]]
-    assert ps.one_step(kernels, src) == [(3.0, 2, src["mm"]), (0.0, 5, src["head"])]
+    assert ps.one_step(kernels, src) == [(3, 3.0, 2, src["mm"]), (4, 0.0, 5, src["head"])]
     assert ps.one_step(kernels[:2], src) == []  # one step: no step boundary to cut at
 
 
@@ -72,8 +72,8 @@ def test_one_step_of_chunked_calls_is_not_a_calls_first():
     not its first (3), which also runs the call's start."""
     src = {"head": "Transformer.forward/Linear.__call__:dot_general"}
     kernels = [{"name": n, "ts": 10 * i + dt, "dur": 1} for i in range(6) for n, dt in ((f"k{i}", 0), ("head", 5))]
-    assert [where for _, _, where in ps.one_step(kernels, src, chunk=3)] == ["k4", src["head"]]
-    assert [where for _, _, where in ps.one_step(kernels, src)] == ["k3", src["head"]]  # no chunk: the middle
+    assert [row[-1] for row in ps.one_step(kernels, src, chunk=3)] == ["k4", src["head"]]
+    assert [row[-1] for row in ps.one_step(kernels, src)] == ["k3", src["head"]]  # no chunk: the middle
 
 
 def test_alone_charges_only_the_time_a_kernel_runs_by_itself():
@@ -103,3 +103,31 @@ def test_host_lead_compares_each_iteration_with_its_gpu_step():
     assert ps.host_lead(kernels, host[:2], {"head": head}) is None
     assert ps.host_totals(host, steps=3) == {"[iter=0]": [1 / 3, 140 / 3], "[iter=1]": [1 / 3, 20 / 3],
                                              "[iter=2]": [1 / 3, 10.0], "cuGraphLaunch": [1 / 3, 5 / 3]}
+
+
+def test_weight_idle_counts_the_time_no_weight_stream_runs_and_shares_it():
+    """An FP8 weight kernel 0..10; a small kernel 5..15 (5 us with no weight stream: alone); two small kernels
+    20..30 and 25..30 (10 us, shared: 7.5 and 2.5); the LM head 30..40 (a weight stream). Two steps."""
+    head = "Transformer.forward/Linear.__call__:dot_general"
+    kernels = [{"name": "fp8_wgmma_5120x8192_mosaic_gpu_kernel", "ts": 0, "dur": 10}, {"name": "a", "ts": 5, "dur": 10},
+               {"name": "b", "ts": 20, "dur": 10}, {"name": "c", "ts": 25, "dur": 5}, {"name": "h", "ts": 30, "dur": 10}]
+    total, by = ps.weight_idle(kernels, {"h": head, "c": "Attention.__call__/Attention.project_out:concatenate"}, steps=2)
+    assert total == 7.5
+    assert by == {"a": [0.5, 2.5], "b": [0.5, 3.75], "Attention.__call__/Attention.project_out:concatenate": [0.5, 1.25]}
+
+
+def test_saved_events_give_the_same_report_on_any_machine(tmp_path, capsys):
+    """A traced call's events saved and read back (`--from-events`) give the same tables as the live analysis."""
+    head = "Transformer.forward/Linear.__call__:dot_general"
+    kernels = [{"name": n, "ts": 10 * i + dt, "dur": 2} for i in range(4) for n, dt in (("k", 0), ("head", 5))]
+    host = [{"name": f"[iter={i}]", "ts": 10 * i - 3, "dur": 1} for i in range(4)]
+    path = str(tmp_path / "events.json.gz")
+    ps.save_events(path, kernels, host, {"head": head, "unused": "x"}, steps=4, chunk=2)
+    got = ps.load_events(path)
+    assert got == (kernels, host, {"head": head}, 4, 2)
+    args = ps.parse_args(["--timeline", "--top", "5"])
+    live = ps.report(kernels, host, {"head": head}, 4, 2, args)
+    first = capsys.readouterr().out
+    again = ps.main(["--from-events", path, "--timeline", "--top", "5"])
+    assert again == live and first in capsys.readouterr().out
+    assert live["no_weight_stream_us_per_step"] == 2.0 and live["host_lead"]["lead_us"] == [3, 3]
