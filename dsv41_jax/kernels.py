@@ -28,6 +28,8 @@ hi/lo splits).
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -132,6 +134,24 @@ def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
     launch (`kernels_pallas.gpu_hyper.hyper_in`, statics as there), per device on a mesh."""
     return per_sequence(lambda h, m, p, *shared: _kp.hyper_in(h, m, p, *shared, **statics), h_ncd, mixes_nm,
                         pre_mix_nc, shared=(norm_w_d, scale, base))
+
+
+# Whether `hyper.sublayer_input` runs the kernel's two parts as two launches (`gpu_hyper.hyper_input`, and XLA's
+# projection dot and `gpu_hyper.hyper_coefficients` beside it), so that the sub-layer waits for its input only.
+# Off until timed on a GPU: DSV41_HYPER_SPLIT=1 (`experiments.device_runs.issue12_decode hyper_split`).
+HYPER_SPLIT = os.environ.get("DSV41_HYPER_SPLIT", "0") == "1"
+
+
+def hyper_input(h_ncd, pre_mix_nc, norm_w_d, **statics):
+    """x [N, D]: `hyper_in`'s input part alone (`gpu_hyper.hyper_input`), per device on a mesh."""
+    return per_sequence(lambda h, p, w: _kp.hyper_input(h, p, w, **statics), h_ncd, pre_mix_nc, shared=(norm_w_d,))
+
+
+def hyper_coefficients(h_ncd, mixes_nm, scale, base, **statics):
+    """(pre, post [N, hc], comb [N, hc, hc]): `hyper_in`'s coefficients part alone (`gpu_hyper.hyper_coefficients`),
+    per device on a mesh."""
+    return per_sequence(lambda h, m, *shared: _kp.hyper_coefficients(h, m, *shared, **statics), h_ncd, mixes_nm,
+                        shared=(scale, base))
 
 
 # Rows (tokens) up to which a decode step's routing runs as one GPU kernel. The slice's batch-1 step on the

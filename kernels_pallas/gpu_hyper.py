@@ -11,6 +11,9 @@ iterations, the collapse's statistic, the normalization; H200, `small` at batch 
 the loaded values: per row, one program for the coefficients and one for the input. The projection itself
 (x @ fn^T over hc * D inputs) stays XLA's dot: a program per row would read all of fn alone (the removed
 projection kernel of the twelfth session measured no faster than XLA's dot).
+`hyper_input` and `hyper_coefficients` are the two parts as separate launches (`dsv41_jax.kernels.HYPER_SPLIT`,
+off until timed): the sub-layer then waits for its input alone, while the projection and the coefficients,
+read only after it, run beside its weight streams in the step's graph.
 """
 
 from __future__ import annotations
@@ -38,34 +41,58 @@ def supported(hc: int, d: int) -> bool:
     return hc > 0 and hc & (hc - 1) == 0 and d > 0 and chunk(d) >= 16 and d // chunk(d) <= MAX_CHUNKS
 
 
+def _cols(d: int) -> list:
+    return [pl.ds(j * chunk(d), chunk(d)) for j in range(d // chunk(d))]
+
+
+def _coefficients_row(n, h_ref, m_ref, s_ref, b_ref, pre_ref, post_ref, comb_ref, *, coefficients, iters, hc_eps,
+                      mix_eps):
+    """Row n's mHC coefficients from its stream and its projection (not yet scaled by the RMS)."""
+    hc, d = h_ref.shape[1:]
+    # the projection's RMS over the flattened [hc * D] row (HyperMix: mean of squares, + eps, rsqrt)
+    wide = [h_ref[n, i, c].astype(jnp.float32) for i in range(hc) for c in _cols(d)]
+    rstd = jax.lax.rsqrt(sum(jnp.sum(v * v) for v in wide) / (hc * d) + mix_eps)
+    pre, post, comb = coefficients(
+        m_ref[n, 0, :] * rstd, m_ref[n, 1, :] * rstd, m_ref[n, pl.ds(2, hc), :] * rstd,
+        (s_ref[0], s_ref[1], s_ref[2]), (b_ref[0, :], b_ref[1, :], b_ref[pl.ds(2, hc), :]),
+        iters, hc_eps, False)  # a loop in the kernel (Triton lowers no unrolled scan)
+    pre_ref[n, :] = pre
+    post_ref[n, :] = post
+    comb_ref[n, :, :] = comb
+
+
+def _input_row(n, h_ref, pm_ref, w_ref, x_ref, *, collapse_rows, norm, norm_eps):
+    """Row n's normalized input, RMSNorm(collapse(h, pre_mix))."""
+    hc, d = h_ref.shape[1:]
+    pm = [pm_ref[n, i] for i in range(hc)]
+    xs = [collapse_rows([h_ref[n, i, c] for i in range(hc)], pm).astype(jnp.float32) for c in _cols(d)]
+    mean_sq = sum(jnp.sum(v * v) for v in xs) / d  # RMSNorm's mean over the whole row
+    for c, v in zip(_cols(d), xs):
+        x_ref[n, c] = norm(v, w_ref[c], mean_sq, norm_eps, x_ref.dtype)
+
+
 def _kernel(h_ref, m_ref, pm_ref, w_ref, s_ref, b_ref, x_ref, pre_ref, post_ref, comb_ref, *, coefficients,
             collapse_rows, norm, iters, hc_eps, mix_eps, norm_eps):
     """Program (n, 0): row n's coefficients; program (n, 1): its normalized input. Two programs, so that the
     serial Sinkhorn iterations and the row's reductions run side by side on two SMs."""
     n, part = pl.program_id(0), pl.program_id(1)
-    hc, d = h_ref.shape[1:]
-    cols = [pl.ds(j * chunk(d), chunk(d)) for j in range(d // chunk(d))]
+    pl.when(part == 0)(lambda: _coefficients_row(n, h_ref, m_ref, s_ref, b_ref, pre_ref, post_ref, comb_ref,
+                                                 coefficients=coefficients, iters=iters, hc_eps=hc_eps,
+                                                 mix_eps=mix_eps))
+    pl.when(part == 1)(lambda: _input_row(n, h_ref, pm_ref, w_ref, x_ref, collapse_rows=collapse_rows, norm=norm,
+                                          norm_eps=norm_eps))
 
-    @pl.when(part == 0)
-    def _coefficients():
-        # the projection's RMS over the flattened [hc * D] row (HyperMix: mean of squares, + eps, rsqrt)
-        wide = [h_ref[n, i, c].astype(jnp.float32) for i in range(hc) for c in cols]
-        rstd = jax.lax.rsqrt(sum(jnp.sum(v * v) for v in wide) / (hc * d) + mix_eps)
-        pre, post, comb = coefficients(
-            m_ref[n, 0, :] * rstd, m_ref[n, 1, :] * rstd, m_ref[n, pl.ds(2, hc), :] * rstd,
-            (s_ref[0], s_ref[1], s_ref[2]), (b_ref[0, :], b_ref[1, :], b_ref[pl.ds(2, hc), :]),
-            iters, hc_eps, False)  # a loop in the kernel (Triton lowers no unrolled scan)
-        pre_ref[n, :] = pre
-        post_ref[n, :] = post
-        comb_ref[n, :, :] = comb
 
-    @pl.when(part == 1)
-    def _input():
-        pm = [pm_ref[n, i] for i in range(hc)]
-        xs = [collapse_rows([h_ref[n, i, c] for i in range(hc)], pm).astype(jnp.float32) for c in cols]
-        mean_sq = sum(jnp.sum(v * v) for v in xs) / d  # RMSNorm's mean over the whole row
-        for c, v in zip(cols, xs):
-            x_ref[n, c] = norm(v, w_ref[c], mean_sq, norm_eps, x_ref.dtype)
+def _check(h_ncd, mixes_nm=None, pre_mix_nc=None, norm_w_d=None) -> None:
+    """The kernels' argument checks (an argument left None is not checked)."""
+    n, hc, d = h_ncd.shape
+    if not supported(hc, d):
+        raise ValueError(f"the hyper-connection kernel needs a power-of-two hc and D in at most {MAX_CHUNKS} "
+                         f"power-of-two slices of >= 16, got hc={hc}, dim={d}")
+    for name, a, shape in (("mixes", mixes_nm, (n, (2 + hc) * hc)), ("pre_mix", pre_mix_nc, (n, hc)),
+                           ("norm weight", norm_w_d, (d,))):
+        if a is not None and a.shape != shape:
+            raise ValueError(f"shapes do not match h {h_ncd.shape}: {name} {a.shape}, expected {shape}")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -79,13 +106,8 @@ def hyper_in(h_ncd: jax.Array, mixes_nm: jax.Array, pre_mix_nc: jax.Array, norm_
     pre), norm_w [D], scale f32 [3], base f32 [(2 + hc) * hc]. `coefficients`, `collapse_rows`, `norm`: the
     model's functions (`hyper.coefficients`, `hyper.collapse_rows`, `layers.rms_apply`), traced here on one
     row's values. Returns (x [N, D] in h's dtype, pre f32 [N, hc], post f32 [N, hc], comb f32 [N, hc, hc])."""
+    _check(h_ncd, mixes_nm, pre_mix_nc, norm_w_d)
     n, hc, d = h_ncd.shape
-    if not supported(hc, d):
-        raise ValueError(f"the hyper-connection kernel needs a power-of-two hc and D in at most {MAX_CHUNKS} "
-                         f"power-of-two slices of >= 16, got hc={hc}, dim={d}")
-    if mixes_nm.shape != (n, (2 + hc) * hc) or pre_mix_nc.shape != (n, hc) or norm_w_d.shape != (d,):
-        raise ValueError(f"shapes do not match h {h_ncd.shape}: mixes {mixes_nm.shape}, pre_mix {pre_mix_nc.shape}, "
-                         f"norm weight {norm_w_d.shape}")
     kernel = functools.partial(_kernel, coefficients=coefficients, collapse_rows=collapse_rows, norm=norm, iters=iters,
                                hc_eps=hc_eps, mix_eps=mix_eps, norm_eps=norm_eps)
     f32 = jnp.float32
@@ -96,3 +118,48 @@ def hyper_in(h_ncd: jax.Array, mixes_nm: jax.Array, pre_mix_nc: jax.Array, norm_
                    jax.ShapeDtypeStruct((n, hc), f32), jax.ShapeDtypeStruct((n, hc, hc), f32)],
         name="hyper_in",
     )(h_ncd, mixes_nm.reshape(n, 2 + hc, hc), pre_mix_nc, norm_w_d, scale_3, base_m.reshape(2 + hc, hc))
+
+
+# The same two parts as separate launches (`dsv41_jax.kernels.HYPER_SPLIT`): the sub-layer waits for its input
+# only; its coefficients (with XLA's projection dot before them) are read after the sub-layer (post, comb by the
+# expand) and by the next sub-layer's input (pre), so in a graph ordered by data (compile_options) they can run
+# beside the sub-layer's weight streams instead of before them.
+@functools.partial(jax.jit, static_argnames=("collapse_rows", "norm", "norm_eps", "num_warps", "interpret"))
+def hyper_input(h_ncd: jax.Array, pre_mix_nc: jax.Array, norm_w_d: jax.Array, *, collapse_rows, norm,
+                norm_eps: float, num_warps: int = 4, interpret: bool = False) -> jax.Array:
+    """`hyper_in`'s input part alone, one program a row: x [N, D] in h's dtype (arguments as `hyper_in`'s)."""
+    _check(h_ncd, pre_mix_nc=pre_mix_nc, norm_w_d=norm_w_d)
+    n, _, d = h_ncd.shape
+
+    def kernel(h_ref, pm_ref, w_ref, x_ref):
+        _input_row(pl.program_id(0), h_ref, pm_ref, w_ref, x_ref, collapse_rows=collapse_rows, norm=norm,
+                   norm_eps=norm_eps)
+
+    return pl.pallas_call(
+        kernel, grid=(n,), interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        out_shape=jax.ShapeDtypeStruct((n, d), h_ncd.dtype), name="hyper_input",
+    )(h_ncd, pre_mix_nc, norm_w_d)
+
+
+@functools.partial(jax.jit, static_argnames=("coefficients", "iters", "hc_eps", "mix_eps", "num_warps", "interpret"))
+def hyper_coefficients(h_ncd: jax.Array, mixes_nm: jax.Array, scale_3: jax.Array, base_m: jax.Array, *, coefficients,
+                       iters: int, hc_eps: float, mix_eps: float, num_warps: int = 4,
+                       interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`hyper_in`'s coefficients part alone, one program a row: (pre f32 [N, hc], post f32 [N, hc], comb f32
+    [N, hc, hc]) (arguments as `hyper_in`'s)."""
+    _check(h_ncd, mixes_nm=mixes_nm)
+    n, hc, _ = h_ncd.shape
+
+    def kernel(h_ref, m_ref, s_ref, b_ref, pre_ref, post_ref, comb_ref):
+        _coefficients_row(pl.program_id(0), h_ref, m_ref, s_ref, b_ref, pre_ref, post_ref, comb_ref,
+                          coefficients=coefficients, iters=iters, hc_eps=hc_eps, mix_eps=mix_eps)
+
+    f32 = jnp.float32
+    return pl.pallas_call(
+        kernel, grid=(n,), interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        out_shape=[jax.ShapeDtypeStruct((n, hc), f32), jax.ShapeDtypeStruct((n, hc), f32),
+                   jax.ShapeDtypeStruct((n, hc, hc), f32)],
+        name="hyper_coefficients",
+    )(h_ncd, mixes_nm.reshape(n, 2 + hc, hc), scale_3, base_m.reshape(2 + hc, hc))
