@@ -1,0 +1,33 @@
+"""The device scripts' steps parse on any machine: every step of `experiments.device_runs.issue12_decode` names an
+importable module (or a test file) and, where that module parses its arguments (bench_decode, profile_step, the
+decode CLI), the step's argument list parses. A device call costs minutes of a lent GPU; a wrong argument list
+found there (the twenty-ninth session's `--chunk 40` step) costs the call."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+from experiments.device_runs import issue12_decode
+
+PARSERS = {"experiments.bench_decode", "experiments.profile_step", "experiments.decode"}
+STEPS = sorted({(name, tuple(argv)) for steps in issue12_decode.GROUPS.values() for name, argv, *_ in steps})
+
+
+@pytest.mark.parametrize("name,argv", STEPS, ids=[name for name, _ in STEPS])
+def test_step_parses(name, argv):
+    module, *args = argv
+    if module == "pytest":
+        assert all(os.path.exists(a) for a in args if a.startswith("tests/")), args
+        return
+    mod = importlib.import_module(module)
+    if module in PARSERS:
+        out = ["--out", "/tmp/x.json"] if module == "experiments.bench_decode" else []  # as the runner adds
+        mod.parse_args([*args, *out])
+
+
+def test_a_wrong_argument_list_fails():
+    with pytest.raises(SystemExit):
+        importlib.import_module("experiments.bench_decode").parse_args(["--batch", "1", "--steps", "160", "160"])
