@@ -355,7 +355,8 @@ def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> 
                 comm_share_of_step=None if comm_us is None else comm_us / (1e3 * loop_ms),
                 ms_step=ms, ms_step_loop=loop_ms, ms_step_serving=serving_ms, steps_per_call=args.chunk,
                 calls_per_sync=args.queued, roofline_ms=roof_ms,
-                ratio=ms / roof_ms, ratio_loop=loop_ms / roof_ms, ratio_serving=serving_ms / roof_ms, bytes_must_move=must, dense_bytes=w["dense"],
+                ratio=ms / roof_ms, ratio_loop=loop_ms / roof_ms, ratio_serving=serving_ms / roof_ms,
+                bytes_must_move=must, dense_bytes=w["dense"],
                 expert_bytes=w["experts"], cache_bytes_read=c_bytes, experts_hit=hit, launches=n_launch,
                 compile_s=compile_s, profile=prof, peak_bytes=stats.get("peak_bytes_in_use"), logit_absmax=float(jnp.abs(logits).max()))
 

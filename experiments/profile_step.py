@@ -206,8 +206,9 @@ def idle_before(kernels: list[dict], sources: dict[str, str], steps: int) -> dic
 
 def one_step(kernels: list[dict], sources: dict[str, str], chunk: int = 1) -> list[tuple[float, float, float, str]]:
     """[(start us from the step's start, GPU idle us before it, its us, source)] for each kernel of one step in the
-    middle of the traced call, in launch order (start and duration show which kernels overlap): a step is what runs after one LM head's kernel (`Transformer.forward/Linear`, every
-    step's last large kernel) up to and with the next one's. With `chunk` steps per generate call, the step
+    middle of the traced call, in launch order (start and duration show which kernels overlap): a step is what
+    runs after one LM head's kernel (`Transformer.forward/Linear`, every step's last large kernel) up to and with
+    the next one's. With `chunk` steps per generate call, the step
     is one in the middle of a call: a call's first step also runs the call's start (its carried buffers'
     copies, ~20 memcpys of the v41 slice), which the middle step of 4 calls of 20 was."""
     heads = [i for i, e in enumerate(kernels) if sources.get(e["name"], "").startswith("Transformer.forward/Linear.")]
@@ -223,7 +224,8 @@ def one_step(kernels: list[dict], sources: dict[str, str], chunk: int = 1) -> li
 
 
 # the kernels that stream weights: the FP8 / FP4 Mosaic kernels, the LM head and wo_a (XLA's dots)
-WEIGHT_STREAM = re.compile(r"(fp8|fp4_rows)_wgmma_|^Transformer\.forward/Linear\.|project_out:(convert_element_type|dot_general)$")
+WEIGHT_STREAM = re.compile(r"(fp8|fp4_rows)_wgmma_|^Transformer\.forward/Linear\."
+                           r"|project_out:(convert_element_type|dot_general)$")
 
 
 def weight_idle(kernels: list[dict], sources: dict[str, str], steps: int) -> tuple[float, dict[str, list[float]]]:

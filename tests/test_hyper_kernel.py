@@ -1,6 +1,7 @@
 """The GPU kernel of a hyper-connected sub-layer's input side (`kernels_pallas.gpu_hyper`), in one launch and as
-its two parts apart (`kernels.HYPER_SPLIT`), against the model's jnp path: interpreted on a CPU, compiled on a GPU; its gradient, its dispatch, the model's decode logits with it
-(that it lowers to Triton at the model's shapes: tests/test_kernels_lowering.py).
+its two parts apart (`kernels.HYPER_SPLIT`), against the model's jnp path: interpreted on a CPU, compiled on a
+GPU; its gradient, its dispatch, the model's decode logits with it (that it lowers to Triton at the model's
+shapes: tests/test_kernels_lowering.py).
 
 Tolerances: pre, post, the normalized input: the same operations in the same order except the sums of squares
 (f32 summation order), so <= 1e-6 relative; comb: 20 Sinkhorn normalizations of such values, <= 1e-6 absolute

@@ -288,7 +288,8 @@ GROUPS["hostlead"] = [("profile_slice_b1_hostlead", slice_profile(1, 20, top=30,
 # run (twenty-ninth session, 200 s / 150 s a step) ran out of time in the compiles: each group is one call now
 LHS = {"XLA_FLAGS": "--xla_gpu_command_buffer_scheduling_mode=LHS"}
 PREFILL = "experiments.device_runs.concurrent_prefill"
-SPEC_TINY = ["experiments.decode", "--preset", "tiny", "--speculative", "dspark", "--batch", "4", "--max-new-tokens", "64"]
+SPEC_TINY = ["experiments.decode", "--preset", "tiny", "--speculative", "dspark", "--batch", "4", "--max-new-tokens",
+             "64"]
 GROUPS["concurrent_prefill"] = [("prefill_api", [PREFILL, "api"], 285, {}), ("prefill_lhs", [PREFILL, "lhs"], 285, LHS)]
 GROUPS["concurrent_spec"] = [("spec_tiny_api", SPEC_TINY, 285, {}), ("spec_tiny_lhs", SPEC_TINY, 285, LHS)]
 # twenty-ninth session, for the next: the sub-layers' input side apart from their coefficients
@@ -297,7 +298,8 @@ GROUPS["concurrent_spec"] = [("spec_tiny_api", SPEC_TINY, 285, {}), ("spec_tiny_
 # kernel's GPU tests (both forms), then the slice's batch-1 profile without and with it (~6.5 min);
 # `hyper_split_points`: bench_decode batch 1 without and with it, batch 8 with it (loop and serving columns, ~5 min)
 AB_PROFILE_B1 = slice_profile(1, 20, top=40, queued=4)
-GROUPS["hyper_split"] = [("hyper_gpu_tests", AB_TESTS[1], 280, AB_TESTS[3])] + [(f"profile_slice_b1_{side}", AB_PROFILE_B1, 100, {}) for side in ("before", "after")]
+GROUPS["hyper_split"] = [("hyper_gpu_tests", AB_TESTS[1], 280, AB_TESTS[3])] + [
+    (f"profile_slice_b1_{side}", AB_PROFILE_B1, 100, {}) for side in ("before", "after")]
 GROUPS["hyper_split_points"] = [(f"bench_slice_b1_{side}", B1_POINT, 110, {}) for side in ("before", "after")] + [
     ("bench_slice_b8_after", [*B1_POINT[:2], "8", *B1_POINT[3:]], 130, {})]
 
