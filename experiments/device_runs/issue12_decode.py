@@ -36,6 +36,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profile_alone  # ~4 min: the serial part, b1 + b8
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split  # ~6.5 min: tests, b1 profiles A/B
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split_points  # ~5 min: b1 A/B, b8 after
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode while_graph  # ~5 min: the loop as one graph, b1
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -302,6 +303,17 @@ GROUPS["hyper_split"] = [("hyper_gpu_tests", AB_TESTS[1], 280, AB_TESTS[3])] + [
     (f"profile_slice_b1_{side}", AB_PROFILE_B1, 100, {}) for side in ("before", "after")]
 GROUPS["hyper_split_points"] = [(f"bench_slice_b1_{side}", B1_POINT, 110, {}) for side in ("before", "after")] + [
     ("bench_slice_b8_after", [*B1_POINT[:2], "8", *B1_POINT[3:]], 130, {})]
+
+# The generation loop itself as one graph: call 7's trace (twenty-ninth session) shows each iteration of the loop
+# as one graph launch with every kernel of the step inside it, so the premise above (Triton calls outside the
+# graphs) no longer holds and WHILE may be recordable. A call would then be one launch, where the host now spends
+# 0.44-0.98 ms a step launching the body's graph (a limit once a step is that short). Batch 1 as the api runs it,
+# then with the loop as a command, and that run's profile (its host table says whether the loop was recorded)
+# (~5 min)
+WHILE_GRAPH = {"XLA_FLAGS": f"--xla_gpu_enable_command_buffer={CC_TYPES},WHILE,CONDITIONAL"}
+GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
+                         ("bench_slice_b1_while", B1_POINT, 110, WHILE_GRAPH),
+                         ("profile_slice_b1_while", slice_profile(1, 20, top=20, queued=4), 100, WHILE_GRAPH)]
 
 
 def last_table(log: str, name: str) -> str:
