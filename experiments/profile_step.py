@@ -98,6 +98,14 @@ def kernel_sources(hlo_text: str) -> dict[str, str]:
     return out
 
 
+HOST_NAME = 90  # characters of a host event's name kept (Python frames can be long)
+HEAD = "Transformer.forward/Linear."  # the source of the LM head's kernel: every step's last large kernel
+
+
+def is_head(source: str) -> bool:
+    return source.startswith(HEAD)
+
+
 def trace_events(trace_dir: str) -> tuple[list[dict], list[dict]]:
     """(GPU kernel events, host events), each {name, ts, dur} in us, sorted by start, of the newest Perfetto
     trace in trace_dir."""
@@ -107,7 +115,8 @@ def trace_events(trace_dir: str) -> tuple[list[dict], list[dict]]:
     gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
            and "GPU" in str(e.get("args", {}).get("name", ""))}
     spans = sorted((e for e in events if e.get("ph") == "X"), key=lambda e: e["ts"])
-    return [e for e in spans if e.get("pid") in gpu], [e for e in spans if e.get("pid") not in gpu]
+    return ([e for e in spans if e.get("pid") in gpu],
+            [{**e, "name": e["name"][:HOST_NAME]} for e in spans if e.get("pid") not in gpu])
 
 
 def gaps(kernels: list[dict]):
@@ -129,8 +138,8 @@ def host_in_gaps(kernels: list[dict], host: list[dict], min_gap_us: float = 50.0
         for g0, g1 in long:
             overlap = min(g1, e["ts"] + e["dur"]) - max(g0, e["ts"])
             if overlap > 0:
-                by[e["name"][:90]][0] += 1
-                by[e["name"][:90]][1] += overlap
+                by[e["name"]][0] += 1
+                by[e["name"]][1] += overlap
     return len(long), dict(by)
 
 
@@ -144,7 +153,7 @@ def host_lead(kernels: list[dict], host: list[dict], sources: dict[str, str]) ->
     host's start of iteration s)}, or None when the counts do not match. A lead near 0 means the GPU waited for
     the host's launches (or the host waited for the GPU); a lead of many steps means the host's work is hidden."""
     iters = sorted((e for e in host if ITER.fullmatch(e["name"])), key=lambda e: e["ts"])
-    heads = [e for e in kernels if sources.get(e["name"], "").startswith("Transformer.forward/Linear.")]
+    heads = [e for e in kernels if is_head(sources.get(e["name"], ""))]
     if not iters or len(iters) != len(heads):
         return None
     ts = [k["ts"] for k in kernels]
@@ -152,15 +161,6 @@ def host_lead(kernels: list[dict], host: list[dict], sources: dict[str, str]) ->
     starts = [ts[0]] + [ts[min(bisect.bisect_left(ts, h["ts"] + h["dur"]), len(ts) - 1)] for h in heads[:-1]]
     leads = [g - e["ts"] for g, e in zip(starts, iters)]
     return {"host_us": statistics.median(e["dur"] for e in iters), "lead_us": [min(leads), statistics.median(leads)]}
-
-
-def host_totals(host: list[dict], steps: int) -> dict[str, list[float]]:
-    """{host event name: [events per step, us per step]} over the whole traced call, all threads."""
-    by = collections.defaultdict(lambda: [0.0, 0.0])
-    for e in host:
-        by[e["name"][:90]][0] += 1 / steps
-        by[e["name"][:90]][1] += e["dur"] / steps
-    return dict(by)
 
 
 def attribute(kernels: list[dict], sources: dict[str, str], steps: int) -> dict[str, list[float]]:
@@ -173,23 +173,31 @@ def attribute(kernels: list[dict], sources: dict[str, str], steps: int) -> dict[
     return dict(by)
 
 
+def stretches(kernels: list[dict]):
+    """Yield (us, indices of the kernels running) for each stretch of the timeline between two consecutive kernel
+    starts or ends during which some kernel runs (the set is the sweep's own: read it before the next one)."""
+    edges = sorted([(e["ts"] + e["dur"], 0, i) for i, e in enumerate(kernels)]  # ends before starts at one time
+                   + [(e["ts"], 1, i) for i, e in enumerate(kernels)])
+    running, last = set(), None
+    for t, starts, i in edges:
+        if running and t > last:
+            yield t - last, running
+        (running.add if starts else running.discard)(i)
+        last = t
+
+
 def alone(kernels: list[dict], sources: dict[str, str], steps: int) -> tuple[float, dict[str, list[float]]]:
     """(us per step the GPU runs any kernel, {source: [kernels per step, us per step it ran with no other kernel]}).
     With the command buffers' kernels ordered by data only (compile_options) kernels overlap, so their summed
     durations overstate the step; the time a kernel runs alone is the step's serial part: what shortening that
     kernel can save."""
-    edges = sorted([(e["ts"] + e["dur"], 0, i) for i, e in enumerate(kernels)]  # ends before starts at one time
-                   + [(e["ts"], 1, i) for i, e in enumerate(kernels)])
     by = {where: [n, 0.0] for where, (n, _) in attribute(kernels, sources, steps).items()}
-    running, busy, last = set(), 0.0, None
-    for t, starts, i in edges:
-        if running and last is not None:
-            busy += t - last
-            if len(running) == 1:
-                (j,) = running
-                by[sources.get(kernels[j]["name"], kernels[j]["name"])][1] += (t - last) / steps
-        (running.add if starts else running.discard)(i)
-        last = t
+    busy = 0.0
+    for dt, running in stretches(kernels):
+        busy += dt
+        if len(running) == 1:
+            (j,) = running
+            by[sources.get(kernels[j]["name"], kernels[j]["name"])][1] += dt / steps
     return busy / steps, by
 
 
@@ -211,7 +219,7 @@ def one_step(kernels: list[dict], sources: dict[str, str], chunk: int = 1) -> li
     the next one's. With `chunk` steps per generate call, the step
     is one in the middle of a call: a call's first step also runs the call's start (its carried buffers'
     copies, ~20 memcpys of the v41 slice), which the middle step of 4 calls of 20 was."""
-    heads = [i for i, e in enumerate(kernels) if sources.get(e["name"], "").startswith("Transformer.forward/Linear.")]
+    heads = [i for i, e in enumerate(kernels) if is_head(sources.get(e["name"], ""))]
     if len(heads) < 2:
         return []
     # step j (j >= 1) runs from heads[j - 1] to heads[j]; the middle call's middle step, or the middle step
@@ -224,26 +232,22 @@ def one_step(kernels: list[dict], sources: dict[str, str], chunk: int = 1) -> li
 
 
 # the kernels that stream weights: the FP8 / FP4 Mosaic kernels, the LM head and wo_a (XLA's dots)
-WEIGHT_STREAM = re.compile(r"(fp8|fp4_rows)_wgmma_|^Transformer\.forward/Linear\."
-                           r"|project_out:(convert_element_type|dot_general)$")
+WEIGHT_STREAM = re.compile(r"(fp8|fp4_rows)_wgmma_|^" + re.escape(HEAD)
+                           + r"|project_out:(convert_element_type|dot_general)$")
 
 
 def weight_idle(kernels: list[dict], sources: dict[str, str], steps: int) -> tuple[float, dict[str, list[float]]]:
     """(us per step the GPU runs kernels but none that streams weights (`WEIGHT_STREAM`), {source: [kernels per
     step, us per step of that time, shared equally among the kernels running]}): the latency-bound time between
     the weight streams, with the HBM mostly idle, and whose kernels fill it."""
-    edges = sorted([(e["ts"] + e["dur"], 0, i) for i, e in enumerate(kernels)]
-                   + [(e["ts"], 1, i) for i, e in enumerate(kernels)])
     where = [sources.get(e["name"], e["name"]) for e in kernels]
     by = {w: [n, 0.0] for w, (n, _) in attribute(kernels, sources, steps).items()}
-    running, total, last = set(), 0.0, None
-    for t, starts, i in edges:
-        if running and last is not None and t > last and not any(WEIGHT_STREAM.search(where[j]) for j in running):
-            total += t - last
+    total = 0.0
+    for dt, running in stretches(kernels):
+        if not any(WEIGHT_STREAM.search(where[j]) for j in running):
+            total += dt
             for j in running:
-                by[where[j]][1] += (t - last) / len(running) / steps
-        (running.add if starts else running.discard)(i)
-        last = t
+                by[where[j]][1] += dt / len(running) / steps
     return total / steps, {w: v for w, v in by.items() if v[1] > 0}
 
 
@@ -255,7 +259,7 @@ def save_events(path: str, kernels: list[dict], host: list[dict], sources: dict[
     names = {e["name"] for e in kernels}
     data = {"steps": steps, "chunk": chunk, "sources": {n: sources[n] for n in names if n in sources},
             "kernels": [[e["name"], e["ts"], e["dur"]] for e in kernels],
-            "host": [[e["name"][:90], e["ts"], e["dur"]] for e in host]}
+            "host": [[e["name"], e["ts"], e["dur"]] for e in host]}
     with gzip.open(path, "wt") as f:
         json.dump(data, f)
 
@@ -382,7 +386,7 @@ def report(kernels: list[dict], host: list[dict], sources: dict[str, str], steps
     if lead:
         print(f"\nhost: {lead['host_us']:.0f} us per loop iteration (median); the host starts an iteration "
               f"{lead['lead_us'][0]:.0f} us (min) / {lead['lead_us'][1]:.0f} us (median) before the GPU starts it")
-    _table("host event, whole call", host_totals(host, steps), 25, "events / step | us / step")
+    _table("host event, whole call", attribute(host, {}, steps), 25, "events / step | us / step")
     no_weights, waiting = weight_idle(kernels, sources, steps)
     print(f"\nno weight stream running (HBM mostly idle): {no_weights:.1f} us per step")
     _table("source, no weight stream running", waiting, args.top, "kernels / step | us / step (shared)")

@@ -101,7 +101,7 @@ def test_host_lead_compares_each_iteration_with_its_gpu_step():
     host[2]["ts"] = 100
     assert ps.host_lead(kernels, host, {"head": head})["lead_us"] == [10, 60]
     assert ps.host_lead(kernels, host[:2], {"head": head}) is None
-    assert ps.host_totals(host, steps=3) == {"[iter=0]": [1 / 3, 140 / 3], "[iter=1]": [1 / 3, 20 / 3],
+    assert ps.attribute(host, {}, steps=3) == {"[iter=0]": [1 / 3, 140 / 3], "[iter=1]": [1 / 3, 20 / 3],
                                              "[iter=2]": [1 / 3, 10.0], "cuGraphLaunch": [1 / 3, 5 / 3]}
 
 
