@@ -1,8 +1,9 @@
 """Does the api's command-buffer scheduling (`compile_options.GPU_OPTIONS`: CONCURRENT, graph kernels ordered by their
 data dependencies only) compute what XLA's default order computes? The v41 slice with random weights in the
-released formats (FP8 projections, FP4 experts) and a random 4K cache, greedy `api.generate` for 2 calls of 20 steps from the same inputs, once through
-the api and once through the same function jitted without the options; the sampled tokens and every cache array
-after the 40 steps are compared bit for bit (every kernel of the step is deterministic at these batch sizes).
+released formats (FP8 projections, FP4 experts) and a random 4K cache, greedy `api.generate` for 2 calls of 20
+steps from the same inputs, once through the api and once through the same function jitted without the options;
+the sampled tokens and every cache array after the 40 steps are compared bit for bit (every kernel of the step is
+deterministic at these batch sizes).
 
     PYTHONPATH=. python3 -m experiments.device_runs.concurrent_check           # ~2.5 min on one H200
 """
@@ -41,7 +42,8 @@ def main(batches=(1, 8)) -> int:
         finally:
             api._generate_jit = saved
 
-    print(f"options {compile_options.options(jax.default_backend(), os.environ.get('XLA_FLAGS', ''))}; {CALLS} calls of {STEPS} steps, context {CONTEXT}", flush=True)
+    opts = compile_options.options(jax.default_backend(), os.environ.get("XLA_FLAGS", ""))
+    print(f"options {opts}; {CALLS} calls of {STEPS} steps, context {CONTEXT}", flush=True)
     print("| batch | tokens equal | cache arrays | arrays differing | elements differing |\n|---|---|---|---|---|")
     failed = 0
     for b in batches:

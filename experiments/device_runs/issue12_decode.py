@@ -34,7 +34,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode concurrent_wide  # ~7.5 min: check, small, b64
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode concurrent_flags  # ~9 min: more in the graphs, b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profile_alone  # ~4 min: the serial part, b1 + b8
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split  # ~6.5 min: tests, b1 profiles A/B
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split  # ~8 min: tests, b1 profiles A/B
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split_points  # ~5 min: b1 A/B, b8 after
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode while_graph  # ~5 min: the loop as one graph, b1
 
@@ -181,7 +181,8 @@ GROUPS["wgmma2"] = [(WGMMA_TESTS[0], WGMMA_TESTS[1], 100, WGMMA_TESTS[3])] + [
 # a listed legacy target, a flag this XLA does not know (both runs stopped at flag parsing). The flag's "+A,+B"
 # form may apply only its first item (XLA's flag parser as read in its source returns inside its loop), hence
 # the whole list of command types. The generation loop itself as one graph (WHILE, CONDITIONAL) needs every
-# op of the step to be a command: not while Triton kernels remain, so no group asks for it.
+# op of the step to be a command; judged impossible here while Triton kernels remained, until the twenty-ninth
+# session's trace showed the whole body in one graph (`while_graph` below).
 CC_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"
 CC = {"XLA_FLAGS": f"--xla_gpu_enable_command_buffer={CC_TYPES}"}  # jax 0.11.2's XLA has no legacy-target flag
 
@@ -248,7 +249,12 @@ GROUPS["pdl"] = ([(f"pdl_probe_{name}", ["experiments.device_runs.issue12_pdl_pr
 # segment may overlap (the small kernels beside the weight streams). The batch-1 point with each, then the
 # profile with it (~8 min)
 CONCURRENT = {"XLA_FLAGS": "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"}
-B1_POINT = ["experiments.bench_decode", "--batch", "1", "--steps", "160", "--chunk", "20", "--queued", "4"]
+def slice_bench(batch: int, chunk: int = 20) -> list[str]:
+    """bench_decode of the slice at one batch, 160 steps, `chunk` steps per call, 4 calls per host sync."""
+    return ["experiments.bench_decode", "--batch", str(batch), "--steps", "160", "--chunk", str(chunk), "--queued", "4"]
+
+
+B1_POINT = slice_bench(1)
 GROUPS["concurrent"] = [("bench_slice_b1_q4_plain", B1_POINT, 140, {}),
                         ("bench_slice_b1_q4_concurrent", B1_POINT, 140, CONCURRENT),
                         ("profile_slice_b1_concurrent", slice_profile(1, 20, top=40, queued=4), 110, CONCURRENT),
@@ -276,11 +282,11 @@ GROUPS["profile_alone"] = [(f"profile_slice_b{b}_alone", [*slice_profile(b, 20, 
                            for b in (1, 8)]
 
 # twenty-ninth session: whether the host keeps ahead of batch 1's GPU steps (profile_step's host lead: a call's
-# start costs the host ~0.5 ms of graph updates, which the GPU waits for unless the host is steps ahead), and
+# start costs the host a command-buffer update, which the GPU waits for unless the host is steps ahead), and
 # what 40 steps per call (half the call starts) give the point (~6 min)
 GROUPS["hostlead"] = [("profile_slice_b1_hostlead", slice_profile(1, 20, top=30, queued=4), 110, {}),
                       ("bench_slice_b1_q4_chunk20", B1_POINT, 130, {}),
-                      ("bench_slice_b1_q4_chunk40", [*B1_POINT[:5], "--chunk", "40", "--queued", "4"], 130, {})]
+                      ("bench_slice_b1_q4_chunk40", slice_bench(1, chunk=40), 130, {})]
 
 # the open item of the twenty-eighth session: prefill and the speculative programs under the api's CONCURRENT
 # order against XLA's default (the order by XLA_FLAGS). Prefill: the slice's 256-token chunk, time and logits (bit-
@@ -296,13 +302,13 @@ GROUPS["concurrent_spec"] = [("spec_tiny_api", SPEC_TINY, 285, {}), ("spec_tiny_
 # twenty-ninth session, for the next: the sub-layers' input side apart from their coefficients
 # (`kernels.HYPER_SPLIT`: in call 7's trace the 12 input sides, projection dot + `hyper_in`, ~10 us each, sit
 # between the weight streams; the coefficients are read only after the sub-layer). `hyper_split`: the hyper
-# kernel's GPU tests (both forms), then the slice's batch-1 profile without and with it (~6.5 min);
+# kernel's GPU tests (both forms), then the slice's batch-1 profile without and with it (~8 min);
 # `hyper_split_points`: bench_decode batch 1 without and with it, batch 8 with it (loop and serving columns, ~5 min)
 AB_PROFILE_B1 = slice_profile(1, 20, top=40, queued=4)
 GROUPS["hyper_split"] = [("hyper_gpu_tests", AB_TESTS[1], 280, AB_TESTS[3])] + [
     (f"profile_slice_b1_{side}", AB_PROFILE_B1, 100, {}) for side in ("before", "after")]
 GROUPS["hyper_split_points"] = [(f"bench_slice_b1_{side}", B1_POINT, 110, {}) for side in ("before", "after")] + [
-    ("bench_slice_b8_after", [*B1_POINT[:2], "8", *B1_POINT[3:]], 130, {})]
+    ("bench_slice_b8_after", slice_bench(8), 130, {})]
 
 # The generation loop itself as one graph: call 7's trace (twenty-ninth session) shows each iteration of the loop
 # as one graph launch with every kernel of the step inside it, so the premise above (Triton calls outside the
