@@ -13,7 +13,8 @@ def test_bench_decode_times_queued_calls_on_tiny(capsys):
                               "--queued", "2", "--kernels", "jnp", "--copy-gb", "0.01"])
     (row,) = rows
     assert (row["steps_per_call"], row["calls_per_sync"], row["batch"]) == (2, 2, 2)
-    assert row["ms_step_loop"] > 0 and row["ms_step_serving"] > 0 and row["roofline_ms"] > 0 and row["bytes_must_move"] > 0
+    assert row["ms_step_loop"] > 0 and row["ms_step_serving"] > 0
+    assert row["roofline_ms"] > 0 and row["bytes_must_move"] > 0
     assert row["ratio_serving"] == row["ms_step_serving"] / row["roofline_ms"]
     assert "(the loop: 2 steps per api.generate call, 2 call(s) per host sync; serving:" in capsys.readouterr().out
 

@@ -30,6 +30,11 @@ def test_step_parses(name, argv):
         importlib.import_module(module).parse_args([*args, *out])
 
 
-def test_a_wrong_argument_list_fails():
+def test_the_check_catches_a_wrong_list_and_a_missing_module():
+    """The twenty-ninth session's wrong step (a stray "160") and a module that does not exist both fail the check."""
     with pytest.raises(SystemExit):
-        importlib.import_module("experiments.bench_decode").parse_args(["--batch", "1", "--steps", "160", "160"])
+        test_step_parses("bad", ("experiments.bench_decode", "--batch", "1", "--steps", "160", "160", "--chunk", "40"))
+    with pytest.raises(AssertionError):
+        test_step_parses("missing", ("experiments.device_runs.no_such_script",))
+    with pytest.raises(AssertionError):
+        test_step_parses("missing", ("pytest", "tests/test_no_such_file.py", "-q"))
