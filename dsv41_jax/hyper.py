@@ -92,8 +92,8 @@ def sublayer_input(mix: HyperMix, norm: RMSNorm, h_btcd: jax.Array, pre_mix_btc:
     norm(collapse(h, pre_mix)) [B, T, D] in h's dtype (pre_mix [B, T, hc]: the previous sub-layer's pre).
     A GPU decode step's few rows (`kernels.hyper_in_on`) take XLA's projection dot and one kernel
     (`kernels_pallas.gpu_hyper`; two with `kernels.HYPER_SPLIT`) where XLA ran ~6 small ones; values equal to f32
-    summation order (the kernel rounds a bf16 stream's collapsed row to bf16 before the norm, as written here; XLA on a GPU skips
-    that rounding in this jnp path: tests/test_hyper_kernel.py)."""
+    summation order (the kernel rounds a bf16 stream's collapsed row to bf16 before the norm, as written here;
+    XLA on a GPU skips that rounding in this jnp path: tests/test_hyper_kernel.py)."""
     b, t, c, dim = h_btcd.shape
     if not kernels_mod.hyper_in_on(kernels, b * t, c, dim):
         return (*mix(h_btcd), norm(collapse(h_btcd, pre_mix_btc)))
