@@ -72,17 +72,29 @@ def build_levels(scores_rn: jax.Array, k: int, first: jax.Array | None = None) -
     return levels
 
 
-def _kth_key(keys: jax.Array, k: int) -> jax.Array:
-    """Largest int32 x with #(keys >= x) >= k (EMPTY_KEY when fewer than k real entries).
+def _kth_key(keys: jax.Array, k: int, floor: jax.Array) -> jax.Array:
+    """Largest int32 x with #(keys >= x) >= k (EMPTY_KEY when fewer than k real entries), or a smaller x >= floor
+    with #(keys >= x) == k exactly: the search stops there, since {keys >= x} is then the same k entries as
+    {keys >= the k-th largest} and a threshold x selects the same set (distinct scores separate after ~20 of
+    the 32 bits; ties at the k-th run all 32). As a level's bound x is still at most the row's k-th largest,
+    and a bound above the last one still clears the entries dropped at it (`complete`): those are <= the last
+    bound < x <= the final threshold.
 
     Built bit by bit in the unsigned image of the signed order: adding 2**bit with int32 wrap-around.
     """
-    def body(i, res):
+    def step(carry):
+        i, res, n_ge = carry
         cand = res + jnp.left_shift(jnp.int32(1), 31 - i)
         cnt = jnp.sum((keys >= cand).astype(jnp.int32))
-        return jnp.where(cnt >= k, cand, res)
+        take = cnt >= k
+        return i + 1, jnp.where(take, cand, res), jnp.where(take, cnt, n_ge)
 
-    return jax.lax.fori_loop(0, 32, body, jnp.int32(decode.EMPTY_KEY))
+    def searching(carry):
+        i, res, n_ge = carry
+        return (i < 32) & ((n_ge != k) | (res < floor))
+
+    n_all = jnp.int32(keys.shape[0])  # every lane is >= EMPTY_KEY
+    return jax.lax.while_loop(searching, step, (jnp.int32(0), jnp.int32(decode.EMPTY_KEY), n_all))[1]
 
 
 def _load_keys(ref, r, idx, valid):
@@ -102,7 +114,7 @@ def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, top_width:
     bound = jnp.int32(decode.NEG_INF_KEY)
     complete = jnp.bool_(True)
     for lvl in range(top, 0, -1):
-        new_bound = jnp.maximum(bound, _kth_key(keys, k))
+        new_bound = jnp.maximum(bound, _kth_key(keys, k, floor=bound))
         n_ge = jnp.sum((keys >= new_bound).astype(jnp.int32))
         take_ties = n_ge <= k
         complete = ((new_bound > bound) | complete) & take_ties
@@ -123,7 +135,7 @@ def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, top_width:
 
     # A row of at most k entries keeps every one above -inf: no threshold to search (a candidate-block row at
     # contexts up to k blocks, a top-k row up to k positions).
-    thr = bound if top == 0 and sizes[0] <= k else jnp.maximum(bound, _kth_key(keys, k))
+    thr = bound if top == 0 and sizes[0] <= k else jnp.maximum(bound, _kth_key(keys, k, floor=bound))
     quota = k - jnp.sum((keys > thr).astype(jnp.int32))
     ties_count = thr > decode.NEG_INF_KEY  # -inf is never selected
     rescan = (thr == bound) & jnp.logical_not(complete) & ties_count

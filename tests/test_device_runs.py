@@ -38,3 +38,13 @@ def test_the_check_catches_a_wrong_list_and_a_missing_module():
         test_step_parses("missing", ("experiments.device_runs.no_such_script",))
     with pytest.raises(AssertionError):
         test_step_parses("missing", ("pytest", "tests/test_no_such_file.py", "-q"))
+
+
+@pytest.mark.parametrize("end", sorted(issue12_decode.TREES))
+def test_each_revert_applies_to_this_tree(end, tmp_path):
+    """A step ending in `end` runs in a copy of the tree with its list of changes taken back: each change's text must
+    occur once (tree_before raises on the device otherwise, before the step runs)."""
+    from experiments.device_runs._steps import tree_before
+    root = tree_before(issue12_decode.TREES[end], str(tmp_path / "tree"))
+    for path, _, before in issue12_decode.TREES[end]:
+        assert before in open(os.path.join(root, path)).read()

@@ -118,16 +118,41 @@ def _rows(name, rng):
         return np.where(rng.random((3, n)) < 0.5, 0.0, -0.0)
     if name == "short":
         return rng.normal(size=(2, 5))
+    if name == "slice_row":  # the slice's top-512 at 4K: one level of 4352 entries, the threshold's search stops early
+        return rng.normal(size=(2, 4352))
+    if name == "slice_row_ties":  # ... and ties at the 512th: the search runs all 32 bits
+        return np.round(rng.normal(size=(2, 4352)) * 2) / 2
     raise KeyError(name)
 
 
 @pytest.mark.parametrize("name,k", [("normal", 8), ("two_levels", 64), ("one_wide_level", 64), ("three_levels", 64),
                                     ("rounded_ties", 8), ("rounded_ties", 64), ("all_equal", 8), ("block_ties", 64), ("neg_inf", 16),
                                     ("signed_zero", 64), ("short", 8), ("neg_inf", 4096), ("signed_zero", 4096),
-                                    ("all_equal", 3000)])
+                                    ("all_equal", 3000), ("slice_row", 512), ("slice_row_ties", 512)])
 def test_select_topk(name, k):
     s = jnp.asarray(_rows(name, np.random.default_rng(k)), jnp.float32)
     np.testing.assert_array_equal(gpu_select.select_topk(s, k, interpret=INTERPRET), topk_ref(s, k))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_threshold_search_stops_only_where_the_same_entries_are_selected(seed):
+    """`_kth_key` returns the k-th largest key, or a smaller prefix x >= floor with exactly k keys >= x (the same
+    k entries); on distinct scores it does stop early (x below the k-th largest)."""
+    rng = np.random.default_rng(seed)
+    scores = rng.normal(size=4352).astype(np.float32)
+    scores[: 40 * seed] = np.round(scores[: 40 * seed])  # seeds 1-3: some ties, none at the 512th below
+    keys = decode.ordered_key(jnp.asarray(scores))
+    sorted_keys = np.sort(np.asarray(keys))[::-1]
+    exact = int(sorted_keys[511])
+    assert sorted_keys[512] < exact  # no tie at the 512th: an early stop exists
+    search = jax.jit(gpu_select._kth_key, static_argnums=1)
+    for floor in (decode.NEG_INF_KEY, int(sorted_keys[600]), exact - 1, exact):
+        got = int(search(keys, 512, jnp.int32(floor)))
+        assert floor <= got <= exact
+        assert got == exact or int(jnp.sum(keys >= got)) == 512
+    assert int(search(keys, 512, jnp.int32(decode.NEG_INF_KEY))) < exact
+    ties = decode.ordered_key(jnp.asarray(np.round(scores * 2) / 2))  # ties at the 512th: the exact key
+    assert int(search(ties, 512, jnp.int32(decode.NEG_INF_KEY))) == int(np.sort(np.asarray(ties))[::-1][511])
 
 
 def test_select_topk_k1_and_leading_dims():

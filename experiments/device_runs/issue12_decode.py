@@ -37,6 +37,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split  # ~8 min: tests, b1 profiles A/B
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split_points  # ~5 min: b1 A/B, b8 after
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode while_graph  # ~5 min: the loop as one graph, b1
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode select_exit  # ~4.5 min: top-k search stop, b1
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -321,6 +322,21 @@ GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
                          ("bench_slice_b1_while", B1_POINT, 110, WHILE_GRAPH),
                          ("profile_slice_b1_while", slice_profile(1, 20, top=20, queued=4), 100, WHILE_GRAPH)]
 
+# thirtieth session (no GPU lent): the top-k kernel's threshold search stops once exactly k keys are at or above
+# its prefix (`gpu_select._kth_key`; ~20 of 32 steps on distinct scores, CPU simulation of the 4352-entry row).
+# `select_exit`: the selection's GPU tests compiled, then the slice's batch-1 profile with the full 32-step search
+# (a copy of the tree) and as it is; the select rows of the two profiles (three launches a step, 8-21 us each in
+# call 7) and the step's GPU time (~4.5 min)
+SELECT_FULL = [("kernels_pallas/gpu_select.py", "return (i < 32) & ((n_ge != k) | (res < floor))", "return i < 32")]
+GROUPS["select_exit"] = [("select_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "-q", "-p", "no:cacheprovider",
+                                               "-k", "select or candidate or threshold"], 120, {"JAX_PLATFORMS": "cuda"})] + [
+    (f"profile_slice_b1{side}", AB_PROFILE_B1, 100, {}) for side in ("_select_full", "")]
+
+
+# a step whose name ends in one of these runs in a copy of the tree with that list of changes taken back
+TREES = {"_before": SINCE_MEASURED, "_scan_off": SCAN_OFF, "_attention_off": ATTENTION_OFF, "_xload_off": XLOAD_OFF,
+         "_select_full": SELECT_FULL}
+
 
 def last_table(log: str, name: str) -> str:
     """The bench's final table (the profile's summary and source table), or the log's tail if it has none."""
@@ -341,9 +357,7 @@ def last_table(log: str, name: str) -> str:
 
 if __name__ == "__main__":
     steps = GROUPS[sys.argv[1] if len(sys.argv) > 1 else "default"]
-    # a step whose name ends in one of these runs in a copy of the tree with that list of changes taken back
-    trees = {"_before": SINCE_MEASURED, "_scan_off": SCAN_OFF, "_attention_off": ATTENTION_OFF, "_xload_off": XLOAD_OFF}
-    trees = {end: tree_before(reverts, f"/tmp/tree{end}") for end, reverts in trees.items()
+    trees = {end: tree_before(reverts, f"/tmp/tree{end}") for end, reverts in TREES.items()
              if any(name.endswith(end) for name, *_ in steps)}
     for name, (module, *args), timeout_s, env in steps:
         out = ["--out", os.path.join(OUT, f"{name}.json")] if module == "experiments.bench_decode" else []
