@@ -1,8 +1,6 @@
 """experiments.bench_decode on CPU: the loop's steps per call and calls per host sync reach its rows; the serving
 loop's timing."""
 
-import time
-
 import numpy as np
 
 from experiments import bench_decode
@@ -19,31 +17,43 @@ def test_bench_decode_times_queued_calls_on_tiny(capsys):
     assert "(the loop: 2 steps per api.generate call, 2 call(s) per host sync; serving:" in capsys.readouterr().out
 
 
+class _Clock:
+    """Virtual seconds: the host's own work takes none, waiting for a call's tokens moves time to their deadline."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
 class _Device:
     """A GPU stand-in running each dispatched call after the previous one, `seconds` each (the first `first`): a
-    call's tokens turn into an array once its deadline passes (np.asarray waits for it)."""
+    call's tokens turn into an array once its deadline passes (np.asarray waits for it, on `clock`)."""
 
-    def __init__(self, seconds: float, first: float):
-        self.seconds, self.first, self.end = seconds, first, None
+    def __init__(self, clock: _Clock, seconds: float, first: float):
+        self.clock, self.seconds, self.first, self.end = clock, seconds, first, None
 
     def __call__(self, cache):
-        now = time.perf_counter()
+        now = self.clock()
         self.end = now + self.first if self.end is None else max(now, self.end) + self.seconds
-        return _Tokens(self.end), None, cache + 1
+        return _Tokens(self.clock, self.end), None, cache + 1
 
 
 class _Tokens:
-    def __init__(self, ready: float):
-        self.ready = ready
+    def __init__(self, clock: _Clock, ready: float):
+        self.clock, self.ready = clock, ready
 
     def __array__(self, dtype=None, copy=None):
-        time.sleep(max(0.0, self.ready - time.perf_counter()))
+        self.clock.now = max(self.clock.now, self.ready)
         return np.zeros((1, 4), np.int32)
 
 
-def test_serving_loop_counts_the_steady_state_not_the_pipeline_filling():
+def test_serving_loop_counts_the_steady_state_not_the_pipeline_filling(monkeypatch):
     """Calls of 20 ms of 4 steps each, the first (as a call after a host wait) 200 ms: 5 ms per step, the first
     call's delay not counted, every call dispatched once (the cache threads through)."""
-    ms, cache = bench_decode.serving_loop_ms(_Device(0.02, 0.2), 0, calls=6, chunk=4)
+    clock = _Clock()
+    monkeypatch.setattr(bench_decode.time, "perf_counter", clock)
+    ms, cache = bench_decode.serving_loop_ms(_Device(clock, 0.02, 0.2), 0, calls=6, chunk=4)
     assert cache == 7
-    assert 4.5 < ms < 6.5, ms
+    assert abs(ms - 5.0) < 1e-9, ms
