@@ -6,7 +6,8 @@ max over 8 entries of level l-1). One program per row walks that pyramid from th
 
   at each level it holds at most 8k candidate entries (block maxima, ascending positions; the top level up
   to 16k, `top_capacity`: one search over 8k-16k entries costs less than two levels), finds the
-  k-th largest key among them by a 32-step bitwise search (count >= candidate, a block reduction), and
+  k-th largest key among them by a bitwise search of up to 32 steps (count >= candidate, a block reduction;
+  it stops once exactly k keys are at or above its prefix, after ~20 steps on distinct scores), and
   keeps only the children of the blocks at or above it: fewer than k blocks when their maxima are
   strictly above it, at most k when ties are taken too. Any block holding a top-k element has its
   maximum at or above the true k-th largest value, so nothing of the answer is dropped.
@@ -15,7 +16,7 @@ At level 0 the candidates are elements; the threshold T = max(bound, k-th larges
 output is every element > T plus the lowest positions among those == T, written in position order by a
 prefix sum. Only if ties at T were dropped on the way (more than k blocks tied at a bound) does the
 program rescan the whole row in position order; that path is exact and slow, and real scores hit it
-only on exact ties. Work per row: a few levels x 32 reductions over <= 8k entries, plus the pyramid
+only on exact ties. Work per row: a few levels x <= 32 reductions over <= 8k entries, plus the pyramid
 (1/7 of the row's bytes, written by the indexer kernel or by one XLA reduction).
 
 A row of at most k entries (a single level) skips the search: every entry above -inf is kept. Ordering uses
@@ -72,31 +73,6 @@ def build_levels(scores_rn: jax.Array, k: int, first: jax.Array | None = None) -
     return levels
 
 
-def _kth_key(keys: jax.Array, k: int, floor: jax.Array) -> jax.Array:
-    """Largest int32 x with #(keys >= x) >= k (EMPTY_KEY when fewer than k real entries), or a smaller x >= floor
-    with #(keys >= x) == k exactly: the search stops there, since {keys >= x} is then the same k entries as
-    {keys >= the k-th largest} and a threshold x selects the same set (distinct scores separate after ~20 of
-    the 32 bits; ties at the k-th run all 32). As a level's bound x is still at most the row's k-th largest,
-    and a bound above the last one still clears the entries dropped at it (`complete`): those are <= the last
-    bound < x <= the final threshold.
-
-    Built bit by bit in the unsigned image of the signed order: adding 2**bit with int32 wrap-around.
-    """
-    def step(carry):
-        i, res, n_ge = carry
-        cand = res + jnp.left_shift(jnp.int32(1), 31 - i)
-        cnt = jnp.sum((keys >= cand).astype(jnp.int32))
-        take = cnt >= k
-        return i + 1, jnp.where(take, cand, res), jnp.where(take, cnt, n_ge)
-
-    def searching(carry):
-        i, res, n_ge = carry
-        return (i < 32) & ((n_ge != k) | (res < floor))
-
-    n_all = jnp.int32(keys.shape[0])  # every lane is >= EMPTY_KEY
-    return jax.lax.while_loop(searching, step, (jnp.int32(0), jnp.int32(decode.EMPTY_KEY), n_all))[1]
-
-
 def _load_keys(ref, r, idx, valid):
     x = plt.load(ref.at[r, idx], mask=valid, other=-jnp.inf)
     return jnp.where(valid, decode.ordered_key(x), decode.EMPTY_KEY)
@@ -114,7 +90,7 @@ def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, top_width:
     bound = jnp.int32(decode.NEG_INF_KEY)
     complete = jnp.bool_(True)
     for lvl in range(top, 0, -1):
-        new_bound = jnp.maximum(bound, _kth_key(keys, k, floor=bound))
+        new_bound = jnp.maximum(bound, decode.kth_key(keys, k, floor=bound))
         n_ge = jnp.sum((keys >= new_bound).astype(jnp.int32))
         take_ties = n_ge <= k
         complete = ((new_bound > bound) | complete) & take_ties
@@ -135,7 +111,7 @@ def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, top_width:
 
     # A row of at most k entries keeps every one above -inf: no threshold to search (a candidate-block row at
     # contexts up to k blocks, a top-k row up to k positions).
-    thr = bound if top == 0 and sizes[0] <= k else jnp.maximum(bound, _kth_key(keys, k, floor=bound))
+    thr = bound if top == 0 and sizes[0] <= k else jnp.maximum(bound, decode.kth_key(keys, k, floor=bound))
     quota = k - jnp.sum((keys > thr).astype(jnp.int32))
     ties_count = thr > decode.NEG_INF_KEY  # -inf is never selected
     rescan = (thr == bound) & jnp.logical_not(complete) & ties_count

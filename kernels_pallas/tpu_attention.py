@@ -1,6 +1,7 @@
 """Sparse attention decode for TPU (Pallas, Mosaic TPU lowering). Same contract as `gpu_attention`.
 
-Checked in interpret mode only (no TPU here); not tuned on hardware.
+Checked in interpret mode and lowered by Mosaic for TPU v5e / v6e on the CPU (no TPU here); not tuned
+on hardware.
 
 One grid step per sequence. The selected entry rows are gathered from HBM by one small DMA each
 (indices by scalar prefetch) into VMEM; the window ring arrives as ordinary VMEM blocks. Keys are

@@ -1,6 +1,7 @@
 """Matmuls that read low-precision weights once, in their stored bytes (Pallas, Mosaic TPU lowering).
 
-Same contracts as `gpu_grouped`. Checked in interpret mode only (no TPU here); not tuned on hardware.
+Same contracts as `gpu_grouped`. Checked in interpret mode and lowered by Mosaic for TPU v5e / v6e on the CPU
+(no TPU here); not tuned on hardware.
 
 `grouped_matmul_fp4`: the routed experts. Rows of x are sorted by expert (`dsv41_jax.grouped`
 contract). The grid is (output column tile j, visit t): a visit is one row tile of tm aligned rows met

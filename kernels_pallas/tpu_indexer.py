@@ -1,6 +1,7 @@
 """Decode-step indexer scan for TPU (Pallas, Mosaic TPU lowering). Same contract as `gpu_indexer`.
 
-Checked in interpret mode only (no TPU here); not tuned on hardware.
+Checked in interpret mode and lowered by Mosaic for TPU v5e / v6e on the CPU (no TPU here); not tuned
+on hardware.
 
 Layout choices for the TPU: one grid step scores a tile of TN positions of one sequence from VMEM
 blocks (the pipeline streams the key bytes from HBM once). The MXU takes int8 x int8 -> int32 (v5e and

@@ -1,10 +1,12 @@
 """Exact top-k selection for TPU (Pallas, Mosaic TPU lowering). Same contract as `ops.select_topk`.
 
-Checked in interpret mode only (no TPU here); not tuned on hardware.
+Checked in interpret mode and lowered by Mosaic for TPU v5e / v6e on the CPU (no TPU here); not tuned
+on hardware.
 
 A TPU has no cheap scatter or gather inside a kernel, so this is the dense variant of the GPU
 algorithm: one grid step holds a whole row in VMEM (a 1M-position row is 4 MiB), finds the k-th
-largest key with the same 32-step bitwise count search over the row (VPU compares + reductions), and
+largest key with the same bitwise count search over the row (`decode.kth_key`: VPU compares + reductions,
+up to 32 passes, ~20 on distinct scores), and
 then compacts the selected positions in position order chunk by chunk with the MXU: an upper
 triangular matmul gives in-chunk prefix counts, and a one-hot [k, C] matrix times the chunk's
 positions scatters them to their output slots (positions < 2**24 are exact in f32). Chunks holding
@@ -28,15 +30,7 @@ CHUNK = 512  # positions compacted per MXU step
 def _kernel(s_ref, o_ref, *, n: int, k: int, kpad: int):
     keys_all = decode.ordered_key(s_ref[...])  # [1, Np]
 
-    def count_ge(c):
-        return jnp.sum((keys_all >= c).astype(jnp.int32))
-
-    def search(i, res):
-        cand = res + jnp.left_shift(jnp.int32(1), 31 - i)
-        return jnp.where(count_ge(cand) >= k, cand, res)
-
-    kth = jax.lax.fori_loop(0, 32, search, jnp.int32(decode.EMPTY_KEY))
-    thr = jnp.maximum(kth, decode.NEG_INF_KEY)  # -inf is never selected
+    thr = jnp.maximum(decode.kth_key(keys_all, k, decode.NEG_INF_KEY), decode.NEG_INF_KEY)  # -inf never selected
     quota = k - jnp.sum((keys_all > thr).astype(jnp.int32))
     ties_count = thr > decode.NEG_INF_KEY
     upper = (jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)

@@ -136,7 +136,7 @@ def test_select_topk(name, k):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_threshold_search_stops_only_where_the_same_entries_are_selected(seed):
-    """`_kth_key` returns the k-th largest key, or a smaller prefix x >= floor with exactly k keys >= x (the same
+    """`decode.kth_key` returns the k-th largest key, or a smaller prefix x >= floor with exactly k keys >= x (the same
     k entries); on distinct scores it does stop early (x below the k-th largest)."""
     rng = np.random.default_rng(seed)
     scores = rng.normal(size=4352).astype(np.float32)
@@ -145,7 +145,7 @@ def test_threshold_search_stops_only_where_the_same_entries_are_selected(seed):
     sorted_keys = np.sort(np.asarray(keys))[::-1]
     exact = int(sorted_keys[511])
     assert sorted_keys[512] < exact  # no tie at the 512th: an early stop exists
-    search = jax.jit(gpu_select._kth_key, static_argnums=1)
+    search = jax.jit(decode.kth_key, static_argnums=1)
     for floor in (decode.NEG_INF_KEY, int(sorted_keys[600]), exact - 1, exact):
         got = int(search(keys, 512, jnp.int32(floor)))
         assert floor <= got <= exact

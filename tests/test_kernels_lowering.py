@@ -3,7 +3,8 @@ FP8 / FP4 weights), of `small` and of `tiny` (float32: its dots in IEEE f32, dsv
 H200 with the Pallas kernels compiled (not interpreted), uses exactly the kernels each batch should, and every
 operation of their bodies has a Triton lowering.
 Compiling the Triton modules, and their values, need a GPU (tests/test_kernels_gpu.py and the kernels' own
-tests, compiled there)."""
+tests, compiled there). The same for a TPU: the step lowered for TPU v5e and v6e with the TPU kernels by Mosaic
+(their values: interpret mode, tests/test_kernels_tpu.py; compiling them needs a TPU)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dsv41_jax import api
 from dsv41_jax import kernels as dispatch
 from dsv41_jax.cache import init_cache
 from experiments.bench_decode import slice_config
-from tests.kernel_checks import lower_for_h200
+from tests.kernel_checks import lower_for_h200, lower_for_tpu
 
 SCAN = {"indexer_scores", "indexer_scores_pool", "topk_from_levels", "sparse_attention"}  # the cache side
 FEW = {"hyper_in", "route"}  # decode rows <= 8
@@ -70,3 +71,27 @@ def _check_lowering(preset, batch, hopper, want):
     assert found == want
     assert text.count("xla.gpu.triton") >= len(want - MOSAIC)
     assert text.count("mosaic_gpu") >= len(want & MOSAIC)
+
+
+TPU_SCAN = {"indexer_scores", "indexer_scores_pool", "select_topk", "sparse_attention"}  # no GPU-only kernel
+TPU_WEIGHTS = {"fp8_matmul", "grouped_matmul_fp4"}
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="lowered here for a TPU the CPU stands in for")
+@pytest.mark.parametrize("preset,batch,tokens,device_kind,want", [
+    ("v41-slice", 1, 1, "TPU v5 lite", TPU_SCAN | TPU_WEIGHTS),  # the weight kernels too
+    ("v41-slice", 64, 1, "TPU v6 lite", TPU_SCAN | TPU_WEIGHTS),
+    # a prefill chunk: the selection and the FP8 projections (<= 384 rows); XLA's experts and attention
+    ("v41-slice", 1, 256, "TPU v5 lite", {"select_topk", "fp8_matmul"}),
+    ("small", 1, 1, "TPU v5 lite", TPU_SCAN),  # float weights: XLA's dots
+])
+def test_forward_lowers_for_a_tpu(preset, batch, tokens, device_kind, want):
+    cfg = slice_config(weight_format="fp8") if preset == "v41-slice" else d.preset(preset)
+    cache = jax.eval_shape(lambda: init_cache(cfg, batch, 4096))
+    rows = lambda *shape: jax.ShapeDtypeStruct((batch, *shape), jnp.int32)
+    with mock.patch.object(kernels_pallas, "platform", lambda family=None: ("tpu", False)):  # compiled, not interpreted
+        text = lower_for_tpu(lambda p, c, t, n: api.forward(cfg, p, c, t, n, kernels="pallas"),
+                             api.abstract_params(cfg), cache, rows(tokens), rows(), device_kind=device_kind)
+    found = {re.sub(r"_\d+$", "", f) for f in re.findall(r"func\.func private @(\w+)", text)}
+    assert found & (KERNELS | TPU_SCAN | TPU_WEIGHTS) == want
+    assert text.count("tpu_custom_call") >= len(want) and "xla.gpu.triton" not in text

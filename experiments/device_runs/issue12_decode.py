@@ -323,11 +323,11 @@ GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
                          ("profile_slice_b1_while", slice_profile(1, 20, top=20, queued=4), 100, WHILE_GRAPH)]
 
 # thirtieth session (no GPU lent): the top-k kernel's threshold search stops once exactly k keys are at or above
-# its prefix (`gpu_select._kth_key`; ~20 of 32 steps on distinct scores, CPU simulation of the 4352-entry row).
+# its prefix (`decode.kth_key`; ~20 of 32 steps on distinct scores, CPU simulation of the 4352-entry row).
 # `select_exit`: the selection's GPU tests compiled, then the slice's batch-1 profile with the full 32-step search
 # (a copy of the tree) and as it is; the select rows of the two profiles (three launches a step, 8-21 us each in
 # call 7) and the step's GPU time (~4.5 min)
-SELECT_FULL = [("kernels_pallas/gpu_select.py", "return (i < 32) & ((n_ge != k) | (res < floor))", "return i < 32")]
+SELECT_FULL = [("kernels_pallas/decode.py", "return (i < 32) & ((n_ge != k) | (res < floor))", "return i < 32")]
 GROUPS["select_exit"] = [("select_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "-q", "-p", "no:cacheprovider",
                                                "-k", "select or candidate or threshold"], 120, {"JAX_PLATFORMS": "cuda"})] + [
     (f"profile_slice_b1{side}", AB_PROFILE_B1, 100, {}) for side in ("_select_full", "")]
