@@ -330,7 +330,8 @@ GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
 SELECT_FULL = [("kernels_pallas/decode.py", "return (i < 32) & ((n_ge != k) | (res < floor))", "return i < 32")]
 GROUPS["select_exit"] = [("select_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "-q", "-p", "no:cacheprovider",
                                                "-k", "select or candidate or threshold"], 120, {"JAX_PLATFORMS": "cuda"})] + [
-    (f"profile_slice_b1{side}", AB_PROFILE_B1, 100, {}) for side in ("_select_full", "")]
+    (f"profile_slice_b1{side}", slice_profile(1, 20, top=80, queued=4), 100, {})  # every select row printed
+    for side in ("_select_full", "")]
 
 
 # a step whose name ends in one of these runs in a copy of the tree with that list of changes taken back
