@@ -151,8 +151,10 @@ def test_threshold_search_stops_only_where_the_same_entries_are_selected(seed):
         assert floor <= got <= exact
         assert got == exact or int(jnp.sum(keys >= got)) == 512
     assert int(search(keys, 512, jnp.int32(decode.NEG_INF_KEY))) < exact
-    ties = decode.ordered_key(jnp.asarray(np.round(scores * 2) / 2))  # ties at the 512th: the exact key
-    assert int(search(ties, 512, jnp.int32(decode.NEG_INF_KEY))) == int(np.sort(np.asarray(ties))[::-1][511])
+    ties = decode.ordered_key(jnp.asarray(np.round(scores * 2) / 2))
+    sorted_ties = np.sort(np.asarray(ties))[::-1]
+    assert sorted_ties[512] == sorted_ties[511]  # ties at the 512th: no early stop, the exact key
+    assert int(search(ties, 512, jnp.int32(decode.NEG_INF_KEY))) == int(sorted_ties[511])
 
 
 def test_select_topk_k1_and_leading_dims():
