@@ -78,16 +78,18 @@ TPU_WEIGHTS = {"fp8_matmul", "grouped_matmul_fp4"}
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="lowered here for a TPU the CPU stands in for")
-@pytest.mark.parametrize("preset,batch,tokens,device_kind,want", [
-    ("v41-slice", 1, 1, "TPU v5 lite", TPU_SCAN | TPU_WEIGHTS),  # the weight kernels too
-    ("v41-slice", 64, 1, "TPU v6 lite", TPU_SCAN | TPU_WEIGHTS),
+@pytest.mark.parametrize("preset,batch,tokens,context,device_kind,want", [
+    ("v41-slice", 1, 1, 4096, "TPU v5 lite", TPU_SCAN | TPU_WEIGHTS),  # the weight kernels too
+    ("v41-slice", 64, 1, 4096, "TPU v6 lite", TPU_SCAN | TPU_WEIGHTS),
+    ("v41-slice", 8, 1, 131072, "TPU v6 lite", TPU_SCAN | TPU_WEIGHTS),  # long rows: scans and selects of 128K
+    ("v41-slice", 1, 1, 1 << 20, "TPU v5 lite", TPU_SCAN | TPU_WEIGHTS),  # ... and of 1M positions
     # a prefill chunk: the selection and the FP8 projections (<= 384 rows); XLA's experts and attention
-    ("v41-slice", 1, 256, "TPU v5 lite", {"select_topk", "fp8_matmul"}),
-    ("small", 1, 1, "TPU v5 lite", TPU_SCAN),  # float weights: XLA's dots
+    ("v41-slice", 1, 256, 4096, "TPU v5 lite", {"select_topk", "fp8_matmul"}),
+    ("small", 1, 1, 4096, "TPU v5 lite", TPU_SCAN),  # float weights: XLA's dots
 ])
-def test_forward_lowers_for_a_tpu(preset, batch, tokens, device_kind, want):
+def test_forward_lowers_for_a_tpu(preset, batch, tokens, context, device_kind, want):
     cfg = slice_config(weight_format="fp8") if preset == "v41-slice" else d.preset(preset)
-    cache = jax.eval_shape(lambda: init_cache(cfg, batch, 4096))
+    cache = jax.eval_shape(lambda: init_cache(cfg, batch, context))
     rows = lambda *shape: jax.ShapeDtypeStruct((batch, *shape), jnp.int32)
     with mock.patch.object(kernels_pallas, "platform", lambda family=None: ("tpu", False)):  # compiled, not interpreted
         text = lower_for_tpu(lambda p, c, t, n: api.forward(cfg, p, c, t, n, kernels="pallas"),
