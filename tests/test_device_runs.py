@@ -48,3 +48,22 @@ def test_each_revert_applies_to_this_tree(end, tmp_path):
     root = tree_before(issue12_decode.TREES[end], str(tmp_path / "tree"))
     for path, _, before in issue12_decode.TREES[end]:
         assert before in open(os.path.join(root, path)).read()
+
+
+def test_keep_hlo_keeps_the_largest_optimized_module(tmp_path, monkeypatch):
+    """The largest `*after_optimizations.txt` of a dump comes back gzipped under $OUT; none there is an error that
+    names the flags."""
+    import gzip
+
+    from experiments.device_runs import keep_hlo
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "module_1.jit_small.sm_9.0_gpu_after_optimizations.txt").write_text("HloModule small\n")
+    (dump / "module_2.jit__generate.sm_9.0_gpu_after_optimizations.txt").write_text("HloModule big\n" * 50)
+    (dump / "module_2.jit__generate.sm_9.0_gpu_after_optimizations-buffer-assignment.txt").write_text("x" * 9999)
+    monkeypatch.setattr(keep_hlo, "OUT", str(tmp_path / "out"))
+    kept = keep_hlo.keep(str(dump), "b1")
+    assert kept == str(tmp_path / "out" / "b1.hlo.txt.gz")
+    assert gzip.open(kept, "rt").read() == "HloModule big\n" * 50
+    with pytest.raises(ValueError, match="xla_dump_to"):
+        keep_hlo.keep(str(tmp_path), "none")
