@@ -158,16 +158,19 @@ def topk_from_levels(levels: list[jax.Array], k: int, *, num_warps: int | None =
         widest = max(top_width, cap if len(levels) > 1 else 0)
         num_warps = 4 if widest <= 1024 else 8 if widest <= 8192 else 16
     kernel = functools.partial(_kernel, sizes=sizes, k=k, kp=kp, cap=cap, top_width=top_width, interpret=interpret)
-    # Both outputs carry one spare column: lanes a masked scatter skips point there, so that interpret
-    # mode (which writes masked lanes back with their old value) cannot clobber a real slot.
+    # Interpreted, both outputs carry one spare column: lanes a masked scatter skips point there, so that
+    # interpret mode (which writes masked lanes back with their old value) cannot clobber a real slot. Compiled,
+    # a masked lane writes nothing, and the output is [rows, k] itself: its slice to k columns is an XLA copy
+    # between the select and the attention kernel that reads it (likely one of the b1 step's memcpys there).
+    width = kp + 1 if interpret else k
     out, _ = pl.pallas_call(
         kernel, grid=(rows,), interpret=interpret,
-        out_shape=[jax.ShapeDtypeStruct((rows, kp + 1), jnp.int32),
+        out_shape=[jax.ShapeDtypeStruct((rows, width), jnp.int32),
                    jax.ShapeDtypeStruct((rows, max(1, len(levels) - 1), kp + 1), jnp.int32)],  # scratch
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name="select_topk",
     )(*levels)
-    return out[:, :k]
+    return out if width == k else out[:, :k]
 
 
 def select_topk(scores: jax.Array, k: int, *, interpret: bool = False, **options) -> jax.Array:

@@ -327,7 +327,9 @@ GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
 # `select_exit`: the selection's GPU tests compiled, then the slice's batch-1 profile with the full 32-step search
 # (a copy of the tree) and as it is; the select rows of the two profiles (three launches a step, 8-21 us each in
 # call 7) and the step's GPU time (~5 min)
-SELECT_FULL = [("kernels_pallas/decode.py", "return (i < 32) & ((n_ge != k) | (res < floor))", "return i < 32")]
+# The same A/B also takes back the compiled select's output of k columns (was kp + 1, sliced: a copy in the step)
+SELECT_FULL = [("kernels_pallas/decode.py", "return (i < 32) & ((n_ge != k) | (res < floor))", "return i < 32"),
+               ("kernels_pallas/gpu_select.py", "width = kp + 1 if interpret else k", "width = kp + 1")]
 # The second profile also dumps the generation loop's optimized HLO, kept gzipped (`keep_hlo`): what XLA made of
 # the step on the GPU (e.g. the ~10 memcpys a step, some between a select and the attention that reads it), to be
 # read on a CPU afterwards
