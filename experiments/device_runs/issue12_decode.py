@@ -37,7 +37,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split  # ~8 min: tests, b1 profiles A/B
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split_points  # ~5 min: b1 A/B, b8 after
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode while_graph  # ~5 min: the loop as one graph, b1
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode select_exit  # ~5 min: top-k search stop, b1; the HLO
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode serial_ab  # ~5 min: select, sampling A/B, b1; HLO
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -322,28 +322,35 @@ GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
                          ("bench_slice_b1_while", B1_POINT, 110, WHILE_GRAPH),
                          ("profile_slice_b1_while", slice_profile(1, 20, top=20, queued=4), 100, WHILE_GRAPH)]
 
-# thirtieth session (no GPU lent): the top-k kernel's threshold search stops once exactly k keys are at or above
-# its prefix (`decode.kth_key`; ~20 of 32 steps on distinct scores, CPU simulation of the 4352-entry row).
-# `select_exit`: the selection's GPU tests compiled, then the slice's batch-1 profile with the full 32-step search
-# (a copy of the tree) and as it is; the select rows of the two profiles (three launches a step, 8-21 us each in
-# call 7) and the step's GPU time (~5 min)
-# The same A/B also takes back the compiled select's output of k columns (was kp + 1, sliced: a copy in the step)
-SELECT_FULL = [("kernels_pallas/decode.py", "return (i < 32) & ((n_ge != k) | (res < floor))", "return i < 32"),
-               ("kernels_pallas/gpu_select.py", "width = kp + 1 if interpret else k", "width = kp + 1")]
+# thirtieth session (no GPU lent), three changes on the batch-1 step's serial path, exact, untimed: the top-k
+# kernel's threshold search stops once exactly k keys are at or above its prefix (`decode.kth_key`; ~20 of 32 steps
+# on distinct scores, CPU simulation of the 4352-entry row); the compiled select's output is [rows, k] itself (was
+# kp + 1 columns, sliced: a copy before the attention kernel); the sampling is one argmax over the vocabulary (was
+# the greedy and the Gumbel-max argmax and a select). `serial_ab`: the selection's GPU tests compiled, then the
+# slice's batch-1 profile with the three taken back (a copy of the tree) and as it is: the select rows (three
+# launches a step, 8-21 us each in call 7), the sampling's reductions (`vmap()/reduce`, 4 a step), the memcpys and
+# the step's GPU time (~5 min)
+SERIAL_OFF = [("kernels_pallas/decode.py", "return (i < 32) & ((n_ge != k) | (res < floor))", "return i < 32"),
+              ("kernels_pallas/gpu_select.py", "width = kp + 1 if interpret else k", "width = kp + 1"),
+              ("dsv41_jax/sampling.py",
+               "drawn = jax.random.gumbel(key, logits.shape, logits.dtype) + logits / jnp.maximum(t, 1e-5)\n"
+               "        return jnp.argmax(jnp.where(t > 0, drawn, logits)).astype(jnp.int32)",
+               "drawn = jax.random.categorical(key, logits / jnp.maximum(t, 1e-5))\n"
+               "        return jnp.where(t > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)")]
 # The second profile also dumps the generation loop's optimized HLO, kept gzipped (`keep_hlo`): what XLA made of
 # the step on the GPU (e.g. the ~10 memcpys a step, some between a select and the attention that reads it), to be
 # read on a CPU afterwards
 HLO_DUMP = {"XLA_FLAGS": "--xla_dump_to=/tmp/i12_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*generate.*"}
-GROUPS["select_exit"] = [("select_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "-q", "-p", "no:cacheprovider",
-                                               "-k", "select or candidate or threshold"], 120, {"JAX_PLATFORMS": "cuda"})] + [
+GROUPS["serial_ab"] = [("select_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "-q", "-p", "no:cacheprovider",
+                                             "-k", "select or candidate or threshold"], 120, {"JAX_PLATFORMS": "cuda"})] + [
     (f"profile_slice_b1{side}", slice_profile(1, 20, top=80, queued=4), 100, env)  # every select row printed
-    for side, env in (("_select_full", {}), ("", HLO_DUMP))] + [
+    for side, env in (("_serial_off", {}), ("", HLO_DUMP))] + [
     ("keep_hlo_b1", ["experiments.device_runs.keep_hlo", "/tmp/i12_hlo", "slice_b1_generate"], 30, {})]
 
 
 # a step whose name ends in one of these runs in a copy of the tree with that list of changes taken back
 TREES = {"_before": SINCE_MEASURED, "_scan_off": SCAN_OFF, "_attention_off": ATTENTION_OFF, "_xload_off": XLOAD_OFF,
-         "_select_full": SELECT_FULL}
+         "_serial_off": SERIAL_OFF}
 
 
 def last_table(log: str, name: str) -> str:
