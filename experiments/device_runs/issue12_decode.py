@@ -326,7 +326,7 @@ GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
 # kernel's threshold search stops once exactly k keys are at or above its prefix (`decode.kth_key`; ~20 of 32 steps
 # on distinct scores, CPU simulation of the 4352-entry row); the compiled select's output is [rows, k] itself (was
 # kp + 1 columns, sliced: a copy before the attention kernel); the sampling is one argmax over the vocabulary (was
-# the greedy and the Gumbel-max argmax and a select). `serial_ab`: the selection's GPU tests compiled, then the
+# the greedy and the Gumbel-max argmax and a select). `serial_ab`: the selection's and the sampling's GPU tests, then the
 # slice's batch-1 profile with the three taken back (a copy of the tree) and as it is: the select rows (three
 # launches a step, 8-21 us each in call 7), the sampling's reductions (`vmap()/reduce`, 4 a step), the memcpys and
 # the step's GPU time (~5 min)
@@ -341,8 +341,9 @@ SERIAL_OFF = [("kernels_pallas/decode.py", "return (i < 32) & ((n_ge != k) | (re
 # the step on the GPU (e.g. the ~10 memcpys a step, some between a select and the attention that reads it), to be
 # read on a CPU afterwards
 HLO_DUMP = {"XLA_FLAGS": "--xla_dump_to=/tmp/i12_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*generate.*"}
-GROUPS["serial_ab"] = [("select_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "-q", "-p", "no:cacheprovider",
-                                             "-k", "select or candidate or threshold"], 120, {"JAX_PLATFORMS": "cuda"})] + [
+GROUPS["serial_ab"] = [("serial_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "tests/test_sampling.py", "-q", "-p",
+                                             "no:cacheprovider", "-k", "select or candidate or threshold or sample"],
+                       120, {"JAX_PLATFORMS": "cuda"})] + [
     (f"profile_slice_b1{side}", slice_profile(1, 20, top=80, queued=4), 100, env)  # every select row printed
     for side, env in (("_serial_off", {}), ("", HLO_DUMP))] + [
     ("keep_hlo_b1", ["experiments.device_runs.keep_hlo", "/tmp/i12_hlo", "slice_b1_generate"], 30, {})]
