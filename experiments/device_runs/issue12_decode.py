@@ -326,10 +326,10 @@ GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
 # kernel's threshold search stops once exactly k keys are at or above its prefix (`decode.kth_key`; ~20 of 32 steps
 # on distinct scores, CPU simulation of the 4352-entry row); the compiled select's output is [rows, k] itself (was
 # kp + 1 columns, sliced: a copy before the attention kernel); the sampling is one argmax over the vocabulary (was
-# the greedy and the Gumbel-max argmax and a select). `serial_ab`: the selection's and the sampling's GPU tests, then the
-# slice's batch-1 profile with the three taken back (a copy of the tree) and as it is: the select rows (three
-# launches a step, 8-21 us each in call 7), the sampling's reductions (`vmap()/reduce`, 4 a step), the memcpys and
-# the step's GPU time (~5 min)
+# the greedy and the Gumbel-max argmax and a select). `serial_ab`: the selection's and the sampling's GPU tests,
+# then the slice's batch-1 profile with the three taken back (a copy of the tree) and as it is: the select rows
+# (three launches a step, 8-21 us each in call 7), the sampling's reductions (`vmap()/reduce`, 4 a step), the
+# memcpys and the step's GPU time (~5 min)
 SERIAL_OFF = [("kernels_pallas/decode.py", "return (i < 32) & ((n_ge != k) | (res < floor))", "return i < 32"),
               ("kernels_pallas/gpu_select.py", "width = kp + 1 if interpret else k", "width = kp + 1"),
               ("dsv41_jax/sampling.py",
