@@ -16,7 +16,7 @@ def sample(logits_bv, temperature_b, seed_b, step_b):
 
     The draw is `jax.random.categorical`'s Gumbel-max, argmax(gumbel(key) + logits / t), written out so that one
     argmax over the vocabulary serves both cases (the row's values where t == 0): a decode step's sampling is
-    one reduction on its serial path rather than two and a select (the same ids, tests/test_sampling.py)."""
+    one argmax on its serial path rather than two and a select (the same ids, tests/test_sampling.py)."""
     def one(logits, t, seed, step):
         key = jax.random.fold_in(jax.random.key(seed), step)
         drawn = jax.random.gumbel(key, logits.shape, logits.dtype) + logits / jnp.maximum(t, 1e-5)

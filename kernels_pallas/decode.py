@@ -57,17 +57,8 @@ NEG_INF_KEY = -0x7F800000 - 1  # ordered_key(-inf) = 0x807fffff as int32
 EMPTY_KEY = -(2 ** 31)  # below every float: padding that is never selected
 
 
-def kth_key(keys: jax.Array, k: int, floor) -> jax.Array:
-    """Over all of `keys` (int32 `ordered_key`s, any shape): the largest x with #(keys >= x) >= k (EMPTY_KEY when
-    fewer than k real entries), or a smaller x >= floor with #(keys >= x) == k exactly. The top-k kernels' threshold.
-
-    A bitwise search in the unsigned image of the signed order (adding 2**bit with int32 wrap-around), one count
-    (a block reduction) a step. It stops once exactly k keys are at or above its prefix x (and x >= floor):
-    {keys >= x} is then the same k entries as {keys >= the k-th largest}, so a threshold x selects the same set;
-    distinct scores separate after ~20 of the 32 bits, ties at the k-th run all 32. As a bound passed down the GPU
-    kernel's levels, x is still at most the row's k-th largest, and one above the last bound still clears the
-    entries dropped at it (`gpu_select`'s `complete`): those are <= the last bound < x <= the final threshold.
-    """
+def kth_search(keys: jax.Array, k: int, floor) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`kth_key`'s search: (steps taken int32, x, #(keys >= x)); the steps for `experiments.select_steps`."""
     def step(carry):
         i, res, n_ge = carry
         cand = res + jnp.left_shift(jnp.int32(1), 31 - i)
@@ -80,7 +71,22 @@ def kth_key(keys: jax.Array, k: int, floor) -> jax.Array:
         return (i < 32) & ((n_ge != k) | (res < floor))
 
     n_all = jnp.int32(keys.size)  # every lane is >= EMPTY_KEY
-    return jax.lax.while_loop(searching, step, (jnp.int32(0), jnp.int32(EMPTY_KEY), n_all))[1]
+    return jax.lax.while_loop(searching, step, (jnp.int32(0), jnp.int32(EMPTY_KEY), n_all))
+
+
+def kth_key(keys: jax.Array, k: int, floor) -> jax.Array:
+    """Over all of `keys` (int32 `ordered_key`s, any shape): the largest x with #(keys >= x) >= k (EMPTY_KEY when
+    fewer than k real entries), or a smaller x >= floor with #(keys >= x) == k exactly. The top-k kernels' threshold.
+
+    A bitwise search in the unsigned image of the signed order (adding 2**bit with int32 wrap-around), one count
+    (a block reduction) a step. It stops once exactly k keys are at or above its prefix x (and x >= floor):
+    {keys >= x} is then the same k entries as {keys >= the k-th largest}, so a threshold x selects the same set;
+    distinct scores separate after 13-26 of the 32 bits (rows of 4352, k 512: `python -m experiments.select_steps`),
+    ties at the k-th run all 32. As a bound passed down the GPU kernel's levels, x is still at most the row's k-th
+    largest, and one above the last bound still clears the entries dropped at it (`gpu_select`'s `complete`): those
+    are <= the last bound < x <= the final threshold.
+    """
+    return kth_search(keys, k, floor)[1]
 
 
 # -- arithmetic forms for Mosaic TPU, which has no float16 / float8 arithmetic on v5e and older ---------

@@ -7,7 +7,8 @@ max over 8 entries of level l-1). One program per row walks that pyramid from th
   at each level it holds at most 8k candidate entries (block maxima, ascending positions; the top level up
   to 16k, `top_capacity`: one search over 8k-16k entries costs less than two levels), finds the
   k-th largest key among them by a bitwise search of up to 32 steps (count >= candidate, a block reduction;
-  it stops once exactly k keys are at or above its prefix, after ~20 steps on distinct scores), and
+  it stops once exactly k keys are at or above its prefix: 13-26 steps on distinct scores, `python -m
+  experiments.select_steps`), and
   keeps only the children of the blocks at or above it: fewer than k blocks when their maxima are
   strictly above it, at most k when ties are taken too. Any block holding a top-k element has its
   maximum at or above the true k-th largest value, so nothing of the answer is dropped.
@@ -160,8 +161,8 @@ def topk_from_levels(levels: list[jax.Array], k: int, *, num_warps: int | None =
     kernel = functools.partial(_kernel, sizes=sizes, k=k, kp=kp, cap=cap, top_width=top_width, interpret=interpret)
     # Interpreted, both outputs carry one spare column: lanes a masked scatter skips point there, so that
     # interpret mode (which writes masked lanes back with their old value) cannot clobber a real slot. Compiled,
-    # a masked lane writes nothing, and the output is [rows, k] itself: its slice to k columns is an XLA copy
-    # between the select and the attention kernel that reads it (likely one of the b1 step's memcpys there).
+    # a masked lane writes nothing, and the output is [rows, k] itself: a slice to k columns would be materialized
+    # by XLA before the attention kernel (a custom call) that reads it (perhaps one of the b1 step's memcpys there).
     width = kp + 1 if interpret else k
     out, _ = pl.pallas_call(
         kernel, grid=(rows,), interpret=interpret,

@@ -212,3 +212,14 @@ def test_sparse_attention(b, h, d, w, n, k, variant, splits, block_k, head_block
     for i in range(1, b):
         err = float(jnp.linalg.norm(out[i] - ref[i]) / jnp.linalg.norm(ref[i]))
         assert err < 5e-3, (i, err)
+
+
+def test_select_steps_counts_an_early_stop_on_distinct_scores_and_32_on_ties(capsys):
+    """`experiments.select_steps` (the numbers the docs cite): fewer than 32 steps on every row of distinct scores,
+    all 32 on rows tied at the k-th."""
+    from experiments import select_steps
+    out = select_steps.main(["--n", "1000", "--k", "64", "--rows", "2"])
+    ties = "normal rounded to 0.5 (ties)"
+    assert all(s < 32 for kind, rows in out.items() if kind != ties for s in rows), out
+    assert out[ties] == [32, 32]
+    assert "| normal |" in capsys.readouterr().out

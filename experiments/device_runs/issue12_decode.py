@@ -323,8 +323,8 @@ GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
                          ("profile_slice_b1_while", slice_profile(1, 20, top=20, queued=4), 100, WHILE_GRAPH)]
 
 # thirtieth session (no GPU lent), three changes on the batch-1 step's serial path, exact, untimed: the top-k
-# kernel's threshold search stops once exactly k keys are at or above its prefix (`decode.kth_key`; ~20 of 32 steps
-# on distinct scores, CPU simulation of the 4352-entry row); the compiled select's output is [rows, k] itself (was
+# kernel's threshold search stops once exactly k keys are at or above its prefix (`decode.kth_key`; 13-26 of 32 steps
+# on distinct scores, rows of 4352: `python -m experiments.select_steps`); the compiled select's output is [rows, k] itself (was
 # kp + 1 columns, sliced: a copy before the attention kernel); the sampling is one argmax over the vocabulary (was
 # the greedy and the Gumbel-max argmax and a select). `serial_ab`: the selection's and the sampling's GPU tests,
 # then the slice's batch-1 profile with the three taken back (a copy of the tree) and as it is: the select rows
