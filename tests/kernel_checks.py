@@ -77,10 +77,9 @@ def lower_for_tpu(fn, *args, device_kind: str = "TPU v5 lite") -> str:
     host (jax.default_backend() "tpu"), the Pallas kernels by Mosaic TPU: what a CPU can check of the TPU kernels
     besides interpret mode, that every operation of their bodies has a Mosaic lowering for that generation
     (compiling the Mosaic modules needs a TPU)."""
-    from jax._src.mesh import AbstractDevice, AbstractMesh
-
-    tpu = AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),  # Explicit would type shardings
-                       abstract_device=AbstractDevice(device_kind, 1, "tpu"))
+    # the lowering reads the TPU generation from the abstract mesh's device; Auto axes (Explicit would type shardings)
+    tpu = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                    abstract_device=jax.sharding.AbstractDevice(device_kind, 1, "tpu"))
     with mock.patch.object(jax, "default_backend", lambda: "tpu"), jax.sharding.use_abstract_mesh(tpu):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
 
