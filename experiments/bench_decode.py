@@ -8,7 +8,8 @@
 
 Weights are random in the released formats (`--weight-format fp8`: FP8 + E8M0/32x32 projections, packed
 FP4 + E8M0/32 routed experts), generated on the device leaf by leaf; the cache is filled with random
-bytes in the released formats at the given context (`--context` tokens in every sequence). Each row:
+bytes in the released formats at the given context (`--context` tokens in every sequence, room for `ROOM` = 256
+more: its lengths go back to the context before a run of steps would pass that, `Room`). Each row:
 ms per step (median of `--steps` donated decode steps, after warm-up), the same with `--chunk` steps
 per call (`api.generate`: sampling on device; `--queued N`: N calls per host sync), the same in the serving loop's
 steady state (each call queued before the previous call's tokens are read back, as `experiments.decode` runs
@@ -132,9 +133,13 @@ def random_params(cfg, seed: int = 0):
     return jax.tree_util.tree_unflatten(tree, out)
 
 
+ROOM = 256  # tokens a random cache has room for past its context: the most steps run between two rewinds
+
+
 def random_cache(cfg, batch: int, context: int, seed: int = 1):
-    """A cache holding `context` tokens per sequence, every record random bytes in its format."""
-    shapes = jax.eval_shape(lambda: init_cache(cfg, batch, context + 256))
+    """A cache holding `context` tokens per sequence and room for `ROOM` more, every record random bytes in
+    its format."""
+    shapes = jax.eval_shape(lambda: init_cache(cfg, batch, context + ROOM))
     leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
     out = []
     for i, (path, s) in enumerate(leaves):
@@ -158,6 +163,27 @@ def random_cache(cfg, batch: int, context: int, seed: int = 1):
             v = jnp.zeros(s.shape, s.dtype)
         out.append(v)
     return jax.tree_util.tree_unflatten(tree, out)
+
+
+class Room:
+    """Keeps the steps run on a `random_cache` inside its capacity, so that every step reads a cache of
+    `context` to `context + ROOM` tokens (past the capacity a step's writes would fall off the arrays while
+    its reads still counted `context`). `before(cache, n)`, called outside any timed region ahead of n more
+    steps, sets the lengths back to `context` when those steps would pass the capacity: the positions after
+    it are rewritten, the bytes stay random."""
+
+    def __init__(self, context: int):
+        self.context, self.taken = context, 0
+
+    def before(self, cache, n: int):
+        if n > ROOM:
+            raise ValueError(f"{n} steps in one run pass the {ROOM} tokens of room of a random cache: run fewer "
+                             "steps per call (--chunk) or fewer calls per host sync (--queued)")
+        if self.taken + n > ROOM:
+            lengths = jax.device_put(np.full(cache.lengths.shape, self.context, np.int32), cache.lengths.sharding)
+            cache, self.taken = cache.replace(lengths=lengths), 0
+        self.taken += n
+        return cache
 
 
 # ----------------------------------------------------------------------------- bytes a step must move
@@ -281,7 +307,7 @@ def serving_loop_ms(gen, cache, calls: int, chunk: int):
 
 
 def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> dict:
-    cache = random_cache(cfg, batch, context)
+    cache, room = random_cache(cfg, batch, context), Room(context)
     tokens = jax.random.randint(jax.random.key(2), (batch,), 0, cfg.vocab_size)
     hit = experts_hit(cfg, params, cache, tokens)
     placement, n_dev, n_launch = None, 1, None
@@ -301,16 +327,19 @@ def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> 
     step = lambda c, t: api.decode_step(cfg, run_params, c, t, kernels=args.kernels, validate=False, donate=True,
                                         placement=placement)
     if placement is not None:  # no lowering on a mesh here: the first call's time, compile included
+        cache = room.before(cache, 1)
         t0 = time.perf_counter()
         logits, cache = step(cache, tokens)
         logits.block_until_ready()
         compile_s = time.perf_counter() - t0
     print(f"  compiled in {compile_s:.1f} s, {n_launch} launches; warming up", flush=True)
+    cache = room.before(cache, 3)
     for _ in range(3):
         logits, cache = step(cache, tokens)
     logits.block_until_ready()
     times = []
     for _ in range(args.steps):
+        cache = room.before(cache, 1)
         t = time.perf_counter()
         logits, cache = step(cache, tokens)
         logits.block_until_ready()
@@ -320,22 +349,31 @@ def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> 
     # the jitted loop: --chunk steps per call
     gen = lambda c: api.generate(cfg, run_params, c, tokens, args.chunk, kernels=args.kernels, validate=False,
                                  placement=placement)
-    toks, _, cache = gen(cache)
+    toks, _, cache = gen(room.before(cache, args.chunk))
     toks.block_until_ready()
     gtimes = []
     for _ in range(max(2, args.steps // (args.chunk * args.queued))):
+        cache = room.before(cache, args.chunk * args.queued)
         t = time.perf_counter()
         for _ in range(args.queued):  # queued behind each other, one host sync for the group
             toks, _, cache = gen(cache)
         toks.block_until_ready()
         gtimes.append((time.perf_counter() - t) / (args.chunk * args.queued))
     loop_ms = 1e3 * statistics.median(gtimes)
-    serving_ms, cache = serving_loop_ms(gen, cache, max(4, args.steps // args.chunk), args.chunk)
+    # serving runs of as many calls as the room holds (the first call of a run, the pipeline's filling, is not
+    # counted): the median run's ms per step
+    calls = max(4, args.steps // args.chunk)
+    per_run = min(calls, ROOM // args.chunk - 1)
+    serving = []
+    for _ in range(-(-calls // per_run)):
+        ms_run, cache = serving_loop_ms(gen, room.before(cache, (per_run + 1) * args.chunk), per_run, args.chunk)
+        serving.append(ms_run)
+    serving_ms = statistics.median(serving)
     prof = None
     if args.profile:
         def run():
             nonlocal cache
-            toks, _, cache = gen(cache)
+            toks, _, cache = gen(room.before(cache, args.chunk))
             toks.block_until_ready()
         prof = kernel_profile(run, os.path.join(args.profile, f"b{batch}_c{context}"), args.chunk, args.profile_top,
                               n_dev)
@@ -410,8 +448,12 @@ def main(argv=None) -> list[dict]:
     cfg = slice_config(**over) if args.preset == "v41-slice" else d.preset(args.preset, **over)
     if args.layers is not None:
         cfg = truncated(cfg, args.layers)
-    if max(args.context) + 256 > cfg.max_seq_len:
-        raise SystemExit(f"error: --context {max(args.context)} exceeds the preset's max_seq_len {cfg.max_seq_len} - 256")
+    if max(args.context) + ROOM > cfg.max_seq_len:
+        raise SystemExit(f"error: --context {max(args.context)} exceeds the preset's max_seq_len {cfg.max_seq_len} - "
+                         f"{ROOM}")
+    if args.chunk * max(2, args.queued) > ROOM:
+        raise SystemExit(f"error: --chunk {args.chunk} x max(2, --queued {args.queued}) steps must fit the {ROOM} "
+                         "tokens of room of the random cache")
     if args.mesh:
         try:  # before the params exist
             for b in args.batch:

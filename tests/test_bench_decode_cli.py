@@ -6,7 +6,12 @@ import numpy as np
 from experiments import bench_decode
 
 
-def test_bench_decode_times_queued_calls_on_tiny(capsys):
+def test_bench_decode_times_queued_calls_on_tiny(capsys, monkeypatch):
+    monkeypatch.setattr(bench_decode, "ROOM", 8)  # the cache's lengths rewound in every phase (Room)
+    rewinds = []
+    before = bench_decode.Room.before
+    monkeypatch.setattr(bench_decode.Room, "before", lambda self, cache, n: (
+        rewinds.append(self.taken + n > bench_decode.ROOM), before(self, cache, n))[1])
     rows = bench_decode.main(["--preset", "tiny", "--layers", "2", "--batch", "2", "--context", "256", "--steps", "4", "--chunk", "2",
                               "--queued", "2", "--kernels", "jnp", "--copy-gb", "0.01"])
     (row,) = rows
@@ -15,6 +20,7 @@ def test_bench_decode_times_queued_calls_on_tiny(capsys):
     assert row["roofline_ms"] > 0 and row["bytes_must_move"] > 0
     assert row["ratio_serving"] == row["ms_step_serving"] / row["roofline_ms"]
     assert "(the loop: 2 steps per api.generate call, 2 call(s) per host sync; serving:" in capsys.readouterr().out
+    assert sum(rewinds) >= 3, rewinds
 
 
 class _Clock:
@@ -57,3 +63,30 @@ def test_serving_loop_counts_the_steady_state_not_the_pipeline_filling(monkeypat
     ms, cache = bench_decode.serving_loop_ms(_Device(clock, 0.02, 0.2), 0, calls=6, chunk=4)
     assert cache == 7
     assert abs(ms - 5.0) < 1e-9, ms
+
+
+def test_room_rewinds_the_lengths_before_a_run_would_pass_the_capacity():
+    """Runs of steps on a random cache stay within its context + ROOM tokens: the lengths go back to the context
+    only when the next run would not fit, and a run longer than the room is refused with what to change."""
+    import jax.numpy as jnp
+    import pytest
+
+    from dsv41_jax.cache import Cache
+
+    cache = Cache(lengths=jnp.full((2,), 100, jnp.int32), window={}, window_start=jnp.zeros((1, 2), jnp.int32),
+                  sources=(), ngram_history=jnp.zeros((2, 1), jnp.int32))
+    room = bench_decode.Room(100)
+    taken = 0
+    for n in (100, 100, 56, 1, 80):
+        before = cache.lengths
+        cache = room.before(cache, n)
+        if taken + n > bench_decode.ROOM:
+            assert cache.lengths is not before and np.asarray(cache.lengths).tolist() == [100, 100]
+            cache, taken = cache.replace(lengths=cache.lengths + n), n
+        else:
+            assert cache.lengths is before
+            cache, taken = cache.replace(lengths=cache.lengths + n), taken + n
+        assert int(cache.lengths.max()) <= 100 + bench_decode.ROOM
+    assert room.taken == taken == 81
+    with pytest.raises(ValueError, match="--chunk"):
+        room.before(cache, bench_decode.ROOM + 1)
