@@ -146,13 +146,13 @@ class Attention(nnx.Module):
         start_b1 = inp.window_start_lb[p.layer][:, None]  # older ring slots are empty
         if inp.decode:
             valid_bw = ring_positions(lengths_b + inp.n_new_b, w) >= start_b1
-            if src is None:
-                ring_bwd = fmt.window_kv.decode(new_ring)
-                o_bthd = ops.attend(q_bthd, ring_bwd, valid_bw[:, None], self.attn_sink[...], self.scale)
-            else:
-                o_bthd = kernels.sparse_attention_decode(
+            if src is not None:  # its output comes with the rotation taken off, in the model's dtype
+                o_bhd = kernels.sparse_attention_decode(
                     q_bthd[:, 0], new_ring, valid_bw, fmt.window_kv, src.entries, topk_btk[:, 0], fmt.main_kv,
-                    self.attn_sink[...], self.scale, kernels=inp.kernels)[:, None]
+                    self.attn_sink[...], self.scale, pos_bt[:, 0], self.inv_freq, x_btd.dtype, kernels=inp.kernels)
+                return self.project(o_bhd[:, None], inp.kernels), new_ring, pub, LayerAux(window_view, record, ext)
+            o_bthd = ops.attend(q_bthd, fmt.window_kv.decode(new_ring), valid_bw[:, None], self.attn_sink[...],
+                                self.scale)
         else:
             old_pos_bw = ring_positions(lengths_b, w)
             kpos_bk = jnp.concatenate([old_pos_bw, pos_bt], axis=1)  # [B, W + T]
@@ -178,10 +178,14 @@ class Attention(nnx.Module):
     def project_out(self, o_bthd: jax.Array, pos_bt: jax.Array, dtype, kernels: str) -> jax.Array:
         """Attention output f32 [B, T, H, hd] -> [B, T, dim] in `dtype`: the query's rotation taken off
         the rope dims, then the grouped low-rank projection (wo_a per group of heads, then wo_b)."""
+        return self.project(apply_rope(o_bthd, pos_bt, self.inv_freq, inverse=True).astype(dtype), kernels)
+
+    def project(self, o_bthd: jax.Array, kernels: str) -> jax.Array:
+        """`project_out` after the rotation: o [B, T, H, hd] in the model's dtype -> [B, T, dim]."""
         cfg = self.cfg
         b, t, h, hd = o_bthd.shape
-        g = cfg.o_groups
-        o_btgd = apply_rope(o_bthd, pos_bt, self.inv_freq, inverse=True).astype(dtype).reshape(b, t, g, h * hd // g)
+        g, dtype = cfg.o_groups, o_bthd.dtype
+        o_btgd = o_bthd.reshape(b, t, g, h * hd // g)
         wo_a_grd = self.wo_a.weight[...].reshape(g, cfg.o_lora_rank, -1).astype(dtype)
         o_btgr = jnp.einsum("btgd,grd->btgr", o_btgd, wo_a_grd, preferred_element_type=jnp.float32).astype(dtype)
         return self.wo_b(o_btgr.reshape(b, t, g * cfg.o_lora_rank), kernels=kernels)

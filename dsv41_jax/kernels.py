@@ -39,6 +39,7 @@ import jax.numpy as jnp
 # beside it, in another thread) compiled a second time (experiments.decode --speculative on the H200).
 import kernels_pallas as _kp
 from dsv41_jax import grouped, ops, quant
+from dsv41_jax.rope import apply_rope, pair_angles
 from dsv41_jax.sequence_split import per_sequence
 
 _KERNEL_FORMATS = {  # what the kernels decode: the released record layouts
@@ -105,12 +106,19 @@ def candidate_blocks(bmax, reachable, n_blocks, block, *, kernels="jnp"):
 
 
 def sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry_rec, idx_bk, entry_codec,
-                            sink_h, scale, *, kernels="jnp"):
+                            sink_h, scale, pos_b, inv_freq, dtype, *, kernels="jnp"):
+    """[B, H, D] in `dtype`: `ops.sparse_attention_decode` with the query's rotation taken off its output
+    (`apply_rope(inverse=True)` at positions pos_b [B], what the attention's output projection reads). The
+    Pallas path merges its key ranges and turns the pairs back in one kernel; the jnp one is the model's own
+    ops, as before."""
     if _pallas(kernels, window_kv=window_codec, main_kv=entry_codec):
-        return per_sequence(lambda q, w, v, e, i, sink: _kp.sparse_attention_decode(q, w, v, e, i, sink, scale),
-                            q_bhd, window_rec, window_valid, entry_rec, idx_bk, shared=(sink_h,))
-    return ops.sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry_rec, idx_bk,
-                                       entry_codec, sink_h, scale)
+        cos_bp, sin_bp = pair_angles(pos_b, inv_freq, q_bhd.shape[-1])
+        return per_sequence(lambda q, w, v, e, i, c, s, sink: _kp.sparse_attention_decode(
+            q, w, v, e, i, sink, scale, unrotate=(c, s), out_dtype=dtype),
+            q_bhd, window_rec, window_valid, entry_rec, idx_bk, cos_bp, sin_bp, shared=(sink_h,))
+    o_bhd = ops.sparse_attention_decode(q_bhd, window_rec, window_valid, window_codec, entry_rec, idx_bk,
+                                        entry_codec, sink_h, scale)
+    return apply_rope(o_bhd[:, None], pos_b[:, None], inv_freq, inverse=True)[:, 0].astype(dtype)
 
 
 def _rows_on(kernels: str, rows: int, limit: int, gpu_only: bool = False) -> bool:

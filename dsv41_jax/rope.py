@@ -50,3 +50,13 @@ def apply_rope(x: jax.Array, pos: jax.Array, inv_freq: np.ndarray, inverse: bool
     re, im = tail[..., 0::2], tail[..., 1::2]
     rot = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1).reshape(tail.shape)
     return jnp.concatenate([head, rot.astype(x.dtype)], axis=-1)
+
+
+def pair_angles(pos: jax.Array, inv_freq: np.ndarray, d: int) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) f32 [..., d/2] of `apply_rope`'s rotation of a d-channel row at positions pos [...], per
+    channel pair (2p, 2p + 1): the rotated tail's angles (the same values apply_rope computes), cos 1 and sin 0
+    for the pairs before it, which it leaves alone. For kernels that undo the rotation in place
+    (`kernels_pallas.gpu_attention.unrotated`)."""
+    ang = pos.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    lead = jnp.zeros(pos.shape + (d // 2 - len(inv_freq),), jnp.float32)
+    return jnp.concatenate([lead + 1, jnp.cos(ang)], -1), jnp.concatenate([lead, jnp.sin(ang)], -1)

@@ -231,9 +231,10 @@ def one_step(kernels: list[dict], sources: dict[str, str], chunk: int = 1) -> li
     return [(e["ts"] - t0, idle.get(id(e), 0.0), e["dur"], sources.get(e["name"], e["name"])) for e in step[1:]]
 
 
-# the kernels that stream weights: the FP8 / FP4 Mosaic kernels, the LM head and wo_a (XLA's dots)
+# the kernels that stream weights: the FP8 / FP4 Mosaic kernels, the LM head and wo_a (XLA's dots, in
+# `Attention.project`; `project_out` in traces made before the thirty-first session)
 WEIGHT_STREAM = re.compile(r"(fp8|fp4_rows)_wgmma_|^" + re.escape(HEAD)
-                           + r"|project_out:(convert_element_type|dot_general)$")
+                           + r"|project(_out)?:(convert_element_type|dot_general)$")
 
 
 def weight_idle(kernels: list[dict], sources: dict[str, str], steps: int) -> tuple[float, dict[str, list[float]]]:

@@ -71,15 +71,19 @@ def select_topk(scores, k: int, *, family=None):
 
 
 def sparse_attention_decode(q_bhd, window_rec, window_valid_bw, entry_rec, idx_bk, sink_h, scale: float, *,
-                            family=None):
+                            unrotate=None, out_dtype=jnp.float32, family=None):
+    """f32 [B, H, D] (`ops.sparse_attention_decode`); with unrotate = (cos, sin) f32 [B, D/2], the output's
+    channel pairs turned back by those angles (`gpu_attention.unrotated`: the rope's inverse) and cast to
+    out_dtype, on a GPU in the kernel that merges the key ranges (`gpu_attention.combine_unrotated`)."""
     fam, interpret = platform(family)
     args = (q_bhd, window_rec["values"], window_rec["scales"], window_valid_bw, entry_rec["values"],
             entry_rec["scales"], idx_bk, sink_h, float(scale))
+    out = dict(unrotate=unrotate, out_dtype=out_dtype)
     if fam == "tpu":
-        return tpu_attention.sparse_attention(*args, interpret=interpret)
+        return gpu_attention.finish(tpu_attention.sparse_attention(*args, interpret=interpret), **out)
     if not interpret and q_bhd.shape[0] >= gpu_attention_wgmma.MIN_BATCH and gpu_attention_wgmma.supported(
             q_bhd, window_rec["values"], entry_rec["values"]):
-        return gpu_attention_wgmma.sparse_attention_wgmma(*args)
+        return gpu_attention_wgmma.sparse_attention_wgmma(*args, **out)
     # Tiles measured on the H200 at 128K (docs/BENCHMARKS.md, issue 21): a few sequences are latency-bound,
     # so heads go in blocks of 16 with 32-key tiles and 4 warps, and enough key ranges to give ~132 SMs
     # one program each (batch 1: 20.8 us against 35.1 us for the batch-64 tiles); many sequences fill the
@@ -93,7 +97,7 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid_bw, entry_rec, idx_b
     head_blocks = gpu_attention.padded_heads(q_bhd.shape[1]) // 16 if few else 1
     splits = max(1, min(20 if few else 8, -(-132 // (b * head_blocks))))
     return gpu_attention.sparse_attention(*args, splits=splits, block_k=block_k, head_block=16 if few else None,
-                                          num_warps=4 if few else 8, interpret=interpret)
+                                          num_warps=4 if few else 8, interpret=interpret, **out)
 
 
 def grouped_matmuls_fp4(x_mk, weights, sizes_e, *, family=None):

@@ -208,25 +208,88 @@ def combine(acc_bshd: jax.Array, m_bsh: jax.Array, l_bsh: jax.Array, sink_h: jax
     return jnp.sum(acc_bshd * w_bsh[..., None], axis=1)
 
 
+def unrotated(o_bhd: jax.Array, cos_bp: jax.Array, sin_bp: jax.Array) -> jax.Array:
+    """o f32 [B, H, D] with each channel pair (2p, 2p + 1) = (e, o) turned back by the angle of cos / sin
+    f32 [B, D/2]: (e c + o s, o c - e s), the inverse of the rope's rotation (`dsv41_jax.rope.pair_angles`:
+    pairs it leaves alone have cos 1 and sin 0, and come back unchanged). f32."""
+    e, od = o_bhd[..., 0::2], o_bhd[..., 1::2]
+    c, s = cos_bp[:, None, :], sin_bp[:, None, :]
+    return jnp.stack([e * c + od * s, od * c - e * s], axis=-1).reshape(o_bhd.shape)
+
+
+def _combine_unrotated_kernel(acc_ref, m_ref, l_ref, sink_ref, cos_ref, sin_ref, o_ref, *, splits: int, hb: int,
+                              dc: int):
+    """One (sequence, head block, channel block): `combine`'s weights for its heads, the weighted sum of the
+    splits' partials over its channels, taken as even / odd channels (the pairs `unrotated` turns), cast."""
+    b, heads, j = pl.program_id(0), pl.ds(pl.program_id(1) * hb, hb), pl.program_id(2)
+    half = dc // 2
+    m = lambda s: m_ref[b, s, heads]  # noqa: E731
+    sink = sink_ref[heads]
+    m_all = jax.lax.fori_loop(0, splits, lambda s, x: jnp.maximum(x, m(s)), sink)
+    den = jax.lax.fori_loop(0, splits, lambda s, x: x + l_ref[b, s, heads] * jnp.exp(m(s) - m_all),
+                            jnp.exp(sink - m_all))
+    even, odd = pl.ds(j * dc, half, stride=2), pl.ds(j * dc + 1, half, stride=2)
+
+    def add(s, eo):
+        w = (jnp.exp(m(s) - m_all) / den)[:, None]
+        return eo[0] + acc_ref[b, s, heads, even] * w, eo[1] + acc_ref[b, s, heads, odd] * w
+
+    zero = jnp.zeros((hb, half), jnp.float32)
+    e, od = jax.lax.fori_loop(0, splits, add, (zero, zero))
+    pairs = pl.ds(j * half, half)
+    c, sn = cos_ref[b, pairs][None, :], sin_ref[b, pairs][None, :]
+    o_ref[b, heads, even] = (e * c + od * sn).astype(o_ref.dtype)
+    o_ref[b, heads, odd] = (od * c - e * sn).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("h", "out_dtype", "head_block", "channel_block", "interpret"))
+def combine_unrotated(acc_bshd, m_bsh, l_bsh, sink_h, cos_bp, sin_bp, *, h: int, out_dtype=jnp.bfloat16,
+                      head_block: int = 16, channel_block: int = 32, interpret: bool = False):
+    """[B, h, D] in out_dtype: `unrotated(combine(acc, m, l, sink)[:, :h], cos, sin)` as one kernel, where XLA
+    made three of it on the H200 (the weights' max, their division, the sum with the rotation: 5.4 us between
+    the attention kernel and wo_a at batch 1, docs/BENCHMARKS.md twenty-second pass). Partials acc f32
+    [B, S, Hp, D], running max m and sum l f32 [B, S, Hp] (natural-log units), sink f32 [Hp]; cos, sin f32
+    [B, D/2]. One program per (sequence, `head_block` heads, `channel_block` channels): 64 at batch 1, each
+    reading S x 16 x 32 floats of the partials."""
+    b, splits, hp, d = acc_bshd.shape
+    hb, dc = head_block, channel_block
+    if hp % hb or d % dc or dc % 2 or cos_bp.shape != (b, d // 2) or sin_bp.shape != cos_bp.shape:
+        raise ValueError(f"combine_unrotated: head_block {hb} must divide the {hp} padded heads, channel_block {dc} "
+                         f"(even) the {d} channels, and cos / sin be [B, D/2] = {(b, d // 2)}; got {cos_bp.shape}")
+    out = pl.pallas_call(
+        functools.partial(_combine_unrotated_kernel, splits=splits, hb=hb, dc=dc), grid=(b, hp // hb, d // dc),
+        out_shape=jax.ShapeDtypeStruct((b, hp, d), out_dtype), interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=2, num_stages=1), name="combine_unrotated",
+    )(acc_bshd, m_bsh, l_bsh, sink_h.astype(jnp.float32), cos_bp.astype(jnp.float32), sin_bp.astype(jnp.float32))
+    return out if hp == h else out[:, :h]
+
+
+def finish(o_bhd: jax.Array, unrotate, out_dtype) -> jax.Array:
+    """A final f32 attention output as `sparse_attention` returns it: unchanged without `unrotate`, else
+    `unrotated` by its (cos, sin) and cast to out_dtype (by XLA: no partials to merge)."""
+    return o_bhd if unrotate is None else unrotated(o_bhd, *unrotate).astype(out_dtype)
+
+
 def default_splits(b: int, programs: int = 132) -> int:
     """Key ranges per sequence for about `programs` programs in all (an H200 has 132 SMs), at most 8."""
     return max(1, min(8, -(-programs // b)))
 
 
 _STATIC = ("scale", "variant", "splits", "block_k", "head_block", "channel_block", "num_warps", "num_stages",
-           "interpret")
+           "out_dtype", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                      sink_h, scale: float, *, variant: str = "flash", splits: int = 1, block_k: int = 32,
                      head_block: int | None = None, channel_block: int = 128, num_warps: int = 8,
-                     num_stages: int = 2, interpret: bool = False):
+                     num_stages: int = 2, unrotate=None, out_dtype=jnp.float32, interpret: bool = False):
     """f32 [B, H, D]. Window records [B, W, D] + [B, W, D/32]; entries [B, N, D/2] + [B, N, D/16].
 
     variant "flash": `splits` key ranges x heads in blocks of `head_block` (default all); "split": the
     logits kernel over `splits` key ranges, then p.v over channel slices of `channel_block` x `splits`
-    key ranges (module doc)."""
+    key ranges (module doc). unrotate: (cos, sin) f32 [B, D/2]: the output `unrotated` by them, in out_dtype
+    (with split key ranges, merged and turned in one kernel, `combine_unrotated`)."""
     b, h, d = q_bhd.shape
     w, k = window_values.shape[1], idx_bk.shape[1]
     tk = block_k
@@ -265,7 +328,7 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
             out_shape=jax.ShapeDtypeStruct((b, splits, hp, d), jnp.float32), compiler_params=params,
             name="sparse_attention_pv",
         )(p, _tile_weights(m, l, sink), *keys)
-        return jnp.sum(out, axis=1)[:, :h]
+        return finish(jnp.sum(out, axis=1)[:, :h], unrotate, out_dtype)
     final = splits == 1
     if final:
         out_shape = [jax.ShapeDtypeStruct((b, hp, d), jnp.float32)]
@@ -277,5 +340,8 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
         functools.partial(_flash_kernel, hb=hb, final=final, scale=scale, **tiles), grid=(b, splits, hp // hb),
         out_shape=out_shape, interpret=interpret, compiler_params=params, name="sparse_attention",
     )(q, sink, *keys)
-    out = outs[0] if final else combine(*outs, sink)
-    return out[:, :h]
+    if final:
+        return finish(outs[0][:, :h], unrotate, out_dtype)
+    if unrotate is None:
+        return combine(*outs, sink)[:, :h]
+    return combine_unrotated(*outs, sink, *unrotate, h=h, out_dtype=out_dtype, interpret=interpret)

@@ -525,16 +525,17 @@ def default_splits(b: int, tiles: int, sms: int = 132) -> int:
 ABLATIONS = ("prefetch", "decode", "qk", "pv", "store")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
-                           skip: tuple[str, ...] = ()):
+                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
     (default `default_splits`). merged: the ranges as one cluster merging in the kernel (at most MAX_SPLITS of
     them), or partials merged by `gpu_attention.combine` (default: merged up to MERGED_SPLITS). skip: parts
-    of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong)."""
+    of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong). unrotate, out_dtype: as
+    `gpu_attention.sparse_attention`'s (partials merged and turned by `gpu_attention.combine_unrotated`)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     b, h, d = q_bhd.shape
@@ -635,7 +636,10 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     )
     args = (q_bhd.astype(jnp.float32), window_values, window_scales, window_valid.astype(jnp.int8), entry_values,
             entry_scales, idx)
+    sink = sink_h.astype(jnp.float32)
     if merged:
-        return kernel(*args, sink_h.astype(jnp.float32))[0]
-    return gpu_attention.combine(*kernel(*args), sink_h.astype(jnp.float32))
+        return gpu_attention.finish(kernel(*args, sink)[0], unrotate, out_dtype)
+    if unrotate is None:
+        return gpu_attention.combine(*kernel(*args), sink)
+    return gpu_attention.combine_unrotated(*kernel(*args), sink, *unrotate, h=H, out_dtype=out_dtype)
 

@@ -52,9 +52,13 @@ def test_pallas_backend_matches_jnp_on_tiny_shapes():
     np.testing.assert_array_equal(*run(kernels.select_topk, s, 8))
     np.testing.assert_array_equal(*run(kernels.candidate_blocks, bmax, reach[:, None], 3, 4))
     q, window, valid, entries, idx, sink = _attention_case(1, 3, 4, 64, 16, 37, 8)
-    got, want = run(kernels.sparse_attention_decode, q, window, valid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV,
-                    sink, 0.125)
-    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 5e-3
+    pos, inv_freq = jnp.array([3, 700, 4095], jnp.int32), 1e4 ** -(np.arange(8, dtype=np.float32) / 8)
+    for dtype in (jnp.float32, jnp.bfloat16):  # the output with the rope's rotation taken off, in dtype
+        got, want = run(kernels.sparse_attention_decode, q, window, valid, quant.WINDOW_KV, entries, idx,
+                        quant.MAIN_KV, sink, 0.125, pos, inv_freq, dtype)
+        assert got.dtype == want.dtype == dtype
+        got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 5e-3
 
 
 def _pool_inputs():

@@ -214,6 +214,51 @@ def test_sparse_attention(b, h, d, w, n, k, variant, splits, block_k, head_block
         assert err < 5e-3, (i, err)
 
 
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_combine_unrotated_merges_and_turns_back_as_its_reference(out_dtype):
+    """The kernel merging split partials and undoing the rope's rotation == `unrotated(combine(...))` cast: 3
+    ranges, 20 heads of 32 padded (the pad sliced off), channel pairs turned by angles of several turns (cos 1,
+    sin 0 on the first half); sequence 1 has no key in any range (m at the floor, l 0: the sink takes it all,
+    output 0). f32 to summation order; bf16 to one rounding of that (2**-8 relative)."""
+    b, s_, hp, h, d = 2, 3, 32, 20, 64
+    ks = jax.random.split(jax.random.key(7), 5)
+    acc = jax.random.normal(ks[0], (b, s_, hp, d)) * 4
+    m = jax.random.normal(ks[1], (b, s_, hp)) * 3
+    l = jax.random.uniform(ks[2], (b, s_, hp), minval=0.5, maxval=30.0)
+    m, l, acc = m.at[1].set(gpu_attention.M_FLOOR), l.at[1].set(0.0), acc.at[1].set(0.0)
+    sink = jax.random.normal(ks[3], (hp,))
+    ang = jax.random.uniform(ks[4], (b, d // 4), minval=-20.0, maxval=20.0)
+    cos = jnp.concatenate([jnp.ones((b, d // 4)), jnp.cos(ang)], -1)
+    sin = jnp.concatenate([jnp.zeros((b, d // 4)), jnp.sin(ang)], -1)
+    out = gpu_attention.combine_unrotated(acc, m, l, sink, cos, sin, h=h, out_dtype=out_dtype, interpret=INTERPRET)
+    ref = gpu_attention.unrotated(gpu_attention.combine(acc, m, l, sink)[:, :h], cos, sin)
+    assert out.shape == (b, h, d) and out.dtype == out_dtype
+    np.testing.assert_array_equal(out[1], 0.0)
+    tol = 1e-6 if out_dtype == jnp.float32 else 2.0 ** -8
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=tol, atol=tol * float(jnp.abs(ref).max()))
+    # the first half of each row's channels is not rotated: the plain merge
+    np.testing.assert_allclose(np.asarray(out[..., : d // 2], np.float32),
+                               gpu_attention.combine(acc, m, l, sink)[:, :h, : d // 2], rtol=tol,
+                               atol=tol * float(jnp.abs(ref).max()))
+
+
+@pytest.mark.parametrize("variant,splits", [("flash", 1), ("flash", 3), ("split", 3)])
+def test_sparse_attention_output_unrotated(variant, splits):
+    """With unrotate, every form of the kernel (final, merged by `combine_unrotated`, the split variant) gives
+    `unrotated` of its plain output in the dtype asked for (tiny shapes: 4 heads padded to 16)."""
+    q, window, valid, entries, idx, sink = _attention_case(11 + splits, 3, 4, 64, 16, 37, 8)
+    ang = jnp.arange(3 * 8, dtype=jnp.float32).reshape(3, 8) * 0.7
+    cos = jnp.concatenate([jnp.ones((3, 24)), jnp.cos(ang)], -1)
+    sin = jnp.concatenate([jnp.zeros((3, 24)), jnp.sin(ang)], -1)
+    run = functools.partial(gpu_attention.sparse_attention, q, window["values"], window["scales"], valid,
+                            entries["values"], entries["scales"], idx, sink, 0.125, variant=variant, splits=splits,
+                            block_k=16, interpret=INTERPRET)
+    plain, out = run(), run(unrotate=(cos, sin), out_dtype=jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16 and out.shape == plain.shape
+    ref = gpu_attention.unrotated(plain, cos, sin)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=2.0 ** -8, atol=1e-6 * float(jnp.abs(ref).max()))
+
+
 def test_select_steps_counts_an_early_stop_on_distinct_scores_and_32_on_ties(capsys):
     """`experiments.select_steps` (the numbers the docs cite): fewer than 32 steps on every row of distinct scores,
     all 32 on rows tied at the k-th."""

@@ -23,7 +23,8 @@ from dsv41_jax.cache import init_cache
 from experiments.bench_decode import slice_config
 from tests.kernel_checks import lower_for_h200, lower_for_tpu
 
-SCAN = {"indexer_scores", "indexer_scores_pool", "topk_from_levels", "sparse_attention"}  # the cache side
+# the cache side; `combine_unrotated` merges the attention's key ranges and undoes the rope (all but b64 on wgmma)
+SCAN = {"indexer_scores", "indexer_scores_pool", "topk_from_levels", "sparse_attention", "combine_unrotated"}
 FEW = {"hyper_in", "route"}  # decode rows <= 8
 SPLIT = FEW - {"hyper_in"} | {"hyper_input", "hyper_coefficients"}  # the hyper kernel's parts apart (HYPER_SPLIT)
 MOSAIC = {"rows_matmuls_fp4_wgmma", "fp8_matmuls_wgmma", "indexer_scores_wgmma", "sparse_attention_wgmma"}  # the rest Triton
@@ -40,7 +41,8 @@ KERNELS = SCAN | FEW | SPLIT | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "gro
     ("v41-slice", 1, True, HOPPER_SCAN | FEW | WEIGHTS),  # an H100/H200: the wgmma experts and every FP8 projection
     ("v41-slice", 8, True, MANY | FEW | WEIGHTS),  # ... for a few tokens' rows too, and the wgmma attention
     ("v41-slice", 64, False, SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),
-    ("v41-slice", 64, True, MANY | {"fp8_matmuls", "grouped_matmuls_fp4"}),  # past EXPERT_ROWS_TOKENS
+    # past EXPERT_ROWS_TOKENS; the attention's 2 key ranges merged in its kernel (no combine after it)
+    ("v41-slice", 64, True, MANY - {"combine_unrotated"} | {"fp8_matmuls", "grouped_matmuls_fp4"}),
     ("small", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float weights: only the row form has a kernel
     ("tiny", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float32: its kernels traced under HIGHEST lower too
 ])

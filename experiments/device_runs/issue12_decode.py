@@ -329,20 +329,32 @@ GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
 # the greedy and the Gumbel-max argmax and a select). `serial_ab`: the selection's and the sampling's GPU tests,
 # then the slice's batch-1 profile with the three taken back (a copy of the tree) and as it is: the select rows
 # (three launches a step, 8-21 us each in call 7), the sampling's reductions (`vmap()/reduce`, 4 a step), the
-# memcpys and the step's GPU time (~5 min)
+# memcpys and the step's GPU time (~5 min). Thirty-first session (no GPU lent either), a fourth: the attention's key
+# ranges merged and the rope taken off its output in one kernel (`gpu_attention.combine_unrotated`), where XLA ran
+# three (the weights' max, their division, the sum with the inverse rope: 5.4 us a layer in call 7), the last
+# revert below (the pallas branch of `dsv41_jax.kernels.sparse_attention_decode` as it was: the kernel's f32
+# output, then the model's apply_rope and cast)
 SERIAL_OFF = [("kernels_pallas/decode.py", "return (i < 32) & ((n_ge != k) | (res < floor))", "return i < 32"),
               ("kernels_pallas/gpu_select.py", "width = kp + 1 if interpret else k", "width = kp + 1"),
               ("dsv41_jax/sampling.py",
                "drawn = jax.random.gumbel(key, logits.shape, logits.dtype) + logits / jnp.maximum(t, 1e-5)\n"
                "        return jnp.argmax(jnp.where(t > 0, drawn, logits)).astype(jnp.int32)",
                "drawn = jax.random.categorical(key, logits / jnp.maximum(t, 1e-5))\n"
-               "        return jnp.where(t > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)")]
+               "        return jnp.where(t > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)"),
+              ("dsv41_jax/kernels.py",
+               "        cos_bp, sin_bp = pair_angles(pos_b, inv_freq, q_bhd.shape[-1])\n"
+               "        return per_sequence(lambda q, w, v, e, i, c, s, sink: _kp.sparse_attention_decode(\n"
+               "            q, w, v, e, i, sink, scale, unrotate=(c, s), out_dtype=dtype),\n"
+               "            q_bhd, window_rec, window_valid, entry_rec, idx_bk, cos_bp, sin_bp, shared=(sink_h,))",
+               "        o_bhd = per_sequence(lambda q, w, v, e, i, sink: _kp.sparse_attention_decode(q, w, v, e, i, sink, "
+               "scale),\n            q_bhd, window_rec, window_valid, entry_rec, idx_bk, shared=(sink_h,))\n"
+               "        return apply_rope(o_bhd[:, None], pos_b[:, None], inv_freq, inverse=True)[:, 0].astype(dtype)")]
 # The second profile also dumps the generation loop's optimized HLO, kept gzipped (`keep_hlo`): what XLA made of
 # the step on the GPU (e.g. the ~10 memcpys a step, some between a select and the attention that reads it), to be
 # read on a CPU afterwards
 HLO_DUMP = {"XLA_FLAGS": "--xla_dump_to=/tmp/i12_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*generate.*"}
 GROUPS["serial_ab"] = [("serial_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "tests/test_sampling.py", "-q", "-p",
-                                             "no:cacheprovider", "-k", "select or candidate or threshold or sample"],
+                                             "no:cacheprovider", "-k", "select or candidate or threshold or sample or unrotated"],
                        120, {"JAX_PLATFORMS": "cuda"})] + [
     (f"profile_slice_b1{side}", slice_profile(1, 20, top=80, queued=4), 100, env)  # every select row printed
     for side, env in (("_serial_off", {}), ("", HLO_DUMP))] + [
