@@ -91,9 +91,12 @@ def _kernel(*refs, sizes: tuple[int, ...], k: int, kp: int, cap: int, top_width:
     bound = jnp.int32(decode.NEG_INF_KEY)
     complete = jnp.bool_(True)
     for lvl in range(top, 0, -1):
-        new_bound = jnp.maximum(bound, decode.kth_key(keys, k, floor=bound))
-        n_ge = jnp.sum((keys >= new_bound).astype(jnp.int32))
-        take_ties = n_ge <= k
+        _, x, n_x = decode.kth_search(keys, k, floor=bound)  # n_x = #(keys >= x)
+        new_bound = jnp.maximum(bound, x)
+        # ties taken when at most k keys are >= new_bound: x >= bound is counted by the search; below the bound,
+        # x ran all 32 steps (an early stop is >= its floor) to the largest value with k keys >= it, so fewer
+        # than k are >= the bound
+        take_ties = (x < bound) | (n_x <= k)
         complete = ((new_bound > bound) | complete) & take_ties
         chosen = jnp.where(take_ties, keys >= new_bound, keys > new_bound)
         dest = jnp.cumsum(chosen.astype(jnp.int32)) - 1

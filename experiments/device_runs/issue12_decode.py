@@ -333,8 +333,16 @@ GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
 # ranges merged and the rope taken off its output in one kernel (`gpu_attention.combine_unrotated`), where XLA ran
 # three (the weights' max, their division, the sum with the inverse rope: 5.4 us a layer in call 7), the last
 # revert below (the pallas branch of `dsv41_jax.kernels.sparse_attention_decode` as it was: the kernel's f32
-# output, then the model's apply_rope and cast)
-SERIAL_OFF = [("kernels_pallas/decode.py", "return (i < 32) & ((n_ge != k) | (res < floor))", "return i < 32"),
+# output, then the model's apply_rope and cast); and a fifth: an intermediate level of the top-k kernel takes its
+# count of keys >= the new bound from the search (one block reduction a level fewer)
+SERIAL_OFF = [("kernels_pallas/gpu_select.py",
+               "        _, x, n_x = decode.kth_search(keys, k, floor=bound)  # n_x = #(keys >= x)\n"
+               "        new_bound = jnp.maximum(bound, x)\n",
+               "        new_bound = jnp.maximum(bound, decode.kth_key(keys, k, floor=bound))\n"
+               "        n_ge = jnp.sum((keys >= new_bound).astype(jnp.int32))\n"),
+              ("kernels_pallas/gpu_select.py", "        take_ties = (x < bound) | (n_x <= k)",
+               "        take_ties = n_ge <= k"),
+              ("kernels_pallas/decode.py", "return (i < 32) & ((n_ge != k) | (res < floor))", "return i < 32"),
               ("kernels_pallas/gpu_select.py", "width = kp + 1 if interpret else k", "width = kp + 1"),
               ("dsv41_jax/sampling.py",
                "drawn = jax.random.gumbel(key, logits.shape, logits.dtype) + logits / jnp.maximum(t, 1e-5)\n"
