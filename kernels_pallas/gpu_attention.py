@@ -217,49 +217,57 @@ def unrotated(o_bhd: jax.Array, cos_bp: jax.Array, sin_bp: jax.Array) -> jax.Arr
     return jnp.stack([e * c + od * s, od * c - e * s], axis=-1).reshape(o_bhd.shape)
 
 
+def range_rows(splits: int) -> int:
+    """Rows of the partials `combine_unrotated` reads, for `splits` key ranges: the next power of two (Triton
+    blocks), the rows past `splits` left unwritten by the attention kernels and masked by the merge."""
+    return 1 << max(0, (splits - 1).bit_length())
+
+
 def _combine_unrotated_kernel(acc_ref, m_ref, l_ref, sink_ref, cos_ref, sin_ref, o_ref, *, splits: int, hb: int,
                               dc: int):
-    """One (sequence, head block, channel block): `combine`'s weights for its heads, the weighted sum of the
-    splits' partials over its channels, taken as even / odd channels (the pairs `unrotated` turns), cast."""
+    """One (sequence, head block, channel block): `combine`'s weights for its heads and the weighted sum of all
+    ranges' partials over its channels, each read as one masked block (no loop: a loop over the ranges waited
+    for each range's loads in turn), taken as even / odd channels (the pairs `unrotated` turns), cast."""
     b, heads, j = pl.program_id(0), pl.ds(pl.program_id(1) * hb, hb), pl.program_id(2)
     half = dc // 2
-    m = lambda s: m_ref[b, s, heads]  # noqa: E731
+    ok = (jnp.arange(acc_ref.shape[1]) < splits)[:, None]  # rows past the ranges: allocated, never written
+    m = jnp.where(ok, m_ref[b, :, heads], M_FLOOR)  # [rows, hb]
+    l = jnp.where(ok, l_ref[b, :, heads], 0.0)
     sink = sink_ref[heads]
-    m_all = jax.lax.fori_loop(0, splits, lambda s, x: jnp.maximum(x, m(s)), sink)
-    den = jax.lax.fori_loop(0, splits, lambda s, x: x + l_ref[b, s, heads] * jnp.exp(m(s) - m_all),
-                            jnp.exp(sink - m_all))
-    even, odd = pl.ds(j * dc, half, stride=2), pl.ds(j * dc + 1, half, stride=2)
-
-    def add(s, eo):
-        w = (jnp.exp(m(s) - m_all) / den)[:, None]
-        return eo[0] + acc_ref[b, s, heads, even] * w, eo[1] + acc_ref[b, s, heads, odd] * w
-
-    zero = jnp.zeros((hb, half), jnp.float32)
-    e, od = jax.lax.fori_loop(0, splits, add, (zero, zero))
+    m_all = jnp.maximum(jnp.max(m, axis=0), sink)
+    c = jnp.exp(m - m_all[None, :])
+    w = (c / (jnp.sum(l * c, axis=0) + jnp.exp(sink - m_all))[None, :])[:, :, None]
+    part = lambda first: jnp.where(ok[:, :, None], acc_ref[b, :, heads, pl.ds(j * dc + first, half, stride=2)],  # noqa: E731
+                                   0.0)
+    e, od = jnp.sum(part(0) * w, axis=0), jnp.sum(part(1) * w, axis=0)  # [hb, half]
     pairs = pl.ds(j * half, half)
-    c, sn = cos_ref[b, pairs][None, :], sin_ref[b, pairs][None, :]
-    o_ref[b, heads, even] = (e * c + od * sn).astype(o_ref.dtype)
-    o_ref[b, heads, odd] = (od * c - e * sn).astype(o_ref.dtype)
+    cs, sn = cos_ref[b, pairs][None, :], sin_ref[b, pairs][None, :]
+    o_ref[b, heads, pl.ds(j * dc, half, stride=2)] = (e * cs + od * sn).astype(o_ref.dtype)
+    o_ref[b, heads, pl.ds(j * dc + 1, half, stride=2)] = (od * cs - e * sn).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("h", "out_dtype", "head_block", "channel_block", "interpret"))
-def combine_unrotated(acc_bshd, m_bsh, l_bsh, sink_h, cos_bp, sin_bp, *, h: int, out_dtype=jnp.bfloat16,
-                      head_block: int = 16, channel_block: int = 32, interpret: bool = False):
-    """[B, h, D] in out_dtype: `unrotated(combine(acc, m, l, sink)[:, :h], cos, sin)` as one kernel, where XLA
-    made three of it on the H200 (the weights' max, their division, the sum with the rotation: 5.4 us between
-    the attention kernel and wo_a at batch 1, docs/BENCHMARKS.md twenty-second pass). Partials acc f32
-    [B, S, Hp, D], running max m and sum l f32 [B, S, Hp] (natural-log units), sink f32 [Hp]; cos, sin f32
-    [B, D/2]. One program per (sequence, `head_block` heads, `channel_block` channels): 64 at batch 1, each
-    reading S x 16 x 32 floats of the partials."""
-    b, splits, hp, d = acc_bshd.shape
+@functools.partial(jax.jit, static_argnames=("splits", "h", "out_dtype", "head_block", "channel_block", "interpret"))
+def combine_unrotated(acc_bshd, m_bsh, l_bsh, sink_h, cos_bp, sin_bp, *, splits: int, h: int,
+                      out_dtype=jnp.bfloat16, head_block: int = 16, channel_block: int = 16, interpret: bool = False):
+    """[B, h, D] in out_dtype: `unrotated(combine(acc, m, l, sink)[:, :h], cos, sin)` over the first `splits` rows
+    of the partials, as one kernel, where XLA made three of it on the H200 (the weights' max, their division, the
+    sum with the inverse rope: 5.4 us between the attention kernel and wo_a at batch 1, docs/BENCHMARKS.md
+    twenty-second pass). Partials acc f32 [B, R, Hp, D], running max m and sum l f32 [B, R, Hp] (natural-log
+    units) with R = `range_rows(splits)` (rows past `splits` are never read); sink f32 [Hp]; cos, sin f32
+    [B, D/2]. One program per (sequence, `head_block` heads, `channel_block` channels): 128 at batch 1, each
+    reading R x 16 x 16 floats of the partials at once."""
+    b, rows, hp, d = acc_bshd.shape
     hb, dc = head_block, channel_block
+    if rows != range_rows(splits) or m_bsh.shape != (b, rows, hp) or l_bsh.shape != m_bsh.shape:
+        raise ValueError(f"combine_unrotated: {splits} ranges are read from partials of range_rows(splits) = "
+                         f"{range_rows(splits)} rows; got acc {acc_bshd.shape}, m {m_bsh.shape}, l {l_bsh.shape}")
     if hp % hb or d % dc or dc % 2 or cos_bp.shape != (b, d // 2) or sin_bp.shape != cos_bp.shape:
         raise ValueError(f"combine_unrotated: head_block {hb} must divide the {hp} padded heads, channel_block {dc} "
                          f"(even) the {d} channels, and cos / sin be [B, D/2] = {(b, d // 2)}; got {cos_bp.shape}")
     out = pl.pallas_call(
         functools.partial(_combine_unrotated_kernel, splits=splits, hb=hb, dc=dc), grid=(b, hp // hb, d // dc),
         out_shape=jax.ShapeDtypeStruct((b, hp, d), out_dtype), interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=2, num_stages=1), name="combine_unrotated",
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1), name="combine_unrotated",
     )(acc_bshd, m_bsh, l_bsh, sink_h.astype(jnp.float32), cos_bp.astype(jnp.float32), sin_bp.astype(jnp.float32))
     return out if hp == h else out[:, :h]
 
@@ -330,12 +338,13 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
         )(p, _tile_weights(m, l, sink), *keys)
         return finish(jnp.sum(out, axis=1)[:, :h], unrotate, out_dtype)
     final = splits == 1
+    rows = splits if unrotate is None else range_rows(splits)  # partials as `combine_unrotated` reads them
     if final:
         out_shape = [jax.ShapeDtypeStruct((b, hp, d), jnp.float32)]
     else:
-        out_shape = [jax.ShapeDtypeStruct((b, splits, hp, d), jnp.float32),
-                     jax.ShapeDtypeStruct((b, splits, hp), jnp.float32),
-                     jax.ShapeDtypeStruct((b, splits, hp), jnp.float32)]
+        out_shape = [jax.ShapeDtypeStruct((b, rows, hp, d), jnp.float32),
+                     jax.ShapeDtypeStruct((b, rows, hp), jnp.float32),
+                     jax.ShapeDtypeStruct((b, rows, hp), jnp.float32)]
     outs = pl.pallas_call(
         functools.partial(_flash_kernel, hb=hb, final=final, scale=scale, **tiles), grid=(b, splits, hp // hb),
         out_shape=out_shape, interpret=interpret, compiler_params=params, name="sparse_attention",
@@ -344,4 +353,4 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
         return finish(outs[0][:, :h], unrotate, out_dtype)
     if unrotate is None:
         return combine(*outs, sink)[:, :h]
-    return combine_unrotated(*outs, sink, *unrotate, h=h, out_dtype=out_dtype, interpret=interpret)
+    return combine_unrotated(*outs, sink, *unrotate, splits=splits, h=h, out_dtype=out_dtype, interpret=interpret)

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from kernels_pallas import gpu_attention
 from kernels_pallas import gpu_attention_wgmma as att
 from kernels_pallas import gpu_wgmma
 from tests.test_kernels_gpu import _attention_case, attention_ref
@@ -118,3 +119,23 @@ def test_matches_the_reference(b, w, n, k, splits, merged):
     for i in range(1, b):
         err = float(jnp.linalg.norm(out[i] - ref[i]) / jnp.linalg.norm(ref[i]))
         assert err < 5e-3, (i, err)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
+@pytest.mark.parametrize("splits,merged", [(2, None), (3, False), (None, None)])
+def test_output_unrotated(splits, merged):
+    """With unrotate, the merged form (rotated by XLA after it) and the partials (padded to `range_rows`, merged
+    and turned by `gpu_attention.combine_unrotated`; 10 ranges by default at 2 sequences) give `unrotated` of
+    the plain output in bf16."""
+    b = 2
+    q, window, valid, entries, idx, sink = _attention_case(5, b, att.H, att.D, 128, 3000, 512)
+    ang = jnp.linspace(0.0, 40.0, b * 32).reshape(b, 32)
+    cos = jnp.concatenate([jnp.ones((b, att.D // 2 - 32)), jnp.cos(ang)], -1)
+    sin = jnp.concatenate([jnp.zeros((b, att.D // 2 - 32)), jnp.sin(ang)], -1)
+    run = lambda **kw: att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],  # noqa: E731
+                                                  entries["scales"], idx, sink, att.D ** -0.5, splits=splits,
+                                                  merged=merged, **kw)
+    plain, out = run(), run(unrotate=(cos, sin), out_dtype=jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16
+    ref = gpu_attention.unrotated(plain, cos, sin)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=2.0 ** -8, atol=1e-6 * float(jnp.abs(ref).max()))

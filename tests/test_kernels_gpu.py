@@ -216,11 +216,13 @@ def test_sparse_attention(b, h, d, w, n, k, variant, splits, block_k, head_block
 
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 def test_combine_unrotated_merges_and_turns_back_as_its_reference(out_dtype):
-    """The kernel merging split partials and undoing the rope's rotation == `unrotated(combine(...))` cast: 3
-    ranges, 20 heads of 32 padded (the pad sliced off), channel pairs turned by angles of several turns (cos 1,
-    sin 0 on the first half); sequence 1 has no key in any range (m at the floor, l 0: the sink takes it all,
-    output 0). f32 to summation order; bf16 to one rounding of that (2**-8 relative)."""
-    b, s_, hp, h, d = 2, 3, 32, 20, 64
+    """The kernel merging split partials and undoing the rope's rotation == `unrotated(combine(...))` cast: 5
+    ranges read from 8 rows (the 3 past them NaN: never read), 20 heads of 32 padded (the pad sliced off),
+    channel pairs turned by angles of several turns (cos 1, sin 0 on the first half); sequence 1 has no key in
+    any range (m at the floor, l 0: the sink takes it all, output 0). f32 to summation order; bf16 to one
+    rounding of that (2**-8 relative)."""
+    b, s_, hp, h, d = 2, 5, 32, 20, 64
+    rows = gpu_attention.range_rows(s_)
     ks = jax.random.split(jax.random.key(7), 5)
     acc = jax.random.normal(ks[0], (b, s_, hp, d)) * 4
     m = jax.random.normal(ks[1], (b, s_, hp)) * 3
@@ -230,7 +232,9 @@ def test_combine_unrotated_merges_and_turns_back_as_its_reference(out_dtype):
     ang = jax.random.uniform(ks[4], (b, d // 4), minval=-20.0, maxval=20.0)
     cos = jnp.concatenate([jnp.ones((b, d // 4)), jnp.cos(ang)], -1)
     sin = jnp.concatenate([jnp.zeros((b, d // 4)), jnp.sin(ang)], -1)
-    out = gpu_attention.combine_unrotated(acc, m, l, sink, cos, sin, h=h, out_dtype=out_dtype, interpret=INTERPRET)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, rows - s_)] + [(0, 0)] * (x.ndim - 2), constant_values=jnp.nan)
+    out = gpu_attention.combine_unrotated(pad(acc), pad(m), pad(l), sink, cos, sin, splits=s_, h=h,
+                                          out_dtype=out_dtype, interpret=INTERPRET)
     ref = gpu_attention.unrotated(gpu_attention.combine(acc, m, l, sink)[:, :h], cos, sin)
     assert out.shape == (b, h, d) and out.dtype == out_dtype
     np.testing.assert_array_equal(out[1], 0.0)

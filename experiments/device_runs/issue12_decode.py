@@ -361,9 +361,10 @@ SERIAL_OFF = [("kernels_pallas/gpu_select.py",
 # the step on the GPU (e.g. the ~10 memcpys a step, some between a select and the attention that reads it), to be
 # read on a CPU afterwards
 HLO_DUMP = {"XLA_FLAGS": "--xla_dump_to=/tmp/i12_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*generate.*"}
-GROUPS["serial_ab"] = [("serial_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "tests/test_sampling.py", "-q", "-p",
+GROUPS["serial_ab"] = [("serial_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "tests/test_sampling.py",
+                                             "tests/test_attention_wgmma.py", "-q", "-p",
                                              "no:cacheprovider", "-k", "select or candidate or threshold or sample or unrotated"],
-                       120, {"JAX_PLATFORMS": "cuda"})] + [
+                       160, {"JAX_PLATFORMS": "cuda"})] + [
     (f"profile_slice_b1{side}", slice_profile(1, 20, top=80, queued=4), 100, env)  # every select row printed
     for side, env in (("_serial_off", {}), ("", HLO_DUMP))] + [
     ("keep_hlo_b1", ["experiments.device_runs.keep_hlo", "/tmp/i12_hlo", "slice_b1_generate"], 30, {})]
