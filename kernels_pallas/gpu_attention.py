@@ -226,8 +226,9 @@ def range_rows(splits: int) -> int:
 def _combine_unrotated_kernel(acc_ref, m_ref, l_ref, sink_ref, cos_ref, sin_ref, o_ref, *, splits: int, hb: int,
                               dc: int):
     """One (sequence, head block, channel block): `combine`'s weights for its heads and the weighted sum of all
-    ranges' partials over its channels, each read as one masked block (no loop: a loop over the ranges waited
-    for each range's loads in turn), taken as even / odd channels (the pairs `unrotated` turns), cast."""
+    ranges' partials over its channels, each operand read as one block of all `range_rows` rows, the rows past the
+    ranges masked (no loop: a loop over the ranges waited for each range's loads in turn), taken as even / odd
+    channels (the pairs `unrotated` turns), cast."""
     b, heads, j = pl.program_id(0), pl.ds(pl.program_id(1) * hb, hb), pl.program_id(2)
     half = dc // 2
     ok = (jnp.arange(acc_ref.shape[1]) < splits)[:, None]  # rows past the ranges: allocated, never written
