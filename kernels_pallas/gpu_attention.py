@@ -254,7 +254,7 @@ def combine_unrotated(acc_bshd, m_bsh, l_bsh, sink_h, cos_bp, sin_bp, *, splits:
     of the partials, as one kernel, where XLA made three of it on the H200 (the weights' max, their division, the
     sum with the inverse rope: 5.4 us between the attention kernel and wo_a at batch 1, docs/BENCHMARKS.md
     twenty-second pass). Partials acc f32 [B, R, Hp, D], running max m and sum l f32 [B, R, Hp] (natural-log
-    units) with R = `range_rows(splits)` (rows past `splits` are never read); sink f32 [Hp]; cos, sin f32
+    units) with R = `range_rows(splits)` (rows past `splits`, unwritten, are masked); sink f32 [Hp]; cos, sin f32
     [B, D/2]. One program per (sequence, `head_block` heads, `channel_block` channels): 128 at batch 1, each
     reading R x 16 x 16 floats of the partials at once."""
     b, rows, hp, d = acc_bshd.shape
