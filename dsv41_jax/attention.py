@@ -30,7 +30,7 @@ from dsv41_jax.cache import SourceCache
 from dsv41_jax.compressor import Compressor, scatter_rows
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.indexer import Indexer
-from dsv41_jax.layers import Linear, RMSNorm, linears, released_fp8_linear
+from dsv41_jax.layers import Linear, RMSNorm, linears, released_fp8_linear, rms_norms
 from dsv41_jax.plan import LayerPlan, Mode
 from dsv41_jax.quant import fake_quant_ste
 from dsv41_jax.rope import apply_rope, inv_frequencies
@@ -127,10 +127,10 @@ class Attention(nnx.Module):
         b, t, _ = x_btd.shape
         h, hd, w = cfg.n_heads, cfg.head_dim, cfg.window_size
         fmt, pos_bt, lengths_b = inp.fmt, inp.pos_bt, inp.lengths_b
-        qa_btr, kv_btd = linears(x_btd, [self.wq_a, self.wkv], kernels=inp.kernels)
-        qr_btr = self.q_norm(qa_btr)
+        qa_btr, kv_btd = linears(x_btd, [self.wq_a, self.wkv], jnp.float32, kernels=inp.kernels)
+        qr_btr, kv_btd = rms_norms([qa_btr, kv_btd], [self.q_norm, self.kv_norm], x_btd.dtype, kernels=inp.kernels)
         q_bthd = apply_rope(self.wq_b(qr_btr, kernels=inp.kernels).reshape(b, t, h, hd), pos_bt, self.inv_freq)
-        kv_btd = apply_rope(self.kv_norm(kv_btd), pos_bt, self.inv_freq)
+        kv_btd = apply_rope(kv_btd, pos_bt, self.inv_freq)
         chunk_rec, new_ring = write_ring(ring, kv_btd, lengths_b, inp.n_new_b, fmt.window_kv)
 
         ext = scores_btn = None

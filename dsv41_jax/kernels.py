@@ -162,6 +162,22 @@ def hyper_coefficients(h_ncd, mixes_nm, scale, base, **statics):
                         shared=(scale, base))
 
 
+NORM_ROWS = 8  # rows (tokens) up to which an attention layer's q / kv norms run as one GPU kernel
+
+
+def rms_norms_on(kernels: str, rows: int, dims) -> bool:
+    """True when `rms_norms` runs its kernel: up to NORM_ROWS rows of widths it takes (`gpu_norm.supported`), on
+    a GPU (or "pallas" interpreted on a CPU). No TPU kernel: what it removes is the GPU's launches of small
+    kernels."""
+    return _rows_on(kernels, rows, NORM_ROWS, gpu_only=True) and all(_kp.gpu_norm.supported(d) for d in dims)
+
+
+def rms_norms(xs, weights, **statics):
+    """[x_i normalized, in out_dtype] for rows x_i [N, D_i] of one N: RMSNorms in one GPU launch
+    (`kernels_pallas.gpu_norm.rms_norms`, statics as there), per device on a mesh."""
+    return per_sequence(lambda xs, *ws: _kp.rms_norms(xs, ws, **statics), list(xs), shared=tuple(weights))
+
+
 # Rows (tokens) up to which a decode step's routing runs as one GPU kernel. The slice's batch-1 step on the
 # H200 (sixteenth session, docs/BENCHMARKS.md "Tenth pass"): the routers' 18 kernels, 63.9 us per step ->
 # 12, 42.1 us (the kernel 3.2 us per call where XLA's top-k took 5.7).

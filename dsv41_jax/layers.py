@@ -17,6 +17,8 @@ up to f32 summation order.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -24,6 +26,7 @@ from flax import nnx
 from dsv41_jax import quant
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.grouped import FP8_BLOCK
+from dsv41_jax import kernels as kernels_mod
 from dsv41_jax.kernels import fp8_matmuls
 
 ACT_FP8 = quant.Fp8Codec(block=FP8_BLOCK)  # the release's act_quant: E4M3, power-of-two scale, amax >= 1e-4
@@ -139,8 +142,33 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def rms_apply(xf: jax.Array, weight: jax.Array, mean_sq: jax.Array, eps: float, dtype) -> jax.Array:
     """`rms_norm` of f32 xf given its mean square (broadcastable to xf), in `dtype`; also traced inside the
-    GPU kernel of a sub-layer's input (`kernels_pallas.gpu_hyper`) on slices of a row."""
+    GPU kernels of a sub-layer's input (`kernels_pallas.gpu_hyper`) and of `rms_norms` on slices of a row."""
     return (weight.astype(jnp.float32) * (xf * jax.lax.rsqrt(mean_sq + eps))).astype(dtype)
+
+
+def rms_norms(xs: list[jax.Array], norms: list[RMSNorm], dtype, *, kernels: str = "jnp") -> list[jax.Array]:
+    """[norm(x.astype(dtype))]: projections' outputs xs [..., D_i] (f32 as they leave their matmul) in the model's
+    dtype, each through its RMSNorm. A GPU decode step's few rows (`kernels.rms_norms_on`) in one launch
+    (`kernels_pallas.gpu_norm`) where XLA ran ~4 small kernels; values equal to f32 summation order."""
+    lead = xs[0].shape[:-1]
+    rows = math.prod(lead)
+    if not kernels_mod.rms_norms_on(kernels, rows, [x.shape[-1] for x in xs]):
+        return [norm(x.astype(dtype)) for x, norm in zip(xs, norms)]
+    eps = tuple(norm.eps for norm in norms)
+    out = _norms_kernel((eps, jnp.dtype(dtype)), [x.reshape(rows, x.shape[-1]) for x in xs],
+                        [norm.weight[...] for norm in norms])
+    return [y.reshape(*lead, y.shape[-1]) for y in out]
+
+
+def _norms_reference(static, xs, weights):
+    eps, dtype = static
+    return [rms_norm(x.astype(dtype), w, e) for x, w, e in zip(xs, weights, eps)]
+
+
+# differentiable through the jnp path: a training forward of few tokens on a GPU reaches the kernel
+_norms_kernel = kernels_mod.twin_gradient(
+    lambda static, xs, weights: kernels_mod.rms_norms(xs, weights, norm=rms_apply, eps=static[0], out_dtype=static[1]),
+    _norms_reference)
 
 
 class Embedding(nnx.Module):

@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import (gpu_attention, gpu_attention_wgmma, gpu_grouped, gpu_hyper, gpu_indexer, gpu_indexer_wgmma,
-                            gpu_router, gpu_select, gpu_wgmma, tpu_attention, tpu_grouped, tpu_indexer, tpu_select)
+                            gpu_norm, gpu_router, gpu_select, gpu_wgmma, tpu_attention, tpu_grouped, tpu_indexer,
+                            tpu_select)
 
 __all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode",
            "grouped_matmuls_fp4", "rows_matmuls_fp4", "rows_matmuls_float", "fp8_matmuls", "hyper_in", "hyper_input",
-           "hyper_coefficients", "route", "platform"]
+           "hyper_coefficients", "rms_norms", "route", "platform"]
 
 
 def platform(family: str | None = None) -> tuple[str, bool]:
@@ -169,6 +170,11 @@ def hyper_coefficients(h_ncd, mixes_nm, scale, base, **statics):
     """`hyper_in`'s coefficients part alone (`gpu_hyper.hyper_coefficients`; GPU kernel only)."""
     return gpu_hyper.hyper_coefficients(h_ncd, mixes_nm, scale, base,
                                         interpret=_gpu_only("hyper_coefficients", "the jnp path"), **statics)
+
+
+def rms_norms(xs, weights, **statics):
+    """RMSNorms of several projections' few rows in one launch (`gpu_norm.rms_norms`; GPU kernel only)."""
+    return gpu_norm.rms_norms(tuple(xs), tuple(weights), interpret=_gpu_only("rms_norms", "the jnp path"), **statics)
 
 
 def route(logits_ne, bias_e, **statics):

@@ -41,7 +41,8 @@ def supported(hc: int, d: int) -> bool:
     return hc > 0 and hc & (hc - 1) == 0 and d > 0 and chunk(d) >= 16 and d // chunk(d) <= MAX_CHUNKS
 
 
-def _cols(d: int) -> list:
+def row_slices(d: int) -> list:
+    """The power-of-two slices (`chunk`) a row of d values is read in."""
     return [pl.ds(j * chunk(d), chunk(d)) for j in range(d // chunk(d))]
 
 
@@ -50,7 +51,7 @@ def _coefficients_row(n, h_ref, m_ref, s_ref, b_ref, pre_ref, post_ref, comb_ref
     """Row n's mHC coefficients from its stream and its projection (not yet scaled by the RMS)."""
     hc, d = h_ref.shape[1:]
     # the projection's RMS over the flattened [hc * D] row (HyperMix: mean of squares, + eps, rsqrt)
-    wide = [h_ref[n, i, c].astype(jnp.float32) for i in range(hc) for c in _cols(d)]
+    wide = [h_ref[n, i, c].astype(jnp.float32) for i in range(hc) for c in row_slices(d)]
     rstd = jax.lax.rsqrt(sum(jnp.sum(v * v) for v in wide) / (hc * d) + mix_eps)
     pre, post, comb = coefficients(
         m_ref[n, 0, :] * rstd, m_ref[n, 1, :] * rstd, m_ref[n, pl.ds(2, hc), :] * rstd,
@@ -65,9 +66,9 @@ def _input_row(n, h_ref, pm_ref, w_ref, x_ref, *, collapse_rows, norm, norm_eps)
     """Row n's normalized input, RMSNorm(collapse(h, pre_mix))."""
     hc, d = h_ref.shape[1:]
     pm = [pm_ref[n, i] for i in range(hc)]
-    xs = [collapse_rows([h_ref[n, i, c] for i in range(hc)], pm).astype(jnp.float32) for c in _cols(d)]
+    xs = [collapse_rows([h_ref[n, i, c] for i in range(hc)], pm).astype(jnp.float32) for c in row_slices(d)]
     mean_sq = sum(jnp.sum(v * v) for v in xs) / d  # RMSNorm's mean over the whole row
-    for c, v in zip(_cols(d), xs):
+    for c, v in zip(row_slices(d), xs):
         x_ref[n, c] = norm(v, w_ref[c], mean_sq, norm_eps, x_ref.dtype)
 
 

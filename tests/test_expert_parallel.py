@@ -157,7 +157,7 @@ def test_kernels_run_per_device_on_their_own_sequences(monkeypatch):
 
     def spy(name, fn):
         def entry(*args, **kwargs):
-            rows.setdefault(name, set()).add(args[0].shape[0])  # at trace time: the rows this call sees
+            rows.setdefault(name, set()).add(jax.tree.leaves(args[0])[0].shape[0])  # at trace time: its rows
             return fn(*args, **kwargs)
         return entry
 
@@ -165,12 +165,12 @@ def test_kernels_run_per_device_on_their_own_sequences(monkeypatch):
         if name != "platform":
             monkeypatch.setattr(kernels_pallas, name, spy(name, getattr(kernels_pallas, name)))
     want, _ = d.decode_step(cfg, params, d.init_cache(cfg, b, 16), nxt, kernels="pallas")
-    assert {"sparse_attention_decode", "indexer_scores_decode", "select_topk", "fp8_matmuls"} <= set(rows)
+    assert {"sparse_attention_decode", "indexer_scores_decode", "select_topk", "fp8_matmuls", "rms_norms"} <= set(rows)
     rows.clear()
     m = shard_model(cfg, params, S.make_mesh(cfg, "expert=2", batch=b, devices=jax.devices()[:2], layout="dp_ep"),
                     "dp_ep", batch=b)
     got, _ = m.decode_step(m.init_cache(16), nxt, kernels="pallas")
-    for name in ("sparse_attention_decode", "indexer_scores_decode", "select_topk", "fp8_matmuls"):
+    for name in ("sparse_attention_decode", "indexer_scores_decode", "select_topk", "fp8_matmuls", "rms_norms"):
         assert rows[name] == {b // 2}, (name, rows[name])
     assert rows["grouped_matmuls_fp4"] <= {b // 2 * cfg.n_activated_experts * 2}  # a shard's receive buffer
     # the combine's summation order may round the next layer's FP8 window record differently (as in

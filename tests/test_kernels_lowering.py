@@ -25,7 +25,7 @@ from tests.kernel_checks import lower_for_h200, lower_for_tpu
 
 # the cache side; `combine_unrotated` merges the attention's key ranges and undoes the rope (all but b64 on wgmma)
 SCAN = {"indexer_scores", "indexer_scores_pool", "topk_from_levels", "sparse_attention", "combine_unrotated"}
-FEW = {"hyper_in", "route"}  # decode rows <= 8
+FEW = {"hyper_in", "route", "rms_norms"}  # decode rows <= 8
 SPLIT = FEW - {"hyper_in"} | {"hyper_input", "hyper_coefficients"}  # the hyper kernel's parts apart (HYPER_SPLIT)
 MOSAIC = {"rows_matmuls_fp4_wgmma", "fp8_matmuls_wgmma", "indexer_scores_wgmma", "sparse_attention_wgmma"}  # the rest Triton
 HOPPER_SCAN = SCAN - {"indexer_scores"} | {"indexer_scores_wgmma"}  # an H100/H200: the full scans on wgmma

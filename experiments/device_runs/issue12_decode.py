@@ -334,8 +334,12 @@ GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
 # three (the weights' max, their division, the sum with the inverse rope: 5.4 us a layer in call 7), the last
 # revert below (the pallas branch of `dsv41_jax.kernels.sparse_attention_decode` as it was: the kernel's f32
 # output, then the model's apply_rope and cast); and a fifth: an intermediate level of the top-k kernel takes its
-# count of keys >= the new bound from the search (one block reduction a level fewer)
-SERIAL_OFF = [("kernels_pallas/gpu_select.py",
+# count of keys >= the new bound from the search (one block reduction a level fewer); a sixth: the attention's q and
+# kv norms in one kernel (`gpu_norm.rms_norms`) where XLA ran ~4 (the projections' cast, a reduction per norm,
+# the scaling: ~4 us between wq_a and wq_b a layer in call 7)
+SERIAL_OFF = [("dsv41_jax/layers.py", "    if not kernels_mod.rms_norms_on(kernels, rows, [x.shape[-1] for x in xs]):",
+               "    if True:"),
+              ("kernels_pallas/gpu_select.py",
                "        _, x, n_x = decode.kth_search(keys, k, floor=bound)  # n_x = #(keys >= x)\n"
                "        new_bound = jnp.maximum(bound, x)\n",
                "        new_bound = jnp.maximum(bound, decode.kth_key(keys, k, floor=bound))\n"
@@ -362,8 +366,9 @@ SERIAL_OFF = [("kernels_pallas/gpu_select.py",
 # read on a CPU afterwards
 HLO_DUMP = {"XLA_FLAGS": "--xla_dump_to=/tmp/i12_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*generate.*"}
 GROUPS["serial_ab"] = [("serial_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "tests/test_sampling.py",
-                                             "tests/test_attention_wgmma.py", "-q", "-p",
-                                             "no:cacheprovider", "-k", "select or candidate or threshold or sample or unrotated"],
+                                             "tests/test_attention_wgmma.py", "tests/test_norm_kernel.py", "-q", "-p",
+                                             "no:cacheprovider", "-k",
+                                             "select or candidate or threshold or sample or unrotated or norm_kernel"],
                        160, {"JAX_PLATFORMS": "cuda"})] + [
     (f"profile_slice_b1{side}", slice_profile(1, 20, top=80, queued=4), 100, env)  # every select row printed
     for side, env in (("_serial_off", {}), ("", HLO_DUMP))] + [
