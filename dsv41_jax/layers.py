@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsv41_jax import kernels as kernels_mod
 from dsv41_jax import quant
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.grouped import FP8_BLOCK
-from dsv41_jax import kernels as kernels_mod
 from dsv41_jax.kernels import fp8_matmuls
 
 ACT_FP8 = quant.Fp8Codec(block=FP8_BLOCK)  # the release's act_quant: E4M3, power-of-two scale, amax >= 1e-4
