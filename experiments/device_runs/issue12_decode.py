@@ -369,7 +369,7 @@ GROUPS["serial_ab"] = [("serial_gpu_tests", ["pytest", "tests/test_kernels_gpu.p
                                              "tests/test_attention_wgmma.py", "tests/test_norm_kernel.py", "-q", "-p",
                                              "no:cacheprovider", "-k",
                                              "select or candidate or threshold or sample or unrotated or norm_kernel"],
-                       160, {"JAX_PLATFORMS": "cuda"})] + [
+                       200, {"JAX_PLATFORMS": "cuda"})] + [
     (f"profile_slice_b1{side}", slice_profile(1, 20, top=80, queued=4), 100, env)  # every select row printed
     for side, env in (("_serial_off", {}), ("", HLO_DUMP))] + [
     ("keep_hlo_b1", ["experiments.device_runs.keep_hlo", "/tmp/i12_hlo", "slice_b1_generate"], 30, {})]
