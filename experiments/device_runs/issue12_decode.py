@@ -329,7 +329,7 @@ GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
 # the greedy and the Gumbel-max argmax and a select). `serial_ab`: the selection's and the sampling's GPU tests,
 # then the slice's batch-1 profile with the three taken back (a copy of the tree) and as it is: the select rows
 # (three launches a step, 8-21 us each in call 7), the sampling's reductions (`vmap()/reduce`, 4 a step), the
-# memcpys and the step's GPU time (~5 min). Thirty-first session (no GPU lent either), a fourth: the attention's key
+# memcpys and the step's GPU time (~7 min with the tests added since). Thirty-first session (no GPU lent either), a fourth: the attention's key
 # ranges merged and the rope taken off its output in one kernel (`gpu_attention.combine_unrotated`), where XLA ran
 # three (the weights' max, their division, the sum with the inverse rope: 5.4 us a layer in call 7), the last
 # revert below (the pallas branch of `dsv41_jax.kernels.sparse_attention_decode` as it was: the kernel's f32
