@@ -37,7 +37,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split  # ~8 min: tests, b1 profiles A/B
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split_points  # ~5 min: b1 A/B, b8 after
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode while_graph  # ~5 min: the loop as one graph, b1
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode serial_ab  # ~5 min: select, sampling A/B, b1; HLO
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode serial_ab  # ~7 min: six serial-path changes A/B, b1; HLO
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
