@@ -35,15 +35,28 @@ def chunk(d: int) -> int:
     return min(d & -d, 1024)
 
 
+def row_supported(d: int) -> bool:
+    """True when a row of d values can be read: in at most MAX_CHUNKS power-of-two slices of at least 16."""
+    return d > 0 and chunk(d) >= 16 and d // chunk(d) <= MAX_CHUNKS
+
+
 def supported(hc: int, d: int) -> bool:
-    """True when the kernel takes this stream: power-of-two hc (its [hc, hc] blocks), D in at most MAX_CHUNKS
-    power-of-two slices of at least 16."""
-    return hc > 0 and hc & (hc - 1) == 0 and d > 0 and chunk(d) >= 16 and d // chunk(d) <= MAX_CHUNKS
+    """True when the kernel takes this stream: power-of-two hc (its [hc, hc] blocks), rows of D (`row_supported`)."""
+    return hc > 0 and hc & (hc - 1) == 0 and row_supported(d)
 
 
 def row_slices(d: int) -> list:
     """The power-of-two slices (`chunk`) a row of d values is read in."""
     return [pl.ds(j * chunk(d), chunk(d)) for j in range(d // chunk(d))]
+
+
+def store_normalized(n, xs, w_ref, out_ref, *, norm, eps: float) -> None:
+    """out[n] = norm(row, w, its mean square, eps) in out's dtype, for a row given as f32 values on its
+    `row_slices` (xs); `norm`: `dsv41_jax.layers.rms_apply`. Shared with `gpu_norm`."""
+    d = out_ref.shape[1]
+    mean_sq = sum(jnp.sum(v * v) for v in xs) / d  # RMSNorm's mean over the whole row
+    for c, v in zip(row_slices(d), xs):
+        out_ref[n, c] = norm(v, w_ref[c], mean_sq, eps, out_ref.dtype)
 
 
 def _coefficients_row(n, h_ref, m_ref, s_ref, b_ref, pre_ref, post_ref, comb_ref, *, coefficients, iters, hc_eps,
@@ -67,9 +80,7 @@ def _input_row(n, h_ref, pm_ref, w_ref, x_ref, *, collapse_rows, norm, norm_eps)
     hc, d = h_ref.shape[1:]
     pm = [pm_ref[n, i] for i in range(hc)]
     xs = [collapse_rows([h_ref[n, i, c] for i in range(hc)], pm).astype(jnp.float32) for c in row_slices(d)]
-    mean_sq = sum(jnp.sum(v * v) for v in xs) / d  # RMSNorm's mean over the whole row
-    for c, v in zip(row_slices(d), xs):
-        x_ref[n, c] = norm(v, w_ref[c], mean_sq, norm_eps, x_ref.dtype)
+    store_normalized(n, xs, w_ref, x_ref, norm=norm, eps=norm_eps)
 
 
 def _kernel(h_ref, m_ref, pm_ref, w_ref, s_ref, b_ref, x_ref, pre_ref, post_ref, comb_ref, *, coefficients,

@@ -17,20 +17,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.gpu_hyper import MAX_CHUNKS, chunk, row_slices
-
-
-def supported(d: int) -> bool:
-    """True when rows of d values fit the kernel: at most MAX_CHUNKS power-of-two slices of at least 16."""
-    return d > 0 and chunk(d) >= 16 and d // chunk(d) <= MAX_CHUNKS
+from kernels_pallas.gpu_hyper import MAX_CHUNKS, row_slices, store_normalized
+from kernels_pallas.gpu_hyper import row_supported as supported  # rows read as the hyper kernel reads its stream's
 
 
 def _row(n, x_ref, w_ref, o_ref, *, norm, eps: float):
-    d = x_ref.shape[1]
-    xs = [x_ref[n, c].astype(o_ref.dtype).astype(jnp.float32) for c in row_slices(d)]
-    mean_sq = sum(jnp.sum(v * v) for v in xs) / d
-    for c, v in zip(row_slices(d), xs):
-        o_ref[n, c] = norm(v, w_ref[c], mean_sq, eps, o_ref.dtype)
+    """Row n of one input: rounded to the output's dtype (as the jnp path), normalized in f32."""
+    xs = [x_ref[n, c].astype(o_ref.dtype).astype(jnp.float32) for c in row_slices(x_ref.shape[1])]
+    store_normalized(n, xs, w_ref, o_ref, norm=norm, eps=eps)
 
 
 @functools.partial(jax.jit, static_argnames=("norm", "eps", "out_dtype", "num_warps", "interpret"))
