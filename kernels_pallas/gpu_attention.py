@@ -279,6 +279,21 @@ def finish(o_bhd: jax.Array, unrotate, out_dtype) -> jax.Array:
     return o_bhd if unrotate is None else unrotated(o_bhd, *unrotate).astype(out_dtype)
 
 
+def partial_rows(splits: int, unrotate) -> int:
+    """Rows the attention kernels allocate for the partials of `splits` key ranges: as many, or `range_rows` when
+    `combine_unrotated` merges them."""
+    return splits if unrotate is None else range_rows(splits)
+
+
+def merge_partials(partials, sink_h, *, splits: int, h: int, unrotate, out_dtype, interpret: bool = False):
+    """[B, h, D]: the attention kernels' partials (acc, m, l, of `partial_rows` rows) merged: f32 by `combine`
+    without `unrotate`, else turned back and cast by `combine_unrotated`."""
+    if unrotate is None:
+        return combine(*partials, sink_h)[:, :h]
+    return combine_unrotated(*partials, sink_h, *unrotate, splits=splits, h=h, out_dtype=out_dtype,
+                             interpret=interpret)
+
+
 def default_splits(b: int, programs: int = 132) -> int:
     """Key ranges per sequence for about `programs` programs in all (an H200 has 132 SMs), at most 8."""
     return max(1, min(8, -(-programs // b)))
@@ -339,7 +354,7 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
         )(p, _tile_weights(m, l, sink), *keys)
         return finish(jnp.sum(out, axis=1)[:, :h], unrotate, out_dtype)
     final = splits == 1
-    rows = splits if unrotate is None else range_rows(splits)  # partials as `combine_unrotated` reads them
+    rows = partial_rows(splits, unrotate)
     if final:
         out_shape = [jax.ShapeDtypeStruct((b, hp, d), jnp.float32)]
     else:
@@ -352,6 +367,4 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
     )(q, sink, *keys)
     if final:
         return finish(outs[0][:, :h], unrotate, out_dtype)
-    if unrotate is None:
-        return combine(*outs, sink)[:, :h]
-    return combine_unrotated(*outs, sink, *unrotate, splits=splits, h=h, out_dtype=out_dtype, interpret=interpret)
+    return merge_partials(outs, sink, splits=splits, h=h, unrotate=unrotate, out_dtype=out_dtype, interpret=interpret)

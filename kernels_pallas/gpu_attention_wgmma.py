@@ -620,7 +620,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 _store_partials()(acc, wide(m), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
 
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    rows = splits if unrotate is None else gpu_attention.range_rows(splits)  # as `combine_unrotated` reads them
+    rows = gpu_attention.partial_rows(splits, unrotate)
     launch = (dict(out_type=(f32(b, H, D), f32(b, splits, 2, H)), grid=(b,), grid_names=("b",), cluster=(splits,),
                    cluster_names=("s",)) if merged else
               dict(out_type=(f32(b, rows, H, D), f32(b, rows, H), f32(b, rows, H)), grid=(b, splits),
@@ -640,7 +640,5 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     sink = sink_h.astype(jnp.float32)
     if merged:
         return gpu_attention.finish(kernel(*args, sink)[0], unrotate, out_dtype)
-    if unrotate is None:
-        return gpu_attention.combine(*kernel(*args), sink)
-    return gpu_attention.combine_unrotated(*kernel(*args), sink, *unrotate, splits=splits, h=H, out_dtype=out_dtype)
+    return gpu_attention.merge_partials(kernel(*args), sink, splits=splits, h=H, unrotate=unrotate, out_dtype=out_dtype)
 
