@@ -252,8 +252,8 @@ def combine_unrotated(acc_bshd, m_bsh, l_bsh, sink_h, cos_bp, sin_bp, *, splits:
                       out_dtype=jnp.bfloat16, head_block: int = 16, channel_block: int = 16, interpret: bool = False):
     """[B, h, D] in out_dtype: `unrotated(combine(acc, m, l, sink)[:, :h], cos, sin)` over the first `splits` rows
     of the partials, as one kernel, where XLA made three of it on the H200 (the weights' max, their division, the
-    sum with the inverse rope: 5.4 us between the attention kernel and wo_a at batch 1, docs/BENCHMARKS.md
-    twenty-second pass). Partials acc f32 [B, R, Hp, D], running max m and sum l f32 [B, R, Hp] (natural-log
+    sum with the inverse rope: 5.1-5.4 us from the attention kernel's end to wo_a's start in the H200's batch-1
+    step, read from `python -m experiments.profile_step --from-events docs/bench_decode/h200_session29_call7_events.json.gz --timeline`). Partials acc f32 [B, R, Hp, D], running max m and sum l f32 [B, R, Hp] (natural-log
     units) with R = `range_rows(splits)` (rows past `splits`, unwritten, are masked); sink f32 [Hp]; cos, sin f32
     [B, D/2]. One program per (sequence, `head_block` heads, `channel_block` channels): 128 at batch 1, each
     reading R x 16 x 16 floats of the partials at once."""

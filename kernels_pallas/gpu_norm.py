@@ -2,8 +2,9 @@
 
 An attention layer normalizes two projections of its input before it goes on: q_norm(wq_a x), whose output
 wq_b reads next, and kv_norm(wkv x). On the H200 XLA ran them as ~4 small kernels between the wq_a / wkv launch
-and wq_b (the projections' cast to the model's dtype, a reduction per norm, the scaling: ~4 us on the batch-1
-step's serial path per layer, docs/BENCHMARKS.md twenty-second pass, call 7's timeline). Here one program per
+and wq_b (the projections' cast to the model's dtype, a reduction per norm, the scaling: 4.0-5.8 us from wq_a's
+end to wq_b's start in the H200's batch-1 step, read from
+`python -m experiments.profile_step --from-events docs/bench_decode/h200_session29_call7_events.json.gz --timeline`). Here one program per
 (row, input) reads the projection's f32 output, rounds it to the model's dtype as the jnp path does, and writes
 `dsv41_jax.layers.rms_apply` of it (the model's function, traced on the loaded slices of the row).
 """

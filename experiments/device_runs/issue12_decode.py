@@ -331,12 +331,12 @@ GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
 # (three launches a step, 8-21 us each in call 7), the sampling's reductions (`vmap()/reduce`, 4 a step), the
 # memcpys and the step's GPU time (~7 min with the tests added since). Thirty-first session (no GPU lent either), a fourth: the attention's key
 # ranges merged and the rope taken off its output in one kernel (`gpu_attention.combine_unrotated`), where XLA ran
-# three (the weights' max, their division, the sum with the inverse rope: 5.4 us a layer in call 7), the last
+# three (the weights' max, their division, the sum with the inverse rope: 5.1-5.4 us a layer in call 7's timeline), the last
 # revert below (the pallas branch of `dsv41_jax.kernels.sparse_attention_decode` as it was: the kernel's f32
 # output, then the model's apply_rope and cast); and a fifth: an intermediate level of the top-k kernel takes its
 # count of keys >= the new bound from the search (one block reduction a level fewer); a sixth: the attention's q and
 # kv norms in one kernel (`gpu_norm.rms_norms`) where XLA ran ~4 (the projections' cast, a reduction per norm,
-# the scaling: ~4 us between wq_a and wq_b a layer in call 7)
+# the scaling: 4.0-5.8 us between wq_a and wq_b a layer in call 7's timeline)
 SERIAL_OFF = [("dsv41_jax/layers.py", "    if not kernels_mod.rms_norms_on(kernels, rows, [x.shape[-1] for x in xs]):",
                "    if True:"),
               ("kernels_pallas/gpu_select.py",
