@@ -3,7 +3,7 @@
     python -m experiments.bench_kernels [--contexts 8192,131072,1048576] [--batches 1,8,64] [--out FILE.json]
 
 Per (context, batch): the indexer scan over `context` compressed positions (a ratio-1 source, the
-largest; by default the scan the model's dispatch takes on this GPU, `--scan-variant` for a Triton one),
+largest; by default the scan the model's dispatch takes on this GPU, `--scan-variant f16` for the Triton one),
 the selection (top-512 positions + top-2048 candidate blocks of 8 from the scan's block maxima), a
 Reindex layer's pool scan (only the 2048 x 8 pool positions of that context, gathered by
 block) with its top-512, and the sparse attention (64 heads x 512, 512 selected entries + 128-entry
@@ -229,8 +229,7 @@ def bench_scan_and_select(rec_rows: Rows, key, args):
                                                                           block=BLOCK)
     else:
         scan = lambda q, w, v, s, r: gpu_indexer.indexer_scores(q, w, v, s, r, block=BLOCK, block_n=args.block_n,
-                                                                 num_warps=args.warps, variant=args.scan_variant,
-                                                                 **KW)
+                                                                 num_warps=args.warps, **KW)
     scan_args = (q, w, rec["values"], rec["scales"], reach)
     scores, bmax = scan(*scan_args)
     moved = nbytes(rec) + b * ctx * 4 + b * (ctx // BLOCK) * 4 + nbytes(q, w)
@@ -291,7 +290,7 @@ def bench_pool(rec_rows: Rows, key, args):
     blocks = pool_data(jax.random.fold_in(key, 1), b, ctx)
     scan = lambda q, w, v, s, bl, r: gpu_indexer.indexer_scores_pool(q, w, v, s, bl, r, block=BLOCK,
                                                                       block_n=args.block_n, num_warps=args.warps,
-                                                                      variant=args.scan_variant, **KW)
+                                                                      **KW)
     ref_scan = lambda q, w, v, s, bl, r: ops.indexer_scores_pool_decode(q, w, {"values": v, "scales": s}, bl, BLOCK,
                                                                          r, quant.INDEX_KEY)
     args_ = (q, w, rec["values"], rec["scales"], blocks, reach)
@@ -331,9 +330,9 @@ def bench_attention(rec_rows: Rows, key, args):
     def attn(q, wv, ws, ok, ev, es, idx, sink):
         if args.att_variant == "wgmma":
             return gpu_attention_wgmma.sparse_attention_wgmma(q, wv, ws, ok, ev, es, idx, sink, scale, splits=splits)
-        return gpu_attention.sparse_attention(q, wv, ws, ok, ev, es, idx, sink, scale, variant=args.att_variant,
-                                              splits=splits, block_k=args.block_k, head_block=args.head_block,
-                                              channel_block=args.channel_block, num_warps=args.att_warps, **KW)
+        return gpu_attention.sparse_attention(q, wv, ws, ok, ev, es, idx, sink, scale, splits=splits,
+                                              block_k=args.block_k, head_block=args.head_block,
+                                              num_warps=args.att_warps, **KW)
 
     def attn_ref(q, wv, ws, ok, ev, es, idx, sink):
         return ops.sparse_attention_decode(q, {"values": wv, "scales": ws}, ok, quant.WINDOW_KV,
@@ -477,13 +476,13 @@ def main(argv=None):
     p.add_argument("--block-k", type=int, default=32)
     p.add_argument("--att-warps", type=int, default=8)
     p.add_argument("--splits", type=int, default=0, help="attention splits (0: fill the GPU)")
-    p.add_argument("--scan-variant", default="dispatch", choices=("dispatch", *gpu_indexer.VARIANTS),
+    p.add_argument("--scan-variant", default="dispatch", choices=("dispatch", "f16"),
                    help="dispatch: the scan kernels_pallas.indexer_scores_decode takes on this GPU (the wgmma "
-                        "scan on an H100/H200); else the Triton scan's variant, with --block-n / --warps")
-    p.add_argument("--att-variant", default="flash", choices=("flash", "split", "wgmma"),
-                   help="wgmma: the Hopper kernel (kernels_pallas.gpu_attention_wgmma; --splits 0 = its default)")
+                        "scan on an H100/H200); f16: the Triton scan, with --block-n / --warps")
+    p.add_argument("--att-variant", default="flash", choices=("flash", "wgmma"),
+                   help="flash: the Triton kernel (kernels_pallas.gpu_attention); wgmma: the Hopper kernel "
+                        "(kernels_pallas.gpu_attention_wgmma; --splits 0 = its default)")
     p.add_argument("--head-block", type=int, default=None, help="flash attention: heads per program")
-    p.add_argument("--channel-block", type=int, default=128, help="split attention: channels per p.v program")
     p.add_argument("--ref-limit-gb", type=float, default=40.0, help="skip the jnp indexer above this temp size")
     p.add_argument("--dense-limit-gb", type=float, default=40.0)
     p.add_argument("--only", default="indexer,select,pool,attention", type=pieces,

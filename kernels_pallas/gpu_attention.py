@@ -14,21 +14,15 @@ How it maps to the hardware:
   goes back in with the softmax scale; p is rounded to float16 for the second dot (2**-11). So the
   output agrees with the float32 reference to ~1e-3 relative (tests use 5e-3).
 
-Two ways to split the work (`variant`), so that no program holds a [64 heads x 512] f32 accumulator
-(128 KB: more than Triton keeps in registers; the one-program form spilled and ran at 7% of the copy
-rate):
-- "flash": flash-decoding. The key list (window tiles, then entry tiles) is cut into `splits`
-  contiguous ranges and the heads into blocks of `head_block`, one program per (sequence, range, head
-  block), each with an [head_block, D] accumulator; ranges are combined outside with their (max, sum)
-  and the sink. With one split the program finishes the softmax itself. Every head block decodes the
-  same keys again (from L2).
-- "split": two kernels. `_logits_kernel` decodes each key tile once over all channels and writes
-  p = exp(logit - tile max) as float16 [Hp, TK] with the tile's max and sum; a tiny XLA step turns the
-  tile maxima into one weight per (tile, head) (softmax normalization and sink included); then
-  `_pv_kernel` runs one program per (sequence, `channel_block` slice, key range) with an
-  [Hp, channel_block] accumulator, decoding only its channel slice of each key. Keys are decoded
-  twice in all (not once per head block), at the cost of writing and reading p (2 bytes per head
-  and key).
+The work is split so that no program holds a [64 heads x 512] f32 accumulator (128 KB: more than Triton
+keeps in registers; the one-program form spilled and ran at 7% of the copy rate): flash-decoding. The key
+list (window tiles, then entry tiles) is cut into `splits` contiguous ranges and the heads into blocks of
+`head_block`, one program per (sequence, range, head block), each with an [head_block, D] accumulator; ranges
+are combined outside with their (max, sum) and the sink. With one split the program finishes the softmax
+itself. Every head block decodes the same keys again (from L2). A two-kernel form (logits over all channels
+once, writing float16 p, then p.v per channel slice) measured slower at batch 1 and 64 on the H200 and was
+removed (docs/BENCHMARKS.md, issue 21, 2026-12-01); on Hopper the dispatch takes `gpu_attention_wgmma` from
+batch 2.
 """
 
 from __future__ import annotations
@@ -52,52 +46,52 @@ def padded_heads(h: int) -> int:
     return max(16, -(-h // 16) * 16)
 
 
-def scaled_query(q_chunks, scale: float):
-    """Rows of q f32 [n, D], given as column chunks [n, dc] -> (the chunks in float16, logit scale f32 [n]):
+def scaled_query(q, scale: float):
+    """Rows of q f32 [n, D] -> (q in float16, logit scale f32 [n]):
     each row times the power of two 2**-e that puts its max |q| in [0.5, 1) (e from the exponent bits of the
     max, as frexp; a zero row keeps e = 1), the logit scale 2**e * scale. Traced inside the kernels, on each
     program's heads: in XLA it was three kernels before each call; here each call takes ~3-4 us longer on the
     H200, less than those kernels and their idle (docs/BENCHMARKS.md, sixteenth pass; computing the exponent
     in one XLA reduction instead was slower)."""
-    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(c), axis=1) for c in q_chunks])
+    amax = jnp.max(jnp.abs(q), axis=1)
     bits = jax.lax.bitcast_convert_type(jnp.where(amax > 0, amax, 1.0), jnp.int32)
     e = jnp.clip(((bits >> 23) & 0xFF) - 126, -125, 126)  # amax = f * 2**e, f in [0.5, 1) (normal amax)
     down = jax.lax.bitcast_convert_type((127 - e) << 23, jnp.float32)  # 2**-e, exact
     up = jax.lax.bitcast_convert_type((127 + e) << 23, jnp.float32)  # 2**e
-    return [(c * down[:, None]).astype(jnp.float16) for c in q_chunks], up * scale
+    return (q * down[:, None]).astype(jnp.float16), up * scale
 
 
-def _window_tile(wv_ref, ws_ref, b, t0, tk, c0=0, dc=None):
-    """Window rows t0..t0+tk, channels c0..c0+dc, decoded to float16 [tk, dc]."""
-    dc = dc or wv_ref.shape[-1]
-    raw = wv_ref[b, pl.ds(t0, tk), pl.ds(c0, dc)]
-    sc = decode.e8m0_f32(ws_ref[b, pl.ds(t0, tk), pl.ds(c0 // WINDOW_SCALE_BLOCK, dc // WINDOW_SCALE_BLOCK)])
-    v = decode.e4m3_f32(raw).reshape(tk, dc // WINDOW_SCALE_BLOCK, WINDOW_SCALE_BLOCK) * sc[:, :, None]
-    return v.reshape(tk, dc).astype(jnp.float16)
+def _window_tile(wv_ref, ws_ref, b, t0, tk):
+    """Window rows t0..t0+tk decoded to float16 [tk, D]."""
+    d = wv_ref.shape[-1]
+    raw = wv_ref[b, pl.ds(t0, tk), :]
+    sc = decode.e8m0_f32(ws_ref[b, pl.ds(t0, tk), :])
+    v = decode.e4m3_f32(raw).reshape(tk, d // WINDOW_SCALE_BLOCK, WINDOW_SCALE_BLOCK) * sc[:, :, None]
+    return v.reshape(tk, d).astype(jnp.float16)
 
 
-def _entry_tile(ev_ref, es_ref, rows, tk, c0=0, dc=None):
-    """Gathered entry rows (b, r[tk]), channels c0..c0+dc, decoded to float16 [tk, dc]."""
-    dc = dc or ev_ref.shape[-1] * 2
+def _entry_tile(ev_ref, es_ref, rows, tk):
+    """Gathered entry rows (b, r[tk]) decoded to float16 [tk, D]."""
+    d = ev_ref.shape[-1] * 2
     b, r = rows
-    raw = ev_ref[b, r, pl.ds(c0 // 2, dc // 2)]
-    sc = decode.e4m3_f32(es_ref[b, r, pl.ds(c0 // ENTRY_SCALE_BLOCK, dc // ENTRY_SCALE_BLOCK)])
+    raw = ev_ref[b, r, :]
+    sc = decode.e4m3_f32(es_ref[b, r, :])
     lo, hi = decode.nibbles(raw)
-    codes = jnp.stack([lo, hi], axis=-1).reshape(tk, dc)  # low nibble = even channel
-    v = decode.fp4_as_f16(codes).astype(jnp.float32).reshape(tk, dc // ENTRY_SCALE_BLOCK, ENTRY_SCALE_BLOCK)
-    return (v * (sc * decode.FP4_F16_SHIFT)[:, :, None]).reshape(tk, dc).astype(jnp.float16)
+    codes = jnp.stack([lo, hi], axis=-1).reshape(tk, d)  # low nibble = even channel
+    v = decode.fp4_as_f16(codes).astype(jnp.float32).reshape(tk, d // ENTRY_SCALE_BLOCK, ENTRY_SCALE_BLOCK)
+    return (v * (sc * decode.FP4_F16_SHIFT)[:, :, None]).reshape(tk, d).astype(jnp.float16)
 
 
-def _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk: int, n_wt: int, n_et: int, k: int):
-    """(window, entry): for key tile t of sequence b, fn(t, c0, dc) -> (valid bool [tk], float16 [tk, dc]
-    of channels c0..c0+dc). Window tiles are t in [0, n_wt), entry tiles t in [0, n_et) (gathered by idx)."""
-    def window(t, c0, dc):
-        return wok_ref[b, pl.ds(t * tk, tk)] != 0, _window_tile(wv_ref, ws_ref, b, t * tk, tk, c0, dc)
+def _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk: int, k: int):
+    """(window, entry): for key tile t of sequence b, fn(t) -> (valid bool [tk], float16 [tk, D]). Window tiles
+    are t in [0, n_wt), entry tiles t in [0, n_et) (gathered by idx)."""
+    def window(t):
+        return wok_ref[b, pl.ds(t * tk, tk)] != 0, _window_tile(wv_ref, ws_ref, b, t * tk, tk)
 
-    def entry(t, c0, dc):
+    def entry(t):
         pos = t * tk + jnp.arange(tk)
         ids = plt.load(idx_ref.at[b, pl.ds(t * tk, tk)], mask=pos < k, other=-1)
-        return ids >= 0, _entry_tile(ev_ref, es_ref, (b, jnp.maximum(ids, 0)), tk, c0, dc)
+        return ids >= 0, _entry_tile(ev_ref, es_ref, (b, jnp.maximum(ids, 0)), tk)
 
     return window, entry
 
@@ -112,9 +106,9 @@ def _flash_kernel(q_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_
                   tk: int, n_wt: int, n_et: int, k: int, per_split: int, hb: int, final: bool, scale: float):
     b, s, hblk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads = pl.ds(hblk * hb, hb)
-    (q,), qs = scaled_query([q_ref[b, heads, :]], scale)
+    q, qs = scaled_query(q_ref[b, heads, :], scale)
     d = q.shape[1]
-    window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k)
+    window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, k)
 
     def update(tile, carry):
         ok, kv = tile
@@ -129,7 +123,7 @@ def _flash_kernel(q_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_
 
     carry = (jnp.full((hb,), M_FLOOR, jnp.float32), jnp.zeros((hb,), jnp.float32), jnp.zeros((hb, d), jnp.float32))
     m, l, acc = _over_tiles(s * per_split, (s + 1) * per_split, n_wt, n_et,
-                            lambda t, c: update(window(t, 0, d), c), lambda t, c: update(entry(t, 0, d), c), carry)
+                            lambda t, c: update(window(t), c), lambda t, c: update(entry(t), c), carry)
     if final:
         sink = sink_ref[heads]
         m_all = jnp.maximum(m, sink)
@@ -142,55 +136,8 @@ def _flash_kernel(q_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_
         l_ref[b, s, heads] = l
 
 
-def _logits_kernel(q_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, p_ref, m_ref, l_ref, *,
-                   tk: int, n_wt: int, n_et: int, k: int, per_split: int, dc: int, scale: float):
-    """Program (b, s): for each key tile t of range s, p = exp(logit - m_t) float16 [Hp, tk] into
-    p_ref[b, :, t * tk:], the tile max m_t and the sum of its p (f32 [Hp]) into m_ref / l_ref[b, t]."""
-    b, s = pl.program_id(0), pl.program_id(1)
-    hp, d = q_ref.shape[1], q_ref.shape[2]
-    window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k)
-    # loaded once, not once per key tile
-    q_chunks, qs = scaled_query([q_ref[b, :, pl.ds(c0, dc)] for c0 in range(0, d, dc)], scale)
-
-    def emit(tile_fn, t, slot, carry):
-        logits = jnp.zeros((hp, tk), jnp.float32)
-        for i, qc in enumerate(q_chunks):
-            ok, kv = tile_fn(t, i * dc, dc)
-            logits += jnp.dot(qc, kv.T, preferred_element_type=jnp.float32)
-        logits = jnp.where(ok[None, :], logits * qs[:, None], -jnp.inf)
-        m = jnp.maximum(jnp.max(logits, axis=1), M_FLOOR)
-        p = jnp.exp(logits - m[:, None])
-        p_ref[b, :, pl.ds(slot * tk, tk)] = p.astype(jnp.float16)
-        m_ref[b, slot, :] = m
-        l_ref[b, slot, :] = jnp.sum(p, axis=1)
-        return carry  # a dummy passed through: a literal loop result does not lower on the GPU (scf.yield)
-
-    _over_tiles(s * per_split, (s + 1) * per_split, n_wt, n_et, lambda t, c: emit(window, t, t, c),
-                lambda t, c: emit(entry, t, t + n_wt, c), jnp.int32(0))
-
-
-def _pv_kernel(p_ref, wt_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, o_ref, *, tk: int, n_wt: int,
-               n_et: int, k: int, per_split: int, dc: int):
-    """Program (b, c, s): o[b, s, :, c * dc:] = sum over the key tiles t of range s of
-    (p_t * weight_t) @ keys_t[:, channel slice c] (weights from `_tile_weights`)."""
-    b, c, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    c0 = c * dc
-    hp = p_ref.shape[1]
-    window, entry = _key_tiles(wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_ref, b, tk, n_wt, n_et, k)
-
-    def accumulate(tile_fn, t, slot, acc):
-        _, kv = tile_fn(t, c0, dc)
-        p = p_ref[b, :, pl.ds(slot * tk, tk)].astype(jnp.float32) * wt_ref[b, slot, :][:, None]
-        return acc + jnp.dot(p.astype(jnp.float16), kv, preferred_element_type=jnp.float32)
-
-    acc = _over_tiles(s * per_split, (s + 1) * per_split, n_wt, n_et,
-                      lambda t, a: accumulate(window, t, t, a), lambda t, a: accumulate(entry, t, t + n_wt, a),
-                      jnp.zeros((hp, dc), jnp.float32))
-    o_ref[b, s, :, pl.ds(c0, dc)] = acc
-
-
 def _tile_weights(m_btk: jax.Array, l_btk: jax.Array, sink_h: jax.Array) -> jax.Array:
-    """f32 [B, T, Hp]: exp(m_t - m) / (sum_t l_t exp(m_t - m) + exp(sink - m)), m the max over tiles and sink."""
+    """f32 [B, T, Hp]: exp(m_t - m) / (sum_t l_t exp(m_t - m) + exp(sink - m)), m the max over ranges t and sink."""
     m_all = jnp.maximum(jnp.max(m_btk, axis=1), sink_h[None, :])
     c = jnp.exp(m_btk - m_all[:, None, :])
     den = jnp.sum(l_btk * c, axis=1) + jnp.exp(sink_h[None, :] - m_all)
@@ -299,20 +246,18 @@ def default_splits(b: int, programs: int = 132) -> int:
     return max(1, min(8, -(-programs // b)))
 
 
-_STATIC = ("scale", "variant", "splits", "block_k", "head_block", "channel_block", "num_warps", "num_stages",
-           "out_dtype", "interpret")
+_STATIC = ("scale", "splits", "block_k", "head_block", "num_warps", "num_stages", "out_dtype", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
-                     sink_h, scale: float, *, variant: str = "flash", splits: int = 1, block_k: int = 32,
-                     head_block: int | None = None, channel_block: int = 128, num_warps: int = 8,
-                     num_stages: int = 2, unrotate=None, out_dtype=jnp.float32, interpret: bool = False):
+                     sink_h, scale: float, *, splits: int = 1, block_k: int = 32, head_block: int | None = None,
+                     num_warps: int = 8, num_stages: int = 2, unrotate=None, out_dtype=jnp.float32,
+                     interpret: bool = False):
     """f32 [B, H, D]. Window records [B, W, D] + [B, W, D/32]; entries [B, N, D/2] + [B, N, D/16].
 
-    variant "flash": `splits` key ranges x heads in blocks of `head_block` (default all); "split": the
-    logits kernel over `splits` key ranges, then p.v over channel slices of `channel_block` x `splits`
-    key ranges (module doc). unrotate: (cos, sin) f32 [B, D/2]: the output `unrotated` by them, in out_dtype
+    `splits` key ranges x heads in blocks of `head_block` (default all), keys in tiles of `block_k` (module
+    doc). unrotate: (cos, sin) f32 [B, D/2]: the output `unrotated` by them, in out_dtype
     (with split key ranges, merged and turned in one kernel, `combine_unrotated`)."""
     b, h, d = q_bhd.shape
     w, k = window_values.shape[1], idx_bk.shape[1]
@@ -322,16 +267,12 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
     if entry_values.shape[-1] * 2 != d or window_values.shape[-1] != d:
         raise ValueError(f"records do not match head_dim {d}: window {window_values.shape}, "
                          f"entries {entry_values.shape}")
-    if variant not in ("flash", "split"):
-        raise ValueError(f"attention variant must be 'flash' or 'split', got {variant!r}")
     hp = padded_heads(h)
     q = q_bhd.astype(jnp.float32)
     q = q if hp == h else jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))  # zero heads: never read back
     hb = head_block or hp
-    dc = min(channel_block, d)
-    if hp % hb or hb % 16 or d % dc or dc % WINDOW_SCALE_BLOCK:
-        raise ValueError(f"head_block {hb} must be a multiple of 16 dividing the padded heads {hp}, and "
-                         f"channel_block {dc} a multiple of {WINDOW_SCALE_BLOCK} dividing head_dim {d}")
+    if hp % hb or hb % 16:
+        raise ValueError(f"head_block {hb} must be a multiple of 16 dividing the padded heads {hp}")
     sink = jnp.pad(sink_h.astype(jnp.float32), (0, hp - h))
     n_wt, n_et = w // tk, -(-k // tk)
     per_split = -(-(n_wt + n_et) // splits)
@@ -339,20 +280,6 @@ def sparse_attention(q_bhd, window_values, window_scales, window_valid, entry_va
             idx_bk.astype(jnp.int32))
     tiles = dict(tk=tk, n_wt=n_wt, n_et=n_et, k=k, per_split=per_split)
     params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    if variant == "split":
-        n_t = n_wt + n_et
-        p, m, l = pl.pallas_call(
-            functools.partial(_logits_kernel, dc=dc, scale=scale, **tiles), grid=(b, splits), interpret=interpret,
-            out_shape=[jax.ShapeDtypeStruct((b, hp, n_t * tk), jnp.float16),
-                       jax.ShapeDtypeStruct((b, n_t, hp), jnp.float32), jax.ShapeDtypeStruct((b, n_t, hp), jnp.float32)],
-            compiler_params=params, name="sparse_attention_logits",
-        )(q, *keys)
-        out = pl.pallas_call(
-            functools.partial(_pv_kernel, dc=dc, **tiles), grid=(b, d // dc, splits), interpret=interpret,
-            out_shape=jax.ShapeDtypeStruct((b, splits, hp, d), jnp.float32), compiler_params=params,
-            name="sparse_attention_pv",
-        )(p, _tile_weights(m, l, sink), *keys)
-        return finish(jnp.sum(out, axis=1)[:, :h], unrotate, out_dtype)
     final = splits == 1
     rows = partial_rows(splits, unrotate)
     if final:

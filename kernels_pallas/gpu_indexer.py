@@ -16,20 +16,10 @@ How it maps to the hardware (why it is shaped like this):
 - q is scaled by one power of two per sequence to fit float16 (exact for FP4-grid queries, 2**-11
   relative otherwise); that power of two is folded into w.
 
-`variant` picks how the keys reach the tensor cores (the decode, not the loads, limits the f16 form:
-`experiments.bench_kernels --only stages`):
-- "f16": as above; ~10 integer/f16 instructions per nibble in Triton's per-element code.
-- "fp8": E2M1 is a subset of FP8 E5M2, so a nibble becomes an E5M2 byte by moving bits (low nibble:
-  mag << 1 | sign << 4; high nibble: (byte >> 3) & 0x0E | sign), E2M1(c) * 2**-14 exactly, no table
-  and no float op. q goes to E5M2 after one power of two per sequence (exact for FP4-grid queries,
-  which the model passes: attention.py fake-quantizes them; 3 significant bits otherwise). One
-  K = 32 FP8 dot per 32-channel scale group; its 32 products share one key and one query scale and
-  sum to an integer multiple of their unit below 2**13, so each group dot is exact even at the FP8
-  tensor cores' reduced accumulation width; the group's 2**(e_g - e_max) is applied to its f32 result.
-- "fp8-asm": "fp8" with the bit moves in PTX on four bytes per 32-bit register (5 instructions per
-  8 nibbles). PTX only runs compiled; interpreted it is "fp8" (same bits).
-- "fp8-asm-gl": "fp8-asm" with one load per scale group (16 bytes of each row) instead of one load of
-  the tile split in registers (the pool scan, whose rows are gathered, splits as "fp8-asm").
+The FP4 decode, not the loads, limits this form (`experiments.bench_kernels --only stages`); on Hopper
+the dispatch takes `gpu_indexer_wgmma` instead. Three forms that fed the tensor cores FP8 E5M2 bytes (the
+nibbles moved into E5M2 bits in jnp or PTX, one K = 32 dot per scale group) were exact but measured slower
+than this one on the H200 and were removed (docs/BENCHMARKS.md, issue 21, 2026-12-01).
 """
 
 from __future__ import annotations
@@ -44,8 +34,6 @@ from jax.experimental.pallas import triton as plt
 from kernels_pallas import decode
 
 KEY_SCALE_BLOCK = 32  # channels per E8M0 scale of the released index key (quant.INDEX_KEY)
-VARIANTS = ("f16", "fp8", "fp8-asm", "fp8-asm-gl")
-FP8_Q_TOP = 15  # q in E5M2 is scaled to max |q| in [2**14, 2**15) (E5M2 max 57344, min subnormal 2**-16)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -69,73 +57,13 @@ def prepare_query(q_bhd: jax.Array, w_bh: jax.Array, min_heads: int = 16):
     return jnp.swapaxes(qn, 1, 2), jnp.pad(wn, ((0, 0), (0, hp - h)))
 
 
-def prepare_query_fp8(q_bhd: jax.Array, w_bh: jax.Array, min_heads: int = 16):
-    """q [B, H, D] -> (E5M2 bits uint8 [B, Hp, D] with max |q| in [2**14, 2**15), w' [B, Hp] float32).
-
-    w' carries the power of two taken out of q and the 2**14 of the keys' E5M2 form (see the module doc).
-    """
-    b, h, d = q_bhd.shape
-    hp = max(min_heads, _round_up(h, 16))
-    q = q_bhd.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(q), axis=(1, 2))
-    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))
-    e = e.astype(jnp.float32)
-    q8 = (q * jnp.exp2(FP8_Q_TOP - e)[:, None, None]).astype(jnp.float8_e5m2)
-    q8 = jnp.pad(jax.lax.bitcast_convert_type(q8, jnp.uint8), ((0, 0), (0, hp - h), (0, 0)))
-    wn = w_bh.astype(jnp.float32) * jnp.exp2(e - FP8_Q_TOP + 14)[:, None]
-    return q8, jnp.pad(wn, ((0, 0), (0, hp - h)))
-
-
-def _tile_scores(kb, e, q_ref, b, w, groups: int, variant: str, asm: bool) -> jax.Array:
+def _tile_scores(kb, e, q_ref, b, w, groups: int) -> jax.Array:
     """Scores f32 [TN] of TN key rows, before any masking: packed FP4 bytes kb uint8 [TN, D/2], E8M0
-    exponents e int32 [TN, D/32], the queries q_ref (f16 q^T [B, D, Hp] from `prepare_query`, or for the
-    fp8 variants E5M2 bits [B, Hp, D] from `prepare_query_fp8`) of which sequence b's, and its w' f32 [Hp].
-    asm: the PTX bit moves (compiled runs only; interpreted, "fp8-asm" runs the jnp ones: same bits)."""
-    if variant == "f16":
-        e_max, rel = _group_scales(e)
-        logits = jnp.dot(_decoded_keys(kb, rel, groups), q_ref[b], preferred_element_type=jnp.float32)
-        return jnp.sum(jnp.maximum(logits, 0.0) * w[None, :], axis=1) * decode.e8m0_f32(e_max)
-    # per scale group: its 16 bytes (split before the decode: half the data of a split after it)
-    b_parts = jnp.split(kb, groups, axis=1) if groups > 1 else [kb]
-    e_parts = [x.reshape(-1) for x in jnp.split(e, groups, axis=1)] if groups > 1 else [e.reshape(-1)]
-    return _fp8_scores(b_parts, e_parts, q_ref, b, w, asm)
-
-
-def _fp8_scores(b_parts, e_parts, q_ref, b, w, asm: bool) -> jax.Array:
-    """`_tile_scores` of the fp8 variants from per-group pieces: bytes uint8 [TN, 16] and exponents int32
-    [TN] of each 32-channel scale group."""
-    e_max = functools.reduce(jnp.maximum, e_parts)
-    logits = 0.0
-    for g, (bg, eg) in enumerate(zip(b_parts, e_parts)):
-        rel = jax.lax.bitcast_convert_type(jnp.maximum(eg - e_max + 127, 1) << 23, jnp.float32)  # 2**(e_g - e_max)
-        kg = jax.lax.bitcast_convert_type(_fp8_keys(bg, asm), jnp.float8_e5m2)  # [TN, 32] in channel order
-        qg = jax.lax.bitcast_convert_type(q_ref[b, :, pl.ds(g * KEY_SCALE_BLOCK, KEY_SCALE_BLOCK)], jnp.float8_e5m2)
-        dot = jax.lax.dot_general(kg, qg, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        logits = logits + dot * rel[:, None]  # [TN, Hp]
+    exponents e int32 [TN, D/32], the queries q_ref (f16 q^T [B, D, Hp] from `prepare_query`) of which
+    sequence b's, and its w' f32 [Hp]."""
+    e_max, rel = _group_scales(e)
+    logits = jnp.dot(_decoded_keys(kb, rel, groups), q_ref[b], preferred_element_type=jnp.float32)
     return jnp.sum(jnp.maximum(logits, 0.0) * w[None, :], axis=1) * decode.e8m0_f32(e_max)
-
-
-_E5M2_ASM = {  # four packed bytes ($1) -> their low / high nibbles as E5M2 bytes ($0); elementwise per byte
-    "low": "{ .reg .b32 a, s; shl.b32 a, $1, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 s, $1, 4; "
-           "and.b32 s, s, 0x80808080; or.b32 $0, a, s; }",
-    "high": "{ .reg .b32 a, s; shr.b32 a, $1, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 s, $1, 0x80808080; "
-            "or.b32 $0, a, s; }",
-}
-
-
-def _fp8_keys(kb, asm: bool) -> jax.Array:
-    """Packed FP4 bytes uint8 [TN, D/2] -> E5M2 bits uint8 [TN, D] in channel order, E2M1 * 2**-14."""
-    tn, half = kb.shape
-    if asm:
-        # int8 results: Triton's inline asm accepts signless integers only (uint8 fails to parse on the GPU)
-        out = [jax.ShapeDtypeStruct(kb.shape, jnp.int8)]
-        lo, hi = (jax.lax.bitcast_convert_type(plt.elementwise_inline_asm(
-            _E5M2_ASM[nib], args=[kb], constraints="=r,r", pack=4, result_shape_dtypes=out)[0], jnp.uint8)
-            for nib in ("low", "high"))
-    else:
-        lo = ((kb & 0x07) << 1) | ((kb & 0x08) << 4)
-        hi = ((kb >> 3) & 0x0E) | (kb & 0x80)
-    return jnp.stack([lo, hi], axis=-1).reshape(tn, 2 * half)
 
 
 def _group_scales(e) -> tuple[jax.Array, jax.Array]:
@@ -154,22 +82,14 @@ def _decoded_keys(kb, rel, groups: int) -> jax.Array:
 
 
 def _kernel(reach_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *bmax_refs, n: int, tn: int, groups: int,
-            block: int | None, variant: str, asm: bool):
+            block: int | None):
     b, t = pl.program_id(0), pl.program_id(1)
     n0 = t * tn
     rows = n0 + jnp.arange(tn)
     in_range = rows < n
-    if variant == "fp8-asm-gl":  # one load per scale group: no split of the loaded tile
-        half = KEY_SCALE_BLOCK // 2
-        b_parts = [plt.load(kv_ref.at[b, pl.ds(n0, tn), pl.ds(g * half, half)], mask=in_range[:, None], other=0)
-                   for g in range(groups)]
-        e_parts = [plt.load(ks_ref.at[b, pl.ds(n0, tn), pl.ds(g, 1)], mask=in_range[:, None], other=127)
-                   .astype(jnp.int32).reshape(tn) for g in range(groups)]
-        s = _fp8_scores(b_parts, e_parts, qt_ref, b, w_ref[b, :], asm)
-    else:
-        kb = plt.load(kv_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=0)  # [TN, D/2]
-        e = plt.load(ks_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=127).astype(jnp.int32)
-        s = _tile_scores(kb, e, qt_ref, b, w_ref[b, :], groups, variant, asm)
+    kb = plt.load(kv_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=0)  # [TN, D/2]
+    e = plt.load(ks_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=127).astype(jnp.int32)
+    s = _tile_scores(kb, e, qt_ref, b, w_ref[b, :], groups)
     s = jnp.where(rows < reach_ref[b], s, -jnp.inf)
     plt.store(s_ref.at[b, pl.ds(n0, tn)], s, mask=in_range)
     if block is not None:
@@ -180,7 +100,7 @@ def _kernel(reach_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *bmax_refs, n: int,
 
 
 def _pool_kernel(reach_ref, blocks_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *, n: int, n_blocks: int, block: int,
-                 per_program: int, groups: int, variant: str, asm: bool):
+                 per_program: int, groups: int):
     b, t = pl.program_id(0), pl.program_id(1)
     tn = per_program * block
     slot = t * per_program + jnp.arange(per_program)
@@ -188,54 +108,40 @@ def _pool_kernel(reach_ref, blocks_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *,
     pos = (bid[:, None] * block + jnp.arange(block)[None, :]).reshape(tn)
     ok = jnp.broadcast_to(bid[:, None] >= 0, (per_program, block)).reshape(tn) & (pos < n)
     rows = jnp.where(ok, pos, 0)  # a gather of whole blocks of consecutive rows
-    s = _tile_scores(kv_ref[b, rows, :], ks_ref[b, rows, :].astype(jnp.int32), qt_ref, b, w_ref[b, :], groups,
-                     variant, asm)
+    s = _tile_scores(kv_ref[b, rows, :], ks_ref[b, rows, :].astype(jnp.int32), qt_ref, b, w_ref[b, :], groups)
     s = jnp.where(ok & (pos < reach_ref[b]), s, -jnp.inf)
     out = t * tn + jnp.arange(tn)
     plt.store(s_ref.at[b, pl.ds(t * tn, tn)], s, mask=out < n_blocks * block)
 
 
-def _check_keys(d: int, key_values: jax.Array, key_scales: jax.Array, variant: str) -> None:
+def _check_keys(d: int, key_values: jax.Array, key_scales: jax.Array) -> None:
     if d % KEY_SCALE_BLOCK or key_values.shape[-1] * 2 != d or key_scales.shape[-1] * KEY_SCALE_BLOCK != d:
         raise ValueError(f"index keys must be FP4 packed with one E8M0 scale per {KEY_SCALE_BLOCK} channels "
                          f"for head_dim {d}; got values {key_values.shape}, scales {key_scales.shape}")
-    groups = d // KEY_SCALE_BLOCK
-    if variant not in VARIANTS:
-        raise ValueError(f"scan variant must be one of {VARIANTS}, got {variant!r}")
-    if variant != "f16" and groups & (groups - 1):
-        raise ValueError(f"the {variant} scan splits head_dim into a power-of-two number of 32-channel groups "
-                         f"(Triton splits); head_dim {d} has {groups}: use variant='f16'")
 
 
-def _query(q_bhd, w_bh, variant: str):
-    return prepare_query(q_bhd, w_bh) if variant == "f16" else prepare_query_fp8(q_bhd, w_bh)
-
-
-_STATIC = ("block", "block_n", "num_warps", "num_stages", "variant", "interpret")
+_STATIC = ("block", "block_n", "num_warps", "num_stages", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def indexer_scores(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                    reachable_b: jax.Array, *, block: int | None = None, block_n: int = 128,
-                   num_warps: int = 4, num_stages: int = 3, variant: str = "f16", interpret: bool = False):
+                   num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """Scores f32 [B, N]; with `block`, also the block maxima f32 [B, ceil(N / block)].
 
-    key_values uint8 [B, N, D/2], key_scales uint8 [B, N, D/32] (quant.INDEX_KEY records); `variant`
-    one of VARIANTS (module doc).
+    key_values uint8 [B, N, D/2], key_scales uint8 [B, N, D/32] (quant.INDEX_KEY records).
     """
     b, h, d = q_bhd.shape
     n = key_values.shape[1]
-    _check_keys(d, key_values, key_scales, variant)
+    _check_keys(d, key_values, key_scales)
     if block is not None and block_n % block:
         raise ValueError(f"block_n {block_n} must be a multiple of the candidate block {block}")
-    qt, wn = _query(q_bhd, w_bh, variant)
+    qt, wn = prepare_query(q_bhd, w_bh)
     tn = block_n
     out_shape = [jax.ShapeDtypeStruct((b, n), jnp.float32)]
     if block is not None:
         out_shape.append(jax.ShapeDtypeStruct((b, -(-n // block)), jnp.float32))
-    kernel = functools.partial(_kernel, n=n, tn=tn, groups=d // KEY_SCALE_BLOCK, block=block,
-                               variant=variant,
-                               asm=variant.startswith("fp8-asm") and not interpret)
+    kernel = functools.partial(_kernel, n=n, tn=tn, groups=d // KEY_SCALE_BLOCK, block=block)
     outs = pl.pallas_call(
         kernel, grid=(b, pl.cdiv(n, tn)), out_shape=out_shape, interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -247,8 +153,7 @@ def indexer_scores(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def indexer_scores_pool(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                         blocks_bk: jax.Array, reachable_b: jax.Array, *, block: int, block_n: int = 128,
-                        num_warps: int = 4, num_stages: int = 3, variant: str = "f16",
-                        interpret: bool = False) -> jax.Array:
+                        num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """Scores f32 [B, K * block] of the candidate pool's positions only (`ops.indexer_scores_pool_decode`).
 
     blocks_bk int32 [B, K]: pool block ids (-1 = empty); slot j scores position
@@ -259,14 +164,13 @@ def indexer_scores_pool(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array
     """
     b, h, d = q_bhd.shape
     n, k = key_values.shape[1], blocks_bk.shape[1]
-    _check_keys(d, key_values, key_scales, variant)
+    _check_keys(d, key_values, key_scales)
     if block & (block - 1) or block_n & (block_n - 1) or block_n < block:
         raise ValueError(f"the GPU pool scan needs power-of-two block {block} <= block_n {block_n}")
-    qt, wn = _query(q_bhd, w_bh, variant)
+    qt, wn = prepare_query(q_bhd, w_bh)
     per_program = block_n // block
     kernel = functools.partial(_pool_kernel, n=n, n_blocks=k, block=block, per_program=per_program,
-                               groups=d // KEY_SCALE_BLOCK, variant=variant,
-                               asm=variant.startswith("fp8-asm") and not interpret)
+                               groups=d // KEY_SCALE_BLOCK)
     return pl.pallas_call(
         kernel, grid=(b, pl.cdiv(k, per_program)), out_shape=jax.ShapeDtypeStruct((b, k * block), jnp.float32),
         interpret=interpret, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),

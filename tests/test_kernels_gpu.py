@@ -6,7 +6,7 @@ batches of unequal lengths, ties, -inf rows and signed zeros. Tolerances:
   the f32 summation order differs, so |err| <= 1e-5 * max|score|.
 - selection: exact equality (same top set, same tie order, same -1 padding).
 - attention: float16 tensor-core operands (q rounded to 2**-11 after a per-head power of two, p to
-  2**-11, twice in the split variant; keys exact), so <= 5e-3 relative (norm per sequence); measured ~4e-4.
+  2**-11; keys exact), so <= 5e-3 relative (norm per sequence); measured ~4e-4.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from kernels_pallas import decode, gpu_attention, gpu_indexer, gpu_select
 from tests.kernel_checks import assert_scan_matches, check_pool_scan, index_case
 
 INTERPRET = jax.default_backend() == "cpu"
-# interpreted, "fp8-asm" runs the jnp bit moves of "fp8" (PTX needs a GPU): the same computation twice
-SCAN_VARIANTS = [v for v in gpu_indexer.VARIANTS if not (INTERPRET and v == "fp8-asm")]
 
 # Inputs and jnp references compiled whole, once per shape: run op by op, each of their ~100 ops compiles
 # on its own for every new shape, which cost more than the interpreted kernels (~5 s of a new shape's
@@ -46,48 +44,27 @@ def candidates_case(s, reach, n_blocks, block):
     return ops.pin_newest_block(ops.block_maxima(s, block), reach, block), ops.candidate_blocks(s, reach, n_blocks, block)
 
 
-@pytest.mark.parametrize("variant", SCAN_VARIANTS)
 @pytest.mark.parametrize("b,h,d,n,reach,block", [
     (3, 4, 32, 37, [37, 5, 0], 4),  # tiny-config heads/dims, N not a multiple of the tile, empty row
     (2, 32, 128, 1000, [1000, 517], 8),  # released heads/dims, unequal lengths
     (1, 16, 128, 1, [1], None),  # one entry
 ])
-def test_indexer_scores(b, h, d, n, reach, block, variant):
+def test_indexer_scores(b, h, d, n, reach, block):
     q, w, rec = jit_index_case(n + h, b, h, d, n)
     reach = jnp.array(reach, jnp.int32)
     ref = indexer_ref(q, w, rec, reach)
     out = gpu_indexer.indexer_scores(q, w, rec["values"], rec["scales"], reach, block=block, block_n=64,
-                                     variant=variant, interpret=INTERPRET)
+                                     interpret=INTERPRET)
     assert_scan_matches(out, ref, n, block)
 
 
-@pytest.mark.parametrize("variant", SCAN_VARIANTS)
 @pytest.mark.parametrize("b,h,d,n,reach,block,n_blocks,block_n", [
     (4, 4, 32, 37, [37, 13, 1, 0], 4, 3, 8),  # tiny config: partial last block, one-entry and empty rows
     (2, 32, 128, 1001, [1001, 517], 8, 40, 256),  # released heads and block; N % 8 != 0; partial program
 ])
-def test_indexer_scores_pool(b, h, d, n, reach, block, n_blocks, block_n, variant):
-    scan = functools.partial(gpu_indexer.indexer_scores_pool, block=block, block_n=block_n, variant=variant,
-                             interpret=INTERPRET)
+def test_indexer_scores_pool(b, h, d, n, reach, block, n_blocks, block_n):
+    scan = functools.partial(gpu_indexer.indexer_scores_pool, block=block, block_n=block_n, interpret=INTERPRET)
     check_pool_scan(scan, b, h, d, n, reach, block, n_blocks)
-
-
-def test_fp8_key_bits_are_e2m1_exactly():
-    """Every packed byte's two nibbles, moved into E5M2 bits, are their E2M1 values times 2**-14."""
-    kb = jnp.arange(256, dtype=jnp.uint8)[None, :]
-    got = jax.lax.bitcast_convert_type(gpu_indexer._fp8_keys(kb, asm=False), jnp.float8_e5m2).astype(jnp.float32)
-    lo, hi = decode.nibbles(kb)
-    want = jnp.stack([decode.fp4_f32(lo), decode.fp4_f32(hi)], axis=-1).reshape(1, 512) * 2.0 ** -14
-    np.testing.assert_array_equal(got, want)
-
-
-def test_fp8_query_is_exact_on_the_fp4_grid():
-    """FP4-grid queries (group exponents 20 binades apart) survive the E5M2 query exactly."""
-    q = jax.jit(functools.partial(quant.fake_quant, quant.INDEX_KEY))(
-        jax.random.normal(jax.random.key(0), (2, 4, 128)) * jnp.exp2(-5.0 * jnp.arange(4)).repeat(32))
-    q8, wn = jax.jit(gpu_indexer.prepare_query_fp8)(q, jnp.ones((2, 4)))
-    back = jax.lax.bitcast_convert_type(q8, jnp.float8_e5m2).astype(jnp.float32)[:, :4]
-    np.testing.assert_array_equal(back * (wn[:, :4, None] * 2.0 ** -14), q)
 
 
 def _rows(name, rng):
@@ -190,24 +167,23 @@ def _attention_case(seed, b, h, d, w, n, k):
     return q, window, valid, entries, idx, sink
 
 
-@pytest.mark.parametrize("b,h,d,w,n,k,variant,splits,block_k,head_block", [
-    # tiny config: K < the key tile, so its only entry tile is partial; split: 3 ranges over 2 tiles, one empty
-    (3, 4, 64, 16, 37, 8, "flash", 1, 16, None),
-    (3, 4, 64, 16, 37, 8, "split", 3, 16, None),
-    # released shapes, one case (and one compile of inputs and reference) for all: the flash kernel
-    # finishing the softmax itself and combined over ranges, both with head blocks; split over 4 ranges
-    (3, 64, 512, 128, 300, 512, "flash", 1, 32, 16),
-    (3, 64, 512, 128, 300, 512, "flash", 3, 32, 32),
-    (3, 64, 512, 128, 300, 512, "split", 4, 64, None),
+@pytest.mark.parametrize("b,h,d,w,n,k,splits,block_k,head_block", [
+    # tiny config: K < the key tile, so its only entry tile is partial; 3 ranges over 2 tiles, one empty
+    (3, 4, 64, 16, 37, 8, 1, 16, None),
+    (3, 4, 64, 16, 37, 8, 3, 16, None),
+    # released shapes: the kernel finishing the softmax itself and combined over ranges, both with head
+    # blocks; all 64 heads in one block over 4 ranges of 64-key tiles
+    (3, 64, 512, 128, 300, 512, 1, 32, 16),
+    (3, 64, 512, 128, 300, 512, 3, 32, 32),
+    (3, 64, 512, 128, 300, 512, 4, 64, None),
 ])
-def test_sparse_attention(b, h, d, w, n, k, variant, splits, block_k, head_block):
+def test_sparse_attention(b, h, d, w, n, k, splits, block_k, head_block):
     q, window, valid, entries, idx, sink = _attention_case(d + splits, b, h, d, w, n, k)
     scale = d ** -0.5
     ref = attention_ref(q, window, valid, entries, idx, sink, scale)
     out = gpu_attention.sparse_attention(q, window["values"], window["scales"], valid, entries["values"],
-                                         entries["scales"], idx, sink, scale, variant=variant, splits=splits,
-                                         block_k=block_k, head_block=head_block,
-                                         interpret=INTERPRET)
+                                         entries["scales"], idx, sink, scale, splits=splits, block_k=block_k,
+                                         head_block=head_block, interpret=INTERPRET)
     np.testing.assert_array_equal(out[0], 0.0)
     for i in range(1, b):
         err = float(jnp.linalg.norm(out[i] - ref[i]) / jnp.linalg.norm(ref[i]))
@@ -246,17 +222,16 @@ def test_combine_unrotated_merges_and_turns_back_as_its_reference(out_dtype):
                                atol=tol * float(jnp.abs(ref).max()))
 
 
-@pytest.mark.parametrize("variant,splits", [("flash", 1), ("flash", 3), ("split", 3)])
-def test_sparse_attention_output_unrotated(variant, splits):
-    """With unrotate, every form of the kernel (final, merged by `combine_unrotated`, the split variant) gives
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sparse_attention_output_unrotated(splits):
+    """With unrotate, both forms of the kernel (final, merged by `combine_unrotated`) give
     `unrotated` of its plain output in the dtype asked for (tiny shapes: 4 heads padded to 16)."""
     q, window, valid, entries, idx, sink = _attention_case(11 + splits, 3, 4, 64, 16, 37, 8)
     ang = jnp.arange(3 * 8, dtype=jnp.float32).reshape(3, 8) * 0.7
     cos = jnp.concatenate([jnp.ones((3, 24)), jnp.cos(ang)], -1)
     sin = jnp.concatenate([jnp.zeros((3, 24)), jnp.sin(ang)], -1)
     run = functools.partial(gpu_attention.sparse_attention, q, window["values"], window["scales"], valid,
-                            entries["values"], entries["scales"], idx, sink, 0.125, variant=variant, splits=splits,
-                            block_k=16, interpret=INTERPRET)
+                            entries["values"], entries["scales"], idx, sink, 0.125, splits=splits, block_k=16, interpret=INTERPRET)
     plain, out = run(), run(unrotate=(cos, sin), out_dtype=jnp.bfloat16)
     assert out.dtype == jnp.bfloat16 and out.shape == plain.shape
     ref = gpu_attention.unrotated(plain, cos, sin)

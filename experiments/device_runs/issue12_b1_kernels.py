@@ -116,23 +116,20 @@ def latency() -> None:
 
 # the b1 sparse attention's launch parameters, each one `bench_kernels` run at the step's 4K shape (its attention
 # row: the L2 flushed before every call, relative error against the jnp twin, % of the copy peak):
-# (variant, splits, heads per program (flash) or channels per p.v program (split), keys per tile, warps); the first
-# is the dispatch's at batch 1
-ATTENTION_VARIANTS = [("flash", 20, 16, 32, 4), ("flash", 10, 16, 32, 4), ("flash", 5, 16, 32, 4),
-                      ("flash", 40, 16, 16, 4), ("flash", 20, 16, 16, 4), ("flash", 20, 32, 32, 4),
-                      ("flash", 10, 32, 32, 8), ("flash", 20, 64, 32, 8), ("flash", 5, 64, 32, 8),
-                      ("flash", 10, 16, 64, 4), ("flash", 2, 16, 64, 4),
-                      ("split", 5, 128, 32, 4), ("split", 10, 128, 32, 4), ("split", 5, 256, 32, 8)]
+# (splits, heads per program, keys per tile, warps); the first is the dispatch's at batch 1 (the twenty-seventh
+# session also ran three configurations of a two-kernel "split" form, since removed: none was faster)
+ATTENTION_VARIANTS = [(20, 16, 32, 4), (10, 16, 32, 4), (5, 16, 32, 4), (40, 16, 16, 4), (20, 16, 16, 4),
+                      (20, 32, 32, 4), (10, 32, 32, 8), (20, 64, 32, 8), (5, 64, 32, 8), (10, 16, 64, 4),
+                      (2, 16, 64, 4)]
 
 
 def attention_steps() -> list[str]:
     """Run `bench_kernels --only attention` once per ATTENTION_VARIANTS entry; returns the step names."""
     names = []
-    for variant, splits, block, bk, warps in ATTENTION_VARIANTS:
-        name = f"attention_{variant}_s{splits}_b{block}_k{bk}_w{warps}"
-        tile = ["--head-block" if variant == "flash" else "--channel-block", str(block)]
+    for splits, block, bk, warps in ATTENTION_VARIANTS:
+        name = f"attention_flash_s{splits}_b{block}_k{bk}_w{warps}"
         step(name, ["-m", "experiments.bench_kernels", "--contexts", "4352", "--batches", "1", "--only", "attention",
-                    "--att-variant", variant, "--splits", str(splits), *tile, "--block-k", str(bk),
+                    "--splits", str(splits), "--head-block", str(block), "--block-k", str(bk),
                     "--att-warps", str(warps)], 90)
         names.append(name)
     return names

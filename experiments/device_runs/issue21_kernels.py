@@ -1,6 +1,8 @@
-"""Issue 21 on one H200: the GPU kernel tests, then the old and new indexer-scan and sparse-attention
-variants timed from HBM (L2 flushed before every call; GPU time from a profiler trace), against the
-copy bandwidth measured in the same run. Prints a short table last; logs under $OUT.
+"""Issue 21 on one H200: the GPU kernel tests, then the Triton indexer scan's and sparse attention's tiles
+timed from HBM (L2 flushed before every call; GPU time from a profiler trace), against the
+copy bandwidth measured in the same run. Prints a short table last; logs under $OUT. (Its first run,
+2026-12-01, also timed three FP8 forms of the scan and a two-kernel "split" attention, since removed:
+docs/BENCHMARKS.md has that table.)
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_kernels          (< 5 minutes; each variant may fail alone)
 """
@@ -85,13 +87,12 @@ peak = bk.copy_bandwidth(0.05 if DRY else 2.0)
 say(f"device {jax.devices()[0].device_kind}; copy {peak / 1e9:.0f} GB/s (read + write) = peak")
 
 # ---------------------------------------------------------------- 2. indexer scan
-SCAN = [("f16", 128, 4), ("fp8-asm", 128, 4), ("fp8-asm-gl", 128, 4), ("fp8-asm", 256, 8),
-        ("fp8-asm-gl", 256, 8), ("f16", 256, 8)]
+SCAN = [(128, 4), (256, 8)]  # (positions per tile, warps)
 
 
-def scan_fn(variant, block_n, warps):
+def scan_fn(block_n, warps):
     return lambda q, w, v, s, r: gpu_indexer.indexer_scores(q, w, v, s, r, block=bk.BLOCK, block_n=block_n,
-                                                             num_warps=warps, variant=variant, **KW)
+                                                             num_warps=warps, **KW)
 
 
 def bench_scan(ctx, b, configs, ref_check):
@@ -102,7 +103,7 @@ def bench_scan(ctx, b, configs, ref_check):
     if ref_check:
         ref = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
     else:
-        ref = scan_fn("f16", 128, 4)(*args)[0]
+        ref = scan_fn(128, 4)(*args)[0]
     out = []
     if not ref_check:  # the loads alone (same grid, no decode or dot): what the memory system gives this scan
         for bn, warps in ((128, 4), (256, 8)):
@@ -110,33 +111,28 @@ def bench_scan(ctx, b, configs, ref_check):
                                                                           num_warps=warps, **KW)
             out.append(record("scan", f"{ctx // 1024}K x{b}", f"loads only, tile {bn} / {warps} warps", fn, args, 1,
                               bk.nbytes(rec) + b * ctx * 4, peak))
-    for variant, bn, warps in configs:
+    for bn, warps in configs:
         extra = {}
         try:
-            got = scan_fn(variant, bn, warps)(*args)[0]
+            got = scan_fn(bn, warps)(*args)[0]
             extra["max_rel_err"] = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
             extra["vs"] = "jnp" if ref_check else "f16 kernel"
             del got
         except Exception as e:
             extra["check_error"] = str(e)[:200]
-        out.append(record("scan", f"{ctx // 1024}K x{b}", f"{variant} tile {bn} / {warps} warps",
-                          scan_fn(variant, bn, warps), args, 1, moved, peak, **extra))
+        out.append(record("scan", f"{ctx // 1024}K x{b}", f"f16 tile {bn} / {warps} warps",
+                          scan_fn(bn, warps), args, 1, moved, peak, **extra))
     return [r for r in out if r and "us" in r]
 
 
 say(f"[{time.time() - T0:.0f}s] scan")
-done = bench_scan(1 << (8 if DRY else 20), 8, SCAN[:3] if DRY else SCAN, ref_check=False)
-best = sorted((r for r in done if r["variant"].startswith("fp8")), key=lambda r: r["us"])[:2]
-pick = [("f16", 128, 4)] + [c for c in SCAN if any(r["variant"] == f"{c[0]} tile {c[1]} / {c[2]} warps" for r in best)]
-bench_scan(1 << (7 if DRY else 17), 8, pick, ref_check=True)
+bench_scan(1 << (8 if DRY else 20), 8, SCAN, ref_check=False)
+bench_scan(1 << (7 if DRY else 17), 8, SCAN, ref_check=True)
 
 # ---------------------------------------------------------------- 3. sparse attention, 128K entries
-# (variant, splits, key tile, head block, channel block, warps); the first of each batch is the default
-ATT = {64: [("flash", 3, 64, None, 128, 8), ("split", 2, 32, None, 128, 8), ("split", 1, 64, None, 128, 8),
-            ("flash", 1, 32, 16, 128, 4), ("split", 2, 32, None, 128, 4), ("flash", 2, 32, 32, 128, 8),
-            ("split", 4, 32, None, 64, 8), ("flash", 1, 64, 16, 128, 4)],  # 5 + 3
-       1: [("flash", 8, 64, None, 128, 8), ("flash", 20, 32, 16, 128, 4), ("split", 20, 32, None, 64, 8),
-           ("split", 10, 64, None, 128, 8), ("flash", 10, 64, 16, 128, 4), ("split", 20, 32, None, 128, 4)]}
+# (splits, key tile, head block, warps); the first of each batch was the default of that run
+ATT = {64: [(3, 64, None, 8), (1, 32, 16, 4), (2, 32, 32, 8), (1, 64, 16, 4)],  # 2 + 2
+       1: [(8, 64, None, 8), (20, 32, 16, 4), (10, 64, 16, 4)]}
 
 
 def attention_case(b, ctx=1 << (10 if DRY else 17)):
@@ -151,18 +147,16 @@ def attention_case(b, ctx=1 << (10 if DRY else 17)):
 def bench_attention(b, configs, case):
     args, moved, ref = case
     scale = bk.D_ATT ** -0.5
-    for variant, splits, tk, hb, dc, warps in configs:
-        def fn(q, wv, ws, ok, ev, es, idx, sink, variant=variant, splits=splits, tk=tk, hb=hb, dc=dc, warps=warps):
-            return gpu_attention.sparse_attention(q, wv, ws, ok, ev, es, idx, sink, scale, variant=variant,
-                                                  splits=splits, block_k=tk, head_block=hb, channel_block=dc,
-                                                  num_warps=warps, **KW)
+    for splits, tk, hb, warps in configs:
+        def fn(q, wv, ws, ok, ev, es, idx, sink, splits=splits, tk=tk, hb=hb, warps=warps):
+            return gpu_attention.sparse_attention(q, wv, ws, ok, ev, es, idx, sink, scale, splits=splits,
+                                                  block_k=tk, head_block=hb, num_warps=warps, **KW)
         extra = {}
         try:
             extra["rel_err"] = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
         except Exception as e:
             extra["check_error"] = str(e)[:200]
-        name = f"{variant} s{splits} tk{tk}" + (f" hb{hb}" if hb else "") + (f" dc{dc}" if variant == "split" else "") \
-            + f" w{warps}"
+        name = f"flash s{splits} tk{tk}" + (f" hb{hb}" if hb else "") + f" w{warps}"
         record("attention", f"128K x{b}", name, fn, args, 7, moved, peak, **extra)
 
 
@@ -175,7 +169,7 @@ for b in (64, 1):
 for first in (True, False):  # the most telling configurations of both batches first, then the rest
     for b in cases:
         say(f"[{time.time() - T0:.0f}s] attention batch {b}")
-        cut = 5 if b == 64 else 3
+        cut = 2
         configs = ATT[b][:cut] if first else ATT[b][cut:]
         bench_attention(b, configs[:2] if DRY else configs, cases[b])
         if DRY:
