@@ -37,7 +37,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split  # ~8 min: tests, b1 profiles A/B
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split_points  # ~5 min: b1 A/B, b8 after
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode while_graph  # ~5 min: the loop as one graph, b1
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode serial_ab  # ~7 min: six serial-path changes A/B, b1; HLO
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode serial_ab  # ~7 min: seven hot-path changes A/B, b1; HLO
 
 One bench point per step: a point costs its random params (~20 s), the step's compile (20-30 s), the
 generation loop's compile (not in the printed compile time) and the timing; on 2026-12-02 the three slice
@@ -336,8 +336,16 @@ GROUPS["while_graph"] = [("bench_slice_b1_api", B1_POINT, 110, {}),
 # output, then the model's apply_rope and cast); and a fifth: an intermediate level of the top-k kernel takes its
 # count of keys >= the new bound from the search (one block reduction a level fewer); a sixth: the attention's q and
 # kv norms in one kernel (`gpu_norm.rms_norms`) where XLA ran ~4 (the projections' cast, a reduction per norm,
-# the scaling: 4.0-5.8 us between wq_a and wq_b a layer in call 7's timeline)
-SERIAL_OFF = [("dsv41_jax/layers.py", "    if not kernels_mod.rms_norms_on(kernels, rows, [x.shape[-1] for x in xs]):",
+# the scaling: 4.0-5.8 us between wq_a and wq_b a layer in call 7's timeline). Thirty-second session (no GPU lent), a
+# seventh, off the serial path: the router weight in the model's param dtype (bf16, as the release stores it) where
+# it was f32, its dot bf16 x bf16 into f32 (exact products, as the reference's upcast): 3.9 MB a layer fewer to read
+# (the slice's roofline drops by as much, 23.6 MB a step)
+SERIAL_OFF = [("dsv41_jax/moe.py", "(cfg.n_routed_experts, cfg.dim), cfg.param_dtype))",
+               "(cfg.n_routed_experts, cfg.dim), jnp.float32))"),
+              ("dsv41_jax/moe.py",
+               'jnp.einsum("nd,ed->ne", x_nd, self.weight[...], preferred_element_type=jnp.float32)',
+               'jnp.einsum("nd,ed->ne", x_nd.astype(jnp.float32), self.weight[...])'),
+              ("dsv41_jax/layers.py", "    if not kernels_mod.rms_norms_on(kernels, rows, [x.shape[-1] for x in xs]):",
                "    if True:"),
               ("kernels_pallas/gpu_select.py",
                "        _, x, n_x = decode.kth_search(keys, k, floor=bound)  # n_x = #(keys >= x)\n"
