@@ -230,6 +230,20 @@ def cache_specs(cache: Cache, mesh, layout: str = "tp_ep"):
         cache)
 
 
+def bytes_per_device(tree, specs, mesh) -> tuple[int, float]:
+    """(total bytes, bytes of one device) of the leaves of an (abstract or real) `tree` split by `specs` (its
+    PartitionSpecs: `param_specs`, `cache_specs`) over `mesh` (a Mesh or an AbstractMesh); a dimension split
+    over several axes (dp_ep's sequences) is divided by all of them."""
+    total = per_device = 0.0
+    for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+                          strict=True):
+        n = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        axes = [a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))]
+        total += n
+        per_device += n / math.prod(mesh.shape[a] for a in axes)
+    return int(total), per_device
+
+
 def cache_shardings(cache: Cache, mesh: Mesh, layout: str = "tp_ep"):
     """NamedSharding for every cache array, from `cache_specs`."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), cache_specs(cache, mesh, layout))

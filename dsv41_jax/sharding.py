@@ -67,6 +67,16 @@ def shard_model(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp_ep", *, 
     return ShardedModel(cfg, jax.device_put(params, placement.params), placement)
 
 
+def init_model(cfg: ModelConfig, mesh: Mesh, layout: str = "tp_ep", *, batch: int, seed: int = 0) -> ShardedModel:
+    """`shard_model` of random params drawn straight into their shards: no device holds more than its own
+    (`api.init_params` then `shard_model` first puts them all on one device, which the full v41-flash's 288 GiB
+    of weights cannot fit). The draw is one XLA program: the values are `api.init_params(cfg, seed)`'s up to the
+    last bit of some (XLA fuses the scaling of the normals), the same distribution."""
+    placement = place(cfg, api.abstract_params(cfg), mesh, layout, batch=batch)
+    params = jax.jit(lambda: api.init_params(cfg, seed), out_shardings=placement.params)()
+    return ShardedModel(cfg, params, placement)
+
+
 def greedy(cfg: ModelConfig, params, tokens_bt, lengths_b, capacity: int, n_steps: int,
            model: ShardedModel | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(prefill logits [B, V], n_steps greedy tokens int [B, n_steps]) as host arrays, on one device or on

@@ -92,6 +92,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-quantize-cache", action="store_true", help="raw cache instead of FP4/FP8")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the preset's)")
+    ap.add_argument("--weight-format", choices=["float", "fp8"],
+                    help="random weights of a --preset as floats (the preset's default) or in the released formats "
+                    "(fp8: FP8 + E8M0 32x32 projections, packed FP4 routed experts), as a checkpoint loads them")
     ap.add_argument("--kernels", default="auto", choices=["auto", "jnp", "pallas"])
     ap.add_argument("--output-json", help="write generated ids and metrics here")
     ap.add_argument("--speculative", choices=["dspark"], help="also decode with DSpark speculative decoding and "
@@ -150,6 +153,8 @@ def parse_args(argv=None):
         ap.error("--speculative runs on one device: drop --mesh")
     if args.run and args.checkpoint:
         ap.error("give --run or --checkpoint, not both")
+    if args.weight_format and (args.run or args.checkpoint):
+        ap.error("--weight-format applies to a --preset's random weights (a checkpoint or run has its own)")
     return args
 
 
@@ -163,6 +168,8 @@ def model_config(args):
     overrides = {"quantize_cache": not args.no_quantize_cache}
     if args.dtype:
         overrides.update(dtype=args.dtype, param_dtype=args.dtype)
+    if args.weight_format:
+        overrides.update(weight_format=args.weight_format)
     if args.checkpoint:
         return _cli.checkpoint_config(args.checkpoint)
     if args.run:
@@ -260,6 +267,72 @@ def check_mesh(args, cfg) -> None:
         raise _cli.UserError(f"--mesh {args.mesh}: {e}") from None
 
 
+def device_memory(n_devices: int) -> tuple[float, str]:
+    """(bytes one device may hold, what it is): an accelerator's allocator limit, or on a CPU its share of the
+    host's memory (simulated devices share it)."""
+    dev = jax.local_devices()[0]
+    limit = (dev.memory_stats() or {}).get("bytes_limit")
+    if limit:
+        return float(limit), f"a {dev.device_kind}"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / n_devices, "this host's memory" + (
+        f" / {n_devices} devices" if n_devices > 1 else "")
+
+
+def check_memory(args, cfg, rows: int, capacity: int) -> None:
+    """Refuse, before any weight is drawn or read, a run whose weights and cache alone exceed a device's memory
+    (XLA's out-of-memory error would come minutes later, deep in a traceback). Activations and XLA's workspace are
+    not counted: a run that passes may still not fit. rows x capacity: the cache (0 rows: none counted).
+
+    Where the weights go: one device without --mesh; with --mesh, random weights are drawn into their shards
+    (`sharding.init_model`) while a checkpoint or a --run is read onto one device and then split."""
+    from jax.sharding import AbstractMesh, PartitionSpec as P
+
+    from dsv41_jax import partitioning as S
+    from dsv41_jax.pytree_paths import path_str
+    from experiments.plan_deployment import size
+
+    if args.checkpoint:  # as `load_weights` reads it
+        dtype = args.dtype or "bfloat16"
+        cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    try:
+        params = d.abstract_params(cfg)
+    except ValueError as e:  # quant: a dimension the released formats' scale blocks do not divide
+        raise _cli.UserError(f"--weight-format {cfg.weight_format}: {args.preset} does not fit the released "
+                             f"formats ({e}); use --weight-format float") from None
+    sizes = S.parse_mesh(args.mesh) if args.mesh else {"data": 1}
+    mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
+    specs = jax.tree.leaves(S.param_specs(params, mesh, args.layout), is_leaf=lambda x: isinstance(x, P))
+    # with --engram-on-host the tables stay in pinned host memory
+    kept = [(leaf, spec) for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs,
+                                                         strict=True)
+            if not (args.engram_on_host and "engram/table" in path_str(path))]
+    w_total, w_dev = S.bytes_per_device([x for x, _ in kept], [p for _, p in kept], mesh)
+    c_total, c_dev = 0, 0.0
+    if rows:
+        cache = jax.eval_shape(lambda: d.init_cache(cfg, rows, capacity))
+        c_total, c_dev = S.bytes_per_device(cache, S.cache_specs(cache, mesh, args.layout), mesh)
+    on_one = not args.mesh or args.checkpoint or args.run  # read whole onto one device before any split
+    need = (w_total if on_one else w_dev) + c_dev
+    have, what = device_memory(mesh.size)
+    if need <= have:
+        return
+    where = "one device" if not args.mesh else (
+        f"the first of the --mesh {args.mesh} devices (a --checkpoint or --run is read onto one device, then split)"
+        if on_one else f"each of the --mesh {args.mesh} devices")
+    plan = "`python -m experiments.plan_deployment" + ("`" if args.checkpoint or args.run else
+                                                         f" --preset {args.preset} --mesh expert=8 --layout dp_ep`")
+    fp8 = "" if cfg.weight_format == "fp8" or args.checkpoint or args.run else \
+        "draw the random weights in the released formats (--weight-format fp8), "
+    advice = fp8 + (f"split the model over several devices with --mesh, planned by {plan}, or run a smaller --preset "
+                    "(small, tiny)" if not args.mesh else f"plan a wider mesh with {plan}"
+              + (", or give the Engram tables to host memory with --engram-on-host" if args.checkpoint
+                 and not args.engram_on_host else ""))
+    raise _cli.UserError(
+        f"{model_name(args)} does not fit: its weights ({size(w_total).strip()} in all) and cache for {rows} x "
+        f"{capacity} tokens ({size(c_total).strip()}) need {size(need).strip()} on {where}, and {what} holds "
+        f"{size(have).strip()} ({jax.default_backend()}; activations not counted); {advice}")
+
+
 @_cli.entry_point
 def main(argv=None) -> dict:
     args = parse_args(argv)
@@ -289,6 +362,7 @@ def main(argv=None) -> dict:
         ecfg = engine_config(args, cfg, capacity, len(prompts) * args.batch)
         if args.cache_dir:
             _cli.writable_dir(args.cache_dir, "--cache-dir")
+        check_memory(args, cfg, 0, capacity)  # the engine sizes its cache to the memory left
         cfg, params = load_weights(args, cfg)
         return serve(args, cfg, params, tok, prompts, ecfg, spans)
     if len(prompts) > 1:
@@ -298,6 +372,7 @@ def main(argv=None) -> dict:
     capacity = cache_capacity(args, cfg, longest + spare, longest + spare + args.max_new_tokens)
     if args.mesh:
         check_mesh(args, cfg)
+    check_memory(args, cfg, args.batch, capacity)
     cfg, params = load_weights(args, cfg)
     return run_batch(args, cfg, params, tok, prompts[0].tolist(), capacity, spans[0])
 
@@ -315,17 +390,19 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
           f"capacity={capacity} cache={'fp4/fp8' if cfg.quantize_cache else 'raw'} dtype={cfg.dtype}", flush=True)
 
     t0 = time.perf_counter()
-    params = d.init_params(cfg, seed=args.seed) if params is None else params
-    jax.block_until_ready(params)
-    t_init = time.perf_counter() - t0
     placement = None  # one device; with --mesh, where the params, caches and rows live on the mesh
     if args.mesh:
         from dsv41_jax import partitioning, sharding
 
         mesh = partitioning.make_mesh(cfg, args.mesh, batch=b, layout=args.layout)
-        sharded = sharding.shard_model(cfg, params, mesh, args.layout, batch=b)
+        sharded = (sharding.init_model(cfg, mesh, args.layout, batch=b, seed=args.seed) if params is None
+                   else sharding.shard_model(cfg, params, mesh, args.layout, batch=b))
         params, placement = sharded.params, sharded.placement
         print(f"[decode] mesh {dict(mesh.shape)} layout {args.layout} on {mesh.size} device(s)", flush=True)
+    elif params is None:
+        params = d.init_params(cfg, seed=args.seed)
+    jax.block_until_ready(params)
+    t_init = time.perf_counter() - t0
     params = d.freeze(params)  # passed to a jitted call per chunk of steps: flattened once
     cache = d.init_cache(cfg, b, capacity)
     if args.speculative:  # as `compile_side_by_side`'s stand-ins (experiments/placement.py says why)

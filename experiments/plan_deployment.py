@@ -17,25 +17,13 @@ import math
 import time
 
 import jax
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, PartitionSpec as P
 
 import dsv41_jax as d
 from dsv41_jax import partitioning as S
 from dsv41_jax.cache import init_cache
 from dsv41_jax.pytree_paths import path_str
 from experiments import _cli
-
-
-def _per_device_bytes(pairs, mesh) -> tuple[float, float]:
-    """(total bytes, bytes on the most loaded device) of (abstract leaf, PartitionSpec) pairs."""
-    total = per_dev = 0.0
-    for leaf, spec in pairs:
-        n = math.prod(leaf.shape) * leaf.dtype.itemsize
-        axes = [a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))]
-        split = math.prod(mesh.shape[a] for a in axes)  # an entry may split one dim over several axes (dp_ep)
-        total += n
-        per_dev += n / split
-    return total, per_dev
 
 
 def weight_config(preset: str):
@@ -55,19 +43,18 @@ def plan(preset: str, mesh_spec: str, layout: str, batch: int, context: int) -> 
     S.check_mesh(cfg, sizes, batch, math.prod(sizes.values()), layout)
     names = tuple(a for a in S.MESH_AXES if a in sizes)
     mesh = AbstractMesh(tuple(sizes[a] for a in names), names)
-    specs = jax.tree.leaves(S.param_specs(params, mesh, layout))  # the params' logical-axes metadata
-    dev, host = [], []
+    specs = jax.tree.leaves(S.param_specs(params, mesh, layout), is_leaf=lambda x: isinstance(x, P))
+    dev, host = ([], []), ([], [])
     for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs, strict=True):
-        (host if "engram/table" in path_str(path) else dev).append((leaf, spec))
-    w_total, w_dev = _per_device_bytes(dev, mesh)
-    e_total = sum(math.prod(l.shape) * l.dtype.itemsize for l, _ in host)
+        for side, x in zip(host if "engram/table" in path_str(path) else dev, (leaf, spec)):
+            side.append(x)
+    w_total, w_dev = S.bytes_per_device(*dev, mesh)
+    e_total, e_dev = S.bytes_per_device(*host, mesh)
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, context))
-    c_total, c_dev = _per_device_bytes(zip(jax.tree.leaves(cache), jax.tree.leaves(S.cache_specs(cache, mesh, layout)),
-                                           strict=True), mesh)
+    c_total, c_dev = S.bytes_per_device(cache, S.cache_specs(cache, mesh, layout), mesh)
     return dict(preset=preset, mesh=sizes, layout=layout, batch=batch, context=context, devices=mesh.size,
                 weights_total=w_total, weights_per_device=w_dev, cache_total=c_total, cache_per_device=c_dev,
-                engram_host_total=e_total, engram_if_on_device=_per_device_bytes(host, mesh)[1],
-                weights_not_fp8=not_fp8)
+                engram_host_total=e_total, engram_if_on_device=e_dev, weights_not_fp8=not_fp8)
 
 
 def compile_decode(preset: str, mesh_spec: str, layout: str, batch: int, context: int) -> dict:

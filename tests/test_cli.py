@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 
 import dsv41_jax as d
-from dsv41_jax import compile_notice
+from dsv41_jax import compile_notice, sharding
 from dsv41_jax.checkpoint.synthetic import fixture_config, make_tensors, write_checkpoint
-from experiments import (bench_kernels, bench_sharding, bench_weights, cache_bytes, decode, logits, plan_deployment, prefix_reuse,
-                         quality, recall, train_small)
+from experiments import (_cli, bench_kernels, bench_sharding, bench_weights, cache_bytes, decode, logits, plan_deployment,
+                         prefix_reuse, quality, recall, train_small)
 from tests.configs import five_layer_presets, five_layers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def test_an_error_is_one_line_and_exit_1_without_traceback(tmp_path):
                                   "oversized max-new-tokens", "oversized for the engine", "oversized for --capacity",
                                   "no such checkpoint", "prompt ids not npy", "prompt ids out of range",
                                   "output dir missing", "bad mesh", "stop token out of range", "bad page size",
-                                  "speculative one token"])
+                                  "speculative one token", "weights not in fp8 blocks"])
 def test_decode_refuses_bad_input_before_building_the_model(case, tmp_path, capsys, no_model):
     bad_text, tok, ids = tmp_path / "latin1.txt", tmp_path / "tokenizer.json", tmp_path / "ids.npy"
     bad_text.write_bytes("caf\xe9".encode("latin-1"))
@@ -96,9 +96,52 @@ def test_decode_refuses_bad_input_before_building_the_model(case, tmp_path, caps
                           "page_tokens=33 must be a positive multiple"),
         "speculative one token": (["--speculative", "dspark", "--max-new-tokens", 1],
                                   "--speculative needs --max-new-tokens >= 2"),
+        "weights not in fp8 blocks": (["--weight-format", "fp8"], "--weight-format fp8: tiny does not fit the "
+                                      "released formats (last dim 16 is not a multiple of the scale block 32)"),
     }[case]
     line = fails(decode.main, argv, capsys)
     assert want in line, (want, line)
+
+
+H200_BYTES = 139.8 * 2**30  # an H200's allocator limit, so that the sizes below do not depend on this machine
+
+
+@pytest.mark.parametrize("argv,want", [
+    # one device: the released-width model in bf16, then in its released formats
+    ([], "v41-flash does not fit: its weights (1421.7 GiB in all) and cache for 1 x 93 tokens (2.7 MiB) need 1421.7 "
+         "GiB on one device, and an H200 holds 139.8 GiB (cpu; activations not counted); draw the random weights in "
+         "the released formats (--weight-format fp8), split the model over several devices with --mesh"),
+    (["--weight-format", "fp8"], "its weights (476.6 GiB in all) and cache for 1 x 93 tokens (2.7 MiB) need 476.6 GiB "
+                                 "on one device"),
+    # on 8 devices the random weights are drawn in shards; with the Engram tables on them, 152.8 GiB each
+    (["--weight-format", "fp8", "--batch", 8, "--mesh", "expert=8", "--layout", "dp_ep"],
+     "need 152.8 GiB on each of the --mesh expert=8 devices, and an H200 holds 139.8 GiB (cpu; activations not "
+     "counted); plan a wider mesh with `python -m experiments.plan_deployment --preset v41-flash"),
+])
+def test_decode_refuses_a_model_that_cannot_fit_before_drawing_it(argv, want, monkeypatch, capsys, no_model):
+    """Weights + cache over a device's memory: one line with the sizes and what to do, before anything is
+    allocated (the full v41-flash's weights are 288-1422 GiB)."""
+    monkeypatch.setattr(decode, "device_memory", lambda n: (H200_BYTES, "an H200"))
+    monkeypatch.setattr(sharding, "init_model", lambda *a, **k: pytest.fail("drawn before the check"))
+    line = fails(decode.main, ["--preset", "v41-flash", "--max-new-tokens", 2, *argv], capsys)
+    assert want in line, (want, line)
+
+
+def test_decode_memory_check_counts_the_weights_and_cache_it_would_place(monkeypatch):
+    """The check passes `tiny` on one device and refuses it just below its own weights + cache: what it counts is
+    what `init_params` and `init_cache` allocate."""
+    cfg = d.preset("tiny")
+    need = sum(x.nbytes for x in jax.tree.leaves(d.init_params(cfg))) + \
+        sum(x.nbytes for x in jax.tree.leaves(d.init_cache(cfg, 2, 64)))
+    args = decode.parse_args(["--preset", "tiny", "--batch", "2"])
+    monkeypatch.setattr(decode, "device_memory", lambda n: (float(need), "a device"))
+    decode.check_memory(args, cfg, 2, 64)
+    monkeypatch.setattr(decode, "device_memory", lambda n: (float(need - 1), "a device"))
+    with pytest.raises(_cli.UserError, match="tiny does not fit"):
+        decode.check_memory(args, cfg, 2, 64)
+    with pytest.raises(SystemExit) as e:  # a checkpoint's or a run's weights keep their own format
+        decode.parse_args(["--run", "somewhere", "--weight-format", "fp8"])
+    assert e.value.code == 2
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from jax.sharding import AbstractMesh
 import dsv41_jax as d
 from dsv41_jax import partitioning as S
 from dsv41_jax.pytree_paths import path_str
-from dsv41_jax.sharding import shard_model
+from dsv41_jax.sharding import init_model, shard_model
 
 # Cache quantization off: partitioned reductions change float summation order, and with the FP4/FP8
 # cache a value on a rounding boundary can flip a code and then a top-k choice (SPEC: ties), which would
@@ -241,3 +241,21 @@ def test_decode_cli_takes_one_path_with_or_without_a_mesh(monkeypatch, capsys):
         [("prefill", "pallas"), ("generate", "pallas"), ("generate", "pallas")]
     assert all(p is None for *_, p in plain)
     assert all(dict(p.mesh.shape) == {"data": 2, "expert": 4} and p.layout == "tp_ep" for *_, p in seen)
+
+
+def test_random_params_are_drawn_into_their_shards():
+    """`init_model` (what `experiments.decode --mesh` draws random weights with): every param already where
+    `shard_model` would put it, a routed expert weight split over `expert` (a device holds a quarter), the values
+    those of `init_params` with the same seed up to a few f32 ulps (one XLA program instead of op by op)."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs --xla_force_host_platform_device_count=8 (set in conftest.py)")
+    mesh = S.make_mesh(CFG, "data=2,expert=4", batch=B, layout="tp_ep")
+    drawn = init_model(CFG, mesh, "tp_ep", batch=B, seed=2)
+    placed = shard_model(CFG, d.init_params(CFG, seed=2), mesh, "tp_ep", batch=B)
+    assert _specs(drawn.params) == _specs(placed.params)
+    w1 = drawn.params["layers"][1]["ffn"]["w1"][...]
+    assert w1.addressable_shards[0].data.shape[0] * 4 == w1.shape[0]
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(drawn.params)[0], jax.tree.leaves(placed.params),
+                            strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        np.testing.assert_allclose(a, b, rtol=2e-7, atol=2e-7 * float(np.abs(b).max(initial=0.0)), err_msg=path_str(path))
