@@ -222,6 +222,13 @@ def param_shardings(params, mesh: Mesh, layout: str = "tp_ep"):
     return jax.tree.map(one, param_specs(params, mesh, layout), params)
 
 
+def param_sharding(path: str, shape: tuple[int, ...], mesh: Mesh, layout: str = "tp_ep") -> NamedSharding:
+    """The NamedSharding `param_shardings` gives a param, from its path (`PARAM_AXES`) and shape alone: for a
+    loader that places each array as it reads it (`checkpoint.load_checkpoint(shardings=...)`)."""
+    axes = param_logical_axes(path)
+    return NamedSharding(mesh, P() if axes is None else _on_mesh(logical_to_mesh(axes, layout), shape, mesh))
+
+
 def cache_specs(cache: Cache, mesh, layout: str = "tp_ep"):
     """PartitionSpec of every cache array: `CACHE_AXES` through the layout's rules, fitted to `mesh`."""
     return jax.tree_util.tree_map_with_path(

@@ -65,8 +65,8 @@ def parse_args(argv=None):
     eng.add_argument("--no-bounded-replay", "--no-replay", dest="no_replay", action="store_true",
                      help="on a disk hit without window state recompute the whole prompt (exact, slower)")
     eng.add_argument("--no-bounded-prefill", action="store_true", help="run every layer on every prompt token")
-    # decode's model_config / load_weights also serve its --run and --weight-format, which this CLI lacks
-    ap.set_defaults(run=None, weight_format=None)
+    # decode's model_config / load_weights also serve its --run, --weight-format and --mesh, which this CLI lacks
+    ap.set_defaults(run=None, weight_format=None, mesh=None)
     args = ap.parse_args(argv)
     for flag, value, low in (("--port", args.port, 0), ("--slots", args.slots, 1), ("--max-queue", args.max_queue, 0),
                              ("--decode-chunk", args.decode_chunk, 1), ("--capacity", args.capacity, 2),
