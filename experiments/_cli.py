@@ -133,13 +133,14 @@ def checkpoint_config(path: str, flag: str = "--checkpoint"):
         raise UserError(f"{flag} {path}: config.json: {e}") from None
 
 
-def load_checkpoint(path: str, flag: str = "--checkpoint", **kw):
-    """`dsv41_jax.checkpoint.load_checkpoint`, its listing of what does not fit the config as one line."""
-    from dsv41_jax.checkpoint import CheckpointError, load_checkpoint
+def load_checkpoint(path: str, flag: str = "--checkpoint", *, config_only: bool = False, **kw):
+    """`dsv41_jax.checkpoint.load_checkpoint` (with `config_only`: `loaded_config`, what it would return as config,
+    no payload read), its listing of what does not fit the config as one line."""
+    from dsv41_jax.checkpoint import CheckpointError, load_checkpoint, loaded_config
 
     input_dir(path, flag)
     try:
-        return load_checkpoint(path, **kw)
+        return loaded_config(path, **kw) if config_only else load_checkpoint(path, **kw)
     except FileNotFoundError as e:  # no safetensors at all
         raise UserError(f"{flag} {e}") from None
     except CheckpointError as e:

@@ -298,9 +298,8 @@ def check_memory(args, cfg, rows: int, capacity: int) -> None:
     from dsv41_jax.pytree_paths import path_str
     from experiments.plan_deployment import size
 
-    if args.checkpoint:  # as `load_weights` reads it
-        dtype = args.dtype or "bfloat16"
-        cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    if args.checkpoint:  # the formats `load_weights` will read it in (FP8/FP4 kept), from the headers
+        cfg = _cli.load_checkpoint(args.checkpoint, config_only=True, dtype=args.dtype or "bfloat16")
     try:
         params = d.abstract_params(cfg)
     except ValueError as e:  # quant: a dimension the released formats' scale blocks do not divide

@@ -197,6 +197,18 @@ def test_decode_reads_a_checkpoint_into_its_shards_on_a_mesh(checkpoint):
     assert w1.sharding.spec[0] == "expert" and w1.addressable_shards[0].data.shape[0] * 4 == w1.shape[0]
 
 
+def test_decode_memory_check_counts_a_checkpoint_as_it_loads(checkpoint, monkeypatch):
+    """A quantized checkpoint's weights stay FP8 / FP4 when loaded (its config.json alone reads as float weights,
+    twice the bytes here): the check counts exactly the loaded params."""
+    args = decode.parse_args(["--checkpoint", str(checkpoint)])
+    loaded = sum(x.nbytes for x in jax.tree.leaves(decode.load_weights(args, decode.model_config(args))[1]))
+    monkeypatch.setattr(decode, "device_memory", lambda n: (float(loaded), "a device"))
+    decode.check_memory(args, decode.model_config(args), 0, 64)
+    monkeypatch.setattr(decode, "device_memory", lambda n: (float(loaded - 1), "a device"))
+    with pytest.raises(_cli.UserError, match="does not fit"):
+        decode.check_memory(args, decode.model_config(args), 0, 64)
+
+
 def test_logits_refuses_bad_input(checkpoint, tmp_path, capsys):
     ids = tmp_path / "ids.npy"
     np.save(ids, np.arange(3, 20))

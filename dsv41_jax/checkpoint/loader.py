@@ -258,10 +258,7 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
     Raises CheckpointError listing every problem before any payload is read.
     """
     directory = Path(directory)
-    cfg = read_config(directory)
-    tensors, problems = list_checkpoint(directory)
-    inv = check_tensors(cfg, {n: (t.dtype, t.shape) for n, t in tensors.items()})
-    problems = problems + inv.problems
+    cfg, tensors, inv, problems = _inventory(directory)
     token_map = None
     if cfg.engram_layer_ids:
         tok_path = Path(tokenizer) if tokenizer else directory / "tokenizer.json"
@@ -276,12 +273,8 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
     if problems:
         raise CheckpointError(directory, problems)
 
-    fp8 = inv.quantized and not dequantize
-    if param_dtype is None:
-        param_dtype = "float32" if tensors[inv.names["embed.weight"]].dtype == "F32" else "bfloat16"
-    cfg = with_formats(cfg, dtype=dtype, param_dtype=param_dtype, index_keys=index_keys,
-                               quantize_cache=quantize_cache, weight_format="fp8" if fp8 else "float",
-                               activation_quant=inv.quantized if activation_quant is None else activation_quant)
+    cfg = _formats(cfg, tensors, inv, dequantize=dequantize, dtype=dtype, param_dtype=param_dtype,
+                   activation_quant=activation_quant, index_keys=index_keys, quantize_cache=quantize_cache)
     state = abstract_params(cfg)
     abstract = flat_params(state)
     tables = [e.param for e in entries(cfg) if e.kind == "table"]
@@ -294,7 +287,8 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
     # one job per checkpoint tensor; scales travel with their weights
     tensor = {released: tensors[name] for released, name in inv.names.items()}
     jobs = [job for e in entries(cfg)
-            for job in _entry_jobs(e, tensor, sink, inv.quantized, fp8, mmap=e.param in host_paths)]
+            for job in _entry_jobs(e, tensor, sink, inv.quantized, cfg.weight_format == "fp8",
+                                   mmap=e.param in host_paths)]
     if token_map is not None:
         sink.put("engram_token_map", token_map)
 
@@ -327,6 +321,39 @@ def load_checkpoint(directory: str | Path, *, dequantize: bool = False, dtype: s
                      f"{wide[0]}): run bf16 decode with kernels='jnp' on this checkpoint")
         warnings.warn(notes[-1], stacklevel=2)
     return Loaded(cfg, unflatten_like(state, sink.values), notes, total, seconds)
+
+
+def loaded_config(directory: str | Path, *, dequantize: bool = False, dtype: str = "bfloat16",
+                  param_dtype: str | None = None, activation_quant: bool | None = None, index_keys: str = "consistent",
+                  quantize_cache: bool = True) -> ModelConfig:
+    """The config `load_checkpoint(directory, ...)` (same keywords) returns, from config.json and the safetensors
+    headers alone: whether the weights stay FP8/FP4, their dtype (e.g. to plan memory before reading any). Raises
+    CheckpointError as `load_checkpoint` would for a listing that does not fit the config."""
+    cfg, tensors, inv, problems = _inventory(Path(directory))
+    if problems:
+        raise CheckpointError(directory, problems)
+    return _formats(cfg, tensors, inv, dequantize=dequantize, dtype=dtype, param_dtype=param_dtype,
+                    activation_quant=activation_quant, index_keys=index_keys, quantize_cache=quantize_cache)
+
+
+def _inventory(directory: Path):
+    """(config.json's config, the tensors' headers, their check against it, every problem so far)."""
+    cfg = read_config(directory)
+    tensors, problems = list_checkpoint(directory)
+    inv = check_tensors(cfg, {n: (t.dtype, t.shape) for n, t in tensors.items()})
+    return cfg, tensors, inv, problems + inv.problems
+
+
+def _formats(cfg: ModelConfig, tensors, inv: Inventory, *, dequantize: bool, dtype: str, param_dtype: str | None,
+             activation_quant: bool | None, index_keys: str, quantize_cache: bool) -> ModelConfig:
+    """`cfg` with the formats the loaded params have: FP8/FP4 kept unless dequantized, param_dtype the embedding's
+    (F32: float32, else bfloat16) unless given, activation_quant on for a quantized checkpoint unless given."""
+    fp8 = inv.quantized and not dequantize
+    if param_dtype is None:
+        param_dtype = "float32" if tensors[inv.names["embed.weight"]].dtype == "F32" else "bfloat16"
+    return with_formats(cfg, dtype=dtype, param_dtype=param_dtype, index_keys=index_keys,
+                        quantize_cache=quantize_cache, weight_format="fp8" if fp8 else "float",
+                        activation_quant=inv.quantized if activation_quant is None else activation_quant)
 
 
 def _read(job: Job) -> np.ndarray:
