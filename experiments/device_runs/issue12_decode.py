@@ -21,6 +21,7 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode callgap   # ~4 min: the call-start gap, b8
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode queued    # ~4 min: calls queued, b8 and b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode points    # ~7 min: b1 + b8, small, b64 (queued)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode points_128k  # ~4 min: b64 at 128K (queued)
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode attention_ab  # ~5 min: wgmma attention, b64 128K
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode attention_ab_b8  # ~4 min: the same, b8 4K
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode xload     # ~7 min: x loaded in-kernel, b1 A/B
@@ -227,6 +228,11 @@ GROUPS["points"] = [
                            "--chunk", "20", "--queued", "4"], 100, {}),
     ("bench_slice_b64_q2", ["experiments.bench_decode", "--batch", "64", "--steps", "40", "--chunk", "10",
                             "--queued", "2"], 195, {})]
+
+# the last target point, as the targets table ran it: `points` and this re-measure all of them in two calls
+GROUPS["points_128k"] = [("bench_slice_b64_128k_q2", ["experiments.bench_decode", "--batch", "64", "--context",
+                                                      "131072", "--steps", "20", "--chunk", "10", "--queued", "2"],
+                          260, {})]
 
 # the wgmma attention against the Triton kernel in the slice: batch 64 at 128K (~5 min), batch 8 at 4K (~4 min)
 GROUPS["attention_ab"] = [(f"profile_slice_b64_128k_{side}", slice_profile(64, 10, 131072, top=40), 170, {})
