@@ -333,10 +333,11 @@ def check_memory(args, cfg, rows: int, capacity: int) -> None:
                     "(small, tiny)" if not args.mesh else f"plan a wider mesh with {plan}"
               + (", or give the Engram tables to host memory with --engram-on-host" if args.checkpoint
                  and not args.engram_on_host else ""))
+    cache = f" and cache for {rows} x {capacity} tokens ({size(c_total).strip()})" if rows else ""
     raise _cli.UserError(
-        f"{model_name(args)} does not fit: its weights ({size(w_total).strip()} in all) and cache for {rows} x "
-        f"{capacity} tokens ({size(c_total).strip()}) need {size(need).strip()} on {where}, and {what} holds "
-        f"{size(have).strip()} ({jax.default_backend()}; activations not counted); {advice}")
+        f"{model_name(args)} does not fit: its weights ({size(w_total).strip()} in all){cache} need "
+        f"{size(need).strip()} on {where}, and {what} holds {size(have).strip()} ({jax.default_backend()}; "
+        f"activations not counted); {advice}")
 
 
 @_cli.entry_point

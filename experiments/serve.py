@@ -23,7 +23,7 @@ import os
 
 import dsv41_jax as d
 from experiments import _cli
-from experiments.decode import WARM_PATHS, engine_config, load_weights, model_config, tokenizer
+from experiments.decode import WARM_PATHS, check_memory, engine_config, load_weights, model_config, tokenizer
 
 
 def parse_args(argv=None):
@@ -45,6 +45,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset")
     ap.add_argument("--no-quantize-cache", action="store_true", help="raw cache instead of FP4/FP8")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the preset's)")
+    ap.add_argument("--weight-format", choices=["float", "fp8"], help="random weights of a --preset as floats (the "
+                    "preset's default) or in the released formats (fp8: FP8 projections, packed FP4 experts)")
     ap.add_argument("--kernels", default="auto", choices=["auto", "jnp", "pallas"])
     ap.add_argument("--engram-on-host", action="store_true",
                     help="with --checkpoint: keep the Engram tables in host memory (pinned_host)")
@@ -65,8 +67,9 @@ def parse_args(argv=None):
     eng.add_argument("--no-bounded-replay", "--no-replay", dest="no_replay", action="store_true",
                      help="on a disk hit without window state recompute the whole prompt (exact, slower)")
     eng.add_argument("--no-bounded-prefill", action="store_true", help="run every layer on every prompt token")
-    # decode's model_config / load_weights also serve its --run, --weight-format and --mesh, which this CLI lacks
-    ap.set_defaults(run=None, weight_format=None, mesh=None)
+    # decode's model_config / load_weights / check_memory also serve its --run, --mesh and --layout, which this CLI
+    # lacks
+    ap.set_defaults(run=None, mesh=None, layout="tp_ep")
     args = ap.parse_args(argv)
     for flag, value, low in (("--port", args.port, 0), ("--slots", args.slots, 1), ("--max-queue", args.max_queue, 0),
                              ("--decode-chunk", args.decode_chunk, 1), ("--capacity", args.capacity, 2),
@@ -75,6 +78,8 @@ def parse_args(argv=None):
             ap.error(f"{flag} must be >= {low}, got {value}")
     if args.engram_on_host and not args.checkpoint:
         ap.error("--engram-on-host applies to --checkpoint (presets have random in-memory tables)")
+    if args.weight_format and args.checkpoint:
+        ap.error("--weight-format applies to a --preset's random weights (a checkpoint has its own)")
     return args
 
 
@@ -106,6 +111,7 @@ def build_server(args):
         raise _cli.UserError(f"--checkpoint: {e}") from None
     if args.cache_dir:
         _cli.writable_dir(args.cache_dir, "--cache-dir")
+    check_memory(args, cfg, 0, args.capacity)  # the engine sizes its cache to the memory left
     cfg, params = load_weights(args, cfg)
     if params is None:
         params = d.init_params(cfg, seed=args.seed)

@@ -251,8 +251,13 @@ def test_checkpoint_chat_template_is_rendered_in_a_sandbox(tmp_path):
         render_chat(msgs, "{{ raise_exception('no system') }}")
 
 
-def test_cli_errors_are_one_line(tmp_path, capsys):
-    cases = ((["--checkpoint", tmp_path / "missing"], f"error: --checkpoint {tmp_path / 'missing'}: no such directory"),
+def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(decode, "device_memory", lambda n: (139.8 * 2**30, "an H200"))  # not this machine's
+    cases = ((["--preset", "v41-flash"], "error: v41-flash does not fit: its weights (1421.7 GiB in all) need 1421.7 GiB "
+                                         "on one device, and an H200 holds 139.8 GiB"),
+             (["--preset", "v41-flash", "--weight-format", "fp8"], "error: v41-flash does not fit: its weights (476.6 "
+                                                                   "GiB in all) need 476.6 GiB on one device"),
+             (["--checkpoint", tmp_path / "missing"], f"error: --checkpoint {tmp_path / 'missing'}: no such directory"),
              (["--capacity", "100000"], "error: --capacity 100000: exceeds the model's max_seq_len of 4096"),
              (["--window-store", "redis://x"], "error: --window-store: needs --cache-dir"),
              (["--window-store", "memcached://h:1", "--cache-dir", tmp_path],
