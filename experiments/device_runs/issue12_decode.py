@@ -22,6 +22,9 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode queued    # ~4 min: calls queued, b8 and b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode points    # ~7 min: b1 + b8, small, b64 (queued)
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode points_128k  # ~4 min: b64 at 128K (queued)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode tests_points  # ~8 min: serial_ab's tests, b1 + b8
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode serial_profiles  # ~6 min: serial_ab's A/B, small
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode wide_points  # ~8 min: b64 at 4K and 128K
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode attention_ab  # ~5 min: wgmma attention, b64 128K
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode attention_ab_b8  # ~4 min: the same, b8 4K
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode xload     # ~7 min: x loaded in-kernel, b1 A/B
@@ -382,12 +385,19 @@ HLO_DUMP = {"XLA_FLAGS": "--xla_dump_to=/tmp/i12_hlo --xla_dump_hlo_as_text --xl
 GROUPS["serial_ab"] = [("serial_gpu_tests", ["pytest", "tests/test_kernels_gpu.py", "tests/test_sampling.py",
                                              "tests/test_attention_wgmma.py", "tests/test_norm_kernel.py", "-q", "-p",
                                              "no:cacheprovider", "-k",
-                                             "select or candidate or threshold or sample or unrotated or norm_kernel"],
-                       200, {"JAX_PLATFORMS": "cuda"})] + [
+                                             "select or candidate or threshold or sample or unrotated or norm_kernel "
+                                             "or sparse_attention or indexer_scores"],
+                       240, {"JAX_PLATFORMS": "cuda"})] + [
     (f"profile_slice_b1{side}", slice_profile(1, 20, top=80, queued=4), 100, env)  # every select row printed
     for side, env in (("_serial_off", {}), ("", HLO_DUMP))] + [
     ("keep_hlo_b1", ["experiments.device_runs.keep_hlo", "/tmp/i12_hlo", "slice_b1_generate"], 30, {})]
 
+# the same steps in the order that settles the most per call when a session has ~25 min of device time (thirty-second
+# session): the hot-path changes' GPU tests with the b1 + b8 points (~8 min), then serial_ab's A/B profiles with
+# `small` (~6 min), then b64 at 4K and 128K (~8 min)
+GROUPS["tests_points"] = [GROUPS["serial_ab"][0], GROUPS["points"][0]]
+GROUPS["serial_profiles"] = [*GROUPS["serial_ab"][1:], GROUPS["points"][1]]
+GROUPS["wide_points"] = [GROUPS["points"][2], *GROUPS["points_128k"]]
 
 # a step whose name ends in one of these runs in a copy of the tree with that list of changes taken back
 TREES = {"_before": SINCE_MEASURED, "_scan_off": SCAN_OFF, "_attention_off": ATTENTION_OFF, "_xload_off": XLOAD_OFF,
