@@ -180,7 +180,12 @@ class Room:
             raise ValueError(f"{n} steps in one run pass the {ROOM} tokens of room of a random cache: run fewer "
                              "steps per call (--chunk) or fewer calls per host sync (--queued)")
         if self.taken + n > ROOM:
-            lengths = jax.device_put(np.full(cache.lengths.shape, self.context, np.int32), cache.lengths.sharding)
+            # as committed as the lengths it replaces: a committed array among uncommitted ones is another
+            # signature, and the next call compiled again (H200, thirty-second session: the loop column read a
+            # compile, 124 ms a step)
+            lengths = np.full(cache.lengths.shape, self.context, np.int32)
+            lengths = (jax.device_put(lengths, cache.lengths.sharding) if cache.lengths.committed
+                       else jnp.asarray(lengths))
             cache, self.taken = cache.replace(lengths=lengths), 0
         self.taken += n
         return cache

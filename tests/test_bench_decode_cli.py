@@ -82,6 +82,9 @@ def test_room_rewinds_the_lengths_before_a_run_would_pass_the_capacity():
         cache = room.before(cache, n)
         if taken + n > bench_decode.ROOM:
             assert cache.lengths is not before and np.asarray(cache.lengths).tolist() == [100, 100]
+            # as committed as before: a committed array among uncommitted ones made the next jitted call compile
+            # again (the H200's loop column read that compile, thirty-second session)
+            assert cache.lengths.committed == before.committed
             cache, taken = cache.replace(lengths=cache.lengths + n), n
         else:
             assert cache.lengths is before
