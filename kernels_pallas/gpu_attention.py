@@ -136,12 +136,13 @@ def _flash_kernel(q_ref, sink_ref, wv_ref, ws_ref, wok_ref, ev_ref, es_ref, idx_
         l_ref[b, s, heads] = l
 
 
-def _tile_weights(m_btk: jax.Array, l_btk: jax.Array, sink_h: jax.Array) -> jax.Array:
-    """f32 [B, T, Hp]: exp(m_t - m) / (sum_t l_t exp(m_t - m) + exp(sink - m)), m the max over ranges t and sink."""
-    m_all = jnp.maximum(jnp.max(m_btk, axis=1), sink_h[None, :])
-    c = jnp.exp(m_btk - m_all[:, None, :])
-    den = jnp.sum(l_btk * c, axis=1) + jnp.exp(sink_h[None, :] - m_all)
-    return c / den[:, None, :]
+def range_weights(m: jax.Array, l: jax.Array, sink: jax.Array, axis: int) -> jax.Array:
+    """f32 weights of key ranges along `axis` of their running max m and sum l: exp(m_r - M) / (sum_r l_r
+    exp(m_r - M) + exp(sink - M)), M the max over the ranges and the sink (broadcast against m's other axes). One
+    formula for `combine` (XLA) and `combine_unrotated` (inside its kernel)."""
+    m_all = jnp.maximum(jnp.max(m, axis=axis), sink)
+    c = jnp.exp(m - jnp.expand_dims(m_all, axis))
+    return c / jnp.expand_dims(jnp.sum(l * c, axis=axis) + jnp.exp(sink - m_all), axis)
 
 
 def combine(acc_bshd: jax.Array, m_bsh: jax.Array, l_bsh: jax.Array, sink_h: jax.Array) -> jax.Array:
@@ -151,7 +152,7 @@ def combine(acc_bshd: jax.Array, m_bsh: jax.Array, l_bsh: jax.Array, sink_h: jax
     cannot recompute the max over splits and S exponentials for every output element (batch 1 has 20
     splits; on the H200 the fusion that held the sum and the inverse rope of `small`'s output side went from
     6.4 to 2.6 us per layer; the weights' own kernels added 5 us per step)."""
-    w_bsh = jax.lax.optimization_barrier(_tile_weights(m_bsh, l_bsh, sink_h))
+    w_bsh = jax.lax.optimization_barrier(range_weights(m_bsh, l_bsh, sink_h, axis=1))
     return jnp.sum(acc_bshd * w_bsh[..., None], axis=1)
 
 
@@ -181,10 +182,7 @@ def _combine_unrotated_kernel(acc_ref, m_ref, l_ref, sink_ref, cos_ref, sin_ref,
     ok = (jnp.arange(acc_ref.shape[1]) < splits)[:, None]  # rows past the ranges: allocated, never written
     m = jnp.where(ok, m_ref[b, :, heads], M_FLOOR)  # [rows, hb]
     l = jnp.where(ok, l_ref[b, :, heads], 0.0)
-    sink = sink_ref[heads]
-    m_all = jnp.maximum(jnp.max(m, axis=0), sink)
-    c = jnp.exp(m - m_all[None, :])
-    w = (c / (jnp.sum(l * c, axis=0) + jnp.exp(sink - m_all))[None, :])[:, :, None]
+    w = range_weights(m, l, sink_ref[heads], axis=0)[:, :, None]
     part = lambda first: jnp.where(ok[:, :, None], acc_ref[b, :, heads, pl.ds(j * dc + first, half, stride=2)],  # noqa: E731
                                    0.0)
     e, od = jnp.sum(part(0) * w, axis=0), jnp.sum(part(1) * w, axis=0)  # [hb, half]
