@@ -251,6 +251,18 @@ def bytes_per_device(tree, specs, mesh) -> tuple[int, float]:
     return int(total), per_device
 
 
+def param_bytes(params, mesh, layout: str = "tp_ep") -> dict[str, tuple[int, float]]:
+    """`bytes_per_device` of an (abstract or real) params State by `param_specs`, the Engram tables (and their
+    scales) apart since they may live in host memory: {"weights": ..., "engram_tables": ...}."""
+    specs = jax.tree.leaves(param_specs(params, mesh, layout), is_leaf=lambda x: isinstance(x, P))
+    sides = {"weights": ([], []), "engram_tables": ([], [])}
+    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs, strict=True):
+        leaves, side_specs = sides["engram_tables" if "engram/table" in path_str(path) else "weights"]
+        leaves.append(leaf)
+        side_specs.append(spec)
+    return {name: bytes_per_device(leaves, side_specs, mesh) for name, (leaves, side_specs) in sides.items()}
+
+
 def cache_shardings(cache: Cache, mesh: Mesh, layout: str = "tp_ep"):
     """NamedSharding for every cache array, from `cache_specs`."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), cache_specs(cache, mesh, layout))

@@ -292,10 +292,9 @@ def check_memory(args, cfg, rows: int, capacity: int) -> None:
 
     Where the weights go: one device without --mesh; with --mesh, random weights are drawn and a checkpoint is read
     into their shards (`sharding.init_model`, `load_weights`), while a --run is read onto one device and then split."""
-    from jax.sharding import AbstractMesh, PartitionSpec as P
+    from jax.sharding import AbstractMesh
 
     from dsv41_jax import partitioning as S
-    from dsv41_jax.pytree_paths import path_str
     from experiments.plan_deployment import size
 
     if args.checkpoint:  # the formats `load_weights` will read it in (FP8/FP4 kept), from the headers
@@ -307,12 +306,10 @@ def check_memory(args, cfg, rows: int, capacity: int) -> None:
                              f"formats ({e}); use --weight-format float") from None
     sizes = S.parse_mesh(args.mesh) if args.mesh else {"data": 1}
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
-    specs = jax.tree.leaves(S.param_specs(params, mesh, args.layout), is_leaf=lambda x: isinstance(x, P))
-    # with --engram-on-host the tables stay in pinned host memory
-    kept = [(leaf, spec) for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs,
-                                                         strict=True)
-            if not (args.engram_on_host and "engram/table" in path_str(path))]
-    w_total, w_dev = S.bytes_per_device([x for x, _ in kept], [p for _, p in kept], mesh)
+    by = S.param_bytes(params, mesh, args.layout)
+    w_total, w_dev = by["weights"]
+    if not args.engram_on_host:  # with it the tables stay in pinned host memory
+        w_total, w_dev = w_total + by["engram_tables"][0], w_dev + by["engram_tables"][1]
     c_total, c_dev = 0, 0.0
     if rows:
         cache = jax.eval_shape(lambda: d.init_cache(cfg, rows, capacity))

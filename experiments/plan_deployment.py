@@ -17,12 +17,11 @@ import math
 import time
 
 import jax
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
 
 import dsv41_jax as d
 from dsv41_jax import partitioning as S
 from dsv41_jax.cache import init_cache
-from dsv41_jax.pytree_paths import path_str
 from experiments import _cli
 
 
@@ -43,13 +42,8 @@ def plan(preset: str, mesh_spec: str, layout: str, batch: int, context: int) -> 
     S.check_mesh(cfg, sizes, batch, math.prod(sizes.values()), layout)
     names = tuple(a for a in S.MESH_AXES if a in sizes)
     mesh = AbstractMesh(tuple(sizes[a] for a in names), names)
-    specs = jax.tree.leaves(S.param_specs(params, mesh, layout), is_leaf=lambda x: isinstance(x, P))
-    dev, host = ([], []), ([], [])
-    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs, strict=True):
-        for side, x in zip(host if "engram/table" in path_str(path) else dev, (leaf, spec)):
-            side.append(x)
-    w_total, w_dev = S.bytes_per_device(*dev, mesh)
-    e_total, e_dev = S.bytes_per_device(*host, mesh)
+    by = S.param_bytes(params, mesh, layout)
+    (w_total, w_dev), (e_total, e_dev) = by["weights"], by["engram_tables"]
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, context))
     c_total, c_dev = S.bytes_per_device(cache, S.cache_specs(cache, mesh, layout), mesh)
     return dict(preset=preset, mesh=sizes, layout=layout, batch=batch, context=context, devices=mesh.size,

@@ -246,8 +246,8 @@ def test_decode_cli_takes_one_path_with_or_without_a_mesh(monkeypatch, capsys):
 def test_random_params_are_drawn_into_their_shards():
     """`init_model` (what `experiments.decode --mesh` draws random weights with): every param already where
     `shard_model` would put it, a routed expert weight split over `expert` (a device holds a quarter), the values
-    those of `init_params` with the same seed up to a few f32 ulps (one XLA program instead of op by op: 0.96
-    ulp of the leaf's largest value at most on this repository's CPU; 8 allowed for other CPUs' codegen)."""
+    those of `init_params` with the same seed up to a few f32 ulps of the leaf's largest value (one XLA program
+    instead of op by op rounds some draws differently; 8 allowed, for other CPUs' code generation)."""
     if len(jax.devices()) < 8:
         pytest.skip("needs --xla_force_host_platform_device_count=8 (set in conftest.py)")
     mesh = S.make_mesh(CFG, "data=2,expert=4", batch=B, layout="tp_ep")
