@@ -319,9 +319,10 @@ GROUPS["hyper_split"] = [("hyper_gpu_tests", AB_TESTS[1], 280, AB_TESTS[3])] + [
     (f"profile_slice_b1_{side}", AB_PROFILE_B1, 100, {}) for side in ("before", "after")]
 GROUPS["hyper_split_points"] = [(f"bench_slice_b1_{side}", B1_POINT, 110, {}) for side in ("before", "after")] + [
     ("bench_slice_b8_after", slice_bench(8), 130, {})]
-# thirty-third session: both in one call (~8.5 min): the points, then the hyper kernel's GPU tests (both forms) in
-# what is left of the call's 600 s
-GROUPS["hyper_split_all"] = [*GROUPS["hyper_split_points"], GROUPS["hyper_split"][0]]
+# thirty-third session: both in one call (~7 min): batch 1 without and with, the hyper kernel's GPU tests (both
+# forms), batch 8 with
+GROUPS["hyper_split_all"] = [*GROUPS["hyper_split_points"][:2], ("hyper_gpu_tests", AB_TESTS[1], 150, AB_TESTS[3]),
+                             GROUPS["hyper_split_points"][2]]
 
 # The generation loop itself as one graph: call 7's trace (twenty-ninth session) shows each iteration of the loop
 # as one graph launch with every kernel of the step inside it, so the premise above (Triton calls outside the
