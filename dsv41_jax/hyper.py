@@ -90,17 +90,16 @@ def mix_coefficients(x_btcd, fn, scale, base, iters: int, eps: float, norm_eps: 
 def sublayer_input(mix: HyperMix, norm: RMSNorm, h_btcd: jax.Array, pre_mix_btc: jax.Array, kernels: str):
     """A sub-layer's input side: (pre, post, comb) of `mix` from the stream h [B, T, hc, D], and its input
     norm(collapse(h, pre_mix)) [B, T, D] in h's dtype (pre_mix [B, T, hc]: the previous sub-layer's pre).
-    A GPU decode step's few rows (`kernels.hyper_in_on`) take XLA's projection dot and one kernel
-    (`kernels_pallas.gpu_hyper`; two with `kernels.HYPER_SPLIT`) where XLA ran ~6 small ones; values equal to f32
-    summation order (the kernel rounds a bf16 stream's collapsed row to bf16 before the norm, as written here;
-    XLA on a GPU skips that rounding in this jnp path: tests/test_hyper_kernel.py)."""
+    A GPU decode step's few rows (`kernels.hyper_in_on`) take two kernels and XLA's projection dot
+    (`kernels_pallas.gpu_hyper`) where XLA ran ~6 small ones; values equal to f32 summation order (the input kernel
+    rounds a bf16 stream's collapsed row to bf16 before the norm, as written here; XLA on a GPU skips that rounding
+    in this jnp path: tests/test_hyper_kernel.py)."""
     b, t, c, dim = h_btcd.shape
     if not kernels_mod.hyper_in_on(kernels, b * t, c, dim):
         return (*mix(h_btcd), norm(collapse(h_btcd, pre_mix_btc)))
     consts = (mix.iters, mix.eps, mix.norm_eps, norm.eps)
-    run = _input_split if kernels_mod.HYPER_SPLIT else _input_kernel
-    x_nd, pre, post, comb = run(consts, h_btcd.reshape(b * t, c, dim), pre_mix_btc.reshape(b * t, c), mix.fn[...],
-                                mix.scale[...], mix.base[...], norm.weight[...])
+    x_nd, pre, post, comb = _input_kernels(consts, h_btcd.reshape(b * t, c, dim), pre_mix_btc.reshape(b * t, c),
+                                           mix.fn[...], mix.scale[...], mix.base[...], norm.weight[...])
     return pre.reshape(b, t, c), post.reshape(b, t, c), comb.reshape(b, t, c, c), x_nd.reshape(b, t, dim)
 
 
@@ -112,19 +111,9 @@ def _input_reference(consts, h_ncd, pre_mix_nc, fn, scale, base, norm_w):
     return x[:, 0], pre[:, 0], post[:, 0], comb[:, 0]
 
 
-def _input_by_kernel(consts, h_ncd, pre_mix_nc, fn, scale, base, norm_w):
-    """`_input_reference` by XLA's projection dot and the kernel."""
-    iters, eps, mix_eps, norm_eps = consts
-    mixes_nm = projection(h_ncd.reshape(h_ncd.shape[0], -1), fn)
-    return kernels_mod.hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w, scale, base, coefficients=coefficients,
-                                collapse_rows=collapse_rows, norm=rms_apply, iters=iters, hc_eps=eps, mix_eps=mix_eps,
-                                norm_eps=norm_eps)
-
-
-def _input_by_split_kernels(consts, h_ncd, pre_mix_nc, fn, scale, base, norm_w):
-    """`_input_by_kernel` as two launches (`kernels.HYPER_SPLIT`): the input, which the sub-layer waits for, and
-    the projection dot and the coefficients, which only the expand after the sub-layer and the next sub-layer's
-    input read."""
+def _input_by_kernels(consts, h_ncd, pre_mix_nc, fn, scale, base, norm_w):
+    """`_input_reference` by two launches: the input, which the sub-layer waits for, and XLA's projection dot and
+    the coefficients, which only the expand after the sub-layer and the next sub-layer's input read."""
     iters, eps, mix_eps, norm_eps = consts
     x_nd = kernels_mod.hyper_input(h_ncd, pre_mix_nc, norm_w, collapse_rows=collapse_rows, norm=rms_apply,
                                    norm_eps=norm_eps)
@@ -134,8 +123,7 @@ def _input_by_split_kernels(consts, h_ncd, pre_mix_nc, fn, scale, base, norm_w):
 
 
 # differentiable through the jnp path: a training forward of few tokens on a GPU reaches the kernels
-_input_kernel = kernels_mod.twin_gradient(_input_by_kernel, _input_reference)
-_input_split = kernels_mod.twin_gradient(_input_by_split_kernels, _input_reference)
+_input_kernels = kernels_mod.twin_gradient(_input_by_kernels, _input_reference)
 
 
 # collapse and expand contract over the hc = 4 copies: written as products and sums, not einsums, so that

@@ -28,7 +28,6 @@ hi/lo splits).
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -127,37 +126,25 @@ def _rows_on(kernels: str, rows: int, limit: int, gpu_only: bool = False) -> boo
     return rows <= limit and resolve(kernels) != "jnp" and not (gpu_only and jax.default_backend() == "tpu")
 
 
-HYPER_IN_ROWS = 8  # rows (tokens) up to which a sub-layer's input side runs as one GPU kernel: decode batches
+HYPER_IN_ROWS = 8  # rows (tokens) up to which a sub-layer's input side runs as GPU kernels: decode batches
 
 
 def hyper_in_on(kernels: str, rows: int, hc: int, dim: int) -> bool:
-    """True when `hyper_in` runs its kernel: up to HYPER_IN_ROWS rows of a stream it takes
-    (`gpu_hyper.supported`), on a GPU (or "pallas" interpreted on a CPU). No TPU kernel: what it removes is
-    the GPU's launches of small kernels."""
+    """True when a sub-layer's input side runs its kernels (`hyper_input`, `hyper_coefficients`): up to
+    HYPER_IN_ROWS rows of a stream they take (`gpu_hyper.supported`), on a GPU (or "pallas" interpreted on a
+    CPU). No TPU kernel: what they remove is the GPU's launches of small kernels."""
     return _rows_on(kernels, rows, HYPER_IN_ROWS, gpu_only=True) and _kp.gpu_hyper.supported(hc, dim)
 
 
-def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
-    """(x [N, D], pre, post [N, hc], comb [N, hc, hc]): a hyper-connected sub-layer's input side in one GPU
-    launch (`kernels_pallas.gpu_hyper.hyper_in`, statics as there), per device on a mesh."""
-    return per_sequence(lambda h, m, p, *shared: _kp.hyper_in(h, m, p, *shared, **statics), h_ncd, mixes_nm,
-                        pre_mix_nc, shared=(norm_w_d, scale, base))
-
-
-# Whether `hyper.sublayer_input` runs the kernel's two parts as two launches (`gpu_hyper.hyper_input`, and XLA's
-# projection dot and `gpu_hyper.hyper_coefficients` beside it), so that the sub-layer waits for its input only.
-# Off until timed on a GPU: DSV41_HYPER_SPLIT=1 (`experiments.device_runs.issue12_decode hyper_split`).
-HYPER_SPLIT = os.environ.get("DSV41_HYPER_SPLIT", "0") == "1"
-
-
 def hyper_input(h_ncd, pre_mix_nc, norm_w_d, **statics):
-    """x [N, D]: `hyper_in`'s input part alone (`gpu_hyper.hyper_input`), per device on a mesh."""
+    """x [N, D]: a hyper-connected sub-layer's input (`kernels_pallas.gpu_hyper.hyper_input`, statics as there),
+    per device on a mesh."""
     return per_sequence(lambda h, p, w: _kp.hyper_input(h, p, w, **statics), h_ncd, pre_mix_nc, shared=(norm_w_d,))
 
 
 def hyper_coefficients(h_ncd, mixes_nm, scale, base, **statics):
-    """(pre, post [N, hc], comb [N, hc, hc]): `hyper_in`'s coefficients part alone (`gpu_hyper.hyper_coefficients`),
-    per device on a mesh."""
+    """(pre, post [N, hc], comb [N, hc, hc]): a hyper-connected sub-layer's mHC coefficients
+    (`kernels_pallas.gpu_hyper.hyper_coefficients`, statics as there), per device on a mesh."""
     return per_sequence(lambda h, m, *shared: _kp.hyper_coefficients(h, m, *shared, **statics), h_ncd, mixes_nm,
                         shared=(scale, base))
 

@@ -18,7 +18,7 @@ from kernels_pallas import (gpu_attention, gpu_attention_wgmma, gpu_grouped, gpu
                             tpu_select)
 
 __all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode",
-           "grouped_matmuls_fp4", "rows_matmuls_fp4", "rows_matmuls_float", "fp8_matmuls", "hyper_in", "hyper_input",
+           "grouped_matmuls_fp4", "rows_matmuls_fp4", "rows_matmuls_float", "fp8_matmuls", "hyper_input",
            "hyper_coefficients", "rms_norms", "route", "platform"]
 
 
@@ -154,20 +154,15 @@ def fp8_matmuls(x_mk, weights, *, family=None):
     return gpu_grouped.fp8_matmuls(x_mk, list(weights), interpret=interpret)
 
 
-def hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base, **statics):
-    """A hyper-connected sub-layer's input side for a few rows (`gpu_hyper.hyper_in`; GPU kernel only)."""
-    return gpu_hyper.hyper_in(h_ncd, mixes_nm, pre_mix_nc, norm_w_d, scale, base,
-                              interpret=_gpu_only("hyper_in", "the jnp path"), **statics)
-
-
 def hyper_input(h_ncd, pre_mix_nc, norm_w_d, **statics):
-    """`hyper_in`'s input part alone (`gpu_hyper.hyper_input`; GPU kernel only)."""
+    """A hyper-connected sub-layer's input for a few rows (`gpu_hyper.hyper_input`; GPU kernel only)."""
     return gpu_hyper.hyper_input(h_ncd, pre_mix_nc, norm_w_d, interpret=_gpu_only("hyper_input", "the jnp path"),
                                  **statics)
 
 
 def hyper_coefficients(h_ncd, mixes_nm, scale, base, **statics):
-    """`hyper_in`'s coefficients part alone (`gpu_hyper.hyper_coefficients`; GPU kernel only)."""
+    """A hyper-connected sub-layer's mHC coefficients for a few rows (`gpu_hyper.hyper_coefficients`; GPU kernel
+    only)."""
     return gpu_hyper.hyper_coefficients(h_ncd, mixes_nm, scale, base,
                                         interpret=_gpu_only("hyper_coefficients", "the jnp path"), **statics)
 

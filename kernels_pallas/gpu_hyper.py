@@ -1,4 +1,4 @@
-"""A hyper-connected sub-layer's input side in one launch, for a decode step's few rows (Pallas, Triton lowering).
+"""A hyper-connected sub-layer's input side in two launches, for a decode step's few rows (Pallas, Triton lowering).
 
 From the stream h [hc, D] of a row, each sub-layer (attention, MoE) needs
 - its mHC coefficients pre [hc], post [hc], comb [hc, hc]: the projection of the flattened h, scaled by
@@ -7,13 +7,10 @@ From the stream h [hc, D] of a row, each sub-layer (attention, MoE) needs
   slices of the row).
 XLA ran these as ~6 small kernels per sub-layer (the sum of squares, the scaling and sigmoids, the Sinkhorn
 iterations, the collapse's statistic, the normalization; H200, `small` at batch 1: ~9.4 us per sub-layer,
-24 sub-layers per step). Here one launch does them all in registers, calling the model's own functions on
-the loaded values: per row, one program for the coefficients and one for the input. The projection itself
-(x @ fn^T over hc * D inputs) stays XLA's dot: a program per row would read all of fn alone (the removed
-projection kernel of the twelfth session measured no faster than XLA's dot).
-`hyper_input` and `hyper_coefficients` are the two parts as separate launches (`dsv41_jax.kernels.HYPER_SPLIT`,
-off until timed): the sub-layer then waits for its input alone, while the projection and the coefficients,
-read only after it, run beside its weight streams in the step's graph.
+24 sub-layers per step). Here two launches do them in registers, calling the model's own functions on the
+loaded values, one program a row each: `hyper_input` the input, `hyper_coefficients` the coefficients. The
+projection itself (x @ fn^T over hc * D inputs) stays XLA's dot: a program per row would read all of fn alone
+(the removed projection kernel of the twelfth session measured no faster than XLA's dot).
 """
 
 from __future__ import annotations
@@ -25,8 +22,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-_STATIC = ("coefficients", "collapse_rows", "norm", "iters", "hc_eps", "mix_eps", "norm_eps", "num_warps",
-           "interpret")
 MAX_CHUNKS = 8  # a row is read in slices of the largest power of two (<= 1024) dividing D: 5120 = 5 x 1024
 
 
@@ -83,18 +78,6 @@ def _input_row(n, h_ref, pm_ref, w_ref, x_ref, *, collapse_rows, norm, norm_eps)
     store_normalized(n, xs, w_ref, x_ref, norm=norm, eps=norm_eps)
 
 
-def _kernel(h_ref, m_ref, pm_ref, w_ref, s_ref, b_ref, x_ref, pre_ref, post_ref, comb_ref, *, coefficients,
-            collapse_rows, norm, iters, hc_eps, mix_eps, norm_eps):
-    """Program (n, 0): row n's coefficients; program (n, 1): its normalized input. Two programs, so that the
-    serial Sinkhorn iterations and the row's reductions run side by side on two SMs."""
-    n, part = pl.program_id(0), pl.program_id(1)
-    pl.when(part == 0)(lambda: _coefficients_row(n, h_ref, m_ref, s_ref, b_ref, pre_ref, post_ref, comb_ref,
-                                                 coefficients=coefficients, iters=iters, hc_eps=hc_eps,
-                                                 mix_eps=mix_eps))
-    pl.when(part == 1)(lambda: _input_row(n, h_ref, pm_ref, w_ref, x_ref, collapse_rows=collapse_rows, norm=norm,
-                                          norm_eps=norm_eps))
-
-
 def _check(h_ncd, mixes_nm=None, pre_mix_nc=None, norm_w_d=None) -> None:
     """The kernels' argument checks (an argument left None is not checked)."""
     n, hc, d = h_ncd.shape
@@ -107,39 +90,19 @@ def _check(h_ncd, mixes_nm=None, pre_mix_nc=None, norm_w_d=None) -> None:
             raise ValueError(f"shapes do not match h {h_ncd.shape}: {name} {a.shape}, expected {shape}")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def hyper_in(h_ncd: jax.Array, mixes_nm: jax.Array, pre_mix_nc: jax.Array, norm_w_d: jax.Array, scale_3: jax.Array,
-             base_m: jax.Array, *, coefficients, collapse_rows, norm, iters: int, hc_eps: float, mix_eps: float,
-             norm_eps: float, num_warps: int = 4, interpret: bool = False):
-    """One sub-layer's input side for N rows, two programs each (grid N x 2).
-
-    h [N, hc, D] (the stream, any float dtype; `supported(hc, D)`), mixes f32 [N, (2 + hc) * hc] = the
-    flattened h in f32 @ fn^T (not yet scaled by the RMS), pre_mix f32 [N, hc] (the previous sub-layer's
-    pre), norm_w [D], scale f32 [3], base f32 [(2 + hc) * hc]. `coefficients`, `collapse_rows`, `norm`: the
-    model's functions (`hyper.coefficients`, `hyper.collapse_rows`, `layers.rms_apply`), traced here on one
-    row's values. Returns (x [N, D] in h's dtype, pre f32 [N, hc], post f32 [N, hc], comb f32 [N, hc, hc])."""
-    _check(h_ncd, mixes_nm, pre_mix_nc, norm_w_d)
-    n, hc, d = h_ncd.shape
-    kernel = functools.partial(_kernel, coefficients=coefficients, collapse_rows=collapse_rows, norm=norm, iters=iters,
-                               hc_eps=hc_eps, mix_eps=mix_eps, norm_eps=norm_eps)
-    f32 = jnp.float32
-    return pl.pallas_call(
-        kernel, grid=(n, 2), interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-        out_shape=[jax.ShapeDtypeStruct((n, d), h_ncd.dtype), jax.ShapeDtypeStruct((n, hc), f32),
-                   jax.ShapeDtypeStruct((n, hc), f32), jax.ShapeDtypeStruct((n, hc, hc), f32)],
-        name="hyper_in",
-    )(h_ncd, mixes_nm.reshape(n, 2 + hc, hc), pre_mix_nc, norm_w_d, scale_3, base_m.reshape(2 + hc, hc))
-
-
-# The same two parts as separate launches (`dsv41_jax.kernels.HYPER_SPLIT`): the sub-layer waits for its input
-# only; its coefficients (with XLA's projection dot before them) are read after the sub-layer (post, comb by the
-# expand) and by the next sub-layer's input (pre), so in a graph ordered by data (compile_options) they can run
-# beside the sub-layer's weight streams instead of before them.
+# Two launches, not one: the sub-layer waits for its input only; its coefficients (with XLA's projection dot
+# before them) are read after the sub-layer (post, comb by the expand) and by the next sub-layer's input (pre), so
+# in a graph ordered by data (compile_options) they run beside the sub-layer's weight streams instead of before
+# them (H200: the slice's batch-1 loop 1.414 -> 1.379 ms/step against both parts in one launch of two programs a
+# row, docs/BENCHMARKS.md, twenty-fourth pass).
 @functools.partial(jax.jit, static_argnames=("collapse_rows", "norm", "norm_eps", "num_warps", "interpret"))
 def hyper_input(h_ncd: jax.Array, pre_mix_nc: jax.Array, norm_w_d: jax.Array, *, collapse_rows, norm,
                 norm_eps: float, num_warps: int = 4, interpret: bool = False) -> jax.Array:
-    """`hyper_in`'s input part alone, one program a row: x [N, D] in h's dtype (arguments as `hyper_in`'s)."""
+    """A sub-layer's input RMSNorm(collapse(h, pre_mix)) for N rows, one program a row: x [N, D] in h's dtype.
+
+    h [N, hc, D] (the stream, any float dtype; `supported(hc, D)`), pre_mix f32 [N, hc] (the previous sub-layer's
+    pre), norm_w [D]; `collapse_rows`, `norm`: the model's functions (`hyper.collapse_rows`, `layers.rms_apply`),
+    traced here on one row's values."""
     _check(h_ncd, pre_mix_nc=pre_mix_nc, norm_w_d=norm_w_d)
     n, _, d = h_ncd.shape
 
@@ -158,8 +121,11 @@ def hyper_input(h_ncd: jax.Array, pre_mix_nc: jax.Array, norm_w_d: jax.Array, *,
 def hyper_coefficients(h_ncd: jax.Array, mixes_nm: jax.Array, scale_3: jax.Array, base_m: jax.Array, *, coefficients,
                        iters: int, hc_eps: float, mix_eps: float, num_warps: int = 4,
                        interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`hyper_in`'s coefficients part alone, one program a row: (pre f32 [N, hc], post f32 [N, hc], comb f32
-    [N, hc, hc]) (arguments as `hyper_in`'s)."""
+    """A sub-layer's mHC coefficients for N rows, one program a row: (pre f32 [N, hc], post f32 [N, hc], comb f32
+    [N, hc, hc]).
+
+    h [N, hc, D] as `hyper_input`'s, mixes f32 [N, (2 + hc) * hc] = the flattened h in f32 @ fn^T (not yet scaled
+    by the RMS), scale f32 [3], base f32 [(2 + hc) * hc]; `coefficients`: the model's (`hyper.coefficients`)."""
     _check(h_ncd, mixes_nm=mixes_nm)
     n, hc, _ = h_ncd.shape
 

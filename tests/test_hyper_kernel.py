@@ -1,7 +1,7 @@
-"""The GPU kernel of a hyper-connected sub-layer's input side (`kernels_pallas.gpu_hyper`), in one launch and as
-its two parts apart (`kernels.HYPER_SPLIT`), against the model's jnp path: interpreted on a CPU, compiled on a
-GPU; its gradient, its dispatch, the model's decode logits with it (that it lowers to Triton at the model's
-shapes: tests/test_kernels_lowering.py).
+"""The GPU kernels of a hyper-connected sub-layer's input side (`kernels_pallas.gpu_hyper`: the input and the
+coefficients), against the model's jnp path: interpreted on a CPU, compiled on a GPU; their gradient, their
+dispatch, the model's decode logits with them (that they lower to Triton at the model's shapes:
+tests/test_kernels_lowering.py).
 
 Tolerances: pre, post, the normalized input: the same operations in the same order except the sums of squares
 (f32 summation order), so <= 1e-6 relative; comb: 20 Sinkhorn normalizations of such values, <= 1e-6 absolute
@@ -25,8 +25,6 @@ from kernels_pallas import gpu_hyper
 from tests.kernel_checks import dot_precisions
 
 CONSTS = (20, 1e-6, 1e-20, 1e-20)  # Sinkhorn iterations, hc eps, the projection's and the norm's eps (released)
-STATICS = dict(coefficients=hyper.coefficients, collapse_rows=hyper.collapse_rows, norm=layers.rms_apply, iters=20,
-               hc_eps=1e-6, mix_eps=1e-20, norm_eps=1e-20)
 
 
 def _case(n, c, dim, dtype, seed=0):
@@ -41,18 +39,16 @@ def _case(n, c, dim, dtype, seed=0):
             1 + 0.1 * jax.random.normal(k[5], (dim,)))
 
 
-KERNELS = {"one launch": jax.jit(hyper._input_kernel, static_argnums=0),
-           "split": jax.jit(hyper._input_split, static_argnums=0)}  # kernels.HYPER_SPLIT's two launches
+kernel_path = jax.jit(hyper._input_kernels, static_argnums=0)
 reference = jax.jit(hyper._input_reference, static_argnums=0)
 
 
-@pytest.mark.parametrize("form", sorted(KERNELS))
 @pytest.mark.parametrize("n,c,dim,dtype", [(1, 4, 64, jnp.float32), (3, 4, 128, jnp.bfloat16),
                                            (8, 4, 1024, jnp.bfloat16), (2, 2, 96, jnp.float32),
                                            (1, 4, 5120, jnp.bfloat16)])  # 96 = 3 x 32, 5120 = 5 x 1024 (v41-flash)
-def test_kernel_matches_the_jnp_path(n, c, dim, dtype, form):
+def test_kernel_matches_the_jnp_path(n, c, dim, dtype):
     args = _case(n, c, dim, dtype)
-    (x, pre, post, comb), (x_r, pre_r, post_r, comb_r) = KERNELS[form](CONSTS, *args), reference(CONSTS, *args)
+    (x, pre, post, comb), (x_r, pre_r, post_r, comb_r) = kernel_path(CONSTS, *args), reference(CONSTS, *args)
     assert x.shape == (n, dim) and x.dtype == dtype and comb.shape == (n, c, c)
     np.testing.assert_allclose(pre, pre_r, rtol=1e-6)
     np.testing.assert_allclose(post, post_r, rtol=1e-6)
@@ -68,20 +64,18 @@ def test_projection_asks_for_ieee_f32():
     args = _case(1, 4, 64, jnp.bfloat16)
     h, pre_mix, fn, scale, base, norm_w = args
     jnp_path = jax.make_jaxpr(lambda h, fn: hyper.mix_coefficients(h[:, None], fn, scale, base, 20, 1e-6, 1e-20))
-    kernel_paths = [jax.make_jaxpr(functools.partial(f, CONSTS))(*args)
-                    for f in (hyper._input_by_kernel, hyper._input_by_split_kernels)]
-    for jaxpr in (jnp_path(h, fn), *kernel_paths):
+    kernel_path = jax.make_jaxpr(functools.partial(hyper._input_by_kernels, CONSTS))(*args)
+    for jaxpr in (jnp_path(h, fn), kernel_path):
         precisions = dot_precisions(jaxpr.jaxpr)
         assert precisions and all(p == (jax.lax.Precision.HIGHEST,) * 2 for p in precisions), precisions
 
 
-@pytest.mark.parametrize("form", [hyper._input_kernel, hyper._input_split])
-def test_gradient_is_the_jnp_paths(form):
+def test_gradient_is_the_jnp_paths():
     """The custom VJP's backward is the jnp path's: gradients of every input, all four outputs weighted."""
     args = _case(2, 4, 64, jnp.float32, seed=1)
     w = [jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(2, 64), (2, 4), (2, 4), (2, 4, 4)])]
     loss = lambda f: lambda *a: sum(jnp.sum(o * wi) for o, wi in zip(f(CONSTS, *a), w))
-    got = jax.grad(loss(form), argnums=tuple(range(6)))(*args)
+    got = jax.grad(loss(hyper._input_kernels), argnums=tuple(range(6)))(*args)
     want = jax.grad(loss(hyper._input_reference), argnums=tuple(range(6)))(*args)
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
@@ -97,8 +91,9 @@ def test_dispatch():
     assert not kernels.hyper_in_on("jnp", 1, 4, 1024)
     assert kernels.hyper_in_on("auto", 1, 4, 1024) == (jax.default_backend() == "gpu")
     with pytest.raises(ValueError, match="power-of-two"):
-        gpu_hyper.hyper_in(jnp.ones((1, 4, 100)), jnp.ones((1, 24)), jnp.ones((1, 4)), jnp.ones(100), jnp.ones(3),
-                           jnp.ones(24), **STATICS, interpret=True)
+        gpu_hyper.hyper_coefficients(jnp.ones((1, 4, 100)), jnp.ones((1, 24)), jnp.ones(3), jnp.ones(24),
+                                     coefficients=hyper.coefficients, iters=20, hc_eps=1e-6, mix_eps=1e-20,
+                                     interpret=True)
     with pytest.raises(ValueError, match="power-of-two"):
         gpu_hyper.hyper_input(jnp.ones((1, 4, 100)), jnp.ones((1, 4)), jnp.ones(100), collapse_rows=hyper.collapse_rows,
                               norm=layers.rms_apply, norm_eps=1e-20, interpret=True)
@@ -111,10 +106,8 @@ def test_dispatch():
                                      interpret=True)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_model_decode_logits_with_the_kernel(monkeypatch, split):
-    """tiny's first 3 layers, f32: decode logits with the kernel (or its two parts apart, `kernels.HYPER_SPLIT`)
-    forced on (everything else jnp) against the jnp path, to 1e-5 of the logit scale, from the same cache (filled
+def test_model_decode_logits_with_the_kernel(monkeypatch):
+    """tiny's first 3 layers, f32: decode logits with the kernels forced on (everything else jnp) against the jnp path, to 1e-5 of the logit scale, from the same cache (filled
     by jnp decode steps)."""
     cfg = truncated(d.preset("tiny").replace(dtype="float32"), 3)
     params = d.init_params(cfg, seed=0)
@@ -125,7 +118,6 @@ def test_model_decode_logits_with_the_kernel(monkeypatch, split):
     want, _ = d.decode_step(cfg, params, cache, ids[:, 4])
     calls = []
     monkeypatch.setattr(kernels, "hyper_in_on", lambda *a: calls.append(a) or True)
-    monkeypatch.setattr(kernels, "HYPER_SPLIT", split)
     # the same decode step, traced afresh with the kernel in it (a new jit of the api's forward: the api's own
     # jitted step keeps its jnp program, and no other test's compiled programs are dropped from the caches)
     step = jax.jit(functools.partial(d.forward, cfg))

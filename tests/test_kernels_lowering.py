@@ -18,20 +18,18 @@ import pytest
 import dsv41_jax as d
 import kernels_pallas
 from dsv41_jax import api
-from dsv41_jax import kernels as dispatch
 from dsv41_jax.cache import init_cache
 from experiments.bench_decode import slice_config
 from tests.kernel_checks import lower_for_h200, lower_for_tpu
 
 # the cache side; `combine_unrotated` merges the attention's key ranges and undoes the rope (all but b64 on wgmma)
 SCAN = {"indexer_scores", "indexer_scores_pool", "topk_from_levels", "sparse_attention", "combine_unrotated"}
-FEW = {"hyper_in", "route", "rms_norms"}  # decode rows <= 8
-SPLIT = FEW - {"hyper_in"} | {"hyper_input", "hyper_coefficients"}  # the hyper kernel's parts apart (HYPER_SPLIT)
+FEW = {"hyper_input", "hyper_coefficients", "route", "rms_norms"}  # decode rows <= 8
 MOSAIC = {"rows_matmuls_fp4_wgmma", "fp8_matmuls_wgmma", "indexer_scores_wgmma", "sparse_attention_wgmma"}  # the rest Triton
 HOPPER_SCAN = SCAN - {"indexer_scores"} | {"indexer_scores_wgmma"}  # an H100/H200: the full scans on wgmma
 WEIGHTS = MOSAIC - {"indexer_scores_wgmma", "sparse_attention_wgmma"}  # the weight kernels on wgmma
 MANY = HOPPER_SCAN - {"sparse_attention"} | {"sparse_attention_wgmma"}  # ... and from 2 sequences the attention
-KERNELS = SCAN | FEW | SPLIT | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_matmuls_fp4", "rows_matmuls_float"}
+KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_matmuls_fp4", "rows_matmuls_float"}
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles the step for real")
@@ -48,12 +46,6 @@ KERNELS = SCAN | FEW | SPLIT | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "gro
 ])
 def test_decode_step_lowers_for_an_h200(preset, batch, hopper, want):
     _check_lowering(preset, batch, hopper, want)
-
-
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles the step for real")
-def test_decode_step_with_the_hyper_kernel_split_lowers_for_an_h200():
-    with mock.patch.object(dispatch, "HYPER_SPLIT", True):
-        _check_lowering("v41-slice", 1, True, HOPPER_SCAN | SPLIT | WEIGHTS)
 
 
 def _check_lowering(preset, batch, hopper, want):

@@ -1,17 +1,18 @@
 """Issue 12 at batch 1 on one H200: the kernels that decide the step, alone, with their launch parameters swept.
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels          # ~2.5 min
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels latency  # ~1.5 min: hyper_in, selects
+    PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels latency  # ~1.5 min: hyper kernels, selects
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_b1_kernels attention  # ~5 min: attention's tiles at 4K
 
 After the twenty-second session's first call (slice b1 1.636 ms/step, 1.78x; GPU busy 1.656 ms) the weight
 kernels of a batch-1 step run at 55-75% of the copy peak (FP8 wo_b / wq_b / shared experts, FP4 routed
-experts: ~240 us over their bytes at the peak) and each of the 12 `hyper_in` launches takes ~5.3 us for a
-row of 4 x 5120 and a 4 x 4 Sinkhorn. Steps: `bench_wgmma --sweep` at one token (every K split and pipeline
-depth of both kernels, each checked against its twin first), then `hyper_in` at 1 and 8 rows with 1, 2, 4
+experts: ~240 us over their bytes at the peak) and each of the 12 `hyper_in` launches (the sub-layer input side
+in one launch, since split in two: `gpu_hyper.hyper_input`, `hyper_coefficients`, which these steps time now) takes
+~5.3 us for a row of 4 x 5120 and a 4 x 4 Sinkhorn. Steps: `bench_wgmma --sweep` at one token (every K split and pipeline
+depth of both kernels, each checked against its twin first), then the input side at 1 and 8 rows with 1, 2, 4
 and 8 warps (GPU time per launch, a jitted chain of 32 launches on distinct rows, from a profiler trace).
 Logs in $OUT. `latency` (twenty-fifth session): what the two latency-bound kernels spend their time on, one row:
-`hyper_in` with its 20 Sinkhorn iterations or 1, and the top-k selections at the slice's row lengths (4352
+the input side with its 20 Sinkhorn iterations or 1, and the top-k selections at the slice's row lengths (4352
 compressed positions at 4K + the bench's 256 spare; the pool's 16384) by warps, 4352 with its top level held to a
 level's 4096 candidates (two levels, as before `gpu_select.top_capacity`) and to twice that (one level of 8192).
 The selects' GPU us leave out the XLA kernel that builds a second level (~1.4 us).
@@ -30,49 +31,72 @@ import tempfile
 from experiments.device_runs._steps import OUT, step
 
 
-def hyper_warps() -> None:
-    """GPU us per `gpu_hyper.hyper_in` launch at the v41 stream (hc 4 x 5120, bf16) by num_warps."""
+def _hyper_inputs(reps: int, n: int):
+    """reps distinct random (h, mixes, pre_mix) of n rows at the v41 stream (hc 4 x 5120, bf16), and the shared
+    (norm weight, scale, base)."""
     import jax
     import jax.numpy as jnp
 
+    hc, d = 4, 5120
+    key = jax.random.key(n)
+    h = jax.random.normal(key, (reps, n, hc, d), jnp.bfloat16)
+    mixes = jax.random.normal(jax.random.fold_in(key, 1), (reps, n, (2 + hc) * hc), jnp.float32) * 30
+    pre_mix = jax.nn.sigmoid(jax.random.normal(jax.random.fold_in(key, 2), (reps, n, hc)))
+    norm_w = 1 + 0.1 * jax.random.normal(jax.random.fold_in(key, 3), (d,))
+    scale, base = jnp.array([0.1, 0.2, 0.3]), 0.1 * jax.random.normal(jax.random.fold_in(key, 4), ((2 + hc) * hc,))
+    return (h, mixes, pre_mix), (norm_w, scale, base)
+
+
+def _hyper_launches(reps: int, shared, warps: int = 4, iters: int = 20):
+    """A jitted chain of reps sub-layer input sides, each `gpu_hyper.hyper_input` + `hyper_coefficients`."""
+    import jax
+
     from dsv41_jax import hyper, layers
-    from experiments.bench_decode import kernel_profile
     from kernels_pallas import gpu_hyper
 
-    reps, hc, d = 32, 4, 5120
-    print("| rows | num_warps | GPU us per launch | max abs diff vs 4 warps |\n|---|---|---|---|", flush=True)
+    norm_w, scale, base = shared
+    return jax.jit(lambda h, m, p: [
+        (gpu_hyper.hyper_input(h[i], p[i], norm_w, collapse_rows=hyper.collapse_rows, norm=layers.rms_apply,
+                               norm_eps=1e-20, num_warps=warps),
+         *gpu_hyper.hyper_coefficients(h[i], m[i], scale, base, coefficients=hyper.coefficients, iters=iters,
+                                       hc_eps=1e-6, mix_eps=1e-20, num_warps=warps)) for i in range(reps)])
+
+
+def hyper_warps() -> None:
+    """GPU us per sub-layer input side (`gpu_hyper.hyper_input` + `hyper_coefficients`; until the thirty-third
+    session the one launch `hyper_in`) at the v41 stream by num_warps."""
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.bench_decode import kernel_profile
+
+    reps = 32
+    print("| rows | num_warps | GPU us per input side | max abs diff vs 4 warps |\n|---|---|---|---|", flush=True)
     for n in (1, 8):
-        key = jax.random.key(n)
-        h = jax.random.normal(key, (reps, n, hc, d), jnp.bfloat16)
-        mixes = jax.random.normal(jax.random.fold_in(key, 1), (reps, n, (2 + hc) * hc), jnp.float32) * 30
-        pre_mix = jax.nn.sigmoid(jax.random.normal(jax.random.fold_in(key, 2), (reps, n, hc)))
-        norm_w = 1 + 0.1 * jax.random.normal(jax.random.fold_in(key, 3), (d,))
-        scale, base = jnp.array([0.1, 0.2, 0.3]), 0.1 * jax.random.normal(jax.random.fold_in(key, 4), ((2 + hc) * hc,))
+        args, shared = _hyper_inputs(reps, n)
         ref = None
         for warps in (4, 1, 2, 8):
-            call = jax.jit(lambda h, m, p, warps=warps: [gpu_hyper.hyper_in(
-                h[i], m[i], p[i], norm_w, scale, base, coefficients=hyper.coefficients,
-                collapse_rows=hyper.collapse_rows, norm=layers.rms_apply, iters=20, hc_eps=1e-6, mix_eps=1e-20,
-                norm_eps=1e-20, num_warps=warps) for i in range(reps)])
-            out = jax.block_until_ready(call(h, mixes, pre_mix))
+            call = _hyper_launches(reps, shared, warps)
+            out = jax.block_until_ready(call(*args))
             ref = ref or out
             diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
                        for o, r in zip(out, ref) for a, b in zip(o, r))
             with tempfile.TemporaryDirectory() as tmp:
-                prof = kernel_profile(lambda: jax.block_until_ready(call(h, mixes, pre_mix)), tmp, reps, top=10)
-            us = sum(r["us_per_step"] for r in prof[2:] if r["name"].startswith("hyper_in"))
+                prof = kernel_profile(lambda: jax.block_until_ready(call(*args)), tmp, reps, top=10)
+            us = sum(r["us_per_step"] for r in prof[2:] if r["name"].startswith("hyper_"))
             print(f"| {n} | {warps} | {us:.2f} | {diff:.3g} |", flush=True)
 
 
 def latency() -> None:
-    """GPU us per launch of `hyper_in` (1 row) by Sinkhorn iterations, and of the top-k kernel by row length and
-    candidate capacity (each checked against `ops.select_topk`)."""
+    """GPU us per sub-layer input side (1 row; the one launch `hyper_in` until the thirty-third session) by
+    Sinkhorn iterations, and of the top-k kernel by row length and candidate capacity (each checked against
+    `ops.select_topk`)."""
     import jax
     import jax.numpy as jnp
 
-    from dsv41_jax import hyper, layers, ops
+    from dsv41_jax import ops
     from experiments.bench_decode import kernel_profile
-    from kernels_pallas import gpu_hyper, gpu_select
+    from kernels_pallas import gpu_select
 
     def per_launch(call, args, name, reps):
         jax.block_until_ready(call(*args))
@@ -80,20 +104,13 @@ def latency() -> None:
             prof = kernel_profile(lambda: jax.block_until_ready(call(*args)), tmp, reps, top=10)
         return sum(r["us_per_step"] for r in prof[2:] if r["name"].startswith(name))
 
-    reps, hc, d = 32, 4, 5120
-    key = jax.random.key(0)
-    h = jax.random.normal(key, (reps, 1, hc, d), jnp.bfloat16)
-    mixes = jax.random.normal(jax.random.fold_in(key, 1), (reps, 1, (2 + hc) * hc), jnp.float32) * 30
-    pre_mix = jax.nn.sigmoid(jax.random.normal(jax.random.fold_in(key, 2), (reps, 1, hc)))
-    norm_w = 1 + 0.1 * jax.random.normal(jax.random.fold_in(key, 3), (d,))
-    scale, base = jnp.array([0.1, 0.2, 0.3]), 0.1 * jax.random.normal(jax.random.fold_in(key, 4), ((2 + hc) * hc,))
+    reps = 32
+    args, shared = _hyper_inputs(reps, 1)
     print("| kernel | variant | GPU us per launch | exact |\n|---|---|---|---|", flush=True)
     for iters in (20, 1):
-        call = jax.jit(lambda h, m, p, iters=iters: [gpu_hyper.hyper_in(
-            h[i], m[i], p[i], norm_w, scale, base, coefficients=hyper.coefficients, collapse_rows=hyper.collapse_rows,
-            norm=layers.rms_apply, iters=iters, hc_eps=1e-6, mix_eps=1e-20, norm_eps=1e-20) for i in range(reps)])
-        print(f"| hyper_in, 1 row | {iters} Sinkhorn iterations | {per_launch(call, (h, mixes, pre_mix), 'hyper_in', reps):.2f} | - |",
-              flush=True)
+        us = per_launch(_hyper_launches(reps, shared, iters=iters), args, "hyper_", reps)
+        print(f"| hyper_input + hyper_coefficients, 1 row | {iters} Sinkhorn iterations | {us:.2f} | - |", flush=True)
+    key = jax.random.key(0)
     top_capacity = gpu_select.top_capacity
     levels = {"top <= cap (before)": lambda k: gpu_select.capacity(k)[1], "top <= 2 cap (now)": top_capacity}
     for n, variants in ((4352, [("top <= cap (before)", w) for w in (4, 8, 16)]

@@ -38,8 +38,6 @@ in $OUT/<name>.log and rows in $OUT/<name>.json, each step's last table printed 
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode concurrent_wide  # ~7.5 min: check, small, b64
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode concurrent_flags  # ~9 min: more in the graphs, b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode profile_alone  # ~4 min: the serial part, b1 + b8
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split  # ~8 min: tests, b1 profiles A/B
-    PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode hyper_split_points  # ~5 min: b1 A/B, b8 after
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode while_graph  # ~5 min: the loop as one graph, b1
     PYTHONPATH=. python3 -m experiments.device_runs.issue12_decode serial_ab  # ~7 min: seven hot-path changes A/B, b1; HLO
 
@@ -110,9 +108,9 @@ ATTENTION_OFF = [("kernels_pallas/gpu_attention_wgmma.py", "MIN_BATCH = 2", "MIN
 # encoder's Full layers scan 64K and 128K positions (eighteenth session: the scans 102.8 -> 59.3 us, the step's
 # GPU time 3.561 -> 3.500 ms; every row of the profiles printed)
 SCAN_OFF = [("kernels_pallas/gpu_indexer_wgmma.py", "ON = True", "ON = False")]
-# kernels off by default until timed, on in the "after" half of `ab` and `hyper_split` (environment variables): the
-# hyper kernel's two parts as two launches (dsv41_jax.kernels.HYPER_SPLIT)
-AFTER_ENV = {"DSV41_HYPER_SPLIT": "1"}
+# kernels off by default until timed, on in the "after" half of `ab` (environment variables); none now (the last,
+# DSV41_HYPER_SPLIT, was timed in the twenty-fourth pass and is the only form since)
+AFTER_ENV = {}
 # the GPU-compiled tests of the latest changes, first in `ab` (update with SINCE_MEASURED; now the hyper kernel's,
 # of the last change timed);
 # in the fifteenth session 150 s held the hyper kernel's tests but not the attention tests after them (19 s in a
@@ -309,20 +307,8 @@ SPEC_TINY = ["experiments.decode", "--preset", "tiny", "--speculative", "dspark"
              "64"]
 GROUPS["concurrent_prefill"] = [("prefill_api", [PREFILL, "api"], 285, {}), ("prefill_lhs", [PREFILL, "lhs"], 285, LHS)]
 GROUPS["concurrent_spec"] = [("spec_tiny_api", SPEC_TINY, 285, {}), ("spec_tiny_lhs", SPEC_TINY, 285, LHS)]
-# twenty-ninth session, for the next: the sub-layers' input side apart from their coefficients
-# (`kernels.HYPER_SPLIT`: in call 7's trace the 12 input sides, projection dot + `hyper_in`, ~10 us each, sit
-# between the weight streams; the coefficients are read only after the sub-layer). `hyper_split`: the hyper
-# kernel's GPU tests (both forms), then the slice's batch-1 profile without and with it (~8 min);
-# `hyper_split_points`: bench_decode batch 1 without and with it, batch 8 with it (loop and serving columns, ~5 min)
-AB_PROFILE_B1 = slice_profile(1, 20, top=40, queued=4)
-GROUPS["hyper_split"] = [("hyper_gpu_tests", AB_TESTS[1], 280, AB_TESTS[3])] + [
-    (f"profile_slice_b1_{side}", AB_PROFILE_B1, 100, {}) for side in ("before", "after")]
-GROUPS["hyper_split_points"] = [(f"bench_slice_b1_{side}", B1_POINT, 110, {}) for side in ("before", "after")] + [
-    ("bench_slice_b8_after", slice_bench(8), 130, {})]
-# thirty-third session: both in one call (~7 min): batch 1 without and with, the hyper kernel's GPU tests (both
-# forms), batch 8 with
-GROUPS["hyper_split_all"] = [*GROUPS["hyper_split_points"][:2], ("hyper_gpu_tests", AB_TESTS[1], 150, AB_TESTS[3]),
-                             GROUPS["hyper_split_points"][2]]
+# The sub-layers' input side as one launch against two (the input apart from its coefficients): `hyper_split_all` at
+# commit 7ef675c (twenty-fourth pass: two launches faster, the one-launch form removed since)
 
 # The generation loop itself as one graph: call 7's trace (twenty-ninth session) shows each iteration of the loop
 # as one graph launch with every kernel of the step inside it, so the premise above (Triton calls outside the
