@@ -228,17 +228,23 @@ def save_checkpoint(path: str | Path, params: nnx.State, opt_state, step: int) -
                      **({} if opt_state is None else {"opt_state": opt_state})})
 
 
-def restore_checkpoint(path: str | Path, params_like: nnx.State, opt_state_like=None):
-    """(params, opt_state, step) from `save_checkpoint`, shaped like the templates given (e.g. fresh
-    `init_params` / `init_opt_state` of the same config and optimizer). Values restore bit-exactly.
-    Without `opt_state_like`: the params and step only, whatever optimizer wrote the checkpoint (opt_state
-    None), for evaluating a run."""
+def restore_checkpoint(path: str | Path, params_like: nnx.State, opt_state_like=None, param_shardings=None):
+    """(params, opt_state, step) from `save_checkpoint`, shaped like the templates given (arrays or
+    ShapeDtypeStructs: e.g. `abstract_params` / `init_opt_state` of the same config and optimizer). Values restore
+    bit-exactly. Without `opt_state_like`: the params and step only, whatever optimizer wrote the checkpoint
+    (opt_state None), for evaluating a run. param_shardings: callable(param path, shape) -> Sharding placing each
+    param as it is read (`partitioning.param_sharding` on a mesh); the default device otherwise."""
     from dsv41_jax.checkpoint.orbax_io import restore_tree
 
     like = {"params": params_like, "step": jnp.int32(0)}
+    shardings = None
+    if param_shardings is not None:  # the checkpoint's names are the params' paths under "params/"
+        shardings = lambda name, shape: (param_shardings(name.removeprefix("params/"), shape)  # noqa: E731
+                                         if name.startswith("params/") else None)
     if opt_state_like is None:
-        got = restore_tree(path, like, hint="; restore with a template made from the same config", partial=True)
+        got = restore_tree(path, like, shardings, hint="; restore with a template made from the same config",
+                           partial=True)
         return got["params"], None, int(got["step"])
-    got = restore_tree(path, {**like, "opt_state": opt_state_like},
+    got = restore_tree(path, {**like, "opt_state": opt_state_like}, shardings,
                        hint="; restore with templates made from the same config and optimizer")
     return got["params"], got["opt_state"], int(got["step"])

@@ -181,11 +181,7 @@ def model_config(args):
 
 def load_weights(args, cfg):
     """(cfg, params or None for random ones) once the input is known to be usable: the slow part."""
-    if args.run:
-        from experiments.quality import load_run
-
-        return cfg, load_run(Path(args.run), cfg)
-    if not args.checkpoint:
+    if not (args.run or args.checkpoint):
         return cfg, None
     shardings = None
     if args.mesh:  # each array read straight into its shards: no device holds the whole model
@@ -193,6 +189,10 @@ def load_weights(args, cfg):
 
         mesh = partitioning.make_mesh(cfg, args.mesh, batch=args.batch, layout=args.layout)
         shardings = partial(partitioning.param_sharding, mesh=mesh, layout=args.layout)
+    if args.run:
+        from experiments.quality import load_run
+
+        return cfg, load_run(Path(args.run), cfg, shardings)
     loaded = _cli.load_checkpoint(args.checkpoint, dtype=args.dtype or "bfloat16", engram_on_host=args.engram_on_host,
                                   shardings=shardings)
     return loaded.cfg, loaded.params
@@ -290,8 +290,8 @@ def check_memory(args, cfg, rows: int, capacity: int) -> None:
     (XLA's out-of-memory error would come minutes later, deep in a traceback). Activations and XLA's workspace are
     not counted: a run that passes may still not fit. rows x capacity: the cache (0 rows: none counted).
 
-    Where the weights go: one device without --mesh; with --mesh, random weights are drawn and a checkpoint is read
-    into their shards (`sharding.init_model`, `load_weights`), while a --run is read onto one device and then split."""
+    Where the weights go: one device without --mesh; with --mesh, random weights are drawn and a checkpoint or a
+    --run is read into their shards (`sharding.init_model`, `load_weights`)."""
     from jax.sharding import AbstractMesh
 
     from dsv41_jax import partitioning as S
@@ -314,14 +314,11 @@ def check_memory(args, cfg, rows: int, capacity: int) -> None:
     if rows:
         cache = jax.eval_shape(lambda: d.init_cache(cfg, rows, capacity))
         c_total, c_dev = S.bytes_per_device(cache, S.cache_specs(cache, mesh, args.layout), mesh)
-    on_one = not args.mesh or args.run  # read whole onto one device before any split
-    need = (w_total if on_one else w_dev) + c_dev
+    need = (w_dev if args.mesh else w_total) + c_dev
     have, what = device_memory(mesh.size)
     if need <= have:
         return
-    where = "one device" if not args.mesh else (
-        f"the first of the --mesh {args.mesh} devices (a --run is read onto one device, then split)"
-        if on_one else f"each of the --mesh {args.mesh} devices")
+    where = f"each of the --mesh {args.mesh} devices" if args.mesh else "one device"
     plan = "`python -m experiments.plan_deployment" + ("`" if args.checkpoint or args.run else
                                                          f" --preset {args.preset} --mesh expert=8 --layout dp_ep`")
     fp8 = "" if cfg.weight_format == "fp8" or args.checkpoint or args.run else \

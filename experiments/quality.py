@@ -97,10 +97,11 @@ def lengths_and_capacity(args, cfg: ModelConfig) -> tuple[list[int], int]:
     return kept, max([args.ppl_len, *kept])
 
 
-def load_run(run: Path, cfg: ModelConfig):
-    """params of a train_small output directory whose config is `cfg`."""
-    like = d.init_params(cfg, seed=0)
-    params, _, step = train.restore_checkpoint(run / "checkpoint", like)  # params only: any optimizer's run
+def load_run(run: Path, cfg: ModelConfig, shardings=None):
+    """params of a train_small output directory whose config is `cfg`, on the default device or each read into
+    its shards (shardings: callable(param path, shape) -> Sharding, as `partitioning.param_sharding`)."""
+    # params only: any optimizer's run
+    params, _, step = train.restore_checkpoint(run / "checkpoint", d.abstract_params(cfg), param_shardings=shardings)
     print(f"{run}: step {step}, {sum(np.size(x) for x in jax.tree.leaves(params)):,} parameters", file=sys.stderr)
     return params
 

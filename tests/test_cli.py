@@ -179,14 +179,17 @@ def test_corrupted_tokenizer_json_of_a_checkpoint_is_named(checkpoint, tmp_path,
         assert f"{bad / 'tokenizer.json'}: not a valid tokenizer.json" in fails(main, argv, capsys)
 
 
-def test_decode_reads_a_checkpoint_into_its_shards_on_a_mesh(checkpoint):
-    """With --mesh each checkpoint array is placed in its shards as it is read (no device holds the whole model):
-    every param where `partitioning.param_shardings` puts it, the routed experts split over `expert`."""
+@pytest.mark.parametrize("source", ["--checkpoint", "--run"])
+def test_decode_reads_weights_into_their_shards_on_a_mesh(source, request):
+    """With --mesh each array of a checkpoint or a train_small run is placed in its shards as it is read (no device
+    holds the whole model): every param where `partitioning.param_shardings` puts it, the routed experts split over
+    `expert`, the values those read onto one device."""
     if len(jax.devices()) < 8:
         pytest.skip("needs --xla_force_host_platform_device_count=8 (set in conftest.py)")
     from dsv41_jax import partitioning
 
-    args = decode.parse_args(["--checkpoint", str(checkpoint), "--mesh", "data=2,expert=4", "--batch", "8"])
+    path = str(request.getfixturevalue("checkpoint" if source == "--checkpoint" else "tiny_run"))
+    args = decode.parse_args([source, path, "--mesh", "data=2,expert=4", "--batch", "8"])
     cfg, params = decode.load_weights(args, decode.model_config(args))
     mesh = partitioning.make_mesh(cfg, "data=2,expert=4", batch=8, layout="tp_ep")
     want = jax.tree.leaves(partitioning.param_shardings(params, mesh, "tp_ep"))
@@ -195,6 +198,11 @@ def test_decode_reads_a_checkpoint_into_its_shards_on_a_mesh(checkpoint):
     assert all(x.sharding.mesh.shape == mesh.shape for x in got)
     w1 = params["layers"][1]["ffn"]["w1"][...]
     assert w1.sharding.spec[0] == "expert" and w1.addressable_shards[0].data.shape[0] * 4 == w1.shape[0]
+    plain = decode.parse_args([source, path])
+    _, one = decode.load_weights(plain, decode.model_config(plain))
+    for a, b in zip(got, jax.tree.leaves(one), strict=True):
+        assert len(b.sharding.device_set) == 1
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_decode_memory_check_counts_a_checkpoint_as_it_loads(checkpoint, monkeypatch):
