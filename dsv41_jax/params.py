@@ -7,12 +7,13 @@ from flax import nnx
 from dsv41_jax.api import abstract_params
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.plan import build_plan, encoder_depth
+from dsv41_jax.pytree_paths import is_engram_table
 
 
 def _kind(path: str) -> str:
     if path.startswith(("vision/", "aligner/", "image_")):
         return "vision"
-    if "engram/table" in path:
+    if is_engram_table(path):
         return "engram_table"
     if path.startswith("embed/"):
         return "embedding"

@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from dsv41_jax import sequence_split
 from dsv41_jax.cache import Cache, init_cache
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.pytree_paths import path_str
+from dsv41_jax.pytree_paths import is_engram_table, path_str
 
 MESH_AXES = ("data", "tensor", "expert")
 
@@ -257,7 +257,7 @@ def param_bytes(params, mesh, layout: str = "tp_ep") -> dict[str, tuple[int, flo
     specs = jax.tree.leaves(param_specs(params, mesh, layout), is_leaf=lambda x: isinstance(x, P))
     sides = {"weights": ([], []), "engram_tables": ([], [])}
     for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs, strict=True):
-        leaves, side_specs = sides["engram_tables" if "engram/table" in path_str(path) else "weights"]
+        leaves, side_specs = sides["engram_tables" if is_engram_table(path_str(path)) else "weights"]
         leaves.append(leaf)
         side_specs.append(spec)
     return {name: bytes_per_device(leaves, side_specs, mesh) for name, (leaves, side_specs) in sides.items()}

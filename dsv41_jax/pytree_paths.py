@@ -18,6 +18,12 @@ def path_str(path) -> str:
     return "/".join(parts[:-1] if parts and parts[-1] == "value" else parts)
 
 
+def is_engram_table(path: str) -> bool:
+    """True for an Engram table or its scales ("layers/1/engram/table", ".../engram/table_scale"): the params that
+    may live in host memory and that a decode step reads only rows of."""
+    return "engram/table" in path
+
+
 def flat_params(tree) -> dict[str, Any]:
     """{path_str: leaf} of a pytree (an nnx.State, optimizer state, or a dict of them)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]

@@ -237,10 +237,11 @@ def restore_checkpoint(path: str | Path, params_like: nnx.State, opt_state_like=
     from dsv41_jax.checkpoint.orbax_io import restore_tree
 
     like = {"params": params_like, "step": jnp.int32(0)}
-    shardings = None
-    if param_shardings is not None:  # the checkpoint's names are the params' paths under "params/"
-        shardings = lambda name, shape: (param_shardings(name.removeprefix("params/"), shape)  # noqa: E731
-                                         if name.startswith("params/") else None)
+
+    def placed(name, shape):  # the checkpoint's names are the params' paths under "params/"
+        return param_shardings(name.removeprefix("params/"), shape) if name.startswith("params/") else None
+
+    shardings = placed if param_shardings is not None else None
     if opt_state_like is None:
         got = restore_tree(path, like, shardings, hint="; restore with a template made from the same config",
                            partial=True)

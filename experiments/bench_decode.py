@@ -55,6 +55,7 @@ from dsv41_jax import api, partitioning
 from dsv41_jax.kernels import resolve
 from dsv41_jax.cache import init_cache
 from dsv41_jax.plan import Mode, build_plan
+from dsv41_jax.pytree_paths import is_engram_table, path_str
 from experiments.bench_kernels import copy_bandwidth
 
 
@@ -79,12 +80,6 @@ def truncated(cfg, n: int):
 
 
 # ----------------------------------------------------------------------------- random weights and cache
-def _name(path) -> str:
-    """"layers/3/ffn/w1_scale" for a params or cache leaf path."""
-    name = "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-    return name.removesuffix("/.value").removesuffix("/value")
-
-
 def _kind(name: str, s: jax.ShapeDtypeStruct) -> str:
     """How to draw one param, from its name and stored dtype."""
     last = name.split("/")[-1]
@@ -128,7 +123,7 @@ def _maker(kind: str, shape: tuple, dtype, compressed_vocab: int):
 def random_params(cfg, seed: int = 0):
     """Random params of `cfg` built leaf by leaf on the device (no f32 copy of the experts ever exists)."""
     leaves, tree = jax.tree_util.tree_flatten_with_path(api.abstract_params(cfg))
-    out = [_maker(_kind(_name(path), s), s.shape, s.dtype, cfg.engram_compressed_vocab_size)(
+    out = [_maker(_kind(path_str(path), s), s.shape, s.dtype, cfg.engram_compressed_vocab_size)(
         jax.random.fold_in(jax.random.key(seed), i)) for i, (path, s) in enumerate(leaves)]
     return jax.tree_util.tree_unflatten(tree, out)
 
@@ -143,7 +138,7 @@ def random_cache(cfg, batch: int, context: int, seed: int = 1):
     leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
     out = []
     for i, (path, s) in enumerate(leaves):
-        name, key = _name(path), jax.random.fold_in(jax.random.key(seed), i)
+        name, key = path_str(path), jax.random.fold_in(jax.random.key(seed), i)
         if name == "lengths":
             v = jnp.full(s.shape, context, jnp.int32)
         elif s.dtype == jnp.uint8 and name.endswith("scales"):
@@ -200,8 +195,8 @@ def weight_bytes(cfg, params, experts_hit: list[int]) -> dict:
     """Stored bytes a decode step reads: dense weights, routed experts hit, embedding and Engram rows."""
     dense, per_expert = 0, {}
     for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = _name(path)
-        if name.startswith("embed") or "engram/table" in name or name == "engram_token_map":
+        name = path_str(path)
+        if name.startswith("embed") or is_engram_table(name) or name == "engram_token_map":
             continue
         if "/ffn/w" in name:  # routed experts: [E, ...] per layer, counted per expert hit
             layer = int(name.split("/")[1])

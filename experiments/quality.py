@@ -98,9 +98,9 @@ def lengths_and_capacity(args, cfg: ModelConfig) -> tuple[list[int], int]:
 
 
 def load_run(run: Path, cfg: ModelConfig, shardings=None):
-    """params of a train_small output directory whose config is `cfg`, on the default device or each read into
-    its shards (shardings: callable(param path, shape) -> Sharding, as `partitioning.param_sharding`)."""
-    # params only: any optimizer's run
+    """params of a train_small output directory whose config is `cfg` (whatever optimizer it trained with), on the
+    default device or each read into its shards (shardings: callable(param path, shape) -> Sharding, as
+    `partitioning.param_sharding`)."""
     params, _, step = train.restore_checkpoint(run / "checkpoint", d.abstract_params(cfg), param_shardings=shardings)
     print(f"{run}: step {step}, {sum(np.size(x) for x in jax.tree.leaves(params)):,} parameters", file=sys.stderr)
     return params
