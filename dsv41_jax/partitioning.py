@@ -295,13 +295,15 @@ class Placement:
             raise ValueError(f"the cache holds {cache.batch} sequences but the model was placed for batch "
                              f"{self.batch}; make the cache with that batch or place the model again")
         leaves, want = jax.tree.leaves(cache), jax.tree.leaves(self.cache)
-        if all(getattr(a, "sharding", None) == s for a, s in zip(leaves, want)):
-            return cache  # the previous call's output: a device_put of the whole tree costs more than this check
+        if all(isinstance(a, jax.Array) and a.sharding.is_equivalent_to(s, a.ndim) for a, s in zip(leaves, want)):
+            # the previous call's output (or a row put into it: P() and P(None, None) are the same placement):
+            # a device_put of the whole tree costs more than this check
+            return cache
         return jax.device_put(cache, self.cache)
 
     def put_rows(self, x):
         """An int32 array that leads with the batch, split over the mesh like the sequences."""
-        if isinstance(x, jax.Array) and x.dtype == np.int32 and x.sharding == self.rows:
+        if isinstance(x, jax.Array) and x.dtype == np.int32 and x.sharding.is_equivalent_to(self.rows, x.ndim):
             return x
         return jax.device_put(np.asarray(x, np.int32) if not isinstance(x, jax.Array) else x.astype(np.int32),
                               self.rows)

@@ -145,8 +145,6 @@ def parse_args(argv=None):
         ap.error("--prefill-chunk must be >= 1")
     if args.engram_on_host and not args.checkpoint:
         ap.error("--engram-on-host applies to --checkpoint (presets have random in-memory tables)")
-    if args.mesh and args.engine:
-        ap.error("--mesh is not supported with the serving engine yet; drop --engine/--cache-dir")
     if args.image and (args.batch > 1 or args.mesh):
         ap.error("--image runs one sequence on one device: drop --batch / --mesh (several requests: --engine)")
     if args.speculative and args.mesh:
@@ -679,12 +677,27 @@ def engine_config(args, cfg, capacity: int, n_requests: int):
                         host_pool_bytes=int(args.host_pool_gb * 2**30) if args.host_pool_gb else None,
                         host_ttl_s=args.host_ttl_s, prefix_reuse=not args.no_prefix_reuse,
                         replay=not args.no_replay, bounded_prefill=not args.no_bounded_prefill,
-                        kernels=args.kernels, speculative=getattr(args, "speculative", None))
+                        kernels=args.kernels, speculative=getattr(args, "speculative", None), mesh=args.mesh,
+                        layout=args.layout)
+    from dsv41_jax.partitioning import MeshError
+
     try:
         plan_slots(cfg, ecfg)
     except ValueError as e:
-        raise _cli.UserError(f"engine settings (--page-tokens, --slots, --hbm-budget-gb, --capacity): {e}") from None
+        flags = "--mesh, --layout" if isinstance(e, MeshError) else "--page-tokens, --slots, --hbm-budget-gb, --capacity"
+        raise _cli.UserError(f"engine settings ({flags}): {e}") from None
     return ecfg
+
+
+def random_engine_params(args, cfg):
+    """A --preset's random weights (--seed) for the serving engine: on one device, or with --mesh drawn straight
+    into their shards (`sharding.init_model`: no device holds the whole model; the engine's rows are batch 1)."""
+    if not args.mesh:
+        return d.init_params(cfg, seed=args.seed)
+    from dsv41_jax import partitioning, sharding
+
+    mesh = partitioning.make_mesh(cfg, args.mesh, layout=args.layout)
+    return sharding.init_model(cfg, mesh, args.layout, batch=1, seed=args.seed).params
 
 
 def serve(args, cfg, params, tok, prompts: list[np.ndarray], ecfg, spans=None) -> dict:
@@ -694,7 +707,7 @@ def serve(args, cfg, params, tok, prompts: list[np.ndarray], ecfg, spans=None) -
     from dsv41_jax.serving import Engine, Request
 
     if params is None:
-        params = d.init_params(cfg, seed=args.seed)
+        params = random_engine_params(args, cfg)
     spans = spans or [[] for _ in prompts]
     prompts = [collapse_spans(p, s) for p, s in zip(prompts, spans)]
     reqs = [Request(p[: max(1, p.size - i)], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -704,7 +717,8 @@ def serve(args, cfg, params, tok, prompts: list[np.ndarray], ecfg, spans=None) -
     engine = Engine(cfg, params, ecfg)
     print(f"[decode] engine model={model_name(args)} "
           f"backend={jax.default_backend()} slots={engine.n_slots} capacity={capacity} requests={len(reqs)} "
-          f"x {args.repeat} rounds cache_dir={args.cache_dir}", flush=True)
+          f"x {args.repeat} rounds cache_dir={args.cache_dir}"
+          + (f" mesh {args.mesh} layout {args.layout}" if args.mesh else ""), flush=True)
     rounds, paths = [], Counter()
     for r in range(args.repeat):
         t0 = time.perf_counter()

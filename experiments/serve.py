@@ -23,7 +23,8 @@ import os
 
 import dsv41_jax as d
 from experiments import _cli
-from experiments.decode import WARM_PATHS, check_memory, engine_config, load_weights, model_config, tokenizer
+from experiments.decode import (WARM_PATHS, check_memory, engine_config, load_weights, model_config,
+                               random_engine_params, tokenizer)
 
 
 def parse_args(argv=None):
@@ -67,9 +68,11 @@ def parse_args(argv=None):
     eng.add_argument("--no-bounded-replay", "--no-replay", dest="no_replay", action="store_true",
                      help="on a disk hit without window state recompute the whole prompt (exact, slower)")
     eng.add_argument("--no-bounded-prefill", action="store_true", help="run every layer on every prompt token")
-    # decode's model_config / load_weights / check_memory also serve its --run, --mesh and --layout, which this CLI
-    # lacks
-    ap.set_defaults(run=None, mesh=None, layout="tp_ep")
+    ap.add_argument("--mesh", help="serve on a device mesh of tensor / expert axes, e.g. tensor=2,expert=4 (product = "
+                    "device count; each request is prefilled on its own row, so no axis may split the sequences)")
+    ap.add_argument("--layout", default="tp_ep", choices=["tp_ep", "dp", "dp_ep"], help="sharding rules for --mesh")
+    # decode's model_config / load_weights / check_memory also serve its --run, which this CLI lacks
+    ap.set_defaults(run=None)
     args = ap.parse_args(argv)
     for flag, value, low in (("--port", args.port, 0), ("--slots", args.slots, 1), ("--max-queue", args.max_queue, 0),
                              ("--decode-chunk", args.decode_chunk, 1), ("--capacity", args.capacity, 2),
@@ -114,7 +117,7 @@ def build_server(args):
     check_memory(args, cfg, 0, args.capacity)  # the engine sizes its cache to the memory left
     cfg, params = load_weights(args, cfg)
     if params is None:
-        params = d.init_params(cfg, seed=args.seed)
+        params = random_engine_params(args, cfg)
     name = args.model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint else args.preset)
     try:
         engine = Engine(cfg, params, ecfg)
@@ -132,7 +135,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     server = build_server(args)
     print(f"[serve] model {server.model_name!r}: {server.engine.n_slots} slots x {args.capacity} tokens, "
-          f"queue {args.max_queue}; http://{args.host}:{args.port}/v1", flush=True)
+          f"queue {args.max_queue}" + (f", mesh {args.mesh} layout {args.layout}" if args.mesh else "")
+          + f"; http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
 
 

@@ -17,6 +17,7 @@ import pytest
 import dsv41_jax as d
 from dsv41_jax import api
 from dsv41_jax.plan import build_plan, encoder_depth
+from dsv41_jax.pytree_paths import path_str
 from dsv41_jax.sampling import sample
 from dsv41_jax.serving import Engine, EngineConfig, Request, slots_for_budget
 from dsv41_jax.tiers import block_chain
@@ -281,3 +282,31 @@ def test_cancel_frees_a_live_slot_and_drops_a_queued_request(model, cold):
         eng.step()
     (r1,) = eng.drain()
     assert r1.id == ids[1] and r1.tokens == cold.tokens  # the survivor is unaffected
+
+
+def test_engine_on_a_mesh_decodes_and_reuses_prefixes_as_one_device(tmp_path):
+    """On 8 devices (tensor=2 x expert=4, tp_ep; every layer mode of tiny, float32, raw cache: nothing quantized
+    whose code a summation order could flip): the params and the slots' cache live on the mesh, the experts split
+    over `expert`, and two requests over two slots emit the one-device engine's tokens, cold and then from the
+    host tier (an exact restore of the prefix); a mesh that splits the sequences, and images, are refused first."""
+    from tests.configs import TINY5
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs --xla_force_host_platform_device_count=8 (set in conftest.py)")
+    cfg = TINY5.replace(quantize_cache=False)
+    assert cfg.dtype == "float32"
+    params = d.init_params(cfg, seed=0)
+    reqs = [Request(PROMPT, max_new_tokens=NEW), Request(PROMPT[:40], max_new_tokens=5, temperature=0.8, seed=2)]
+    want = [r.tokens for r in engine((cfg, params)).generate(reqs)]
+    eng = engine((cfg, params), cache_dir=str(tmp_path), mesh="tensor=2,expert=4")
+    for round_ in range(2):
+        out = eng.generate(reqs)
+        assert [r.tokens for r in out] == want, round_
+    assert out[0].metrics["prefix_path"] == "host_restore" and out[0].metrics["reused_tokens"] == 2 * PT
+    w1 = next(a for p, a in jax.tree_util.tree_leaves_with_path(eng.params.state) if path_str(p).endswith("ffn/w1"))
+    assert w1.sharding.spec[0] == "expert" and len(w1.sharding.device_set) == 8
+    assert all(len(a.sharding.device_set) == 8 for a in jax.tree.leaves(eng.cache))
+    with pytest.raises(ValueError, match="batch-1 row.*'data': 2"):
+        engine((cfg, params), mesh="data=2,expert=4")
+    with pytest.raises(ValueError, match="text prompts only"):
+        eng.validate(Request([1, 2], images=(object(),)))

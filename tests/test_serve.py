@@ -12,9 +12,11 @@ import re
 import time
 
 import httpx2 as httpx
+import jax
 import openai
 import pytest
 
+from dsv41_jax.pytree_paths import path_str
 from dsv41_jax.serving.text import TextStream, load_chat_template, render_chat
 from dsv41_jax.text_tokenizers import ByteTokenizer
 from experiments import decode, load_test, serve, serve_bench
@@ -265,13 +267,31 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
              (["--window-store", "mooncake://h", "--cache-dir", tmp_path],
               "error: --window-store 'mooncake://h': a Mooncake Store URL is mooncake://MASTER_HOST:RPC_PORT"),
              (["--cache-dir", tmp_path / "f.txt", "--port", "1"], f"error: --cache-dir {tmp_path / 'f.txt'}: not "
-                                                                   "writable (it is a file"))
+                                                                   "writable (it is a file"),
+             (["--mesh", "data=2,expert=4"], "error: engine settings (--mesh, --layout): the engine prefills each "
+                                             "request on its own batch-1 row, which layout tp_ep would split over "
+                                             "{'data': 2}"),
+             (["--mesh", "tensor=8"], "error: engine settings (--mesh, --layout): mesh axis tensor=8 does not divide "
+                                     "n_heads=4"))
     (tmp_path / "f.txt").write_text("x")
     for argv, message in cases:
         with pytest.raises(SystemExit) as e:
             serve.main([str(a) for a in argv])
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 1 and len(err) == 1 and err[0].startswith(message), err
+
+
+def test_mesh_flags_draw_the_weights_into_their_shards_and_place_the_engine():
+    """--mesh reaches the engine (experiments.decode --engine shares the code: engine_config, random_engine_params):
+    the random weights are drawn on the mesh, the experts split over `expert`, the slots' cache there too. That an
+    engine on a mesh emits one device's tokens: tests/test_engine.py."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs --xla_force_host_platform_device_count=8 (set in conftest.py)")
+    eng = serve.build_server(serve.parse_args(["--mesh", "tensor=2,expert=4", "--slots", "2", "--capacity", "64"])).engine
+    assert dict(eng.placement.mesh.shape) == {"tensor": 2, "expert": 4} and eng.placement.batch == 2
+    w1 = [a for p, a in jax.tree_util.tree_leaves_with_path(eng.params.state) if path_str(p).endswith("ffn/w1")]
+    assert w1 and all(a.sharding.spec[0] == "expert" and len(a.sharding.device_set) == 8 for a in w1)
+    assert all(len(a.sharding.device_set) == 8 for a in jax.tree.leaves(eng.cache))
 
 
 def test_serve_bench_reports_a_server_that_does_not_start(tmp_path):

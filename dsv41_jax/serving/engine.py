@@ -44,6 +44,12 @@ boundary is prefilled with `api.speculative_prefill`, which fills them, and the 
 filled (the rings of a slot start from that tail, so the first drafts after a long prompt see fewer
 tokens than `experiments.decode --speculative` gives them). Text prompts only.
 
+On a mesh (`EngineConfig.mesh`, e.g. "tensor=2,expert=4", and `layout`): the params are placed by the
+layout's rules (`sharding.shard_model`), the slots' cache and every prefill row live on the mesh, and each
+decode call and prefill chunk runs there (`api`'s `placement=`). A request is prefilled on a batch-1 row, so
+the layout must not split the sequences: meshes whose batch axes (`partitioning.batch_axes`; `data` in
+`tp_ep`) are 1, i.e. tensor and expert parallelism. Text requests, plain decoding.
+
 Images (`Request.images`, each a `dsv41_jax.images.PreparedImage`; the prompt holds one
 `image_token_id` placeholder per image): the prompt is expanded to its image spans, each image is
 encoded once per request, and every chunk (replay included) gets the rows of the spans that reach it,
@@ -64,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from dsv41_jax import api
+from dsv41_jax import api, partitioning, sharding
 from dsv41_jax.cache import Cache, cache_bytes, init_cache
 from dsv41_jax.compile_notice import compiling
 from dsv41_jax.config import ModelConfig
@@ -105,7 +111,22 @@ def plan_slots(cfg: ModelConfig, ecfg: EngineConfig) -> int:
     if ecfg.speculative and not cfg.has_dspark:
         raise ValueError("speculative='dspark' needs a model with DSpark draft stages (n_mtp_layers and "
                          "dspark_block_size > 0); this config has none")
+    if ecfg.mesh:
+        _check_engine_mesh(cfg, ecfg)
     return ecfg.slots or slots_for_budget(cfg, ecfg.capacity, ecfg.hbm_budget_bytes or 1 << 30)
+
+
+def _check_engine_mesh(cfg: ModelConfig, ecfg: EngineConfig) -> None:
+    """Refuse a mesh the engine cannot serve on (module docstring), saying what to change."""
+    sizes = partitioning.parse_mesh(ecfg.mesh)
+    split = {a: sizes[a] for a in partitioning.batch_axes(ecfg.layout) if sizes.get(a, 1) > 1}
+    if split:
+        raise partitioning.MeshError(
+            f"the engine prefills each request on its own batch-1 row, which layout {ecfg.layout} would split over "
+            f"{split}; serve on tensor and expert axes only (e.g. mesh 'tensor=2,expert=4' with layout tp_ep)")
+    if ecfg.speculative:
+        raise partitioning.MeshError("speculative decoding runs on one device: drop the mesh or speculative")
+    partitioning.check_mesh(cfg, sizes, layout=ecfg.layout)
 
 
 @dataclass
@@ -128,6 +149,8 @@ class EngineConfig:
     decode_chunk: int = 8  # decode steps per compiled call (api.generate); requests join between calls
     speculative: str | None = None  # "dspark": draft-verify decode steps (module docstring)
     progress: bool = True  # chunk bars and "compiling ..." notices on stderr
+    mesh: str | None = None  # "tensor=2,expert=4": run on a device mesh (module docstring); None: one device
+    layout: str = "tp_ep"  # the mesh's sharding rules (partitioning.LAYOUTS)
 
 
 @dataclass
@@ -191,10 +214,20 @@ def _carry(carried_b, tok_b, count_b, remain_b, toks, emitted, tok, count, remai
 class Engine:
     def __init__(self, cfg: ModelConfig, params, ecfg: EngineConfig | None = None):
         ecfg = EngineConfig() if ecfg is None else ecfg
-        # frozen: the engine passes its params to a jitted call per step chunk (api.freeze says why)
-        self.cfg, self.params, self.ecfg = cfg, api.freeze(params), ecfg
+        self.cfg, self.ecfg = cfg, ecfg
         self.n_slots = plan_slots(cfg, ecfg)
+        # where the slots' cache and a prefill row live (None: one device)
+        self.placement = self._row_placement = None
+        if ecfg.mesh:
+            mesh = partitioning.make_mesh(cfg, ecfg.mesh, layout=ecfg.layout)
+            model = sharding.shard_model(cfg, params, mesh, ecfg.layout, batch=self.n_slots)
+            params, self.placement = model.params, model.placement
+            self._row_placement = partitioning.place(cfg, params, mesh, ecfg.layout, batch=1)
+        # frozen: the engine passes its params to a jitted call per step chunk (api.freeze says why)
+        self.params = api.freeze(params)
         self.cache = init_cache(cfg, self.n_slots, ecfg.capacity)
+        if self.placement:
+            self.cache = self.placement.put_cache(self.cache)
         self.window = api.init_draft_window(cfg, self.n_slots) if ecfg.speculative else None
         self._window_row = None  # speculative: the draft rings the last prefill filled (batch 1)
         self._empty_row = rows.to_host(rows.take_row(self.cache, 0))
@@ -225,6 +258,9 @@ class Engine:
             raise ValueError(f"prompt has ids outside [0, {v}): min {p.min()}, max {p.max()}")
         spans = []
         if req.images:
+            if self.ecfg.mesh:
+                raise ValueError("an engine on a mesh takes text prompts only; run requests with images on an engine "
+                                 "without a mesh")
             if not self.cfg.vision_n_layers:
                 raise ValueError("this model has no vision tower (vision_n_layers == 0): it cannot take images")
             p, spans = expand_prompt(p, list(req.images), self.cfg)
@@ -338,11 +374,13 @@ class Engine:
             tok, count, remain = _carry(carried, tok, count, remain, prev.toks, prev.emitted, prev.tok, prev.count,
                                         prev.remain)
         b = self.n_slots
-        with compiling(("decode", self.cfg, b, n, stops.shape[1], self.ecfg.capacity, self.ecfg.kernels),
+        with compiling(("decode", self.cfg, b, n, stops.shape[1], self.ecfg.capacity, self.ecfg.kernels,
+                        self.placement),
                        f"decode [B={b}, capacity={self.ecfg.capacity}, {n} steps per call]", self.ecfg.progress):
             toks, emitted, self.cache = api.generate(self.cfg, self.params, self.cache, tok, n, temperature_b=temp,
                                                      seed_b=seed, step_b=count, budget_b=jnp.minimum(remain, n),
-                                                     stop_ids_bs=stops, kernels=self.ecfg.kernels, validate=False)
+                                                     stop_ids_bs=stops, kernels=self.ecfg.kernels, validate=False,
+                                                     placement=self.placement)
         return _Call(toks, emitted, *(jnp.asarray(a) for a in (tok, count, remain)), dict(self.live))
 
     def _collect(self, call: _Call) -> None:
@@ -407,9 +445,11 @@ class Engine:
         if not n_chunks:
             return logits, row
         chunks = api.prefill_chunks(self.cfg, self.params, row, ids[None], lo, hi, cw, layers=layers,
-                                    kernels=self.ecfg.kernels, images=[list(enc)] if enc else None)
+                                    kernels=self.ecfg.kernels, images=[list(enc)] if enc else None,
+                                    placement=self._row_placement)
         part = "" if layers in (None, self.cfg.n_layers) else f", layers 0-{layers - 1}"
-        with compiling(("prefill", self.cfg, cw, self.ecfg.capacity, layers, self.ecfg.kernels, bool(enc)),
+        with compiling(("prefill", self.cfg, cw, self.ecfg.capacity, layers, self.ecfg.kernels, bool(enc),
+                        self._row_placement),
                        f"prefill [B=1, T={cw}{part}{', images' if enc else ''}]", self.ecfg.progress):
             _, _, logits, row = next(chunks)
         # the bar starts after the compile, so its rate and ETA are the chunks'
@@ -444,7 +484,8 @@ class Engine:
 
             row, start, exact = self.prefix.restore(ids, keys, m, replay, enc)
         if row is None:
-            row = jax.device_put(self._empty_row)
+            row = (self._row_placement.put_cache(self._empty_row) if self._row_placement
+                   else jax.device_put(self._empty_row))
         m["reused_tokens"] = start
         mid = self._decoder_start(start, split)
         _, row = self._chunks(row, ids, start, mid, "prefill", layers=self.encoder_depth, enc=enc)
