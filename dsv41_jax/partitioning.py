@@ -309,6 +309,17 @@ class Placement:
                               self.rows)
 
 
+def place_row(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp_ep") -> Placement:
+    """The placement of one sequence (the serving engine's prefill row) on `mesh`: as `place`'s, but its
+    cache and rows replicated over the layout's sequence axes, which one sequence cannot be split over (the
+    routed experts still split its tokens, `expert_parallel.routed`)."""
+    _rules(layout)
+    check_mesh(cfg, dict(mesh.shape), None, mesh.size, layout)
+    abstract_cache = jax.eval_shape(lambda: init_cache(cfg, 1, 1))
+    return Placement(mesh, layout, 1, param_shardings(params, mesh, layout),
+                     cache_shardings(abstract_cache, mesh, layout), NamedSharding(mesh, P(None)))
+
+
 def place(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp_ep", *, batch: int) -> Placement:
     """The shardings of `params` (abstract or real) and of `cfg`'s caches for `batch` sequences on
     `mesh` by the layout's rules; a bad layout or mesh is refused first."""

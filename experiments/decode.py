@@ -25,6 +25,7 @@ temperature 0). Random draft weights accept almost nothing: trained ones come fr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -669,6 +670,7 @@ def collapse_spans(ids: np.ndarray, spans) -> np.ndarray:
 def engine_config(args, cfg, capacity: int, n_requests: int):
     """The EngineConfig of the flags; refused (before any weights exist) when the engine could not use it."""
     from dsv41_jax.serving import EngineConfig, plan_slots
+    from dsv41_jax.serving.engine import slot_split
 
     budget = int(args.hbm_budget_gb * 2**30) if args.hbm_budget_gb else None
     ecfg = EngineConfig(slots=args.slots or (None if budget else n_requests), hbm_budget_bytes=budget,
@@ -682,22 +684,27 @@ def engine_config(args, cfg, capacity: int, n_requests: int):
     from dsv41_jax.partitioning import MeshError
 
     try:
+        if args.mesh and not (args.slots or budget):  # the requests' slots, rounded up to fill the mesh's split
+            split = slot_split(cfg, ecfg)
+            ecfg = dataclasses.replace(ecfg, slots=-(-n_requests // split) * split)
         plan_slots(cfg, ecfg)
     except ValueError as e:
-        flags = "--mesh, --layout" if isinstance(e, MeshError) else "--page-tokens, --slots, --hbm-budget-gb, --capacity"
+        flags = ("--mesh, --layout, --slots" if isinstance(e, MeshError) else
+                 "--page-tokens, --slots, --hbm-budget-gb, --capacity")
         raise _cli.UserError(f"engine settings ({flags}): {e}") from None
     return ecfg
 
 
-def random_engine_params(args, cfg):
-    """A --preset's random weights (--seed) for the serving engine: on one device, or with --mesh drawn straight
-    into their shards (`sharding.init_model`: no device holds the whole model; the engine's rows are batch 1)."""
+def random_engine_params(args, cfg, ecfg):
+    """A --preset's random weights (--seed) for the engine of `ecfg`: on one device, or with --mesh drawn straight
+    into their shards (`sharding.init_model`: no device holds the whole model)."""
     if not args.mesh:
         return d.init_params(cfg, seed=args.seed)
     from dsv41_jax import partitioning, sharding
+    from dsv41_jax.serving import plan_slots
 
     mesh = partitioning.make_mesh(cfg, args.mesh, layout=args.layout)
-    return sharding.init_model(cfg, mesh, args.layout, batch=1, seed=args.seed).params
+    return sharding.init_model(cfg, mesh, args.layout, batch=plan_slots(cfg, ecfg), seed=args.seed).params
 
 
 def serve(args, cfg, params, tok, prompts: list[np.ndarray], ecfg, spans=None) -> dict:
@@ -707,7 +714,7 @@ def serve(args, cfg, params, tok, prompts: list[np.ndarray], ecfg, spans=None) -
     from dsv41_jax.serving import Engine, Request
 
     if params is None:
-        params = random_engine_params(args, cfg)
+        params = random_engine_params(args, cfg, ecfg)
     spans = spans or [[] for _ in prompts]
     prompts = [collapse_spans(p, s) for p, s in zip(prompts, spans)]
     reqs = [Request(p[: max(1, p.size - i)], max_new_tokens=args.max_new_tokens, temperature=args.temperature,

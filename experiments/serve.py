@@ -68,8 +68,9 @@ def parse_args(argv=None):
     eng.add_argument("--no-bounded-replay", "--no-replay", dest="no_replay", action="store_true",
                      help="on a disk hit without window state recompute the whole prompt (exact, slower)")
     eng.add_argument("--no-bounded-prefill", action="store_true", help="run every layer on every prompt token")
-    ap.add_argument("--mesh", help="serve on a device mesh of tensor / expert axes, e.g. tensor=2,expert=4 (product = "
-                    "device count; each request is prefilled on its own row, so no axis may split the sequences)")
+    ap.add_argument("--mesh", help="serve on a device mesh, axis=size pairs over data/tensor/expert, e.g. "
+                    "data=2,expert=4 --layout dp_ep (product = device count; the layout's sequence axes must divide "
+                    "--slots)")
     ap.add_argument("--layout", default="tp_ep", choices=["tp_ep", "dp", "dp_ep"], help="sharding rules for --mesh")
     # decode's model_config / load_weights / check_memory also serve its --run, which this CLI lacks
     ap.set_defaults(run=None)
@@ -117,7 +118,7 @@ def build_server(args):
     check_memory(args, cfg, 0, args.capacity)  # the engine sizes its cache to the memory left
     cfg, params = load_weights(args, cfg)
     if params is None:
-        params = random_engine_params(args, cfg)
+        params = random_engine_params(args, cfg, ecfg)
     name = args.model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint else args.preset)
     try:
         engine = Engine(cfg, params, ecfg)

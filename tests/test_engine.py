@@ -285,10 +285,11 @@ def test_cancel_frees_a_live_slot_and_drops_a_queued_request(model, cold):
 
 
 def test_engine_on_a_mesh_decodes_and_reuses_prefixes_as_one_device(tmp_path):
-    """On 8 devices (tensor=2 x expert=4, tp_ep; every layer mode of tiny, float32, raw cache: nothing quantized
-    whose code a summation order could flip): the params and the slots' cache live on the mesh, the experts split
-    over `expert`, and two requests over two slots emit the one-device engine's tokens, cold and then from the
-    host tier (an exact restore of the prefix); a mesh that splits the sequences, and images, are refused first."""
+    """On 8 devices in the DeepSeek serving layout (data=2 x expert=4, dp_ep: slots split over both axes, experts
+    over `expert`; every layer mode of tiny, float32, raw cache: nothing quantized whose code a summation order
+    could flip): the params and the slots' cache live on the mesh, and two requests emit the one-device engine's
+    tokens, cold (each prefilled on a batch-1 row replicated over the mesh) and from the host tier (an exact
+    restore of the prefix); slots the mesh does not divide, and images, are refused first."""
     from tests.configs import TINY5
 
     if len(jax.devices()) < 8:
@@ -298,15 +299,17 @@ def test_engine_on_a_mesh_decodes_and_reuses_prefixes_as_one_device(tmp_path):
     params = d.init_params(cfg, seed=0)
     reqs = [Request(PROMPT, max_new_tokens=NEW), Request(PROMPT[:40], max_new_tokens=5, temperature=0.8, seed=2)]
     want = [r.tokens for r in engine((cfg, params)).generate(reqs)]
-    eng = engine((cfg, params), cache_dir=str(tmp_path), mesh="tensor=2,expert=4")
+    mesh = dict(mesh="data=2,expert=4", layout="dp_ep")
+    eng = Engine(cfg, params, EngineConfig(slots=8, capacity=CAP, prefill_chunk=CHUNK, page_tokens=PT,
+                                           cache_dir=str(tmp_path), progress=False, **mesh))
     for round_ in range(2):
         out = eng.generate(reqs)
         assert [r.tokens for r in out] == want, round_
     assert out[0].metrics["prefix_path"] == "host_restore" and out[0].metrics["reused_tokens"] == 2 * PT
     w1 = next(a for p, a in jax.tree_util.tree_leaves_with_path(eng.params.state) if path_str(p).endswith("ffn/w1"))
     assert w1.sharding.spec[0] == "expert" and len(w1.sharding.device_set) == 8
-    assert all(len(a.sharding.device_set) == 8 for a in jax.tree.leaves(eng.cache))
-    with pytest.raises(ValueError, match="batch-1 row.*'data': 2"):
-        engine((cfg, params), mesh="data=2,expert=4")
+    assert eng.cache.lengths.sharding.spec == jax.sharding.PartitionSpec(("data", "expert"))
+    with pytest.raises(ValueError, match="slots=2: layout dp_ep splits the slots over 8 devices"):
+        engine((cfg, params), **mesh)  # 2 slots
     with pytest.raises(ValueError, match="text prompts only"):
         eng.validate(Request([1, 2], images=(object(),)))

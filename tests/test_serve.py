@@ -268,11 +268,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
               "error: --window-store 'mooncake://h': a Mooncake Store URL is mooncake://MASTER_HOST:RPC_PORT"),
              (["--cache-dir", tmp_path / "f.txt", "--port", "1"], f"error: --cache-dir {tmp_path / 'f.txt'}: not "
                                                                    "writable (it is a file"),
-             (["--mesh", "data=2,expert=4"], "error: engine settings (--mesh, --layout): the engine prefills each "
-                                             "request on its own batch-1 row, which layout tp_ep would split over "
-                                             "{'data': 2}"),
-             (["--mesh", "tensor=8"], "error: engine settings (--mesh, --layout): mesh axis tensor=8 does not divide "
-                                     "n_heads=4"))
+             (["--mesh", "data=2,expert=4", "--layout", "dp_ep"], "error: engine settings (--mesh, --layout, --slots): "
+              "slots=4: layout dp_ep splits the slots over 8 devices of mesh data=2,expert=4; use a multiple of 8"),
+             (["--mesh", "tensor=8"], "error: engine settings (--mesh, --layout, --slots): mesh axis tensor=8 does not "
+                                     "divide n_heads=4"))
     (tmp_path / "f.txt").write_text("x")
     for argv, message in cases:
         with pytest.raises(SystemExit) as e:
@@ -289,6 +288,8 @@ def test_mesh_flags_draw_the_weights_into_their_shards_and_place_the_engine():
         pytest.skip("needs --xla_force_host_platform_device_count=8 (set in conftest.py)")
     eng = serve.build_server(serve.parse_args(["--mesh", "tensor=2,expert=4", "--slots", "2", "--capacity", "64"])).engine
     assert dict(eng.placement.mesh.shape) == {"tensor": 2, "expert": 4} and eng.placement.batch == 2
+    args = decode.parse_args(["--engine", "--mesh", "data=2,expert=4", "--layout", "dp_ep", "--batch", "3"])
+    assert decode.engine_config(args, decode.model_config(args), 64, 3).slots == 8  # the requests' 3, filled up
     w1 = [a for p, a in jax.tree_util.tree_leaves_with_path(eng.params.state) if path_str(p).endswith("ffn/w1")]
     assert w1 and all(a.sharding.spec[0] == "expert" and len(a.sharding.device_set) == 8 for a in w1)
     assert all(len(a.sharding.device_set) == 8 for a in jax.tree.leaves(eng.cache))

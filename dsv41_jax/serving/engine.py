@@ -44,11 +44,12 @@ boundary is prefilled with `api.speculative_prefill`, which fills them, and the 
 filled (the rings of a slot start from that tail, so the first drafts after a long prompt see fewer
 tokens than `experiments.decode --speculative` gives them). Text prompts only.
 
-On a mesh (`EngineConfig.mesh`, e.g. "tensor=2,expert=4", and `layout`): the params are placed by the
-layout's rules (`sharding.shard_model`), the slots' cache and every prefill row live on the mesh, and each
-decode call and prefill chunk runs there (`api`'s `placement=`). A request is prefilled on a batch-1 row, so
-the layout must not split the sequences: meshes whose batch axes (`partitioning.batch_axes`; `data` in
-`tp_ep`) are 1, i.e. tensor and expert parallelism. Text requests, plain decoding.
+On a mesh (`EngineConfig.mesh`, e.g. "data=2,expert=4", and `layout`): the params are placed by the layout's
+rules (`sharding.shard_model`), the slots' cache is split over the layout's sequence axes (so they must divide
+the slot count), and each decode call runs there (`api`'s `placement=`). A request is prefilled on its own
+batch-1 row, which no axis can split: the row lives on the mesh replicated over the sequence axes
+(`partitioning.place_row`; the routed experts still split its tokens), and `put_row` moves it into its slot's
+shard. Text requests, plain decoding.
 
 Images (`Request.images`, each a `dsv41_jax.images.PreparedImage`; the prompt holds one
 `image_token_id` placeholder per image): the prompt is expanded to its image spans, each image is
@@ -111,28 +112,28 @@ def plan_slots(cfg: ModelConfig, ecfg: EngineConfig) -> int:
     if ecfg.speculative and not cfg.has_dspark:
         raise ValueError("speculative='dspark' needs a model with DSpark draft stages (n_mtp_layers and "
                          "dspark_block_size > 0); this config has none")
-    if ecfg.mesh:
-        _check_engine_mesh(cfg, ecfg)
-    return ecfg.slots or slots_for_budget(cfg, ecfg.capacity, ecfg.hbm_budget_bytes or 1 << 30)
+    split = slot_split(cfg, ecfg) if ecfg.mesh else 1
+    n = ecfg.slots or split * slots_for_budget(cfg, ecfg.capacity, ecfg.hbm_budget_bytes or 1 << 30)
+    if n % split:
+        raise partitioning.MeshError(f"slots={n}: layout {ecfg.layout} splits the slots over {split} devices of "
+                                     f"mesh {ecfg.mesh}; use a multiple of {split} slots")
+    return n
 
 
-def _check_engine_mesh(cfg: ModelConfig, ecfg: EngineConfig) -> None:
-    """Refuse a mesh the engine cannot serve on (module docstring), saying what to change."""
-    sizes = partitioning.parse_mesh(ecfg.mesh)
-    split = {a: sizes[a] for a in partitioning.batch_axes(ecfg.layout) if sizes.get(a, 1) > 1}
-    if split:
-        raise partitioning.MeshError(
-            f"the engine prefills each request on its own batch-1 row, which layout {ecfg.layout} would split over "
-            f"{split}; serve on tensor and expert axes only (e.g. mesh 'tensor=2,expert=4' with layout tp_ep)")
+def slot_split(cfg: ModelConfig, ecfg: EngineConfig) -> int:
+    """Over how many devices the mesh splits the slots (the layout's sequence axes); MeshError for a mesh the
+    engine cannot serve on, saying what to change. With a budget, hbm_budget_bytes is per device."""
     if ecfg.speculative:
         raise partitioning.MeshError("speculative decoding runs on one device: drop the mesh or speculative")
+    sizes = partitioning.parse_mesh(ecfg.mesh)
     partitioning.check_mesh(cfg, sizes, layout=ecfg.layout)
+    return math.prod(sizes.get(a, 1) for a in partitioning.batch_axes(ecfg.layout))
 
 
 @dataclass
 class EngineConfig:
     slots: int | None = None  # None: from hbm_budget_bytes
-    hbm_budget_bytes: int | None = None
+    hbm_budget_bytes: int | None = None  # per device (on a mesh: per device of the slots' split)
     capacity: int = 512  # tokens per slot (prompt + generated)
     prefill_chunk: int = 256
     page_tokens: int = 64  # a multiple of every compression ratio
@@ -149,7 +150,7 @@ class EngineConfig:
     decode_chunk: int = 8  # decode steps per compiled call (api.generate); requests join between calls
     speculative: str | None = None  # "dspark": draft-verify decode steps (module docstring)
     progress: bool = True  # chunk bars and "compiling ..." notices on stderr
-    mesh: str | None = None  # "tensor=2,expert=4": run on a device mesh (module docstring); None: one device
+    mesh: str | None = None  # "data=2,expert=4": run on a device mesh (module docstring); None: one device
     layout: str = "tp_ep"  # the mesh's sharding rules (partitioning.LAYOUTS)
 
 
@@ -222,7 +223,7 @@ class Engine:
             mesh = partitioning.make_mesh(cfg, ecfg.mesh, layout=ecfg.layout)
             model = sharding.shard_model(cfg, params, mesh, ecfg.layout, batch=self.n_slots)
             params, self.placement = model.params, model.placement
-            self._row_placement = partitioning.place(cfg, params, mesh, ecfg.layout, batch=1)
+            self._row_placement = partitioning.place_row(cfg, params, mesh, ecfg.layout)
         # frozen: the engine passes its params to a jitted call per step chunk (api.freeze says why)
         self.params = api.freeze(params)
         self.cache = init_cache(cfg, self.n_slots, ecfg.capacity)

@@ -1,4 +1,5 @@
-"""Issue 15 on a 2-H200 host: PYTHONPATH=. python3 -m experiments.device_runs.issue15_two_gpus [bench|equal|extra]; logs and JSON under $OUT.
+"""Issue 15 on a 2-H200 host: PYTHONPATH=. python3 -m experiments.device_runs.issue15_two_gpus [bench|equal|extra|small|engine];
+logs and JSON under $OUT.
 
 Three runs of < 5 min each (parts in priority order, each in its own process with a timeout; a failed
 part is reported and the next one runs; the table comes last):
@@ -12,7 +13,10 @@ part is reported and the next one runs; the table comes last):
   extra: the 1-GPU rows again, then dp_ep with the routed experts in one kernel call of 768 rows
          (kernels.WEIGHT_KERNEL_ROWS raised to 1024), dp_ep with the dense all-to-all transport, dp data=2.
   small: `small` at 2K context: 1 GPU batch 16; 2 GPUs dp_ep batch 16 and 32 (profiled); tp_ep batch 16.
-Dry run of `equal` on CPU: I15_PRESET=tiny JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2
+  engine: the serving engine (float32 `small` as in `equal`, 8 requests over 4 slots, 16 tokens each) on 1 GPU
+         vs on the mesh (dp_ep expert=2, tp_ep expert=2, dp data=2): tokens equal, and the wall time of a
+         second round (compiled) with its tokens/s.
+Dry run of `equal` / `engine` on CPU: I15_PRESET=tiny JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2
 """
 
 import json
@@ -68,6 +72,47 @@ def equal_mode():
             f.write(json.dumps(row) + "\n")
 
 
+def engine_mode():
+    import jax
+    import numpy as np
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    import dsv41_jax as d
+    from dsv41_jax.serving import Engine, EngineConfig, Request
+
+    cfg = d.preset(os.environ.get("I15_PRESET", "small"), dtype="float32", param_dtype="float32", quantize_cache=False,
+                   sinkhorn_unroll="rolled")
+    params = d.init_params(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    reqs = [Request(rng.integers(0, cfg.vocab_size, int(n)), max_new_tokens=16) for n in rng.integers(20, 120, 8)]
+
+    def served(**mesh):
+        eng = Engine(cfg, params, EngineConfig(slots=4, capacity=256, prefill_chunk=64, progress=False, **mesh))
+        eng.generate(reqs)  # compiles
+        t = time.time()
+        out = eng.generate(reqs)
+        return [r.tokens for r in out], time.time() - t
+
+    want, s = served()
+    rows = [dict(layout="one GPU", mesh="-", tokens_equal=True, seconds=s)]
+    for layout, mesh in (("dp_ep", "expert=2"), ("tp_ep", "expert=2"), ("dp", "data=2")):
+        if time.time() - T0 > BUDGET_S - 30:
+            rows.append(dict(layout=layout, mesh=mesh, error="skipped, out of time"))
+            continue
+        try:
+            toks, s = served(mesh=mesh, layout=layout)
+            rows.append(dict(layout=layout, mesh=mesh, tokens_equal=toks == want, seconds=s,
+                             first_diverging_request=next((i for i, (a, b) in enumerate(zip(toks, want)) if a != b), None)))
+        except Exception as e:  # noqa: BLE001 -- report and go on with the next layout
+            rows.append(dict(layout=layout, mesh=mesh, error=f"{type(e).__name__}: {e}"[:300]))
+        print(json.dumps(rows[-1]), flush=True)
+    n_tokens = sum(len(t) for t in want)
+    for r in rows:
+        r["tokens_per_s"] = n_tokens / r["seconds"] if "seconds" in r else None
+        with open(os.path.join(OUT, "engine.jsonl"), "a") as f:
+            f.write(json.dumps(r) + "\n")
+
+
 def part(name: str, argv: list[str], timeout: int, env: dict | None = None) -> None:
     left = BUDGET_S - (time.time() - T0)
     if left < 30:
@@ -103,6 +148,20 @@ def table():
         else:
             print(f"| {r['layout']} | {r['mesh']} | {r['rel_logit_err']:.2e} | {r['tokens_equal']} | "
                   f"{r['first_diverging_step']} | {r['seconds']:.0f} |")
+    try:
+        rows = [json.loads(line) for line in open(os.path.join(OUT, "engine.jsonl"))]
+    except OSError:
+        rows = []
+    if rows:
+        print("\n## the serving engine, float32 `small`, 8 requests over 4 slots, 16 tokens each (vs 1 GPU)")
+        print("| layout | mesh | tokens equal | first diverging request | second round s | tokens/s |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            if "error" in r:
+                print(f"| {r['layout']} | {r['mesh']} | error: {r['error'][:80]} | | | |")
+            else:
+                print(f"| {r['layout']} | {r['mesh']} | {r['tokens_equal']} | {r.get('first_diverging_request')} | "
+                      f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f} |")
     one = {(r["preset"], r["batch"]): r for name in ("one_b64", "one_b8", "small_one") for r in load(name)}
     print("\n## decode in api.generate chunks (vs 1 GPU at the same batch per GPU: weak scaling)")
     print("| run | preset | batch/GPU | ms/step | tokens/s | vs 1 GPU | comm us/step/GPU | comm/busy | comm/step |")
@@ -124,6 +183,8 @@ def main():
     mode = sys.argv[1] if len(sys.argv) > 1 else "bench"
     if mode == "equal-child":
         return equal_mode()
+    if mode == "engine-child":
+        return engine_mode()
     one = lambda b, t: part(f"one_b{b}", BENCH + ["--batch", str(b), "--out", f"{OUT}/one_b{b}.json"], t,
                             {"CUDA_VISIBLE_DEVICES": "0"})
     ep = lambda b, t: part(f"dp_ep_b{b}", BENCH + ["--mesh", "expert=2", "--layout", "dp_ep", "--batch", str(b),
@@ -136,6 +197,8 @@ def main():
         ep(16, 60)
     elif mode == "equal":
         part("equal", [__file__, "equal-child"], BUDGET_S)
+    elif mode == "engine":
+        part("engine", [__file__, "engine-child"], BUDGET_S)
     elif mode == "extra":
         one(64, 70)
         part("dp_ep_rows1024", with_setting("import dsv41_jax.kernels as K; K.WEIGHT_KERNEL_ROWS = 1024",
@@ -151,7 +214,7 @@ def main():
         part("small_tp_ep", small + ["--mesh", "expert=2", "--layout", "tp_ep", "--batch", "16", "--out",
                                      f"{OUT}/small_tp_ep.json"], 70)
     else:
-        raise SystemExit(f"usage: {sys.argv[0]} [bench|equal|extra|small]")
+        raise SystemExit(f"usage: {sys.argv[0]} [bench|equal|extra|small|engine]")
     print(f"total {time.time() - T0:.0f} s")
     table()
 
