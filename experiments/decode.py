@@ -146,8 +146,9 @@ def parse_args(argv=None):
         ap.error("--prefill-chunk must be >= 1")
     if args.engram_on_host and not args.checkpoint:
         ap.error("--engram-on-host applies to --checkpoint (presets have random in-memory tables)")
-    if args.image and (args.batch > 1 or args.mesh):
-        ap.error("--image runs one sequence on one device: drop --batch / --mesh (several requests: --engine)")
+    if args.image and (args.batch > 1 or (args.mesh and not args.engine)):
+        ap.error("--image runs one sequence, and on a mesh only through the engine: drop --batch (several requests: "
+                 "--engine --prompt-ids), with --mesh add --engine")
     if args.speculative and args.mesh:
         ap.error("--speculative runs on one device: drop --mesh")
     if args.run and args.checkpoint:

@@ -289,7 +289,8 @@ def test_engine_on_a_mesh_decodes_and_reuses_prefixes_as_one_device(tmp_path):
     over `expert`; every layer mode of tiny, float32, raw cache: nothing quantized whose code a summation order
     could flip): the params and the slots' cache live on the mesh, and two requests emit the one-device engine's
     tokens, cold (each prefilled on a batch-1 row replicated over the mesh) and from the host tier (an exact
-    restore of the prefix); slots the mesh does not divide, and images, are refused first."""
+    restore of the prefix); slots the mesh does not divide are refused first. (Images on a mesh:
+    tests/test_vision.py.)"""
     from tests.configs import TINY5
 
     if len(jax.devices()) < 8:
@@ -311,5 +312,3 @@ def test_engine_on_a_mesh_decodes_and_reuses_prefixes_as_one_device(tmp_path):
     assert eng.cache.lengths.sharding.spec == jax.sharding.PartitionSpec(("data", "expert"))
     with pytest.raises(ValueError, match="slots=2: layout dp_ep splits the slots over 8 devices"):
         engine((cfg, params), **mesh)  # 2 slots
-    with pytest.raises(ValueError, match="text prompts only"):
-        eng.validate(Request([1, 2], images=(object(),)))

@@ -217,6 +217,33 @@ def test_engine_never_shares_pages_between_different_images(ckpt, tmp_path):
     assert "2 image placeholder(s)" in bad.error and "1 image(s)" in bad.error
 
 
+def test_engine_on_a_mesh_takes_images(ckpt):
+    """On 8 devices (data=2 x expert=4, dp_ep): a request with an image and one without emit the one-device
+    engine's tokens, and the first logits agree to float rounding (the image's tower runs on the mesh's params,
+    its prefill row replicated over the mesh)."""
+    import jax
+
+    from dsv41_jax.serving import Engine, EngineConfig, Request
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs --xla_force_host_platform_device_count=8 (set in conftest.py)")
+    cfg, params = _model(ckpt, quant=False)
+    rng = np.random.default_rng(3)
+    img = prepare_image(Image.fromarray(rng.integers(0, 256, (84, 84, 3), dtype=np.uint8)), cfg)
+    prompt = [1, 40, cfg.image_token_id] + rng.integers(3, 250, 40).tolist()
+    reqs = [Request(prompt, max_new_tokens=6, images=(img,)), Request(prompt[:1] + prompt[3:], max_new_tokens=6)]
+
+    def run(**mesh):
+        return Engine(cfg, params, EngineConfig(slots=8, capacity=96, prefill_chunk=64, page_tokens=16, progress=False,
+                                                decode_chunk=4, **mesh)).generate(reqs)
+
+    want, got = run(), run(mesh="data=2,expert=4", layout="dp_ep")
+    assert [r.error for r in got] == [None, None] and got[0].metrics["image_tokens"] == img.n_tokens
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    for a, b in zip(got, want):
+        assert np.abs(a.first_logits - b.first_logits).max() <= 1e-5 * np.abs(b.first_logits).max()
+
+
 @pytest.mark.parametrize("case", ["unreadable", "too small", "aspect ratio", "placeholders"])
 def test_decode_refuses_bad_images_before_building_the_model(case, tmp_path, capsys, monkeypatch):
     from experiments import decode

@@ -49,7 +49,7 @@ rules (`sharding.shard_model`), the slots' cache is split over the layout's sequ
 the slot count), and each decode call runs there (`api`'s `placement=`). A request is prefilled on its own
 batch-1 row, which no axis can split: the row lives on the mesh replicated over the sequence axes
 (`partitioning.place_row`; the routed experts still split its tokens), and `put_row` moves it into its slot's
-shard. Text requests, plain decoding.
+shard. Images too (their tower runs on the mesh's params); plain decoding only (no `speculative`).
 
 Images (`Request.images`, each a `dsv41_jax.images.PreparedImage`; the prompt holds one
 `image_token_id` placeholder per image): the prompt is expanded to its image spans, each image is
@@ -259,9 +259,6 @@ class Engine:
             raise ValueError(f"prompt has ids outside [0, {v}): min {p.min()}, max {p.max()}")
         spans = []
         if req.images:
-            if self.ecfg.mesh:
-                raise ValueError("an engine on a mesh takes text prompts only; run requests with images on an engine "
-                                 "without a mesh")
             if not self.cfg.vision_n_layers:
                 raise ValueError("this model has no vision tower (vision_n_layers == 0): it cannot take images")
             p, spans = expand_prompt(p, list(req.images), self.cfg)
