@@ -133,13 +133,17 @@ _forward_donating = _jit(forward, static_argnames=_STATIC, donate_argnames=("cac
 
 
 @lru_cache(maxsize=32)
-def _jit_on_mesh(fn, static_argnames: tuple, donate: bool, placement: Placement, n_rows: int):
+def _jit_on_mesh(fn, static_argnames: tuple, donate: tuple, placement: Placement, n_rows: int,
+                 draft_cfg: ModelConfig | None = None):
     """`fn` jitted to run on `placement`'s mesh: its first n_rows outputs split like the sequences, the
-    last one (the cache) as the placement puts caches. The placement is active while it runs: the routed
-    experts read its mesh and sequence split (moe.py, expert_parallel.py)."""
+    next one (the cache) as the placement puts caches, and with `draft_cfg` a last one, that config's DSpark
+    draft rings (`Placement.window_shardings`). donate: argument names. The placement is active while it
+    runs: the routed experts read its mesh and sequence split (moe.py, expert_parallel.py)."""
+    window = () if draft_cfg is None else (placement.window_shardings(
+        jax.eval_shape(lambda: dspark.init_draft_window(draft_cfg, placement.batch))),)
     # XLA's default command-buffer order here: CONCURRENT (compile_options) was measured and checked on one GPU only
-    jitted = jax.jit(fn, static_argnames=static_argnames, donate_argnames=("cache",) if donate else (),
-                     out_shardings=(*(placement.rows,) * n_rows, placement.cache))
+    jitted = jax.jit(fn, static_argnames=static_argnames, donate_argnames=donate,
+                     out_shardings=(*(placement.rows,) * n_rows, placement.cache, *window))
 
     def run(*args, **kwargs):
         with placement.active():
@@ -150,7 +154,7 @@ def _jit_on_mesh(fn, static_argnames: tuple, donate: bool, placement: Placement,
 
 def _run(donate: bool, placement: Placement | None):
     if placement is not None:
-        return _jit_on_mesh(forward, _STATIC, donate, placement, 1)
+        return _jit_on_mesh(forward, _STATIC, ("cache",) if donate else (), placement, 1)
     return _forward_donating if donate else _forward_jit
 
 
@@ -417,7 +421,7 @@ def generate(cfg: ModelConfig, params, cache: Cache, tokens_b, n_steps: int, *, 
     if stop.ndim != 2 or stop.shape[0] != b:
         raise ValueError(f"stop_ids_bs must be [{b}, S] (-1 padded), got shape {stop.shape}")
     cache, tokens_b = _onto(placement, cache, tokens_b)
-    run = _generate_jit if placement is None else _jit_on_mesh(_generate, _GENERATE_STATIC, True, placement, 2)
+    run = _generate_jit if placement is None else _jit_on_mesh(_generate, _GENERATE_STATIC, ("cache",), placement, 2)
     return run(cfg, params, cache, tokens_b.astype(jnp.int32), _per_seq(temperature_b, b, "float32"),
                _per_seq(seed_b, b, "uint32"), _per_seq(step_b, b, "int32"), budget, stop, n_steps=n_steps,
                kernels=resolve(kernels))
@@ -444,16 +448,29 @@ def _speculative_prefill(cfg: ModelConfig, params, cache, window, tokens_bt, n_n
     return logits, new_cache, window
 
 
-_speculative_prefill_jit = _jit(_speculative_prefill, static_argnames=("cfg", "kernels"),
+_SPECULATIVE_PREFILL_STATIC = ("cfg", "kernels")
+_speculative_prefill_jit = _jit(_speculative_prefill, static_argnames=_SPECULATIVE_PREFILL_STATIC,
                                 donate_argnames=("cache", "window"))
 
 
+def _speculative_on(placement: Placement | None, cfg: ModelConfig, fn, jitted, static: tuple, n_rows: int,
+                    cache: Cache, window: dict, *rows):
+    """(the program to call, cache, window, *rows): `jitted` as it is without a placement; on one, `fn` compiled
+    for its mesh (outputs: n_rows rows, cache, window) and the inputs put there."""
+    if placement is None:
+        return (jitted, cache, window, *rows)
+    cache, *rows = _onto(placement, cache, *rows)
+    return (_jit_on_mesh(fn, static, ("cache", "window"), placement, n_rows, cfg), cache,
+            placement.put_window(window), *rows)
+
+
 def speculative_prefill(cfg: ModelConfig, params, cache: Cache, window: dict, tokens_bt, lengths_b, *,
-                        kernels: str = "jnp"):
+                        kernels: str = "jnp", placement: Placement | None = None):
     """`prefill` that also fills the DSpark draft rings from the target's hidden streams (one forward).
 
     Same inputs as `prefill` plus `window` (from `init_draft_window`, or the previous call's); returns
     (logits f32 [B, V] at each prompt's last token, cache, window). Cache and window are donated.
+    placement: run on a mesh (module docstring), the rings split like the cache's window.
     """
     _check_dspark(cfg)
     tokens_bt = jnp.asarray(tokens_bt)
@@ -466,8 +483,11 @@ def speculative_prefill(cfg: ModelConfig, params, cache: Cache, window: dict, to
     if _concrete(lengths_b) and ((np.asarray(lengths_b) < 1) | (np.asarray(lengths_b) > tokens_bt.shape[1])).any():
         raise ValueError(f"lengths must be in 1..{tokens_bt.shape[1]}, got {np.asarray(lengths_b).tolist()}")
     _check_room(cfg, cache, lengths_b, "")
-    return _speculative_prefill_jit(cfg, params, cache, window, tokens_bt.astype(jnp.int32),
-                                    lengths_b.astype(jnp.int32), kernels=resolve(kernels))
+    run, cache, window, tokens_bt, lengths_b = _speculative_on(
+        placement, cfg, _speculative_prefill, _speculative_prefill_jit, _SPECULATIVE_PREFILL_STATIC, 1, cache, window,
+        tokens_bt, lengths_b)
+    return run(cfg, params, cache, window, tokens_bt.astype(jnp.int32), lengths_b.astype(jnp.int32),
+               kernels=resolve(kernels))
 
 
 def _speculative_generate(cfg: ModelConfig, params, cache, window, tokens_b, temperature_b, seed_b, step_b, budget_b, stop_bs,
@@ -485,13 +505,14 @@ def _speculative_generate(cfg: ModelConfig, params, cache, window, tokens_b, tem
     return out.transpose(1, 0, 2), n_out.T, accepted.T, tok, cache, window
 
 
-_speculative_generate_jit = _jit(_speculative_generate, static_argnames=("cfg", "n_steps", "kernels"),
+_SPECULATIVE_GENERATE_STATIC = ("cfg", "n_steps", "kernels")
+_speculative_generate_jit = _jit(_speculative_generate, static_argnames=_SPECULATIVE_GENERATE_STATIC,
                                  donate_argnames=("cache", "window"))
 
 
 def speculative_generate(cfg: ModelConfig, params, cache: Cache, window: dict, tokens_b, n_steps: int, *,
                          temperature_b=0.0, seed_b=0, step_b=0, budget_b=None, stop_ids_bs=None,
-                         kernels: str = "jnp"):
+                         kernels: str = "jnp", placement: Placement | None = None):
     """Up to `n_steps` DSpark steps (draft a block, verify it with one target forward, commit the accepted
     prefix; `dspark.speculative_step`) in one compiled call. Cache and window are donated.
 
@@ -500,6 +521,7 @@ def speculative_generate(cfg: ModelConfig, params, cache: Cache, window: dict, t
     exactly those of `generate`; when sampling they are distributed as the target's samples.
     Returns (tokens int32 [B, n_steps, K+1] (-1 padded), n_out int32 [B, n_steps] (tokens emitted per
     step), accepted int32 [B, n_steps] (drafts accepted per step), next tokens_b, cache, window).
+    placement: run on a mesh (module docstring), the rings split like the cache's window.
     """
     _check_dspark(cfg)
     tokens_b = _check_next_tokens(cfg, cache, tokens_b)
@@ -513,7 +535,8 @@ def speculative_generate(cfg: ModelConfig, params, cache: Cache, window: dict, t
     stop = _rows(b, -1, "int32", 1) if stop_ids_bs is None else jnp.asarray(stop_ids_bs, jnp.int32)
     if stop.ndim != 2 or stop.shape[0] != b:
         raise ValueError(f"stop_ids_bs must be [{b}, S] (-1 padded), got shape {stop.shape}")
-    return _speculative_generate_jit(cfg, params, cache, window, tokens_b.astype(jnp.int32),
-                                     _per_seq(temperature_b, b, "float32"), _per_seq(seed_b, b, "uint32"),
-                                     _per_seq(step_b, b, "int32"), budget, stop, n_steps=n_steps,
-                                     kernels=resolve(kernels))
+    run, cache, window, tokens_b = _speculative_on(placement, cfg, _speculative_generate, _speculative_generate_jit,
+                                                   _SPECULATIVE_GENERATE_STATIC, 4, cache, window, tokens_b)
+    return run(cfg, params, cache, window, tokens_b.astype(jnp.int32), _per_seq(temperature_b, b, "float32"),
+               _per_seq(seed_b, b, "uint32"), _per_seq(step_b, b, "int32"), budget, stop, n_steps=n_steps,
+               kernels=resolve(kernels))

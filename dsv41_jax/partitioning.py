@@ -301,6 +301,20 @@ class Placement:
             return cache
         return jax.device_put(cache, self.cache)
 
+    def window_shardings(self, window) -> dict:
+        """NamedSharding per DSpark draft ring ([stages, B, W, ...], `api.init_draft_window`; abstract or real):
+        split like the cache's window rings, whose layout they share."""
+        return jax.tree.map(lambda leaf: NamedSharding(self.mesh, _on_mesh(
+            logical_to_mesh(cache_logical_axes("window", leaf.ndim), self.layout), leaf.shape, self.mesh)), window)
+
+    def put_window(self, window: dict) -> dict:
+        """DSpark draft rings on the mesh (arrays already there stay as they are)."""
+        want = self.window_shardings(window)
+        if all(isinstance(a, jax.Array) and a.sharding.is_equivalent_to(s, a.ndim)
+               for a, s in zip(jax.tree.leaves(window), jax.tree.leaves(want))):
+            return window
+        return jax.device_put(window, want)
+
     def put_rows(self, x):
         """An int32 array that leads with the batch, split over the mesh like the sequences."""
         if isinstance(x, jax.Array) and x.dtype == np.int32 and x.sharding.is_equivalent_to(self.rows, x.ndim):

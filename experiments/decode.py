@@ -149,8 +149,8 @@ def parse_args(argv=None):
     if args.image and (args.batch > 1 or (args.mesh and not args.engine)):
         ap.error("--image runs one sequence, and on a mesh only through the engine: drop --batch (several requests: "
                  "--engine --prompt-ids), with --mesh add --engine")
-    if args.speculative and args.mesh:
-        ap.error("--speculative runs on one device: drop --mesh")
+    if args.speculative and args.mesh and not args.engine:
+        ap.error("--speculative on a mesh runs through the serving engine: add --engine")
     if args.run and args.checkpoint:
         ap.error("give --run or --checkpoint, not both")
     if args.weight_format and (args.run or args.checkpoint):

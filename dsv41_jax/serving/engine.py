@@ -49,7 +49,8 @@ rules (`sharding.shard_model`), the slots' cache is split over the layout's sequ
 the slot count), and each decode call runs there (`api`'s `placement=`). A request is prefilled on its own
 batch-1 row, which no axis can split: the row lives on the mesh replicated over the sequence axes
 (`partitioning.place_row`; the routed experts still split its tokens), and `put_row` moves it into its slot's
-shard. Images too (their tower runs on the mesh's params); plain decoding only (no `speculative`).
+shard. Images too (their tower runs on the mesh's params), and DSpark steps (the draft rings split like the
+cache's window rings).
 
 Images (`Request.images`, each a `dsv41_jax.images.PreparedImage`; the prompt holds one
 `image_token_id` placeholder per image): the prompt is expanded to its image spans, each image is
@@ -123,8 +124,6 @@ def plan_slots(cfg: ModelConfig, ecfg: EngineConfig) -> int:
 def slot_split(cfg: ModelConfig, ecfg: EngineConfig) -> int:
     """Over how many devices the mesh splits the slots (the layout's sequence axes); MeshError for a mesh the
     engine cannot serve on, saying what to change. With a budget, hbm_budget_bytes is per device."""
-    if ecfg.speculative:
-        raise partitioning.MeshError("speculative decoding runs on one device: drop the mesh or speculative")
     sizes = partitioning.parse_mesh(ecfg.mesh)
     partitioning.check_mesh(cfg, sizes, layout=ecfg.layout)
     return math.prod(sizes.get(a, 1) for a in partitioning.batch_axes(ecfg.layout))
@@ -230,6 +229,8 @@ class Engine:
         if self.placement:
             self.cache = self.placement.put_cache(self.cache)
         self.window = api.init_draft_window(cfg, self.n_slots) if ecfg.speculative else None
+        if self.placement and self.window is not None:
+            self.window = self.placement.put_window(self.window)
         self._window_row = None  # speculative: the draft rings the last prefill filled (batch 1)
         self._empty_row = rows.to_host(rows.take_row(self.cache, 0))
         self.encoder_depth = encoder_depth(build_plan(cfg))
@@ -394,12 +395,14 @@ class Engine:
     def _speculative_chunk(self, tok, temp, seed, count, budget, stops) -> None:
         """`decode_chunk` DSpark steps for all live slots (`api.speculative_generate`), their tokens emitted."""
         b, n, k = self.n_slots, self.ecfg.decode_chunk, self.cfg.dspark_block_size
-        with compiling(("speculative", self.cfg, b, n, stops.shape[1], self.ecfg.capacity, self.ecfg.kernels),
+        with compiling(("speculative", self.cfg, b, n, stops.shape[1], self.ecfg.capacity, self.ecfg.kernels,
+                        self.placement),
                        f"speculative decode [B={b}, capacity={self.ecfg.capacity}, {n} steps per call]",
                        self.ecfg.progress):
             toks, n_out, accepted, _, self.cache, self.window = api.speculative_generate(
                 self.cfg, self.params, self.cache, self.window, tok, n, temperature_b=temp, seed_b=seed,
-                step_b=count, budget_b=np.minimum(budget, n * (k + 1)), stop_ids_bs=stops, kernels=self.ecfg.kernels)
+                step_b=count, budget_b=np.minimum(budget, n * (k + 1)), stop_ids_bs=stops, kernels=self.ecfg.kernels,
+                placement=self.placement)
         toks, n_out, accepted = np.asarray(toks), np.asarray(n_out), np.asarray(accepted)
         for s in list(self.live):
             m = self.live[s].res.metrics
@@ -505,11 +508,12 @@ class Engine:
         for a in range(lo, hi, cw):
             t = np.zeros((1, cw), np.int32)
             t[0, :min(cw, hi - a)] = ids[a:min(a + cw, hi)]
-            with compiling(("spec_prefill", self.cfg, cw, self.ecfg.capacity, self.ecfg.kernels),
+            with compiling(("spec_prefill", self.cfg, cw, self.ecfg.capacity, self.ecfg.kernels, self._row_placement),
                            f"speculative prefill [B=1, T={cw}]", self.ecfg.progress):
                 logits, row, window = api.speculative_prefill(self.cfg, self.params, row, window, t,
                                                               np.array([min(cw, hi - a)], np.int32),
-                                                              kernels=self.ecfg.kernels)
+                                                              kernels=self.ecfg.kernels,
+                                                              placement=self._row_placement)
         return logits, row, window
 
     def _decoder_start(self, start: int, split: int) -> int:
