@@ -14,8 +14,8 @@ part is reported and the next one runs; the table comes last):
          (kernels.WEIGHT_KERNEL_ROWS raised to 1024), dp_ep with the dense all-to-all transport, dp data=2.
   small: `small` at 2K context: 1 GPU batch 16; 2 GPUs dp_ep batch 16 and 32 (profiled); tp_ep batch 16.
   engine: the serving engine (float32 `small` as in `equal`, 8 requests over 4 slots, 16 tokens each) on 1 GPU
-         vs on the mesh (dp_ep expert=2, tp_ep expert=2, dp data=2): tokens equal, and the wall time of a
-         second round (compiled) with its tokens/s.
+         vs on the mesh (dp_ep expert=2, tp_ep expert=2, dp data=2, and dp_ep with DSpark steps where the
+         model has draft stages): tokens equal, and the wall time of a second round (compiled) with its tokens/s.
 Dry run of `equal` / `engine` on CPU: I15_PRESET=tiny JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2
 """
 
@@ -95,12 +95,15 @@ def engine_mode():
 
     want, s = served()
     rows = [dict(layout="one GPU", mesh="-", tokens_equal=True, seconds=s)]
-    for layout, mesh in (("dp_ep", "expert=2"), ("tp_ep", "expert=2"), ("dp", "data=2")):
+    runs = [(layout, mesh, None) for layout, mesh in (("dp_ep", "expert=2"), ("tp_ep", "expert=2"), ("dp", "data=2"))]
+    for layout, mesh, spec in runs + ([("dp_ep", "expert=2", "dspark")] if cfg.has_dspark else []):
+        if spec:
+            layout += " + DSpark steps"
         if time.time() - T0 > BUDGET_S - 30:
             rows.append(dict(layout=layout, mesh=mesh, error="skipped, out of time"))
             continue
         try:
-            toks, s = served(mesh=mesh, layout=layout)
+            toks, s = served(mesh=mesh, layout=layout.split()[0], speculative=spec)
             rows.append(dict(layout=layout, mesh=mesh, tokens_equal=toks == want, seconds=s,
                              first_diverging_request=next((i for i, (a, b) in enumerate(zip(toks, want)) if a != b), None)))
         except Exception as e:  # noqa: BLE001 -- report and go on with the next layout
@@ -134,34 +137,31 @@ def load(name):
         return []
 
 
-def table():
-    print("\n## float32 equality, `small`, batch 16, 8 greedy tokens (vs 1 GPU)")
-    print("| layout | mesh | max|dlogits|/scale | tokens equal | first diverging step | s |")
-    print("|---|---|---|---|---|---|")
+def jsonl(name: str) -> list[dict]:
     try:
-        rows = [json.loads(line) for line in open(os.path.join(OUT, "equal.jsonl"))]
+        return [json.loads(line) for line in open(os.path.join(OUT, f"{name}.jsonl"))]
     except OSError:
-        rows = []
+        return []
+
+
+def layout_table(title: str, rows: list[dict], columns: tuple, cells) -> None:
+    """A markdown table of rows per (layout, mesh): cells(row) -> the columns' values, or the row's error."""
+    if not rows:
+        return
+    print(f"\n## {title}\n| layout | mesh | " + " | ".join(columns) + " |\n|---|---|" + "---|" * len(columns))
     for r in rows:
-        if "error" in r:
-            print(f"| {r['layout']} | {r['mesh']} | error: {r['error'][:80]} | | | |")
-        else:
-            print(f"| {r['layout']} | {r['mesh']} | {r['rel_logit_err']:.2e} | {r['tokens_equal']} | "
-                  f"{r['first_diverging_step']} | {r['seconds']:.0f} |")
-    try:
-        rows = [json.loads(line) for line in open(os.path.join(OUT, "engine.jsonl"))]
-    except OSError:
-        rows = []
-    if rows:
-        print("\n## the serving engine, float32 `small`, 8 requests over 4 slots, 16 tokens each (vs 1 GPU)")
-        print("| layout | mesh | tokens equal | first diverging request | second round s | tokens/s |")
-        print("|---|---|---|---|---|---|")
-        for r in rows:
-            if "error" in r:
-                print(f"| {r['layout']} | {r['mesh']} | error: {r['error'][:80]} | | | |")
-            else:
-                print(f"| {r['layout']} | {r['mesh']} | {r['tokens_equal']} | {r.get('first_diverging_request')} | "
-                      f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f} |")
+        values = (f"error: {r['error'][:80]}",) + ("",) * (len(columns) - 1) if "error" in r else cells(r)
+        print(f"| {r['layout']} | {r['mesh']} | " + " | ".join(map(str, values)) + " |")
+
+
+def table():
+    layout_table("float32 equality, `small`, batch 16, 8 greedy tokens (vs 1 GPU)", jsonl("equal"),
+                 ("max|dlogits|/scale", "tokens equal", "first diverging step", "s"),
+                 lambda r: (f"{r['rel_logit_err']:.2e}", r["tokens_equal"], r["first_diverging_step"], f"{r['seconds']:.0f}"))
+    layout_table("the serving engine, float32 `small`, 8 requests over 4 slots, 16 tokens each (vs 1 GPU)",
+                 jsonl("engine"), ("tokens equal", "first diverging request", "second round s", "tokens/s"),
+                 lambda r: (r["tokens_equal"], r.get("first_diverging_request"), f"{r['seconds']:.2f}",
+                            f"{r['tokens_per_s']:.0f}"))
     one = {(r["preset"], r["batch"]): r for name in ("one_b64", "one_b8", "small_one") for r in load(name)}
     print("\n## decode in api.generate chunks (vs 1 GPU at the same batch per GPU: weak scaling)")
     print("| run | preset | batch/GPU | ms/step | tokens/s | vs 1 GPU | comm us/step/GPU | comm/busy | comm/step |")
