@@ -191,6 +191,10 @@ def test_bad_requests_are_400_while_another_request_streams(server, client):
     assert r.status_code == 400 and "messages: Field required" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="messages: Input should be a valid list"):
         client.chat.completions.create(model="tiny", messages="hi")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with pytest.raises(openai.BadRequestError, match=r"messages\[1\].content: parts of type \['image_url'\] are not"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Be brief."}, {
+            "role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
     got += list(it)
     assert sum(len(c.choices[0].token_ids) for c in got) == 100 and got[-1].choices[0].finish_reason == "length"
 

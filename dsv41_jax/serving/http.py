@@ -183,9 +183,14 @@ class Server:
     async def chat(self, body: ChatBody, http: HTTPRequest):
         if not body.messages:
             raise BadRequest("messages: empty; give at least one message")
+        for i, m in enumerate(body.messages):
+            kinds = {part.get("type") for part in m.content} if isinstance(m.content, list) else {"text"}
+            if kinds - {"text"}:  # dropping them would answer a question the client did not ask
+                raise BadRequest(f"messages[{i}].content: parts of type {sorted(map(str, kinds - {'text'}))} are not "
+                                 "served here (text parts only; images: experiments.decode --image or the engine's "
+                                 "Request.images)")
         msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-                 "".join(part.get("text", "") for part in m.content if part.get("type") == "text")}
-                for m in body.messages]
+                 "".join(part.get("text", "") for part in m.content)} for m in body.messages]
         try:
             ids = self.tok.encode(render_chat(msgs, self.chat_template))
         except ValueError as e:
