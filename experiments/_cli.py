@@ -112,12 +112,13 @@ def output_file(path: str | None, flag: str) -> None:
         raise UserError(f"{flag} {path}: directory {parent} is not writable")
 
 
-def tokenizer(path: str | None, vocab_size: int, flag: str = "--tokenizer"):
-    """The byte-level tokenizer (path None) or a tokenizer.json that fits the model's vocabulary."""
+def tokenizer(path: str | None, vocab_size: int, flag: str = "--tokenizer", image_token_id: int | None = None):
+    """The byte-level tokenizer (path None; "<image>" is image_token_id) or a tokenizer.json that fits the model's
+    vocabulary."""
     from dsv41_jax.text_tokenizers import load_tokenizer
 
     try:
-        return load_tokenizer(path, vocab_size)
+        return load_tokenizer(path, vocab_size, image_token_id)
     except (OSError, ValueError) as e:  # missing, unparsable, larger than the vocabulary: each names the file
         raise UserError(f"{flag}: {e}") from None
 

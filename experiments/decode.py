@@ -199,8 +199,9 @@ def load_weights(args, cfg):
 
 
 def tokenizer(args, cfg):
-    if args.tokenizer or not args.checkpoint:
-        return _cli.tokenizer(args.tokenizer, cfg.vocab_size, "--tokenizer")
+    if args.tokenizer or not args.checkpoint:  # the byte-level one writes a vision model's placeholder "<image>"
+        return _cli.tokenizer(args.tokenizer, cfg.vocab_size, "--tokenizer",
+                              cfg.image_token_id if cfg.vision_n_layers else None)
     path = os.path.join(args.checkpoint, "tokenizer.json")
     return _cli.tokenizer(path if os.path.exists(path) else None, cfg.vocab_size, "--checkpoint")
 

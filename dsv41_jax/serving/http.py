@@ -13,6 +13,11 @@ Request fields beyond OpenAI's: `stop_token_ids` (ids that end the request, chec
 the generated ids behind its text (a stream chunk: the ids behind its delta), so a client can compare
 ids exactly rather than through a detokenizer. `n` must be 1 and `prompt` a single prompt (text or ids).
 
+Images (a model with a vision tower): a chat message's content parts may be `image_url` parts whose URL is a
+base64 data URL (the server fetches nothing). Each becomes the tokenizer's text for the image token where the
+part stands (a released tokenizer's special token; "<image>" for the byte tokenizer), and its image goes to the
+engine with the request (`Request.images`); usage counts the image's prompt tokens. Any other part type is a 400.
+
 Errors are OpenAI's shape, {"error": {"message", "type", "code"}}: 400 for a request that cannot run
 (missing or mistyped fields, a prompt plus max_tokens longer than a slot, max_tokens < 1), 404 for an
 unknown model, 429 (with Retry-After) when `max_queue` requests already wait beyond the free slots, 500
@@ -23,6 +28,8 @@ that disconnects cancels its request, freeing the slot at the next step.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import secrets
 import time
@@ -35,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict
 
+from dsv41_jax.images import ImageError, prepare_image
 from dsv41_jax.serving.driver import Driver, QueueFull
 from dsv41_jax.serving.engine import Engine, Request, Result
 from dsv41_jax.serving.text import TextStream, render_chat
@@ -183,24 +191,50 @@ class Server:
     async def chat(self, body: ChatBody, http: HTTPRequest):
         if not body.messages:
             raise BadRequest("messages: empty; give at least one message")
+        images, msgs = [], []
         for i, m in enumerate(body.messages):
-            kinds = {part.get("type") for part in m.content} if isinstance(m.content, list) else {"text"}
-            if kinds - {"text"}:  # dropping them would answer a question the client did not ask
-                raise BadRequest(f"messages[{i}].content: parts of type {sorted(map(str, kinds - {'text'}))} are not "
-                                 "served here (text parts only; images: experiments.decode --image or the engine's "
-                                 "Request.images)")
-        msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-                 "".join(part.get("text", "") for part in m.content)} for m in body.messages]
+            text = m.content
+            if isinstance(text, list):  # parts: text, and images as their placeholder's text, in order
+                text = "".join(self._part(part, f"messages[{i}].content[{j}]", images) for j, part in enumerate(text))
+            msgs.append({"role": m.role, "content": text})
         try:
             ids = self.tok.encode(render_chat(msgs, self.chat_template))
         except ValueError as e:
             raise BadRequest(f"messages: {e}") from None
         limit = body.max_completion_tokens or body.max_tokens
         # no limit given: the rest of the slot (at least 1, so an over-long prompt is refused as too long)
-        return await self._respond(body, ids, limit or max(1, self.engine.ecfg.capacity - len(ids)), http, chat=True)
+        room = self.engine.ecfg.capacity - len(ids) - sum(im.n_tokens - 1 for im in images)
+        return await self._respond(body, ids, limit or max(1, room), http, chat=True, images=tuple(images))
 
-    def _request(self, body: _Body, ids: list[int], max_tokens: int) -> Request:
-        """The engine request of a body, or BadRequest saying which field is wrong."""
+    def _part(self, part: dict, where: str, images: list) -> str:
+        """A chat content part's text: a text part's own, an image_url part's placeholder (the image decoded and
+        prepared for the vision tower, appended to `images`); BadRequest for anything else."""
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            return part["text"]
+        if kind != "image_url":  # dropping it would answer a question the client did not ask
+            raise BadRequest(f"{where}: a part of type {kind!r} is not served here (text and image_url parts)")
+        cfg = self.engine.cfg
+        text = self.tok.special_text(cfg.image_token_id) if cfg.vision_n_layers else None
+        if text is None:
+            raise BadRequest(f"{where}: this model takes no images" + (
+                "" if not cfg.vision_n_layers else " through this tokenizer (no text encodes to its image token "
+                f"{cfg.image_token_id})"))
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        head, _, data = url.partition(",") if isinstance(url, str) else ("", "", "")
+        if not (head.startswith("data:") and head.endswith(";base64")):
+            raise BadRequest(f"{where}: image_url must be a data URL (data:image/png;base64,...); this server does "
+                             "not fetch URLs")
+        try:
+            images.append(prepare_image(base64.b64decode(data, validate=True), cfg, source=where))
+        except (binascii.Error, ValueError) as e:  # ImageError is a ValueError
+            raise BadRequest(f"{where}: {e}" if isinstance(e, ImageError) else f"{where}: not base64 ({e})") from None
+        return text
+
+    def _request(self, body: _Body, ids: list[int], max_tokens: int, images: tuple = ()) -> tuple[Request, int]:
+        """(The engine request of a body, its prompt tokens with image spans expanded), or BadRequest saying which
+        field is wrong."""
         if body.model != self.model_name:
             raise BadRequest(f"model {body.model!r} is not served here; use {self.model_name!r} (GET /v1/models)",
                              404, "not_found_error")
@@ -215,16 +249,17 @@ class Server:
         if not 0 <= seed < 2**32:
             raise BadRequest(f"seed must be in [0, 2**32), got {seed}")
         req = Request(list(ids), max_new_tokens=max_tokens, temperature=body.temperature, seed=seed,
-                      stop_tokens=tuple(stops))
+                      stop_tokens=tuple(stops), images=images)
         try:
-            self.engine.validate(req)
+            n_prompt = len(self.engine.validate(req))
         except ValueError as e:
             raise BadRequest(f"{e} (max_tokens: {max_tokens})" if "too long" in str(e) else str(e)) from None
-        return req
+        return req, n_prompt
 
-    async def _respond(self, body: _Body, ids: list[int], max_tokens: int, http: HTTPRequest, chat: bool):
+    async def _respond(self, body: _Body, ids: list[int], max_tokens: int, http: HTTPRequest, chat: bool,
+                       images: tuple = ()):
         t0 = time.perf_counter()
-        req = self._request(body, ids, max_tokens)
+        req, n_prompt = self._request(body, ids, max_tokens, images)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         first = [True]
@@ -233,7 +268,7 @@ class Server:
             if new and first[0]:
                 first[0] = False
                 self.metrics.ttft.observe(time.perf_counter() - t0)
-                self.metrics.prompt_tokens.inc(len(ids))
+                self.metrics.prompt_tokens.inc(n_prompt)
             self.metrics.generated.inc(len(new))
             if final is not None:
                 self.metrics.finished(final)
@@ -260,8 +295,8 @@ class Server:
         choice = ({"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None})
         return {**head, "object": "chat.completion" if chat else "text_completion",
                 "choices": [{"index": 0, **choice, "finish_reason": finish, "token_ids": toks}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(toks),
-                          "total_tokens": len(ids) + len(toks)}}
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(toks),
+                          "total_tokens": n_prompt + len(toks)}}
 
     async def _pieces(self, rid: str, queue: asyncio.Queue, stop: list[str]):
         """(text delta, token ids, finish_reason or None) as tokens arrive; cancels the request when a stop
