@@ -146,9 +146,8 @@ def parse_args(argv=None):
         ap.error("--prefill-chunk must be >= 1")
     if args.engram_on_host and not args.checkpoint:
         ap.error("--engram-on-host applies to --checkpoint (presets have random in-memory tables)")
-    if args.image and (args.batch > 1 or (args.mesh and not args.engine)):
-        ap.error("--image runs one sequence, and on a mesh only through the engine: drop --batch (several requests: "
-                 "--engine --prompt-ids), with --mesh add --engine")
+    if args.image and args.batch > 1:
+        ap.error("--image runs one sequence: drop --batch (several requests: --engine --prompt-ids)")
     if args.speculative and args.mesh and not args.engine:
         ap.error("--speculative on a mesh runs through the serving engine: add --engine")
     if args.run and args.checkpoint:

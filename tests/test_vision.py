@@ -151,6 +151,24 @@ def test_chunked_prefill_across_images_equals_one_prefill(ckpt):
     np.testing.assert_allclose(np.concatenate(out, axis=1), ref, atol=STRICT * np.abs(ref).max(), rtol=0)
 
 
+def test_prefill_with_images_on_a_mesh_matches_official(ckpt):
+    """The same prompts with images on 8 devices (data=2 x expert=4, tp_ep: a sequence per `data` shard, experts
+    over `expert`): the logits the golden has, to the text goldens' criterion (the tower runs on the placed
+    params; `experiments.decode --image --mesh` takes this path)."""
+    import jax
+
+    from dsv41_jax import partitioning
+    from dsv41_jax.sharding import shard_model
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs --xla_force_host_platform_device_count=8 (set in conftest.py)")
+    cfg, params = _model(ckpt, quant=False)
+    model = shard_model(cfg, params, partitioning.make_mesh(cfg, "data=2,expert=4", batch=B), "tp_ep", batch=B)
+    logits, _ = model.prefill(model.init_cache(T), IDS, np.full(B, T), all_logits=True, images=_spans(cfg))
+    ref = G["f32_bf16_prefill"]
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=STRICT * np.abs(ref).max(), rtol=0)
+
+
 def test_bad_images_are_refused_before_any_model_work(tmp_path):
     with pytest.raises(ImageError, match="not a readable image"):
         prepare_image(b"GIF89a not really", CFG)
