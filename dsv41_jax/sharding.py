@@ -4,6 +4,7 @@
     model = shard_model(cfg, params, mesh, "tp_ep", batch=8)
     logits, cache = model.prefill(model.init_cache(capacity=256), tokens_bt, lengths_b, kernels="auto")
     toks, emitted, cache = model.generate(cache, next_b, 32, kernels="auto")
+    # DSpark: model.speculative_prefill / speculative_generate with model.init_draft_window()
 
 Each method is the `api` function of the same name with this model's cfg, params and `placement`:
 the same input checks, the same `kernels` switch, the same traced code (`api.forward`); only where
@@ -57,6 +58,20 @@ class ShardedModel:
     def generate(self, cache: Cache, tokens_b, n_steps: int, **kw):
         """`api.generate` on the mesh (keywords as there); the cache is donated."""
         return api.generate(self.cfg, self._frozen, cache, tokens_b, n_steps, placement=self.placement, **kw)
+
+    def init_draft_window(self) -> dict:
+        """Empty DSpark draft rings for the placement's batch, on the mesh (split like the cache's window)."""
+        return self.placement.put_window(api.init_draft_window(self.cfg, self.placement.batch))
+
+    def speculative_prefill(self, cache: Cache, window: dict, tokens_bt, lengths_b, **kw):
+        """`api.speculative_prefill` on the mesh (keywords as there); cache and window are donated."""
+        return api.speculative_prefill(self.cfg, self._frozen, cache, window, tokens_bt, lengths_b,
+                                       placement=self.placement, **kw)
+
+    def speculative_generate(self, cache: Cache, window: dict, tokens_b, n_steps: int, **kw):
+        """`api.speculative_generate` on the mesh (keywords as there); cache and window are donated."""
+        return api.speculative_generate(self.cfg, self._frozen, cache, window, tokens_b, n_steps,
+                                        placement=self.placement, **kw)
 
 
 def shard_model(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp_ep", *, batch: int) -> ShardedModel:
