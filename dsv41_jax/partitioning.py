@@ -294,10 +294,8 @@ class Placement:
         if cache.batch != self.batch:
             raise ValueError(f"the cache holds {cache.batch} sequences but the model was placed for batch "
                              f"{self.batch}; make the cache with that batch or place the model again")
-        leaves, want = jax.tree.leaves(cache), jax.tree.leaves(self.cache)
-        if all(isinstance(a, jax.Array) and a.sharding.is_equivalent_to(s, a.ndim) for a, s in zip(leaves, want)):
-            # the previous call's output (or a row put into it: P() and P(None, None) are the same placement):
-            # a device_put of the whole tree costs more than this check
+        if _placed(jax.tree.leaves(cache), jax.tree.leaves(self.cache)):
+            # the previous call's output (or a row put into it): a device_put of the whole tree costs more than this
             return cache
         return jax.device_put(cache, self.cache)
 
@@ -310,17 +308,20 @@ class Placement:
     def put_window(self, window: dict) -> dict:
         """DSpark draft rings on the mesh (arrays already there stay as they are)."""
         want = self.window_shardings(window)
-        if all(isinstance(a, jax.Array) and a.sharding.is_equivalent_to(s, a.ndim)
-               for a, s in zip(jax.tree.leaves(window), jax.tree.leaves(want))):
-            return window
-        return jax.device_put(window, want)
+        return window if _placed(jax.tree.leaves(window), jax.tree.leaves(want)) else jax.device_put(window, want)
 
     def put_rows(self, x):
         """An int32 array that leads with the batch, split over the mesh like the sequences."""
-        if isinstance(x, jax.Array) and x.dtype == np.int32 and x.sharding.is_equivalent_to(self.rows, x.ndim):
+        if _placed([x], [self.rows]) and x.dtype == np.int32:
             return x
         return jax.device_put(np.asarray(x, np.int32) if not isinstance(x, jax.Array) else x.astype(np.int32),
                               self.rows)
+
+
+def _placed(arrays: list, shardings: list) -> bool:
+    """Every array a jax.Array placed as its sharding says, or equivalently (P() and P(None, None) alike)."""
+    return all(isinstance(a, jax.Array) and (a.sharding == s or a.sharding.is_equivalent_to(s, a.ndim))
+               for a, s in zip(arrays, shardings))
 
 
 def place_row(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp_ep") -> Placement:
