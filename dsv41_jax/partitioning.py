@@ -289,6 +289,11 @@ class Placement:
         with jax.set_mesh(self.mesh), sequence_split.split_over(batch_axes(self.layout)):
             yield
 
+    def new_cache(self, cfg: ModelConfig, capacity: int) -> Cache:
+        """An empty cache for the placement's batch made on the mesh: each device writes only its own shards (made
+        on one device and then placed, a cache sized to the devices' memory would not fit the first one)."""
+        return jax.jit(lambda: init_cache(cfg, self.batch, capacity), out_shardings=self.cache)()
+
     def put_cache(self, cache: Cache) -> Cache:
         """`cache` on the mesh (arrays already there stay as they are)."""
         if cache.batch != self.batch:

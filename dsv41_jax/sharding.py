@@ -41,8 +41,8 @@ class ShardedModel:
         return self.placement.mesh
 
     def init_cache(self, capacity: int) -> Cache:
-        """An empty cache for the placement's batch, on the mesh."""
-        return self.placement.put_cache(api.init_cache(self.cfg, self.placement.batch, capacity))
+        """An empty cache for the placement's batch, made on the mesh (each device its own shards)."""
+        return self.placement.new_cache(self.cfg, capacity)
 
     def place_cache(self, cache: Cache) -> Cache:
         return self.placement.put_cache(cache)

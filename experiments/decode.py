@@ -405,7 +405,7 @@ def run_batch(args, cfg, params, tok, ids: list[int], capacity: int, spans=()) -
     jax.block_until_ready(params)
     t_init = time.perf_counter() - t0
     params = d.freeze(params)  # passed to a jitted call per chunk of steps: flattened once
-    cache = d.init_cache(cfg, b, capacity)
+    cache = placement.new_cache(cfg, capacity) if placement else d.init_cache(cfg, b, capacity)
     if args.speculative:  # as `compile_side_by_side`'s stand-ins (experiments/placement.py says why)
         cache = committed(cache)
     # the cache is donated: each call updates it in place and returns it

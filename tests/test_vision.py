@@ -251,11 +251,11 @@ def test_engine_on_a_mesh_takes_images(ckpt):
     prompt = [1, 40, cfg.image_token_id] + rng.integers(3, 250, 40).tolist()
     reqs = [Request(prompt, max_new_tokens=6, images=(img,)), Request(prompt[:1] + prompt[3:], max_new_tokens=6)]
 
-    def run(**mesh):
-        return Engine(cfg, params, EngineConfig(slots=8, capacity=96, prefill_chunk=64, page_tokens=16, progress=False,
-                                                decode_chunk=4, **mesh)).generate(reqs)
+    def run(**kw):  # the settings of test_engine_never_shares_pages_between_different_images: its programs
+        return Engine(cfg, params, EngineConfig(capacity=96, prefill_chunk=64, page_tokens=16, progress=False,
+                                                decode_chunk=4, bounded_prefill=False, **kw)).generate(reqs)
 
-    want, got = run(), run(mesh="data=2,expert=4", layout="dp_ep")
+    want, got = run(slots=1), run(slots=8, mesh="data=2,expert=4", layout="dp_ep")
     assert [r.error for r in got] == [None, None] and got[0].metrics["image_tokens"] == img.n_tokens
     assert [r.tokens for r in got] == [r.tokens for r in want]
     for a, b in zip(got, want):

@@ -225,9 +225,8 @@ class Engine:
             self._row_placement = partitioning.place_row(cfg, params, mesh, ecfg.layout)
         # frozen: the engine passes its params to a jitted call per step chunk (api.freeze says why)
         self.params = api.freeze(params)
-        self.cache = init_cache(cfg, self.n_slots, ecfg.capacity)
-        if self.placement:
-            self.cache = self.placement.put_cache(self.cache)
+        self.cache = (self.placement.new_cache(cfg, ecfg.capacity) if self.placement
+                      else init_cache(cfg, self.n_slots, ecfg.capacity))
         self.window = api.init_draft_window(cfg, self.n_slots) if ecfg.speculative else None
         if self.placement and self.window is not None:
             self.window = self.placement.put_window(self.window)
