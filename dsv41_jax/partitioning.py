@@ -330,21 +330,23 @@ def _placed(arrays: list, shardings: list) -> bool:
 
 
 def place_row(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp_ep") -> Placement:
-    """The placement of one sequence (the serving engine's prefill row) on `mesh`: as `place`'s, but its
-    cache and rows replicated over the layout's sequence axes, which one sequence cannot be split over (the
-    routed experts still split its tokens, `expert_parallel.routed`)."""
-    _rules(layout)
-    check_mesh(cfg, dict(mesh.shape), None, mesh.size, layout)
-    abstract_cache = jax.eval_shape(lambda: init_cache(cfg, 1, 1))
-    return Placement(mesh, layout, 1, param_shardings(params, mesh, layout),
-                     cache_shardings(abstract_cache, mesh, layout), NamedSharding(mesh, P(None)))
+    """The placement of one sequence (the serving engine's prefill row) on `mesh`: `place`'s for batch 1 without
+    its batch check, so its cache and rows are replicated over the layout's sequence axes, which one sequence
+    cannot be split over (the routed experts still split its tokens, `expert_parallel.routed`)."""
+    return _placement(cfg, params, mesh, layout, 1, None)
 
 
 def place(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp_ep", *, batch: int) -> Placement:
     """The shardings of `params` (abstract or real) and of `cfg`'s caches for `batch` sequences on
     `mesh` by the layout's rules; a bad layout or mesh is refused first."""
+    return _placement(cfg, params, mesh, layout, batch, batch)
+
+
+def _placement(cfg: ModelConfig, params, mesh: Mesh, layout: str, batch: int, checked_batch: int | None) -> Placement:
+    """`place`'s Placement; the mesh checked against checked_batch (None: not against a batch). A dimension the
+    mesh does not divide (batch 1) stays replicated (`_on_mesh`)."""
     _rules(layout)
-    check_mesh(cfg, dict(mesh.shape), batch, mesh.size, layout)
+    check_mesh(cfg, dict(mesh.shape), checked_batch, mesh.size, layout)
     abstract_cache = jax.eval_shape(lambda: init_cache(cfg, batch, 1))  # capacity does not change the specs
     axis = _on_mesh(logical_to_mesh(("batch",), layout), (batch,), mesh)[0]
     return Placement(mesh, layout, batch, param_shardings(params, mesh, layout),

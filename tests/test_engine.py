@@ -19,7 +19,7 @@ from dsv41_jax import api
 from dsv41_jax.plan import build_plan, encoder_depth
 from dsv41_jax.pytree_paths import path_str
 from dsv41_jax.sampling import sample
-from dsv41_jax.serving import Engine, EngineConfig, Request, slots_for_budget
+from dsv41_jax.serving import Engine, EngineConfig, Request, slots as rows, slots_for_budget
 from dsv41_jax.tiers import block_chain
 
 PT, CHUNK, CAP, NEW = 32, 32, 160, 12
@@ -310,5 +310,9 @@ def test_engine_on_a_mesh_decodes_and_reuses_prefixes_as_one_device(tmp_path):
     w1 = next(a for p, a in jax.tree_util.tree_leaves_with_path(eng.params.state) if path_str(p).endswith("ffn/w1"))
     assert w1.sharding.spec[0] == "expert" and len(w1.sharding.device_set) == 8
     assert eng.cache.lengths.sharding.spec == jax.sharding.PartitionSpec(("data", "expert"))
+    # a row put into the slots' cache comes back placed equivalently (P() for P(None, ...)): the next call takes it
+    # as it is, no copy of the whole cache
+    put = rows.put_row(eng.cache, 0, eng._row_placement.new_cache(cfg, CAP))
+    assert eng.placement.put_cache(put) is put
     with pytest.raises(ValueError, match="slots=2: layout dp_ep splits the slots over 8 devices"):
         engine((cfg, params), **mesh)  # 2 slots
