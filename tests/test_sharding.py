@@ -261,3 +261,31 @@ def test_random_params_are_drawn_into_their_shards():
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         np.testing.assert_allclose(a, b, rtol=0, atol=2.0 ** -20 * float(np.abs(b).max(initial=0.0)),
                                    err_msg=path_str(path))
+
+
+def test_sharded_speculative_steps_emit_the_one_device_greedy_tokens():
+    """`ShardedModel.speculative_prefill` / `speculative_generate` (DSpark through `api` on a mesh: data=2 x
+    expert=4, tp_ep) emit at temperature 0 the tokens one device's prefill + `generate` do, with the draft
+    rings split like the cache's window. tiny's layer modes in 5 layers, float32, raw cache (nothing quantized
+    whose code a partitioned sum's order could flip)."""
+    from tests.configs import TINY5
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs --xla_force_host_platform_device_count=8 (set in conftest.py)")
+    cfg, b, n, cap = TINY5.replace(quantize_cache=False), 2, 12, 64
+    params = d.init_params(cfg, seed=0)
+    rng = np.random.default_rng(5)
+    tok, lens = rng.integers(0, cfg.vocab_size, (b, 19)), np.array([19, 6])
+    logits, cache = d.prefill(cfg, params, d.init_cache(cfg, b, cap), tok, lens)
+    first = np.asarray(logits).argmax(-1).astype(np.int32)
+    want = np.asarray(d.generate(cfg, params, cache, first, n)[0])
+    m = shard_model(cfg, params, S.make_mesh(cfg, "data=2,expert=4", batch=b), batch=b)
+    logits, cache, window = m.speculative_prefill(m.init_cache(cap), m.init_draft_window(), tok, lens)
+    np.testing.assert_array_equal(np.asarray(logits).argmax(-1), first)
+    out, n_out, accepted, _, cache, window = m.speculative_generate(cache, window, first, n, budget_b=n)
+    out, n_out = np.asarray(out), np.asarray(n_out)
+    for row in range(b):
+        np.testing.assert_array_equal(np.concatenate([out[row, s, :n_out[row, s]] for s in range(n)]), want[row])
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lens + n)
+    assert cache.window["values"].sharding.spec[1] == "data"
+    assert all(a.sharding.spec[1] == "data" and len(a.sharding.device_set) == 8 for a in jax.tree.leaves(window))
