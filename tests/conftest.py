@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # Deterministic CPU numerics for the suite; set before jax is imported anywhere.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 simulated CPU devices for the sharding tests; single-device code runs on device 0 as before.
@@ -29,3 +31,30 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not os.environ.get("PYTEST_
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     atexit.register(shutil.rmtree, _JIT_CACHE, ignore_errors=True)
+
+
+# Every compiled CPU program keeps its JIT-ed code mapped (a few memory maps for a small one, hundreds for a
+# model step), and a worker that runs half the suite compiles thousands: measured on the 2-core CI machine,
+# a worker reached 64,200 maps of Linux's default limit of 65,530 (vm.max_map_count). Past it mmap fails
+# inside XLA, which took workers down with a segfault or an abort while (de)serializing a program for the
+# compilation cache (three CI runs of 2026-12-04/05). So between modules, a process past half its limit
+# drops the compiled programs (later modules load the ones they need again, from that cache).
+def _map_counts() -> tuple[int, int] | None:
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:  # not Linux: no such limit to stay under
+        return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _memory_maps_within_limit():
+    yield
+    counts = _map_counts()
+    if counts is not None and counts[0] > counts[1] // 2:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
