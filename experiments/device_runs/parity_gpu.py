@@ -2,6 +2,7 @@
 goldens there as it does on a CPU?
 
     PYTHONPATH=. python3 -m experiments.device_runs.parity_gpu          # ~5.5 min: 4 cases, 1-2.5 min each
+    PYTHONPATH=. python3 -m experiments.device_runs.parity_gpu f32_fp8_prefill f32_bf16_prefill   # some of them
 
 Before `dsv41_jax.precision` (twenty-seventh session, H200) XLA ran the f32 model's dots in TF32 and the f32 fp8
 prefill and decode cases failed (up to 1.12 of a logit scale of 4.26); with JAX_DEFAULT_MATMUL_PRECISION=highest
@@ -17,6 +18,7 @@ the reference's 1.19 (docs/PARITY.md, "On a GPU").
 """
 
 import os
+import sys
 
 from experiments.device_runs._steps import OUT, step
 
@@ -27,10 +29,13 @@ CASES = {"f32_fp8_prefill": "test_matches_official_at_f32 and fp8-prefill",
 GPU = {"JAX_PLATFORMS": "cuda", "DSV41_PARITY_FULL": "1"}
 
 if __name__ == "__main__":
-    for name, selector in CASES.items():  # decode_released passed in 149 s (twenty-eighth session)
-        step(name, ["-m", "pytest", "tests/test_parity.py", "-q", "-s", "-p", "no:cacheprovider", "-k", selector],
+    chosen = sys.argv[1:] or list(CASES)
+    if unknown := set(chosen) - set(CASES):
+        sys.exit(f"unknown cases {sorted(unknown)}; choose from {list(CASES)}")
+    for name in chosen:  # decode_released passed in 149 s (twenty-eighth session)
+        step(name, ["-m", "pytest", "tests/test_parity.py", "-q", "-s", "-p", "no:cacheprovider", "-k", CASES[name]],
              240 if "decode" in name else 150, GPU)
-    for name in CASES:
+    for name in chosen:
         lines = open(os.path.join(OUT, f"{name}.log")).read().splitlines()
         print(f"== {name}: " + " | ".join(ln.strip(".F ") for ln in lines if "dlogit" in ln or " passed" in ln
                                           or " failed" in ln))
