@@ -33,6 +33,7 @@ import math
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import jax
@@ -292,7 +293,7 @@ class Placement:
     def new_cache(self, cfg: ModelConfig, capacity: int) -> Cache:
         """An empty cache for the placement's batch made on the mesh: each device writes only its own shards (made
         on one device and then placed, a cache sized to the devices' memory would not fit the first one)."""
-        return jax.jit(lambda: init_cache(cfg, self.batch, capacity), out_shardings=self.cache)()
+        return _empty_cache_program(self, cfg, capacity)()
 
     def put_cache(self, cache: Cache) -> Cache:
         """`cache` on the mesh (arrays already there stay as they are)."""
@@ -321,6 +322,12 @@ class Placement:
             return x
         return jax.device_put(np.asarray(x, np.int32) if not isinstance(x, jax.Array) else x.astype(np.int32),
                               self.rows)
+
+
+@lru_cache(maxsize=16)
+def _empty_cache_program(placement: Placement, cfg: ModelConfig, capacity: int):
+    """`Placement.new_cache`'s program, compiled once per placement, config and capacity."""
+    return jax.jit(lambda: init_cache(cfg, placement.batch, capacity), out_shardings=placement.cache)
 
 
 def _placed(arrays: list, shardings: list) -> bool:

@@ -34,8 +34,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not os.environ.get("PYTEST_
 
 
 # Every compiled CPU program keeps its JIT-ed code mapped (a few memory maps for a small one, hundreds for a
-# model step), and a worker that runs half the suite compiles thousands: measured on the 2-core CI machine,
-# a worker reached 64,200 maps of Linux's default limit of 65,530 (vm.max_map_count). Past it mmap fails
+# model step), and a worker that runs half the suite compiles thousands: on the 2-core CI machine (`wc -l
+# /proc/PID/maps` of both workers every 3 s through `make test`) one reached 64,200 maps of Linux's default
+# limit of 65,530 (vm.max_map_count); with the clearing below, 35,983. Past it mmap fails
 # inside XLA, which took workers down with a segfault or an abort while (de)serializing a program for the
 # compilation cache (three CI runs of 2026-12-04/05). So between modules, a process past half its limit
 # drops the compiled programs (later modules load the ones they need again, from that cache).

@@ -282,7 +282,7 @@ def test_sharded_speculative_steps_emit_the_one_device_greedy_tokens():
     m = shard_model(cfg, params, S.make_mesh(cfg, "data=2,expert=4", batch=b), batch=b)
     logits, cache, window = m.speculative_prefill(m.init_cache(cap), m.init_draft_window(), tok, lens)
     np.testing.assert_array_equal(np.asarray(logits).argmax(-1), first)
-    out, n_out, accepted, _, cache, window = m.speculative_generate(cache, window, first, n, budget_b=n)
+    out, n_out, _, _, cache, window = m.speculative_generate(cache, window, first, n, budget_b=n)
     out, n_out = np.asarray(out), np.asarray(n_out)
     for row in range(b):
         np.testing.assert_array_equal(np.concatenate([out[row, s, :n_out[row, s]] for s in range(n)]), want[row])
