@@ -58,7 +58,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas import gpu_attention, gpu_wgmma
+from kernels_pallas import gpu_attention, gpu_timeline, gpu_wgmma
 from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, U32, i32_const, index_of, pow2_bf16x2, swizzled_offset,
                                      warpgroup_coords)
 
@@ -523,19 +523,23 @@ def default_splits(b: int, tiles: int, sms: int = 132) -> int:
 
 
 ABLATIONS = ("prefetch", "decode", "qk", "pv", "store")
+# A CTA's points when timed (`gpu_timeline`): its start, q in shared memory, the first tile decoded, every tile
+# done, its rows stored (merged: added)
+TIMELINE = ("start", "query", "first tile", "tiles", "stored")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
-                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32):
+                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
     (default `default_splits`). merged: the ranges as one cluster merging in the kernel (at most MAX_SPLITS of
     them), or partials merged by `gpu_attention.combine` (default: merged up to MERGED_SPLITS). skip: parts
     of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong). unrotate, out_dtype: as
-    `gpu_attention.sparse_attention`'s (partials merged and turned by `gpu_attention.combine_unrotated`)."""
+    `gpu_attention.sparse_attention`'s (partials merged and turned by `gpu_attention.combine_unrotated`). timeline:
+    also return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [B * splits, 6], CTA b * splits + range)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     b, h, d = q_bhd.shape
@@ -563,10 +567,17 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
     def body(q_gmem, wv, ws, wok, ev, es, idx_gmem, *refs):
         if merged:
-            sink_gmem, o_gmem, stats_gmem, q_smem, k_smem, masks = refs
+            sink_gmem, o_gmem, stats_gmem, *refs = refs
         else:
-            o_gmem, m_gmem, l_gmem, q_smem, k_smem, masks = refs
+            o_gmem, m_gmem, l_gmem, *refs = refs
+        tl_gmem, q_smem, k_smem, masks = refs if timeline else (None, *refs)
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
+
+        def stamp(point):
+            if timeline:
+                gpu_timeline.stamp(point)(tl_gmem, seq * splits + part)
+
+        stamp(0)
         first = part * per
         last = jnp.minimum(first + per, n_t)
         if "prefetch" not in skip:
@@ -584,7 +595,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 _decode_entries(n)(k_smem, masks, ev, es, idx_gmem, seq, slot, (t - n_wt) * T)
 
         _load_query()(q_gmem, q_smem, seq)  # made visible to the wgmmas by the first decode's fence and barrier
+        stamp(1)
         pl.when(first < last)(lambda: decode(first, 0))
+        stamp(2)
 
         def tile(t, carry):
             acc, m, l = carry
@@ -612,18 +625,21 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         m = plgpu.layout_cast(jnp.full((H,), gpu_attention.M_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l = plgpu.layout_cast(jnp.zeros((H,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc, m, l = lax.fori_loop(first, last, tile, (acc, m, l))
+        stamp(3)
         wide = lambda v: lax.broadcast_in_dim(v, (H, 8), [0])
         if "store" not in skip:
             if merged:
                 _store_merged()(acc, wide(m), wide(l), k_smem, stats_gmem, sink_gmem, o_gmem, seq, part)
             else:
                 _store_partials()(acc, wide(m), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
+        stamp(4)
 
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     rows = gpu_attention.partial_rows(splits, unrotate)
-    launch = (dict(out_type=(f32(b, H, D), f32(b, splits, 2, H)), grid=(b,), grid_names=("b",), cluster=(splits,),
-                   cluster_names=("s",)) if merged else
-              dict(out_type=(f32(b, rows, H, D), f32(b, rows, H), f32(b, rows, H)), grid=(b, splits),
+    timed = (jax.ShapeDtypeStruct((b * splits, len(TIMELINE) + 1), jnp.uint32),) if timeline else ()
+    launch = (dict(out_type=(f32(b, H, D), f32(b, splits, 2, H), *timed), grid=(b,), grid_names=("b",),
+                   cluster=(splits,), cluster_names=("s",)) if merged else
+              dict(out_type=(f32(b, rows, H, D), f32(b, rows, H), f32(b, rows, H), *timed), grid=(b, splits),
                    grid_names=("b", "s")))
     kernel = plgpu.kernel(
         body,
@@ -639,6 +655,10 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             entry_scales, idx)
     sink = sink_h.astype(jnp.float32)
     if merged:
-        return gpu_attention.finish(kernel(*args, sink)[0], unrotate, out_dtype)
-    return gpu_attention.merge_partials(kernel(*args), sink, splits=splits, h=H, unrotate=unrotate, out_dtype=out_dtype)
+        outs = kernel(*args, sink)
+        out = gpu_attention.finish(outs[0], unrotate, out_dtype)
+    else:
+        outs = kernel(*args)
+        out = gpu_attention.merge_partials(outs[:3], sink, splits=splits, h=H, unrotate=unrotate, out_dtype=out_dtype)
+    return (out, outs[-1]) if timeline else out
 

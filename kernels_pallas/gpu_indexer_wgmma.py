@@ -40,6 +40,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas import gpu_timeline
 from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, i32_const, index_of, is_hopper, pow2_bf16x2,
                                      warpgroup_coords, wgmma_operand)
 
@@ -108,12 +109,12 @@ def _decode_keys(row0: int, ptx: str):
 @functools.cache
 def _epilogue(h: int, row0: int, q_parts: int):
     """inline_mgpu: (acc f32 [64, q_parts * H] WGMMA layout of the step's rows row0 .. row0 + 63 (q_parts 2:
-    hi columns, then lo), the rows' e_max (`_decode_keys`), w_smem f32 [H], out gmem f32 [B, N], b, the
-    step's first position, reachable) -> stores the 64 scores."""
+    hi columns, then lo), the rows' e_max (`_decode_keys`), w f32 [64, H] WGMMA layout (`_head_weights`),
+    out gmem f32 [B, N], b, the step's first position, reachable) -> stores the 64 scores."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), _SPLAT,
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(), _SPLAT,
                                   _SPLAT, _SPLAT))
-    def epilogue(ctx, acc, e_maxes, w_smem, o_gmem, b, p0, reach):
+    def epilogue(ctx, acc, e_maxes, w_regs, o_gmem, b, p0, reach):
         del ctx
         f32 = ir.F32Type.get()
         b, p0, reach = (a.registers.item() for a in (b, p0, reach))
@@ -127,8 +128,8 @@ def _epilogue(h: int, row0: int, q_parts: int):
                     pos = ir.DenseI64ArrayAttr.get([j])
                     x = functools.reduce(arith.addf, [vector.extract(v, dynamic_position=[], static_position=pos)
                                                       for v in parts])
-                    head = arith.addi(arith.muli(q, i32_const(2)), i32_const(8 * c + j))
-                    w = memref.load(w_smem, [index_of(head)])
+                    w = vector.extract(w_regs.registers[0, c, 0, 0, 0, 0, 0, 0, 0], dynamic_position=[],
+                                       static_position=pos)
                     # 2 relu(x) = x + |x| exactly: an FADD on the FMA pipe where a max would take the ALU pipe,
                     # which bounds the kernel; the 2 leaves with the row's scale
                     relu2 = arith.addf(x, mlir_math.absf(x))
@@ -156,6 +157,35 @@ def _epilogue(h: int, row0: int, q_parts: int):
             memref.store(total, o_gmem, [index_of(b), index_of(pos_n)])
 
     return epilogue
+
+
+@functools.cache
+def _head_weights(h: int):
+    """inline_mgpu: (w gmem f32 [B, H], b) -> f32 [64, H] WGMMA layout, column j = w[b, j] in every row: each
+    thread's 2 H / 8 head weights in registers, loaded once per CTA (the epilogue read them from shared memory
+    at every tile)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT),
+                       return_type=plgpu.ShapeDtypeStruct((TP, h), jnp.float32, plgpu.Layout.WGMMA))
+    def load(ctx, w_gmem, b):
+        del ctx
+        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+        b = b.registers.item()
+        _, q, _ = warpgroup_coords()
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TP, h)), dtype=object)
+        for c in range(h // 8):  # columns 8c + 2q + {0, 1}, the same in both of a thread's rows
+            vec = llvm.mlir_undef(ir.VectorType.get((2,), f32))
+            for j in range(2):
+                head = arith.addi(arith.muli(q, i32_const(2)), i32_const(8 * c + j))
+                vec = llvm.insertelement(vec, memref.load(w_gmem, [index_of(b), index_of(head)]), arith.constant(i32, j))
+            for half in range(2):
+                regs[0, c, 0, 0, half, 0, 0, 0, 0] = vec
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return load
+
+
+TIMELINE = ("start", "waited", "end")  # a CTA's points when timed (`gpu_timeline`): its start, q in shared memory, done
 
 
 # The model's dispatch (`kernels_pallas.indexer_scores_decode`) takes this scan while ON, with q_parts=1 (the
@@ -198,16 +228,17 @@ def tiles_per_step_for(n: int) -> int:
 
 # Defaults measured on the H200 at 128K and 1M positions x batch 8 (docs/BENCHMARKS.md, eighteenth and
 # nineteenth sessions): 2112 CTAs (16 per SM; 1056 was 1-3% slower), 4 tiles per step, 2 stages.
-@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx"))
+@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx", "timeline"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                          reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int | None = None, q_parts: int = 2,
-                         ctas: int = 2112, decode_ptx: str = DECODE_PTX) -> jax.Array:
+                         ctas: int = 2112, decode_ptx: str = DECODE_PTX, timeline: bool = False):
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
     stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; must
     divide N / 64; default `tiles_per_step_for(N)`, 4 where it divides); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16
     (exact for the model's FP4-grid queries; half the MMA work); ctas: CTAs wanted over the batch
-    (`split_steps`); decode_ptx: the keys' decode (DECODE_PTX's operands; benchmarks replace it)."""
+    (`split_steps`); decode_ptx: the keys' decode (DECODE_PTX's operands; benchmarks replace it); timeline: also
+    return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part)."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
     b, h, d = q_bhd.shape
@@ -224,11 +255,15 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     w = w_bh.astype(jnp.float32)
     s_view = key_scales.reshape(b, tiles, TP * D // GROUP)  # a tile's 256 scale bytes; a step's: one TMA box
 
-    def body(reach_gmem, q_gmem, w_gmem, k_gmem, s_gmem, o_gmem, q_smem, w_smem, q_bar, w_bar):
+    def body(reach_gmem, q_gmem, w_gmem, k_gmem, s_gmem, *refs):
+        o_gmem, tl_gmem, q_smem, q_bar = refs if timeline else (refs[0], None, *refs[1:])
         seq, part = lax.axis_index("b"), lax.axis_index("c")
+        cta = seq * per_seq + part
+        if timeline:
+            gpu_timeline.stamp(0)(tl_gmem, cta)
         first = jnp.minimum(part * steps, all_steps - steps)  # this CTA's first step (`split_steps`)
         plgpu.copy_gmem_to_smem(q_gmem.at[seq], q_smem, q_bar)
-        plgpu.copy_gmem_to_smem(w_gmem.at[seq], w_smem, w_bar)
+        w_regs = _head_weights(h)(w_gmem, seq)
         reach = reach_gmem[seq]
 
         def step(idx, k_smem, s_smem):
@@ -237,7 +272,8 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
             @pl.when(t == 0)
             def _():  # once: a wait flips the barrier's phase
                 plgpu.barrier_wait(q_bar)
-                plgpu.barrier_wait(w_bar)
+                if timeline:
+                    gpu_timeline.stamp(1)(tl_gmem, cta)
 
             for i in range(tiles_per_step):
                 def acc_scope(acc_ref, i=i):
@@ -247,7 +283,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
                     return acc_ref[...], e_max
 
                 acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
-                _epilogue(h, TP * i, q_parts)(acc, e_max, w_smem, o_gmem, seq, (first + t) * rows, reach)
+                _epilogue(h, TP * i, q_parts)(acc, e_max, w_regs, o_gmem, seq, (first + t) * rows, reach)
 
         plgpu.emit_pipeline(
             step,
@@ -256,14 +292,17 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
                       plgpu.BlockSpec((tiles_per_step, TP * D // GROUP), lambda t: (first + t, 0))],
             max_concurrent_steps=stages,
         )(k_gmem.at[seq], s_gmem.at[seq])
+        if timeline:
+            gpu_timeline.stamp(2)(tl_gmem, cta)
 
+    scores = jax.ShapeDtypeStruct((b, n), jnp.float32)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((b, n), jnp.float32),
+        out_type=(scores, jax.ShapeDtypeStruct((b * per_seq, len(TIMELINE) + 1), jnp.uint32)) if timeline else scores,
         grid=(b, per_seq),
         grid_names=("b", "c"),
         scratch_types=(plgpu.SMEM((q_parts * h, D), jnp.bfloat16, transforms=_Q_TRANSFORMS),
-                       plgpu.SMEM((h,), jnp.float32), plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)),
+                       plgpu.Barrier(num_arrivals=1)),
         kernel_name=f"indexer_scores_wgmma_{h}_{q_parts}",
     )
     return kernel(reachable_b.astype(jnp.int32), qs, w, key_values, s_view)

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from experiments.device_runs import issue12_decode
+from experiments.device_runs import issue12_decode, issue21_timeline
 
 PARSERS = {"experiments.bench_decode", "experiments.profile_step", "experiments.decode"}
 STEPS = sorted({(name, tuple(argv)) for steps in issue12_decode.GROUPS.values() for name, argv, *_ in steps})
@@ -40,13 +40,16 @@ def test_the_check_catches_a_wrong_list_and_a_missing_module():
         test_step_parses("missing", ("pytest", "tests/test_no_such_file.py", "-q"))
 
 
-@pytest.mark.parametrize("end", sorted(issue12_decode.TREES))
+TREES = {**issue12_decode.TREES, **issue21_timeline.TREES}
+
+
+@pytest.mark.parametrize("end", sorted(TREES))
 def test_each_revert_applies_to_this_tree(end, tmp_path):
     """A step ending in `end` runs in a copy of the tree with its list of changes taken back: each change's text must
     occur once (tree_before raises on the device otherwise, before the step runs)."""
     from experiments.device_runs._steps import tree_before
-    root = tree_before(issue12_decode.TREES[end], str(tmp_path / "tree"))
-    for path, _, before in issue12_decode.TREES[end]:
+    root = tree_before(TREES[end], str(tmp_path / "tree"))
+    for path, _, before in TREES[end]:
         assert before in open(os.path.join(root, path)).read()
 
 

@@ -1,0 +1,60 @@
+"""Per-CTA timelines of a Mosaic GPU kernel: when each CTA reached each point of its program, and on which SM.
+
+Where a kernel's time goes between its phases (a query's load, a pipeline's first step, the tiles, a merge) is
+not in a profiler's trace, which sees the kernel whole, and this GPU has no hardware counters for it. A kernel
+built with a timeline writes, from thread 0 of each CTA, the GPU's global nanosecond timer (`%globaltimer`, one
+clock for all SMs) at each of its points and the SM it ran on, into an extra output: uint32 [CTAs, points + 1],
+the last column the SM id, the times the timer's low 32 bits (differences stay exact over 4 s). `phases` turns
+it into the spread of each phase over the CTAs, and the kernel's span.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, memref
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas.gpu_wgmma import i32_const, index_of
+
+_SPLAT = plgpu.Layout.WG_SPLAT(shape=())
+
+
+@functools.cache
+def stamp(point: int):
+    """inline_mgpu: (timeline gmem u32 [CTAs, points + 1], the CTA's row) -> timeline[row, point] = the timer's low
+    32 bits now (thread 0 of the CTA); point 0 also writes the SM id in the last column."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT))
+    def write(ctx, timeline, row):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        row = row.registers.item()
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32_const(0))):
+            now = mgpu_utils.inline_ptx("mov.u32 $0, %globaltimer_lo;", result_types=i32, has_side_effects=True)
+            memref.store(now, timeline, [index_of(row), index_of(i32_const(point))])
+            if point == 0:
+                sm = mgpu_utils.inline_ptx("mov.u32 $0, %smid;", result_types=i32, has_side_effects=True)
+                last = ir.MemRefType(timeline.type).shape[1] - 1
+                memref.store(sm, timeline, [index_of(row), index_of(i32_const(last))])
+
+    return write
+
+
+def phases(timeline: np.ndarray, names: list[str]) -> dict:
+    """The timeline u32 [CTAs, len(names) + 1] of one call -> {"span_us": first stamp to last, "sms": SMs used,
+    "ctas_per_sm": most CTAs an SM ran, name: (median, 90th percentile, max) us of the phase that ends at point
+    `name` (from the point before it; the first name: from the kernel's first stamp to each CTA's point 0)}."""
+    t = np.asarray(timeline, np.int64)
+    times = ((t[:, :-1] - t[0, 0] + 2**31) % 2**32) - 2**31  # the timer's wrap undone around CTA 0's start
+    times = (times - times.min()) / 1e3
+    prev = np.concatenate([np.zeros((len(times), 1)), times[:, :-1]], axis=1)
+    out = {"span_us": float(times.max()), "sms": int(len(np.unique(t[:, -1]))),
+           "ctas_per_sm": int(np.bincount(t[:, -1]).max())}
+    for i, name in enumerate(names):
+        d = times[:, i] - prev[:, i]
+        out[name] = tuple(round(float(v), 2) for v in (np.median(d), np.percentile(d, 90), d.max()))
+    return out

@@ -1,0 +1,47 @@
+"""Per-CTA timelines (`kernels_pallas.gpu_timeline`): the phases read off a timeline, across the timer's wrap, and
+both Mosaic GPU kernels that can write one lower with it for CUDA (on a CPU; a GPU runs them in
+experiments.device_runs.issue21_timeline)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import gpu_attention_wgmma as att
+from kernels_pallas import gpu_indexer_wgmma as scan
+from kernels_pallas import gpu_timeline
+
+
+def test_phases_reads_spans_medians_and_sms_across_the_timers_wrap():
+    # 4 CTAs, points (start, mid, end) in ns from a base just below the 32-bit wrap, SM ids in the last column
+    base = 2**32 - 1500
+    ns = np.array([[0, 1000, 5000], [200, 2200, 4200], [4000, 6000, 9000], [4100, 5100, 7100]], np.int64)
+    timeline = np.concatenate([(base + ns) % 2**32, np.array([[3], [7], [3], [7]])], axis=1).astype(np.uint32)
+    got = gpu_timeline.phases(timeline, ["start", "mid", "end"])
+    assert got["span_us"] == pytest.approx(9.0)
+    assert got["sms"] == 2 and got["ctas_per_sm"] == 2
+    assert got["start"] == (pytest.approx(2.1), pytest.approx(4.07), pytest.approx(4.1))  # waiting to start
+    assert got["mid"] == (pytest.approx(1.5), pytest.approx(2.0), pytest.approx(2.0))
+    assert got["end"] == (pytest.approx(2.5), pytest.approx(3.7), pytest.approx(4.0))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
+def test_kernels_lower_with_a_timeline_output():
+    s = jax.ShapeDtypeStruct
+    b, h, n = 2, 32, 8192
+    args = (s((b, h, scan.D), jnp.float32), s((b, h), jnp.float32), s((b, n, scan.D // 2), jnp.uint8),
+            s((b, n, scan.D // scan.GROUP), jnp.uint8), s((b,), jnp.int32))
+    timed = jax.jit(lambda *a: scan.indexer_scores_wgmma(*a, q_parts=1, ctas=64, timeline=True)).trace(*args)
+    c, _ = scan.split_steps(b, n // scan.TP // 4, 64)
+    assert timed.out_info[1].shape == (b * c, len(scan.TIMELINE) + 1)
+    assert "globaltimer_lo" in timed.lower(lowering_platforms=("cuda",)).as_text()
+    w, k = 128, 512
+    args = (s((b, att.H, att.D), jnp.float32), s((b, w, att.D), jnp.uint8), s((b, w, att.D // 32), jnp.uint8),
+            s((b, w), jnp.bool_), s((b, n, att.D // 2), jnp.uint8), s((b, n, att.D // 16), jnp.uint8),
+            s((b, k), jnp.int32), s((att.H,), jnp.float32))
+    for splits in (2, att.MAX_SPLITS + 1):  # merged in the kernel, and partials
+        timed = jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=splits, timeline=True)).trace(*args)
+        assert [o.shape for o in timed.out_info] == [(b, att.H, att.D), (b * splits, len(att.TIMELINE) + 1)]
+        assert "globaltimer_lo" in timed.lower(lowering_platforms=("cuda",)).as_text()
