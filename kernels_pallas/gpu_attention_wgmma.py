@@ -15,8 +15,9 @@ partials in the same call, twenty-fifth session).
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): two warpgroups, each
 owning half of the output channels, so each holds a [64 heads, 256] f32 accumulator (128 registers a thread).
-At its start every key row of its range is prefetched to L2 (`_prefetch`) and q is loaded and rounded to bf16
-(`_load_query`). Per tile of 64 keys:
+At its start every key row of its range is prefetched to L2 (`_prefetch`) and q is loaded in bf16 (`_load_query`;
+the model's q is bf16, an f32 q is rounded by the caller: the kernel rounded it itself until the thirty-sixth
+session, reading twice the bytes per CTA). Per tile of 64 keys:
 - both warpgroups decode 32 of its rows each, straight from global memory (the rows are gathered by index;
   nothing is staged), into one bf16 [64 keys, 512] tile in shared memory (two slots), meeting at a CTA barrier
   before (the slot's last readers are done) and after (its keys are written); the next tile's decode runs
@@ -311,33 +312,33 @@ def _bias():
 
 @functools.cache
 def _load_query():
-    """inline_mgpu: (q gmem f32 [B, 64, 512], q smem bf16 [2, 64, 256] (channel halves), b) -> q[b] rounded to
-    bf16 in the kernel's channel order (`channel_perm`): a thread reads 8 channels (two 16 B loads, whole lines
-    over a warp) and writes their 16 B chunk."""
+    """inline_mgpu: (q gmem bf16 [B, 64, 512], q smem bf16 [2, 64, 256] (channel halves), b) -> q[b] in the
+    kernel's channel order (`channel_perm`): a thread reads 8 channels (one 16 B load, whole lines over a warp),
+    puts their pairs in PERM8 order by byte permutes and writes the 16 B chunk."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(_TRANSFORMS), _SPLAT))
     def load(ctx, q_gmem, q_smem, b):
         del ctx
-        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        i32 = ir.IntegerType.get_signless(32)
         b = b.registers.item()
         tid = mgpu_utils.thread_idx()
         g_ptr, s_ptr = mgpu_utils.memref_ptr(q_gmem), mgpu_utils.memref_ptr(q_smem)
-        base = arith.muli(_i64(b), _i64(i32_const(H * D * 4)))
+        base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
         groups = []
         for i in range(H * D // 8 // 256):  # 8-channel group g = tid + 256 i: row g // 64, channels 8 (g % 64) + ...
             g = arith.addi(tid, i32_const(256 * i))
-            off = arith.addi(base, _i64(arith.muli(g, i32_const(32))))
-            vals = [_load(g_ptr, arith.addi(off, _i64(i32_const(16 * h))), ir.VectorType.get((4,), f32), 16)
-                    for h in range(2)]
-            groups.append((g, vals))
+            groups.append((g, _load(g_ptr, arith.addi(base, _i64(arith.muli(g, i32_const(16)))),
+                                    ir.VectorType.get((4,), i32), 16)))
         for g, vals in groups:
-            ch = [llvm.extractelement(vals[c // 4], arith.constant(i32, c % 4)) for c in range(8)]
-            words = [mgpu_utils.inline_ptx("cvt.rn.bf16x2.f32 $0, $1, $2;", ch[PERM8[2 * j + 1]], ch[PERM8[2 * j]],
-                                           result_types=i32) for j in range(4)]
+            words = [llvm.extractelement(vals, arith.constant(i32, c)) for c in range(4)]  # channels (2c, 2c + 1)
+            # PERM8's pairs (3, 7), (2, 6), (1, 5), (0, 4): the odd channels are the words' upper halves
+            pairs = [mgpu_utils.inline_ptx(f"prmt.b32 $0, $1, $2, {sel:#06x};", words[lo], words[lo + 2],
+                                           result_types=i32)
+                     for lo, sel in ((1, 0x7632), (1, 0x5410), (0, 0x7632), (0, 0x5410))]
             row, u = arith.divui(g, i32_const(D // 8)), arith.remui(g, i32_const(D // 8))
             half = arith.divui(u, i32_const(HALF // 8))
             col = arith.muli(arith.remui(u, i32_const(HALF // 8)), i32_const(8))
-            _store16(s_ptr, _smem_offset(0, half, row, col), words)
+            _store16(s_ptr, _smem_offset(0, half, row, col), pairs)
 
     return load
 
@@ -651,7 +652,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                        plgpu.SMEM((2, 8), jnp.uint32)),
         kernel_name="sparse_attention_wgmma",
     )
-    args = (q_bhd.astype(jnp.float32), window_values, window_scales, window_valid.astype(jnp.int8), entry_values,
+    args = (q_bhd.astype(jnp.bfloat16), window_values, window_scales, window_valid.astype(jnp.int8), entry_values,
             entry_scales, idx)
     sink = sink_h.astype(jnp.float32)
     if merged:

@@ -1,15 +1,16 @@
 """Issue 21 on one H200 (thirty-sixth session): where the scan's and the attention's time goes inside the kernel,
-from per-CTA timelines (`kernels_pallas.gpu_timeline`), and the scan's head weights held in registers.
+from per-CTA timelines (`kernels_pallas.gpu_timeline`); the scan's head weights held in registers, the attention's
+q read in bf16.
 
-Groups (default: tests scan scan_before attention):
+Groups (default: tests scan attention before):
 - tests: the scan's and the attention's GPU tests, compiled;
 - scan: a copy of the scan's bytes (72 MB moved) and of 2 GiB, from HBM (what a copy of this size reaches); the
   scan (q_parts 1, the dispatch's) at 128K x 8 / 32 and 1M x 8 from HBM; the CTAs' timelines at 128K x 8 and
   1M x 8;
-- scan_before: `scan`'s timings in a copy of the tree with the head weights read from shared memory at every
-  tile, as before (`TREES["scan_before"]`);
-- attention: the wgmma attention at batch 64 (2 ranges merged) and 8 (10 ranges, partials) from HBM, and the
-  CTAs' timelines.
+- attention: the wgmma attention at batch 64 (2 ranges merged) and 8 (10 ranges, partials) from HBM, q in f32
+  and in bf16 (the model's), and the CTAs' timelines;
+- before: `scan`'s and `attention`'s timings in a copy of the tree as before this session (`TREES["before"]`:
+  the scan's head weights read from shared memory at every tile, the attention's q read in f32).
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_timeline [GROUP ...]     (~6 min)
 
@@ -50,6 +51,73 @@ TREES = {"scan_before": [
      '''        scratch_types=(plgpu.SMEM((q_parts * h, D), jnp.bfloat16, transforms=_Q_TRANSFORMS),
                        plgpu.SMEM((h,), jnp.float32), plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)),'''),
 ]}
+ATTENTION = "kernels_pallas/gpu_attention_wgmma.py"
+# q read by the attention in f32 and rounded to bf16 in the kernel, as before
+TREES["before"] = TREES.pop("scan_before") + [
+    (ATTENTION, """    args = (q_bhd.astype(jnp.bfloat16), window_values,""", """    args = (q_bhd.astype(jnp.float32), window_values,"""),
+    (ATTENTION, '''@functools.cache
+def _load_query():
+    """inline_mgpu: (q gmem bf16 [B, 64, 512], q smem bf16 [2, 64, 256] (channel halves), b) -> q[b] in the
+    kernel's channel order (`channel_perm`): a thread reads 8 channels (one 16 B load, whole lines over a warp),
+    puts their pairs in PERM8 order by byte permutes and writes the 16 B chunk."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(_TRANSFORMS), _SPLAT))
+    def load(ctx, q_gmem, q_smem, b):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        b = b.registers.item()
+        tid = mgpu_utils.thread_idx()
+        g_ptr, s_ptr = mgpu_utils.memref_ptr(q_gmem), mgpu_utils.memref_ptr(q_smem)
+        base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
+        groups = []
+        for i in range(H * D // 8 // 256):  # 8-channel group g = tid + 256 i: row g // 64, channels 8 (g % 64) + ...
+            g = arith.addi(tid, i32_const(256 * i))
+            groups.append((g, _load(g_ptr, arith.addi(base, _i64(arith.muli(g, i32_const(16)))),
+                                    ir.VectorType.get((4,), i32), 16)))
+        for g, vals in groups:
+            words = [llvm.extractelement(vals, arith.constant(i32, c)) for c in range(4)]  # channels (2c, 2c + 1)
+            # PERM8's pairs (3, 7), (2, 6), (1, 5), (0, 4): the odd channels are the words' upper halves
+            pairs = [mgpu_utils.inline_ptx(f"prmt.b32 $0, $1, $2, {sel:#06x};", words[lo], words[lo + 2],
+                                           result_types=i32)
+                     for lo, sel in ((1, 0x7632), (1, 0x5410), (0, 0x7632), (0, 0x5410))]
+            row, u = arith.divui(g, i32_const(D // 8)), arith.remui(g, i32_const(D // 8))
+            half = arith.divui(u, i32_const(HALF // 8))
+            col = arith.muli(arith.remui(u, i32_const(HALF // 8)), i32_const(8))
+            _store16(s_ptr, _smem_offset(0, half, row, col), pairs)
+
+    return load''',
+     '''@functools.cache
+def _load_query():
+    """inline_mgpu: (q gmem f32 [B, 64, 512], q smem bf16 [2, 64, 256] (channel halves), b) -> q[b] rounded to
+    bf16 in the kernel's channel order (`channel_perm`): a thread reads 8 channels (two 16 B loads, whole lines
+    over a warp) and writes their 16 B chunk."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(_TRANSFORMS), _SPLAT))
+    def load(ctx, q_gmem, q_smem, b):
+        del ctx
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        b = b.registers.item()
+        tid = mgpu_utils.thread_idx()
+        g_ptr, s_ptr = mgpu_utils.memref_ptr(q_gmem), mgpu_utils.memref_ptr(q_smem)
+        base = arith.muli(_i64(b), _i64(i32_const(H * D * 4)))
+        groups = []
+        for i in range(H * D // 8 // 256):  # 8-channel group g = tid + 256 i: row g // 64, channels 8 (g % 64) + ...
+            g = arith.addi(tid, i32_const(256 * i))
+            off = arith.addi(base, _i64(arith.muli(g, i32_const(32))))
+            vals = [_load(g_ptr, arith.addi(off, _i64(i32_const(16 * h))), ir.VectorType.get((4,), f32), 16)
+                    for h in range(2)]
+            groups.append((g, vals))
+        for g, vals in groups:
+            ch = [llvm.extractelement(vals[c // 4], arith.constant(i32, c % 4)) for c in range(8)]
+            words = [mgpu_utils.inline_ptx("cvt.rn.bf16x2.f32 $0, $1, $2;", ch[PERM8[2 * j + 1]], ch[PERM8[2 * j]],
+                                           result_types=i32) for j in range(4)]
+            row, u = arith.divui(g, i32_const(D // 8)), arith.remui(g, i32_const(D // 8))
+            half = arith.divui(u, i32_const(HALF // 8))
+            col = arith.muli(arith.remui(u, i32_const(HALF // 8)), i32_const(8))
+            _store16(s_ptr, _smem_offset(0, half, row, col), words)
+
+    return load'''),
+]
 SCAN_POINTS = ((131072, 8), (131072, 32), (1048576, 8))
 
 
@@ -107,7 +175,7 @@ def timeline(fn, args, names) -> dict:
     return gpu_timeline.phases(jax.device_get(tl), list(names))
 
 
-def attention_group(say, rows) -> None:
+def attention_group(say, rows, timelines: bool) -> None:
     import jax
     import jax.numpy as jnp
 
@@ -119,19 +187,22 @@ def attention_group(say, rows) -> None:
     say(f"copy peak {peak / 1e9:.0f} GB/s")
     scale = bk.D_ATT ** -0.5
     for b in (64, 8):
-        q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17)
-        moved = bk.attention_bytes(q, window, wvalid, entries, idx)
-        args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
-        ref = ops.sparse_attention_decode(q, window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, scale)
-        fn = lambda *a: att.sparse_attention_wgmma(*a, scale=scale)  # noqa: E731
-        err = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
-        t, info = bk.time_hbm(fn, args, perturb=7)
-        rows.append(("attention", f"128K x {b}", f"{t * 1e6:.1f}", str(info["pallas_us"]), f"{100 * moved / t / peak:.1f}%",
-                     f"{err:.1e}"))
-        say(" | ".join(rows[-1]), info)
-        say(f"timeline 128K x {b}:", timeline(lambda *a: att.sparse_attention_wgmma(*a, scale=scale, timeline=True)[1], args,
-                                               att.TIMELINE))
-        del q, window, entries, args, ref
+        q32, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17)
+        for q in (q32, q32.astype(jnp.bfloat16)):  # the model's q is bf16
+            moved = bk.attention_bytes(q, window, wvalid, entries, idx)
+            args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
+            ref = ops.sparse_attention_decode(q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx,
+                                              quant.MAIN_KV, sink, scale)
+            fn = lambda *a: att.sparse_attention_wgmma(*a, scale=scale)  # noqa: E731
+            err = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
+            t, info = bk.time_hbm(fn, args, perturb=7)
+            rows.append(("attention", f"128K x {b}, q {q.dtype}", f"{t * 1e6:.1f}", str(info["pallas_us"]),
+                         f"{100 * moved / t / peak:.1f}%", f"{err:.1e}"))
+            say(" | ".join(rows[-1]), info)
+            if timelines and q.dtype == jnp.bfloat16:
+                say(f"timeline 128K x {b}:", timeline(
+                    lambda *a: att.sparse_attention_wgmma(*a, scale=scale, timeline=True)[1], args, att.TIMELINE))
+        del q, q32, window, entries, args, ref
 
 
 def main(groups: list[str]) -> int:
@@ -140,15 +211,15 @@ def main(groups: list[str]) -> int:
         rc = step("tests", ["-m", "pytest", "tests/test_indexer_wgmma.py", "tests/test_attention_wgmma.py", "-q",
                             "-p", "no:cacheprovider"], 330, {"JAX_PLATFORMS": "cuda"})
         say("TESTS rc", rc, "|", open(os.path.join(OUT, "tests.log")).read().strip().splitlines()[-1:])
-    if "scan_before" in groups:  # its own process in the before tree; its table lines land in its log
-        step("scan_before", ["-m", "experiments.device_runs.issue21_timeline", "scan_untimed"], 200,
-             cwd=tree_before(TREES["scan_before"]))
-        say(open(os.path.join(OUT, "scan_before.log")).read()[-3000:])
+    if "before" in groups:  # its own process in the before tree; its table lands in its log
+        step("before", ["-m", "experiments.device_runs.issue21_timeline", "scan_untimed", "attention_untimed"], 240,
+             cwd=tree_before(TREES["before"]))
+        say(open(os.path.join(OUT, "before.log")).read()[-3000:])
     rows = []
     if "scan" in groups or "scan_untimed" in groups:
         scan_group(say, rows, timelines="scan" in groups)
-    if "attention" in groups:
-        attention_group(say, rows)
+    if "attention" in groups or "attention_untimed" in groups:
+        attention_group(say, rows, timelines="attention" in groups)
     say("| kernel | shape | GPU us | kernel us | % of copy | error vs twin |\n|---|---|---|---|---|---|")
     for r in rows:
         say("| " + " | ".join(r) + " |")
@@ -156,4 +227,4 @@ def main(groups: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:] or ["tests", "scan", "scan_before", "attention"]))
+    raise SystemExit(main(sys.argv[1:] or ["tests", "scan", "attention", "before"]))
