@@ -9,10 +9,12 @@ Groups (default: tests scan attention before):
   1M x 8;
 - attention: the wgmma attention at batch 64 (2 ranges merged) and 8 (10 ranges, partials) from HBM, q in f32
   and in bf16 (the model's), and the CTAs' timelines;
+- sweep: the scan at 128K x 8 over CTAs and tiles per step, the attention at batch 64 over key ranges, each
+  timed and with its timeline;
 - before: `scan`'s and `attention`'s timings in a copy of the tree as before this session (`TREES["before"]`:
   the scan's head weights read from shared memory at every tile, the attention's q read in f32).
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue21_timeline [GROUP ...]     (~6 min)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_timeline [GROUP ...]     (~6 min; sweep ~2 more)
 
 Logs and a table per group under $OUT.
 """
@@ -205,6 +207,40 @@ def attention_group(say, rows, timelines: bool) -> None:
         del q, q32, window, entries, args, ref
 
 
+def sweep_group(say, rows) -> None:
+    """The scan at 128K x 8 over CTAs x tiles per step, the attention at batch 64 over key ranges (merged and
+    partials): each timed from HBM, with its CTAs' timeline."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from experiments import bench_kernels as bk
+    from kernels_pallas import gpu_attention_wgmma as att, gpu_indexer_wgmma as scan
+
+    peak = bk.copy_bandwidth(2.0)
+    q, w, rec = bk.index_data(jax.random.key(0), 8, 131072)
+    args = (q, w, rec["values"], rec["scales"], jnp.full((8,), 131072 - 5, jnp.int32))
+    moved = bk.nbytes(rec) + 8 * 131072 * 4
+    for ctas, tiles in ((1056, 4), (2112, 4), (4224, 4), (2112, 2), (4224, 2), (8448, 2)):
+        fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, ctas=ctas, tiles_per_step=tiles)
+        t, info = bk.time_hbm(fn, args, perturb=1)
+        rows.append(("scan", f"131072 x 8, {ctas} CTAs, {tiles} tiles/step", f"{t * 1e6:.1f}", str(info["pallas_us"]),
+                     f"{100 * moved / t / peak:.1f}%", "-"))
+        say(" | ".join(rows[-1]), "| timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, scan.TIMELINE))
+    del q, w, rec, args
+    q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(64), 64, 1 << 17)
+    q = q.astype(jnp.bfloat16)
+    args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
+    moved = bk.attention_bytes(q, window, wvalid, entries, idx)
+    for splits, merged in ((1, True), (2, False), (4, False)):
+        fn = functools.partial(att.sparse_attention_wgmma, scale=bk.D_ATT ** -0.5, splits=splits, merged=merged)
+        t, info = bk.time_hbm(fn, args, perturb=7)
+        rows.append(("attention", f"128K x 64, q bf16, {splits} ranges {'merged' if merged else 'partials'}",
+                     f"{t * 1e6:.1f}", str(info["pallas_us"]), f"{100 * moved / t / peak:.1f}%", "-"))
+        say(" | ".join(rows[-1]), "| timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, att.TIMELINE))
+
+
 def main(groups: list[str]) -> int:
     say, _ = logger(f"{'_'.join(groups)}.log")
     if "tests" in groups:
@@ -220,6 +256,8 @@ def main(groups: list[str]) -> int:
         scan_group(say, rows, timelines="scan" in groups)
     if "attention" in groups or "attention_untimed" in groups:
         attention_group(say, rows, timelines="attention" in groups)
+    if "sweep" in groups:
+        sweep_group(say, rows)
     say("| kernel | shape | GPU us | kernel us | % of copy | error vs twin |\n|---|---|---|---|---|---|")
     for r in rows:
         say("| " + " | ".join(r) + " |")
