@@ -252,12 +252,12 @@ def main(groups: list[str]) -> int:
         scan_group(say, rows, timelines="scan" in groups)
     if "attention" in groups or "attention_untimed" in groups:
         attention_group(say, rows, timelines="attention" in groups)
-    if "sweep" in groups:
-        sweep_group(say, rows)
     if "before" in groups:  # its own process in the before tree; its table lands in its log
         step("before", ["-m", "experiments.device_runs.issue21_timeline", "scan_untimed", "attention_untimed"], 240,
              cwd=tree_before(TREES["before"]))
         say(open(os.path.join(OUT, "before.log")).read()[-2500:])
+    if "sweep" in groups:
+        sweep_group(say, rows)
     say("| kernel | shape | GPU us | kernel us | % of copy | error vs twin |\n|---|---|---|---|---|---|")
     for r in rows:
         say("| " + " | ".join(r) + " |")
