@@ -11,7 +11,9 @@ step 14.860 -> 14.638 ms. Not at 40%: with 2 key ranges per sequence that call m
 counted (q read per CTA, f32 partials and their combine), and the two warpgroups work one tile in lockstep, so
 loads, decode, wgmmas and softmax take turns. Now up to MERGED_SPLITS key ranges of a sequence are one
 cluster that merges in the kernel (`_store_merged`: no partials, no combine; batch 64 44.2 us = 18.1%, 46.4 with
-partials in the same call, twenty-fifth session).
+partials in the same call, twenty-fifth session). With q read in bf16 (thirty-sixth session) the model's batch-64
+call takes 42.5 us (48.8 before: the f32 copy of q). Per-CTA timelines (`timeline=True`, `gpu_timeline`) put a
+batch-64 CTA's 36 us at ~6 for q and the prefetch, ~3.8 per 64-key tile, ~7 for the merge.
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): two warpgroups, each
 owning half of the output channels, so each holds a [64 heads, 256] f32 accumulator (128 registers a thread).
