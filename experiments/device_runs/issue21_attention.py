@@ -59,7 +59,7 @@ def wgmma(splits, skip=(), merged=None):
 
 
 for b in BATCHES:
-    q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17)
+    q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17, jnp.float32)
     moved = bk.attention_bytes(q, window, wvalid, entries, idx)
     args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
     ref = ops.sparse_attention_decode(q, window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, SCALE)

@@ -189,7 +189,7 @@ def attention_group(say, rows, timelines: bool) -> None:
     say(f"copy peak {peak / 1e9:.0f} GB/s")
     scale = bk.D_ATT ** -0.5
     for b in (64, 8):
-        q32, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17)
+        q32, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17, jnp.float32)
         for q in (q32, q32.astype(jnp.bfloat16)):  # the model's q is bf16
             moved = bk.attention_bytes(q, window, wvalid, entries, idx)
             args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
@@ -230,7 +230,6 @@ def sweep_group(say, rows) -> None:
         say(" | ".join(rows[-1]), "| timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, scan.TIMELINE))
     del q, w, rec, args
     q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(64), 64, 1 << 17)
-    q = q.astype(jnp.bfloat16)
     args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
     moved = bk.attention_bytes(q, window, wvalid, entries, idx)
     for splits, merged in ((1, True), (2, False), (4, False)):
