@@ -12,7 +12,7 @@ positions (136 of them the decode), the ALU pipe no longer the first limit. In t
 `gpu_wgmma` applied to keys:
 
 Per CTA (grid: sequence x range of positions, `split_steps`): one warpgroup; q^T [D, q_parts H] (q in bf16,
-or its hi and lo bf16 halves so that q . k keeps ~16 bits of any q) and w stay in shared memory; a TMA
+or its hi and lo bf16 halves so that q . k keeps ~16 bits of any q) stays in shared memory, w in registers; a TMA
 pipeline streams `tiles_per_step` tiles of 64 positions per step (a tile's 64 x 64 key bytes and 64 x 4 scale
 bytes). Each tile: the keys decoded by the experts' PTX (`gpu_wgmma.DECODE_PTX`) straight into the wgmma's
 register operand, each row's groups scaled by 2**(e_g - e_max) (e_max: the row's largest scale byte; groups
