@@ -526,9 +526,15 @@ def default_splits(b: int, tiles: int, sms: int = 132) -> int:
 
 
 ABLATIONS = ("prefetch", "decode", "qk", "pv", "store")
-# A CTA's points when timed (`gpu_timeline`): its start, q in shared memory, the first tile decoded, every tile
-# done, its rows stored (merged: added)
-TIMELINE = ("start", "query", "first tile", "tiles", "stored")
+
+
+def timeline_names(tiles: int) -> list[str]:
+    """A CTA's points when timed (`gpu_timeline`), for ranges of `tiles` key tiles: its start, q in shared memory,
+    the first tile decoded, then per tile its logits (the next tile's decode beside them) and its p . v done, every
+    tile done, its rows stored (merged: added). A range with fewer tiles stamps its missing tiles' points at its
+    "tiles" point (phases of 0)."""
+    per_tile = [f"{name} {i}" for i in range(tiles) for name in ("logits", "p.v")]
+    return ["start", "query", "first tile", *per_tile, "tiles", "stored"]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline"))
@@ -542,7 +548,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     them), or partials merged by `gpu_attention.combine` (default: merged up to MERGED_SPLITS). skip: parts
     of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong). unrotate, out_dtype: as
     `gpu_attention.sparse_attention`'s (partials merged and turned by `gpu_attention.combine_unrotated`). timeline:
-    also return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [B * splits, 6], CTA b * splits + range)."""
+    also return each CTA's `timeline_names(tiles per range)` points (`gpu_timeline`: u32 [B * splits, points + 1],
+    CTA b * splits + range)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     b, h, d = q_bhd.shape
@@ -578,7 +585,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         def stamp(point):
             if timeline:
-                gpu_timeline.stamp(point)(tl_gmem, seq * splits + part)
+                gpu_timeline.stamp(tl_gmem, seq * splits + part, point)
 
         stamp(0)
         first = part * per
@@ -612,6 +619,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot))  # while the tensor cores run
 
             s = pl.run_state(qk)(plgpu.ACC.init(_bias()(masks, slot))) * c
+            stamp(3 + 2 * (t - first))
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -622,24 +630,28 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 if "pv" not in skip:
                     plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), k_smem.at[slot, wg])
 
-            return pl.run_state(pv)(plgpu.ACC.init(acc)), m_new, l
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            stamp(4 + 2 * (t - first))
+            return acc, m_new, l
 
         acc = plgpu.layout_cast(jnp.zeros((H, HALF), jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((H,), gpu_attention.M_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l = plgpu.layout_cast(jnp.zeros((H,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc, m, l = lax.fori_loop(first, last, tile, (acc, m, l))
-        stamp(3)
+        for i in range(per * 2 if timeline else 0):  # a shorter range's missing tiles: at its "tiles" point
+            pl.when(i >= 2 * (last - first))(lambda i=i: stamp(3 + i))
+        stamp(3 + 2 * per)
         wide = lambda v: lax.broadcast_in_dim(v, (H, 8), [0])
         if "store" not in skip:
             if merged:
                 _store_merged()(acc, wide(m), wide(l), k_smem, stats_gmem, sink_gmem, o_gmem, seq, part)
             else:
                 _store_partials()(acc, wide(m), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
-        stamp(4)
+        stamp(4 + 2 * per)
 
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     rows = gpu_attention.partial_rows(splits, unrotate)
-    timed = (jax.ShapeDtypeStruct((b * splits, len(TIMELINE) + 1), jnp.uint32),) if timeline else ()
+    timed = (jax.ShapeDtypeStruct((b * splits, len(timeline_names(per)) + 1), jnp.uint32),) if timeline else ()
     launch = (dict(out_type=(f32(b, H, D), f32(b, splits, 2, H), *timed), grid=(b,), grid_names=("b",),
                    cluster=(splits,), cluster_names=("s",)) if merged else
               dict(out_type=(f32(b, rows, H, D), f32(b, rows, H), f32(b, rows, H), *timed), grid=(b, splits),

@@ -260,7 +260,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         seq, part = lax.axis_index("b"), lax.axis_index("c")
         cta = seq * per_seq + part
         if timeline:
-            gpu_timeline.stamp(0)(tl_gmem, cta)
+            gpu_timeline.stamp(tl_gmem, cta, 0)
         first = jnp.minimum(part * steps, all_steps - steps)  # this CTA's first step (`split_steps`)
         plgpu.copy_gmem_to_smem(q_gmem.at[seq], q_smem, q_bar)
         w_regs = _head_weights(h)(w_gmem, seq)
@@ -273,7 +273,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
             def _():  # once: a wait flips the barrier's phase
                 plgpu.barrier_wait(q_bar)
                 if timeline:
-                    gpu_timeline.stamp(1)(tl_gmem, cta)
+                    gpu_timeline.stamp(tl_gmem, cta, 1)
 
             for i in range(tiles_per_step):
                 def acc_scope(acc_ref, i=i):
@@ -293,7 +293,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
             max_concurrent_steps=stages,
         )(k_gmem.at[seq], s_gmem.at[seq])
         if timeline:
-            gpu_timeline.stamp(2)(tl_gmem, cta)
+            gpu_timeline.stamp(tl_gmem, cta, 2)
 
     scores = jax.ShapeDtypeStruct((b, n), jnp.float32)
     kernel = plgpu.kernel(

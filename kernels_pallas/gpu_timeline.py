@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
 import numpy as np
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, memref
@@ -24,19 +25,16 @@ _SPLAT = plgpu.Layout.WG_SPLAT(shape=())
 
 
 @functools.cache
-def stamp(point: int):
-    """inline_mgpu: (timeline gmem u32 [CTAs, points + 1], the CTA's row) -> timeline[row, point] = the timer's low
-    32 bits now (thread 0 of the CTA); point 0 also writes the SM id in the last column."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT))
-    def write(ctx, timeline, row):
+def _stamp():
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))
+    def write(ctx, timeline, row, point):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
-        row = row.registers.item()
+        row, point = row.registers.item(), point.registers.item()
         with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32_const(0))):
             now = mgpu_utils.inline_ptx("mov.u32 $0, %globaltimer_lo;", result_types=i32, has_side_effects=True)
-            memref.store(now, timeline, [index_of(row), index_of(i32_const(point))])
-            if point == 0:
+            memref.store(now, timeline, [index_of(row), index_of(point)])
+            with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, point, i32_const(0))):
                 sm = mgpu_utils.inline_ptx("mov.u32 $0, %smid;", result_types=i32, has_side_effects=True)
                 last = ir.MemRefType(timeline.type).shape[1] - 1
                 memref.store(sm, timeline, [index_of(row), index_of(i32_const(last))])
@@ -44,17 +42,29 @@ def stamp(point: int):
     return write
 
 
+def stamp(timeline, row, point) -> None:
+    """In a kernel body: timeline[row, point] = the timer's low 32 bits now, from thread 0 of the CTA (timeline
+    gmem u32 [CTAs, points + 1]; row, point: int32 scalars, traced or not); point 0 also writes the SM id in the
+    last column."""
+    _stamp()(timeline, jnp.asarray(row, jnp.int32), jnp.asarray(point, jnp.int32))
+
+
 def phases(timeline: np.ndarray, names: list[str]) -> dict:
     """The timeline u32 [CTAs, len(names) + 1] of one call -> {"span_us": first stamp to last, "sms": SMs used,
     "ctas_per_sm": most CTAs an SM ran, name: (median, 90th percentile, max) us of the phase that ends at point
-    `name` (from the point before it; the first name: from the kernel's first stamp to each CTA's point 0)}."""
+    `name` (from the point before it; the first name: from the kernel's first stamp to each CTA's point 0)}.
+    Phases of one kind repeated per item, named "kind i" (i an integer), are also summed per CTA as "kind *"."""
     t = np.asarray(timeline, np.int64)
     times = ((t[:, :-1] - t[0, 0] + 2**31) % 2**32) - 2**31  # the timer's wrap undone around CTA 0's start
     times = (times - times.min()) / 1e3
     prev = np.concatenate([np.zeros((len(times), 1)), times[:, :-1]], axis=1)
+    spans = {name: times[:, i] - prev[:, i] for i, name in enumerate(names)}
+    for name in list(spans):
+        kind, _, item = name.rpartition(" ")
+        if kind and item.isdigit():
+            spans[f"{kind} *"] = spans.get(f"{kind} *", 0) + spans[name]
     out = {"span_us": float(times.max()), "sms": int(len(np.unique(t[:, -1]))),
            "ctas_per_sm": int(np.bincount(t[:, -1]).max())}
-    for i, name in enumerate(names):
-        d = times[:, i] - prev[:, i]
+    for name, d in spans.items():
         out[name] = tuple(round(float(v), 2) for v in (np.median(d), np.percentile(d, 90), d.max()))
     return out

@@ -27,6 +27,23 @@ def test_phases_reads_spans_medians_and_sms_across_the_timers_wrap():
     assert got["end"] == (pytest.approx(2.5), pytest.approx(3.7), pytest.approx(4.0))
 
 
+def test_phases_sums_a_repeated_kind_per_cta():
+    # 2 CTAs: start, then per tile i "logits i" and "p.v i" (2 tiles), then end
+    ns = np.array([[0, 1000, 3000, 4000, 7000, 8000], [0, 2000, 3000, 5000, 6000, 6500]], np.int64)
+    timeline = np.concatenate([ns, np.array([[0], [1]])], axis=1).astype(np.uint32)
+    names = ["start", "logits 0", "p.v 0", "logits 1", "p.v 1", "end"]
+    got = gpu_timeline.phases(timeline, names)
+    assert got["logits *"] == (pytest.approx(3.0), pytest.approx(3.8), pytest.approx(4.0))  # 1 + 1 and 2 + 2 us
+    assert got["p.v *"] == (pytest.approx(3.5), pytest.approx(4.7), pytest.approx(5.0))  # 2 + 3 and 1 + 1 us
+    assert "start *" not in got and got["end"] == (pytest.approx(0.75), pytest.approx(0.95), pytest.approx(1.0))
+
+
+def test_attention_points_follow_the_tiles():
+    names = att.timeline_names(3)
+    assert names[:3] == ["start", "query", "first tile"] and names[-2:] == ["tiles", "stored"]
+    assert names[3:-2] == ["logits 0", "p.v 0", "logits 1", "p.v 1", "logits 2", "p.v 2"]
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
 def test_kernels_lower_with_a_timeline_output():
     s = jax.ShapeDtypeStruct
@@ -43,5 +60,6 @@ def test_kernels_lower_with_a_timeline_output():
             s((b, k), jnp.int32), s((att.H,), jnp.float32))
     for splits in (2, att.MAX_SPLITS + 1):  # merged in the kernel, and partials
         timed = jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=splits, timeline=True)).trace(*args)
-        assert [o.shape for o in timed.out_info] == [(b, att.H, att.D), (b * splits, len(att.TIMELINE) + 1)]
+        tiles = -(-(w // att.T + k // att.T) // splits)  # key tiles per range
+        assert [o.shape for o in timed.out_info] == [(b, att.H, att.D), (b * splits, len(att.timeline_names(tiles)) + 1)]
         assert "globaltimer_lo" in timed.lower(lowering_platforms=("cuda",)).as_text()

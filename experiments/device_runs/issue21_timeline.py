@@ -8,7 +8,8 @@ Groups (default: tests scan attention before):
   scan (q_parts 1, the dispatch's) at 128K x 8 / 32 and 1M x 8 from HBM; the CTAs' timelines at 128K x 8 and
   1M x 8;
 - attention: the wgmma attention at batch 64 (2 ranges merged) and 8 (10 ranges, partials) from HBM, q in f32
-  and in bf16 (the model's), and the CTAs' timelines;
+  and in bf16 (the model's), and the CTAs' timelines (with per-tile points since call 2: each tile's logits, the
+  next tile's decode beside them, and its p . v; "logits *" / "p.v *" sum them per CTA);
 - sweep: the scan at 128K x 8 over CTAs and tiles per step, the attention at batch 64 over key ranges, each
   timed and with its timeline;
 - query_first: `attention` in a copy of the tree with q loaded before the rows' L2 prefetch (`TREES`: a candidate);
@@ -139,6 +140,12 @@ TREE_GROUPS = {"before": ["scan_untimed", "attention_untimed"], "query_first": [
 SCAN_POINTS = ((131072, 8), (131072, 32), (1048576, 8))
 
 
+def attention_points(columns: int) -> list[str]:
+    """The wgmma attention's timeline points for a timeline of `columns` columns (its tiles per range from it)."""
+    from kernels_pallas import gpu_attention_wgmma as att
+    return att.timeline_names((columns - 6) // 2)
+
+
 def scan_group(say, rows, timelines: bool) -> None:
     import functools
 
@@ -175,7 +182,8 @@ def scan_group(say, rows, timelines: bool) -> None:
 
 
 def timeline(fn, args, names) -> dict:
-    """gpu_timeline.phases of the last of 5 calls of fn (-> the timeline), each after an L2 flush."""
+    """gpu_timeline.phases of the last of 5 calls of fn (-> the timeline), each after an L2 flush. names: the
+    points, or a function of the timeline's column count that gives them."""
     import jax
     import jax.numpy as jnp
 
@@ -190,7 +198,8 @@ def timeline(fn, args, names) -> dict:
     buf = jnp.zeros((bk.FLUSH_BYTES // 4,), jnp.uint32)
     for _ in range(5):
         buf, tl = flushed(buf, *args)
-    return gpu_timeline.phases(jax.device_get(tl), list(names))
+    tl = jax.device_get(tl)
+    return gpu_timeline.phases(tl, list(names(tl.shape[1]) if callable(names) else names))
 
 
 def attention_group(say, rows, timelines: bool) -> None:
@@ -219,7 +228,7 @@ def attention_group(say, rows, timelines: bool) -> None:
             say(" | ".join(rows[-1]), info)
             if timelines and q.dtype == jnp.bfloat16:
                 say(f"timeline 128K x {b}:", timeline(
-                    lambda *a: att.sparse_attention_wgmma(*a, scale=scale, timeline=True)[1], args, att.TIMELINE))
+                    lambda *a: att.sparse_attention_wgmma(*a, scale=scale, timeline=True)[1], args, attention_points))
         del q, q32, window, entries, args, ref
 
 
@@ -253,7 +262,7 @@ def sweep_group(say, rows) -> None:
         t, info = bk.time_hbm(fn, args, perturb=7)
         rows.append(("attention", f"128K x 64, q bf16, {splits} ranges {'merged' if merged else 'partials'}",
                      f"{t * 1e6:.1f}", str(info["pallas_us"]), f"{100 * moved / t / peak:.1f}%", "-"))
-        say(" | ".join(rows[-1]), "| timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, att.TIMELINE))
+        say(" | ".join(rows[-1]), "| timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
 
 
 def main(groups: list[str]) -> int:
