@@ -13,6 +13,8 @@ Groups (default: tests scan attention before):
 - sweep: the scan at 128K x 8 over CTAs and tiles per step, the attention at batch 64 over key ranges, each
   timed and with its timeline;
 - query_first: `attention` in a copy of the tree with q loaded before the rows' L2 prefetch (`TREES`: a candidate);
+- staged (with attention): the attention also with `staged=True` (entry rows copied into shared memory by cp.async
+  a tile ahead of their decode), timed and with its timeline; its GPU test is in `tests`.
 - before: `scan`'s and `attention`'s timings in a copy of the tree as before this session (`TREES["before"]`:
   the scan's head weights read from shared memory at every tile, the attention's q read in f32).
 
@@ -126,14 +128,24 @@ def _load_query():
 # (the timeline's "q loaded" phase, 5.9 us at batch 64, holds both)
 TREES["query_first"] = [
     (ATTENTION, """        if "prefetch" not in skip:
-            _prefetch(n, w, n_wt, per)(ev, es, idx_gmem, wv, ws, seq, first, last)
+            _prefetch(n, w, n_wt, per, staged)(ev, es, idx_gmem, wv, ws, seq, first, last,
+                                               *((idx_s,) if staged else ()))
 
-        def decode(t, slot):""", """        def decode(t, slot):"""),
-    (ATTENTION, """        stamp(1)
-        pl.when(first < last)(lambda: decode(first, 0))""", """        stamp(1)
+        def stage(t):""", """        def stage(t):"""),
+    (ATTENTION, """        if staged and "decode" not in skip:  # idx_s seen by every thread, then the first tile's copies under q's load
+            _both_warpgroups_meet()
+            stage(first)
+        _load_query()(q_gmem, q_smem, seq)  # made visible to the wgmmas by the first decode's fence and barrier
+        stamp(1)
+""", """        _load_query()(q_gmem, q_smem, seq)  # made visible to the wgmmas by the first decode's fence and barrier
+        stamp(1)
         if "prefetch" not in skip:
-            _prefetch(n, w, n_wt, per)(ev, es, idx_gmem, wv, ws, seq, first, last)
-        pl.when(first < last)(lambda: decode(first, 0))"""),
+            _prefetch(n, w, n_wt, per, staged)(ev, es, idx_gmem, wv, ws, seq, first, last,
+                                               *((idx_s,) if staged else ()))
+        if staged and "decode" not in skip:
+            _both_warpgroups_meet()
+            stage(first)
+"""),
 ]
 # what each tree's step runs (its own process in that tree; its table lands in its log)
 TREE_GROUPS = {"before": ["scan_untimed", "attention_untimed"], "query_first": ["attention"]}
@@ -202,7 +214,7 @@ def timeline(fn, args, names) -> dict:
     return gpu_timeline.phases(tl, list(names(tl.shape[1]) if callable(names) else names))
 
 
-def attention_group(say, rows, timelines: bool) -> None:
+def attention_group(say, rows, timelines: bool, staged: bool = False) -> None:
     import jax
     import jax.numpy as jnp
 
@@ -229,6 +241,16 @@ def attention_group(say, rows, timelines: bool) -> None:
             if timelines and q.dtype == jnp.bfloat16:
                 say(f"timeline 128K x {b}:", timeline(
                     lambda *a: att.sparse_attention_wgmma(*a, scale=scale, timeline=True)[1], args, attention_points))
+            if staged and q.dtype == jnp.bfloat16:  # the candidate: entry rows staged by cp.async a tile ahead
+                fn = lambda *a: att.sparse_attention_wgmma(*a, scale=scale, staged=True)  # noqa: E731
+                err = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
+                t, info = bk.time_hbm(fn, args, perturb=7)
+                rows.append(("attention", f"128K x {b}, q bf16, staged", f"{t * 1e6:.1f}", str(info["pallas_us"]),
+                             f"{100 * moved / t / peak:.1f}%", f"{err:.1e}"))
+                say(" | ".join(rows[-1]), info)
+                say(f"timeline 128K x {b}, staged:", timeline(
+                    lambda *a: att.sparse_attention_wgmma(*a, scale=scale, timeline=True, staged=True)[1], args,
+                    attention_points))
         del q, q32, window, entries, args, ref
 
 
@@ -275,7 +297,7 @@ def main(groups: list[str]) -> int:
     if "scan" in groups or "scan_untimed" in groups:
         scan_group(say, rows, timelines="scan" in groups)
     if "attention" in groups or "attention_untimed" in groups:
-        attention_group(say, rows, timelines="attention" in groups)
+        attention_group(say, rows, timelines="attention" in groups, staged="staged" in groups)
     for tree in [g for g in groups if g in TREES]:
         step(tree, ["-m", "experiments.device_runs.issue21_timeline", *TREE_GROUPS[tree]], 240,
              cwd=tree_before(TREES[tree], f"/tmp/tree_{tree}"))
