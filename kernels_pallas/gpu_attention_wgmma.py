@@ -133,11 +133,16 @@ def _thread_row():
     return arith.shrui(tid, i32_const(2)), arith.andi(tid, i32_const(3))
 
 
+def _bar_sync():
+    """Both warpgroups meet: a named barrier over the CTA's 256 threads (inside an inline_mgpu body)."""
+    mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)
+
+
 def _cta_sync():
     """Both warpgroups meet (named barrier over 256 threads), after a fence that makes this thread's shared
     memory writes visible to the tensor cores' reads (wgmma)."""
     nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-    mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)
+    _bar_sync()
 
 
 def _publish_validity(mask_ptr, slot, valid, q):
@@ -164,7 +169,7 @@ def _write_tile(k_smem, masks, slot, row, q, valid, loads, decode_chunk):
     """The common part of the decodes: both warpgroups meet (the slot's last readers are done), each loaded
     chunk goes through decode_chunk(chunk index, words, scale) -> [(channel half, column, four bf16x2)], stored
     in the slot's swizzled tile, the row's validity published, and both meet again (its keys are written)."""
-    mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)
+    _bar_sync()
     k_ptr = mgpu_utils.memref_ptr(k_smem)
     for i, words, scale in loads:
         for half, col, outs in decode_chunk(i, words, scale):
@@ -226,7 +231,7 @@ STAGE_ROW = D // 2 + D // ENTRY_GROUP  # 288 bytes
 @plgpu.inline_mgpu()
 def _both_warpgroups_meet(ctx):
     del ctx
-    mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)
+    _bar_sync()
 
 
 @functools.cache
@@ -465,7 +470,7 @@ def _staged_rows(acc, factors, k_smem, out_row0):
     i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
     rows, q, wg, _ = _my_rows()
     stage = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(k_smem), [arith.muli(wg, i32_const(H * HALF * 4))], i8)
-    mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)  # both done with the keys
+    _bar_sync()  # both done with the keys
     for half, row in enumerate(rows):
         row_off = arith.muli(row, i32_const(HALF * 4))
         for c in range(HALF // 8):
@@ -673,8 +678,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
 
         def stamp(point):
-            if timeline:
-                gpu_timeline.stamp(tl_gmem, seq * splits + part, point)
+            gpu_timeline.stamp(tl_gmem, seq * splits + part, point)
 
         stamp(0)
         first = part * per

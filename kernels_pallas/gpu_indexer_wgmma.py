@@ -185,7 +185,8 @@ def _head_weights(h: int):
     return load
 
 
-TIMELINE = ("start", "waited", "end")  # a CTA's points when timed (`gpu_timeline`): its start, q in shared memory, done
+# A CTA's points when timed (`gpu_timeline`): its start, q and its first keys in shared memory, done
+TIMELINE = ("start", "waited", "end")
 
 
 # The model's dispatch (`kernels_pallas.indexer_scores_decode`) takes this scan while ON, with q_parts=1 (the
@@ -259,8 +260,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         o_gmem, tl_gmem, q_smem, q_bar = refs if timeline else (refs[0], None, *refs[1:])
         seq, part = lax.axis_index("b"), lax.axis_index("c")
         cta = seq * per_seq + part
-        if timeline:
-            gpu_timeline.stamp(tl_gmem, cta, 0)
+        gpu_timeline.stamp(tl_gmem, cta, 0)
         first = jnp.minimum(part * steps, all_steps - steps)  # this CTA's first step (`split_steps`)
         plgpu.copy_gmem_to_smem(q_gmem.at[seq], q_smem, q_bar)
         w_regs = _head_weights(h)(w_gmem, seq)
@@ -272,8 +272,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
             @pl.when(t == 0)
             def _():  # once: a wait flips the barrier's phase
                 plgpu.barrier_wait(q_bar)
-                if timeline:
-                    gpu_timeline.stamp(tl_gmem, cta, 1)
+                gpu_timeline.stamp(tl_gmem, cta, 1)
 
             for i in range(tiles_per_step):
                 def acc_scope(acc_ref, i=i):
@@ -292,8 +291,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
                       plgpu.BlockSpec((tiles_per_step, TP * D // GROUP), lambda t: (first + t, 0))],
             max_concurrent_steps=stages,
         )(k_gmem.at[seq], s_gmem.at[seq])
-        if timeline:
-            gpu_timeline.stamp(tl_gmem, cta, 2)
+        gpu_timeline.stamp(tl_gmem, cta, 2)
 
     scores = jax.ShapeDtypeStruct((b, n), jnp.float32)
     kernel = plgpu.kernel(

@@ -44,9 +44,10 @@ def _stamp():
 
 def stamp(timeline, row, point) -> None:
     """In a kernel body: timeline[row, point] = the timer's low 32 bits now, from thread 0 of the CTA (timeline
-    gmem u32 [CTAs, points + 1]; row, point: int32 scalars, traced or not); point 0 also writes the SM id in the
-    last column."""
-    _stamp()(timeline, jnp.asarray(row, jnp.int32), jnp.asarray(point, jnp.int32))
+    gmem u32 [CTAs, points + 1], or None: a kernel built without a timeline, nothing emitted; row, point: int32
+    scalars, traced or not); point 0 also writes the SM id in the last column."""
+    if timeline is not None:
+        _stamp()(timeline, jnp.asarray(row, jnp.int32), jnp.asarray(point, jnp.int32))
 
 
 def phases(timeline: np.ndarray, names: list[str]) -> dict:

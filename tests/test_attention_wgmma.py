@@ -88,6 +88,12 @@ def test_lowers_for_cuda():
     for splits in (1, 3, att.MAX_SPLITS + 1):  # entry rows staged by cp.async, merged and as partials
         staged = jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=splits, staged=True))
         assert "sparse_attention_wgmma" in staged.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "globaltimer_lo" not in text  # no timeline unless asked
+    for splits in (2, att.MAX_SPLITS + 1):  # with a timeline (a row per CTA), merged in the kernel and partials
+        timed = jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=splits, timeline=True)).trace(*args)
+        tiles = -(-(w // att.T + k // att.T) // splits)  # key tiles per range
+        assert [o.shape for o in timed.out_info] == [(b, att.H, att.D), (b * splits, len(att.timeline_names(tiles)) + 1)]
+        assert "globaltimer_lo" in timed.lower(lowering_platforms=("cuda",)).as_text()
     with pytest.raises(ValueError, match="cannot skip the prefetch"):
         jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, staged=True, skip=("prefetch",))).trace(*args)
     with pytest.raises(ValueError, match="one cluster of at most"):

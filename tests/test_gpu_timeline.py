@@ -1,16 +1,14 @@
 """Per-CTA timelines (`kernels_pallas.gpu_timeline`): the phases read off a timeline, across the timer's wrap, and
-both Mosaic GPU kernels that can write one lower with it for CUDA (on a CPU; a GPU runs them in
-experiments.device_runs.issue21_timeline)."""
+the attention's points. That the kernels lower with a timeline is in their own lowering tests
+(tests/test_indexer_wgmma.py, tests/test_attention_wgmma.py); a GPU runs them in
+experiments.device_runs.issue21_timeline."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kernels_pallas import gpu_attention_wgmma as att
-from kernels_pallas import gpu_indexer_wgmma as scan
 from kernels_pallas import gpu_timeline
 
 
@@ -42,24 +40,3 @@ def test_attention_points_follow_the_tiles():
     names = att.timeline_names(3)
     assert names[:3] == ["start", "query", "first tile"] and names[-2:] == ["tiles", "stored"]
     assert names[3:-2] == ["logits 0", "p.v 0", "logits 1", "p.v 1", "logits 2", "p.v 2"]
-
-
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
-def test_kernels_lower_with_a_timeline_output():
-    s = jax.ShapeDtypeStruct
-    b, h, n = 2, 32, 8192
-    args = (s((b, h, scan.D), jnp.float32), s((b, h), jnp.float32), s((b, n, scan.D // 2), jnp.uint8),
-            s((b, n, scan.D // scan.GROUP), jnp.uint8), s((b,), jnp.int32))
-    timed = jax.jit(lambda *a: scan.indexer_scores_wgmma(*a, q_parts=1, ctas=64, timeline=True)).trace(*args)
-    c, _ = scan.split_steps(b, n // scan.TP // 4, 64)
-    assert timed.out_info[1].shape == (b * c, len(scan.TIMELINE) + 1)
-    assert "globaltimer_lo" in timed.lower(lowering_platforms=("cuda",)).as_text()
-    w, k = 128, 512
-    args = (s((b, att.H, att.D), jnp.float32), s((b, w, att.D), jnp.uint8), s((b, w, att.D // 32), jnp.uint8),
-            s((b, w), jnp.bool_), s((b, n, att.D // 2), jnp.uint8), s((b, n, att.D // 16), jnp.uint8),
-            s((b, k), jnp.int32), s((att.H,), jnp.float32))
-    for splits in (2, att.MAX_SPLITS + 1):  # merged in the kernel, and partials
-        timed = jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=splits, timeline=True)).trace(*args)
-        tiles = -(-(w // att.T + k // att.T) // splits)  # key tiles per range
-        assert [o.shape for o in timed.out_info] == [(b, att.H, att.D), (b * splits, len(att.timeline_names(tiles)) + 1)]
-        assert "globaltimer_lo" in timed.lower(lowering_platforms=("cuda",)).as_text()

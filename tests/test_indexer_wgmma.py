@@ -57,6 +57,11 @@ def test_lowers_for_cuda():
     assert "mosaic_gpu" in text and "indexer_scores_wgmma_32_2" in text
     one = jax.jit(lambda *a: scan.indexer_scores_wgmma(*a, q_parts=1, ctas=528))
     assert "indexer_scores_wgmma_32_1" in one.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    timed = jax.jit(lambda *a: scan.indexer_scores_wgmma(*a, q_parts=1, ctas=64, timeline=True)).trace(*args)
+    c, _ = scan.split_steps(b, n // scan.TP // 4, 64)  # CTAs per sequence: one timeline row each
+    assert timed.out_info[1].shape == (b * c, len(scan.TIMELINE) + 1)
+    assert "globaltimer_lo" in timed.lower(lowering_platforms=("cuda",)).as_text()
+    assert "globaltimer_lo" not in text  # none without a timeline
     with pytest.raises(ValueError, match="q_parts"):
         scan.indexer_scores_wgmma(*(jnp.zeros(a.shape, a.dtype) for a in args), q_parts=3)
 

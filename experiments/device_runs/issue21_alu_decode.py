@@ -71,6 +71,15 @@ def _row(kind: str, shape: str, variant: str, us: float, kernel_us, kernels, mov
     return row
 
 
+def scan_error(got, ref) -> str:
+    """Scores against the reference's: the largest difference over its finite scores, relative to their largest,
+    and whether the -inf pattern is the same."""
+    fin = jnp.isfinite(ref)
+    rel = jnp.max(jnp.where(fin, jnp.abs(got - ref), 0)) / jnp.max(jnp.where(fin, jnp.abs(ref), 0))
+    same = bool(jnp.array_equal(jnp.isinf(got), jnp.isinf(ref)))
+    return f"{float(rel):.1e}, -inf {'same' if same else 'DIFFERENT'}"
+
+
 def scan_table(peak: float, calls: dict, check: bool) -> list[tuple]:
     """Each scan of `calls` (name -> fn(q, w, values, scales, reachable)) at 128K and 1M positions x 8, timed from
     HBM (`time_hbm`); with `check`, first its max difference to the Triton f16 scan over the finite scores (of
@@ -86,10 +95,7 @@ def scan_table(peak: float, calls: dict, check: bool) -> list[tuple]:
             try:
                 err = "-"
                 if ref is not None:
-                    got, fin = fn(*args), jnp.isfinite(ref)
-                    rel = jnp.max(jnp.where(fin, jnp.abs(got - ref), 0)) / jnp.max(jnp.where(fin, jnp.abs(ref), 0))
-                    same = bool(jnp.array_equal(jnp.isinf(got), jnp.isinf(ref)))
-                    err = f"{float(rel):.1e}, -inf {'same' if same else 'DIFFERENT'}"
+                    err = scan_error(fn(*args), ref)
                 t, info = time_hbm(fn, args, perturb=1)
                 rows.append(_row("scan", f"{ctx} x {b}", name, t * 1e6, info["pallas_us"], info["kernels"], moved, peak,
                                  err))

@@ -155,7 +155,8 @@ SCAN_POINTS = ((131072, 8), (131072, 32), (1048576, 8))
 def attention_points(columns: int) -> list[str]:
     """The wgmma attention's timeline points for a timeline of `columns` columns (its tiles per range from it)."""
     from kernels_pallas import gpu_attention_wgmma as att
-    return att.timeline_names((columns - 6) // 2)
+    fixed = len(att.timeline_names(0)) + 1  # the points around the tiles, and the SM column
+    return att.timeline_names((columns - fixed) // 2)
 
 
 def scan_group(say, rows, timelines: bool) -> None:
@@ -165,6 +166,7 @@ def scan_group(say, rows, timelines: bool) -> None:
     import jax.numpy as jnp
 
     from experiments import bench_kernels as bk
+    from experiments.device_runs.issue21_alu_decode import scan_error
     from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
 
     peak = bk.copy_bandwidth(2.0)
@@ -180,17 +182,21 @@ def scan_group(say, rows, timelines: bool) -> None:
         args = (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32))
         moved = bk.nbytes(rec) + b * ctx * 4
         fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1)
-        ref = gpu_indexer.indexer_scores(*args)
-        got, fin = fn(*args), jnp.isfinite(ref)
-        rel = float(jnp.max(jnp.where(fin, jnp.abs(got - ref), 0)) / jnp.max(jnp.where(fin, jnp.abs(ref), 0)))
-        same = bool(jnp.array_equal(jnp.isinf(got), jnp.isinf(ref)))
-        t, info = bk.time_hbm(fn, args, perturb=1)
-        rows.append(("scan", f"{ctx} x {b}", f"{t * 1e6:.1f}", str(info["pallas_us"]), f"{100 * moved / t / peak:.1f}%",
-                     f"{rel:.1e}, -inf {'same' if same else 'DIFFERENT'}"))
-        say(" | ".join(rows[-1]), info)
+        err = scan_error(fn(*args), gpu_indexer.indexer_scores(*args))
+        timed_row(say, rows, "scan", f"{ctx} x {b}", fn, args, 1, moved, peak, err)
         if timelines and b == 8:
             say(f"timeline {ctx} x {b}:", timeline(lambda *a: fn(*a, timeline=True)[1], args, scan.TIMELINE))
-        del q, w, rec, args, ref, got
+        del q, w, rec, args
+
+
+def timed_row(say, rows, kind, shape, fn, args, perturb, moved, peak, err="-") -> None:
+    """fn(*args) timed from HBM (`bench_kernels.time_hbm`, args[perturb] passed through the flush): a table row
+    (GPU us, kernel us, % of the copy peak for `moved` bytes, err) appended to rows and said with its details."""
+    from experiments import bench_kernels as bk
+
+    t, info = bk.time_hbm(fn, args, perturb=perturb)
+    rows.append((kind, shape, f"{t * 1e6:.1f}", str(info["pallas_us"]), f"{100 * moved / t / peak:.1f}%", err))
+    say(" | ".join(rows[-1]), info)
 
 
 def timeline(fn, args, names) -> dict:
@@ -215,6 +221,8 @@ def timeline(fn, args, names) -> dict:
 
 
 def attention_group(say, rows, timelines: bool, staged: bool = False) -> None:
+    import functools
+
     import jax
     import jax.numpy as jnp
 
@@ -232,25 +240,16 @@ def attention_group(say, rows, timelines: bool, staged: bool = False) -> None:
             args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
             ref = ops.sparse_attention_decode(q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx,
                                               quant.MAIN_KV, sink, scale)
-            fn = lambda *a: att.sparse_attention_wgmma(*a, scale=scale)  # noqa: E731
-            err = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
-            t, info = bk.time_hbm(fn, args, perturb=7)
-            rows.append(("attention", f"128K x {b}, q {q.dtype}", f"{t * 1e6:.1f}", str(info["pallas_us"]),
-                         f"{100 * moved / t / peak:.1f}%", f"{err:.1e}"))
-            say(" | ".join(rows[-1]), info)
-            if timelines and q.dtype == jnp.bfloat16:
-                say(f"timeline 128K x {b}:", timeline(
-                    lambda *a: att.sparse_attention_wgmma(*a, scale=scale, timeline=True)[1], args, attention_points))
-            if staged and q.dtype == jnp.bfloat16:  # the candidate: entry rows staged by cp.async a tile ahead
-                fn = lambda *a: att.sparse_attention_wgmma(*a, scale=scale, staged=True)  # noqa: E731
+            bf16 = q.dtype == jnp.bfloat16
+            # the default, and with the model's q the candidate: entry rows staged by cp.async a tile ahead
+            for kw in [{}] + [{"staged": True}] * (staged and bf16):
+                fn = functools.partial(att.sparse_attention_wgmma, scale=scale, **kw)
                 err = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
-                t, info = bk.time_hbm(fn, args, perturb=7)
-                rows.append(("attention", f"128K x {b}, q bf16, staged", f"{t * 1e6:.1f}", str(info["pallas_us"]),
-                             f"{100 * moved / t / peak:.1f}%", f"{err:.1e}"))
-                say(" | ".join(rows[-1]), info)
-                say(f"timeline 128K x {b}, staged:", timeline(
-                    lambda *a: att.sparse_attention_wgmma(*a, scale=scale, timeline=True, staged=True)[1], args,
-                    attention_points))
+                shape = f"128K x {b}, q {q.dtype}" + (", staged" if kw else "")
+                timed_row(say, rows, "attention", shape, fn, args, 7, moved, peak, f"{err:.1e}")
+                if timelines and bf16:
+                    say(f"timeline {shape}:", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args,
+                                                       attention_points))
         del q, q32, window, entries, args, ref
 
 
@@ -271,20 +270,17 @@ def sweep_group(say, rows) -> None:
     moved = bk.nbytes(rec) + 8 * 131072 * 4
     for ctas, tiles in ((1056, 4), (2112, 4), (4224, 4), (2112, 2), (4224, 2), (8448, 2)):
         fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, ctas=ctas, tiles_per_step=tiles)
-        t, info = bk.time_hbm(fn, args, perturb=1)
-        rows.append(("scan", f"131072 x 8, {ctas} CTAs, {tiles} tiles/step", f"{t * 1e6:.1f}", str(info["pallas_us"]),
-                     f"{100 * moved / t / peak:.1f}%", "-"))
-        say(" | ".join(rows[-1]), "| timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, scan.TIMELINE))
+        timed_row(say, rows, "scan", f"131072 x 8, {ctas} CTAs, {tiles} tiles/step", fn, args, 1, moved, peak)
+        say("timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, scan.TIMELINE))
     del q, w, rec, args
     q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(64), 64, 1 << 17)
     args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
     moved = bk.attention_bytes(q, window, wvalid, entries, idx)
     for splits, merged in ((1, True), (2, False), (4, False)):
         fn = functools.partial(att.sparse_attention_wgmma, scale=bk.D_ATT ** -0.5, splits=splits, merged=merged)
-        t, info = bk.time_hbm(fn, args, perturb=7)
-        rows.append(("attention", f"128K x 64, q bf16, {splits} ranges {'merged' if merged else 'partials'}",
-                     f"{t * 1e6:.1f}", str(info["pallas_us"]), f"{100 * moved / t / peak:.1f}%", "-"))
-        say(" | ".join(rows[-1]), "| timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
+        timed_row(say, rows, "attention", f"128K x 64, q bf16, {splits} ranges {'merged' if merged else 'partials'}",
+                  fn, args, 7, moved, peak)
+        say("timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
 
 
 def main(groups: list[str]) -> int:
