@@ -103,26 +103,35 @@ def l2_flush(buf, x):
 PALLAS_NAMES = ("indexer_scores", "sparse_attention", "scan_")  # kernel names (pallas_call name=) in "pallas_us"
 
 
+KEPT_BYTES = 4 << 30  # `time_hbm` keeps every call's output: fewer calls where they would pass this
+
+
 def time_hbm(fn, args, perturb: int, reps: int = 20, top: int = 8) -> tuple[float, dict]:
     """(GPU seconds per call of fn(*args), details) with the L2 flushed before every call.
 
-    A jitted loop of `reps` x (l2_flush, fn), fn's args[perturb] passed through the flush (pick a small
-    array with power-of-two dims); from a profiler trace: all GPU time except the flush's (the call's
-    kernels: the Pallas kernels and XLA's small ones around them), per call. details: us of the kernels
-    named in PALLAS_NAMES, kernels per call, us of the `top` longest kernels by name. With --smoke (CPU),
-    wall time per call of the same loop.
+    One jitted program of `reps` x (l2_flush, fn), unrolled, fn's args[perturb] passed through the flush (pick a
+    small array with power-of-two dims), every call's args its own values (an optimization barrier with the flushed
+    buffer: XLA merges no work of the calls) and every output kept (fewer calls where they would pass KEPT_BYTES);
+    from a profiler trace: all GPU time except the flush's (the call's kernels: the Pallas kernels and XLA's small
+    ones around them), per call. Unrolled since the thirty-seventh session: a fori_loop's counter add and carry
+    copies (~2.3 us per call on the H100, 1-3 kernels) were counted as the call's. details: us of the kernels
+    named in PALLAS_NAMES, kernels per call, us of the `top` longest kernels by name. With --smoke (CPU), wall
+    time per call of the same program.
     """
     from experiments.bench_decode import kernel_profile  # imported here: bench_decode imports this module
 
-    out_struct = jax.eval_shape(fn, *args)
+    out_bytes = sum(o.size * o.dtype.itemsize for o in jax.tree.leaves(jax.eval_shape(fn, *args)))
+    reps = max(2, min(reps, KEPT_BYTES // max(out_bytes, 1)))
 
     def loop(buf, *a):
-        def body(i, carry):
-            buf, x, _ = carry
+        x, outs = a[perturb], []
+        for _ in range(reps):
             buf, x = l2_flush(buf, x)
-            return buf, x, fn(*a[:perturb], x, *a[perturb + 1:])
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_struct)
-        return jax.lax.fori_loop(0, reps, body, (buf, a[perturb], zeros))
+            buf, call_args = jax.lax.optimization_barrier((buf, (*a[:perturb], x, *a[perturb + 1:])))
+            out = fn(*call_args)
+            buf, out = jax.lax.optimization_barrier((buf, out))  # the next flush waits for this call
+            outs.append(out)
+        return buf, outs
 
     f = jax.jit(loop, donate_argnums=0)
     buf = jnp.zeros((FLUSH_BYTES // 4 if not KW else _FLUSH_BLOCK,), jnp.uint32)

@@ -220,82 +220,6 @@ def _entry_chunk(i, words, sc):
         yield arith.divui(i, i32_const(8)), col, outs
 
 
-# Staged entry rows (`staged=True`, a candidate not yet run on a GPU): an entry tile's raw rows are copied into
-# shared memory by cp.async a tile ahead of their decode, so that the decode, which waits on its gathered loads in
-# the tile's critical path (docs/BENCHMARKS.md, thirty-sixth session), starts from shared memory. Row r of the stage
-# holds the entry's 256 value bytes, then its 32 scale bytes; thread q of the row copies and later decodes the raw
-# chunks 4q .. 4q + 3 (64 B) and their 8 scale bytes, so each thread waits only on its own copies.
-STAGE_ROW = D // 2 + D // ENTRY_GROUP  # 288 bytes
-
-
-@plgpu.inline_mgpu()
-def _both_warpgroups_meet(ctx):
-    del ctx
-    _bar_sync()
-
-
-@functools.cache
-def _stage_entries(n_rows: int):
-    """inline_mgpu: (stage smem u8 [64 * STAGE_ROW], idx_s smem i32 [K], entry values gmem u8 [B, N, 256], scales
-    u8 [B, N, 32], b, first entry e0) -> cp.async of entry idx_s[e0 + r]'s row into stage row r (row 0 for idx < 0),
-    one commit group per thread."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4 + (_SPLAT,) * 2)
-    def stage(ctx, stage_smem, idx_s, ev, es, b, e0):
-        del ctx
-        b, e0 = (a.registers.item() for a in (b, e0))
-        row, q = _thread_row()
-        ix = memref.load(idx_s, [index_of(arith.addi(e0, row))])
-        entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
-        global_ptr = lambda ref: llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
-        ev_ptr, es_ptr, st_ptr = global_ptr(ev), global_ptr(es), mgpu_utils.memref_ptr(stage_smem)
-        i8 = ir.IntegerType.get_signless(8)
-        dst_row = arith.muli(row, i32_const(STAGE_ROW))
-        for k in range(4):
-            off = arith.addi(arith.muli(q, i32_const(64)), i32_const(16 * k))
-            nvvm.cp_async_shared_global(
-                mgpu_utils.getelementptr(st_ptr, [arith.addi(dst_row, off)], i8),
-                mgpu_utils.getelementptr(ev_ptr, [arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(off))], i8),
-                16, nvvm.LoadCacheModifierKind.CG)
-        s_off = arith.muli(q, i32_const(8))
-        nvvm.cp_async_shared_global(
-            mgpu_utils.getelementptr(st_ptr, [arith.addi(dst_row, arith.addi(i32_const(D // 2), s_off))], i8),
-            mgpu_utils.getelementptr(es_ptr, [arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))),
-                                                         _i64(s_off))], i8),
-            8, nvvm.LoadCacheModifierKind.CA)
-        nvvm.cp_async_commit_group()
-
-    return stage
-
-
-@functools.cache
-def _decode_staged():
-    """inline_mgpu: (keys smem, validity masks smem, stage smem, idx_s smem, slot, first entry e0) -> as
-    `_decode_entries`, from the rows `_stage_entries` copied (this thread's own copies waited for)."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS),) + (plgpu.RefType(),) * 3 + (_SPLAT,) * 2)
-    def decode(ctx, k_smem, masks, stage_smem, idx_s, slot, e0):
-        del ctx
-        i32, i16, i8 = (ir.IntegerType.get_signless(w) for w in (32, 16, 8))
-        slot, e0 = (a.registers.item() for a in (slot, e0))
-        row, q = _thread_row()
-        valid = arith.cmpi(arith.CmpIPredicate.sge, memref.load(idx_s, [index_of(arith.addi(e0, row))]), i32_const(0))
-        nvvm.cp_async_wait_group(0)
-        st_ptr = mgpu_utils.memref_ptr(stage_smem)
-        base = arith.muli(row, i32_const(STAGE_ROW))
-        loads = []
-        for k in range(4):  # raw chunk i = 4q + k: its 16 B, and its scale pair at 2i
-            i = arith.addi(arith.muli(q, i32_const(4)), i32_const(k))
-            words = llvm.load(ir.VectorType.get((4,), i32), mgpu_utils.getelementptr(
-                st_ptr, [arith.addi(base, arith.muli(i, i32_const(16)))], i8), alignment=16)
-            sc = llvm.load(i16, mgpu_utils.getelementptr(
-                st_ptr, [arith.addi(base, arith.addi(i32_const(D // 2), arith.muli(i, i32_const(2))))], i8), alignment=2)
-            loads.append((i, words, sc))
-        _write_tile(k_smem, masks, slot, row, q, valid, loads, _entry_chunk)
-
-    return decode
-
-
 @functools.cache
 def _decode_window():
     """inline_mgpu: (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0 scales u8 [B, W, 16],
@@ -334,37 +258,55 @@ def _decode_window():
 
 
 @functools.cache
-def _prefetch(n_rows: int, w_rows: int, n_wt: int, per: int, staged: bool = False):
-    """inline_mgpu: (entry values, scales, idx, window values, scales (gmem), b, first tile, last tile[, idx_s
-    smem i32 [K]]) -> prefetch.L2 of every key row this CTA will decode (its tiles [first, last) of 64 keys: window
-    tiles, then entry tiles), so that their HBM reads all start at once and the decodes' loads hit L2; staged:
-    also idx_s[e] = idx[b, e] for the CTA's entries (`_stage_entries` reads them)."""
+def _prefetch(n_rows: int, w_rows: int, n_wt: int, per: int):
+    """inline_mgpu: (entry values, scales, idx, window values, scales, q (gmem), b, first tile, last tile) ->
+    prefetch.L2 of every key row this CTA will decode (its tiles [first, last) of 64 keys: window tiles, then
+    entry tiles) and of q[b], so that their HBM reads all start at once and the decodes' and q's loads hit L2.
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5 + (_SPLAT,) * 3 + (plgpu.RefType(),) * staged)
-    def prefetch(ctx, ev, es, idx, wv, ws, b, first, last, *idx_s):
+    In the order they are needed: every entry id loaded first (a row's address waits on its id), the first
+    tile's rows and q, then, after both warpgroups meet (those requests all issued), the other tiles' rows. With
+    every row first and q after, a batch-64 CTA waited ~9.4 us for its first tile: the rows of all its tiles and
+    q (20 MB over the CTAs) arrived together (docs/BENCHMARKS.md, thirty-seventh session)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6 + (_SPLAT,) * 3)
+    def prefetch(ctx, ev, es, idx, wv, ws, q_gmem, b, first, last):
         del ctx
         b, first, last = (a.registers.item() for a in (b, first, last))
-        ev_ptr, es_ptr, wv_ptr, ws_ptr = (mgpu_utils.memref_ptr(r) for r in (ev, es, wv, ws))
+        ev_ptr, es_ptr, wv_ptr, ws_ptr, q_ptr = (mgpu_utils.memref_ptr(r) for r in (ev, es, wv, ws, q_gmem))
+        kp = ir.MemRefType(idx.type).shape[1]
         tid = mgpu_utils.thread_idx()
-        lt = lambda x, y: arith.cmpi(arith.CmpIPredicate.slt, x, y)
+        cmp = lambda pred, x, y: arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)
+        keys = []
         for j in range(-(-per * T // 256)):
             key = arith.addi(tid, i32_const(256 * j))  # the CTA's key slot: tile first + key // 64
             tile = arith.addi(first, arith.divui(key, i32_const(T)))
             pos = arith.addi(arith.muli(tile, i32_const(T)), arith.remui(key, i32_const(T)))
-            with mgpu_utils.when(lt(tile, last)):
-                with mgpu_utils.when(lt(tile, i32_const(n_wt))):
+            e = arith.subi(pos, i32_const(n_wt * T))  # clamped for the load: used only in an entry tile < last
+            ix = memref.load(idx, [index_of(b), index_of(arith.minsi(arith.maxsi(e, i32_const(0)), i32_const(kp - 1)))])
+            keys.append((tile, pos, ix))
+
+        def rows(tile, pos, ix):
+            with mgpu_utils.when(cmp("slt", tile, last)):
+                with mgpu_utils.when(cmp("slt", tile, i32_const(n_wt))):
                     rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(pos))
                     _prefetch_l2(wv_ptr, arith.muli(rec, _i64(i32_const(D))), D // 128)
                     _prefetch_l2(ws_ptr, arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), 1)
-                with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.sge, tile, i32_const(n_wt))):
-                    e = arith.subi(pos, i32_const(n_wt * T))
-                    ix = memref.load(idx, [index_of(v) for v in (b, e)])
-                    for ref in idx_s:
-                        memref.store(ix, ref, [index_of(e)])
-                    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.sge, ix, i32_const(0))):
-                        entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))
-                        _prefetch_l2(ev_ptr, arith.muli(entry, _i64(i32_const(D // 2))), D // 256)
-                        _prefetch_l2(es_ptr, arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), 1)
+                with mgpu_utils.when(arith.andi(cmp("sge", tile, i32_const(n_wt)), cmp("sge", ix, i32_const(0)))):
+                    entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))
+                    _prefetch_l2(ev_ptr, arith.muli(entry, _i64(i32_const(D // 2))), D // 256)
+                    _prefetch_l2(es_ptr, arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), 1)
+
+        tile, pos, ix = keys[0]  # the first tile's keys are slots 0..63: threads 0..63's first
+        with mgpu_utils.when(cmp("eq", tile, first)):
+            rows(tile, pos, ix)
+        q_base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
+        for i in range(H * D * 2 // 128 // 256):  # q[b]'s 128 B lines
+            line = arith.addi(tid, i32_const(256 * i))
+            _prefetch_l2(q_ptr, arith.addi(q_base, _i64(arith.muli(line, i32_const(128)))), 1)
+        _bar_sync()
+        for tile, pos, ix in keys:
+            with mgpu_utils.when(cmp("ne", tile, first)):
+                rows(tile, pos, ix)
 
     return prefetch
 
@@ -625,25 +567,21 @@ def timeline_names(tiles: int) -> list[str]:
     return ["start", "query", "first tile", *per_tile, "tiles", "stored"]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline", "staged"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
-                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False,
-                           staged: bool = False):
+                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
     (default `default_splits`). merged: the ranges as one cluster merging in the kernel (at most MAX_SPLITS of
     them), or partials merged by `gpu_attention.combine` (default: merged up to MERGED_SPLITS). skip: parts
-    of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong). unrotate, out_dtype: as
+    of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong, but for the prefetch). unrotate, out_dtype: as
     `gpu_attention.sparse_attention`'s (partials merged and turned by `gpu_attention.combine_unrotated`). timeline:
     also return each CTA's `timeline_names(tiles per range)` points (`gpu_timeline`: u32 [B * splits, points + 1],
-    CTA b * splits + range). staged: entry rows copied into shared memory a tile ahead of their decode
-    (`_stage_entries`; a candidate, not yet run on a GPU)."""
+    CTA b * splits + range)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
-    if staged and "prefetch" in skip:
-        raise ValueError("staged=True reads the entries' ids the prefetch keeps: it cannot skip the prefetch")
     b, h, d = q_bhd.shape
     w, k, n = window_values.shape[1], idx_bk.shape[1], entry_values.shape[1]
     if (h, d) != (H, D) or w % T or window_values.shape != (b, w, D) or window_scales.shape != (b, w, D // WINDOW_GROUP):
@@ -672,8 +610,6 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             sink_gmem, o_gmem, stats_gmem, *refs = refs
         else:
             o_gmem, m_gmem, l_gmem, *refs = refs
-        if staged:
-            *refs, stage_smem, idx_s = refs
         tl_gmem, q_smem, k_smem, masks = refs if timeline else (None, *refs)
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
 
@@ -684,13 +620,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         first = part * per
         last = jnp.minimum(first + per, n_t)
         if "prefetch" not in skip:
-            _prefetch(n, w, n_wt, per, staged)(ev, es, idx_gmem, wv, ws, seq, first, last,
-                                               *((idx_s,) if staged else ()))
-
-        def stage(t):  # entry tile t's rows into the stage, a tile before its decode
-            @pl.when((t < last) & (t >= n_wt))
-            def _():
-                _stage_entries(n)(stage_smem, idx_s, ev, es, seq, (t - n_wt) * T)
+            _prefetch(n, w, n_wt, per)(ev, es, idx_gmem, wv, ws, q_gmem, seq, first, last)
 
         def decode(t, slot):
             if "decode" in skip:
@@ -701,17 +631,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
             @pl.when(t >= n_wt)
             def _():
-                if staged:
-                    _decode_staged()(k_smem, masks, stage_smem, idx_s, slot, (t - n_wt) * T)
-                else:
-                    _decode_entries(n)(k_smem, masks, ev, es, idx_gmem, seq, slot, (t - n_wt) * T)
+                _decode_entries(n)(k_smem, masks, ev, es, idx_gmem, seq, slot, (t - n_wt) * T)
 
-            if staged:  # its stage is free again: this thread has read its own copies
-                stage(t + 1)
-
-        if staged and "decode" not in skip:  # idx_s seen by every thread, then the first tile's copies under q's load
-            _both_warpgroups_meet()
-            stage(first)
         _load_query()(q_gmem, q_smem, seq)  # made visible to the wgmmas by the first decode's fence and barrier
         stamp(1)
         pl.when(first < last)(lambda: decode(first, 0))
@@ -771,8 +692,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         thread_name="wg",
         scratch_types=(plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
                        plgpu.SMEM((2, 2, T, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
-                       plgpu.SMEM((2, 8), jnp.uint32),
-                       *((plgpu.SMEM((T * STAGE_ROW,), jnp.uint8), plgpu.SMEM((kp,), jnp.int32)) if staged else ())),
+                       plgpu.SMEM((2, 8), jnp.uint32)),
         kernel_name="sparse_attention_wgmma",
     )
     args = (q_bhd.astype(jnp.bfloat16), window_values, window_scales, window_valid.astype(jnp.int8), entry_values,

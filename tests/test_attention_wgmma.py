@@ -85,17 +85,12 @@ def test_lowers_for_cuda():
             s((b, 16, att.D), jnp.float32), *args[1:]).lower(lowering_platforms=("cuda",))
     partials = jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=att.MAX_SPLITS + 1))
     assert "sparse_attention_wgmma" in partials.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    for splits in (1, 3, att.MAX_SPLITS + 1):  # entry rows staged by cp.async, merged and as partials
-        staged = jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=splits, staged=True))
-        assert "sparse_attention_wgmma" in staged.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "globaltimer_lo" not in text  # no timeline unless asked
     for splits in (2, att.MAX_SPLITS + 1):  # with a timeline (a row per CTA), merged in the kernel and partials
         timed = jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=splits, timeline=True)).trace(*args)
         tiles = -(-(w // att.T + k // att.T) // splits)  # key tiles per range
         assert [o.shape for o in timed.out_info] == [(b, att.H, att.D), (b * splits, len(att.timeline_names(tiles)) + 1)]
         assert "globaltimer_lo" in timed.lower(lowering_platforms=("cuda",)).as_text()
-    with pytest.raises(ValueError, match="cannot skip the prefetch"):
-        jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, staged=True, skip=("prefetch",))).trace(*args)
     with pytest.raises(ValueError, match="one cluster of at most"):
         jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=9, merged=True)).trace(*args)
     with pytest.raises(ValueError, match="at least one key range"):
@@ -135,15 +130,15 @@ def test_matches_the_reference(b, w, n, k, splits, merged):
 @pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
 @pytest.mark.parametrize("b,w,n,k,splits,merged", [(3, 128, 300, 512, 1, None), (5, 64, 2000, 300, 4, None),
                                                     (3, 64, 2000, 300, 9, None), (3, 128, 3000, 512, 2, False)])
-def test_staged_rows_give_the_same_output(b, w, n, k, splits, merged):
-    """staged=True (entry rows copied into shared memory a tile ahead of their decode) gives exactly the output of
-    the default decode from global memory: one range (window tiles first, then every entry tile staged), ranges
-    merged with some empty, more ranges than tiles, partials."""
+def test_the_prefetch_changes_no_output(b, w, n, k, splits, merged):
+    """The L2 prefetch (its id loads clamped into idx, the first tile's rows and q first) leaves the output exactly
+    as without it: one range (window tiles first, then entry tiles), ranges merged with some empty, more ranges
+    than tiles, partials."""
     q, window, valid, entries, idx, sink = _attention_case(splits, b, att.H, att.D, w, n, k)
     run = lambda **kw: att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],  # noqa: E731
                                                   entries["scales"], idx, sink, att.D ** -0.5, splits=splits,
                                                   merged=merged, **kw)
-    np.testing.assert_array_equal(run(staged=True), run())
+    np.testing.assert_array_equal(run(skip=("prefetch",)), run())
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")

@@ -1,0 +1,126 @@
+"""Issue 21 on one GPU (thirty-seventh session): the wgmma attention's L2 prefetch in the order its data is needed,
+`bench_kernels.time_hbm` without a loop's kernels, and the scan at 128K x 8 over CTAs x pipeline stages.
+
+Groups (default: tests attention scan sweep before):
+- tests: the scan's and the attention's GPU tests, compiled (`test_the_prefetch_changes_no_output`: the prefetch,
+  its id loads clamped into idx, leaves the output exactly as without it);
+- attention, scan: `issue21_timeline`'s groups (timed from HBM, with the CTAs' timelines);
+- sweep: the scan at 128K x 8 and 1M x 8 over (CTAs wanted, tiles per step, pipeline stages): the default, one
+  wave of 4 CTAs per SM, and deeper pipelines with the CTAs that fit (shared memory: q 16 KB + 17 KB per stage of
+  4 tiles), each timed, at 128K with its timeline;
+- before: `attention`'s and `scan`'s timings in a copy of the tree as before this session (`TREES["before"]`:
+  every row prefetched before q, and the timing loop a fori_loop).
+
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_prefetch [GROUP ...]     (~8 min)
+
+Logs and a table per group under $OUT.
+"""
+
+import functools
+import os
+import sys
+
+from experiments.device_runs._steps import OUT, logger, step, tree_before
+from experiments.device_runs.issue21_timeline import attention_group, scan_group, timed_row, timeline
+
+ATTENTION, BENCH = "kernels_pallas/gpu_attention_wgmma.py", "experiments/bench_kernels.py"
+TREES = {"before": [
+    (ATTENTION, "            _prefetch(n, w, n_wt, per)(ev, es, idx_gmem, wv, ws, q_gmem, seq, first, last)\n",
+     "            _prefetch(n, w, n_wt, per)(ev, es, idx_gmem, wv, ws, seq, first, last)\n"),
+    (ATTENTION, '''        tile, pos, ix = keys[0]  # the first tile's keys are slots 0..63: threads 0..63's first
+        with mgpu_utils.when(cmp("eq", tile, first)):
+            rows(tile, pos, ix)
+        q_base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
+        for i in range(H * D * 2 // 128 // 256):  # q[b]'s 128 B lines
+            line = arith.addi(tid, i32_const(256 * i))
+            _prefetch_l2(q_ptr, arith.addi(q_base, _i64(arith.muli(line, i32_const(128)))), 1)
+        _bar_sync()
+        for tile, pos, ix in keys:
+            with mgpu_utils.when(cmp("ne", tile, first)):
+                rows(tile, pos, ix)
+''', '''        for tile, pos, ix in keys:
+            rows(tile, pos, ix)
+'''),
+    (ATTENTION, '''    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6 + (_SPLAT,) * 3)
+    def prefetch(ctx, ev, es, idx, wv, ws, q_gmem, b, first, last):
+        del ctx
+        b, first, last = (a.registers.item() for a in (b, first, last))
+        ev_ptr, es_ptr, wv_ptr, ws_ptr, q_ptr = (mgpu_utils.memref_ptr(r) for r in (ev, es, wv, ws, q_gmem))''',
+     '''    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5 + (_SPLAT,) * 3)
+    def prefetch(ctx, ev, es, idx, wv, ws, b, first, last):
+        del ctx
+        b, first, last = (a.registers.item() for a in (b, first, last))
+        ev_ptr, es_ptr, wv_ptr, ws_ptr = (mgpu_utils.memref_ptr(r) for r in (ev, es, wv, ws))'''),
+    (BENCH, '''    def loop(buf, *a):
+        x, outs = a[perturb], []
+        for _ in range(reps):
+            buf, x = l2_flush(buf, x)
+            buf, call_args = jax.lax.optimization_barrier((buf, (*a[:perturb], x, *a[perturb + 1:])))
+            out = fn(*call_args)
+            buf, out = jax.lax.optimization_barrier((buf, out))  # the next flush waits for this call
+            outs.append(out)
+        return buf, outs
+''', '''    reps = 20
+    out_struct = jax.eval_shape(fn, *args)
+
+    def loop(buf, *a):
+        def body(i, carry):
+            buf, x, _ = carry
+            buf, x = l2_flush(buf, x)
+            return buf, x, fn(*a[:perturb], x, *a[perturb + 1:])
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_struct)
+        return jax.lax.fori_loop(0, reps, body, (buf, a[perturb], zeros))
+'''),
+]}
+# the sweep's (CTAs wanted, tiles per step, stages): the default (2112: 16 a SM over the call, ~4 resident), one
+# wave of 4 a SM, 3 stages (3 fit an SM), 4 stages of 2 tiles (4 fit), 5 stages (2 fit)
+SWEEP = ((2112, 4, 2), (528, 4, 2), (396, 4, 3), (528, 2, 4), (264, 4, 5))
+
+
+def sweep_group(say, rows) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from experiments import bench_kernels as bk
+    from kernels_pallas import gpu_indexer_wgmma as scan
+
+    peak = bk.copy_bandwidth(2.0)
+    say(f"copy peak {peak / 1e9:.0f} GB/s")
+    for ctx in (131072, 1048576):
+        q, w, rec = bk.index_data(jax.random.key(ctx), 8, ctx)
+        args = (q, w, rec["values"], rec["scales"], jnp.full((8,), ctx - 5, jnp.int32))
+        moved = bk.nbytes(rec) + 8 * ctx * 4
+        for ctas, tiles, stages in SWEEP:
+            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, ctas=ctas, tiles_per_step=tiles, stages=stages)
+            timed_row(say, rows, "scan", f"{ctx} x 8, {ctas} CTAs, {tiles} tiles x {stages} stages", fn, args, 1,
+                      moved, peak)
+            if ctx == 131072:
+                say("timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, scan.TIMELINE))
+        del q, w, rec, args
+
+
+def main(groups: list[str]) -> int:
+    say, _ = logger(f"{'_'.join(groups)}.log")
+    if "tests" in groups:
+        rc = step("tests", ["-m", "pytest", "tests/test_indexer_wgmma.py", "tests/test_attention_wgmma.py", "-q",
+                            "-p", "no:cacheprovider"], 330, {"JAX_PLATFORMS": "cuda"})
+        say("TESTS rc", rc, "|", open(os.path.join(OUT, "tests.log")).read().strip().splitlines()[-1:])
+    rows = []
+    if "attention" in groups or "attention_untimed" in groups:
+        attention_group(say, rows, timelines="attention" in groups)
+    if "scan" in groups or "scan_untimed" in groups:
+        scan_group(say, rows, timelines="scan" in groups)
+    if "sweep" in groups:
+        sweep_group(say, rows)
+    if "before" in groups:
+        step("before", ["-m", "experiments.device_runs.issue21_prefetch", "attention_untimed", "scan_untimed"], 300,
+             cwd=tree_before(TREES["before"], "/tmp/tree_before"))
+        say(open(os.path.join(OUT, "before.log")).read()[-2500:])
+    say("| kernel | shape | GPU us | kernel us | % of copy | error vs twin |\n|---|---|---|---|---|---|")
+    for r in rows:
+        say("| " + " | ".join(r) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:] or ["tests", "attention", "scan", "sweep", "before"]))
