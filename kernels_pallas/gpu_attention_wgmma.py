@@ -165,36 +165,25 @@ def _prefetch_l2(ptr, off64, lines: int):
             ptr, [arith.addi(off64, _i64(i32_const(128 * j)))], ir.IntegerType.get_signless(8)), has_side_effects=True)
 
 
-# A tile's decode in parts: "all" of a thread's chunks, or its "first" half (under the logits' wgmmas) and the
-# "last" (under the p . v's): (meet before, the part's chunks of a thread's n, publish and meet after).
-PARTS = {"all": (True, lambda n: range(n), True), "first": (True, lambda n: range(n // 2), False),
-         "last": (False, lambda n: range(n // 2, n), True)}
-
-
-def _write_tile(k_smem, masks, slot, row, q, valid, loads, decode_chunk, part):
+def _write_tile(k_smem, masks, slot, row, q, valid, loads, decode_chunk):
     """The common part of the decodes: both warpgroups meet (the slot's last readers are done), each loaded
     chunk goes through decode_chunk(chunk index, words, scale) -> [(channel half, column, four bf16x2)], stored
-    in the slot's swizzled tile, the row's validity published, and both meet again (its keys are written); of
-    these, what `PARTS[part]` does."""
-    first, _, last = PARTS[part]
-    if first:
-        _bar_sync()
+    in the slot's swizzled tile, the row's validity published, and both meet again (its keys are written)."""
+    _bar_sync()
     k_ptr = mgpu_utils.memref_ptr(k_smem)
     for i, words, scale in loads:
         for half, col, outs in decode_chunk(i, words, scale):
             _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
-    if last:
-        _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
-        _cta_sync()
+    _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
+    _cta_sync()
 
 
 @functools.cache
-def _decode_entries(n_rows: int, part: str):
+def _decode_entries(n_rows: int):
     """inline_mgpu: (keys smem, validity masks smem, entry values gmem u8 [B, N, 256], scales u8 [B, N, 32],
     idx i32 [B, K], b, slot, first entry e0) -> keys[slot] rows r = entry idx[b, e0 + r] x 2**-KEY_SHIFT in
     PERM8 order (row 0 for idx < 0: finite, and masked by the bias), their validity in masks[slot]. Both
-    warpgroups meet before (the slot's last readers are done) and after (its keys are written). n_rows: N; part:
-    `PARTS`' key, the share of this call."""
+    warpgroups meet before (the slot's last readers are done) and after (its keys are written). n_rows: N."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
                                   plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT))
@@ -208,13 +197,13 @@ def _decode_entries(n_rows: int, part: str):
         valid = arith.cmpi(arith.CmpIPredicate.sge, ix, i32_const(0))
         entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
         loads = []
-        for k in PARTS[part][1](4):  # raw 16 B chunk i = q + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
+        for k in range(4):  # raw 16 B chunk i = q + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
             i = arith.addi(q, i32_const(4 * k))
             v_off = arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(arith.muli(i, i32_const(16))))
             s_off = arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), _i64(arith.muli(i, i32_const(2))))
             loads.append((i, _load(ev_ptr, v_off, ir.VectorType.get((4,), i32), 16), _load(es_ptr, s_off, i16, 2)))
 
-        _write_tile(k_smem, masks, slot, row, q, valid, loads, _entry_chunk, part)
+        _write_tile(k_smem, masks, slot, row, q, valid, loads, _entry_chunk)
 
     return decode
 
@@ -232,7 +221,7 @@ def _entry_chunk(i, words, sc):
 
 
 @functools.cache
-def _decode_window(part: str):
+def _decode_window():
     """inline_mgpu: (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0 scales u8 [B, W, 16],
     validity i8 [B, W], b, slot, first row w0) -> keys[slot] rows r = window row w0 + r x 2**-KEY_SHIFT in PERM8
     order, their validity in masks[slot]; both warpgroups meet before and after, as `_decode_entries`."""
@@ -249,7 +238,7 @@ def _decode_window(part: str):
         rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(arith.addi(w0, row)))
         valid = arith.cmpi(arith.CmpIPredicate.ne, _load(ok_ptr, rec, i8, 1), arith.constant(i8, 0))
         loads = []
-        for k in PARTS[part][1](8):  # raw 16 B chunk i = q + 4k: channels 16i .. 16i + 15, E8M0 byte i // 2
+        for k in range(8):  # raw 16 B chunk i = q + 4k: channels 16i .. 16i + 15, E8M0 byte i // 2
             i = arith.addi(q, i32_const(4 * k))
             v_off = arith.addi(arith.muli(rec, _i64(i32_const(D))), _i64(arith.muli(i, i32_const(16))))
             s_off = arith.addi(arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), _i64(arith.divui(i, i32_const(2))))
@@ -263,7 +252,7 @@ def _decode_window(part: str):
                 col = arith.addi(arith.muli(arith.remui(i, i32_const(16)), i32_const(16)), i32_const(8 * p))
                 yield arith.divui(i, i32_const(16)), col, outs
 
-        _write_tile(k_smem, masks, slot, row, q, valid, loads, chunk, part)
+        _write_tile(k_smem, masks, slot, row, q, valid, loads, chunk)
 
     return decode
 
@@ -633,20 +622,20 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         if "prefetch" not in skip:
             _prefetch(n, w, n_wt, per)(ev, es, idx_gmem, wv, ws, q_gmem, seq, first, last)
 
-        def decode(t, slot, part):
+        def decode(t, slot):
             if "decode" in skip:
                 return
             @pl.when(t < n_wt)
             def _():
-                _decode_window(part)(k_smem, masks, wv, ws, wok, seq, slot, t * T)
+                _decode_window()(k_smem, masks, wv, ws, wok, seq, slot, t * T)
 
             @pl.when(t >= n_wt)
             def _():
-                _decode_entries(n, part)(k_smem, masks, ev, es, idx_gmem, seq, slot, (t - n_wt) * T)
+                _decode_entries(n)(k_smem, masks, ev, es, idx_gmem, seq, slot, (t - n_wt) * T)
 
         _load_query()(q_gmem, q_smem, seq)  # made visible to the wgmmas by the first decode's fence and barrier
         stamp(1)
-        pl.when(first < last)(lambda: decode(first, 0, "all"))
+        pl.when(first < last)(lambda: decode(first, 0))
         stamp(2)
 
         def tile(t, carry):
@@ -656,7 +645,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             def qk(acc_ref):
                 for hf in range(0 if "qk" in skip else 2):
                     plgpu.wgmma(acc_ref, q_smem.at[hf], k_smem.at[slot, hf].transpose((1, 0)))
-                pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot, "first"))  # while the tensor cores run
+                pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot))  # while the tensor cores run
 
             s = pl.run_state(qk)(plgpu.ACC.init(_bias()(masks, slot))) * c
             stamp(3 + 2 * (t - first))
@@ -669,7 +658,6 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             def pv(acc_ref):
                 if "pv" not in skip:
                     plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), k_smem.at[slot, wg])
-                pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot, "last"))  # and the rest under these
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             stamp(4 + 2 * (t - first))

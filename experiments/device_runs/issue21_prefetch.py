@@ -9,9 +9,9 @@ Groups (default: tests attention scan sweep before):
   wave of 4 CTAs per SM, and deeper pipelines with the CTAs that fit (shared memory: q 16 KB + 17 KB per stage of
   4 tiles), each timed, at 128K with its timeline;
 - before: `attention`'s and `scan`'s timings in a copy of the tree as before this session (`TREES["before"]`:
-  every row prefetched before q, and the timing loop a fori_loop; call 2 ran it, before the split decode);
-- whole_decode: `attention` in a copy of the tree with the next tile's decode whole under the logits' wgmmas
-  (`TREES["whole_decode"]`; now half of it runs under the p . v's).
+  every row prefetched before q, and the timing loop a fori_loop).
+whole_decode (call 3) ran at commit c6539c2, an A/B of a candidate not kept: the next tile's decode split, half
+under the logits' wgmmas and half under the p . v's, against the whole decode under the logits' (docs/BENCHMARKS.md).
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_prefetch [GROUP ...]     (~8 min)
 
@@ -74,15 +74,8 @@ TREES = {"before": [
         return jax.lax.fori_loop(0, reps, body, (buf, a[perturb], zeros))
 '''),
 ]}
-# the tile's decode whole under the logits' wgmmas, as before (now: half there, half under the p . v's)
-TREES["whole_decode"] = [
-    (ATTENTION, """decode(t + 1, 1 - slot, "first"))  # while the tensor cores run""",
-     """decode(t + 1, 1 - slot, "all"))  # while the tensor cores run"""),
-    (ATTENTION, """                pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot, "last"))  # and the rest under these
-""", ""),
-]
 # what each tree's step runs (its own process in that tree; its table lands in its log)
-TREE_GROUPS = {"before": ["attention_untimed", "scan_untimed"], "whole_decode": ["attention"]}
+TREE_GROUPS = {"before": ["attention_untimed", "scan_untimed"]}
 # the sweep's (CTAs wanted, tiles per step, stages): the default (2112: 16 a SM over the call, ~4 resident), one
 # wave of 4 a SM, 3 stages (3 fit an SM), 4 stages of 2 tiles (4 fit), 5 stages (2 fit)
 SWEEP = ((2112, 4, 2), (528, 4, 2), (396, 4, 3), (528, 2, 4), (264, 4, 5))
