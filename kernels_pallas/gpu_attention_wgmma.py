@@ -314,7 +314,8 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, per: int):
 @functools.cache
 def _bias():
     """inline_mgpu: (validity masks smem u32 [2, 8], slot) -> f32 [64, 64] WGMMA layout, column n 0 where key n
-    of the slot's tile is valid, NEG where not (the logits accumulator's start)."""
+    of the slot's tile is valid, NEG where not (the logits accumulator's start); 0 in warpgroup 1, whose logits
+    over its channel half `_sum_halves` adds to warpgroup 0's."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT),
                        return_type=plgpu.ShapeDtypeStruct((H, T), jnp.float32, plgpu.Layout.WGMMA))
@@ -323,6 +324,7 @@ def _bias():
         i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
         slot = slot.registers.item()
         q = arith.remui(mgpu_utils.thread_idx(), i32_const(4))
+        wg1 = arith.cmpi(arith.CmpIPredicate.ne, arith.shrui(mgpu_utils.thread_idx(), i32_const(7)), i32_const(0))
         ptr = mgpu_utils.memref_ptr(masks)
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((H, T)), dtype=object)
         zero, neg = arith.constant(f32, 0.0), arith.constant(f32, NEG)
@@ -333,13 +335,48 @@ def _bias():
             vec = llvm.mlir_undef(ir.VectorType.get((2,), f32))
             for j in range(2):
                 bit = arith.andi(arith.shrui(word, arith.addi(arith.muli(q, i32_const(8)), i32_const(4 * j))), i32_const(1))
-                v = arith.select(arith.cmpi(arith.CmpIPredicate.ne, bit, i32_const(0)), zero, neg)
+                v = arith.select(arith.ori(arith.cmpi(arith.CmpIPredicate.ne, bit, i32_const(0)), wg1), zero, neg)
                 vec = llvm.insertelement(vec, v, arith.constant(i32, j))
             for half in range(2):
                 regs[0, c, 0, 0, half, 0, 0, 0, 0] = vec
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return bias
+
+
+SUM_WORDS = 2 * H * T  # f32 words of `_sum_halves`' shared buffer: each warpgroup's logits tile
+
+
+@functools.cache
+def _sum_halves():
+    """inline_mgpu: (a warpgroup's logits over its channel half, f32 [64, 64] WGMMA layout, buffer smem f32
+    [SUM_WORDS]) -> both halves' sum, the same in both warpgroups (one f32 add of the same two numbers). Both
+    warpgroups meet (the other is done reading the last tile's), each thread writes its registers to its own 8 B
+    slots (consecutive threads, consecutive slots), both meet again, and each thread reads its twin's in the other
+    warpgroup (same rows and columns)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((H, T), jnp.float32, plgpu.Layout.WGMMA))
+    def total(ctx, s, buf):
+        del ctx
+        i8, f32 = ir.IntegerType.get_signless(8), ir.F32Type.get()
+        tid = mgpu_utils.thread_idx()
+        wg, t = arith.shrui(tid, i32_const(7)), arith.andi(tid, i32_const(127))
+        ptr, vec = mgpu_utils.memref_ptr(buf), ir.VectorType.get((2,), f32)
+        own, other = (arith.muli(w, i32_const(SUM_WORDS // 2 * 4)) for w in (wg, arith.subi(i32_const(1), wg)))
+        at = lambda base, k: mgpu_utils.getelementptr(  # noqa: E731
+            ptr, [arith.addi(base, arith.muli(arith.addi(i32_const(128 * k), t), i32_const(8)))], i8)
+        idx = list(np.ndindex(s.registers.shape))
+        _bar_sync()
+        for k, i in enumerate(idx):
+            llvm.store(s.registers[i], at(own, k), alignment=8)
+        _bar_sync()
+        regs = np.empty(s.registers.shape, dtype=object)
+        for k, i in enumerate(idx):
+            regs[i] = arith.addf(s.registers[i], llvm.load(vec, at(other, k), alignment=8))
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return total
 
 
 @functools.cache
@@ -610,7 +647,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             sink_gmem, o_gmem, stats_gmem, *refs = refs
         else:
             o_gmem, m_gmem, l_gmem, *refs = refs
-        tl_gmem, q_smem, k_smem, masks = refs if timeline else (None, *refs)
+        tl_gmem, q_smem, k_smem, masks, s_smem = refs if timeline else (None, *refs)
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
 
         def stamp(point):
@@ -642,12 +679,12 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             acc, m, l = carry
             slot = (t - first) % 2
 
-            def qk(acc_ref):
-                for hf in range(0 if "qk" in skip else 2):
-                    plgpu.wgmma(acc_ref, q_smem.at[hf], k_smem.at[slot, hf].transpose((1, 0)))
+            def qk(acc_ref):  # over this warpgroup's channel half; `_sum_halves` adds the other's
+                if "qk" not in skip:
+                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot, wg].transpose((1, 0)))
                 pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot))  # while the tensor cores run
 
-            s = pl.run_state(qk)(plgpu.ACC.init(_bias()(masks, slot))) * c
+            s = _sum_halves()(pl.run_state(qk)(plgpu.ACC.init(_bias()(masks, slot))), s_smem) * c
             stamp(3 + 2 * (t - first))
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
@@ -692,7 +729,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         thread_name="wg",
         scratch_types=(plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
                        plgpu.SMEM((2, 2, T, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
-                       plgpu.SMEM((2, 8), jnp.uint32)),
+                       plgpu.SMEM((2, 8), jnp.uint32), plgpu.SMEM((SUM_WORDS,), jnp.float32)),
         kernel_name="sparse_attention_wgmma",
     )
     args = (q_bhd.astype(jnp.bfloat16), window_values, window_scales, window_valid.astype(jnp.int8), entry_values,
