@@ -344,16 +344,19 @@ def _bias():
     return bias
 
 
-SUM_WORDS = 2 * H * T  # f32 words of `_sum_halves`' shared buffer: each warpgroup's logits tile
+SUM_WORDS = H * T  # f32 words of `_sum_halves`' shared buffer: one logits tile (two did not fit beside the rest)
 
 
 @functools.cache
 def _sum_halves():
     """inline_mgpu: (a warpgroup's logits over its channel half, f32 [64, 64] WGMMA layout, buffer smem f32
-    [SUM_WORDS]) -> both halves' sum, the same in both warpgroups (one f32 add of the same two numbers). Both
-    warpgroups meet (the other is done reading the last tile's), each thread writes its registers to its own 8 B
-    slots (consecutive threads, consecutive slots), both meet again, and each thread reads its twin's in the other
-    warpgroup (same rows and columns)."""
+    [SUM_WORDS]) -> both halves' sum, the same in both warpgroups (one f32 add of the same two numbers).
+
+    Through one buffer, each thread's registers in its own 8 B slots (consecutive threads, consecutive slots;
+    a thread's twin in the other warpgroup holds the same rows and columns), the warpgroups meeting between steps:
+    (the buffer's last readers done) warpgroup 1 writes its half, all read it, warpgroup 0 writes its half, all
+    read that; each thread adds the half that is not its own (a load whose region a value cannot leave is not
+    used: every thread loads both times)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
                        return_type=plgpu.ShapeDtypeStruct((H, T), jnp.float32, plgpu.Layout.WGMMA))
@@ -361,20 +364,24 @@ def _sum_halves():
         del ctx
         i8, f32 = ir.IntegerType.get_signless(8), ir.F32Type.get()
         tid = mgpu_utils.thread_idx()
-        wg, t = arith.shrui(tid, i32_const(7)), arith.andi(tid, i32_const(127))
+        wg0 = arith.cmpi(arith.CmpIPredicate.eq, arith.shrui(tid, i32_const(7)), i32_const(0))
+        t = arith.andi(tid, i32_const(127))
         ptr, vec = mgpu_utils.memref_ptr(buf), ir.VectorType.get((2,), f32)
-        own, other = (arith.muli(w, i32_const(SUM_WORDS // 2 * 4)) for w in (wg, arith.subi(i32_const(1), wg)))
-        at = lambda base, k: mgpu_utils.getelementptr(  # noqa: E731
-            ptr, [arith.addi(base, arith.muli(arith.addi(i32_const(128 * k), t), i32_const(8)))], i8)
         idx = list(np.ndindex(s.registers.shape))
-        _bar_sync()
-        for k, i in enumerate(idx):
-            llvm.store(s.registers[i], at(own, k), alignment=8)
-        _bar_sync()
-        regs = np.empty(s.registers.shape, dtype=object)
-        for k, i in enumerate(idx):
-            regs[i] = arith.addf(s.registers[i], llvm.load(vec, at(other, k), alignment=8))
-        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+        slots = [mgpu_utils.getelementptr(ptr, [arith.muli(arith.addi(i32_const(128 * k), t), i32_const(8))], i8)
+                 for k in range(len(idx))]
+        halves = []
+        for writer in (arith.xori(wg0, arith.constant(ir.IntegerType.get_signless(1), 1)), wg0):
+            _bar_sync()
+            with mgpu_utils.when(writer):
+                for k, i in enumerate(idx):
+                    llvm.store(s.registers[i], slots[k], alignment=8)
+            _bar_sync()
+            halves.append([llvm.load(vec, slot, alignment=8) for slot in slots])
+        out = np.empty(s.registers.shape, dtype=object)
+        for k, i in enumerate(idx):  # warpgroup 0 adds warpgroup 1's half (the first), warpgroup 1 the second
+            out[i] = arith.addf(s.registers[i], arith.select(wg0, halves[0][k], halves[1][k]))
+        return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return total
 
