@@ -314,8 +314,7 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, per: int):
 @functools.cache
 def _bias():
     """inline_mgpu: (validity masks smem u32 [2, 8], slot) -> f32 [64, 64] WGMMA layout, column n 0 where key n
-    of the slot's tile is valid, NEG where not (the logits accumulator's start); 0 in warpgroup 1, whose logits
-    over its channel half `_sum_halves` adds to warpgroup 0's."""
+    of the slot's tile is valid, NEG where not (the logits accumulator's start)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT),
                        return_type=plgpu.ShapeDtypeStruct((H, T), jnp.float32, plgpu.Layout.WGMMA))
@@ -324,7 +323,6 @@ def _bias():
         i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
         slot = slot.registers.item()
         q = arith.remui(mgpu_utils.thread_idx(), i32_const(4))
-        wg1 = arith.cmpi(arith.CmpIPredicate.ne, arith.shrui(mgpu_utils.thread_idx(), i32_const(7)), i32_const(0))
         ptr = mgpu_utils.memref_ptr(masks)
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((H, T)), dtype=object)
         zero, neg = arith.constant(f32, 0.0), arith.constant(f32, NEG)
@@ -335,55 +333,13 @@ def _bias():
             vec = llvm.mlir_undef(ir.VectorType.get((2,), f32))
             for j in range(2):
                 bit = arith.andi(arith.shrui(word, arith.addi(arith.muli(q, i32_const(8)), i32_const(4 * j))), i32_const(1))
-                v = arith.select(arith.ori(arith.cmpi(arith.CmpIPredicate.ne, bit, i32_const(0)), wg1), zero, neg)
+                v = arith.select(arith.cmpi(arith.CmpIPredicate.ne, bit, i32_const(0)), zero, neg)
                 vec = llvm.insertelement(vec, v, arith.constant(i32, j))
             for half in range(2):
                 regs[0, c, 0, 0, half, 0, 0, 0, 0] = vec
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return bias
-
-
-SUM_WORDS = H * T  # f32 words of `_sum_halves`' shared buffer: one logits tile (two did not fit beside the rest)
-
-
-@functools.cache
-def _sum_halves():
-    """inline_mgpu: (a warpgroup's logits over its channel half, f32 [64, 64] WGMMA layout, buffer smem f32
-    [SUM_WORDS]) -> both halves' sum, the same in both warpgroups (one f32 add of the same two numbers).
-
-    Through one buffer, each thread's registers in its own 8 B slots (consecutive threads, consecutive slots;
-    a thread's twin in the other warpgroup holds the same rows and columns), the warpgroups meeting between steps:
-    (the buffer's last readers done) warpgroup 1 writes its half, all read it, warpgroup 0 writes its half, all
-    read that; each thread adds the half that is not its own (a load whose region a value cannot leave is not
-    used: every thread loads both times)."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
-                       return_type=plgpu.ShapeDtypeStruct((H, T), jnp.float32, plgpu.Layout.WGMMA))
-    def total(ctx, s, buf):
-        del ctx
-        i8, f32 = ir.IntegerType.get_signless(8), ir.F32Type.get()
-        tid = mgpu_utils.thread_idx()
-        wg0 = arith.cmpi(arith.CmpIPredicate.eq, arith.shrui(tid, i32_const(7)), i32_const(0))
-        t = arith.andi(tid, i32_const(127))
-        ptr, vec = mgpu_utils.memref_ptr(buf), ir.VectorType.get((2,), f32)
-        idx = list(np.ndindex(s.registers.shape))
-        slots = [mgpu_utils.getelementptr(ptr, [arith.muli(arith.addi(i32_const(128 * k), t), i32_const(8))], i8)
-                 for k in range(len(idx))]
-        halves = []
-        for writer in (arith.xori(wg0, arith.constant(ir.IntegerType.get_signless(1), 1)), wg0):
-            _bar_sync()
-            with mgpu_utils.when(writer):
-                for k, i in enumerate(idx):
-                    llvm.store(s.registers[i], slots[k], alignment=8)
-            _bar_sync()
-            halves.append([llvm.load(vec, slot, alignment=8) for slot in slots])
-        out = np.empty(s.registers.shape, dtype=object)
-        for k, i in enumerate(idx):  # warpgroup 0 adds warpgroup 1's half (the first), warpgroup 1 the second
-            out[i] = arith.addf(s.registers[i], arith.select(wg0, halves[0][k], halves[1][k]))
-        return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-
-    return total
 
 
 @functools.cache
@@ -654,7 +610,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             sink_gmem, o_gmem, stats_gmem, *refs = refs
         else:
             o_gmem, m_gmem, l_gmem, *refs = refs
-        tl_gmem, q_smem, k_smem, masks, s_smem = refs if timeline else (None, *refs)
+        tl_gmem, q_smem, k_smem, masks = refs if timeline else (None, *refs)
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
 
         def stamp(point):
@@ -686,12 +642,12 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             acc, m, l = carry
             slot = (t - first) % 2
 
-            def qk(acc_ref):  # over this warpgroup's channel half; `_sum_halves` adds the other's
-                if "qk" not in skip:
-                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot, wg].transpose((1, 0)))
+            def qk(acc_ref):
+                for hf in range(0 if "qk" in skip else 2):
+                    plgpu.wgmma(acc_ref, q_smem.at[hf], k_smem.at[slot, hf].transpose((1, 0)))
                 pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot))  # while the tensor cores run
 
-            s = _sum_halves()(pl.run_state(qk)(plgpu.ACC.init(_bias()(masks, slot))), s_smem) * c
+            s = pl.run_state(qk)(plgpu.ACC.init(_bias()(masks, slot))) * c
             stamp(3 + 2 * (t - first))
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
@@ -736,7 +692,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         thread_name="wg",
         scratch_types=(plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
                        plgpu.SMEM((2, 2, T, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
-                       plgpu.SMEM((2, 8), jnp.uint32), plgpu.SMEM((SUM_WORDS,), jnp.float32)),
+                       plgpu.SMEM((2, 8), jnp.uint32)),
         kernel_name="sparse_attention_wgmma",
     )
     args = (q_bhd.astype(jnp.bfloat16), window_values, window_scales, window_valid.astype(jnp.int8), entry_values,

@@ -9,11 +9,10 @@ Groups (default: tests attention scan sweep before):
   wave of 4 CTAs per SM, and deeper pipelines with the CTAs that fit (shared memory: q 16 KB + 17 KB per stage of
   4 tiles), each timed, at 128K with its timeline;
 - before: `attention`'s and `scan`'s timings in a copy of the tree as before this session (`TREES["before"]`:
-  every row prefetched before q, and the timing loop a fori_loop);
-- both_logits: `attention` in a copy of the tree where each warpgroup computes the logits over all 512 channels
-  (`TREES["both_logits"]`; now each over its half, summed through shared memory).
-whole_decode (call 3) ran at commit c6539c2, an A/B of a candidate not kept: the next tile's decode split, half
-under the logits' wgmmas and half under the p . v's, against the whole decode under the logits' (docs/BENCHMARKS.md).
+  every row prefetched before q, and the timing loop a fori_loop).
+Two A/Bs of candidates not kept ran at their commits (docs/BENCHMARKS.md): whole_decode (call 3, c6539c2: the next
+tile's decode split, half under the logits' wgmmas and half under the p . v's) and both_logits (call 5, 92ac229:
+each warpgroup's logits over its channel half, summed through shared memory; call 4 at 8bc8151 failed to launch).
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_prefetch [GROUP ...]     (~8 min)
 
@@ -76,25 +75,8 @@ TREES = {"before": [
         return jax.lax.fori_loop(0, reps, body, (buf, a[perturb], zeros))
 '''),
 ]}
-# the logits over all 512 channels in each warpgroup, as before (now: each over its half, `_sum_halves` adds them)
-TREES["both_logits"] = [
-    (ATTENTION, """            def qk(acc_ref):  # over this warpgroup's channel half; `_sum_halves` adds the other's
-                if "qk" not in skip:
-                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot, wg].transpose((1, 0)))
-                pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot))  # while the tensor cores run
-
-            s = _sum_halves()(pl.run_state(qk)(plgpu.ACC.init(_bias()(masks, slot))), s_smem) * c""",
-     """            def qk(acc_ref):
-                for hf in range(0 if "qk" in skip else 2):
-                    plgpu.wgmma(acc_ref, q_smem.at[hf], k_smem.at[slot, hf].transpose((1, 0)))
-                pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot))  # while the tensor cores run
-
-            s = pl.run_state(qk)(plgpu.ACC.init(_bias()(masks, slot))) * c"""),
-    (ATTENTION, """v = arith.select(arith.ori(arith.cmpi(arith.CmpIPredicate.ne, bit, i32_const(0)), wg1), zero, neg)""",
-     """v = arith.select(arith.cmpi(arith.CmpIPredicate.ne, bit, i32_const(0)), zero, neg)"""),
-]
 # what each tree's step runs (its own process in that tree; its table lands in its log)
-TREE_GROUPS = {"before": ["attention_untimed", "scan_untimed"], "both_logits": ["attention"]}
+TREE_GROUPS = {"before": ["attention_untimed", "scan_untimed"]}
 # the sweep's (CTAs wanted, tiles per step, stages): the default (2112: 16 a SM over the call, ~4 resident), one
 # wave of 4 a SM, 3 stages (3 fit an SM), 4 stages of 2 tiles (4 fit), 5 stages (2 fit)
 SWEEP = ((2112, 4, 2), (528, 4, 2), (396, 4, 3), (528, 2, 4), (264, 4, 5))
