@@ -13,13 +13,18 @@ loads, decode, wgmmas and softmax take turns. Now up to MERGED_SPLITS key ranges
 cluster that merges in the kernel (`_store_merged`: no partials, no combine; batch 64 44.2 us = 18.1%, 46.4 with
 partials in the same call, twenty-fifth session). With q read in bf16 (thirty-sixth session) the model's batch-64
 call takes 42.5 us (48.8 before: the f32 copy of q). Per-CTA timelines (`timeline=True`, `gpu_timeline`) put a
-batch-64 CTA's 36 us at ~6 for q and the prefetch, ~3.8 per 64-key tile, ~7 for the merge.
+batch-64 CTA's 35 us at ~4.5 for q and the prefetch (~6 until the prefetch took the first tile's rows and q first,
+thirty-seventh session: kernel 38.6 -> 37.7 us), ~4.1 per 64-key tile (its logits with the next tile's decode
+~2.9, p . v ~1.3), ~7 for the merge. Timed and not kept (docs/BENCHMARKS.md): entry rows staged in shared memory
+a tile ahead by cp.async, the next tile's decode split between the logits' and the p . v's wgmmas, and the logits
+over each warpgroup's channel half summed through shared memory (slower: the exchange costs more than the halved
+MMA saves).
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): two warpgroups, each
 owning half of the output channels, so each holds a [64 heads, 256] f32 accumulator (128 registers a thread).
-At its start every key row of its range is prefetched to L2 (`_prefetch`) and q is loaded in bf16 (`_load_query`;
-the model's q is bf16, an f32 q is rounded by the caller: the kernel rounded it itself until the thirty-sixth
-session, reading twice the bytes per CTA). Per tile of 64 keys:
+At its start every key row of its range and q are prefetched to L2 (`_prefetch`, in the order they are needed)
+and q is loaded in bf16 (`_load_query`; the model's q is bf16, an f32 q is rounded by the caller: the kernel
+rounded it itself until the thirty-sixth session, reading twice the bytes per CTA). Per tile of 64 keys:
 - both warpgroups decode 32 of its rows each, straight from global memory (the rows are gathered by index;
   nothing is staged), into one bf16 [64 keys, 512] tile in shared memory (two slots), meeting at a CTA barrier
   before (the slot's last readers are done) and after (its keys are written); the next tile's decode runs
@@ -576,8 +581,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
     (default `default_splits`). merged: the ranges as one cluster merging in the kernel (at most MAX_SPLITS of
     them), or partials merged by `gpu_attention.combine` (default: merged up to MERGED_SPLITS). skip: parts
-    of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong, but for the prefetch). unrotate, out_dtype: as
-    `gpu_attention.sparse_attention`'s (partials merged and turned by `gpu_attention.combine_unrotated`). timeline:
+    of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong, but for the prefetch).
+    unrotate, out_dtype: as `gpu_attention.sparse_attention`'s (partials merged and turned by
+    `gpu_attention.combine_unrotated`). timeline:
     also return each CTA's `timeline_names(tiles per range)` points (`gpu_timeline`: u32 [B * splits, points + 1],
     CTA b * splits + range)."""
     if set(skip) - set(ABLATIONS):
