@@ -9,7 +9,9 @@ Groups (default: tests attention scan sweep before):
   wave of 4 CTAs per SM, and deeper pipelines with the CTAs that fit (shared memory: q 16 KB + 17 KB per stage of
   4 tiles), each timed, at 128K with its timeline;
 - before: `attention`'s and `scan`'s timings in a copy of the tree as before this session (`TREES["before"]`:
-  every row prefetched before q, and the timing loop a fori_loop).
+  every row prefetched before q, and the timing loop a fori_loop);
+- ptx: the attention kernel's PTX and ptxas report at batch 64 (Mosaic GPU's dumps, under $OUT/mgpu), for ptxas
+  here (`ptxas -arch=sm_90a -v`: registers, spills, whether it serializes the wgmmas).
 Two A/Bs of candidates not kept ran at their commits (docs/BENCHMARKS.md): whole_decode (call 3, c6539c2: the next
 tile's decode split, half under the logits' wgmmas and half under the p . v's) and both_logits (call 5, 92ac229:
 each warpgroup's logits over its channel half, summed through shared memory; call 4 at 8bc8151 failed to launch).
@@ -21,6 +23,8 @@ Logs and a table per group under $OUT.
 
 import functools
 import os
+import shutil
+import subprocess
 import sys
 
 from experiments.device_runs._steps import OUT, logger, step, tree_before
@@ -104,6 +108,32 @@ def sweep_group(say, rows) -> None:
         del q, w, rec, args
 
 
+# the attention at batch 64 compiled and run once, in a process that dumps Mosaic GPU's PTX and ptxas report
+PTX_SNIPPET = """
+import functools, jax, jax.numpy as jnp
+from experiments import bench_kernels as bk
+from kernels_pallas import gpu_attention_wgmma as att
+q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(0), 64, 1 << 17)
+fn = functools.partial(att.sparse_attention_wgmma, scale=bk.D_ATT ** -0.5)
+print(float(fn(q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink).sum()))
+"""
+
+
+def ptx_group(say) -> None:
+    tmp = "/tmp/mgpu_dump"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false", "MOSAIC_GPU_DUMP_PTX": "1",
+           "MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_TO": tmp, "PYTHONPATH": "."}
+    run = subprocess.run([sys.executable, "-c", PTX_SNIPPET], capture_output=True, text=True, timeout=240, env=env)
+    say("ptx dump rc", run.returncode, (run.stdout + run.stderr)[-1500:])
+    os.makedirs(os.path.join(OUT, "mgpu"), exist_ok=True)
+    for f in sorted(os.listdir(tmp)):
+        if "sparse_attention" in f and f.endswith((".ptx", ".ptxas")):
+            shutil.copy(os.path.join(tmp, f), os.path.join(OUT, "mgpu", f))
+            say("dumped", f)
+
+
 def main(groups: list[str]) -> int:
     say, _ = logger(f"{'_'.join(groups)}.log")
     if "tests" in groups:
@@ -117,6 +147,8 @@ def main(groups: list[str]) -> int:
         scan_group(say, rows, timelines="scan" in groups)
     if "sweep" in groups:
         sweep_group(say, rows)
+    if "ptx" in groups:
+        ptx_group(say)
     for tree in [g for g in groups if g in TREES]:
         step(tree, ["-m", "experiments.device_runs.issue21_prefetch", *TREE_GROUPS[tree]], 300,
              cwd=tree_before(TREES[tree], f"/tmp/tree_{tree}"))
