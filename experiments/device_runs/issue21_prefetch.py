@@ -28,7 +28,8 @@ import subprocess
 import sys
 
 from experiments.device_runs._steps import OUT, logger, step, tree_before
-from experiments.device_runs.issue21_timeline import attention_group, scan_group, timed_row, timeline
+from experiments.device_runs.issue21_timeline import (attention_group, gpu_tests, say_table, scan_group, timed_row,
+                                                     timeline)
 
 ATTENTION, BENCH = "kernels_pallas/gpu_attention_wgmma.py", "experiments/bench_kernels.py"
 TREES = {"before": [
@@ -137,9 +138,7 @@ def ptx_group(say) -> None:
 def main(groups: list[str]) -> int:
     say, _ = logger(f"{'_'.join(groups)}.log")
     if "tests" in groups:
-        rc = step("tests", ["-m", "pytest", "tests/test_indexer_wgmma.py", "tests/test_attention_wgmma.py", "-q",
-                            "-p", "no:cacheprovider"], 330, {"JAX_PLATFORMS": "cuda"})
-        say("TESTS rc", rc, "|", open(os.path.join(OUT, "tests.log")).read().strip().splitlines()[-1:])
+        gpu_tests(say)
     rows = []
     if "attention" in groups or "attention_untimed" in groups:
         attention_group(say, rows, timelines="attention" in groups)
@@ -153,9 +152,7 @@ def main(groups: list[str]) -> int:
         step(tree, ["-m", "experiments.device_runs.issue21_prefetch", *TREE_GROUPS[tree]], 300,
              cwd=tree_before(TREES[tree], f"/tmp/tree_{tree}"))
         say(open(os.path.join(OUT, f"{tree}.log")).read()[-3000:])
-    say("| kernel | shape | GPU us | kernel us | % of copy | error vs twin |\n|---|---|---|---|---|---|")
-    for r in rows:
-        say("| " + " | ".join(r) + " |")
+    say_table(say, rows)
     return 0
 
 

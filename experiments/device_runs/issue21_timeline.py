@@ -158,12 +158,23 @@ def sweep_group(say, rows) -> None:
         say("timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
 
 
+def gpu_tests(say) -> None:
+    """The scan's and the attention's GPU tests, compiled (`tests.log`)."""
+    rc = step("tests", ["-m", "pytest", "tests/test_indexer_wgmma.py", "tests/test_attention_wgmma.py", "-q",
+                        "-p", "no:cacheprovider"], 330, {"JAX_PLATFORMS": "cuda"})
+    say("TESTS rc", rc, "|", open(os.path.join(OUT, "tests.log")).read().strip().splitlines()[-1:])
+
+
+def say_table(say, rows) -> None:
+    say("| kernel | shape | GPU us | kernel us | % of copy | error vs twin |\n|---|---|---|---|---|---|")
+    for r in rows:
+        say("| " + " | ".join(r) + " |")
+
+
 def main(groups: list[str]) -> int:
     say, _ = logger(f"{'_'.join(groups)}.log")
     if "tests" in groups:
-        rc = step("tests", ["-m", "pytest", "tests/test_indexer_wgmma.py", "tests/test_attention_wgmma.py", "-q",
-                            "-p", "no:cacheprovider"], 330, {"JAX_PLATFORMS": "cuda"})
-        say("TESTS rc", rc, "|", open(os.path.join(OUT, "tests.log")).read().strip().splitlines()[-1:])
+        gpu_tests(say)
     rows = []
     if "scan" in groups or "scan_untimed" in groups:
         scan_group(say, rows, timelines="scan" in groups)
@@ -171,9 +182,7 @@ def main(groups: list[str]) -> int:
         attention_group(say, rows, timelines="attention" in groups)
     if "sweep" in groups:
         sweep_group(say, rows)
-    say("| kernel | shape | GPU us | kernel us | % of copy | error vs twin |\n|---|---|---|---|---|---|")
-    for r in rows:
-        say("| " + " | ".join(r) + " |")
+    say_table(say, rows)
     return 0
 
 
