@@ -270,8 +270,9 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, per: int):
 
     In the order they are needed: every entry id loaded first (a row's address waits on its id), the first
     tile's rows and q, then, after both warpgroups meet (those requests all issued), the other tiles' rows. With
-    every row first and q after, a batch-64 CTA waited ~9.4 us for its first tile: the rows of all its tiles and
-    q (20 MB over the CTAs) arrived together (docs/BENCHMARKS.md, thirty-seventh session)."""
+    every row first and q after, a batch-64 CTA's first tile was decoded 7.5 us after its start on the H200 (9.4 on
+    an H100): the rows of all its tiles and q (20 MB over the CTAs) arrived together; now 6.5 (docs/BENCHMARKS.md,
+    thirty-seventh session)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6 + (_SPLAT,) * 3)
     def prefetch(ctx, ev, es, idx, wv, ws, q_gmem, b, first, last):
