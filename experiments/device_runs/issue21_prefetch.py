@@ -10,6 +10,9 @@ Groups (default: tests attention scan sweep before):
   4 tiles), each timed, at 128K with its timeline;
 - before: `attention`'s and `scan`'s timings in a copy of the tree as before this session (`TREES["before"]`:
   every row prefetched before q, and the timing loop a fori_loop);
+- ablate: the attention at batch 64 (q bf16) with parts left out (`skip`: the decode, the wgmmas, both, the
+  store), timed from HBM: what each part costs in the kernel as it is (lowers on the CPU; not yet run: the
+  thirty-seventh session's device time ran out);
 - ptx: the attention kernel's PTX and ptxas report at batch 64 (Mosaic GPU's dumps, under $OUT/mgpu), for ptxas
   here (`ptxas -arch=sm_90a -v`: registers, spills, whether it serializes the wgmmas).
 Two A/Bs of candidates not kept ran at their commits (docs/BENCHMARKS.md): whole_decode (call 3, c6539c2: the next
@@ -120,6 +123,25 @@ print(float(fn(q, window["values"], window["scales"], wvalid, entries["values"],
 """
 
 
+ABLATED = ((), ("decode",), ("qk", "pv"), ("decode", "qk", "pv"), ("store",))
+
+
+def ablate_group(say, rows) -> None:
+    import jax
+
+    from experiments import bench_kernels as bk
+    from kernels_pallas import gpu_attention_wgmma as att
+
+    peak = bk.copy_bandwidth(2.0)
+    q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(64), 64, 1 << 17)
+    args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
+    moved = bk.attention_bytes(q, window, wvalid, entries, idx)
+    for skip in ABLATED:
+        fn = functools.partial(att.sparse_attention_wgmma, scale=bk.D_ATT ** -0.5, skip=skip)
+        timed_row(say, rows, "attention", f"128K x 64, q bf16, without {', '.join(skip) or 'nothing'}", fn, args, 7,
+                  moved, peak)
+
+
 def ptx_group(say) -> None:
     tmp = "/tmp/mgpu_dump"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -146,6 +168,8 @@ def main(groups: list[str]) -> int:
         scan_group(say, rows, timelines="scan" in groups)
     if "sweep" in groups:
         sweep_group(say, rows)
+    if "ablate" in groups:
+        ablate_group(say, rows)
     if "ptx" in groups:
         ptx_group(say)
     for tree in [g for g in groups if g in TREES]:
