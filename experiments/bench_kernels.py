@@ -106,34 +106,40 @@ PALLAS_NAMES = ("indexer_scores", "sparse_attention", "scan_")  # kernel names (
 KEPT_BYTES = 4 << 30  # `time_hbm` keeps every call's output: fewer calls where they would pass this
 
 
-def time_hbm(fn, args, perturb: int, reps: int = 20, top: int = 8) -> tuple[float, dict]:
-    """(GPU seconds per call of fn(*args), details) with the L2 flushed before every call.
-
-    One jitted program of `reps` x (l2_flush, fn), unrolled, fn's args[perturb] passed through the flush (pick a
-    small array with power-of-two dims), every call's args its own values (an optimization barrier with the flushed
-    buffer: XLA merges no work of the calls) and every output kept (fewer calls where they would pass KEPT_BYTES);
-    from a profiler trace: all GPU time except the flush's (the call's kernels: the Pallas kernels and XLA's small
-    ones around them), per call. Unrolled since the thirty-seventh session: a fori_loop's counter add and carry
-    copies (~2.3 us per call on the H100, 1-3 kernels) were counted as the call's. details: us of the kernels
-    named in PALLAS_NAMES, kernels per call, us of the `top` longest kernels by name. With --smoke (CPU), wall
-    time per call of the same program.
-    """
-    from experiments.bench_decode import kernel_profile  # imported here: bench_decode imports this module
-
+def flushed_calls(fn, args, perturb: int, reps: int):
+    """(jitted program (buf, *args) -> (buf, [outputs]), calls in it): `reps` x (l2_flush, fn), unrolled, fn's
+    args[perturb] passed through the flush, every call's args its own values (an optimization barrier with the
+    flushed buffer: XLA merges no work of the calls), the next flush after the call, every output kept (fewer
+    calls where they would pass KEPT_BYTES). `time_hbm`'s program; buf is donated."""
     out_bytes = sum(o.size * o.dtype.itemsize for o in jax.tree.leaves(jax.eval_shape(fn, *args)))
     reps = max(2, min(reps, KEPT_BYTES // max(out_bytes, 1)))
 
-    def loop(buf, *a):
+    def calls(buf, *a):
         x, outs = a[perturb], []
         for _ in range(reps):
             buf, x = l2_flush(buf, x)
             buf, call_args = jax.lax.optimization_barrier((buf, (*a[:perturb], x, *a[perturb + 1:])))
             out = fn(*call_args)
-            buf, out = jax.lax.optimization_barrier((buf, out))  # the next flush waits for this call
+            buf, out = jax.lax.optimization_barrier((buf, out))
             outs.append(out)
         return buf, outs
 
-    f = jax.jit(loop, donate_argnums=0)
+    return jax.jit(calls, donate_argnums=0), reps
+
+
+def time_hbm(fn, args, perturb: int, reps: int = 20, top: int = 8) -> tuple[float, dict]:
+    """(GPU seconds per call of fn(*args), details) with the L2 flushed before every call.
+
+    `flushed_calls`' program (fn's args[perturb] passed through the flush: pick a small array with power-of-two
+    dims); from a profiler trace: all GPU time except the flush's (the call's kernels: the Pallas kernels and
+    XLA's small ones around them), per call. An unrolled program since the thirty-seventh session: a fori_loop's
+    counter add and carry copies (~2.6 us a call in the H100's profile, 4 kernels) were counted as the call's.
+    details: us of the kernels named in PALLAS_NAMES, kernels per call, us of the `top` longest kernels by name.
+    With --smoke (CPU), wall time per call of the same program.
+    """
+    from experiments.bench_decode import kernel_profile  # imported here: bench_decode imports this module
+
+    f, reps = flushed_calls(fn, args, perturb, reps)
     buf = jnp.zeros((FLUSH_BYTES // 4 if not KW else _FLUSH_BLOCK,), jnp.uint32)
     buf = jax.block_until_ready(f(buf, *args))[0]  # compile + warm-up
     if KW:  # smoke run on CPU: no GPU trace

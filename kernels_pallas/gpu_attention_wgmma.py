@@ -584,9 +584,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     them), or partials merged by `gpu_attention.combine` (default: merged up to MERGED_SPLITS). skip: parts
     of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong, but for the prefetch).
     unrotate, out_dtype: as `gpu_attention.sparse_attention`'s (partials merged and turned by
-    `gpu_attention.combine_unrotated`). timeline:
-    also return each CTA's `timeline_names(tiles per range)` points (`gpu_timeline`: u32 [B * splits, points + 1],
-    CTA b * splits + range)."""
+    `gpu_attention.combine_unrotated`). timeline: also return each CTA's `timeline_names(tiles per range)` points
+    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     b, h, d = q_bhd.shape

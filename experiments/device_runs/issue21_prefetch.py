@@ -62,15 +62,7 @@ TREES = {"before": [
         del ctx
         b, first, last = (a.registers.item() for a in (b, first, last))
         ev_ptr, es_ptr, wv_ptr, ws_ptr = (mgpu_utils.memref_ptr(r) for r in (ev, es, wv, ws))'''),
-    (BENCH, '''    def loop(buf, *a):
-        x, outs = a[perturb], []
-        for _ in range(reps):
-            buf, x = l2_flush(buf, x)
-            buf, call_args = jax.lax.optimization_barrier((buf, (*a[:perturb], x, *a[perturb + 1:])))
-            out = fn(*call_args)
-            buf, out = jax.lax.optimization_barrier((buf, out))  # the next flush waits for this call
-            outs.append(out)
-        return buf, outs
+    (BENCH, '''    f, reps = flushed_calls(fn, args, perturb, reps)
 ''', '''    reps = 20
     out_struct = jax.eval_shape(fn, *args)
 
@@ -81,6 +73,8 @@ TREES = {"before": [
             return buf, x, fn(*a[:perturb], x, *a[perturb + 1:])
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_struct)
         return jax.lax.fori_loop(0, reps, body, (buf, a[perturb], zeros))
+
+    f = jax.jit(loop, donate_argnums=0)
 '''),
 ]}
 # what each tree's step runs (its own process in that tree; its table lands in its log)

@@ -1,0 +1,36 @@
+"""`bench_kernels.flushed_calls`, the program `time_hbm` profiles: each of its calls is one call's own work. XLA
+merges identical work and drops unused results, so without the per-call argument barrier the calls' work on the
+unperturbed arguments would run once for all calls, and without the kept outputs it would not run at all: the
+GPU time per call would then undercount the call."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import bench_kernels as bk
+
+
+def _call(x, y):  # y is not the perturbed argument: only the barrier keeps its work per call
+    return jnp.sin(y) @ y + x[0]
+
+
+def test_every_call_runs_its_own_work_after_its_flush(monkeypatch):
+    monkeypatch.setattr(bk, "KW", {"interpret": True})  # the flush as on the smoke run (CPU)
+    x, y = jnp.arange(8, dtype=jnp.float32), jax.random.normal(jax.random.key(0), (32, 32))
+    f, reps = bk.flushed_calls(_call, (x, y), perturb=0, reps=5)
+    buf = jnp.zeros((bk._FLUSH_BLOCK,), jnp.uint32)
+    hlo = f.lower(buf, x, y).compile().as_text()
+    assert reps == 5 and hlo.count(" dot(") == reps, hlo.count(" dot(")
+    buf_out, outs = f(buf, x, y)
+    assert len(outs) == reps
+    for out in outs:
+        np.testing.assert_allclose(out, _call(x, y), rtol=1e-5)
+    np.testing.assert_array_equal(buf_out, reps % 2)  # every flush rewrote the buffer (^ 1 each)
+
+
+def test_fewer_calls_where_the_outputs_would_pass_the_budget(monkeypatch):
+    monkeypatch.setattr(bk, "KEPT_BYTES", 3 * 32 * 32 * 4)  # three outputs' bytes
+    x, y = jnp.zeros((8,), jnp.float32), jnp.zeros((32, 32), jnp.float32)
+    assert bk.flushed_calls(_call, (x, y), perturb=0, reps=20)[1] == 3
+    monkeypatch.setattr(bk, "KEPT_BYTES", 1)
+    assert bk.flushed_calls(_call, (x, y), perturb=0, reps=20)[1] == 2  # at least two calls
