@@ -80,7 +80,10 @@ PERM8 = tuple(c for pair in WORD_PAIRS for c in pair)  # column 8u + p holds cha
 WINDOW_GROUP, ENTRY_GROUP = gpu_attention.WINDOW_SCALE_BLOCK, gpu_attention.ENTRY_SCALE_BLOCK
 _TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 [64, 256]
 _SPLAT = plgpu.Layout.WG_SPLAT(shape=())
-_CTA_BARRIER = 8  # named barrier id for both warpgroups (ids 1, 2 are the warpgroups' own)
+# Named barrier ids (ids 1, 2 are the warpgroups' own, Mosaic GPU's): both warpgroups meet at _CTA_BARRIER; the
+# others pass a tile between the roles, one side arriving, the other waiting (`_main_loop`).
+_CTA_BARRIER = 8
+KEYS_READY, P_READY, P_FREE, STATS_READY, SLOT_FREE = 9, 11, 12, 13, 14  # KEYS_READY, SLOT_FREE: + slot
 
 # E4M3 scale pair (one b16) -> two bf16x2, each both halves E4M3 x 2**116 (exact: 4 significant bits, and
 # 2**116 keeps E4M3's range inside bf16's); the f32 route handles E4M3 subnormals with no special case.
@@ -133,33 +136,45 @@ def _load(ptr, off64, ty, align):
 
 
 def _thread_row():
-    """(tile row this thread decodes: 8 per warp, 4 threads a row = 8 warp + lane // 4; q = lane % 4), i32."""
-    tid = mgpu_utils.thread_idx()
-    return arith.shrui(tid, i32_const(2)), arith.andi(tid, i32_const(3))
+    """(tile row this thread of warpgroup 1 decodes: 16 per warp, 2 threads a row = 16 warp + lane // 2; q = lane
+    % 2), i32."""
+    t = arith.andi(mgpu_utils.thread_idx(), i32_const(127))
+    return arith.shrui(t, i32_const(1)), arith.andi(t, i32_const(1))
 
 
-def _bar_sync():
-    """Both warpgroups meet: a named barrier over the CTA's 256 threads (inside an inline_mgpu body)."""
-    mgpu_utils.inline_ptx(f"bar.sync {_CTA_BARRIER}, 256;", has_side_effects=True)
+def _bar_sync(bar=_CTA_BARRIER):
+    """Named barrier `bar` (an int or an i32 value) over the CTA's 256 threads: wait until both warpgroups arrive
+    (inside an inline_mgpu body)."""
+    if isinstance(bar, int):
+        mgpu_utils.inline_ptx(f"bar.sync {bar}, 256;", has_side_effects=True)
+    else:
+        mgpu_utils.inline_ptx("bar.sync $0, 256;", bar, has_side_effects=True)
 
 
-def _cta_sync():
-    """Both warpgroups meet (named barrier over 256 threads), after a fence that makes this thread's shared
-    memory writes visible to the tensor cores' reads (wgmma)."""
-    nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-    _bar_sync()
+@functools.cache
+def _barrier(wait: bool):
+    """inline_mgpu (bar id i32): the calling warpgroup waits at (wait) or arrives at (not wait) named barrier
+    `bar`, from a kernel body (`_main_loop`'s hand-offs)."""
+
+    @plgpu.inline_mgpu(arg_types=(_SPLAT,))
+    def bar(ctx, bar_id):
+        del ctx
+        mgpu_utils.inline_ptx(f"bar.{'sync' if wait else 'arrive'} $0, 256;", bar_id.registers.item(),
+                              has_side_effects=True)
+
+    return lambda bar_id: bar(jnp.asarray(bar_id, jnp.int32))
 
 
 def _publish_validity(mask_ptr, slot, valid, q):
-    """Warp w's ballot of its 8 rows' validity (bit 4r for row 8w + r, from the row's q = 0 thread) into
-    mask[slot, w] (u32 [2, 8] in shared memory), for `_bias`."""
+    """Warp w's (of warpgroup 1) ballot of its 16 rows' validity (bit 2r for row 16w + r, from the row's q = 0
+    thread) into mask[slot, w] (u32 [2, 4] in shared memory), for `_bias`."""
     pred = arith.andi(valid, arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))
     bits = mgpu_utils.inline_ptx("{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, 0xffffffff; }",
                                  arith.extui(ir.IntegerType.get_signless(32), pred), result_types=ir.IntegerType.get_signless(32))
     tid = mgpu_utils.thread_idx()
-    warp = arith.shrui(tid, i32_const(5))
+    warp = arith.andi(arith.shrui(tid, i32_const(5)), i32_const(3))
     with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, arith.andi(tid, i32_const(31)), i32_const(0))):
-        off = arith.muli(arith.addi(arith.muli(slot, i32_const(8)), warp), i32_const(4))
+        off = arith.muli(arith.addi(arith.muli(slot, i32_const(4)), warp), i32_const(4))
         llvm.store(bits, mgpu_utils.getelementptr(mask_ptr, [off], ir.IntegerType.get_signless(8)), alignment=4)
 
 
@@ -170,45 +185,56 @@ def _prefetch_l2(ptr, off64, lines: int):
             ptr, [arith.addi(off64, _i64(i32_const(128 * j)))], ir.IntegerType.get_signless(8)), has_side_effects=True)
 
 
-def _write_tile(k_smem, masks, slot, row, q, valid, loads, decode_chunk):
-    """The common part of the decodes: both warpgroups meet (the slot's last readers are done), each loaded
-    chunk goes through decode_chunk(chunk index, words, scale) -> [(channel half, column, four bf16x2)], stored
-    in the slot's swizzled tile, the row's validity published, and both meet again (its keys are written)."""
-    _bar_sync()
+def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
+    """The common part of the decodes (warpgroup 1): per pass, passes[p]() loads chunks [(chunk index, words,
+    scale)]; after the first pass's loads are issued, the slot's last reader of warpgroup 0 is waited for (wait
+    != 0: `SLOT_FREE` + slot); each chunk goes through decode_chunk(chunk index, words, scale) -> [(channel half,
+    column, four bf16x2)] into the slot's swizzled tile; the rows' validity is published, and after a fence that
+    makes the writes visible to the tensor cores (wgmma), warpgroup 1 arrives at `KEYS_READY` + slot."""
     k_ptr = mgpu_utils.memref_ptr(k_smem)
-    for i, words, scale in loads:
-        for half, col, outs in decode_chunk(i, words, scale):
-            _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
+    for p, load in enumerate(passes):
+        loads = load()
+        if p == 0:
+            with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, wait, i32_const(0))):
+                _bar_sync(arith.addi(slot, i32_const(SLOT_FREE)))
+        for i, words, scale in loads:
+            for half, col, outs in decode_chunk(i, words, scale):
+                _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
     _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
-    _cta_sync()
+    nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+    mgpu_utils.inline_ptx("bar.arrive $0, 256;", arith.addi(slot, i32_const(KEYS_READY)), has_side_effects=True)
 
 
 @functools.cache
 def _decode_entries(n_rows: int):
-    """inline_mgpu: (keys smem, validity masks smem, entry values gmem u8 [B, N, 256], scales u8 [B, N, 32],
-    idx i32 [B, K], b, slot, first entry e0) -> keys[slot] rows r = entry idx[b, e0 + r] x 2**-KEY_SHIFT in
-    PERM8 order (row 0 for idx < 0: finite, and masked by the bias), their validity in masks[slot]. Both
-    warpgroups meet before (the slot's last readers are done) and after (its keys are written). n_rows: N."""
+    """inline_mgpu (warpgroup 1): (keys smem, validity masks smem, entry values gmem u8 [B, N, 256], scales u8
+    [B, N, 32], idx i32 [B, K], b, slot, wait, first entry e0) -> keys[slot] rows r = entry idx[b, e0 + r] x
+    2**-KEY_SHIFT in PERM8 order (row 0 for idx < 0: finite, and masked by the bias), their validity in
+    masks[slot], as `_write_tile` (wait: whether warpgroup 0 still reads the slot). n_rows: N."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                  plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT))
-    def decode(ctx, k_smem, masks, ev, es, idx, b, slot, e0):
+                                  plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT, _SPLAT))
+    def decode(ctx, k_smem, masks, ev, es, idx, b, slot, wait, e0):
         del ctx
         i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
-        b, slot, e0 = (a.registers.item() for a in (b, slot, e0))
+        b, slot, wait, e0 = (a.registers.item() for a in (b, slot, wait, e0))
         row, q = _thread_row()
         ev_ptr, es_ptr = mgpu_utils.memref_ptr(ev), mgpu_utils.memref_ptr(es)
         ix = memref.load(idx, [index_of(v) for v in (b, arith.addi(e0, row))])
         valid = arith.cmpi(arith.CmpIPredicate.sge, ix, i32_const(0))
         entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
-        loads = []
-        for k in range(4):  # raw 16 B chunk i = q + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
-            i = arith.addi(q, i32_const(4 * k))
-            v_off = arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(arith.muli(i, i32_const(16))))
-            s_off = arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), _i64(arith.muli(i, i32_const(2))))
-            loads.append((i, _load(ev_ptr, v_off, ir.VectorType.get((4,), i32), 16), _load(es_ptr, s_off, i16, 2)))
 
-        _write_tile(k_smem, masks, slot, row, q, valid, loads, _entry_chunk)
+        def loads():
+            out = []
+            for k in range(8):  # raw 16 B chunk i = q + 2k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
+                i = arith.addi(q, i32_const(2 * k))
+                v_off = arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(arith.muli(i, i32_const(16))))
+                s_off = arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))),
+                                   _i64(arith.muli(i, i32_const(2))))
+                out.append((i, _load(ev_ptr, v_off, ir.VectorType.get((4,), i32), 16), _load(es_ptr, s_off, i16, 2)))
+            return out
+
+        _write_tile(k_smem, masks, slot, wait, row, q, valid, [loads], _entry_chunk)
 
     return decode
 
@@ -227,27 +253,32 @@ def _entry_chunk(i, words, sc):
 
 @functools.cache
 def _decode_window():
-    """inline_mgpu: (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0 scales u8 [B, W, 16],
-    validity i8 [B, W], b, slot, first row w0) -> keys[slot] rows r = window row w0 + r x 2**-KEY_SHIFT in PERM8
-    order, their validity in masks[slot]; both warpgroups meet before and after, as `_decode_entries`."""
+    """inline_mgpu (warpgroup 1): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0 scales u8
+    [B, W, 16], validity i8 [B, W], b, slot, wait, first row w0) -> keys[slot] rows r = window row w0 + r x
+    2**-KEY_SHIFT in PERM8 order, their validity in masks[slot], as `_decode_entries` (in two passes of 8 chunks
+    a thread: all 16 loaded at once would need 64 more registers beside the accumulator)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                  plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT))
-    def decode(ctx, k_smem, masks, wv, ws, wok, b, slot, w0):
+                                  plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT, _SPLAT))
+    def decode(ctx, k_smem, masks, wv, ws, wok, b, slot, wait, w0):
         del ctx
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
-        b, slot, w0 = (a.registers.item() for a in (b, slot, w0))
+        b, slot, wait, w0 = (a.registers.item() for a in (b, slot, wait, w0))
         row, q = _thread_row()
         w_rows = ir.MemRefType(wv.type).shape[1]
         wv_ptr, ws_ptr, ok_ptr = (mgpu_utils.memref_ptr(r) for r in (wv, ws, wok))
         rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(arith.addi(w0, row)))
         valid = arith.cmpi(arith.CmpIPredicate.ne, _load(ok_ptr, rec, i8, 1), arith.constant(i8, 0))
-        loads = []
-        for k in range(8):  # raw 16 B chunk i = q + 4k: channels 16i .. 16i + 15, E8M0 byte i // 2
-            i = arith.addi(q, i32_const(4 * k))
-            v_off = arith.addi(arith.muli(rec, _i64(i32_const(D))), _i64(arith.muli(i, i32_const(16))))
-            s_off = arith.addi(arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), _i64(arith.divui(i, i32_const(2))))
-            loads.append((i, _load(wv_ptr, v_off, ir.VectorType.get((4,), i32), 16), _load(ws_ptr, s_off, i8, 1)))
+
+        def loads(ks):
+            out = []
+            for k in ks:  # raw 16 B chunk i = q + 2k: channels 16i .. 16i + 15, E8M0 byte i // 2
+                i = arith.addi(q, i32_const(2 * k))
+                v_off = arith.addi(arith.muli(rec, _i64(i32_const(D))), _i64(arith.muli(i, i32_const(16))))
+                s_off = arith.addi(arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))),
+                                   _i64(arith.divui(i, i32_const(2))))
+                out.append((i, _load(wv_ptr, v_off, ir.VectorType.get((4,), i32), 16), _load(ws_ptr, s_off, i8, 1)))
+            return out
 
         def chunk(i, words, e):  # 4 words of 4 channels, one E8M0 byte: two 8-channel groups
             mult = pow2_bf16x2(arith.minui(arith.addi(arith.extui(i32, e), i32_const(127 - 17)), i32_const(254)))
@@ -257,7 +288,8 @@ def _decode_window():
                 col = arith.addi(arith.muli(arith.remui(i, i32_const(16)), i32_const(16)), i32_const(8 * p))
                 yield arith.divui(i, i32_const(16)), col, outs
 
-        _write_tile(k_smem, masks, slot, row, q, valid, loads, chunk)
+        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: loads(range(8)), lambda: loads(range(8, 16))],
+                    chunk)
 
     return decode
 
@@ -319,7 +351,7 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, per: int):
 
 @functools.cache
 def _bias():
-    """inline_mgpu: (validity masks smem u32 [2, 8], slot) -> f32 [64, 64] WGMMA layout, column n 0 where key n
+    """inline_mgpu: (validity masks smem u32 [2, 4], slot) -> f32 [64, 64] WGMMA layout, column n 0 where key n
     of the slot's tile is valid, NEG where not (the logits accumulator's start)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT),
@@ -332,13 +364,14 @@ def _bias():
         ptr = mgpu_utils.memref_ptr(masks)
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((H, T)), dtype=object)
         zero, neg = arith.constant(f32, 0.0), arith.constant(f32, NEG)
-        for c in range(T // 8):  # columns 8c + 2q + {0, 1}: keys of warp word c, bits 4 (2q + j)
+        for c in range(T // 8):  # columns 8c + 2q + {0, 1}: keys of warp word c // 2, bits 2 (8 (c % 2) + 2q + j)
             word = llvm.load(i32, mgpu_utils.getelementptr(
-                ptr, [arith.muli(arith.addi(arith.muli(slot, i32_const(8)), i32_const(c)), i32_const(4))],
+                ptr, [arith.muli(arith.addi(arith.muli(slot, i32_const(4)), i32_const(c // 2)), i32_const(4))],
                 ir.IntegerType.get_signless(8)), alignment=4)
             vec = llvm.mlir_undef(ir.VectorType.get((2,), f32))
             for j in range(2):
-                bit = arith.andi(arith.shrui(word, arith.addi(arith.muli(q, i32_const(8)), i32_const(4 * j))), i32_const(1))
+                at = arith.addi(arith.muli(q, i32_const(4)), i32_const(16 * (c % 2) + 2 * j))
+                bit = arith.andi(arith.shrui(word, at), i32_const(1))
                 v = arith.select(arith.cmpi(arith.CmpIPredicate.ne, bit, i32_const(0)), zero, neg)
                 vec = llvm.insertelement(vec, v, arith.constant(i32, j))
             for half in range(2):
@@ -616,8 +649,10 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             sink_gmem, o_gmem, stats_gmem, *refs = refs
         else:
             o_gmem, m_gmem, l_gmem, *refs = refs
-        tl_gmem, q_smem, k_smem, masks = refs if timeline else (None, *refs)
+        tl_gmem, q_smem, k_smem, masks, p_smem, rows_smem = refs if timeline else (None, *refs)
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
+        wait, arrive = _barrier(True), _barrier(False)
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
 
         def stamp(point):
             gpu_timeline.stamp(tl_gmem, seq * splits + part, point)
@@ -627,62 +662,103 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         last = jnp.minimum(first + per, n_t)
         if "prefetch" not in skip:
             _prefetch(n, w, n_wt, per)(ev, es, idx_gmem, wv, ws, q_gmem, seq, first, last)
+        _load_query()(q_gmem, q_smem, seq)  # both warpgroups; each fences its own writes before the wgmmas see them
+        stamp(1)
 
-        def decode(t, slot):
+        def decode(t, slot, after):  # warpgroup 1: tile t into `slot`, once warpgroup 0 is done with it if `after`
+            after = jnp.asarray(after, jnp.int32)
             if "decode" in skip:
+                pl.when(after != 0)(lambda: wait(SLOT_FREE + slot))
+                plgpu.commit_smem()  # q
+                arrive(KEYS_READY + slot)
                 return
+
             @pl.when(t < n_wt)
             def _():
-                _decode_window()(k_smem, masks, wv, ws, wok, seq, slot, t * T)
+                _decode_window()(k_smem, masks, wv, ws, wok, seq, slot, after, t * T)
 
             @pl.when(t >= n_wt)
             def _():
-                _decode_entries(n)(k_smem, masks, ev, es, idx_gmem, seq, slot, (t - n_wt) * T)
+                _decode_entries(n)(k_smem, masks, ev, es, idx_gmem, seq, slot, after, (t - n_wt) * T)
 
-        _load_query()(q_gmem, q_smem, seq)  # made visible to the wgmmas by the first decode's fence and barrier
-        stamp(1)
-        pl.when(first < last)(lambda: decode(first, 0))
-        stamp(2)
-
-        def tile(t, carry):
-            acc, m, l = carry
-            slot = (t - first) % 2
-
-            def qk(acc_ref):
-                for hf in range(0 if "qk" in skip else 2):
-                    plgpu.wgmma(acc_ref, q_smem.at[hf], k_smem.at[slot, hf].transpose((1, 0)))
-                pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot))  # while the tensor cores run
-
-            s = pl.run_state(qk)(plgpu.ACC.init(_bias()(masks, slot))) * c
-            stamp(3 + 2 * (t - first))
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-            def pv(acc_ref):
+        def pv(acc, a, slot, half):
+            def run(acc_ref):
                 if "pv" not in skip:
-                    plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), k_smem.at[slot, wg])
+                    plgpu.wgmma(acc_ref, a, k_smem.at[slot, half])
+            return pl.run_state(run)(plgpu.ACC.init(acc))
 
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            stamp(4 + 2 * (t - first))
-            return acc, m_new, l
-
-        acc = plgpu.layout_cast(jnp.zeros((H, HALF), jnp.float32), plgpu.Layout.WGMMA)
-        m = plgpu.layout_cast(jnp.full((H,), gpu_attention.M_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l = plgpu.layout_cast(jnp.zeros((H,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc, m, l = lax.fori_loop(first, last, tile, (acc, m, l))
-        for i in range(per * 2 if timeline else 0):  # a shorter range's missing tiles: at its "tiles" point
-            pl.when(i >= 2 * (last - first))(lambda i=i: stamp(3 + i))
-        stamp(3 + 2 * per)
-        wide = lambda v: lax.broadcast_in_dim(v, (H, 8), [0])
-        if "store" not in skip:
+        def finish(acc, m, l):
+            wide = lambda v: lax.broadcast_in_dim(v, (H, 8), [0])
+            if "store" in skip:
+                return
             if merged:
                 _store_merged()(acc, wide(m), wide(l), k_smem, stats_gmem, sink_gmem, o_gmem, seq, part)
             else:
                 _store_partials()(acc, wide(m), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
-        stamp(4 + 2 * per)
+
+        acc0 = plgpu.layout_cast(jnp.zeros((H, HALF), jnp.float32), plgpu.Layout.WGMMA)
+
+        @pl.when(wg == 0)
+        def _scores():  # the logits, the softmax and p . keys[:, :256]; p and its rows' rescale to warpgroup 1
+            plgpu.commit_smem()  # its part of q, for the wgmmas
+            pl.when(first < last)(lambda: wait(KEYS_READY))
+            stamp(2)
+
+            def tile(t, carry):
+                acc, m, l = carry
+                slot = (t - first) % 2
+
+                def qk(acc_ref):
+                    for hf in range(0 if "qk" in skip else 2):
+                        plgpu.wgmma(acc_ref, q_smem.at[hf], k_smem.at[slot, hf].transpose((1, 0)))
+
+                s = pl.run_state(qk)(plgpu.ACC.init(_bias()(masks, slot))) * c
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p = p.astype(jnp.bfloat16)
+                pl.when(t > first)(lambda: wait(P_FREE))  # warpgroup 1 is done with the last tile's p
+                p_smem[...] = p
+                rows_smem.at[0][...] = alpha
+                plgpu.commit_smem()
+                arrive(P_READY)
+                stamp(3 + 2 * (t - first))
+                acc = pv(acc, p, slot, 0)
+                pl.when(t + 2 < last)(lambda: arrive(SLOT_FREE + slot))  # tile t + 2 may take the slot
+                pl.when(t + 1 < last)(lambda: wait(KEYS_READY + 1 - slot))
+                stamp(4 + 2 * (t - first))
+                return acc, m_new, l
+
+            m = plgpu.layout_cast(jnp.full((H,), gpu_attention.M_FLOOR, jnp.float32), row_layout)
+            l = plgpu.layout_cast(jnp.zeros((H,), jnp.float32), row_layout)
+            acc, m, l = lax.fori_loop(first, last, tile, (acc0, m, l))
+            rows_smem.at[1][...] = m
+            rows_smem.at[2][...] = l
+            arrive(STATS_READY)
+            for i in range(per * 2 if timeline else 0):  # a shorter range's missing tiles: at its "tiles" point
+                pl.when(i >= 2 * (last - first))(lambda i=i: stamp(3 + i))
+            stamp(3 + 2 * per)
+            finish(acc, m, l)
+            stamp(4 + 2 * per)
+
+        @pl.when(wg == 1)
+        def _values():  # every tile's decode, a tile ahead; p . keys[:, 256:] with warpgroup 0's p
+            pl.when(first < last)(lambda: decode(first, 0, 0))
+
+            def tile(t, acc):
+                slot = (t - first) % 2
+                pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot, t > first))
+                wait(P_READY)
+                acc = acc * lax.broadcast_in_dim(plgpu.load(rows_smem.at[0], layout=row_layout), acc.shape, [0])
+                acc = pv(acc, p_smem, slot, 1)
+                pl.when(t + 1 < last)(lambda: arrive(P_FREE))
+                return acc
+
+            acc = lax.fori_loop(first, last, tile, acc0)
+            wait(STATS_READY)
+            finish(acc, *(plgpu.load(rows_smem.at[i], layout=row_layout) for i in (1, 2)))
 
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     rows = gpu_attention.partial_rows(splits, unrotate)
@@ -698,7 +774,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         thread_name="wg",
         scratch_types=(plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
                        plgpu.SMEM((2, 2, T, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
-                       plgpu.SMEM((2, 8), jnp.uint32)),
+                       plgpu.SMEM((2, 4), jnp.uint32),
+                       plgpu.SMEM((H, T), jnp.bfloat16, transforms=_TRANSFORMS),  # p, warpgroup 0 -> 1
+                       plgpu.SMEM((3, H), jnp.float32)),  # rows' rescale (per tile), then m and l
         kernel_name="sparse_attention_wgmma",
     )
     args = (q_bhd.astype(jnp.bfloat16), window_values, window_scales, window_valid.astype(jnp.int8), entry_values,

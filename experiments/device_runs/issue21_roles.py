@@ -1,0 +1,56 @@
+"""Issue 21 on one GPU (thirty-eighth session): the wgmma attention with its warpgroups in two roles (warpgroup 0
+the logits, the softmax and p . keys[:, :256]; warpgroup 1 every tile's decode a tile ahead and p . keys[:, 256:]
+with warpgroup 0's p from shared memory) against the kernel as it was, both lockstep warpgroups computing the
+whole logits and decoding half a tile each.
+
+Groups (default: tests attention ablate before):
+- tests: the attention's GPU tests, compiled (a hang of the hand-offs ends at the step's timeout, and the groups
+  after it are not run);
+- attention: `issue21_timeline`'s group (batch 64 and 8 at 128K, q f32 and bf16, timed from HBM, with the CTAs'
+  timelines);
+- ablate: `issue21_prefetch`'s (the batch-64 kernel without its decode / wgmmas / both / store);
+- before: attention (untimed) and ablate in a copy of the tree whose kernel is `build/before/gpu_attention_wgmma.py`
+  (carried: `git show d5eba4e:kernels_pallas/gpu_attention_wgmma.py`, the kernel before this change).
+
+    mkdir -p build/before && git show d5eba4e:kernels_pallas/gpu_attention_wgmma.py > build/before/gpu_attention_wgmma.py
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_roles [GROUP ...]     (~5 min; carry build/before)
+
+Logs and a table per group under $OUT.
+"""
+
+import os
+import shutil
+import sys
+
+from experiments.device_runs._steps import OUT, logger, step, tree_before
+from experiments.device_runs.issue21_prefetch import ablate_group
+from experiments.device_runs.issue21_timeline import attention_group, say_table
+
+BEFORE = "build/before/gpu_attention_wgmma.py"
+
+
+def main(groups: list[str]) -> int:
+    say, _ = logger(f"{'_'.join(groups)}.log")
+    if "tests" in groups:
+        rc = step("tests", ["-m", "pytest", "tests/test_attention_wgmma.py", "-q", "-p", "no:cacheprovider"], 240,
+                  {"JAX_PLATFORMS": "cuda"})
+        say("TESTS rc", rc, "|", open(os.path.join(OUT, "tests.log")).read().strip().splitlines()[-1:])
+        if rc:
+            say(open(os.path.join(OUT, "tests.log")).read()[-4000:])
+            return rc
+    rows = []
+    if "attention" in groups or "attention_untimed" in groups:
+        attention_group(say, rows, timelines="attention" in groups)
+    if "ablate" in groups:
+        ablate_group(say, rows)
+    if "before" in groups:
+        tree = tree_before([], "/tmp/tree_before")
+        shutil.copy(BEFORE, os.path.join(tree, "kernels_pallas", "gpu_attention_wgmma.py"))
+        step("before", ["-m", "experiments.device_runs.issue21_roles", "attention_untimed", "ablate"], 300, cwd=tree)
+        say(open(os.path.join(OUT, "before.log")).read()[-3000:])
+    say_table(say, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:] or ["tests", "attention", "ablate", "before"]))
