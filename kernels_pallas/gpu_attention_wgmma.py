@@ -205,36 +205,65 @@ def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
     mgpu_utils.inline_ptx("bar.arrive $0, 256;", arith.addi(slot, i32_const(KEYS_READY)), has_side_effects=True)
 
 
-@functools.cache
-def _decode_entries(n_rows: int):
-    """inline_mgpu (warpgroup 1): (keys smem, validity masks smem, entry values gmem u8 [B, N, 256], scales u8
-    [B, N, 32], idx i32 [B, K], b, slot, wait, first entry e0) -> keys[slot] rows r = entry idx[b, e0 + r] x
-    2**-KEY_SHIFT in PERM8 order (row 0 for idx < 0: finite, and masked by the bias), their validity in
-    masks[slot], as `_write_tile` (wait: whether warpgroup 0 still reads the slot). n_rows: N."""
+# An entry tile's raw rows as warpgroup 1 holds them between their load and their decode (`_load_entries`): a
+# thread's 8 chunks of 16 B, their 8 E4M3 scale pairs, and its row's entry id.
+_RAW = (plgpu.ShapeDtypeStruct((128 * 8 * 4,), jnp.uint32, plgpu.Layout.WG_STRIDED((128 * 8 * 4,), vec_size=4)),
+        plgpu.ShapeDtypeStruct((128 * 8,), jnp.int16, plgpu.Layout.WG_STRIDED((128 * 8,), vec_size=8)),
+        plgpu.ShapeDtypeStruct((128,), jnp.int32, plgpu.Layout.WG_STRIDED((128,), vec_size=1)))
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                  plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT, _SPLAT))
-    def decode(ctx, k_smem, masks, ev, es, idx, b, slot, wait, e0):
+
+def _fragments(shape_dtype, registers):
+    return mgpu.FragmentedArray(_registers=np.asarray(registers, dtype=object), _layout=shape_dtype.layout.to_mgpu(),
+                                _is_signed=None if jnp.issubdtype(shape_dtype.dtype, jnp.floating) else False)
+
+
+@functools.cache
+def _load_entries(n_rows: int):
+    """inline_mgpu (warpgroup 1): (entry values gmem u8 [B, N, 256], scales u8 [B, N, 32], idx i32 [B, K], b,
+    first entry e0) -> `_RAW` of the tile's rows r = entry idx[b, e0 + r] (row 0 for idx < 0: finite, and masked
+    by the bias): the loads issued, not waited for, so that they land while warpgroup 1 does other work (its
+    p . v and the wait for p) before `_decode_entries` uses them. n_rows: N."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3 + (_SPLAT,) * 2, return_type=_RAW)
+    def load(ctx, ev, es, idx, b, e0):
         del ctx
         i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
-        b, slot, wait, e0 = (a.registers.item() for a in (b, slot, wait, e0))
+        b, e0 = (a.registers.item() for a in (b, e0))
         row, q = _thread_row()
         ev_ptr, es_ptr = mgpu_utils.memref_ptr(ev), mgpu_utils.memref_ptr(es)
         ix = memref.load(idx, [index_of(v) for v in (b, arith.addi(e0, row))])
-        valid = arith.cmpi(arith.CmpIPredicate.sge, ix, i32_const(0))
         entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
+        words, scales = [], llvm.mlir_undef(ir.VectorType.get((8,), i16))
+        for k in range(8):  # raw 16 B chunk i = q + 2k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
+            i = arith.addi(q, i32_const(2 * k))
+            v_off = arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(arith.muli(i, i32_const(16))))
+            s_off = arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), _i64(arith.muli(i, i32_const(2))))
+            words.append(_load(ev_ptr, v_off, ir.VectorType.get((4,), i32), 16))
+            scales = llvm.insertelement(scales, _load(es_ptr, s_off, i16, 2), arith.constant(i32, k))
+        ids = llvm.insertelement(llvm.mlir_undef(ir.VectorType.get((1,), i32)), ix, arith.constant(i32, 0))
+        return tuple(_fragments(t, r) for t, r in zip(_RAW, (words, [scales], [ids])))
 
-        def loads():
-            out = []
-            for k in range(8):  # raw 16 B chunk i = q + 2k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
-                i = arith.addi(q, i32_const(2 * k))
-                v_off = arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(arith.muli(i, i32_const(16))))
-                s_off = arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))),
-                                   _i64(arith.muli(i, i32_const(2))))
-                out.append((i, _load(ev_ptr, v_off, ir.VectorType.get((4,), i32), 16), _load(es_ptr, s_off, i16, 2)))
-            return out
+    return load
 
-        _write_tile(k_smem, masks, slot, wait, row, q, valid, [loads], _entry_chunk)
+
+@functools.cache
+def _decode_entries():
+    """inline_mgpu (warpgroup 1): (keys smem, validity masks smem, `_RAW` of an entry tile (`_load_entries`),
+    slot, wait) -> keys[slot] rows = the entries x 2**-KEY_SHIFT in PERM8 order, their validity (id >= 0) in
+    masks[slot], as `_write_tile` (wait: whether warpgroup 0 still reads the slot)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), *(r.layout for r in _RAW), _SPLAT,
+                                  _SPLAT))
+    def decode(ctx, k_smem, masks, words, scales, ids, slot, wait):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        slot, wait = (a.registers.item() for a in (slot, wait))
+        row, q = _thread_row()
+        valid = arith.cmpi(arith.CmpIPredicate.sge, llvm.extractelement(ids.registers[0], arith.constant(i32, 0)),
+                           i32_const(0))
+        chunks = [(arith.addi(q, i32_const(2 * k)), words.registers[k],
+                   llvm.extractelement(scales.registers[0], arith.constant(i32, k))) for k in range(8)]
+        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: chunks], _entry_chunk)
 
     return decode
 
@@ -665,8 +694,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         _load_query()(q_gmem, q_smem, seq)  # both warpgroups; each fences its own writes before the wgmmas see them
         stamp(1)
 
-        def decode(t, slot, after):  # warpgroup 1: tile t into `slot`, once warpgroup 0 is done with it if `after`
-            after = jnp.asarray(after, jnp.int32)
+        def decode(t, slot, after, raw):  # warpgroup 1: tile t into `slot` (an entry tile from raw, its loaded
+            after = jnp.asarray(after, jnp.int32)  # rows), once warpgroup 0 is done with the slot if `after`
             if "decode" in skip:
                 pl.when(after != 0)(lambda: wait(SLOT_FREE + slot))
                 plgpu.commit_smem()  # q
@@ -679,7 +708,11 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
             @pl.when(t >= n_wt)
             def _():
-                _decode_entries(n)(k_smem, masks, ev, es, idx_gmem, seq, slot, after, (t - n_wt) * T)
+                _decode_entries()(k_smem, masks, *raw, slot, after)
+
+        def load(t):  # warpgroup 1: entry tile t's rows; past the range, the last tile's again (in L2, unused), and
+            t = jnp.clip(t, first, last - 1)  # for a window tile, entry tile 0's
+            return _load_entries(n)(ev, es, idx_gmem, seq, jnp.clip((t - n_wt) * T, 0, kp - T))
 
         def pv(acc, a, slot, half):
             def run(acc_ref):
@@ -745,18 +778,21 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 1)
         def _values():  # every tile's decode, a tile ahead; p . keys[:, 256:] with warpgroup 0's p
-            pl.when(first < last)(lambda: decode(first, 0, 0))
+            raw = load(first)
+            pl.when(first < last)(lambda: decode(first, 0, 0, raw))
 
-            def tile(t, acc):
+            def tile(t, carry):
+                acc, raw = carry
                 slot = (t - first) % 2
-                pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot, t > first))
+                pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot, t > first, raw))
+                raw = load(t + 2)  # lands during this tile's p . v
                 wait(P_READY)
                 acc = acc * lax.broadcast_in_dim(plgpu.load(rows_smem.at[0], layout=row_layout), acc.shape, [0])
                 acc = pv(acc, p_smem, slot, 1)
                 pl.when(t + 1 < last)(lambda: arrive(P_FREE))
-                return acc
+                return acc, raw
 
-            acc = lax.fori_loop(first, last, tile, acc0)
+            acc, _ = lax.fori_loop(first, last, tile, (acc0, load(first + 1)))
             wait(STATS_READY)
             finish(acc, *(plgpu.load(rows_smem.at[i], layout=row_layout) for i in (1, 2)))
 

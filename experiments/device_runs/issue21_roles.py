@@ -3,17 +3,20 @@ the logits, the softmax and p . keys[:, :256]; warpgroup 1 every tile's decode a
 with warpgroup 0's p from shared memory) against the kernel as it was, both lockstep warpgroups computing the
 whole logits and decoding half a tile each.
 
-Groups (default: tests attention ablate before):
+Groups (default: tests attention ablate before ptx):
 - tests: the attention's GPU tests, compiled (a hang of the hand-offs ends at the step's timeout, and the groups
   after it are not run);
 - attention: `issue21_timeline`'s group (batch 64 and 8 at 128K, q f32 and bf16, timed from HBM, with the CTAs'
   timelines);
 - ablate: `issue21_prefetch`'s (the batch-64 kernel without its decode / wgmmas / both / store);
-- before: attention (untimed) and ablate in a copy of the tree whose kernel is `build/before/gpu_attention_wgmma.py`
-  (carried: `git show d5eba4e:kernels_pallas/gpu_attention_wgmma.py`, the kernel before this change).
+- before: attention (untimed) and ablate in a copy of the tree per kernel `build/before/<commit>.py` (carried), that
+  commit's `kernels_pallas/gpu_attention_wgmma.py`: d5eba4e (lockstep warpgroups) and 8cdff13 (the two roles, each
+  entry tile's rows loaded when it is decoded);
+- ptx: `issue21_prefetch`'s (the kernel's PTX and ptxas report: registers, spills).
 
-    mkdir -p build/before && git show d5eba4e:kernels_pallas/gpu_attention_wgmma.py > build/before/gpu_attention_wgmma.py
-    PYTHONPATH=. python3 -m experiments.device_runs.issue21_roles [GROUP ...]     (~5 min; carry build/before)
+    mkdir -p build/before && for c in d5eba4e 8cdff13; do
+      git show $c:kernels_pallas/gpu_attention_wgmma.py > build/before/$c.py; done
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_roles [GROUP ...]     (~7 min; carry build/before)
 
 Logs and a table per group under $OUT.
 """
@@ -23,10 +26,10 @@ import shutil
 import sys
 
 from experiments.device_runs._steps import OUT, logger, step, tree_before
-from experiments.device_runs.issue21_prefetch import ablate_group
+from experiments.device_runs.issue21_prefetch import ablate_group, ptx_group
 from experiments.device_runs.issue21_timeline import attention_group, say_table
 
-BEFORE = "build/before/gpu_attention_wgmma.py"
+BEFORE = "build/before"
 
 
 def main(groups: list[str]) -> int:
@@ -43,14 +46,18 @@ def main(groups: list[str]) -> int:
         attention_group(say, rows, timelines="attention" in groups)
     if "ablate" in groups:
         ablate_group(say, rows)
-    if "before" in groups:
-        tree = tree_before([], "/tmp/tree_before")
-        shutil.copy(BEFORE, os.path.join(tree, "kernels_pallas", "gpu_attention_wgmma.py"))
-        step("before", ["-m", "experiments.device_runs.issue21_roles", "attention_untimed", "ablate"], 300, cwd=tree)
-        say(open(os.path.join(OUT, "before.log")).read()[-3000:])
+    for kernel in sorted(os.listdir(BEFORE)) if "before" in groups else []:
+        commit = kernel.removesuffix(".py")
+        tree = tree_before([], f"/tmp/tree_{commit}")
+        shutil.copy(os.path.join(BEFORE, kernel), os.path.join(tree, "kernels_pallas", "gpu_attention_wgmma.py"))
+        step(f"before_{commit}", ["-m", "experiments.device_runs.issue21_roles", "attention_untimed", "ablate"], 300,
+             cwd=tree)
+        say(open(os.path.join(OUT, f"before_{commit}.log")).read()[-2500:])
+    if "ptx" in groups:
+        ptx_group(say)
     say_table(say, rows)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:] or ["tests", "attention", "ablate", "before"]))
+    raise SystemExit(main(sys.argv[1:] or ["tests", "attention", "ablate", "before", "ptx"]))
