@@ -324,10 +324,10 @@ def _decode_window():
 
 
 @functools.cache
-def _prefetch(n_rows: int, w_rows: int, n_wt: int, per: int):
-    """inline_mgpu: (entry values, scales, idx, window values, scales, q (gmem), b, first tile, last tile) ->
-    prefetch.L2 of every key row this CTA will decode (its tiles [first, last) of 64 keys: window tiles, then
-    entry tiles) and of q[b], so that their HBM reads all start at once and the decodes' and q's loads hit L2.
+def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int):
+    """inline_mgpu: (entry values, scales, idx, window values, scales, q (gmem), b, key range s) -> prefetch.L2 of
+    every key row this CTA will decode (its tiles s, s + splits, ... < n_t of 64 keys: window tiles, then entry
+    tiles) and of q[b], so that their HBM reads all start at once and the decodes' and q's loads hit L2.
 
     In the order they are needed: every entry id loaded first (a row's address waits on its id), the first
     tile's rows and q, then, after both warpgroups meet (those requests all issued), the other tiles' rows. With
@@ -335,25 +335,26 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, per: int):
     an H100): the rows of all its tiles and q (20 MB over the CTAs) arrived together; now 6.5 (docs/BENCHMARKS.md,
     thirty-seventh session)."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6 + (_SPLAT,) * 3)
-    def prefetch(ctx, ev, es, idx, wv, ws, q_gmem, b, first, last):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6 + (_SPLAT,) * 2)
+    def prefetch(ctx, ev, es, idx, wv, ws, q_gmem, b, part):
         del ctx
-        b, first, last = (a.registers.item() for a in (b, first, last))
+        b, part = (a.registers.item() for a in (b, part))
         ev_ptr, es_ptr, wv_ptr, ws_ptr, q_ptr = (mgpu_utils.memref_ptr(r) for r in (ev, es, wv, ws, q_gmem))
         kp = ir.MemRefType(idx.type).shape[1]
         tid = mgpu_utils.thread_idx()
         cmp = lambda pred, x, y: arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)
         keys = []
+        per = -(-n_t // splits)
         for j in range(-(-per * T // 256)):
-            key = arith.addi(tid, i32_const(256 * j))  # the CTA's key slot: tile first + key // 64
-            tile = arith.addi(first, arith.divui(key, i32_const(T)))
+            key = arith.addi(tid, i32_const(256 * j))  # the CTA's key slot: its tile key // 64, s + splits (key // 64)
+            tile = arith.addi(part, arith.muli(arith.divui(key, i32_const(T)), i32_const(splits)))
             pos = arith.addi(arith.muli(tile, i32_const(T)), arith.remui(key, i32_const(T)))
-            e = arith.subi(pos, i32_const(n_wt * T))  # clamped for the load: used only in an entry tile < last
+            e = arith.subi(pos, i32_const(n_wt * T))  # clamped for the load: used only in an entry tile < n_t
             ix = memref.load(idx, [index_of(b), index_of(arith.minsi(arith.maxsi(e, i32_const(0)), i32_const(kp - 1)))])
             keys.append((tile, pos, ix))
 
         def rows(tile, pos, ix):
-            with mgpu_utils.when(cmp("slt", tile, last)):
+            with mgpu_utils.when(cmp("slt", tile, i32_const(n_t))):
                 with mgpu_utils.when(cmp("slt", tile, i32_const(n_wt))):
                     rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(pos))
                     _prefetch_l2(wv_ptr, arith.muli(rec, _i64(i32_const(D))), D // 128)
@@ -364,7 +365,7 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, per: int):
                     _prefetch_l2(es_ptr, arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), 1)
 
         tile, pos, ix = keys[0]  # the first tile's keys are slots 0..63: threads 0..63's first
-        with mgpu_utils.when(cmp("eq", tile, first)):
+        with mgpu_utils.when(cmp("eq", tile, part)):
             rows(tile, pos, ix)
         q_base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
         for i in range(H * D * 2 // 128 // 256):  # q[b]'s 128 B lines
@@ -372,7 +373,7 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, per: int):
             _prefetch_l2(q_ptr, arith.addi(q_base, _i64(arith.muli(line, i32_const(128)))), 1)
         _bar_sync()
         for tile, pos, ix in keys:
-            with mgpu_utils.when(cmp("ne", tile, first)):
+            with mgpu_utils.when(cmp("ne", tile, part)):
                 rows(tile, pos, ix)
 
     return prefetch
@@ -687,15 +688,16 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             gpu_timeline.stamp(tl_gmem, seq * splits + part, point)
 
         stamp(0)
-        first = part * per
-        last = jnp.minimum(first + per, n_t)
+        count = (n_t - part + splits - 1) // splits  # its tiles: part + splits i, i < count (tile_of)
+        tile_of = lambda i: part + i * splits  # noqa: E731
         if "prefetch" not in skip:
-            _prefetch(n, w, n_wt, per)(ev, es, idx_gmem, wv, ws, q_gmem, seq, first, last)
+            _prefetch(n, w, n_wt, n_t, splits)(ev, es, idx_gmem, wv, ws, q_gmem, seq, part)
         _load_query()(q_gmem, q_smem, seq)  # both warpgroups; each fences its own writes before the wgmmas see them
         stamp(1)
 
-        def decode(t, slot, after, raw):  # warpgroup 1: tile t into `slot` (an entry tile from raw, its loaded
-            after = jnp.asarray(after, jnp.int32)  # rows), once warpgroup 0 is done with the slot if `after`
+        def decode(i, slot, after, raw):  # warpgroup 1: its tile i into `slot` (an entry tile from raw, its
+            t, after = tile_of(i), jnp.asarray(after, jnp.int32)  # loaded rows), once warpgroup 0 is done with the
+            # slot if `after`
             if "decode" in skip:
                 pl.when(after != 0)(lambda: wait(SLOT_FREE + slot))
                 plgpu.commit_smem()  # q
@@ -710,8 +712,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             def _():
                 _decode_entries()(k_smem, masks, *raw, slot, after)
 
-        def load(t):  # warpgroup 1: entry tile t's rows; past the range, the last tile's again (in L2, unused), and
-            t = jnp.clip(t, first, last - 1)  # for a window tile, entry tile 0's
+        def load(i):  # warpgroup 1: its entry tile i's rows; past its last tile that one's again (in L2, unused),
+            t = tile_of(jnp.clip(i, 0, count - 1))  # and for a window tile entry tile 0's
             return _load_entries(n)(ev, es, idx_gmem, seq, jnp.clip((t - n_wt) * T, 0, kp - T))
 
         def pv(acc, a, slot, half):
@@ -734,12 +736,12 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         @pl.when(wg == 0)
         def _scores():  # the logits, the softmax and p . keys[:, :256]; p and its rows' rescale to warpgroup 1
             plgpu.commit_smem()  # its part of q, for the wgmmas
-            pl.when(first < last)(lambda: wait(KEYS_READY))
+            pl.when(count > 0)(lambda: wait(KEYS_READY))
             stamp(2)
 
-            def tile(t, carry):
+            def tile(i, carry):
                 acc, m, l = carry
-                slot = (t - first) % 2
+                slot = i % 2
 
                 def qk(acc_ref):
                     for hf in range(0 if "qk" in skip else 2):
@@ -752,47 +754,47 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p = p.astype(jnp.bfloat16)
-                pl.when(t > first)(lambda: wait(P_FREE))  # warpgroup 1 is done with the last tile's p
+                pl.when(i > 0)(lambda: wait(P_FREE))  # warpgroup 1 is done with the last tile's p
                 p_smem[...] = p
                 rows_smem.at[0][...] = alpha
                 plgpu.commit_smem()
                 arrive(P_READY)
-                stamp(3 + 2 * (t - first))
+                stamp(3 + 2 * i)
                 acc = pv(acc, p, slot, 0)
-                pl.when(t + 2 < last)(lambda: arrive(SLOT_FREE + slot))  # tile t + 2 may take the slot
-                pl.when(t + 1 < last)(lambda: wait(KEYS_READY + 1 - slot))
-                stamp(4 + 2 * (t - first))
+                pl.when(i + 2 < count)(lambda: arrive(SLOT_FREE + slot))  # tile i + 2 may take the slot
+                pl.when(i + 1 < count)(lambda: wait(KEYS_READY + 1 - slot))
+                stamp(4 + 2 * i)
                 return acc, m_new, l
 
             m = plgpu.layout_cast(jnp.full((H,), gpu_attention.M_FLOOR, jnp.float32), row_layout)
             l = plgpu.layout_cast(jnp.zeros((H,), jnp.float32), row_layout)
-            acc, m, l = lax.fori_loop(first, last, tile, (acc0, m, l))
+            acc, m, l = lax.fori_loop(0, count, tile, (acc0, m, l))
             rows_smem.at[1][...] = m
             rows_smem.at[2][...] = l
             arrive(STATS_READY)
             for i in range(per * 2 if timeline else 0):  # a shorter range's missing tiles: at its "tiles" point
-                pl.when(i >= 2 * (last - first))(lambda i=i: stamp(3 + i))
+                pl.when(i >= 2 * count)(lambda i=i: stamp(3 + i))
             stamp(3 + 2 * per)
             finish(acc, m, l)
             stamp(4 + 2 * per)
 
         @pl.when(wg == 1)
         def _values():  # every tile's decode, a tile ahead; p . keys[:, 256:] with warpgroup 0's p
-            raw = load(first)
-            pl.when(first < last)(lambda: decode(first, 0, 0, raw))
+            raw = load(0)
+            pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
 
-            def tile(t, carry):
+            def tile(i, carry):
                 acc, raw = carry
-                slot = (t - first) % 2
-                pl.when(t + 1 < last)(lambda: decode(t + 1, 1 - slot, t > first, raw))
-                raw = load(t + 2)  # lands during this tile's p . v
+                slot = i % 2
+                pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, raw))
+                raw = load(i + 2)  # lands during this tile's p . v
                 wait(P_READY)
                 acc = acc * lax.broadcast_in_dim(plgpu.load(rows_smem.at[0], layout=row_layout), acc.shape, [0])
                 acc = pv(acc, p_smem, slot, 1)
-                pl.when(t + 1 < last)(lambda: arrive(P_FREE))
+                pl.when(i + 1 < count)(lambda: arrive(P_FREE))
                 return acc, raw
 
-            acc, _ = lax.fori_loop(first, last, tile, (acc0, load(first + 1)))
+            acc, _ = lax.fori_loop(0, count, tile, (acc0, load(1)))
             wait(STATS_READY)
             finish(acc, *(plgpu.load(rows_smem.at[i], layout=row_layout) for i in (1, 2)))
 

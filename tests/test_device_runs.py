@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from experiments.device_runs import issue12_decode, issue21_prefetch
+from experiments.device_runs import issue12_decode
 
 PARSERS = {"experiments.bench_decode", "experiments.profile_step", "experiments.decode"}
 STEPS = sorted({(name, tuple(argv)) for steps in issue12_decode.GROUPS.values() for name, argv, *_ in steps})
@@ -40,7 +40,7 @@ def test_the_check_catches_a_wrong_list_and_a_missing_module():
         test_step_parses("missing", ("pytest", "tests/test_no_such_file.py", "-q"))
 
 
-TREES = {**issue12_decode.TREES, **issue21_prefetch.TREES}
+TREES = issue12_decode.TREES
 
 
 @pytest.mark.parametrize("end", sorted(TREES))

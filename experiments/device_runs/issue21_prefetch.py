@@ -1,21 +1,21 @@
 """Issue 21 on one GPU (thirty-seventh session): the wgmma attention's L2 prefetch in the order its data is needed,
 `bench_kernels.time_hbm` without a loop's kernels, and the scan at 128K x 8 over CTAs x pipeline stages.
 
-Groups (default: tests attention scan sweep before):
+Groups (default: tests attention scan sweep):
 - tests: the scan's and the attention's GPU tests, compiled (`test_the_prefetch_changes_no_output`: the prefetch,
   its id loads clamped into idx, leaves the output exactly as without it);
 - attention, scan: `issue21_timeline`'s groups (timed from HBM, with the CTAs' timelines);
 - sweep: the scan at 128K x 8 and 1M x 8 over (CTAs wanted, tiles per step, pipeline stages): the default, one
   wave of 4 CTAs per SM, and deeper pipelines with the CTAs that fit (shared memory: q 16 KB + 17 KB per stage of
   4 tiles), each timed, at 128K with its timeline;
-- before: `attention`'s and `scan`'s timings in a copy of the tree as before this session (`TREES["before"]`:
-  every row prefetched before q, and the timing loop a fori_loop);
 - ablate: the attention at batch 64 (q bf16) with parts left out (`skip`: the decode, the wgmmas, both, the
-  store), timed from HBM: what each part costs in the kernel as it is (lowers on the CPU; not yet run: the
-  thirty-seventh session's device time ran out);
+  store), timed from HBM: what each part costs in the kernel as it is (first run in the thirty-eighth session's
+  call 1, then by `issue21_roles`);
 - ptx: the attention kernel's PTX and ptxas report at batch 64 (Mosaic GPU's dumps, under $OUT/mgpu), for ptxas
   here (`ptxas -arch=sm_90a -v`: registers, spills, whether it serializes the wgmmas).
-Two A/Bs of candidates not kept ran at their commits (docs/BENCHMARKS.md): whole_decode (call 3, c6539c2: the next
+The group `before` (`attention`'s and `scan`'s timings in a copy of the tree with every row prefetched before q
+and the timing loop a fori_loop) ran at d5eba4e; its revert list is in that commit. Two A/Bs of candidates not kept
+ran at their commits (docs/BENCHMARKS.md): whole_decode (call 3, c6539c2: the next
 tile's decode split, half under the logits' wgmmas and half under the p . v's) and both_logits (call 5, 92ac229:
 each warpgroup's logits over its channel half, summed through shared memory; call 4 at 8bc8151 failed to launch).
 
@@ -30,55 +30,10 @@ import shutil
 import subprocess
 import sys
 
-from experiments.device_runs._steps import OUT, logger, step, tree_before
+from experiments.device_runs._steps import OUT, logger
 from experiments.device_runs.issue21_timeline import (attention_group, gpu_tests, say_table, scan_group, timed_row,
                                                      timeline)
 
-ATTENTION, BENCH = "kernels_pallas/gpu_attention_wgmma.py", "experiments/bench_kernels.py"
-TREES = {"before": [
-    (ATTENTION, "            _prefetch(n, w, n_wt, per)(ev, es, idx_gmem, wv, ws, q_gmem, seq, first, last)\n",
-     "            _prefetch(n, w, n_wt, per)(ev, es, idx_gmem, wv, ws, seq, first, last)\n"),
-    (ATTENTION, '''        tile, pos, ix = keys[0]  # the first tile's keys are slots 0..63: threads 0..63's first
-        with mgpu_utils.when(cmp("eq", tile, first)):
-            rows(tile, pos, ix)
-        q_base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
-        for i in range(H * D * 2 // 128 // 256):  # q[b]'s 128 B lines
-            line = arith.addi(tid, i32_const(256 * i))
-            _prefetch_l2(q_ptr, arith.addi(q_base, _i64(arith.muli(line, i32_const(128)))), 1)
-        _bar_sync()
-        for tile, pos, ix in keys:
-            with mgpu_utils.when(cmp("ne", tile, first)):
-                rows(tile, pos, ix)
-''', '''        for tile, pos, ix in keys:
-            rows(tile, pos, ix)
-'''),
-    (ATTENTION, '''    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6 + (_SPLAT,) * 3)
-    def prefetch(ctx, ev, es, idx, wv, ws, q_gmem, b, first, last):
-        del ctx
-        b, first, last = (a.registers.item() for a in (b, first, last))
-        ev_ptr, es_ptr, wv_ptr, ws_ptr, q_ptr = (mgpu_utils.memref_ptr(r) for r in (ev, es, wv, ws, q_gmem))''',
-     '''    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5 + (_SPLAT,) * 3)
-    def prefetch(ctx, ev, es, idx, wv, ws, b, first, last):
-        del ctx
-        b, first, last = (a.registers.item() for a in (b, first, last))
-        ev_ptr, es_ptr, wv_ptr, ws_ptr = (mgpu_utils.memref_ptr(r) for r in (ev, es, wv, ws))'''),
-    (BENCH, '''    f, reps = flushed_calls(fn, args, perturb, reps)
-''', '''    reps = 20
-    out_struct = jax.eval_shape(fn, *args)
-
-    def loop(buf, *a):
-        def body(i, carry):
-            buf, x, _ = carry
-            buf, x = l2_flush(buf, x)
-            return buf, x, fn(*a[:perturb], x, *a[perturb + 1:])
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_struct)
-        return jax.lax.fori_loop(0, reps, body, (buf, a[perturb], zeros))
-
-    f = jax.jit(loop, donate_argnums=0)
-'''),
-]}
-# what each tree's step runs (its own process in that tree; its table lands in its log)
-TREE_GROUPS = {"before": ["attention_untimed", "scan_untimed"]}
 # the sweep's (CTAs wanted, tiles per step, stages): the default (2112: 16 a SM over the call, ~4 resident), one
 # wave of 4 a SM, 3 stages (3 fit an SM), 4 stages of 2 tiles (4 fit), 5 stages (2 fit)
 SWEEP = ((2112, 4, 2), (528, 4, 2), (396, 4, 3), (528, 2, 4), (264, 4, 5))
@@ -166,13 +121,9 @@ def main(groups: list[str]) -> int:
         ablate_group(say, rows)
     if "ptx" in groups:
         ptx_group(say)
-    for tree in [g for g in groups if g in TREES]:
-        step(tree, ["-m", "experiments.device_runs.issue21_prefetch", *TREE_GROUPS[tree]], 300,
-             cwd=tree_before(TREES[tree], f"/tmp/tree_{tree}"))
-        say(open(os.path.join(OUT, f"{tree}.log")).read()[-3000:])
     say_table(say, rows)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:] or ["tests", "attention", "scan", "sweep", "before"]))
+    raise SystemExit(main(sys.argv[1:] or ["tests", "attention", "scan", "sweep"]))
