@@ -468,36 +468,47 @@ def _row_value(v, half):
     return llvm.extractelement(v.registers[0, 0, 0, 0, half, 0, 0, 0, 0], arith.constant(ir.IntegerType.get_signless(32), 0))
 
 
-def _staged_rows(acc, factors, k_smem, out_row0):
-    """The warpgroup's accumulator [64, 256] (row i times factors[half of i]) through shared memory in channel
-    order -> [(pointer offset in bytes into the output, f32 x 4)]: a thread's 32 moves of 16 B, a warp's 512
-    contiguous bytes of one row, output row `out_row0 + row` of 512 f32 channels.
+def _weighted(acc, half, factor):
+    """This thread's 64 values of accumulator row `half` (of its two; 32 f32 x 2: columns 8c + 2q + {0, 1}) times
+    factor."""
+    f = llvm.mlir_undef(ir.VectorType.get((2,), ir.F32Type.get()))
+    for j in range(2):
+        f = llvm.insertelement(f, factor, arith.constant(ir.IntegerType.get_signless(32), j))
+    return [arith.mulf(acc.registers[0, c, 0, 0, half, 0, 0, 0, 0], f) for c in range(HALF // 8)]
+
+
+def _stage_row(stage, row, q, vals):
+    """This thread's values of a row (`_weighted`'s form) into the warpgroup's staging rows (1 KB each, f32 in
+    channel order, 16 B chunk k at k ^ (row % 8): no bank conflicts either way) at `stage` (smem pointer), row
+    `row` (i32)."""
+    i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+    row_off = arith.muli(row, i32_const(HALF * 4))
+    for c, vec in enumerate(vals):
+        for j in range(2):  # column 8c + 2q + j holds channel 8c + PERM8[2q + j] = 8c + (3 - q) + 4j
+            ch = arith.subi(i32_const(8 * c + 3 + 4 * j), q)
+            chunk = arith.xori(arith.shrui(ch, i32_const(2)), arith.andi(row, i32_const(7)))
+            off = arith.addi(row_off, arith.addi(arith.muli(chunk, i32_const(16)),
+                                                 arith.muli(arith.andi(ch, i32_const(3)), i32_const(4))))
+            llvm.store(llvm.extractelement(vec, arith.constant(i32, j)), mgpu_utils.getelementptr(stage, [off], i8),
+                       alignment=4)
+
+
+def _staged_moves(stage, n_rows: int, out_row0):
+    """After `_stage_row` of rows [0, n_rows) by the warpgroup: [(pointer offset in bytes into the output, f32 x 4)],
+    a thread's n_rows / 2 moves of 16 B, a warp's 512 contiguous bytes of one row: staged row r to output row
+    out_row0 + r (of 512 f32 channels), this warpgroup's 256.
 
     The accumulator's registers hold 2 channels of a row each, 16 B of a row per 4 threads: stored to global
     memory directly (4-byte scatters once the channels are put back in order) the batch-64 kernel took 41.5 us;
     staged, with q's load moved into the kernel in the same change, 37.5 us (docs/BENCHMARKS.md, twenty-third
-    session). Each warpgroup writes its block to the free key slots (rows of 1 KB, 16 B chunk k at k ^ (row % 8):
-    no bank conflicts either way), then reads it back in whole rows."""
-    i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
-    rows, q, wg, _ = _my_rows()
-    stage = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(k_smem), [arith.muli(wg, i32_const(H * HALF * 4))], i8)
-    _bar_sync()  # both done with the keys
-    for half, row in enumerate(rows):
-        row_off = arith.muli(row, i32_const(HALF * 4))
-        for c in range(HALF // 8):
-            vec = acc.registers[0, c, 0, 0, half, 0, 0, 0, 0]
-            for j in range(2):  # column 8c + 2q + j holds channel 8c + PERM8[2q + j] = 8c + (3 - q) + 4j
-                ch = arith.subi(i32_const(8 * c + 3 + 4 * j), q)
-                chunk = arith.xori(arith.shrui(ch, i32_const(2)), arith.andi(row, i32_const(7)))
-                off = arith.addi(row_off, arith.addi(arith.muli(chunk, i32_const(16)),
-                                                     arith.muli(arith.andi(ch, i32_const(3)), i32_const(4))))
-                v = arith.mulf(llvm.extractelement(vec, arith.constant(i32, j)), factors[half])
-                llvm.store(v, mgpu_utils.getelementptr(stage, [off], i8), alignment=4)
+    session)."""
+    i8, f32 = ir.IntegerType.get_signless(8), ir.F32Type.get()
     mgpu_utils.warpgroup_barrier()
     t = arith.andi(mgpu_utils.thread_idx(), i32_const(127))
+    wg = arith.shrui(mgpu_utils.thread_idx(), i32_const(7))
     k = arith.andi(t, i32_const(63))
     moves = []
-    for i in range(H // 2):  # rows 2i + t // 64
+    for i in range(n_rows // 2):  # rows 2i + t // 64
         row = arith.addi(arith.shrui(t, i32_const(6)), i32_const(2 * i))
         src = arith.addi(arith.muli(row, i32_const(HALF * 4)),
                          arith.muli(arith.xori(k, arith.andi(row, i32_const(7))), i32_const(16)))
@@ -509,31 +520,39 @@ def _staged_rows(acc, factors, k_smem, out_row0):
     return moves
 
 
-_STORE_ARGS = (plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(_TRANSFORMS), plgpu.RefType(),
-               plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT)
+def _stage_base(smem, rows: int):
+    """This warpgroup's staging rows (`_stage_row`) in `smem`: `rows` rows of 1 KB a warpgroup from its start."""
+    wg = arith.shrui(mgpu_utils.thread_idx(), i32_const(7))
+    return mgpu_utils.getelementptr(mgpu_utils.memref_ptr(smem), [arith.muli(wg, i32_const(rows * HALF * 4))],
+                                    ir.IntegerType.get_signless(8))
 
 
 @functools.cache
 def _store_partials():
     """inline_mgpu: (acc f32 [64, 256] WGMMA, m, l f32 [64, 8] WGMMA (every column the row's running max in log2
     units and sum), the keys' smem (free now), o gmem f32 [B, S, 64, 512], m / l gmem f32 [B, S, 64], b, s) ->
-    o[b, s, :, this warpgroup's 256 channels] = acc in channel order (`_staged_rows`); warpgroup 0 also m (in
-    natural-log units), l: the partials `gpu_attention.combine` merges."""
+    o[b, s, :, this warpgroup's 256 channels] = acc in channel order (staged in the key slots); warpgroup 0 also
+    m (in natural-log units), l: the partials `gpu_attention.combine` merges."""
 
-    @plgpu.inline_mgpu(arg_types=_STORE_ARGS)
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 3 + (plgpu.RefType(_TRANSFORMS),) + (plgpu.RefType(),) * 3
+                       + (_SPLAT,) * 2)
     def store(ctx, acc, m, l, k_smem, o, m_out, l_out, b, s):
         del ctx
         b, s = (a.registers.item() for a in (b, s))
         seq = arith.addi(arith.muli(b, i32_const(ir.MemRefType(o.type).shape[1])), s)
-        rows, _, _, publishes = _my_rows()
+        rows, q, _, publishes = _my_rows()
         ln2 = arith.constant(ir.F32Type.get(), math.log(2.0))
         with mgpu_utils.when(publishes):
             for half, row in enumerate(rows):
                 memref.store(arith.mulf(_row_value(m, half), ln2), m_out, [index_of(x) for x in (b, s, row)])
                 memref.store(_row_value(l, half), l_out, [index_of(x) for x in (b, s, row)])
         shift = arith.constant(ir.F32Type.get(), 2.0 ** KEY_SHIFT)
+        stage = _stage_base(k_smem, H)
+        _bar_sync()  # both done with the keys
+        for half, row in enumerate(rows):
+            _stage_row(stage, row, q, _weighted(acc, half, shift))
         o_ptr = mgpu_utils.memref_ptr(o)
-        for dst, v in _staged_rows(acc, (shift, shift), k_smem, arith.muli(seq, i32_const(H))):
+        for dst, v in _staged_moves(stage, H, arith.muli(seq, i32_const(H))):
             llvm.store(v, mgpu_utils.getelementptr(o_ptr, [dst], ir.IntegerType.get_signless(8)), alignment=16)
 
     return store
@@ -541,29 +560,42 @@ def _store_partials():
 
 @functools.cache
 def _store_merged():
-    """inline_mgpu: (acc, m, l as `_store_partials`, the keys' smem, stats gmem f32 [B, S, 2, 64], sink f32 [64]
-    (natural-log units), o gmem f32 [B, 64, 512], b, s) -> o[b] = the softmax-weighted sum over the cluster's S
-    key ranges with the sink, in channel order.
+    """inline_mgpu: (acc, m, l as `_store_partials`, the keys' and q's smem (free now), stats gmem f32 [B, S, 2,
+    64], sink f32 [64] (natural-log units), o gmem f32 [B, 64, 512], b, s) -> o[b] = the softmax-weighted sum over
+    the cluster's S key ranges (S divides 64) with the sink, in channel order.
 
     The S CTAs of a sequence are one cluster. Each publishes its rows' (m, l) in stats[b, s] (warpgroup 0; both
-    hold the same), all meet (a cluster barrier: release / acquire), and each weighs its accumulator by
-    exp2(m_s - M) / (sum_s' l_s' exp2(m_s' - M) + exp2(sink - M)), M the largest of the m_s' and the sink
-    (`gpu_attention.combine`'s weights). Range 0 stores its weighted rows, all meet again, the others add theirs
-    (red.global.add): no partials array, no combine after the kernel."""
+    hold the same), all meet (a cluster barrier: release / acquire; every CTA's key slots are free from here), and
+    each weighs its accumulator by exp2(m_s - M) / (sum_s' l_s' exp2(m_s' - M) + exp2(sink - M)), M the largest of
+    the m_s' and the sink (`gpu_attention.combine`'s weights). CTA s owns rows [s R, s R + R), R = 64 / S: the
+    others' weighted rows go to their owner's key slots through distributed shared memory (st.shared::cluster,
+    in register order: each thread's values land where the same thread of the owner reads them), all meet again,
+    and each owner adds them to its own, stages its rows and stores them once. Until the thirty-eighth session
+    range 0 stored all 64 rows and the others added theirs with red.global.add after a second barrier."""
 
-    @plgpu.inline_mgpu(arg_types=_STORE_ARGS)
-    def store(ctx, acc, m, l, k_smem, stats, sink, o, b, s):
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 3 + (plgpu.RefType(_TRANSFORMS),) * 2
+                       + (plgpu.RefType(),) * 3 + (_SPLAT,) * 2)
+    def store(ctx, acc, m, l, k_smem, q_smem, stats, sink, o, b, s):
         del ctx
-        i8, f32 = ir.IntegerType.get_signless(8), ir.F32Type.get()
+        i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
         b, s = (a.registers.item() for a in (b, s))
         splits = ir.MemRefType(stats.type).shape[1]
-        rows, _, _, publishes = _my_rows()
+        own_rows = H // splits
+        rows, q, wg, publishes = _my_rows()
         with mgpu_utils.when(publishes):
             for half, row in enumerate(rows):
                 for kind, v in enumerate((m, l)):
                     memref.store(_row_value(v, half), stats, [index_of(x) for x in (b, s, i32_const(kind), row)])
         mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)
-        factors = []
+        recv = mgpu_utils.memref_ptr(k_smem)
+
+        def recv_offset(sender, row, c):  # f32 x 2 [S - 1 senders, 2 warpgroups, 32 c, R rows, 4 q] in the owner
+            idx = sender
+            for stride, term in ((2, wg), (HALF // 8, i32_const(c)), (own_rows, row), (4, q)):
+                idx = arith.addi(arith.muli(idx, i32_const(stride)), term)
+            return arith.muli(idx, i32_const(8))
+
+        mine = []
         for half, row in enumerate(rows):
             ms, ls = ([memref.load(stats, [index_of(x) for x in (b, i32_const(j), i32_const(kind), row)])
                        for j in range(splits)] for kind in range(2))
@@ -575,19 +607,30 @@ def _store_merged():
             for mv, lv in zip(ms, ls):
                 den = arith.addf(den, arith.mulf(lv, _ex2(arith.subf(mv, top))))
             own = _ex2(arith.subf(_row_value(m, half), top))
-            factors.append(arith.mulf(arith.divf(own, den), arith.constant(f32, 2.0 ** KEY_SHIFT)))
+            vals = _weighted(acc, half, arith.mulf(arith.divf(own, den), arith.constant(f32, 2.0 ** KEY_SHIFT)))
+            owner, local = arith.divui(row, i32_const(own_rows)), arith.remui(row, i32_const(own_rows))
+            is_mine = arith.cmpi(arith.CmpIPredicate.eq, owner, s)
+            if splits > 1:
+                with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, owner, s)):
+                    sender = arith.subi(s, arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ugt, s, owner)))
+                    remote = mgpu_utils.get_cluster_ptr(recv, owner, generic=False)
+                    for c, vec in enumerate(vals):
+                        llvm.store(vec, mgpu_utils.getelementptr(remote, [recv_offset(sender, local, c)], i8),
+                                   alignment=8)
+            mine.append((is_mine, local, vals))
+        if splits > 1:
+            mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)  # the others' rows are here
+        stage = _stage_base(q_smem if splits > 1 else k_smem, own_rows)  # q: 64 KB, R rows for both warpgroups
+        for is_mine, local, vals in mine:
+            with mgpu_utils.when(is_mine):
+                for sender in range(splits - 1):
+                    vals = [arith.addf(v, llvm.load(ir.VectorType.get((2,), f32), mgpu_utils.getelementptr(
+                        recv, [recv_offset(i32_const(sender), local, c)], i8), alignment=8)) for c, v in enumerate(vals)]
+                _stage_row(stage, local, q, vals)
         o_ptr = mgpu_utils.memref_ptr(o)
-        moves = [(mgpu_utils.getelementptr(o_ptr, [dst], i8), v)
-                 for dst, v in _staged_rows(acc, factors, k_smem, arith.muli(b, i32_const(H)))]
-        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, s, i32_const(0))):
-            for ptr, v in moves:
-                llvm.store(v, ptr, alignment=16)
-        mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)  # range 0's rows are written
-        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, s, i32_const(0))):
-            for ptr, v in moves:
-                parts = [llvm.extractelement(v, arith.constant(ir.IntegerType.get_signless(32), e)) for e in range(4)]
-                mgpu_utils.inline_ptx("red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", ptr, *parts,
-                                      has_side_effects=True)
+        for dst, v in _staged_moves(stage, own_rows, arith.addi(arith.muli(b, i32_const(H)),
+                                                               arith.muli(s, i32_const(own_rows)))):
+            llvm.store(v, mgpu_utils.getelementptr(o_ptr, [dst], i8), alignment=16)
 
     return store
 
@@ -668,9 +711,10 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     if splits < 1:
         raise ValueError(f"splits={splits}: a sequence needs at least one key range")
     merged = splits <= MERGED_SPLITS if merged is None else merged
-    if merged and splits > MAX_SPLITS:
+    if merged and (splits > MAX_SPLITS or H % splits):
         raise ValueError(f"splits={splits}: merged in the kernel, a sequence's ranges are one cluster of at most "
-                         f"{MAX_SPLITS} CTAs; pass merged=False")
+                         f"{MAX_SPLITS} CTAs, each owning {H} / splits rows of the output (1, 2, 4 or 8 ranges); "
+                         "pass merged=False")
     per = -(-n_t // splits)
     c = scale * 2.0 ** KEY_SHIFT * LOG2E  # logits in log2 units from q . (keys x 2**-KEY_SHIFT)
 
@@ -727,7 +771,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             if "store" in skip:
                 return
             if merged:
-                _store_merged()(acc, wide(m), wide(l), k_smem, stats_gmem, sink_gmem, o_gmem, seq, part)
+                _store_merged()(acc, wide(m), wide(l), k_smem, q_smem, stats_gmem, sink_gmem, o_gmem, seq, part)
             else:
                 _store_partials()(acc, wide(m), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
 

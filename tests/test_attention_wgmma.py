@@ -91,8 +91,12 @@ def test_lowers_for_cuda():
         tiles = -(-(w // att.T + k // att.T) // splits)  # key tiles per range
         assert [o.shape for o in timed.out_info] == [(b, att.H, att.D), (b * splits, len(att.timeline_names(tiles)) + 1)]
         assert "globaltimer_lo" in timed.lower(lowering_platforms=("cuda",)).as_text()
-    with pytest.raises(ValueError, match="one cluster of at most"):
-        jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=9, merged=True)).trace(*args)
+    for splits in (4, 8):  # clusters merging through distributed shared memory, 16 and 8 rows a CTA
+        merged = jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=splits, merged=True))
+        assert "sparse_attention_wgmma" in merged.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    for splits in (3, 9):  # 3 ranges cannot own equal row blocks; 9 is past the largest portable cluster
+        with pytest.raises(ValueError, match="one cluster of at most"):
+            jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=splits, merged=True)).trace(*args)
     with pytest.raises(ValueError, match="at least one key range"):
         jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=-1)).trace(*args)
 
@@ -108,14 +112,15 @@ def test_default_splits_fill_the_gpu_with_no_empty_range():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
-@pytest.mark.parametrize("b,w,n,k,splits,merged", [(3, 128, 300, 512, 1, None), (3, 128, 300, 512, 3, None),
-                                                    (5, 64, 2000, 300, 4, None), (4, 128, 3000, 512, 8, None),
-                                                    (2, 128, 3000, 512, None, None), (3, 64, 2000, 300, 9, None),
-                                                    (3, 128, 300, 512, 3, False)])
+@pytest.mark.parametrize("b,w,n,k,splits,merged", [(3, 128, 300, 512, 1, None), (3, 128, 3000, 512, 2, None),
+                                                    (5, 64, 2000, 300, 4, True), (4, 128, 3000, 512, 8, True),
+                                                    (4, 64, 3000, 128, 8, True), (2, 128, 3000, 512, None, None),
+                                                    (3, 64, 2000, 300, 9, None), (3, 128, 300, 512, 3, None)])
 def test_matches_the_reference(b, w, n, k, splits, merged):
-    """Key ranges merged inside their cluster: one, several, some empty (4 ranges of 2 tiles over 6; 8 of 2
-    over 10); more ranges than a cluster, merged by `gpu_attention.combine` (the default at 2 sequences: 10;
-    9 over 6 tiles, 3 empty; 3 by choice)."""
+    """Key ranges merged inside their cluster (each CTA owning 64 / S rows, the others' sent through distributed
+    shared memory): one, two (the default up to MERGED_SPLITS), 4 over 6 tiles, 8 over 10, 8 over 3 (5 empty);
+    partials merged by `gpu_attention.combine` (the default at 2 sequences: 10 ranges; 9 over 6 tiles, 3 empty;
+    3, which no cluster merge takes)."""
     q, window, valid, entries, idx, sink = _attention_case(splits or 0, b, att.H, att.D, w, n, k)
     scale = att.D ** -0.5
     ref = attention_ref(q, window, valid, entries, idx, sink, scale)
@@ -128,12 +133,12 @@ def test_matches_the_reference(b, w, n, k, splits, merged):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
-@pytest.mark.parametrize("b,w,n,k,splits,merged", [(3, 128, 300, 512, 1, None), (5, 64, 2000, 300, 4, None),
+@pytest.mark.parametrize("b,w,n,k,splits,merged", [(3, 128, 300, 512, 1, None), (5, 64, 2000, 300, 4, True),
                                                     (3, 64, 2000, 300, 9, None), (3, 128, 3000, 512, 2, False)])
 def test_the_prefetch_changes_no_output(b, w, n, k, splits, merged):
     """The L2 prefetch (its id loads clamped into idx, the first tile's rows and q first) leaves the output exactly
-    as without it: one range (window tiles first, then entry tiles), ranges merged with some empty, more ranges
-    than tiles, partials."""
+    as without it: one range (window tiles first, then entry tiles), 4 ranges merged, more ranges than tiles,
+    partials."""
     q, window, valid, entries, idx, sink = _attention_case(splits, b, att.H, att.D, w, n, k)
     run = lambda **kw: att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],  # noqa: E731
                                                   entries["scales"], idx, sink, att.D ** -0.5, splits=splits,
