@@ -9,14 +9,15 @@ Groups (default: tests attention ablate before ptx):
 - attention: `issue21_timeline`'s group (batch 64 and 8 at 128K, q f32 and bf16, timed from HBM, with the CTAs'
   timelines);
 - ablate: `issue21_prefetch`'s (the batch-64 kernel without its decode / wgmmas / both / store);
-- before: attention (untimed) and ablate in a copy of the tree per kernel `build/before/<commit>.py` (carried), that
-  commit's `kernels_pallas/gpu_attention_wgmma.py`: d5eba4e (lockstep warpgroups) and 8cdff13 (the two roles, each
-  entry tile's rows loaded when it is decoded);
+- before: attention (untimed) in a copy of the tree per kernel `build/before/<commit>.py` (carried), that commit's
+  `kernels_pallas/gpu_attention_wgmma.py`: call 3 (with ablate): d5eba4e (lockstep warpgroups) and 8cdff13 (the
+  two roles, each entry tile's rows loaded when it is decoded); call 4: d5eba4e, f36d2fe (rows loaded a tile
+  ahead), d872694 (ranges take strided tiles);
 - ptx: `issue21_prefetch`'s (the kernel's PTX and ptxas report: registers, spills).
 
-    mkdir -p build/before && for c in d5eba4e 8cdff13; do
+    mkdir -p build/before && for c in d5eba4e f36d2fe d872694; do
       git show $c:kernels_pallas/gpu_attention_wgmma.py > build/before/$c.py; done
-    PYTHONPATH=. python3 -m experiments.device_runs.issue21_roles [GROUP ...]     (~7 min; carry build/before)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_roles [GROUP ...]     (~6 min; carry build/before)
 
 Logs and a table per group under $OUT.
 """
@@ -50,8 +51,7 @@ def main(groups: list[str]) -> int:
         commit = kernel.removesuffix(".py")
         tree = tree_before([], f"/tmp/tree_{commit}")
         shutil.copy(os.path.join(BEFORE, kernel), os.path.join(tree, "kernels_pallas", "gpu_attention_wgmma.py"))
-        step(f"before_{commit}", ["-m", "experiments.device_runs.issue21_roles", "attention_untimed", "ablate"], 300,
-             cwd=tree)
+        step(f"before_{commit}", ["-m", "experiments.device_runs.issue21_roles", "attention_untimed"], 300, cwd=tree)
         say(open(os.path.join(OUT, f"before_{commit}.log")).read()[-2500:])
     if "ptx" in groups:
         ptx_group(say)
