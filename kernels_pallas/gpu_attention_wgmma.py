@@ -5,38 +5,42 @@ The contract of `gpu_attention.sparse_attention` (`ops.sparse_attention_decode`)
 (E4M3 bytes, E8M0 per 32 channels) and its selected entries (E2M1 pairs, E4M3 per 16 channels), one softmax
 over both with the per-head sink in the denominator only. Issue 21 asks >= 40% of the copy bandwidth at batch
 64; the Triton kernel's programs hold a [64, 512] f32 accumulator in one program (9.2%, docs/BENCHMARKS.md).
-Measured on the H200 (docs/BENCHMARKS.md, twenty-third session), with partials merged by XLA after the kernel:
-batch 64 at 128K 47.3 us, 17.0% of the copy peak (Triton 85.1 us); batch 8 20.4 us (34.4); the slice's batch-64
-step 14.860 -> 14.638 ms. Not at 40%: with 2 key ranges per sequence that call moved ~73 MB for the 30.7 MB
-counted (q read per CTA, f32 partials and their combine), and the two warpgroups work one tile in lockstep, so
-loads, decode, wgmmas and softmax take turns. Now up to MERGED_SPLITS key ranges of a sequence are one
-cluster that merges in the kernel (`_store_merged`: no partials, no combine; batch 64 44.2 us = 18.1%, 46.4 with
-partials in the same call, twenty-fifth session). With q read in bf16 (thirty-sixth session) the model's batch-64
-call takes 42.5 us (48.8 before: the f32 copy of q). Per-CTA timelines (`timeline=True`, `gpu_timeline`) put a
-batch-64 CTA's 35 us at ~4.5 for q and the prefetch (~6 until the prefetch took the first tile's rows and q first,
-thirty-seventh session: kernel 38.6 -> 37.7 us), ~4.1 per 64-key tile (its logits with the next tile's decode
-~2.9, p . v ~1.3), ~7 for the merge. Timed and not kept (docs/BENCHMARKS.md): entry rows staged in shared memory
-a tile ahead by cp.async, the next tile's decode split between the logits' and the p . v's wgmmas, and the logits
-over each warpgroup's channel half summed through shared memory (slower: the exchange costs more than the halved
-MMA saves).
+History (docs/BENCHMARKS.md): with both warpgroups working each tile in lockstep (each computing the whole
+logits, each decoding half a tile) the batch-64 call took 47.3 us on the H200 (twenty-third session), 39.1 with
+the ranges merged in a cluster, q read in bf16 and the prefetch in the order its data is needed (thirty-seventh).
+The thirty-eighth session's ablations (H100, batch 64) found the decode (~14.5 us of 41) and the wgmmas (~10 us)
+adding up instead of overlapping; the kernel as it is now took 29.4-29.6 us against 40.9-41.0 in the same calls
+(H100, 32.0% of the copy peak): the two roles 41.0 -> 33.8, rows loaded a tile ahead -> 32.6, strided tiles
+-> 31.3, the merge through distributed shared memory -> 29.6. Its timeline: ~6.5 us for q and the first tile,
+~2.4 per tile (~2.0 of it warpgroup 0's logits and its wait for warpgroup 1, which decodes the next tile before
+its p . v), ~5.9 for the merge; without the decode the kernel takes 24.6 us, without the wgmmas 26.1.
+Timed and not kept (docs/BENCHMARKS.md): entry rows staged in shared memory a tile ahead by cp.async, the next
+tile's decode split between the logits' and the p . v's wgmmas, and the logits over each warpgroup's channel
+half summed through shared memory (all in the lockstep form).
 
-Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): two warpgroups, each
-owning half of the output channels, so each holds a [64 heads, 256] f32 accumulator (128 registers a thread).
-At its start every key row of its range and q are prefetched to L2 (`_prefetch`, in the order they are needed)
-and q is loaded in bf16 (`_load_query`; the model's q is bf16, an f32 q is rounded by the caller: the kernel
-rounded it itself until the thirty-sixth session, reading twice the bytes per CTA). Per tile of 64 keys:
-- both warpgroups decode 32 of its rows each, straight from global memory (the rows are gathered by index;
-  nothing is staged), into one bf16 [64 keys, 512] tile in shared memory (two slots), meeting at a CTA barrier
-  before (the slot's last readers are done) and after (its keys are written); the next tile's decode runs
-  while the tensor cores compute this tile's logits;
-- each computes the whole logits tile S [64 heads, 64 keys] = q . keys^T (two wgmmas of K = 256: the tensor
-  cores do this twice per CTA, the simple form; summing per-warpgroup halves through shared memory is not
-  tried), starting from the keys' validity as a bias (0 or -2**120, from warp ballots: no mask pass);
-- the online softmax in exp2, then p (bf16, registers) . keys[:, its 256 channels] into its accumulator.
-Each CTA stages its accumulator in the free key slots and writes it in whole rows (`_staged_rows`). Within a
-cluster the ranges' running maxima and sums meet through global memory at a cluster barrier, each range weighs its
-rows (`gpu_attention.combine`'s weights, the sink included), range 0 stores them and the others add theirs
-(`_store_merged`); with more ranges each writes partials that `gpu_attention.combine` merges (`_store_partials`).
+Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): range s takes the
+sequence's 64-key tiles s, s + S, ... (window tiles first: with 2 ranges each starts with one, decoded while q
+loads). At its start every key row of its tiles and q are prefetched to L2 (`_prefetch`, in the order they are
+needed) and both warpgroups load q in bf16 (`_load_query`; the model's q is bf16, an f32 q is rounded by the
+caller). Then the two warpgroups take two roles (as FlashMLA's sparse decode gives one warpgroup the logits and
+shares p through shared memory), each
+holding a [64 heads, 256] f32 accumulator (128 registers a thread) for its half of the output channels:
+- warpgroup 1 decodes every tile into a bf16 [64 keys, 512] slot in shared memory (two slots), a tile ahead of
+  warpgroup 0: an entry tile's rows (gathered by index) are loaded into its registers an iteration before their
+  decode (`_load_entries`, `_decode_entries`), a window tile's when it is decoded (`_decode_window`); then it
+  takes warpgroup 0's p from shared memory, rescales its accumulator by the rows' factor and adds p .
+  keys[:, 256:];
+- warpgroup 0 computes the logits S [64 heads, 64 keys] = q . keys^T once (two wgmmas of K = 256), from the
+  keys' validity as a bias (0 or -2**120, from warp ballots: no mask pass), the online softmax in exp2, hands p
+  (bf16) and the rows' rescale factor to warpgroup 1 through shared memory, and adds p . keys[:, :256].
+They meet at named barriers, one side arriving and the other waiting, each id used so that no side can arrive
+twice before the other has waited: keys ready (one per slot), p ready, p free, a slot free again (one per slot),
+and the final rows' max and sum. Within a cluster the ranges' running maxima and sums meet through global
+memory at a cluster barrier, each range weighs its rows (`gpu_attention.combine`'s weights, the sink included),
+sends the rows another CTA owns through distributed shared memory, and each CTA stores its 64 / S rows once
+(`_store_merged`); with more ranges each writes partials that `gpu_attention.combine` merges
+(`_store_partials`). Both stage their rows in shared memory and write them whole (`_stage_row`,
+`_staged_moves`).
 
 Numbers, all exact until the MMA: an entry value E2M1 x E4M3 has at most 6 significant bits and a window
 value E4M3 x 2**e at most 4, so both are exact in bf16; they are held as value x 2**-10 (`KEY_SHIFT`) so
@@ -651,11 +655,13 @@ def supported(q_bhd: jax.Array, window_values: jax.Array, entry_values: jax.Arra
             and gpu_wgmma.is_hopper())
 
 
-# Up to MAX_SPLITS key ranges a sequence's CTAs can be one cluster merging in the kernel (`_store_merged`, the
-# largest portable cluster); by default only up to MERGED_SPLITS are, more write partials that
-# `gpu_attention.combine` merges after the kernel. H200, 128K entries, from HBM, one call (docs/BENCHMARKS.md,
-# twenty-fifth session): batch 64, 2 ranges: 44.2 us merged, 46.4 partials; batch 32, 4 ranges: 48.0 merged, 30.9
-# partials (clusters of 4 do not all fit one wave of SMs); batch 16, 5 ranges: 26.0 merged, 25.5 partials.
+# Up to MAX_SPLITS key ranges (1, 2, 4 or 8: each owns 64 / S output rows) a sequence's CTAs can be one cluster
+# merging in the kernel (`_store_merged`, the largest portable cluster); by default only up to MERGED_SPLITS are,
+# more write partials that `gpu_attention.combine` merges after the kernel. H200, 128K entries, from HBM, one call
+# (docs/BENCHMARKS.md, twenty-fifth session, when range 0 stored and the others added with red.global.add): batch
+# 64, 2 ranges: 44.2 us merged, 46.4 partials; batch 32, 4 ranges: 48.0 merged, 30.9 partials (clusters of 4 do
+# not all fit one wave of SMs); batch 16, 5 ranges: 26.0 merged, 25.5 partials. The merge through distributed
+# shared memory (thirty-eighth session) is timed at batch 64 only.
 MAX_SPLITS = 8
 MERGED_SPLITS = 2
 
@@ -671,10 +677,11 @@ ABLATIONS = ("prefetch", "decode", "qk", "pv", "store")
 
 
 def timeline_names(tiles: int) -> list[str]:
-    """A CTA's points when timed (`gpu_timeline`), for ranges of `tiles` key tiles: its start, q in shared memory,
-    the first tile decoded, then per tile its logits (the next tile's decode beside them) and its p . v done, every
-    tile done, its rows stored (merged: added). A range with fewer tiles stamps its missing tiles' points at its
-    "tiles" point (phases of 0)."""
+    """A CTA's points when timed (`gpu_timeline`, from warpgroup 0's thread 0), for ranges of `tiles` key tiles:
+    its start, q in shared memory, the first tile decoded, then per tile its logits (with the softmax and the
+    wait for warpgroup 1's p . v of the tile before) and its p . v done (with the wait for the next tile's keys),
+    every tile done, its rows stored. A range with fewer tiles stamps its missing tiles' points at its "tiles"
+    point (phases of 0)."""
     per_tile = [f"{name} {i}" for i in range(tiles) for name in ("logits", "p.v")]
     return ["start", "query", "first tile", *per_tile, "tiles", "stored"]
 
