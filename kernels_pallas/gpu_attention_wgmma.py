@@ -746,9 +746,10 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         _load_query()(q_gmem, q_smem, seq)  # both warpgroups; each fences its own writes before the wgmmas see them
         stamp(1)
 
-        def decode(i, slot, after, raw):  # warpgroup 1: its tile i into `slot` (an entry tile from raw, its
-            t, after = tile_of(i), jnp.asarray(after, jnp.int32)  # loaded rows), once warpgroup 0 is done with the
-            # slot if `after`
+        # warpgroup 1: its tile i into `slot` (an entry tile from raw, its rows as `load` gave them), once
+        # warpgroup 0 is done with the slot if `after`
+        def decode(i, slot, after, raw):
+            t, after = tile_of(i), jnp.asarray(after, jnp.int32)
             if "decode" in skip:
                 pl.when(after != 0)(lambda: wait(SLOT_FREE + slot))
                 plgpu.commit_smem()  # q
@@ -763,8 +764,10 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             def _():
                 _decode_entries()(k_smem, masks, *raw, slot, after)
 
-        def load(i):  # warpgroup 1: its entry tile i's rows; past its last tile that one's again (in L2, unused),
-            t = tile_of(jnp.clip(i, 0, count - 1))  # and for a window tile entry tile 0's
+        # warpgroup 1: its entry tile i's rows; past its last tile that one's again (in L2, unused), and for a
+        # window tile entry tile 0's (unused)
+        def load(i):
+            t = tile_of(jnp.clip(i, 0, count - 1))
             return _load_entries(n)(ev, es, idx_gmem, seq, jnp.clip((t - n_wt) * T, 0, kp - T))
 
         def pv(acc, a, slot, half):
