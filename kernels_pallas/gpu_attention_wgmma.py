@@ -668,7 +668,8 @@ MERGED_SPLITS = 2
 
 def default_splits(b: int, tiles: int, sms: int = 132) -> int:
     """Key ranges per sequence for `tiles` key tiles: as many as keep one wave of CTAs (one fits an SM: each
-    holds 192 KB of shared memory), at most one per tile, and none empty."""
+    holds ~201 KB of shared memory), at most one per tile (none empty), and no more than the tiles' count per
+    range needs."""
     splits = max(1, min(tiles, sms // b))
     return -(-tiles // -(-tiles // splits))
 
@@ -693,8 +694,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
-    (default `default_splits`). merged: the ranges as one cluster merging in the kernel (at most MAX_SPLITS of
-    them), or partials merged by `gpu_attention.combine` (default: merged up to MERGED_SPLITS). skip: parts
+    (default `default_splits`; range s takes tiles s, s + splits, ...). merged: the ranges as one cluster
+    merging in the kernel (1, 2, 4 or 8 of them), or partials merged by `gpu_attention.combine` (default: merged
+    up to MERGED_SPLITS). skip: parts
     of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong, but for the prefetch).
     unrotate, out_dtype: as `gpu_attention.sparse_attention`'s (partials merged and turned by
     `gpu_attention.combine_unrotated`). timeline: also return each CTA's `timeline_names(tiles per range)` points
