@@ -146,13 +146,13 @@ def _thread_row():
     return arith.shrui(t, i32_const(1)), arith.andi(t, i32_const(1))
 
 
-def _bar_sync(bar=_CTA_BARRIER):
-    """Named barrier `bar` (an int or an i32 value) over the CTA's 256 threads: wait until both warpgroups arrive
-    (inside an inline_mgpu body)."""
+def _named_barrier(kind: str, bar):
+    """bar.sync (wait until the CTA's 256 threads have arrived) or bar.arrive (count this warpgroup, go on) at named
+    barrier `bar` (an int or an i32 value), inside an inline_mgpu body."""
     if isinstance(bar, int):
-        mgpu_utils.inline_ptx(f"bar.sync {bar}, 256;", has_side_effects=True)
+        mgpu_utils.inline_ptx(f"bar.{kind} {bar}, 256;", has_side_effects=True)
     else:
-        mgpu_utils.inline_ptx("bar.sync $0, 256;", bar, has_side_effects=True)
+        mgpu_utils.inline_ptx(f"bar.{kind} $0, 256;", bar, has_side_effects=True)
 
 
 @functools.cache
@@ -163,8 +163,7 @@ def _barrier(wait: bool):
     @plgpu.inline_mgpu(arg_types=(_SPLAT,))
     def bar(ctx, bar_id):
         del ctx
-        mgpu_utils.inline_ptx(f"bar.{'sync' if wait else 'arrive'} $0, 256;", bar_id.registers.item(),
-                              has_side_effects=True)
+        _named_barrier("sync" if wait else "arrive", bar_id.registers.item())
 
     return lambda bar_id: bar(jnp.asarray(bar_id, jnp.int32))
 
@@ -200,13 +199,13 @@ def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
         loads = load()
         if p == 0:
             with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, wait, i32_const(0))):
-                _bar_sync(arith.addi(slot, i32_const(SLOT_FREE)))
+                _named_barrier("sync", arith.addi(slot, i32_const(SLOT_FREE)))
         for i, words, scale in loads:
             for half, col, outs in decode_chunk(i, words, scale):
                 _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
     _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
     nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-    mgpu_utils.inline_ptx("bar.arrive $0, 256;", arith.addi(slot, i32_const(KEYS_READY)), has_side_effects=True)
+    _named_barrier("arrive", arith.addi(slot, i32_const(KEYS_READY)))
 
 
 # An entry tile's raw rows as warpgroup 1 holds them between their load and their decode (`_load_entries`): a
@@ -375,7 +374,7 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int):
         for i in range(H * D * 2 // 128 // 256):  # q[b]'s 128 B lines
             line = arith.addi(tid, i32_const(256 * i))
             _prefetch_l2(q_ptr, arith.addi(q_base, _i64(arith.muli(line, i32_const(128)))), 1)
-        _bar_sync()
+        _named_barrier("sync", _CTA_BARRIER)
         for tile, pos, ix in keys:
             with mgpu_utils.when(cmp("ne", tile, part)):
                 rows(tile, pos, ix)
@@ -552,7 +551,7 @@ def _store_partials():
                 memref.store(_row_value(l, half), l_out, [index_of(x) for x in (b, s, row)])
         shift = arith.constant(ir.F32Type.get(), 2.0 ** KEY_SHIFT)
         stage = _stage_base(k_smem, H)
-        _bar_sync()  # both done with the keys
+        _named_barrier("sync", _CTA_BARRIER)  # both done with the keys
         for half, row in enumerate(rows):
             _stage_row(stage, row, q, _weighted(acc, half, shift))
         o_ptr = mgpu_utils.memref_ptr(o)

@@ -70,3 +70,17 @@ def test_keep_hlo_keeps_the_largest_optimized_module(tmp_path, monkeypatch):
     assert gzip.open(kept, "rt").read() == "HloModule big\n" * 50
     with pytest.raises(ValueError, match="xla_dump_to"):
         keep_hlo.keep(str(tmp_path), "none")
+
+
+def test_run_groups_runs_the_groups_in_order_and_stops_at_failed_tests(tmp_path, monkeypatch):
+    """The issue-21 device scripts' shared runner: an unknown group fails before anything runs; the groups run in
+    the order given with the shared ones beside a script's own; a failed test step ends the run with its code."""
+    from experiments.device_runs import _steps, issue21_timeline as tl
+    monkeypatch.setattr(_steps, "OUT", str(tmp_path))
+    ran = []
+    own = {name: (lambda say, rows, name=name: ran.append(name)) for name in ("b", "a")}
+    with pytest.raises(SystemExit, match="unknown groups"):
+        tl.run_groups(["a", "nope"], own)
+    assert ran == []
+    assert tl.run_groups(["tests", "a", "b"], own, tests=lambda say: 0) == 0 and ran == ["a", "b"]
+    assert tl.run_groups(["tests", "b"], own, tests=lambda say: 3) == 3 and ran == ["a", "b"]

@@ -30,9 +30,8 @@ import shutil
 import subprocess
 import sys
 
-from experiments.device_runs._steps import OUT, logger
-from experiments.device_runs.issue21_timeline import (attention_group, gpu_tests, say_table, scan_group, timed_row,
-                                                     timeline)
+from experiments.device_runs._steps import OUT
+from experiments.device_runs.issue21_timeline import run_groups, timed_row, timeline
 
 # the sweep's (CTAs wanted, tiles per step, stages): the default (2112: 16 a SM over the call, ~4 resident), one
 # wave of 4 a SM, 3 stages (3 fit an SM), 4 stages of 2 tiles (4 fit), 5 stages (2 fit)
@@ -107,22 +106,7 @@ def ptx_group(say) -> None:
 
 
 def main(groups: list[str]) -> int:
-    say, _ = logger(f"{'_'.join(groups)}.log")
-    if "tests" in groups:
-        gpu_tests(say)
-    rows = []
-    if "attention" in groups or "attention_untimed" in groups:
-        attention_group(say, rows, timelines="attention" in groups)
-    if "scan" in groups or "scan_untimed" in groups:
-        scan_group(say, rows, timelines="scan" in groups)
-    if "sweep" in groups:
-        sweep_group(say, rows)
-    if "ablate" in groups:
-        ablate_group(say, rows)
-    if "ptx" in groups:
-        ptx_group(say)
-    say_table(say, rows)
-    return 0
+    return run_groups(groups, {"sweep": sweep_group, "ablate": ablate_group, "ptx": lambda say, rows: ptx_group(say)})
 
 
 if __name__ == "__main__":

@@ -26,37 +26,27 @@ import os
 import shutil
 import sys
 
-from experiments.device_runs._steps import OUT, logger, step, tree_before
+from experiments.device_runs._steps import OUT, step, tree_before
 from experiments.device_runs.issue21_prefetch import ablate_group, ptx_group
-from experiments.device_runs.issue21_timeline import attention_group, say_table
+from experiments.device_runs.issue21_timeline import gpu_tests, run_groups
 
 BEFORE = "build/before"
 
 
-def main(groups: list[str]) -> int:
-    say, _ = logger(f"{'_'.join(groups)}.log")
-    if "tests" in groups:
-        rc = step("tests", ["-m", "pytest", "tests/test_attention_wgmma.py", "-q", "-p", "no:cacheprovider"], 240,
-                  {"JAX_PLATFORMS": "cuda"})
-        say("TESTS rc", rc, "|", open(os.path.join(OUT, "tests.log")).read().strip().splitlines()[-1:])
-        if rc:
-            say(open(os.path.join(OUT, "tests.log")).read()[-4000:])
-            return rc
-    rows = []
-    if "attention" in groups or "attention_untimed" in groups:
-        attention_group(say, rows, timelines="attention" in groups)
-    if "ablate" in groups:
-        ablate_group(say, rows)
-    for kernel in sorted(os.listdir(BEFORE)) if "before" in groups else []:
+def before_group(say, rows) -> None:
+    del rows  # each kernel's table is in its own log
+    for kernel in sorted(os.listdir(BEFORE)):
         commit = kernel.removesuffix(".py")
         tree = tree_before([], f"/tmp/tree_{commit}")
         shutil.copy(os.path.join(BEFORE, kernel), os.path.join(tree, "kernels_pallas", "gpu_attention_wgmma.py"))
         step(f"before_{commit}", ["-m", "experiments.device_runs.issue21_roles", "attention_untimed"], 300, cwd=tree)
         say(open(os.path.join(OUT, f"before_{commit}.log")).read()[-2500:])
-    if "ptx" in groups:
-        ptx_group(say)
-    say_table(say, rows)
-    return 0
+
+
+def main(groups: list[str]) -> int:
+    return run_groups(groups, {"ablate": ablate_group, "before": before_group,
+                               "ptx": lambda say, rows: ptx_group(say)},
+                      tests=lambda say: gpu_tests(say, ("tests/test_attention_wgmma.py",), 240))
 
 
 if __name__ == "__main__":

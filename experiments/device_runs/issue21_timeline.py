@@ -158,11 +158,15 @@ def sweep_group(say, rows) -> None:
         say("timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
 
 
-def gpu_tests(say) -> None:
-    """The scan's and the attention's GPU tests, compiled (`tests.log`)."""
-    rc = step("tests", ["-m", "pytest", "tests/test_indexer_wgmma.py", "tests/test_attention_wgmma.py", "-q",
-                        "-p", "no:cacheprovider"], 330, {"JAX_PLATFORMS": "cuda"})
-    say("TESTS rc", rc, "|", open(os.path.join(OUT, "tests.log")).read().strip().splitlines()[-1:])
+def gpu_tests(say, files=("tests/test_indexer_wgmma.py", "tests/test_attention_wgmma.py"), timeout_s=330) -> int:
+    """The GPU tests of `files`, compiled (`tests.log`); on a failure the log's tail is said too. Returns the exit
+    code (124: a hang, killed at timeout_s)."""
+    rc = step("tests", ["-m", "pytest", *files, "-q", "-p", "no:cacheprovider"], timeout_s, {"JAX_PLATFORMS": "cuda"})
+    log = open(os.path.join(OUT, "tests.log")).read()
+    say("TESTS rc", rc, "|", log.strip().splitlines()[-1:])
+    if rc:
+        say(log[-4000:])
+    return rc
 
 
 def say_table(say, rows) -> None:
@@ -171,19 +175,37 @@ def say_table(say, rows) -> None:
         say("| " + " | ".join(r) + " |")
 
 
-def main(groups: list[str]) -> int:
+# Groups every issue-21 device script takes: fn(say, rows)
+SHARED_GROUPS = {
+    "scan": lambda say, rows: scan_group(say, rows, timelines=True),
+    "scan_untimed": lambda say, rows: scan_group(say, rows, timelines=False),
+    "attention": lambda say, rows: attention_group(say, rows, timelines=True),
+    "attention_untimed": lambda say, rows: attention_group(say, rows, timelines=False),
+}
+
+
+def run_groups(groups: list[str], own: dict, tests=gpu_tests) -> int:
+    """A device script's run: its log named by the groups; "tests" first (`tests(say)`; a failure ends the run:
+    timings of a kernel that fails its tests would be wasted device time), then each other group in the order
+    given (SHARED_GROUPS and the script's own {name: fn(say, rows)}), the rows' table last. An unknown group is
+    an error before anything runs."""
+    handlers = {**SHARED_GROUPS, **own}
+    unknown = [g for g in groups if g != "tests" and g not in handlers]
+    if unknown:
+        raise SystemExit(f"unknown groups {unknown}; known: tests, {', '.join(handlers)}")
     say, _ = logger(f"{'_'.join(groups)}.log")
-    if "tests" in groups:
-        gpu_tests(say)
+    if "tests" in groups and (rc := tests(say)):
+        return rc
     rows = []
-    if "scan" in groups or "scan_untimed" in groups:
-        scan_group(say, rows, timelines="scan" in groups)
-    if "attention" in groups or "attention_untimed" in groups:
-        attention_group(say, rows, timelines="attention" in groups)
-    if "sweep" in groups:
-        sweep_group(say, rows)
+    for g in groups:
+        if g != "tests":
+            handlers[g](say, rows)
     say_table(say, rows)
     return 0
+
+
+def main(groups: list[str]) -> int:
+    return run_groups(groups, {"sweep": sweep_group})
 
 
 if __name__ == "__main__":
