@@ -18,6 +18,11 @@ Timed and not kept (docs/BENCHMARKS.md): entry rows staged in shared memory a ti
 tile's decode split between the logits' and the p . v's wgmmas, and the logits over each warpgroup's channel
 half summed through shared memory (all in the lockstep form).
 
+Candidate on this branch (next/three-warpgroups, not yet run on a GPU): a third warpgroup; warpgroups 1 and 2
+each decode half of every tile's rows (1: rows 0..31, 2: 32..63; 4 threads a row), warpgroup 1 still adds p .
+keys[:, 256:]; the key slots' barriers count all 384 threads, and `plgpu.set_max_registers` gives the warpgroups
+REGISTERS (the decoder few). The text below describes main's two warpgroups where it differs.
+
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): range s takes the
 sequence's 64-key tiles s, s + S, ... (window tiles first: with 2 ranges each starts with one, decoded while q
 loads). At its start every key row of its tiles and q are prefetched to L2 (`_prefetch`, in the order they are
@@ -140,44 +145,44 @@ def _load(ptr, off64, ty, align):
 
 
 def _thread_row():
-    """(tile row this thread of warpgroup 1 decodes: 16 per warp, 2 threads a row = 16 warp + lane // 2; q = lane
-    % 2), i32."""
-    t = arith.andi(mgpu_utils.thread_idx(), i32_const(127))
-    return arith.shrui(t, i32_const(1)), arith.andi(t, i32_const(1))
+    """(tile row this thread of warpgroups 1 and 2 decodes: 8 per warp, 4 threads a row = (thread - 128) // 4, warpgroup
+    1 rows 0..31, warpgroup 2 rows 32..63; q = thread % 4), i32."""
+    tid = mgpu_utils.thread_idx()
+    return arith.shrui(arith.subi(tid, i32_const(128)), i32_const(2)), arith.andi(tid, i32_const(3))
 
 
-def _named_barrier(kind: str, bar):
-    """bar.sync (wait until the CTA's 256 threads have arrived) or bar.arrive (count this warpgroup, go on) at named
+def _named_barrier(kind: str, bar, threads: int = 256):
+    """bar.sync (wait until `threads` threads have arrived) or bar.arrive (count this warpgroup, go on) at named
     barrier `bar` (an int or an i32 value), inside an inline_mgpu body."""
     if isinstance(bar, int):
-        mgpu_utils.inline_ptx(f"bar.{kind} {bar}, 256;", has_side_effects=True)
+        mgpu_utils.inline_ptx(f"bar.{kind} {bar}, {threads};", has_side_effects=True)
     else:
-        mgpu_utils.inline_ptx(f"bar.{kind} $0, 256;", bar, has_side_effects=True)
+        mgpu_utils.inline_ptx(f"bar.{kind} $0, {threads};", bar, has_side_effects=True)
 
 
 @functools.cache
-def _barrier(wait: bool):
+def _barrier(wait: bool, threads: int):
     """inline_mgpu (bar id i32): the calling warpgroup waits at (wait) or arrives at (not wait) named barrier
-    `bar`, from a kernel body (`_main_loop`'s hand-offs)."""
+    `bar` of `threads` threads, from a kernel body (the roles' hand-offs)."""
 
     @plgpu.inline_mgpu(arg_types=(_SPLAT,))
     def bar(ctx, bar_id):
         del ctx
-        _named_barrier("sync" if wait else "arrive", bar_id.registers.item())
+        _named_barrier("sync" if wait else "arrive", bar_id.registers.item(), threads)
 
     return lambda bar_id: bar(jnp.asarray(bar_id, jnp.int32))
 
 
 def _publish_validity(mask_ptr, slot, valid, q):
-    """Warp w's (of warpgroup 1) ballot of its 16 rows' validity (bit 2r for row 16w + r, from the row's q = 0
-    thread) into mask[slot, w] (u32 [2, 4] in shared memory), for `_bias`."""
+    """Warp w's (of warpgroups 1 and 2: w = (thread - 128) // 32) ballot of its 8 rows' validity (bit 4r for row 8w
+    + r, from the row's q = 0 thread) into mask[slot, w] (u32 [2, 8] in shared memory), for `_bias`."""
     pred = arith.andi(valid, arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))
     bits = mgpu_utils.inline_ptx("{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, 0xffffffff; }",
                                  arith.extui(ir.IntegerType.get_signless(32), pred), result_types=ir.IntegerType.get_signless(32))
     tid = mgpu_utils.thread_idx()
-    warp = arith.andi(arith.shrui(tid, i32_const(5)), i32_const(3))
+    warp = arith.shrui(arith.subi(tid, i32_const(128)), i32_const(5))
     with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, arith.andi(tid, i32_const(31)), i32_const(0))):
-        off = arith.muli(arith.addi(arith.muli(slot, i32_const(4)), warp), i32_const(4))
+        off = arith.muli(arith.addi(arith.muli(slot, i32_const(8)), warp), i32_const(4))
         llvm.store(bits, mgpu_utils.getelementptr(mask_ptr, [off], ir.IntegerType.get_signless(8)), alignment=4)
 
 
@@ -199,19 +204,19 @@ def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
         loads = load()
         if p == 0:
             with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, wait, i32_const(0))):
-                _named_barrier("sync", arith.addi(slot, i32_const(SLOT_FREE)))
+                _named_barrier("sync", arith.addi(slot, i32_const(SLOT_FREE)), 384)
         for i, words, scale in loads:
             for half, col, outs in decode_chunk(i, words, scale):
                 _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
     _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
     nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-    _named_barrier("arrive", arith.addi(slot, i32_const(KEYS_READY)))
+    _named_barrier("arrive", arith.addi(slot, i32_const(KEYS_READY)), 384)
 
 
 # An entry tile's raw rows as warpgroup 1 holds them between their load and their decode (`_load_entries`): a
-# thread's 8 chunks of 16 B, their 8 E4M3 scale pairs, and its row's entry id.
-_RAW = (plgpu.ShapeDtypeStruct((128 * 8 * 4,), jnp.uint32, plgpu.Layout.WG_STRIDED((128 * 8 * 4,), vec_size=4)),
-        plgpu.ShapeDtypeStruct((128 * 8,), jnp.int16, plgpu.Layout.WG_STRIDED((128 * 8,), vec_size=8)),
+# thread's 4 chunks of 16 B, their 4 E4M3 scale pairs, and its row's entry id.
+_RAW = (plgpu.ShapeDtypeStruct((128 * 4 * 4,), jnp.uint32, plgpu.Layout.WG_STRIDED((128 * 4 * 4,), vec_size=4)),
+        plgpu.ShapeDtypeStruct((128 * 4,), jnp.int16, plgpu.Layout.WG_STRIDED((128 * 4,), vec_size=4)),
         plgpu.ShapeDtypeStruct((128,), jnp.int32, plgpu.Layout.WG_STRIDED((128,), vec_size=1)))
 
 
@@ -236,9 +241,9 @@ def _load_entries(n_rows: int):
         ev_ptr, es_ptr = mgpu_utils.memref_ptr(ev), mgpu_utils.memref_ptr(es)
         ix = memref.load(idx, [index_of(v) for v in (b, arith.addi(e0, row))])
         entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
-        words, scales = [], llvm.mlir_undef(ir.VectorType.get((8,), i16))
-        for k in range(8):  # raw 16 B chunk i = q + 2k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
-            i = arith.addi(q, i32_const(2 * k))
+        words, scales = [], llvm.mlir_undef(ir.VectorType.get((4,), i16))
+        for k in range(4):  # raw 16 B chunk i = q + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
+            i = arith.addi(q, i32_const(4 * k))
             v_off = arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(arith.muli(i, i32_const(16))))
             s_off = arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), _i64(arith.muli(i, i32_const(2))))
             words.append(_load(ev_ptr, v_off, ir.VectorType.get((4,), i32), 16))
@@ -264,8 +269,8 @@ def _decode_entries():
         row, q = _thread_row()
         valid = arith.cmpi(arith.CmpIPredicate.sge, llvm.extractelement(ids.registers[0], arith.constant(i32, 0)),
                            i32_const(0))
-        chunks = [(arith.addi(q, i32_const(2 * k)), words.registers[k],
-                   llvm.extractelement(scales.registers[0], arith.constant(i32, k))) for k in range(8)]
+        chunks = [(arith.addi(q, i32_const(4 * k)), words.registers[k],
+                   llvm.extractelement(scales.registers[0], arith.constant(i32, k))) for k in range(4)]
         _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: chunks], _entry_chunk)
 
     return decode
@@ -304,8 +309,8 @@ def _decode_window():
 
         def loads(ks):
             out = []
-            for k in ks:  # raw 16 B chunk i = q + 2k: channels 16i .. 16i + 15, E8M0 byte i // 2
-                i = arith.addi(q, i32_const(2 * k))
+            for k in ks:  # raw 16 B chunk i = q + 4k: channels 16i .. 16i + 15, E8M0 byte i // 2
+                i = arith.addi(q, i32_const(4 * k))
                 v_off = arith.addi(arith.muli(rec, _i64(i32_const(D))), _i64(arith.muli(i, i32_const(16))))
                 s_off = arith.addi(arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))),
                                    _i64(arith.divui(i, i32_const(2))))
@@ -320,7 +325,7 @@ def _decode_window():
                 col = arith.addi(arith.muli(arith.remui(i, i32_const(16)), i32_const(16)), i32_const(8 * p))
                 yield arith.divui(i, i32_const(16)), col, outs
 
-        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: loads(range(8)), lambda: loads(range(8, 16))],
+        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: loads(range(4)), lambda: loads(range(4, 8))],
                     chunk)
 
     return decode
@@ -384,7 +389,7 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int):
 
 @functools.cache
 def _bias():
-    """inline_mgpu: (validity masks smem u32 [2, 4], slot) -> f32 [64, 64] WGMMA layout, column n 0 where key n
+    """inline_mgpu: (validity masks smem u32 [2, 8], slot) -> f32 [64, 64] WGMMA layout, column n 0 where key n
     of the slot's tile is valid, NEG where not (the logits accumulator's start)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT),
@@ -397,13 +402,13 @@ def _bias():
         ptr = mgpu_utils.memref_ptr(masks)
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((H, T)), dtype=object)
         zero, neg = arith.constant(f32, 0.0), arith.constant(f32, NEG)
-        for c in range(T // 8):  # columns 8c + 2q + {0, 1}: keys of warp word c // 2, bits 2 (8 (c % 2) + 2q + j)
+        for c in range(T // 8):  # columns 8c + 2q + {0, 1}: keys of warp word c, bits 4 (2q + j)
             word = llvm.load(i32, mgpu_utils.getelementptr(
-                ptr, [arith.muli(arith.addi(arith.muli(slot, i32_const(4)), i32_const(c // 2)), i32_const(4))],
+                ptr, [arith.muli(arith.addi(arith.muli(slot, i32_const(8)), i32_const(c)), i32_const(4))],
                 ir.IntegerType.get_signless(8)), alignment=4)
             vec = llvm.mlir_undef(ir.VectorType.get((2,), f32))
             for j in range(2):
-                at = arith.addi(arith.muli(q, i32_const(4)), i32_const(16 * (c % 2) + 2 * j))
+                at = arith.addi(arith.muli(q, i32_const(8)), i32_const(4 * j))
                 bit = arith.andi(arith.shrui(word, at), i32_const(1))
                 v = arith.select(arith.cmpi(arith.CmpIPredicate.ne, bit, i32_const(0)), zero, neg)
                 vec = llvm.insertelement(vec, v, arith.constant(i32, j))
@@ -448,6 +453,22 @@ def _load_query():
 
 
 _CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
+# setmaxnreg per warpgroup (scores, values, decoder): at most 3 x 168 (64K registers over 384 threads) in all
+REGISTERS = (232, 192, 80)
+
+
+@functools.cache
+def _cluster_syncs(count: int):
+    """inline_mgpu: `count` cluster barriers (release / acquire), as `_store_merged` meets its cluster: a
+    warpgroup with no rows to store (the decoder) must arrive too."""
+
+    @plgpu.inline_mgpu()
+    def sync(ctx):
+        del ctx
+        for _ in range(count):
+            mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)
+
+    return sync
 LOG2E = math.log2(math.e)
 
 
@@ -733,7 +754,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             o_gmem, m_gmem, l_gmem, *refs = refs
         tl_gmem, q_smem, k_smem, masks, p_smem, rows_smem = refs if timeline else (None, *refs)
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
-        wait, arrive = _barrier(True), _barrier(False)
+        wait, arrive = _barrier(True, 256), _barrier(False, 256)  # warpgroups 0 and 1
+        wait3, arrive3 = _barrier(True, 384), _barrier(False, 384)  # all three: the key slots
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
         def stamp(point):
@@ -742,9 +764,13 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         stamp(0)
         count = (n_t - part + splits - 1) // splits  # its tiles: part + splits i, i < count (tile_of)
         tile_of = lambda i: part + i * splits  # noqa: E731
-        if "prefetch" not in skip:
-            _prefetch(n, w, n_wt, n_t, splits)(ev, es, idx_gmem, wv, ws, q_gmem, seq, part)
-        _load_query()(q_gmem, q_smem, seq)  # both warpgroups; each fences its own writes before the wgmmas see them
+
+        @pl.when(wg < 2)
+        def _():
+            if "prefetch" not in skip:
+                _prefetch(n, w, n_wt, n_t, splits)(ev, es, idx_gmem, wv, ws, q_gmem, seq, part)
+            _load_query()(q_gmem, q_smem, seq)  # each of the two fences its own writes before the wgmmas see them
+
         stamp(1)
 
         # warpgroup 1: its tile i into `slot` (an entry tile from raw, its rows as `load` gave them), once
@@ -752,9 +778,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         def decode(i, slot, after, raw):
             t, after = tile_of(i), jnp.asarray(after, jnp.int32)
             if "decode" in skip:
-                pl.when(after != 0)(lambda: wait(SLOT_FREE + slot))
+                pl.when(after != 0)(lambda: wait3(SLOT_FREE + slot))
                 plgpu.commit_smem()  # q
-                arrive(KEYS_READY + slot)
+                arrive3(KEYS_READY + slot)
                 return
 
             @pl.when(t < n_wt)
@@ -790,8 +816,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 0)
         def _scores():  # the logits, the softmax and p . keys[:, :256]; p and its rows' rescale to warpgroup 1
+            plgpu.set_max_registers(REGISTERS[0], action="increase")
             plgpu.commit_smem()  # its part of q, for the wgmmas
-            pl.when(count > 0)(lambda: wait(KEYS_READY))
+            pl.when(count > 0)(lambda: wait3(KEYS_READY))
             stamp(2)
 
             def tile(i, carry):
@@ -816,8 +843,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 arrive(P_READY)
                 stamp(3 + 2 * i)
                 acc = pv(acc, p, slot, 0)
-                pl.when(i + 2 < count)(lambda: arrive(SLOT_FREE + slot))  # tile i + 2 may take the slot
-                pl.when(i + 1 < count)(lambda: wait(KEYS_READY + 1 - slot))
+                pl.when(i + 2 < count)(lambda: arrive3(SLOT_FREE + slot))  # tile i + 2 may take the slot
+                pl.when(i + 1 < count)(lambda: wait3(KEYS_READY + 1 - slot))
                 stamp(4 + 2 * i)
                 return acc, m_new, l
 
@@ -834,7 +861,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             stamp(4 + 2 * per)
 
         @pl.when(wg == 1)
-        def _values():  # every tile's decode, a tile ahead; p . keys[:, 256:] with warpgroup 0's p
+        def _values():  # every tile's rows 0..31, a tile ahead; p . keys[:, 256:] with warpgroup 0's p
+            plgpu.set_max_registers(REGISTERS[1], action="increase")
             raw = load(0)
             pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
 
@@ -853,6 +881,20 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             wait(STATS_READY)
             finish(acc, *(plgpu.load(rows_smem.at[i], layout=row_layout) for i in (1, 2)))
 
+        @pl.when(wg == 2)
+        def _decoder():  # every tile's rows 32..63, a tile ahead; the merge's cluster barriers with the others
+            plgpu.set_max_registers(REGISTERS[2], action="decrease")
+            raw = load(0)
+            pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
+
+            def tile(i, raw):
+                pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - i % 2, i > 0, raw))
+                return load(i + 2)
+
+            lax.fori_loop(0, count, tile, load(1))
+            if merged and "store" not in skip:
+                _cluster_syncs(2 if splits > 1 else 1)()
+
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     rows = gpu_attention.partial_rows(splits, unrotate)
     timed = (jax.ShapeDtypeStruct((b * splits, len(timeline_names(per)) + 1), jnp.uint32),) if timeline else ()
@@ -863,7 +905,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     kernel = plgpu.kernel(
         body,
         **launch,
-        num_threads=2,
+        num_threads=3,
         thread_name="wg",
         scratch_types=(plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
                        plgpu.SMEM((2, 2, T, HALF), jnp.bfloat16, transforms=_TRANSFORMS),

@@ -12,10 +12,12 @@ Groups (default: tests attention ablate before ptx):
 - before: attention (untimed) in a copy of the tree per kernel `build/before/<commit>.py` (carried), that commit's
   `kernels_pallas/gpu_attention_wgmma.py`: call 3 (with ablate): d5eba4e (lockstep warpgroups) and 8cdff13 (the
   two roles, each entry tile's rows loaded when it is decoded); call 4: d5eba4e, f36d2fe (rows loaded a tile
-  ahead), d872694 (ranges take strided tiles);
+  ahead), d872694 (ranges take strided tiles). On the branch next/three-warpgroups (a third warpgroup decoding
+  rows 32..63 of every tile, warpgroup 1 rows 0..31; `plgpu.set_max_registers` per warpgroup, REGISTERS): d5eba4e
+  and 2de7f1e (main's two-role kernel), not yet run;
 - ptx: `issue21_prefetch`'s (the kernel's PTX and ptxas report: registers, spills).
 
-    mkdir -p build/before && for c in d5eba4e f36d2fe d872694; do
+    mkdir -p build/before && for c in d5eba4e 2de7f1e; do
       git show $c:kernels_pallas/gpu_attention_wgmma.py > build/before/$c.py; done
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_roles [GROUP ...]     (~6 min; carry build/before)
 
