@@ -207,12 +207,13 @@ def attention_data(key, b, n, q_dtype=jnp.bfloat16):
     return q, window, jnp.ones((b, WINDOW), bool), entries, idx.astype(jnp.int32), sink
 
 
-def attention_bytes(q, window, wvalid, entries, idx) -> int:
+def attention_bytes(q, window, wvalid, entries, idx, out_dtype=jnp.float32) -> int:
     """Bytes a sparse-attention call must move: q, the window and its validity, the TOPK gathered entry rows
-    (values and scales), idx, and the f32 output."""
+    (values and scales), idx, and the output in out_dtype (f32: the kernels' contract; the model's call takes it
+    in its dtype, with the rope's angles to turn it back, counted by the caller)."""
     rows_read = {"values": entries["values"][:, :TOPK], "scales": entries["scales"][:, :TOPK]}
     b = q.shape[0]
-    return nbytes(q, window, wvalid, rows_read, idx) + b * H_ATT * D_ATT * 4
+    return nbytes(q, window, wvalid, rows_read, idx) + b * H_ATT * D_ATT * jnp.dtype(out_dtype).itemsize
 
 
 def nbytes(*trees) -> int:

@@ -75,7 +75,8 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid_bw, entry_rec, idx_b
                             unrotate=None, out_dtype=jnp.float32, family=None):
     """f32 [B, H, D] (`ops.sparse_attention_decode`); with unrotate = (cos, sin) f32 [B, D/2], the output's
     channel pairs turned back by those angles (`gpu_attention.unrotated`: the rope's inverse) and cast to
-    out_dtype, on a GPU in the kernel that merges the key ranges (`gpu_attention.combine_unrotated`)."""
+    out_dtype, on a GPU in the kernel that merges the key ranges (the wgmma kernel's merged clusters, or
+    `gpu_attention.combine_unrotated` after partials)."""
     fam, interpret = platform(family)
     args = (q_bhd, window_rec["values"], window_rec["scales"], window_valid_bw, entry_rec["values"],
             entry_rec["scales"], idx_bk, sink_h, float(scale))

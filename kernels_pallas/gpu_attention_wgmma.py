@@ -18,10 +18,13 @@ Timed and not kept (docs/BENCHMARKS.md): entry rows staged in shared memory a ti
 tile's decode split between the logits' and the p . v's wgmmas, and the logits over each warpgroup's channel
 half summed through shared memory (all in the lockstep form).
 
-Candidate on this branch (next/three-warpgroups, not yet run on a GPU): a third warpgroup; warpgroups 1 and 2
-each decode half of every tile's rows (1: rows 0..31, 2: 32..63; 4 threads a row), warpgroup 1 still adds p .
-keys[:, 256:]; the key slots' barriers count all 384 threads, and `plgpu.set_max_registers` gives the warpgroups
-REGISTERS (the decoder few). The text below describes main's two warpgroups where it differs.
+Candidates on this branch (next/attention, not yet run on a GPU), one commit each: a third warpgroup
+(warpgroups 1 and 2 each decode half of every tile's rows, 1: rows 0..31, 2: 32..63, 4 threads a row; warpgroup
+1 still adds p . keys[:, 256:]; the key slots' barriers count all 384 threads, and `plgpu.set_max_registers`
+gives the warpgroups REGISTERS, the decoder few); with `unrotate`, a merged cluster turns its rows back by the
+rope's angles and casts them to out_dtype as it stores them (`_store_unrotated_rows`), where XLA did after the
+kernel (read the f32 output, write it again in bf16): the model's call is one kernel. The text below describes
+main's two warpgroups where it differs.
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): range s takes the
 sequence's 64-key tiles s, s + S, ... (window tiles first: with 2 ranges each starts with one, decoded while q
@@ -518,9 +521,9 @@ def _stage_row(stage, row, q, vals):
 
 
 def _staged_moves(stage, n_rows: int, out_row0):
-    """After `_stage_row` of rows [0, n_rows) by the warpgroup: [(pointer offset in bytes into the output, f32 x 4)],
-    a thread's n_rows / 2 moves of 16 B, a warp's 512 contiguous bytes of one row: staged row r to output row
-    out_row0 + r (of 512 f32 channels), this warpgroup's 256.
+    """After `_stage_row` of rows [0, n_rows) by the warpgroup: [(output row, first channel c, f32 x 4: channels c ..
+    c + 3)], a thread's n_rows / 2 moves of 16 B, a warp's 512 contiguous bytes of one row: staged row r is output
+    row out_row0 + r (of 512 channels), this warpgroup's 256 of them.
 
     The accumulator's registers hold 2 channels of a row each, 16 B of a row per 4 threads: stored to global
     memory directly (4-byte scatters once the channels are put back in order) the batch-64 kernel took 41.5 us;
@@ -537,11 +540,59 @@ def _staged_moves(stage, n_rows: int, out_row0):
         src = arith.addi(arith.muli(row, i32_const(HALF * 4)),
                          arith.muli(arith.xori(k, arith.andi(row, i32_const(7))), i32_const(16)))
         v = llvm.load(ir.VectorType.get((4,), f32), mgpu_utils.getelementptr(stage, [src], i8), alignment=16)
-        dst = arith.muli(arith.addi(arith.muli(_i64(arith.addi(out_row0, row)), _i64(i32_const(D))),
-                                    _i64(arith.addi(arith.muli(wg, i32_const(HALF)), arith.muli(k, i32_const(4))))),
-                         _i64(i32_const(4)))
-        moves.append((dst, v))
+        moves.append((arith.addi(out_row0, row), arith.addi(arith.muli(wg, i32_const(HALF)), arith.muli(k, i32_const(4))),
+                      v))
     return moves
+
+
+def _element(row, ch):
+    """Element index (i64) of [row, ch] in rows of D channels."""
+    return arith.addi(arith.muli(_i64(row), _i64(i32_const(D))), _i64(ch))
+
+
+def _store_f32_rows(o, moves):
+    """`_staged_moves` into o (gmem f32, rows of D channels), 16 B each."""
+    o_ptr = mgpu_utils.memref_ptr(o)
+    for row, ch, v in moves:
+        llvm.store(v, mgpu_utils.getelementptr(o_ptr, [arith.muli(_element(row, ch), _i64(i32_const(4)))],
+                                               ir.IntegerType.get_signless(8)), alignment=16)
+
+
+# f32 pair -> packed 16-bit pair (round to nearest even), per output element type
+_PACK_PTX = {"bf16": "cvt.rn.bf16x2.f32 $0, $2, $1;", "f16": "cvt.rn.f16x2.f32 $0, $2, $1;"}
+
+
+def _store_unrotated_rows(o, cos, sin, b, moves):
+    """`_staged_moves` of sequence b, each channel pair (2p, 2p + 1) = (e, o) turned back by the angle of cos / sin
+    f32 [B, D/2] [b, p] ((e c + o s, o c - e s): `gpu_attention.unrotated`), into o (gmem f32, bf16 or f16, rows
+    of D channels): the model's output, with no pass of XLA after the kernel."""
+    i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
+    o_ptr, cos_ptr, sin_ptr = (mgpu_utils.memref_ptr(r) for r in (o, cos, sin))
+    out_ty = ir.MemRefType(o.type).element_type
+    width = 4 if out_ty == ir.F32Type.get() else 2
+    pack = _PACK_PTX["bf16" if out_ty == ir.BF16Type.get() else "f16"]
+    for row, ch, v in moves:
+        pair = arith.addi(arith.muli(_i64(b), _i64(i32_const(D // 2))), _i64(arith.shrui(ch, i32_const(1))))
+        c, sn = (_load(ptr, arith.muli(pair, _i64(i32_const(4))), ir.VectorType.get((2,), f32), 8)
+                 for ptr in (cos_ptr, sin_ptr))
+        x = [llvm.extractelement(v, arith.constant(i32, e)) for e in range(4)]
+        turned = []
+        for j in range(2):
+            cj, sj = (llvm.extractelement(a, arith.constant(i32, j)) for a in (c, sn))
+            ev, od = x[2 * j], x[2 * j + 1]
+            turned += [arith.addf(arith.mulf(ev, cj), arith.mulf(od, sj)),
+                       arith.subf(arith.mulf(od, cj), arith.mulf(ev, sj))]
+        if width == 4:
+            out = llvm.mlir_undef(ir.VectorType.get((4,), f32))
+            for e, t in enumerate(turned):
+                out = llvm.insertelement(out, t, arith.constant(i32, e))
+        else:
+            out = llvm.mlir_undef(ir.VectorType.get((2,), i32))
+            for j in range(2):
+                out = llvm.insertelement(out, mgpu_utils.inline_ptx(pack, turned[2 * j], turned[2 * j + 1],
+                                                                    result_types=i32), arith.constant(i32, j))
+        dst = arith.muli(_element(row, ch), _i64(i32_const(width)))
+        llvm.store(out, mgpu_utils.getelementptr(o_ptr, [dst], i8), alignment=4 * width)
 
 
 def _stage_base(smem, rows: int):
@@ -575,18 +626,17 @@ def _store_partials():
         _named_barrier("sync", _CTA_BARRIER)  # both done with the keys
         for half, row in enumerate(rows):
             _stage_row(stage, row, q, _weighted(acc, half, shift))
-        o_ptr = mgpu_utils.memref_ptr(o)
-        for dst, v in _staged_moves(stage, H, arith.muli(seq, i32_const(H))):
-            llvm.store(v, mgpu_utils.getelementptr(o_ptr, [dst], ir.IntegerType.get_signless(8)), alignment=16)
+        _store_f32_rows(o, _staged_moves(stage, H, arith.muli(seq, i32_const(H))))
 
     return store
 
 
 @functools.cache
-def _store_merged():
+def _store_merged(rotated: bool):
     """inline_mgpu: (acc, m, l as `_store_partials`, the keys' and q's smem (free now), stats gmem f32 [B, S, 2,
-    64], sink f32 [64] (natural-log units), o gmem f32 [B, 64, 512], b, s) -> o[b] = the softmax-weighted sum over
-    the cluster's S key ranges (S divides 64) with the sink, in channel order.
+    64], sink f32 [64] (natural-log units), [rotated: cos, sin f32 [B, 256]], o gmem [B, 64, 512], b, s) -> o[b] =
+    the softmax-weighted sum over the cluster's S key ranges (S divides 64) with the sink, in channel order (f32;
+    rotated: unrotated by cos / sin and cast to o's type, `_store_unrotated_rows`).
 
     The S CTAs of a sequence are one cluster. Each publishes its rows' (m, l) in stats[b, s] (warpgroup 0; both
     hold the same), all meet (a cluster barrier: release / acquire; every CTA's key slots are free from here), and
@@ -598,9 +648,10 @@ def _store_merged():
     range 0 stored all 64 rows and the others added theirs with red.global.add after a second barrier."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 3 + (plgpu.RefType(_TRANSFORMS),) * 2
-                       + (plgpu.RefType(),) * 3 + (_SPLAT,) * 2)
-    def store(ctx, acc, m, l, k_smem, q_smem, stats, sink, o, b, s):
+                       + (plgpu.RefType(),) * (5 if rotated else 3) + (_SPLAT,) * 2)
+    def store(ctx, acc, m, l, k_smem, q_smem, stats, sink, *refs):
         del ctx
+        cos, sin, o, b, s = refs if rotated else (None, None, *refs)
         i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
         b, s = (a.registers.item() for a in (b, s))
         splits = ir.MemRefType(stats.type).shape[1]
@@ -651,10 +702,11 @@ def _store_merged():
                     vals = [arith.addf(v, llvm.load(ir.VectorType.get((2,), f32), mgpu_utils.getelementptr(
                         recv, [recv_offset(i32_const(sender), local, c)], i8), alignment=8)) for c, v in enumerate(vals)]
                 _stage_row(stage, local, q, vals)
-        o_ptr = mgpu_utils.memref_ptr(o)
-        for dst, v in _staged_moves(stage, own_rows, arith.addi(arith.muli(b, i32_const(H)),
-                                                               arith.muli(s, i32_const(own_rows)))):
-            llvm.store(v, mgpu_utils.getelementptr(o_ptr, [dst], i8), alignment=16)
+        moves = _staged_moves(stage, own_rows, arith.addi(arith.muli(b, i32_const(H)), arith.muli(s, i32_const(own_rows))))
+        if rotated:
+            _store_unrotated_rows(o, cos, sin, b, moves)
+        else:
+            _store_f32_rows(o, moves)
 
     return store
 
@@ -744,12 +796,17 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         raise ValueError(f"splits={splits}: merged in the kernel, a sequence's ranges are one cluster of at most "
                          f"{MAX_SPLITS} CTAs, each owning {H} / splits rows of the output (1, 2, 4 or 8 ranges); "
                          "pass merged=False")
+    rotated = merged and unrotate is not None  # the merge turns the pairs back and casts in the kernel
+    if rotated and jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"out_dtype={jnp.dtype(out_dtype)}: the merged kernel writes float32, bfloat16 or float16")
     per = -(-n_t // splits)
     c = scale * 2.0 ** KEY_SHIFT * LOG2E  # logits in log2 units from q . (keys x 2**-KEY_SHIFT)
 
     def body(q_gmem, wv, ws, wok, ev, es, idx_gmem, *refs):
         if merged:
-            sink_gmem, o_gmem, stats_gmem, *refs = refs
+            sink_gmem, *refs = refs
+            turn, refs = (refs[:2], refs[2:]) if rotated else ((), refs)
+            o_gmem, stats_gmem, *refs = refs
         else:
             o_gmem, m_gmem, l_gmem, *refs = refs
         tl_gmem, q_smem, k_smem, masks, p_smem, rows_smem = refs if timeline else (None, *refs)
@@ -808,7 +865,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             if "store" in skip:
                 return
             if merged:
-                _store_merged()(acc, wide(m), wide(l), k_smem, q_smem, stats_gmem, sink_gmem, o_gmem, seq, part)
+                _store_merged(rotated)(acc, wide(m), wide(l), k_smem, q_smem, stats_gmem, sink_gmem, *turn, o_gmem, seq,
+                                       part)
             else:
                 _store_partials()(acc, wide(m), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
 
@@ -898,7 +956,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     rows = gpu_attention.partial_rows(splits, unrotate)
     timed = (jax.ShapeDtypeStruct((b * splits, len(timeline_names(per)) + 1), jnp.uint32),) if timeline else ()
-    launch = (dict(out_type=(f32(b, H, D), f32(b, splits, 2, H), *timed), grid=(b,), grid_names=("b",),
+    out = jax.ShapeDtypeStruct((b, H, D), out_dtype if rotated else jnp.float32)
+    launch = (dict(out_type=(out, f32(b, splits, 2, H), *timed), grid=(b,), grid_names=("b",),
                    cluster=(splits,), cluster_names=("s",)) if merged else
               dict(out_type=(f32(b, rows, H, D), f32(b, rows, H), f32(b, rows, H), *timed), grid=(b, splits),
                    grid_names=("b", "s")))
@@ -918,8 +977,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             entry_scales, idx)
     sink = sink_h.astype(jnp.float32)
     if merged:
-        outs = kernel(*args, sink)
-        out = gpu_attention.finish(outs[0], unrotate, out_dtype)
+        outs = kernel(*args, sink, *(jnp.asarray(a, jnp.float32) for a in (unrotate if rotated else ())))
+        out = outs[0]
     else:
         outs = kernel(*args)
         out = gpu_attention.merge_partials(outs[:3], sink, splits=splits, h=H, unrotate=unrotate, out_dtype=out_dtype)

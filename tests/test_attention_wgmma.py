@@ -147,11 +147,13 @@ def test_the_prefetch_changes_no_output(b, w, n, k, splits, merged):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
-@pytest.mark.parametrize("splits,merged", [(2, None), (3, False), (None, None)])
-def test_output_unrotated(splits, merged):
-    """With unrotate, the merged form (rotated by XLA after it) and the partials (padded to `range_rows`, merged
-    and turned by `gpu_attention.combine_unrotated`; 10 ranges by default at 2 sequences) give `unrotated` of
-    the plain output in bf16."""
+@pytest.mark.parametrize("splits,merged,out_dtype", [(2, None, jnp.bfloat16), (2, None, jnp.float32),
+                                                     (1, None, jnp.bfloat16), (3, False, jnp.bfloat16),
+                                                     (None, None, jnp.bfloat16)])
+def test_output_unrotated(splits, merged, out_dtype):
+    """With unrotate, the merged form (turned and cast by the merging kernel itself, to bf16 and to f32; one range
+    and two) and the partials (padded to `range_rows`, merged and turned by `gpu_attention.combine_unrotated`; 10
+    ranges by default at 2 sequences) give `unrotated` of the plain output in out_dtype."""
     b = 2
     q, window, valid, entries, idx, sink = _attention_case(5, b, att.H, att.D, 128, 3000, 512)
     ang = jnp.linspace(0.0, 40.0, b * 32).reshape(b, 32)
@@ -160,7 +162,7 @@ def test_output_unrotated(splits, merged):
     run = lambda **kw: att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],  # noqa: E731
                                                   entries["scales"], idx, sink, att.D ** -0.5, splits=splits,
                                                   merged=merged, **kw)
-    plain, out = run(), run(unrotate=(cos, sin), out_dtype=jnp.bfloat16)
-    assert out.dtype == jnp.bfloat16
+    plain, out = run(), run(unrotate=(cos, sin), out_dtype=out_dtype)
+    assert out.dtype == out_dtype
     ref = gpu_attention.unrotated(plain, cos, sin)
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=2.0 ** -8, atol=1e-6 * float(jnp.abs(ref).max()))

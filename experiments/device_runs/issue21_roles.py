@@ -12,12 +12,17 @@ Groups (default: tests attention ablate before ptx):
 - before: attention (untimed) in a copy of the tree per kernel `build/before/<commit>.py` (carried), that commit's
   `kernels_pallas/gpu_attention_wgmma.py`: call 3 (with ablate): d5eba4e (lockstep warpgroups) and 8cdff13 (the
   two roles, each entry tile's rows loaded when it is decoded); call 4: d5eba4e, f36d2fe (rows loaded a tile
-  ahead), d872694 (ranges take strided tiles). On the branch next/three-warpgroups (a third warpgroup decoding
-  rows 32..63 of every tile, warpgroup 1 rows 0..31; `plgpu.set_max_registers` per warpgroup, REGISTERS): d5eba4e
-  and 2de7f1e (main's two-role kernel), not yet run;
+  ahead), d872694 (ranges take strided tiles). On the branch next/attention (not yet run), the ladder of its
+  candidates: d5eba4e, 2de7f1e (main's two-role kernel), 702fda9 (a third warpgroup decoding rows 32..63 of every
+  tile, warpgroup 1 rows 0..31; `plgpu.set_max_registers` per warpgroup, REGISTERS), then each later commit of
+  the branch, with the model group (`... issue21_roles tests attention ablate model before ptx`);
+- model: the call as the model makes it (`dsv41_jax.kernels.sparse_attention_decode`: bf16 q, the rope's angles to
+  turn the output back, bf16 out) at batch 64 and 8, timed from HBM (moved: the bf16 output and the angles), its
+  error against `gpu_attention.unrotated` of the f32 twin (on next/attention the merged kernel turns and casts
+  its rows itself; before, XLA did after the kernel);
 - ptx: `issue21_prefetch`'s (the kernel's PTX and ptxas report: registers, spills).
 
-    mkdir -p build/before && for c in d5eba4e 2de7f1e; do
+    mkdir -p build/before && for c in d5eba4e 2de7f1e 702fda9; do
       git show $c:kernels_pallas/gpu_attention_wgmma.py > build/before/$c.py; done
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_roles [GROUP ...]     (~6 min; carry build/before)
 
@@ -30,23 +35,51 @@ import sys
 
 from experiments.device_runs._steps import OUT, step, tree_before
 from experiments.device_runs.issue21_prefetch import ablate_group, ptx_group
-from experiments.device_runs.issue21_timeline import gpu_tests, run_groups
+from experiments.device_runs.issue21_timeline import gpu_tests, run_groups, timed_row
 
 BEFORE = "build/before"
 
 
-def before_group(say, rows) -> None:
-    del rows  # each kernel's table is in its own log
+def model_group(say, rows) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax import ops, quant
+    from experiments import bench_kernels as bk
+    from kernels_pallas import gpu_attention, gpu_attention_wgmma as att
+
+    peak = bk.copy_bandwidth(2.0)
+    say(f"copy peak {peak / 1e9:.0f} GB/s")
+    scale = bk.D_ATT ** -0.5
+    for b in (64, 8):
+        q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17)
+        ang = jax.random.uniform(jax.random.key(b + 1), (b, bk.D_ATT // 2), maxval=6.3)
+        cos, sin = jnp.cos(ang), jnp.sin(ang)
+        moved = bk.attention_bytes(q, window, wvalid, entries, idx, jnp.bfloat16) + bk.nbytes(cos, sin)
+        ref = gpu_attention.unrotated(ops.sparse_attention_decode(
+            q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, scale), cos, sin)
+        args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink, cos, sin)
+        fn = lambda *a: att.sparse_attention_wgmma(*a[:8], scale, unrotate=a[8:], out_dtype=jnp.bfloat16)  # noqa: E731
+        err = float(jnp.linalg.norm(fn(*args).astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+        timed_row(say, rows, "attention", f"model's call, 128K x {b}, bf16 q and out, unrotated", fn, args, 7, moved,
+                  peak, f"{err:.1e}")
+        del q, window, entries, args, ref
+
+
+def before_group(say, groups) -> None:
+    """Each kernel `BEFORE/<commit>.py` in a copy of the tree, timed by `groups` of this script (its own log)."""
     for kernel in sorted(os.listdir(BEFORE)):
         commit = kernel.removesuffix(".py")
         tree = tree_before([], f"/tmp/tree_{commit}")
         shutil.copy(os.path.join(BEFORE, kernel), os.path.join(tree, "kernels_pallas", "gpu_attention_wgmma.py"))
-        step(f"before_{commit}", ["-m", "experiments.device_runs.issue21_roles", "attention_untimed"], 300, cwd=tree)
+        step(f"before_{commit}", ["-m", "experiments.device_runs.issue21_roles", *groups], 300, cwd=tree)
         say(open(os.path.join(OUT, f"before_{commit}.log")).read()[-2500:])
 
 
 def main(groups: list[str]) -> int:
-    return run_groups(groups, {"ablate": ablate_group, "before": before_group,
+    timed = ["attention_untimed", *(["model"] if "model" in groups else [])]
+    return run_groups(groups, {"ablate": ablate_group, "model": model_group,
+                               "before": lambda say, rows: before_group(say, timed),
                                "ptx": lambda say, rows: ptx_group(say)},
                       tests=lambda say: gpu_tests(say, ("tests/test_attention_wgmma.py",), 240))
 
