@@ -632,14 +632,16 @@ def _store_partials():
 
 
 @functools.cache
-def _store_merged(rotated: bool):
-    """inline_mgpu: (acc, m, l as `_store_partials`, the keys' and q's smem (free now), stats gmem f32 [B, S, 2,
-    64], sink f32 [64] (natural-log units), [rotated: cos, sin f32 [B, 256]], o gmem [B, 64, 512], b, s) -> o[b] =
+def _store_merged(rotated: bool, splits: int):
+    """inline_mgpu: (acc, m, l as `_store_partials`, the keys' and q's smem (free now), stats smem f32 [MAX_SPLITS,
+    2, 64], sink f32 [64] (natural-log units), [rotated: cos, sin f32 [B, 256]], o gmem [B, 64, 512], b, s) -> o[b] =
     the softmax-weighted sum over the cluster's S key ranges (S divides 64) with the sink, in channel order (f32;
     rotated: unrotated by cos / sin and cast to o's type, `_store_unrotated_rows`).
 
-    The S CTAs of a sequence are one cluster. Each publishes its rows' (m, l) in stats[b, s] (warpgroup 0; both
-    hold the same), all meet (a cluster barrier: release / acquire; every CTA's key slots are free from here), and
+    The S CTAs of a sequence are one cluster. Each publishes its rows' (m, l) in stats[s] of every CTA of the
+    cluster (warpgroup 0, both hold the same; st.shared::cluster: until the thirty-eighth session through global
+    memory, a round trip to L2 after the barrier), all meet (a cluster barrier: release / acquire; every CTA's key
+    slots are free from here), and
     each weighs its accumulator by exp2(m_s - M) / (sum_s' l_s' exp2(m_s' - M) + exp2(sink - M)), M the largest of
     the m_s' and the sink (`gpu_attention.combine`'s weights). CTA s owns rows [s R, s R + R), R = 64 / S: the
     others' weighted rows go to their owner's key slots through distributed shared memory (st.shared::cluster,
@@ -654,13 +656,18 @@ def _store_merged(rotated: bool):
         cos, sin, o, b, s = refs if rotated else (None, None, *refs)
         i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
         b, s = (a.registers.item() for a in (b, s))
-        splits = ir.MemRefType(stats.type).shape[1]
         own_rows = H // splits
         rows, q, wg, publishes = _my_rows()
+        stats_ptr = mgpu_utils.memref_ptr(stats)
+        stat_offset = lambda j, kind, row: arith.muli(arith.addi(  # noqa: E731
+            arith.muli(arith.addi(arith.muli(j, i32_const(2)), i32_const(kind)), i32_const(H)), row), i32_const(4))
         with mgpu_utils.when(publishes):
-            for half, row in enumerate(rows):
-                for kind, v in enumerate((m, l)):
-                    memref.store(_row_value(v, half), stats, [index_of(x) for x in (b, s, i32_const(kind), row)])
+            for j in range(splits):
+                remote = mgpu_utils.get_cluster_ptr(stats_ptr, i32_const(j), generic=False)
+                for half, row in enumerate(rows):
+                    for kind, v in enumerate((m, l)):
+                        llvm.store(_row_value(v, half), mgpu_utils.getelementptr(remote, [stat_offset(s, kind, row)], i8),
+                                   alignment=4)
         mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)
         recv = mgpu_utils.memref_ptr(k_smem)
 
@@ -672,8 +679,8 @@ def _store_merged(rotated: bool):
 
         mine = []
         for half, row in enumerate(rows):
-            ms, ls = ([memref.load(stats, [index_of(x) for x in (b, i32_const(j), i32_const(kind), row)])
-                       for j in range(splits)] for kind in range(2))
+            ms, ls = ([llvm.load(f32, mgpu_utils.getelementptr(stats_ptr, [stat_offset(i32_const(j), kind, row)], i8),
+                                 alignment=4) for j in range(splits)] for kind in range(2))
             sk = arith.mulf(memref.load(sink, [index_of(row)]), arith.constant(f32, LOG2E))
             top = sk
             for v in ms:
@@ -806,10 +813,10 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         if merged:
             sink_gmem, *refs = refs
             turn, refs = (refs[:2], refs[2:]) if rotated else ((), refs)
-            o_gmem, stats_gmem, *refs = refs
+            o_gmem, *refs = refs
         else:
             o_gmem, m_gmem, l_gmem, *refs = refs
-        tl_gmem, q_smem, k_smem, masks, p_smem, rows_smem = refs if timeline else (None, *refs)
+        tl_gmem, q_smem, k_smem, masks, p_smem, rows_smem, stats_smem = refs if timeline else (None, *refs)
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
         wait, arrive = _barrier(True, 256), _barrier(False, 256)  # warpgroups 0 and 1
         wait3, arrive3 = _barrier(True, 384), _barrier(False, 384)  # all three: the key slots
@@ -865,7 +872,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             if "store" in skip:
                 return
             if merged:
-                _store_merged(rotated)(acc, wide(m), wide(l), k_smem, q_smem, stats_gmem, sink_gmem, *turn, o_gmem, seq,
+                _store_merged(rotated, splits)(acc, wide(m), wide(l), k_smem, q_smem, stats_smem, sink_gmem, *turn, o_gmem, seq,
                                        part)
             else:
                 _store_partials()(acc, wide(m), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
@@ -957,7 +964,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     rows = gpu_attention.partial_rows(splits, unrotate)
     timed = (jax.ShapeDtypeStruct((b * splits, len(timeline_names(per)) + 1), jnp.uint32),) if timeline else ()
     out = jax.ShapeDtypeStruct((b, H, D), out_dtype if rotated else jnp.float32)
-    launch = (dict(out_type=(out, f32(b, splits, 2, H), *timed), grid=(b,), grid_names=("b",),
+    launch = (dict(out_type=(out, *timed), grid=(b,), grid_names=("b",),
                    cluster=(splits,), cluster_names=("s",)) if merged else
               dict(out_type=(f32(b, rows, H, D), f32(b, rows, H), f32(b, rows, H), *timed), grid=(b, splits),
                    grid_names=("b", "s")))
@@ -970,7 +977,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                        plgpu.SMEM((2, 2, T, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
                        plgpu.SMEM((2, 4), jnp.uint32),
                        plgpu.SMEM((H, T), jnp.bfloat16, transforms=_TRANSFORMS),  # p, warpgroup 0 -> 1
-                       plgpu.SMEM((3, H), jnp.float32)),  # rows' rescale (per tile), then m and l
+                       plgpu.SMEM((3, H), jnp.float32),  # rows' rescale (per tile), then m and l
+                       plgpu.SMEM((MAX_SPLITS, 2, H), jnp.float32)),  # the merge's (m, l) of every range
         kernel_name="sparse_attention_wgmma",
     )
     args = (q_bhd.astype(jnp.bfloat16), window_values, window_scales, window_valid.astype(jnp.int8), entry_values,
