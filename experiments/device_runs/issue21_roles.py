@@ -13,16 +13,18 @@ Groups (default: tests attention ablate before ptx):
   `kernels_pallas/gpu_attention_wgmma.py`: call 3 (with ablate): d5eba4e (lockstep warpgroups) and 8cdff13 (the
   two roles, each entry tile's rows loaded when it is decoded); call 4: d5eba4e, f36d2fe (rows loaded a tile
   ahead), d872694 (ranges take strided tiles). On the branch next/attention (not yet run), the ladder of its
-  candidates: d5eba4e, 2de7f1e (main's two-role kernel), 702fda9 (a third warpgroup decoding rows 32..63 of every
-  tile, warpgroup 1 rows 0..31; `plgpu.set_max_registers` per warpgroup, REGISTERS), then each later commit of
-  the branch, with the model group (`... issue21_roles tests attention ablate model before ptx`);
+  candidates, each commit's kernel against the one before: 158390c (main's two-role kernel), 692c09c (a third
+  warpgroup decoding rows 32..63 of every tile, warpgroup 1 rows 0..31; `plgpu.set_max_registers` per warpgroup,
+  REGISTERS), dee0576 (+ the merged kernel turning and casting the model's output), the tree (+ the merge's
+  statistics through distributed shared memory), with the model group (`... issue21_roles tests attention ablate
+  model before ptx`, ~9 min: give it the call's 600 s);
 - model: the call as the model makes it (`dsv41_jax.kernels.sparse_attention_decode`: bf16 q, the rope's angles to
   turn the output back, bf16 out) at batch 64 and 8, timed from HBM (moved: the bf16 output and the angles), its
   error against `gpu_attention.unrotated` of the f32 twin (on next/attention the merged kernel turns and casts
   its rows itself; before, XLA did after the kernel);
 - ptx: `issue21_prefetch`'s (the kernel's PTX and ptxas report: registers, spills).
 
-    mkdir -p build/before && for c in d5eba4e 2de7f1e 702fda9; do
+    mkdir -p build/before && for c in 158390c 692c09c dee0576; do
       git show $c:kernels_pallas/gpu_attention_wgmma.py > build/before/$c.py; done
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_roles [GROUP ...]     (~6 min; carry build/before)
 
