@@ -472,6 +472,8 @@ def _cluster_syncs(count: int):
             mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)
 
     return sync
+
+
 LOG2E = math.log2(math.e)
 
 
