@@ -295,8 +295,8 @@ def _entry_chunk(i, words, sc):
 def _decode_window():
     """inline_mgpu (warpgroup 1): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0 scales u8
     [B, W, 16], validity i8 [B, W], b, slot, wait, first row w0) -> keys[slot] rows r = window row w0 + r x
-    2**-KEY_SHIFT in PERM8 order, their validity in masks[slot], as `_decode_entries` (in two passes of 8 chunks
-    a thread: all 16 loaded at once would need 64 more registers beside the accumulator)."""
+    2**-KEY_SHIFT in PERM8 order, their validity in masks[slot], as `_decode_entries` (in two passes of 4 chunks
+    a thread, to leave registers to the accumulator)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
                                   plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT, _SPLAT))
@@ -334,17 +334,22 @@ def _decode_window():
     return decode
 
 
-@functools.cache
-def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int):
-    """inline_mgpu: (entry values, scales, idx, window values, scales, q (gmem), b, key range s) -> prefetch.L2 of
-    every key row this CTA will decode (its tiles s, s + splits, ... < n_t of 64 keys: window tiles, then entry
-    tiles) and of q[b], so that their HBM reads all start at once and the decodes' and q's loads hit L2.
+# Tiles of a range whose rows `_prefetch` asks for with q, before q is loaded (the decode of tile 0 and the load
+# of tile 1 come first); the others' after
+EARLY_TILES = 2
 
-    In the order they are needed: every entry id loaded first (a row's address waits on its id), the first
-    tile's rows and q, then, after both warpgroups meet (those requests all issued), the other tiles' rows. With
-    every row first and q after, a batch-64 CTA's first tile was decoded 7.5 us after its start on the H200 (9.4 on
-    an H100): the rows of all its tiles and q (20 MB over the CTAs) arrived together; now 6.5 (docs/BENCHMARKS.md,
-    thirty-seventh session)."""
+
+@functools.cache
+def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early: bool):
+    """inline_mgpu: (entry values, scales, idx, window values, scales, q (gmem), b, key range s) -> prefetch.L2 of
+    key rows this CTA will decode (its tiles s, s + splits, ... < n_t of 64 keys: window tiles, then entry tiles):
+    early, by both warpgroups, its first EARLY_TILES tiles' rows (warpgroup 0: a key a thread) and q[b]; else, by
+    warpgroup 0 once q is in, every other tile's rows.
+
+    The thirty-seventh session's form asked for every row at once (q and the first tile's first): a batch-64 CTA
+    waited ~6.5 us for q and its first tile (H100 and H200, docs/BENCHMARKS.md), the ~20 MB all the CTAs asked
+    for arriving together. Here the first burst is q and two tiles a CTA (~11 MB at batch 64), the rest streams
+    while the first tiles are computed."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6 + (_SPLAT,) * 2)
     def prefetch(ctx, ev, es, idx, wv, ws, q_gmem, b, part):
@@ -352,40 +357,33 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int):
         b, part = (a.registers.item() for a in (b, part))
         ev_ptr, es_ptr, wv_ptr, ws_ptr, q_ptr = (mgpu_utils.memref_ptr(r) for r in (ev, es, wv, ws, q_gmem))
         kp = ir.MemRefType(idx.type).shape[1]
-        tid = mgpu_utils.thread_idx()
+        tid = arith.andi(mgpu_utils.thread_idx(), i32_const(127 if not early else 255))
+        threads = 256 if early else 128
         cmp = lambda pred, x, y: arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)
-        keys = []
         per = -(-n_t // splits)
-        for j in range(-(-per * T // 256)):
-            key = arith.addi(tid, i32_const(256 * j))  # the CTA's key slot: its tile key // 64, s + splits (key // 64)
+        first_key, last_key = (0, EARLY_TILES * T) if early else (EARLY_TILES * T, per * T)
+        for j in range(-(-(last_key - first_key) // threads)):
+            key = arith.addi(tid, i32_const(first_key + threads * j))  # its tile i = key // 64: s + splits i
             tile = arith.addi(part, arith.muli(arith.divui(key, i32_const(T)), i32_const(splits)))
             pos = arith.addi(arith.muli(tile, i32_const(T)), arith.remui(key, i32_const(T)))
-            e = arith.subi(pos, i32_const(n_wt * T))  # clamped for the load: used only in an entry tile < n_t
-            ix = memref.load(idx, [index_of(b), index_of(arith.minsi(arith.maxsi(e, i32_const(0)), i32_const(kp - 1)))])
-            keys.append((tile, pos, ix))
-
-        def rows(tile, pos, ix):
-            with mgpu_utils.when(cmp("slt", tile, i32_const(n_t))):
+            mine = arith.andi(cmp("slt", key, i32_const(last_key)), cmp("slt", tile, i32_const(n_t)))
+            with mgpu_utils.when(mine):
                 with mgpu_utils.when(cmp("slt", tile, i32_const(n_wt))):
                     rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(pos))
                     _prefetch_l2(wv_ptr, arith.muli(rec, _i64(i32_const(D))), D // 128)
                     _prefetch_l2(ws_ptr, arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), 1)
-                with mgpu_utils.when(arith.andi(cmp("sge", tile, i32_const(n_wt)), cmp("sge", ix, i32_const(0)))):
-                    entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))
-                    _prefetch_l2(ev_ptr, arith.muli(entry, _i64(i32_const(D // 2))), D // 256)
-                    _prefetch_l2(es_ptr, arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), 1)
-
-        tile, pos, ix = keys[0]  # the first tile's keys are slots 0..63: threads 0..63's first
-        with mgpu_utils.when(cmp("eq", tile, part)):
-            rows(tile, pos, ix)
-        q_base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
-        for i in range(H * D * 2 // 128 // 256):  # q[b]'s 128 B lines
-            line = arith.addi(tid, i32_const(256 * i))
-            _prefetch_l2(q_ptr, arith.addi(q_base, _i64(arith.muli(line, i32_const(128)))), 1)
-        _named_barrier("sync", _CTA_BARRIER)
-        for tile, pos, ix in keys:
-            with mgpu_utils.when(cmp("ne", tile, part)):
-                rows(tile, pos, ix)
+                with mgpu_utils.when(cmp("sge", tile, i32_const(n_wt))):
+                    e = arith.minsi(arith.subi(pos, i32_const(n_wt * T)), i32_const(kp - 1))
+                    ix = memref.load(idx, [index_of(b), index_of(e)])
+                    with mgpu_utils.when(cmp("sge", ix, i32_const(0))):
+                        entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))
+                        _prefetch_l2(ev_ptr, arith.muli(entry, _i64(i32_const(D // 2))), D // 256)
+                        _prefetch_l2(es_ptr, arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), 1)
+        if early:
+            q_base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
+            for i in range(H * D * 2 // 128 // 256):  # q[b]'s 128 B lines
+                line = arith.addi(tid, i32_const(256 * i))
+                _prefetch_l2(q_ptr, arith.addi(q_base, _i64(arith.muli(line, i32_const(128)))), 1)
 
     return prefetch
 
@@ -831,11 +829,15 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         count = (n_t - part + splits - 1) // splits  # its tiles: part + splits i, i < count (tile_of)
         tile_of = lambda i: part + i * splits  # noqa: E731
 
+        prefetch = lambda early: None if "prefetch" in skip else _prefetch(n, w, n_wt, n_t, splits, early)(  # noqa: E731
+            ev, es, idx_gmem, wv, ws, q_gmem, seq, part)
+
         @pl.when(wg < 2)
         def _():
-            if "prefetch" not in skip:
-                _prefetch(n, w, n_wt, n_t, splits)(ev, es, idx_gmem, wv, ws, q_gmem, seq, part)
+            prefetch(True)
             _load_query()(q_gmem, q_smem, seq)  # each of the two fences its own writes before the wgmmas see them
+
+        pl.when(wg == 0)(lambda: prefetch(False))  # once q is in: the burst before was q and the first tiles
 
         stamp(1)
 

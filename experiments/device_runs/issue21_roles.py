@@ -15,16 +15,17 @@ Groups (default: tests attention ablate before ptx):
   ahead), d872694 (ranges take strided tiles). On the branch next/attention (not yet run), the ladder of its
   candidates, each commit's kernel against the one before: 158390c (main's two-role kernel), 692c09c (a third
   warpgroup decoding rows 32..63 of every tile, warpgroup 1 rows 0..31; `plgpu.set_max_registers` per warpgroup,
-  REGISTERS), dee0576 (+ the merged kernel turning and casting the model's output), the tree (+ the merge's
-  statistics through distributed shared memory), with the model group (`... issue21_roles tests attention ablate
-  model before ptx`, ~9 min: give it the call's 600 s);
+  REGISTERS), dee0576 (+ the merged kernel turning and casting the model's output), f049384 (+ the merge's
+  statistics through distributed shared memory), the tree (+ the prefetch in two bursts: q and the first
+  EARLY_TILES tiles, the rest once q is in), with the model group (`... issue21_roles tests attention ablate
+  model before ptx`, ~10 min: give it the call's 600 s, or leave out ablate);
 - model: the call as the model makes it (`dsv41_jax.kernels.sparse_attention_decode`: bf16 q, the rope's angles to
   turn the output back, bf16 out) at batch 64 and 8, timed from HBM (moved: the bf16 output and the angles), its
   error against `gpu_attention.unrotated` of the f32 twin (on next/attention the merged kernel turns and casts
   its rows itself; before, XLA did after the kernel);
 - ptx: `issue21_prefetch`'s (the kernel's PTX and ptxas report: registers, spills).
 
-    mkdir -p build/before && for c in 158390c 692c09c dee0576; do
+    mkdir -p build/before && for c in 158390c 692c09c dee0576 f049384; do
       git show $c:kernels_pallas/gpu_attention_wgmma.py > build/before/$c.py; done
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_roles [GROUP ...]     (~6 min; carry build/before)
 
