@@ -13,9 +13,9 @@ Groups (default: tests attention ablate before ptx):
   `kernels_pallas/gpu_attention_wgmma.py`: call 3 (with ablate): d5eba4e (lockstep warpgroups) and 8cdff13 (the
   two roles, each entry tile's rows loaded when it is decoded); call 4: d5eba4e, f36d2fe (rows loaded a tile
   ahead), d872694 (ranges take strided tiles). On the branch next/attention (not yet run), the ladder of its
-  candidates, each commit's kernel against the one before: 158390c (main's two-role kernel), 692c09c (a third
+  candidates, each commit's kernel against the one before: 4817d20 (main's two-role kernel), cfe28a0 (a third
   warpgroup decoding rows 32..63 of every tile, warpgroup 1 rows 0..31; `plgpu.set_max_registers` per warpgroup,
-  REGISTERS), dee0576 (+ the merged kernel turning and casting the model's output), f049384 (+ the merge's
+  REGISTERS), 870d38e (+ the merged kernel turning and casting the model's output), 5156c9a (+ the merge's
   statistics through distributed shared memory), the tree (+ the prefetch in two bursts: q and the first
   EARLY_TILES tiles, the rest once q is in), with the model group (`... issue21_roles tests attention ablate
   model before ptx`, ~10 min: give it the call's 600 s, or leave out ablate);
@@ -25,7 +25,7 @@ Groups (default: tests attention ablate before ptx):
   its rows itself; before, XLA did after the kernel);
 - ptx: `issue21_prefetch`'s (the kernel's PTX and ptxas report: registers, spills).
 
-    mkdir -p build/before && for c in 158390c 692c09c dee0576 f049384; do
+    mkdir -p build/before && for c in 4817d20 cfe28a0 870d38e 5156c9a; do
       git show $c:kernels_pallas/gpu_attention_wgmma.py > build/before/$c.py; done
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_roles [GROUP ...]     (~6 min; carry build/before)
 
