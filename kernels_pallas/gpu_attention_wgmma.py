@@ -334,50 +334,56 @@ def _decode_window():
     return decode
 
 
-# Tiles of a range that the decoders load themselves from its start (`_load_entries` for tiles 0 and 1,
-# `_decode_window` as it decodes); `_prefetch` asks for the others' rows once q is in
+# Tiles of a range whose rows `_prefetch` asks for with q, before q is loaded (the decode of tile 0 and the load
+# of tile 1 come first); the others' after
 EARLY_TILES = 2
 
 
 @functools.cache
-def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int):
-    """inline_mgpu (warpgroup 0, once q is in): (entry values, scales, idx, window values, scales, b, key range s)
-    -> prefetch.L2 of the rows of this CTA's tiles s + splits i, EARLY_TILES <= i, tile < n_t (64 keys: window
-    tiles, then entry tiles), a key a thread. Every index the thread needs is loaded before the first prefetch, so
-    that their latencies overlap.
+def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early: bool):
+    """inline_mgpu: (entry values, scales, idx, window values, scales, q (gmem), b, key range s) -> prefetch.L2 of
+    key rows this CTA will decode (its tiles s, s + splits, ... < n_t of 64 keys: window tiles, then entry tiles):
+    early, by both warpgroups, its first EARLY_TILES tiles' rows (warpgroup 0: a key a thread) and q[b]; else, by
+    warpgroup 0 once q is in, every other tile's rows.
 
-    The thirty-seventh session's form asked for every row and q at once: a batch-64 CTA waited ~6.5 us for q and
-    its first tile (H100 and H200, docs/BENCHMARKS.md), the ~20 MB all the CTAs asked for arriving together. Here q
-    and the decoders' first two tiles come first, the rest streams while those are computed."""
+    The thirty-seventh session's form asked for every row at once (q and the first tile's first): a batch-64 CTA
+    waited ~6.5 us for q and its first tile (H100 and H200, docs/BENCHMARKS.md), the ~20 MB all the CTAs asked
+    for arriving together. Here the first burst is q and two tiles a CTA (~11 MB at batch 64), the rest streams
+    while the first tiles are computed."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5 + (_SPLAT,) * 2)
-    def prefetch(ctx, ev, es, idx, wv, ws, b, part):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6 + (_SPLAT,) * 2)
+    def prefetch(ctx, ev, es, idx, wv, ws, q_gmem, b, part):
         del ctx
         b, part = (a.registers.item() for a in (b, part))
-        ev_ptr, es_ptr, wv_ptr, ws_ptr = (mgpu_utils.memref_ptr(r) for r in (ev, es, wv, ws))
+        ev_ptr, es_ptr, wv_ptr, ws_ptr, q_ptr = (mgpu_utils.memref_ptr(r) for r in (ev, es, wv, ws, q_gmem))
         kp = ir.MemRefType(idx.type).shape[1]
-        tid = arith.andi(mgpu_utils.thread_idx(), i32_const(127))
+        tid = arith.andi(mgpu_utils.thread_idx(), i32_const(127 if not early else 255))
+        threads = 256 if early else 128
         cmp = lambda pred, x, y: arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)
         per = -(-n_t // splits)
-        first_key, last_key = EARLY_TILES * T, per * T
-        keys = []
-        for j in range(-(-(last_key - first_key) // 128)):
-            key = arith.addi(tid, i32_const(first_key + 128 * j))  # its tile i = key // 64: s + splits i
+        first_key, last_key = (0, EARLY_TILES * T) if early else (EARLY_TILES * T, per * T)
+        for j in range(-(-(last_key - first_key) // threads)):
+            key = arith.addi(tid, i32_const(first_key + threads * j))  # its tile i = key // 64: s + splits i
             tile = arith.addi(part, arith.muli(arith.divui(key, i32_const(T)), i32_const(splits)))
             pos = arith.addi(arith.muli(tile, i32_const(T)), arith.remui(key, i32_const(T)))
-            e = arith.maxsi(arith.minsi(arith.subi(pos, i32_const(n_wt * T)), i32_const(kp - 1)), i32_const(0))
-            keys.append((key, tile, pos, memref.load(idx, [index_of(b), index_of(e)])))
-        for key, tile, pos, ix in keys:
             mine = arith.andi(cmp("slt", key, i32_const(last_key)), cmp("slt", tile, i32_const(n_t)))
             with mgpu_utils.when(mine):
                 with mgpu_utils.when(cmp("slt", tile, i32_const(n_wt))):
                     rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(pos))
                     _prefetch_l2(wv_ptr, arith.muli(rec, _i64(i32_const(D))), D // 128)
                     _prefetch_l2(ws_ptr, arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), 1)
-                with mgpu_utils.when(arith.andi(cmp("sge", tile, i32_const(n_wt)), cmp("sge", ix, i32_const(0)))):
-                    entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))
-                    _prefetch_l2(ev_ptr, arith.muli(entry, _i64(i32_const(D // 2))), D // 256)
-                    _prefetch_l2(es_ptr, arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), 1)
+                with mgpu_utils.when(cmp("sge", tile, i32_const(n_wt))):
+                    e = arith.minsi(arith.subi(pos, i32_const(n_wt * T)), i32_const(kp - 1))
+                    ix = memref.load(idx, [index_of(b), index_of(e)])
+                    with mgpu_utils.when(cmp("sge", ix, i32_const(0))):
+                        entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))
+                        _prefetch_l2(ev_ptr, arith.muli(entry, _i64(i32_const(D // 2))), D // 256)
+                        _prefetch_l2(es_ptr, arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), 1)
+        if early:
+            q_base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
+            for i in range(H * D * 2 // 128 // 256):  # q[b]'s 128 B lines
+                line = arith.addi(tid, i32_const(256 * i))
+                _prefetch_l2(q_ptr, arith.addi(q_base, _i64(arith.muli(line, i32_const(128)))), 1)
 
     return prefetch
 
@@ -416,22 +422,21 @@ def _bias():
 
 @functools.cache
 def _load_query():
-    """inline_mgpu (warpgroup 0): (q gmem bf16 [B, 64, 512], q smem bf16 [2, 64, 256] (channel halves), b) -> q[b]
-    in the kernel's channel order (`channel_perm`): a thread reads 8 channels (one 16 B load, whole lines over a
-    warp), puts their pairs in PERM8 order by byte permutes and writes the 16 B chunk. All 32 loads a thread are
-    issued before the first is used (128 registers; warpgroup 0 holds REGISTERS[0])."""
+    """inline_mgpu: (q gmem bf16 [B, 64, 512], q smem bf16 [2, 64, 256] (channel halves), b) -> q[b] in the
+    kernel's channel order (`channel_perm`): a thread reads 8 channels (one 16 B load, whole lines over a warp),
+    puts their pairs in PERM8 order by byte permutes and writes the 16 B chunk."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(_TRANSFORMS), _SPLAT))
     def load(ctx, q_gmem, q_smem, b):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         b = b.registers.item()
-        tid = arith.andi(mgpu_utils.thread_idx(), i32_const(127))
+        tid = mgpu_utils.thread_idx()
         g_ptr, s_ptr = mgpu_utils.memref_ptr(q_gmem), mgpu_utils.memref_ptr(q_smem)
         base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
         groups = []
-        for i in range(H * D // 8 // 128):  # 8-channel group g = tid + 128 i: row g // 64, channels 8 (g % 64) + ...
-            g = arith.addi(tid, i32_const(128 * i))
+        for i in range(H * D // 8 // 256):  # 8-channel group g = tid + 256 i: row g // 64, channels 8 (g % 64) + ...
+            g = arith.addi(tid, i32_const(256 * i))
             groups.append((g, _load(g_ptr, arith.addi(base, _i64(arith.muli(g, i32_const(16)))),
                                     ir.VectorType.get((4,), i32), 16)))
         for g, vals in groups:
@@ -824,12 +829,25 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         count = (n_t - part + splits - 1) // splits  # its tiles: part + splits i, i < count (tile_of)
         tile_of = lambda i: part + i * splits  # noqa: E731
 
+        prefetch = lambda early: None if "prefetch" in skip else _prefetch(n, w, n_wt, n_t, splits, early)(  # noqa: E731
+            ev, es, idx_gmem, wv, ws, q_gmem, seq, part)
+
+        @pl.when(wg < 2)
+        def _():
+            prefetch(True)
+            _load_query()(q_gmem, q_smem, seq)  # each of the two fences its own writes before the wgmmas see them
+
+        pl.when(wg == 0)(lambda: prefetch(False))  # once q is in: the burst before was q and the first tiles
+
+        stamp(1)
+
         # warpgroup 1: its tile i into `slot` (an entry tile from raw, its rows as `load` gave them), once
         # warpgroup 0 is done with the slot if `after`
         def decode(i, slot, after, raw):
             t, after = tile_of(i), jnp.asarray(after, jnp.int32)
             if "decode" in skip:
                 pl.when(after != 0)(lambda: wait3(SLOT_FREE + slot))
+                plgpu.commit_smem()  # q
                 arrive3(KEYS_READY + slot)
                 return
 
@@ -868,11 +886,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         @pl.when(wg == 0)
         def _scores():  # the logits, the softmax and p . keys[:, :256]; p and its rows' rescale to warpgroup 1
             plgpu.set_max_registers(REGISTERS[0], action="increase")
-            _load_query()(q_gmem, q_smem, seq)  # while the decoders load their first tiles
-            plgpu.commit_smem()  # q, for the wgmmas
-            stamp(1)
-            if "prefetch" not in skip:
-                _prefetch(n, w, n_wt, n_t, splits)(ev, es, idx_gmem, wv, ws, seq, part)
+            plgpu.commit_smem()  # its part of q, for the wgmmas
             pl.when(count > 0)(lambda: wait3(KEYS_READY))
             stamp(2)
 
