@@ -229,20 +229,46 @@ def _fragments(shape_dtype, registers):
 
 
 @functools.cache
+def _load_ids(n_wt: int, per: int, splits: int):
+    """inline_mgpu (warpgroups 1 and 2, at their start): (idx i32 [B, K], ids smem i32 [per, 256], b, key range s)
+    -> ids[i, thread - 128] = the entry id of the row this thread decodes in its tile i (tile s + splits i; for a
+    window tile or one past the range, the first entry tile's: unused), every index loaded before the first is
+    stored. `_load_entries` reads its tile's ids from here: one round trip to L2 a tile for the rows, where there
+    were two (the index, then the rows)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT))
+    def load(ctx, idx, ids, b, part):
+        del ctx
+        b, part = (a.registers.item() for a in (b, part))
+        row, _ = _thread_row()
+        me = arith.subi(mgpu_utils.thread_idx(), i32_const(128))
+        kp = ir.MemRefType(idx.type).shape[1]
+        vals = []
+        for i in range(per):
+            first = arith.muli(arith.subi(arith.addi(part, i32_const(splits * i)), i32_const(n_wt)), i32_const(T))
+            first = arith.minsi(arith.maxsi(first, i32_const(0)), i32_const(kp - T))
+            vals.append(memref.load(idx, [index_of(b), index_of(arith.addi(first, row))]))
+        for i, v in enumerate(vals):
+            memref.store(v, ids, [index_of(i32_const(i)), index_of(me)])
+
+    return load
+
+
+@functools.cache
 def _load_entries(n_rows: int):
-    """inline_mgpu (warpgroup 1): (entry values gmem u8 [B, N, 256], scales u8 [B, N, 32], idx i32 [B, K], b,
-    first entry e0) -> `_RAW` of the tile's rows r = entry idx[b, e0 + r] (row 0 for idx < 0: finite, and masked
-    by the bias): the loads issued, not waited for, so that they land while warpgroup 1 does other work (its
-    p . v and the wait for p) before `_decode_entries` uses them. n_rows: N."""
+    """inline_mgpu (warpgroups 1 and 2): (entry values gmem u8 [B, N, 256], scales u8 [B, N, 32], ids smem i32
+    [per, 256] (`_load_ids`), b, tile i) -> `_RAW` of the tile's rows r = entry ids[i, thread - 128] (row 0 for
+    an id < 0: finite, and masked by the bias): the loads issued, not waited for, so that they land while the
+    warpgroup does other work (its p . v and the wait for p) before `_decode_entries` uses them. n_rows: N."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3 + (_SPLAT,) * 2, return_type=_RAW)
-    def load(ctx, ev, es, idx, b, e0):
+    def load(ctx, ev, es, ids, b, i):
         del ctx
         i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
-        b, e0 = (a.registers.item() for a in (b, e0))
-        row, q = _thread_row()
+        b, i = (a.registers.item() for a in (b, i))
+        _, q = _thread_row()
         ev_ptr, es_ptr = mgpu_utils.memref_ptr(ev), mgpu_utils.memref_ptr(es)
-        ix = memref.load(idx, [index_of(v) for v in (b, arith.addi(e0, row))])
+        ix = memref.load(ids, [index_of(i), index_of(arith.subi(mgpu_utils.thread_idx(), i32_const(128)))])
         entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
         words, scales = [], llvm.mlir_undef(ir.VectorType.get((4,), i16))
         for k in range(4):  # raw 16 B chunk i = q + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
@@ -816,7 +842,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             o_gmem, *refs = refs
         else:
             o_gmem, m_gmem, l_gmem, *refs = refs
-        tl_gmem, q_smem, k_smem, masks, p_smem, rows_smem, stats_smem = refs if timeline else (None, *refs)
+        tl_gmem, q_smem, k_smem, masks, p_smem, rows_smem, stats_smem, ids_smem = refs if timeline else (None, *refs)
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
         wait, arrive = _barrier(True, 256), _barrier(False, 256)  # warpgroups 0 and 1
         wait3, arrive3 = _barrier(True, 384), _barrier(False, 384)  # all three: the key slots
@@ -862,8 +888,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         # warpgroup 1: its entry tile i's rows; past its last tile that one's again (in L2, unused), and for a
         # window tile entry tile 0's (unused)
         def load(i):
-            t = tile_of(jnp.clip(i, 0, count - 1))
-            return _load_entries(n)(ev, es, idx_gmem, seq, jnp.clip((t - n_wt) * T, 0, kp - T))
+            return _load_entries(n)(ev, es, ids_smem, seq, jnp.clip(i, 0, count - 1))
 
         def pv(acc, a, slot, half):
             def run(acc_ref):
@@ -932,6 +957,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         @pl.when(wg == 1)
         def _values():  # every tile's rows 0..31, a tile ahead; p . keys[:, 256:] with warpgroup 0's p
             plgpu.set_max_registers(REGISTERS[1], action="increase")
+            _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
             raw = load(0)
             pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
 
@@ -953,6 +979,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         @pl.when(wg == 2)
         def _decoder():  # every tile's rows 32..63, a tile ahead; the merge's cluster barriers with the others
             plgpu.set_max_registers(REGISTERS[2], action="decrease")
+            _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
             raw = load(0)
             pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
 
@@ -982,7 +1009,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                        plgpu.SMEM((2, 4), jnp.uint32),
                        plgpu.SMEM((H, T), jnp.bfloat16, transforms=_TRANSFORMS),  # p, warpgroup 0 -> 1
                        plgpu.SMEM((3, H), jnp.float32),  # rows' rescale (per tile), then m and l
-                       plgpu.SMEM((MAX_SPLITS, 2, H), jnp.float32)),  # the merge's (m, l) of every range
+                       plgpu.SMEM((MAX_SPLITS, 2, H), jnp.float32),  # the merge's (m, l) of every range
+                       plgpu.SMEM((per, 256), jnp.int32)),  # the decoders' entry ids, `_load_ids`
         kernel_name="sparse_attention_wgmma",
     )
     args = (q_bhd.astype(jnp.bfloat16), window_values, window_scales, window_valid.astype(jnp.int8), entry_values,
