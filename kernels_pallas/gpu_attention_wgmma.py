@@ -771,11 +771,16 @@ MAX_SPLITS = 8
 MERGED_SPLITS = 2
 
 
+# A CTA holds ~205 KB of shared memory and 1 KB of entry ids per tile of its range (`_load_ids`), of the 227 KB
+# an H100 / H200 CTA may: at most this many tiles a range (1024 keys; the released top-k and window make 10)
+MAX_TILES_PER_RANGE = 16
+
+
 def default_splits(b: int, tiles: int, sms: int = 132) -> int:
-    """Key ranges per sequence for `tiles` key tiles: as many as keep one wave of CTAs (one fits an SM: each
-    holds ~201 KB of shared memory), at most one per tile (none empty), and no more than the tiles' count per
-    range needs."""
-    splits = max(1, min(tiles, sms // b))
+    """Key ranges per sequence for `tiles` key tiles: as many as keep one wave of CTAs (one fits an SM), at most
+    one per tile (none empty), and no more than the tiles' count per range needs; at least as many as keep a
+    range within MAX_TILES_PER_RANGE."""
+    splits = max(1, min(tiles, sms // b), -(-tiles // MAX_TILES_PER_RANGE))
     return -(-tiles // -(-tiles // splits))
 
 
@@ -833,6 +838,10 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     if rotated and jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"out_dtype={jnp.dtype(out_dtype)}: the merged kernel writes float32, bfloat16 or float16")
     per = -(-n_t // splits)
+    if per > MAX_TILES_PER_RANGE:
+        raise ValueError(f"{n_t} key tiles in {splits} range(s) make {per} a range, more than the "
+                         f"{MAX_TILES_PER_RANGE} whose entry ids fit in shared memory (`_load_ids`); pass "
+                         f"splits >= {-(-n_t // MAX_TILES_PER_RANGE)}")
     c = scale * 2.0 ** KEY_SHIFT * LOG2E  # logits in log2 units from q . (keys x 2**-KEY_SHIFT)
 
     def body(q_gmem, wv, ws, wok, ev, es, idx_gmem, *refs):

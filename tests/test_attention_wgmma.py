@@ -99,6 +99,10 @@ def test_lowers_for_cuda():
             jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=splits, merged=True)).trace(*args)
     with pytest.raises(ValueError, match="at least one key range"):
         jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=-1)).trace(*args)
+    long_k = att.T * att.MAX_TILES_PER_RANGE  # with the window's 2 tiles, one range would hold too many
+    with pytest.raises(ValueError, match="entry ids fit in shared memory.*pass splits >= 2"):
+        jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=1)).trace(
+            *args[:6], s((b, long_k), jnp.int32), args[7])
 
 
 def test_default_splits_fill_the_gpu_with_no_empty_range():
@@ -107,7 +111,9 @@ def test_default_splits_fill_the_gpu_with_no_empty_range():
             s = att.default_splits(b, tiles)
             per = -(-tiles // s)
             assert 1 <= s <= tiles and (s - 1) * per < tiles  # the last range holds a tile
-            assert b * s <= max(132, b)  # one wave of CTAs
+            assert per <= att.MAX_TILES_PER_RANGE  # its entry ids fit in shared memory
+            if tiles <= att.MAX_TILES_PER_RANGE:
+                assert b * s <= max(132, b)  # one wave of CTAs
     assert att.default_splits(64, 10) == 2 and att.default_splits(8, 10) == 10  # the bench's 128 + 512 keys
 
 
