@@ -9,44 +9,45 @@ History (docs/BENCHMARKS.md): with both warpgroups working each tile in lockstep
 logits, each decoding half a tile) the batch-64 call took 47.3 us on the H200 (twenty-third session), 39.1 with
 the ranges merged in a cluster, q read in bf16 and the prefetch in the order its data is needed (thirty-seventh).
 The thirty-eighth session's ablations (H100, batch 64) found the decode (~14.5 us of 41) and the wgmmas (~10 us)
-adding up instead of overlapping; the kernel as it is now took 29.4-29.6 us against 40.9-41.0 in the same calls
-(H100, 32.0% of the copy peak): the two roles 41.0 -> 33.8, rows loaded a tile ahead -> 32.6, strided tiles
--> 31.3, the merge through distributed shared memory -> 29.6. Its timeline: ~6.5 us for q and the first tile,
-~2.4 per tile (~2.0 of it warpgroup 0's logits and its wait for warpgroup 1, which decodes the next tile before
-its p . v), ~5.9 for the merge; without the decode the kernel takes 24.6 us, without the wgmmas 26.1.
+adding up instead of overlapping: the two roles, rows loaded a tile ahead, strided tiles and the merge through
+distributed shared memory took the kernel 41.0 -> 29.6 us. The thirty-ninth (H100, one call against the
+thirty-eighth's kernel): 29.39 -> 27.48 us (call 30.8 -> 28.9, 34.1% of the copy peak), the model's call (bf16 q,
+turned and cast output) 37.0 -> 29.2 us; the entry ids in shared memory took 28.15 -> 27.56 of that, the prefetch
+in two bursts 29.26 -> 28.26, the output turned in the kernel 6 us off the model's call; the third warpgroup left
+batch 64 where it was (5% off batch 8). Its timeline: ~6 us until q is in, ~1.4-2.5 per tile, ~5.3 for the
+merge; without the decode the kernel takes 23.0 us, without the wgmmas 22.9, without both 16.9.
 Timed and not kept (docs/BENCHMARKS.md): entry rows staged in shared memory a tile ahead by cp.async, the next
 tile's decode split between the logits' and the p . v's wgmmas, and the logits over each warpgroup's channel
-half summed through shared memory (all in the lockstep form).
-
-Candidates on this branch (next/attention, not yet run on a GPU), one commit each: a third warpgroup
-(warpgroups 1 and 2 each decode half of every tile's rows, 1: rows 0..31, 2: 32..63, 4 threads a row; warpgroup
-1 still adds p . keys[:, 256:]; the key slots' barriers count all 384 threads, and `plgpu.set_max_registers`
-gives the warpgroups REGISTERS, the decoder few); with `unrotate`, a merged cluster turns its rows back by the
-rope's angles and casts them to out_dtype as it stores them (`_store_unrotated_rows`), where XLA did after the
-kernel (read the f32 output, write it again in bf16): the model's call is one kernel. The text below describes
-main's two warpgroups where it differs.
+half summed through shared memory (all in the lockstep form); q loaded by warpgroup 0 alone with no early
+prefetch burst (q in sooner, the second tile's rows later: no gain).
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): range s takes the
 sequence's 64-key tiles s, s + S, ... (window tiles first: with 2 ranges each starts with one, decoded while q
-loads). At its start every key row of its tiles and q are prefetched to L2 (`_prefetch`, in the order they are
-needed) and both warpgroups load q in bf16 (`_load_query`; the model's q is bf16, an f32 q is rounded by the
-caller). Then the two warpgroups take two roles (as FlashMLA's sparse decode gives one warpgroup the logits and
-shares p through shared memory), each
-holding a [64 heads, 256] f32 accumulator (128 registers a thread) for its half of the output channels:
-- warpgroup 1 decodes every tile into a bf16 [64 keys, 512] slot in shared memory (two slots), a tile ahead of
-  warpgroup 0: an entry tile's rows (gathered by index) are loaded into its registers an iteration before their
-  decode (`_load_entries`, `_decode_entries`), a window tile's when it is decoded (`_decode_window`); then it
-  takes warpgroup 0's p from shared memory, rescales its accumulator by the rows' factor and adds p .
-  keys[:, 256:];
+loads). At its start warpgroups 0 and 1 prefetch q and the rows of its first EARLY_TILES tiles to L2 and load q
+in bf16 (`_load_query`; the model's q is bf16, an f32 q is rounded by the caller); once q is in, warpgroup 0
+prefetches the other tiles' rows (`_prefetch`). The decoders (warpgroups 1 and 2) load the entry ids of their
+rows in every tile of the range into shared memory (`_load_ids`). Then the three warpgroups take roles (as
+FlashMLA's sparse decode gives one warpgroup the logits and shares p through shared memory), with
+`plgpu.set_max_registers` giving each its REGISTERS:
+- warpgroups 1 and 2 decode every tile into a bf16 [64 keys, 512] slot in shared memory (two slots), a tile ahead
+  of warpgroup 0, rows 0..31 and 32..63 (4 threads a row): an entry tile's rows are loaded into registers an
+  iteration before their decode (`_load_entries`, `_decode_entries`), a window tile's when it is decoded
+  (`_decode_window`);
+- warpgroup 1 also holds a [64 heads, 256] f32 accumulator (128 registers a thread) for output channels
+  256..511: it takes warpgroup 0's p from shared memory, rescales its accumulator by the rows' factor and adds
+  p . keys[:, 256:];
 - warpgroup 0 computes the logits S [64 heads, 64 keys] = q . keys^T once (two wgmmas of K = 256), from the
   keys' validity as a bias (0 or -2**120, from warp ballots: no mask pass), the online softmax in exp2, hands p
-  (bf16) and the rows' rescale factor to warpgroup 1 through shared memory, and adds p . keys[:, :256].
+  (bf16) and the rows' rescale factor to warpgroup 1 through shared memory, and adds p . keys[:, :256] into its
+  own accumulator.
 They meet at named barriers, one side arriving and the other waiting, each id used so that no side can arrive
-twice before the other has waited: keys ready (one per slot), p ready, p free, a slot free again (one per slot),
-and the final rows' max and sum. Within a cluster the ranges' running maxima and sums meet through global
-memory at a cluster barrier, each range weighs its rows (`gpu_attention.combine`'s weights, the sink included),
-sends the rows another CTA owns through distributed shared memory, and each CTA stores its 64 / S rows once
-(`_store_merged`); with more ranges each writes partials that `gpu_attention.combine` merges
+twice before the other has waited: keys ready (one per slot, all three warpgroups), p ready, p free, a slot free
+again (one per slot, all three), and the final rows' max and sum. Within a cluster the ranges' running maxima
+and sums meet through distributed shared memory at a cluster barrier (the decoder meets the cluster's barriers
+too), each range weighs its rows (`gpu_attention.combine`'s weights, the sink included), sends the rows another
+CTA owns through distributed shared memory, and each CTA stores its 64 / S rows once (`_store_merged`; with
+`unrotate`, turned back by the rope's angles and cast to out_dtype as they are stored, `_store_unrotated_rows`:
+the model's call is one kernel); with more ranges each writes partials that `gpu_attention.combine` merges
 (`_store_partials`). Both stage their rows in shared memory and write them whole (`_stage_row`,
 `_staged_moves`).
 
@@ -197,11 +198,11 @@ def _prefetch_l2(ptr, off64, lines: int):
 
 
 def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
-    """The common part of the decodes (warpgroup 1): per pass, passes[p]() loads chunks [(chunk index, words,
-    scale)]; after the first pass's loads are issued, the slot's last reader of warpgroup 0 is waited for (wait
+    """The common part of the decodes (warpgroups 1 and 2, each its rows): per pass, passes[p]() loads chunks
+    [(chunk index, words, scale)]; after the first pass's loads are issued, the slot's last reader of warpgroup 0 is waited for (wait
     != 0: `SLOT_FREE` + slot); each chunk goes through decode_chunk(chunk index, words, scale) -> [(channel half,
     column, four bf16x2)] into the slot's swizzled tile; the rows' validity is published, and after a fence that
-    makes the writes visible to the tensor cores (wgmma), warpgroup 1 arrives at `KEYS_READY` + slot."""
+    makes the writes visible to the tensor cores (wgmma), the warpgroup arrives at `KEYS_READY` + slot."""
     k_ptr = mgpu_utils.memref_ptr(k_smem)
     for p, load in enumerate(passes):
         loads = load()
@@ -285,7 +286,7 @@ def _load_entries(n_rows: int):
 
 @functools.cache
 def _decode_entries():
-    """inline_mgpu (warpgroup 1): (keys smem, validity masks smem, `_RAW` of an entry tile (`_load_entries`),
+    """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, `_RAW` of an entry tile (`_load_entries`),
     slot, wait) -> keys[slot] rows = the entries x 2**-KEY_SHIFT in PERM8 order, their validity (id >= 0) in
     masks[slot], as `_write_tile` (wait: whether warpgroup 0 still reads the slot)."""
 
@@ -319,7 +320,7 @@ def _entry_chunk(i, words, sc):
 
 @functools.cache
 def _decode_window():
-    """inline_mgpu (warpgroup 1): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0 scales u8
+    """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0 scales u8
     [B, W, 16], validity i8 [B, W], b, slot, wait, first row w0) -> keys[slot] rows r = window row w0 + r x
     2**-KEY_SHIFT in PERM8 order, their validity in masks[slot], as `_decode_entries` (in two passes of 4 chunks
     a thread, to leave registers to the accumulator)."""
@@ -876,8 +877,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         stamp(1)
 
-        # warpgroup 1: its tile i into `slot` (an entry tile from raw, its rows as `load` gave them), once
-        # warpgroup 0 is done with the slot if `after`
+        # warpgroups 1 and 2: their rows of tile i into `slot` (an entry tile from raw, its rows as `load` gave
+        # them), once warpgroup 0 is done with the slot if `after`
         def decode(i, slot, after, raw):
             t, after = tile_of(i), jnp.asarray(after, jnp.int32)
             if "decode" in skip:
@@ -894,8 +895,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             def _():
                 _decode_entries()(k_smem, masks, *raw, slot, after)
 
-        # warpgroup 1: its entry tile i's rows; past its last tile that one's again (in L2, unused), and for a
-        # window tile entry tile 0's (unused)
+        # warpgroups 1 and 2: their rows of entry tile i; past the last tile that one's again (in L2, unused), and
+        # for a window tile entry tile 0's (unused)
         def load(i):
             return _load_entries(n)(ev, es, ids_smem, seq, jnp.clip(i, 0, count - 1))
 

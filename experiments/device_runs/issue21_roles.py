@@ -1,7 +1,7 @@
-"""Issue 21 on one GPU (thirty-eighth session): the wgmma attention with its warpgroups in two roles (warpgroup 0
-the logits, the softmax and p . keys[:, :256]; warpgroup 1 every tile's decode a tile ahead and p . keys[:, 256:]
-with warpgroup 0's p from shared memory) against the kernel as it was, both lockstep warpgroups computing the
-whole logits and decoding half a tile each.
+"""Issue 21 on one GPU (thirty-eighth and thirty-ninth sessions): the wgmma attention with its warpgroups in roles
+(warpgroup 0 the logits, the softmax and p . keys[:, :256]; warpgroup 1 p . keys[:, 256:] with warpgroup 0's p
+from shared memory; the decode of every tile a tile ahead by warpgroup 1, and since the thirty-ninth by
+warpgroups 1 and 2) against earlier kernels, each in a copy of the tree.
 
 Groups (default: tests attention ablate before ptx):
 - tests: the attention's GPU tests, compiled (a hang of the hand-offs ends at the step's timeout, and the groups
@@ -12,20 +12,20 @@ Groups (default: tests attention ablate before ptx):
 - before: attention (untimed) in a copy of the tree per kernel `build/before/<commit>.py` (carried), that commit's
   `kernels_pallas/gpu_attention_wgmma.py`: call 3 (with ablate): d5eba4e (lockstep warpgroups) and 8cdff13 (the
   two roles, each entry tile's rows loaded when it is decoded); call 4: d5eba4e, f36d2fe (rows loaded a tile
-  ahead), d872694 (ranges take strided tiles). On the branch next/attention (not yet run), the ladder of its
-  candidates, each commit's kernel against the one before: 4817d20 (main's two-role kernel), cfe28a0 (a third
-  warpgroup decoding rows 32..63 of every tile, warpgroup 1 rows 0..31; `plgpu.set_max_registers` per warpgroup,
-  REGISTERS), 870d38e (+ the merged kernel turning and casting the model's output), 5156c9a (+ the merge's
-  statistics through distributed shared memory), the tree (+ the prefetch in two bursts: q and the first
-  EARLY_TILES tiles, the rest once q is in), with the model group (`... issue21_roles tests attention ablate
-  model before ptx`, ~10 min: give it the call's 600 s, or leave out ablate);
+  ahead), d872694 (ranges take strided tiles). Thirty-ninth session, call 1 (with model): the ladder 4817d20
+  (the two roles), cfe28a0 (a third warpgroup decoding rows 32..63 of every tile, warpgroup 1 rows 0..31;
+  `plgpu.set_max_registers` per warpgroup, REGISTERS), 870d38e (+ the merged kernel turning and casting the
+  model's output), 5156c9a (+ the merge's statistics through distributed shared memory), the tree at d0fcffc (+
+  the prefetch in two bursts); calls 2 and 3: d0fcffc against a candidate; call 4: 4817d20 against bf1e5f3 (the
+  decoders' entry ids in shared memory). `... issue21_roles tests attention model ablate before ptx` takes ~8
+  min with one kernel before: give it the call's 600 s, or leave out ablate;
 - model: the call as the model makes it (`dsv41_jax.kernels.sparse_attention_decode`: bf16 q, the rope's angles to
   turn the output back, bf16 out) at batch 64 and 8, timed from HBM (moved: the bf16 output and the angles), its
-  error against `gpu_attention.unrotated` of the f32 twin (on next/attention the merged kernel turns and casts
-  its rows itself; before, XLA did after the kernel);
+  error against `gpu_attention.unrotated` of the f32 twin (since 870d38e the merged kernel turns and casts its
+  rows itself; before, XLA did after the kernel);
 - ptx: `issue21_prefetch`'s (the kernel's PTX and ptxas report: registers, spills).
 
-    mkdir -p build/before && for c in 4817d20 cfe28a0 870d38e 5156c9a; do
+    mkdir -p build/before && for c in 4817d20; do
       git show $c:kernels_pallas/gpu_attention_wgmma.py > build/before/$c.py; done
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_roles [GROUP ...]     (~6 min; carry build/before)
 
