@@ -149,8 +149,8 @@ def _load(ptr, off64, ty, align):
 
 
 def _thread_row():
-    """(tile row this thread of warpgroups 1 and 2 decodes: 8 per warp, 4 threads a row = (thread - 128) // 4, warpgroup
-    1 rows 0..31, warpgroup 2 rows 32..63; q = thread % 4), i32."""
+    """(tile row this thread of warpgroups 1 and 2 decodes: 8 per warp, 4 threads a row = (thread - 128) // 4,
+    warpgroup 1 rows 0..31, warpgroup 2 rows 32..63; q = thread % 4), i32."""
     tid = mgpu_utils.thread_idx()
     return arith.shrui(arith.subi(tid, i32_const(128)), i32_const(2)), arith.andi(tid, i32_const(3))
 
@@ -199,10 +199,11 @@ def _prefetch_l2(ptr, off64, lines: int):
 
 def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
     """The common part of the decodes (warpgroups 1 and 2, each its rows): per pass, passes[p]() loads chunks
-    [(chunk index, words, scale)]; after the first pass's loads are issued, the slot's last reader of warpgroup 0 is waited for (wait
-    != 0: `SLOT_FREE` + slot); each chunk goes through decode_chunk(chunk index, words, scale) -> [(channel half,
-    column, four bf16x2)] into the slot's swizzled tile; the rows' validity is published, and after a fence that
-    makes the writes visible to the tensor cores (wgmma), the warpgroup arrives at `KEYS_READY` + slot."""
+    [(chunk index, words, scale)]; after the first pass's loads are issued, the slot's last reader of warpgroup 0
+    is waited for (wait != 0: `SLOT_FREE` + slot); each chunk goes through decode_chunk(chunk index, words, scale)
+    -> [(channel half, column, four bf16x2)] into the slot's swizzled tile; the rows' validity is published, and
+    after a fence that makes the writes visible to the tensor cores (wgmma), the warpgroup arrives at
+    `KEYS_READY` + slot."""
     k_ptr = mgpu_utils.memref_ptr(k_smem)
     for p, load in enumerate(passes):
         loads = load()
@@ -320,8 +321,8 @@ def _entry_chunk(i, words, sc):
 
 @functools.cache
 def _decode_window():
-    """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0 scales u8
-    [B, W, 16], validity i8 [B, W], b, slot, wait, first row w0) -> keys[slot] rows r = window row w0 + r x
+    """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0
+    scales u8 [B, W, 16], validity i8 [B, W], b, slot, wait, first row w0) -> keys[slot] rows r = window row w0 + r x
     2**-KEY_SHIFT in PERM8 order, their validity in masks[slot], as `_decode_entries` (in two passes of 4 chunks
     a thread, to leave registers to the accumulator)."""
 
