@@ -789,14 +789,26 @@ def default_splits(b: int, tiles: int, sms: int = 132) -> int:
 ABLATIONS = ("prefetch", "decode", "qk", "pv", "store")
 
 
+def timeline_groups(tiles: int) -> dict[str, list[str]]:
+    """A CTA's points when timed (`gpu_timeline`), per warpgroup in the timeline's column order, for ranges of
+    `tiles` key tiles. Warpgroup 0 (its thread 0): its start, q in shared memory, the first tile decoded, then per
+    tile its logits (with the softmax and the wait for warpgroup 1's p . v of the tile before) and its p . v done
+    (with the wait for the next tile's keys), every tile done, its rows stored. Warpgroup 1 (thread 128): its
+    start, q loaded, tile 0 decoded, then per tile i the decode of tile i + 1 (with the wait for its slot and its
+    rows), the wait for p, its p . v, then the wait for the rows' statistics and its rows stored. Warpgroup 2
+    (thread 256): its start, then each tile decoded (with the waits), then its part of the merge's barriers. A
+    range with fewer tiles stamps its missing tiles' points after its last (phases of 0)."""
+    return {"warpgroup 0": ["start", "query", "first tile",
+                            *[f"{name} {i}" for i in range(tiles) for name in ("logits", "p.v")], "tiles", "stored"],
+            "warpgroup 1": ["start", "query", "decode 0",
+                            *[f"{name} {j}" for i in range(tiles)
+                              for name, j in (("decode", i + 1), ("p wait", i), ("p.v", i))], "stats", "stored"],
+            "warpgroup 2": ["start", *[f"decode {i}" for i in range(tiles + 1)], "merged"]}
+
+
 def timeline_names(tiles: int) -> list[str]:
-    """A CTA's points when timed (`gpu_timeline`, from warpgroup 0's thread 0), for ranges of `tiles` key tiles:
-    its start, q in shared memory, the first tile decoded, then per tile its logits (with the softmax and the
-    wait for warpgroup 1's p . v of the tile before) and its p . v done (with the wait for the next tile's keys),
-    every tile done, its rows stored. A range with fewer tiles stamps its missing tiles' points at its "tiles"
-    point (phases of 0)."""
-    per_tile = [f"{name} {i}" for i in range(tiles) for name in ("logits", "p.v")]
-    return ["start", "query", "first tile", *per_tile, "tiles", "stored"]
+    """Every column's point but the SM id's, `timeline_groups`' lists one after the other."""
+    return [name for names in timeline_groups(tiles).values() for name in names]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline"))
@@ -859,10 +871,17 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         wait3, arrive3 = _barrier(True, 384), _barrier(False, 384)  # all three: the key slots
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-        def stamp(point):
-            gpu_timeline.stamp(tl_gmem, seq * splits + part, point)
+        first = np.cumsum([0] + [len(v) for v in timeline_groups(per).values()])  # each warpgroup's first column
 
-        stamp(0)
+        def stamp(point, group=0):  # from warpgroup `group`'s first thread
+            gpu_timeline.stamp(tl_gmem, seq * splits + part, first[group] + point, thread=128 * group)
+
+        def missing(group, at, points, done):  # a shorter range's missing tiles' points at, at + 1, ...: now
+            for i in range(points if timeline else 0):
+                pl.when(i >= done)(lambda i=i: stamp(at + i, group))
+
+        for group in range(3):
+            stamp(0, group)
         count = (n_t - part + splits - 1) // splits  # its tiles: part + splits i, i < count (tile_of)
         tile_of = lambda i: part + i * splits  # noqa: E731
 
@@ -877,6 +896,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         pl.when(wg == 0)(lambda: prefetch(False))  # once q is in: the burst before was q and the first tiles
 
         stamp(1)
+        stamp(1, 1)
 
         # warpgroups 1 and 2: their rows of tile i into `slot` (an entry tile from raw, its rows as `load` gave
         # them), once warpgroup 0 is done with the slot if `after`
@@ -959,8 +979,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             rows_smem.at[1][...] = m
             rows_smem.at[2][...] = l
             arrive(STATS_READY)
-            for i in range(per * 2 if timeline else 0):  # a shorter range's missing tiles: at its "tiles" point
-                pl.when(i >= 2 * count)(lambda i=i: stamp(3 + i))
+            missing(0, 3, 2 * per, 2 * count)
             stamp(3 + 2 * per)
             finish(acc, m, l)
             stamp(4 + 2 * per)
@@ -971,21 +990,28 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
             raw = load(0)
             pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
+            stamp(2, 1)
 
             def tile(i, carry):
                 acc, raw = carry
                 slot = i % 2
                 pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, raw))
+                stamp(3 + 3 * i, 1)
                 raw = load(i + 2)  # lands during this tile's p . v
                 wait(P_READY)
+                stamp(4 + 3 * i, 1)
                 acc = acc * lax.broadcast_in_dim(plgpu.load(rows_smem.at[0], layout=row_layout), acc.shape, [0])
                 acc = pv(acc, p_smem, slot, 1)
                 pl.when(i + 1 < count)(lambda: arrive(P_FREE))
+                stamp(5 + 3 * i, 1)
                 return acc, raw
 
             acc, _ = lax.fori_loop(0, count, tile, (acc0, load(1)))
+            missing(1, 3, 3 * per, 3 * count)
             wait(STATS_READY)
+            stamp(3 + 3 * per, 1)
             finish(acc, *(plgpu.load(rows_smem.at[i], layout=row_layout) for i in (1, 2)))
+            stamp(4 + 3 * per, 1)
 
         @pl.when(wg == 2)
         def _decoder():  # every tile's rows 32..63, a tile ahead; the merge's cluster barriers with the others
@@ -993,14 +1019,18 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
             raw = load(0)
             pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
+            stamp(1, 2)
 
             def tile(i, raw):
                 pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - i % 2, i > 0, raw))
+                stamp(2 + i, 2)
                 return load(i + 2)
 
             lax.fori_loop(0, count, tile, load(1))
+            missing(2, 2, per, count)
             if merged and "store" not in skip:
                 _cluster_syncs(2 if splits > 1 else 1)()
+            stamp(2 + per, 2)
 
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     rows = gpu_attention.partial_rows(splits, unrotate)

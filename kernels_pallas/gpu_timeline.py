@@ -2,10 +2,11 @@
 
 Where a kernel's time goes between its phases (a query's load, a pipeline's first step, the tiles, a merge) is
 not in a profiler's trace, which sees the kernel whole, and this GPU has no hardware counters for it. A kernel
-built with a timeline writes, from thread 0 of each CTA, the GPU's global nanosecond timer (`%globaltimer`, one
-clock for all SMs) at each of its points and the SM it ran on, into an extra output: uint32 [CTAs, points + 1],
-the last column the SM id, the times the timer's low 32 bits (differences stay exact over 4 s). `phases` turns
-it into the spread of each phase over the CTAs, and the kernel's span.
+built with a timeline writes, from one thread of each CTA (or of each of its warpgroups), the GPU's global
+nanosecond timer (`%globaltimer`, one clock for all SMs) at each of its points and the SM it ran on, into an extra
+output: uint32 [CTAs, points + 1], the last column the SM id, the times the timer's low 32 bits (differences stay
+exact over 4 s). `phases` turns it into the spread of each phase over the CTAs, and the kernel's span;
+`phases_by_group` does so for each warpgroup's own columns.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ _SPLAT = plgpu.Layout.WG_SPLAT(shape=())
 
 
 @functools.cache
-def _stamp():
+def _stamp(thread: int):
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))
     def write(ctx, timeline, row, point):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         row, point = row.registers.item(), point.registers.item()
-        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32_const(0))):
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32_const(thread))):
             now = mgpu_utils.inline_ptx("mov.u32 $0, %globaltimer_lo;", result_types=i32, has_side_effects=True)
             memref.store(now, timeline, [index_of(row), index_of(point)])
             with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, point, i32_const(0))):
@@ -42,12 +43,13 @@ def _stamp():
     return write
 
 
-def stamp(timeline, row, point) -> None:
-    """In a kernel body: timeline[row, point] = the timer's low 32 bits now, from thread 0 of the CTA (timeline
-    gmem u32 [CTAs, points + 1], or None: a kernel built without a timeline, nothing emitted; row, point: int32
-    scalars, traced or not); point 0 also writes the SM id in the last column."""
+def stamp(timeline, row, point, thread: int = 0) -> None:
+    """In a kernel body: timeline[row, point] = the timer's low 32 bits now, from thread `thread` of the CTA
+    (timeline gmem u32 [CTAs, points + 1], or None: a kernel built without a timeline, nothing emitted; row, point:
+    int32 scalars, traced or not; thread: the first thread of the warpgroup whose progress it marks); point 0 also
+    writes the SM id in the last column."""
     if timeline is not None:
-        _stamp()(timeline, jnp.asarray(row, jnp.int32), jnp.asarray(point, jnp.int32))
+        _stamp(thread)(timeline, jnp.asarray(row, jnp.int32), jnp.asarray(point, jnp.int32))
 
 
 def phases(timeline: np.ndarray, names: list[str]) -> dict:
@@ -69,3 +71,15 @@ def phases(timeline: np.ndarray, names: list[str]) -> dict:
     for name, d in spans.items():
         out[name] = tuple(round(float(v), 2) for v in (np.median(d), np.percentile(d, 90), d.max()))
     return out
+
+
+def phases_by_group(timeline: np.ndarray, groups: dict[str, list[str]]) -> dict:
+    """`phases` of each group of columns (a kernel's warpgroups, each stamping its own points): groups maps a name
+    to its points, the groups' columns one after the other in the timeline, the SM id last. Each group's first
+    point is its own start."""
+    t = np.asarray(timeline)
+    firsts = np.cumsum([0] + [len(v) for v in groups.values()])
+    if firsts[-1] + 1 != t.shape[1]:
+        raise ValueError(f"{firsts[-1]} points and the SM id, for a timeline of {t.shape[1]} columns")
+    return {group: phases(np.concatenate([t[:, at:at + len(names)], t[:, -1:]], axis=1), names)
+            for at, (group, names) in zip(firsts, groups.items())}

@@ -36,7 +36,27 @@ def test_phases_sums_a_repeated_kind_per_cta():
     assert "start *" not in got and got["end"] == (pytest.approx(0.75), pytest.approx(0.95), pytest.approx(1.0))
 
 
+def test_phases_by_group_measures_each_group_from_its_own_start():
+    # 2 CTAs; group a: (start, end), group b: (start, work), stamped from another thread that starts later
+    ns = np.array([[0, 4000, 1000, 3000], [500, 2500, 2500, 3500]], np.int64)
+    timeline = np.concatenate([ns, np.array([[0], [1]])], axis=1).astype(np.uint32)
+    got = gpu_timeline.phases_by_group(timeline, {"a": ["start", "end"], "b": ["start", "work"]})
+    assert got["a"]["end"] == (pytest.approx(3.0), pytest.approx(3.8), pytest.approx(4.0))
+    assert got["b"]["work"] == (pytest.approx(1.5), pytest.approx(1.9), pytest.approx(2.0))
+    assert got["b"]["span_us"] == pytest.approx(2.5)  # from group b's first stamp (1000 ns) to its last (3500)
+    with pytest.raises(ValueError, match="3 points and the SM id, for a timeline of 5 columns"):
+        gpu_timeline.phases_by_group(timeline, {"a": ["start", "end"], "b": ["start"]})
+
+
 def test_attention_points_follow_the_tiles():
-    names = att.timeline_names(3)
-    assert names[:3] == ["start", "query", "first tile"] and names[-2:] == ["tiles", "stored"]
-    assert names[3:-2] == ["logits 0", "p.v 0", "logits 1", "p.v 1", "logits 2", "p.v 2"]
+    groups = att.timeline_groups(3)
+    wg0, wg1, wg2 = groups.values()
+    assert wg0[:3] == ["start", "query", "first tile"] and wg0[-2:] == ["tiles", "stored"]
+    assert wg0[3:-2] == ["logits 0", "p.v 0", "logits 1", "p.v 1", "logits 2", "p.v 2"]
+    assert wg1[:3] == ["start", "query", "decode 0"] and wg1[-2:] == ["stats", "stored"]
+    assert wg1[3:9] == ["decode 1", "p wait 0", "p.v 0", "decode 2", "p wait 1", "p.v 1"] and len(wg1) == 5 + 3 * 3
+    assert wg2 == ["start", "decode 0", "decode 1", "decode 2", "decode 3", "merged"]
+    assert att.timeline_names(3) == wg0 + wg1 + wg2
+    columns = len(att.timeline_names(5)) + 1  # the device script reads the tiles back from the column count
+    from experiments.device_runs.issue21_timeline import attention_points
+    assert attention_points(columns) == att.timeline_groups(5)

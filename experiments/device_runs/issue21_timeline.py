@@ -30,11 +30,13 @@ from experiments.device_runs._steps import OUT, logger, step
 SCAN_POINTS = ((131072, 8), (131072, 32), (1048576, 8))
 
 
-def attention_points(columns: int) -> list[str]:
-    """The wgmma attention's timeline points for a timeline of `columns` columns (its tiles per range from it)."""
+def attention_points(columns: int) -> dict[str, list[str]]:
+    """The wgmma attention's timeline points per warpgroup for a timeline of `columns` columns (its tiles per range
+    from it)."""
     from kernels_pallas import gpu_attention_wgmma as att
     fixed = len(att.timeline_names(0)) + 1  # the points around the tiles, and the SM column
-    return att.timeline_names((columns - fixed) // 2)
+    per_tile = len(att.timeline_names(1)) + 1 - fixed
+    return att.timeline_groups((columns - fixed) // per_tile)
 
 
 def scan_group(say, rows, timelines: bool) -> None:
@@ -79,7 +81,7 @@ def timed_row(say, rows, kind, shape, fn, args, perturb, moved, peak, err="-") -
 
 def timeline(fn, args, names) -> dict:
     """gpu_timeline.phases of the last of 5 calls of fn (-> the timeline), each after an L2 flush. names: the
-    points, or a function of the timeline's column count that gives them."""
+    points (or {group: points}: `phases_by_group`), or a function of the timeline's column count that gives them."""
     import jax
     import jax.numpy as jnp
 
@@ -95,7 +97,8 @@ def timeline(fn, args, names) -> dict:
     for _ in range(5):
         buf, tl = flushed(buf, *args)
     tl = jax.device_get(tl)
-    return gpu_timeline.phases(tl, list(names(tl.shape[1]) if callable(names) else names))
+    names = names(tl.shape[1]) if callable(names) else names
+    return gpu_timeline.phases_by_group(tl, names) if isinstance(names, dict) else gpu_timeline.phases(tl, names)
 
 
 def attention_group(say, rows, timelines: bool) -> None:
