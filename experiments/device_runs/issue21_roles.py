@@ -9,7 +9,8 @@ Groups (default: tests attention ablate before ptx):
 - attention: `issue21_timeline`'s group (batch 64 and 8 at 128K, q f32 and bf16, timed from HBM, with the CTAs'
   timelines);
 - ablate: `issue21_prefetch`'s (the batch-64 kernel without its decode / wgmmas / both / store);
-- before: attention (untimed) in a copy of the tree per kernel `build/before/<commit>.py` (carried), that commit's
+- before: attention (with timelines since the thirty-ninth session's end; untimed before) and, with model, model,
+  in a copy of the tree per kernel `build/before/<commit>.py` (carried), that commit's
   `kernels_pallas/gpu_attention_wgmma.py`: call 3 (with ablate): d5eba4e (lockstep warpgroups) and 8cdff13 (the
   two roles, each entry tile's rows loaded when it is decoded); call 4: d5eba4e, f36d2fe (rows loaded a tile
   ahead), d872694 (ranges take strided tiles). Thirty-ninth session, call 1 (with model): the ladder 4817d20
@@ -80,7 +81,7 @@ def before_group(say, groups) -> None:
 
 
 def main(groups: list[str]) -> int:
-    timed = ["attention_untimed", *(["model"] if "model" in groups else [])]
+    timed = ["attention", *(["model"] if "model" in groups else [])]  # with the CTAs' timelines
     return run_groups(groups, {"ablate": ablate_group, "model": model_group,
                                "before": lambda say, rows: before_group(say, timed),
                                "ptx": lambda say, rows: ptx_group(say)},
