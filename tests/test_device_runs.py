@@ -84,3 +84,37 @@ def test_run_groups_runs_the_groups_in_order_and_stops_at_failed_tests(tmp_path,
     assert ran == []
     assert tl.run_groups(["tests", "a", "b"], own, tests=lambda say: 0) == 0 and ran == ["a", "b"]
     assert tl.run_groups(["tests", "b"], own, tests=lambda say: 3) == 3 and ran == ["a", "b"]
+
+
+def test_before_runs_each_earlier_form_in_its_own_tree(tmp_path, monkeypatch):
+    """`issue21_roles before`: a `<name>.py` replaces the attention's kernel file in a copy of the tree, a folder is
+    copied over it at its paths; each copy runs the command's timing groups; the scan's tests join with a scan."""
+    from experiments.device_runs import issue21_roles as roles
+    before, out = tmp_path / "before", tmp_path / "out"
+    (before / "scan_q" / "kernels_pallas").mkdir(parents=True)
+    (before / "scan_q" / "kernels_pallas" / "gpu_indexer_wgmma.py").write_text("the scan before")
+    (before / "abc123.py").write_text("the attention before")
+    out.mkdir()
+
+    def tree(reverts, dest):
+        root = tmp_path / os.path.basename(dest)
+        (root / "kernels_pallas").mkdir(parents=True)
+        return str(root)
+
+    calls = []
+
+    def step(name, argv, timeout_s, cwd):
+        calls.append((name, argv[2:], cwd))
+        (out / f"{name}.log").write_text("timed")
+
+    monkeypatch.setattr(roles, "BEFORE", str(before))
+    monkeypatch.setattr(roles, "OUT", str(out))
+    monkeypatch.setattr(roles, "tree_before", tree)
+    monkeypatch.setattr(roles, "step", step)
+    roles.before_group(lambda *a: None, ["scan"])
+    assert [(name, groups) for name, groups, _ in calls] == [("before_abc123", ["scan"]), ("before_scan_q", ["scan"])]
+    assert (tmp_path / "tree_abc123" / "kernels_pallas" / "gpu_attention_wgmma.py").read_text() == "the attention before"
+    assert (tmp_path / "tree_scan_q" / "kernels_pallas" / "gpu_indexer_wgmma.py").read_text() == "the scan before"
+    assert roles.gpu_test_files(["tests", "scan", "before"]) == ("tests/test_attention_wgmma.py",
+                                                                 "tests/test_indexer_wgmma.py")
+    assert roles.gpu_test_files(["tests", "attention"]) == ("tests/test_attention_wgmma.py",)

@@ -4,13 +4,14 @@ from shared memory; the decode of every tile a tile ahead by warpgroup 1, and si
 warpgroups 1 and 2) against earlier kernels, each in a copy of the tree.
 
 Groups (default: tests attention ablate before ptx):
-- tests: the attention's GPU tests, compiled (a hang of the hand-offs ends at the step's timeout, and the groups
-  after it are not run);
+- tests: the attention's GPU tests (and the scan's, with a scan group), compiled (a hang of the hand-offs ends at
+  the step's timeout, and the groups after it are not run);
 - attention: `issue21_timeline`'s group (batch 64 and 8 at 128K, q f32 and bf16, timed from HBM, with the CTAs'
   timelines);
 - ablate: `issue21_prefetch`'s (the batch-64 kernel without its decode / wgmmas / both / store);
-- before: attention (with timelines since the thirty-ninth session's end; untimed before) and, with model, model,
-  in a copy of the tree per kernel `build/before/<commit>.py` (carried), that commit's
+- before: the command's timing groups (TIMING; attention when none is given: with timelines since the
+  thirty-ninth session's end, untimed before) in a copy of the tree per `build/before/<name>.py` (carried: the
+  attention's kernel file) or `build/before/<name>/` (copied over the tree: e.g. the scan's kernel), that commit's
   `kernels_pallas/gpu_attention_wgmma.py`: call 3 (with ablate): d5eba4e (lockstep warpgroups) and 8cdff13 (the
   two roles, each entry tile's rows loaded when it is decoded); call 4: d5eba4e, f36d2fe (rows loaded a tile
   ahead), d872694 (ranges take strided tiles). Thirty-ninth session, call 1 (with model): the ladder 4817d20
@@ -71,21 +72,36 @@ def model_group(say, rows) -> None:
 
 
 def before_group(say, groups) -> None:
-    """Each kernel `BEFORE/<commit>.py` in a copy of the tree, timed by `groups` of this script (its own log)."""
-    for kernel in sorted(os.listdir(BEFORE)):
-        commit = kernel.removesuffix(".py")
-        tree = tree_before([], f"/tmp/tree_{commit}")
-        shutil.copy(os.path.join(BEFORE, kernel), os.path.join(tree, "kernels_pallas", "gpu_attention_wgmma.py"))
-        step(f"before_{commit}", ["-m", "experiments.device_runs.issue21_roles", *groups], 300, cwd=tree)
-        say(open(os.path.join(OUT, f"before_{commit}.log")).read()[-2500:])
+    """Each earlier form in a copy of the tree, timed by `groups` of this script (its own log): `BEFORE/<name>.py`
+    is the attention's kernel file; a folder `BEFORE/<name>/` is copied over the tree (its files at their paths in
+    the repository: another kernel, or several files)."""
+    for entry in sorted(os.listdir(BEFORE)):
+        name, src = entry.removesuffix(".py"), os.path.join(BEFORE, entry)
+        tree = tree_before([], f"/tmp/tree_{name}")
+        if os.path.isdir(src):
+            shutil.copytree(src, tree, dirs_exist_ok=True)
+        else:
+            shutil.copy(src, os.path.join(tree, "kernels_pallas", "gpu_attention_wgmma.py"))
+        step(f"before_{name}", ["-m", "experiments.device_runs.issue21_roles", *groups], 300, cwd=tree)
+        say(open(os.path.join(OUT, f"before_{name}.log")).read()[-2500:])
+
+
+# The groups that time a kernel: `before` runs those of its command in each copy (attention when none is given)
+TIMING = ("attention", "attention_untimed", "model", "scan", "scan_untimed")
 
 
 def main(groups: list[str]) -> int:
-    timed = ["attention", *(["model"] if "model" in groups else [])]  # with the CTAs' timelines
+    timed = [g for g in groups if g in TIMING] or ["attention"]
     return run_groups(groups, {"ablate": ablate_group, "model": model_group,
                                "before": lambda say, rows: before_group(say, timed),
                                "ptx": lambda say, rows: ptx_group(say)},
-                      tests=lambda say: gpu_tests(say, ("tests/test_attention_wgmma.py",), 240))
+                      tests=lambda say: gpu_tests(say, gpu_test_files(groups), 330))
+
+
+def gpu_test_files(groups: list[str]) -> tuple[str, ...]:
+    """The GPU tests of the kernels the groups time: the attention's, and the scan's with a scan group."""
+    scan = ("tests/test_indexer_wgmma.py",) if any(g.startswith("scan") for g in groups) else ()
+    return ("tests/test_attention_wgmma.py", *scan)
 
 
 if __name__ == "__main__":
