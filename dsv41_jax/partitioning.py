@@ -311,6 +311,11 @@ class Placement:
         return jax.tree.map(lambda leaf: NamedSharding(self.mesh, _on_mesh(
             logical_to_mesh(cache_logical_axes("window", leaf.ndim), self.layout), leaf.shape, self.mesh)), window)
 
+    def new_window(self, cfg: ModelConfig) -> dict:
+        """Empty DSpark draft rings (`api.init_draft_window`) for the placement's batch made on the mesh, split like
+        the cache's window rings: each device writes only its own shards (as `new_cache`)."""
+        return _empty_window_program(self, cfg)()
+
     def put_window(self, window: dict) -> dict:
         """DSpark draft rings on the mesh (arrays already there stay as they are)."""
         want = self.window_shardings(window)
@@ -328,6 +333,15 @@ class Placement:
 def _empty_cache_program(placement: Placement, cfg: ModelConfig, capacity: int):
     """`Placement.new_cache`'s program, compiled once per placement, config and capacity."""
     return jax.jit(lambda: init_cache(cfg, placement.batch, capacity), out_shardings=placement.cache)
+
+
+@lru_cache(maxsize=16)
+def _empty_window_program(placement: Placement, cfg: ModelConfig):
+    """`Placement.new_window`'s program, compiled once per placement and config."""
+    from dsv41_jax import dspark  # dspark's modules import this one
+
+    make = lambda: dspark.init_draft_window(cfg, placement.batch)  # noqa: E731
+    return jax.jit(make, out_shardings=placement.window_shardings(jax.eval_shape(make)))
 
 
 def _placed(arrays: list, shardings: list) -> bool:

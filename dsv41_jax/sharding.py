@@ -60,8 +60,9 @@ class ShardedModel:
         return api.generate(self.cfg, self._frozen, cache, tokens_b, n_steps, placement=self.placement, **kw)
 
     def init_draft_window(self) -> dict:
-        """Empty DSpark draft rings for the placement's batch, on the mesh (split like the cache's window)."""
-        return self.placement.put_window(api.init_draft_window(self.cfg, self.placement.batch))
+        """Empty DSpark draft rings for the placement's batch, made on the mesh (split like the cache's window)."""
+        api.check_dspark(self.cfg)
+        return self.placement.new_window(self.cfg)
 
     def speculative_prefill(self, cache: Cache, window: dict, tokens_bt, lengths_b, **kw):
         """`api.speculative_prefill` on the mesh (keywords as there); cache and window are donated."""
