@@ -118,3 +118,13 @@ def test_before_runs_each_earlier_form_in_its_own_tree(tmp_path, monkeypatch):
     assert roles.gpu_test_files(["tests", "scan", "before"]) == ("tests/test_attention_wgmma.py",
                                                                  "tests/test_indexer_wgmma.py")
     assert roles.gpu_test_files(["tests", "attention"]) == ("tests/test_attention_wgmma.py",)
+
+
+def test_a_timeline_with_warpgroups_is_said_a_line_each():
+    from experiments.device_runs.issue21_timeline import say_timeline
+    lines = []
+    say = lambda *a: lines.append(" ".join(map(str, a)))  # noqa: E731
+    say_timeline(say, "timeline b64", {"warpgroup 0": {"span_us": 1.0}, "warpgroup 1": {"span_us": 2.0}})
+    say_timeline(say, "timeline b8", {"span_us": 3.0, "start": (0.1, 0.2, 0.3)})
+    assert lines == ["timeline b64 warpgroup 0: {'span_us': 1.0}", "timeline b64 warpgroup 1: {'span_us': 2.0}",
+                     "timeline b8: {'span_us': 3.0, 'start': (0.1, 0.2, 0.3)}"]

@@ -103,6 +103,15 @@ def timeline(fn, args, names) -> dict:
     return gpu_timeline.phases_by_group(tl, names) if isinstance(names, dict) else gpu_timeline.phases(tl, names)
 
 
+def say_timeline(say, label: str, phases: dict) -> None:
+    """A timeline's phases (`timeline`'s result): one line, or one line per warpgroup when it has groups."""
+    if all(isinstance(v, dict) for v in phases.values()):
+        for group, of_group in phases.items():
+            say(f"{label} {group}:", of_group)
+    else:
+        say(f"{label}:", phases)
+
+
 def attention_group(say, rows, timelines: bool) -> None:
     import functools
 
@@ -129,7 +138,8 @@ def attention_group(say, rows, timelines: bool) -> None:
             shape = f"128K x {b}, q {q.dtype}"
             timed_row(say, rows, "attention", shape, fn, args, 7, moved, peak, f"{err:.1e}")
             if timelines and bf16:
-                say(f"timeline {shape}:", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
+                say_timeline(say, f"timeline {shape}",
+                             timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
         del q, q32, window, entries, args, ref
 
 
@@ -161,7 +171,7 @@ def sweep_group(say, rows) -> None:
         fn = functools.partial(att.sparse_attention_wgmma, scale=bk.D_ATT ** -0.5, splits=splits, merged=merged)
         timed_row(say, rows, "attention", f"128K x 64, q bf16, {splits} ranges {'merged' if merged else 'partials'}",
                   fn, args, 7, moved, peak)
-        say("timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
+        say_timeline(say, "timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
 
 
 def gpu_tests(say, files=("tests/test_indexer_wgmma.py", "tests/test_attention_wgmma.py"), timeout_s=330) -> int:
