@@ -660,7 +660,7 @@ def _store_partials():
 
 
 @functools.cache
-def _store_merged(rotated: bool, splits: int):
+def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
     """inline_mgpu: (acc, m, l as `_store_partials`, the keys' and q's smem (free now), stats smem f32 [MAX_SPLITS,
     2, 64], sink f32 [64] (natural-log units), [rotated: cos, sin f32 [B, 256]], o gmem [B, 64, 512], b, s) -> o[b] =
     the softmax-weighted sum over the cluster's S key ranges (S divides 64) with the sink, in channel order (f32;
@@ -675,15 +675,25 @@ def _store_merged(rotated: bool, splits: int):
     others' weighted rows go to their owner's key slots through distributed shared memory (st.shared::cluster,
     in register order: each thread's values land where the same thread of the owner reads them), all meet again,
     and each owner adds them to its own, stages its rows and stores them once. Until the thirty-eighth session
-    range 0 stored all 64 rows and the others added theirs with red.global.add after a second barrier."""
+    range 0 stored all 64 rows and the others added theirs with red.global.add after a second barrier.
+
+    stamp_at: with a timeline (two more arguments: its gmem, the CTA's row), its points stamp_at, + 1, + 2 after
+    the statistics' barrier, the rows' exchange and the staging (`timeline_groups`)."""
+    timed = stamp_at is not None
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 3 + (plgpu.RefType(_TRANSFORMS),) * 2
-                       + (plgpu.RefType(),) * (5 if rotated else 3) + (_SPLAT,) * 2)
+                       + (plgpu.RefType(),) * (5 if rotated else 3) + (_SPLAT,) * 2
+                       + ((plgpu.RefType(), _SPLAT) if timed else ()))
     def store(ctx, acc, m, l, k_smem, q_smem, stats, sink, *refs):
         del ctx
+        refs, (tl, tl_row) = (refs[:-2], refs[-2:]) if timed else (refs, (None, None))
         cos, sin, o, b, s = refs if rotated else (None, None, *refs)
         i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
         b, s = (a.registers.item() for a in (b, s))
+
+        def stamp(k):  # point stamp_at + k, from thread 0 (warpgroup 0)
+            if timed:
+                gpu_timeline.emit_stamp(tl, tl_row.registers.item(), i32_const(stamp_at + k))
         own_rows = H // splits
         rows, q, wg, publishes = _my_rows()
         stats_ptr = mgpu_utils.memref_ptr(stats)
@@ -697,6 +707,7 @@ def _store_merged(rotated: bool, splits: int):
                         llvm.store(_row_value(v, half), mgpu_utils.getelementptr(remote, [stat_offset(s, kind, row)], i8),
                                    alignment=4)
         mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)
+        stamp(0)
         recv = mgpu_utils.memref_ptr(k_smem)
 
         def recv_offset(sender, row, c):  # f32 x 2 [S - 1 senders, 2 warpgroups, 32 c, R rows, 4 q] in the owner
@@ -730,6 +741,7 @@ def _store_merged(rotated: bool, splits: int):
             mine.append((is_mine, local, vals))
         if splits > 1:
             mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)  # the others' rows are here
+        stamp(1)
         stage = _stage_base(q_smem if splits > 1 else k_smem, own_rows)  # q: 64 KB, R rows for both warpgroups
         for is_mine, local, vals in mine:
             with mgpu_utils.when(is_mine):
@@ -738,6 +750,7 @@ def _store_merged(rotated: bool, splits: int):
                         recv, [recv_offset(i32_const(sender), local, c)], i8), alignment=8)) for c, v in enumerate(vals)]
                 _stage_row(stage, local, q, vals)
         moves = _staged_moves(stage, own_rows, arith.addi(arith.muli(b, i32_const(H)), arith.muli(s, i32_const(own_rows))))
+        stamp(2)
         if rotated:
             _store_unrotated_rows(o, cos, sin, b, moves)
         else:
@@ -789,17 +802,23 @@ def default_splits(b: int, tiles: int, sms: int = 132) -> int:
 ABLATIONS = ("prefetch", "decode", "qk", "pv", "store")
 
 
+MERGE_POINTS = ("merge stats", "merge rows", "merge staged")
+
+
 def timeline_groups(tiles: int) -> dict[str, list[str]]:
     """A CTA's points when timed (`gpu_timeline`), per warpgroup in the timeline's column order, for ranges of
     `tiles` key tiles. Warpgroup 0 (its thread 0): its start, q in shared memory, the first tile decoded, then per
     tile its logits (with the softmax and the wait for warpgroup 1's p . v of the tile before) and its p . v done
-    (with the wait for the next tile's keys), every tile done, its rows stored. Warpgroup 1 (thread 128): its
+    (with the wait for the next tile's keys), every tile done, a merged cluster's MERGE_POINTS (the statistics'
+    barrier, the rows' exchange, the staging; stamped with "tiles" where there is no merge), its rows stored.
+    Warpgroup 1 (thread 128): its
     start, q loaded, tile 0 decoded, then per tile i the decode of tile i + 1 (with the wait for its slot and its
     rows), the wait for p, its p . v, then the wait for the rows' statistics and its rows stored. Warpgroup 2
     (thread 256): its start, then each tile decoded (with the waits), then its part of the merge's barriers. A
     range with fewer tiles stamps its missing tiles' points after its last (phases of 0)."""
     return {"warpgroup 0": ["start", "query", "first tile",
-                            *[f"{name} {i}" for i in range(tiles) for name in ("logits", "p.v")], "tiles", "stored"],
+                            *[f"{name} {i}" for i in range(tiles) for name in ("logits", "p.v")], "tiles",
+                            *MERGE_POINTS, "stored"],
             "warpgroup 1": ["start", "query", "decode 0",
                             *[f"{name} {j}" for i in range(tiles)
                               for name, j in (("decode", i + 1), ("p wait", i), ("p.v", i))], "stats", "stored"],
@@ -927,13 +946,18 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                     plgpu.wgmma(acc_ref, a, k_smem.at[slot, half])
             return pl.run_state(run)(plgpu.ACC.init(acc))
 
-        def finish(acc, m, l):
+        def finish(acc, m, l):  # warpgroups 0 and 1; warpgroup 0 stamps the merge's points
             wide = lambda v: lax.broadcast_in_dim(v, (H, 8), [0])
+            merge_points = 4 + 2 * per  # after "tiles"
+            if "store" in skip or not merged:
+                for k in range(len(MERGE_POINTS)):
+                    stamp(merge_points + k)
             if "store" in skip:
                 return
             if merged:
-                _store_merged(rotated, splits)(acc, wide(m), wide(l), k_smem, q_smem, stats_smem, sink_gmem, *turn, o_gmem, seq,
-                                       part)
+                timed = (tl_gmem, seq * splits + part) if timeline else ()
+                _store_merged(rotated, splits, merge_points if timeline else None)(
+                    acc, wide(m), wide(l), k_smem, q_smem, stats_smem, sink_gmem, *turn, o_gmem, seq, part, *timed)
             else:
                 _store_partials()(acc, wide(m), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
 
@@ -982,7 +1006,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             missing(0, 3, 2 * per, 2 * count)
             stamp(3 + 2 * per)
             finish(acc, m, l)
-            stamp(4 + 2 * per)
+            stamp(4 + 2 * per + len(MERGE_POINTS))
 
         @pl.when(wg == 1)
         def _values():  # every tile's rows 0..31, a tile ahead; p . keys[:, 256:] with warpgroup 0's p

@@ -25,20 +25,25 @@ from kernels_pallas.gpu_wgmma import i32_const, index_of
 _SPLAT = plgpu.Layout.WG_SPLAT(shape=())
 
 
+def emit_stamp(timeline, row, point, thread: int = 0) -> None:
+    """`stamp` inside an inline_mgpu body (timeline: its gmem memref; row, point: i32 values): for a point inside a
+    helper that a kernel body calls whole (a merge's barriers)."""
+    i32 = ir.IntegerType.get_signless(32)
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32_const(thread))):
+        now = mgpu_utils.inline_ptx("mov.u32 $0, %globaltimer_lo;", result_types=i32, has_side_effects=True)
+        memref.store(now, timeline, [index_of(row), index_of(point)])
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, point, i32_const(0))):
+            sm = mgpu_utils.inline_ptx("mov.u32 $0, %smid;", result_types=i32, has_side_effects=True)
+            last = ir.MemRefType(timeline.type).shape[1] - 1
+            memref.store(sm, timeline, [index_of(row), index_of(i32_const(last))])
+
+
 @functools.cache
 def _stamp(thread: int):
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))
     def write(ctx, timeline, row, point):
         del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        row, point = row.registers.item(), point.registers.item()
-        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32_const(thread))):
-            now = mgpu_utils.inline_ptx("mov.u32 $0, %globaltimer_lo;", result_types=i32, has_side_effects=True)
-            memref.store(now, timeline, [index_of(row), index_of(point)])
-            with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, point, i32_const(0))):
-                sm = mgpu_utils.inline_ptx("mov.u32 $0, %smid;", result_types=i32, has_side_effects=True)
-                last = ir.MemRefType(timeline.type).shape[1] - 1
-                memref.store(sm, timeline, [index_of(row), index_of(i32_const(last))])
+        emit_stamp(timeline, row.registers.item(), point.registers.item(), thread)
 
     return write
 

@@ -51,8 +51,9 @@ def test_phases_by_group_measures_each_group_from_its_own_start():
 def test_attention_points_follow_the_tiles():
     groups = att.timeline_groups(3)
     wg0, wg1, wg2 = groups.values()
-    assert wg0[:3] == ["start", "query", "first tile"] and wg0[-2:] == ["tiles", "stored"]
-    assert wg0[3:-2] == ["logits 0", "p.v 0", "logits 1", "p.v 1", "logits 2", "p.v 2"]
+    assert wg0[:3] == ["start", "query", "first tile"]
+    assert wg0[-5:] == ["tiles", "merge stats", "merge rows", "merge staged", "stored"]
+    assert wg0[3:-5] == ["logits 0", "p.v 0", "logits 1", "p.v 1", "logits 2", "p.v 2"]
     assert wg1[:3] == ["start", "query", "decode 0"] and wg1[-2:] == ["stats", "stored"]
     assert wg1[3:9] == ["decode 1", "p wait 0", "p.v 0", "decode 2", "p wait 1", "p.v 1"] and len(wg1) == 5 + 3 * 3
     assert wg2 == ["start", "decode 0", "decode 1", "decode 2", "decode 3", "merged"]
