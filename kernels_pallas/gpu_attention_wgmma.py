@@ -93,8 +93,9 @@ PERM8 = tuple(c for pair in WORD_PAIRS for c in pair)  # column 8u + p holds cha
 WINDOW_GROUP, ENTRY_GROUP = gpu_attention.WINDOW_SCALE_BLOCK, gpu_attention.ENTRY_SCALE_BLOCK
 _TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 [64, 256]
 _SPLAT = plgpu.Layout.WG_SPLAT(shape=())
-# Named barrier ids (ids 1, 2 are the warpgroups' own, Mosaic GPU's): both warpgroups meet at _CTA_BARRIER; the
-# others pass a tile between the roles, one side arriving, the other waiting (`_main_loop`).
+# Named barrier ids (ids 1, 2 are the warpgroups' own, Mosaic GPU's): warpgroups 0 and 1 meet at _CTA_BARRIER (the
+# partials' store); the others pass a tile between the roles, one side arriving, the other waiting (the kernel
+# body's hand-offs).
 _CTA_BARRIER = 8
 KEYS_READY, P_READY, P_FREE, STATS_READY, SLOT_FREE = 9, 11, 12, 13, 14  # KEYS_READY, SLOT_FREE: + slot
 
@@ -940,6 +941,19 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         def load(i):
             return _load_entries(n)(ev, es, ids_smem, seq, jnp.clip(i, 0, count - 1))
 
+        def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> tile 1's rows
+            plgpu.set_max_registers(REGISTERS[group], action="increase" if group == 1 else "decrease")
+            _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
+            raw = load(0)
+            pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
+            stamp(point, group)
+            return load(1)
+
+        def decode_next(i, slot, raw, group, point):  # in tile i's (slot's) iteration: tile i + 1 from raw; -> tile
+            pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, raw))  # i + 2's rows
+            stamp(point, group)
+            return load(i + 2)  # lands during this iteration's other work
+
         def pv(acc, a, slot, half):
             def run(acc_ref):
                 if "pv" not in skip:
@@ -1010,18 +1024,12 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 1)
         def _values():  # every tile's rows 0..31, a tile ahead; p . keys[:, 256:] with warpgroup 0's p
-            plgpu.set_max_registers(REGISTERS[1], action="increase")
-            _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
-            raw = load(0)
-            pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
-            stamp(2, 1)
+            raw = start_decoding(1, 2)
 
             def tile(i, carry):
                 acc, raw = carry
                 slot = i % 2
-                pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, raw))
-                stamp(3 + 3 * i, 1)
-                raw = load(i + 2)  # lands during this tile's p . v
+                raw = decode_next(i, slot, raw, 1, 3 + 3 * i)
                 wait(P_READY)
                 stamp(4 + 3 * i, 1)
                 acc = acc * lax.broadcast_in_dim(plgpu.load(rows_smem.at[0], layout=row_layout), acc.shape, [0])
@@ -1030,7 +1038,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 stamp(5 + 3 * i, 1)
                 return acc, raw
 
-            acc, _ = lax.fori_loop(0, count, tile, (acc0, load(1)))
+            acc, _ = lax.fori_loop(0, count, tile, (acc0, raw))
             missing(1, 3, 3 * per, 3 * count)
             wait(STATS_READY)
             stamp(3 + 3 * per, 1)
@@ -1039,18 +1047,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 2)
         def _decoder():  # every tile's rows 32..63, a tile ahead; the merge's cluster barriers with the others
-            plgpu.set_max_registers(REGISTERS[2], action="decrease")
-            _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
-            raw = load(0)
-            pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
-            stamp(1, 2)
-
-            def tile(i, raw):
-                pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - i % 2, i > 0, raw))
-                stamp(2 + i, 2)
-                return load(i + 2)
-
-            lax.fori_loop(0, count, tile, load(1))
+            lax.fori_loop(0, count, lambda i, raw: decode_next(i, i % 2, raw, 2, 2 + i), start_decoding(2, 1))
             missing(2, 2, per, count)
             if merged and "store" not in skip:
                 _cluster_syncs(2 if splits > 1 else 1)()

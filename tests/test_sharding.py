@@ -293,8 +293,8 @@ def test_sharded_speculative_steps_emit_the_one_device_greedy_tokens():
 
 def test_empty_draft_rings_are_made_on_the_mesh():
     """`Placement.new_window` (the engine's and `ShardedModel.init_draft_window`'s): zero rings split like the
-    cache's window rings, made by a program with no input whose outputs are those shards (each device writes its
-    own: made on one device and then placed, rings sized to the devices' memory would not fit the first)."""
+    cache's window rings, made where they live: no transfer (made on one device and then placed, rings sized to the
+    devices' memory would not fit the first)."""
     from tests.configs import TINY5
 
     if len(jax.devices()) < 8:
@@ -302,18 +302,15 @@ def test_empty_draft_rings_are_made_on_the_mesh():
     cfg, b = TINY5, 4
     mesh = S.make_mesh(cfg, "data=2,expert=4", batch=b)
     placement = shard_model(cfg, d.init_params(cfg, seed=0), mesh, batch=b).placement
-    window = placement.new_window(cfg)
+    placement.new_window(cfg)  # compiled here: the transfer guard below watches the call alone
+    with jax.transfer_guard("disallow"):  # made on one device and then split, the rings would be transferred
+        window = placement.new_window(cfg)
     want = placement.window_shardings(window)
     ref = d.api.init_draft_window(cfg, b)
     for got, sharding, zeros in zip(jax.tree.leaves(window), jax.tree.leaves(want), jax.tree.leaves(ref), strict=True):
         assert got.sharding.is_equivalent_to(sharding, got.ndim) and got.shape == zeros.shape
         assert got.addressable_shards[0].data.shape[1] * 2 == got.shape[1]  # a device holds its half of the batch
         assert not np.any(np.asarray(got))
-    made = S._empty_window_program(placement, cfg).lower().compile()
-    assert made.in_tree.num_leaves == 0  # nothing goes in: the zeros are written where they live
-    for got, sharding, leaf in zip(jax.tree.leaves(made.output_shardings), jax.tree.leaves(want),
-                                   jax.tree.leaves(window), strict=True):
-        assert got.is_equivalent_to(sharding, leaf.ndim)
     bare = TINY5.replace(n_mtp_layers=0)
     with pytest.raises(ValueError, match="no DSpark draft stages"):
         shard_model(bare, d.init_params(bare, seed=0), mesh, batch=b).init_draft_window()

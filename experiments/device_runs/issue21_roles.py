@@ -40,7 +40,7 @@ import sys
 
 from experiments.device_runs._steps import OUT, step, tree_before
 from experiments.device_runs.issue21_prefetch import ablate_group, ptx_group
-from experiments.device_runs.issue21_timeline import gpu_tests, run_groups, timed_row
+from experiments.device_runs.issue21_timeline import SHARED_GROUPS, gpu_tests, run_groups, timed_row
 
 BEFORE = "build/before"
 
@@ -87,7 +87,7 @@ def before_group(say, groups) -> None:
 
 
 # The groups that time a kernel: `before` runs those of its command in each copy (attention when none is given)
-TIMING = ("attention", "attention_untimed", "model", "scan", "scan_untimed")
+TIMING = (*SHARED_GROUPS, "model")
 
 
 def main(groups: list[str]) -> int:
