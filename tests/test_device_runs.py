@@ -88,7 +88,8 @@ def test_run_groups_runs_the_groups_in_order_and_stops_at_failed_tests(tmp_path,
 
 def test_before_runs_each_earlier_form_in_its_own_tree(tmp_path, monkeypatch):
     """`issue21_roles before`: a `<name>.py` replaces the attention's kernel file in a copy of the tree, a folder is
-    copied over it at its paths; each copy runs the command's timing groups; the scan's tests join with a scan."""
+    copied over it at its paths; each copy runs the command's timing groups (and ptx when the command has it) with
+    its own $OUT folder; the scan's tests join with a scan."""
     from experiments.device_runs import issue21_roles as roles
     before, out = tmp_path / "before", tmp_path / "out"
     (before / "scan_q" / "kernels_pallas").mkdir(parents=True)
@@ -98,13 +99,13 @@ def test_before_runs_each_earlier_form_in_its_own_tree(tmp_path, monkeypatch):
 
     def tree(reverts, dest):
         root = tmp_path / os.path.basename(dest)
-        (root / "kernels_pallas").mkdir(parents=True)
+        (root / "kernels_pallas").mkdir(parents=True, exist_ok=True)
         return str(root)
 
     calls = []
 
-    def step(name, argv, timeout_s, cwd):
-        calls.append((name, argv[2:], cwd))
+    def step(name, argv, timeout_s, env, cwd):
+        calls.append((name, argv[2:], env["OUT"]))
         (out / f"{name}.log").write_text("timed")
 
     monkeypatch.setattr(roles, "BEFORE", str(before))
@@ -112,9 +113,14 @@ def test_before_runs_each_earlier_form_in_its_own_tree(tmp_path, monkeypatch):
     monkeypatch.setattr(roles, "tree_before", tree)
     monkeypatch.setattr(roles, "step", step)
     roles.before_group(lambda *a: None, ["scan"])
-    assert [(name, groups) for name, groups, _ in calls] == [("before_abc123", ["scan"]), ("before_scan_q", ["scan"])]
+    assert calls == [("before_abc123", ["scan"], str(out / "before_abc123")),
+                     ("before_scan_q", ["scan"], str(out / "before_scan_q"))]
     assert (tmp_path / "tree_abc123" / "kernels_pallas" / "gpu_attention_wgmma.py").read_text() == "the attention before"
     assert (tmp_path / "tree_scan_q" / "kernels_pallas" / "gpu_indexer_wgmma.py").read_text() == "the scan before"
+    calls.clear()
+    monkeypatch.setattr(roles, "run_groups", lambda groups, own, tests: own["before"](lambda *a: None, []))
+    roles.main(["tests", "model", "before", "ptx"])
+    assert [groups for _, groups, _ in calls] == [["model", "ptx"]] * 2
     assert roles.gpu_test_files(["tests", "scan", "before"]) == ("tests/test_attention_wgmma.py",
                                                                  "tests/test_indexer_wgmma.py")
     assert roles.gpu_test_files(["tests", "attention"]) == ("tests/test_attention_wgmma.py",)

@@ -9,7 +9,8 @@ Groups (default: tests attention ablate before ptx):
 - attention: `issue21_timeline`'s group (batch 64 and 8 at 128K, q f32 and bf16, timed from HBM, with the CTAs'
   timelines);
 - ablate: `issue21_prefetch`'s (the batch-64 kernel without its decode / wgmmas / both / store);
-- before: the command's timing groups (TIMING; attention when none is given: with timelines since the
+- before: the command's timing groups (TIMING; attention when none is given; and ptx when the command has it,
+  since the fortieth session: each copy's PTX and ptxas report under $OUT/before_<name>/mgpu; with timelines since the
   thirty-ninth session's end, untimed before) in a copy of the tree per `build/before/<name>.py` (carried: the
   attention's kernel file) or `build/before/<name>/` (copied over the tree: e.g. the scan's kernel), that commit's
   `kernels_pallas/gpu_attention_wgmma.py`: call 3 (with ablate): d5eba4e (lockstep warpgroups) and 8cdff13 (the
@@ -72,9 +73,10 @@ def model_group(say, rows) -> None:
 
 
 def before_group(say, groups) -> None:
-    """Each earlier form in a copy of the tree, timed by `groups` of this script (its own log): `BEFORE/<name>.py`
-    is the attention's kernel file; a folder `BEFORE/<name>/` is copied over the tree (its files at their paths in
-    the repository: another kernel, or several files)."""
+    """Each earlier form in a copy of the tree, run with `groups` of this script (its logs, and with ptx its PTX and
+    ptxas report, under $OUT/before_<name>/): `BEFORE/<name>.py` is the attention's kernel file; a folder
+    `BEFORE/<name>/` is copied over the tree (its files at their paths in the repository: another kernel, or
+    several files)."""
     for entry in sorted(os.listdir(BEFORE)):
         name, src = entry.removesuffix(".py"), os.path.join(BEFORE, entry)
         tree = tree_before([], f"/tmp/tree_{name}")
@@ -82,7 +84,8 @@ def before_group(say, groups) -> None:
             shutil.copytree(src, tree, dirs_exist_ok=True)
         else:
             shutil.copy(src, os.path.join(tree, "kernels_pallas", "gpu_attention_wgmma.py"))
-        step(f"before_{name}", ["-m", "experiments.device_runs.issue21_roles", *groups], 300, cwd=tree)
+        step(f"before_{name}", ["-m", "experiments.device_runs.issue21_roles", *groups], 300,
+             env={"OUT": os.path.join(OUT, f"before_{name}")}, cwd=tree)
         say(open(os.path.join(OUT, f"before_{name}.log")).read()[-2500:])
 
 
@@ -91,7 +94,7 @@ TIMING = (*SHARED_GROUPS, "model")
 
 
 def main(groups: list[str]) -> int:
-    timed = [g for g in groups if g in TIMING] or ["attention"]
+    timed = ([g for g in groups if g in TIMING] or ["attention"]) + [g for g in groups if g == "ptx"]
     return run_groups(groups, {"ablate": ablate_group, "model": model_group,
                                "before": lambda say, rows: before_group(say, timed),
                                "ptx": lambda say, rows: ptx_group(say)},
