@@ -8,8 +8,8 @@ Groups (default: tests attention scan sweep):
 - sweep: the scan at 128K x 8 and 1M x 8 over (CTAs wanted, tiles per step, pipeline stages): the default, one
   wave of 4 CTAs per SM, and deeper pipelines with the CTAs that fit (shared memory: q 16 KB + 17 KB per stage of
   4 tiles), each timed, at 128K with its timeline;
-- ablate: the attention at batch 64 (q bf16) with parts left out (`skip`: the decode, the wgmmas, both, the
-  store), timed from HBM: what each part costs in the kernel as it is (first run in the thirty-eighth session's
+- ablate: the attention at batch 64 (q bf16) with parts left out (`skip`: the decode, the logits' wgmmas, the p . v's,
+  both wgmmas, all three, the store), timed from HBM: what each part costs in the kernel as it is (first run in the thirty-eighth session's
   call 1, then by `issue21_roles`);
 - ptx: the attention kernel's PTX and ptxas report at batch 64 (Mosaic GPU's dumps, under $OUT/mgpu), for ptxas
   here (`ptxas -arch=sm_90a -v`: registers, spills, whether it serializes the wgmmas).
@@ -71,7 +71,9 @@ print(float(fn(q, window["values"], window["scales"], wvalid, entries["values"],
 """
 
 
-ABLATED = ((), ("decode",), ("qk", "pv"), ("decode", "qk", "pv"), ("store",))
+# The logits' and the p . v's wgmmas also apart (fortieth session): whether the logits' (both operands read from
+# shared memory, N = 64) cost more than their share of the tensor cores' work
+ABLATED = ((), ("decode",), ("qk",), ("pv",), ("qk", "pv"), ("decode", "qk", "pv"), ("store",))
 
 
 def ablate_group(say, rows) -> None:
