@@ -11,7 +11,8 @@ Groups (default: tests attention scan sweep):
 - ablate: the attention at batch 64 (q bf16) with parts left out (`skip`: the decode, the logits' wgmmas, the p . v's,
   both wgmmas, all three, the store), timed from HBM: what each part costs in the kernel as it is (first run in the thirty-eighth session's
   call 1, then by `issue21_roles`);
-- ptx: the attention kernel's PTX and ptxas report at batch 64 (Mosaic GPU's dumps, under $OUT/mgpu), for ptxas
+- ptx: the attention kernel's PTX and ptxas report at batch 64 and the scan's at 128K x 8 (since the fortieth
+  session; Mosaic GPU's dumps, under $OUT/mgpu), for ptxas
   here (`ptxas -arch=sm_90a -v`: registers, spills, whether it serializes the wgmmas).
 The group `before` (`attention`'s and `scan`'s timings in a copy of the tree with every row prefetched before q
 and the timing loop a fori_loop) ran at d5eba4e; its revert list is in that commit. Two A/Bs of candidates not kept
@@ -64,11 +65,15 @@ def sweep_group(say, rows) -> None:
 PTX_SNIPPET = """
 import functools, jax, jax.numpy as jnp
 from experiments import bench_kernels as bk
-from kernels_pallas import gpu_attention_wgmma as att
+from kernels_pallas import gpu_attention_wgmma as att, gpu_indexer_wgmma as scan
 q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(0), 64, 1 << 17)
 fn = functools.partial(att.sparse_attention_wgmma, scale=bk.D_ATT ** -0.5)
 print(float(fn(q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink).sum()))
+q, w, keys = bk.index_data(jax.random.key(1), 8, 1 << 17)
+reach = jnp.full((8,), (1 << 17) - 5, jnp.int32)
+print(float(jnp.nan_to_num(scan.indexer_scores_wgmma(q, w, keys["values"], keys["scales"], reach, q_parts=1)).sum()))
 """
+DUMPED = ("sparse_attention", "indexer_scores")  # the kernels whose PTX and ptxas report ptx_group keeps
 
 
 # The logits' and the p . v's wgmmas also apart (fortieth session): whether the logits' (both operands read from
@@ -102,7 +107,7 @@ def ptx_group(say) -> None:
     say("ptx dump rc", run.returncode, (run.stdout + run.stderr)[-1500:])
     os.makedirs(os.path.join(OUT, "mgpu"), exist_ok=True)
     for f in sorted(os.listdir(tmp)):
-        if "sparse_attention" in f and f.endswith((".ptx", ".ptxas")):
+        if any(k in f for k in DUMPED) and f.endswith((".ptx", ".ptxas")):
             shutil.copy(os.path.join(tmp, f), os.path.join(OUT, "mgpu", f))
             say("dumped", f)
 
