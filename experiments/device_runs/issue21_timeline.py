@@ -9,7 +9,8 @@ Groups (default: tests scan attention):
   1M x 8;
 - attention: the wgmma attention at batch 64 (2 ranges merged) and 8 (10 ranges, partials) from HBM, q in f32
   and in bf16 (the model's), and the CTAs' timelines (with per-tile points since call 2: each tile's logits, the
-  next tile's decode beside them, and its p . v; "logits *" / "p.v *" sum them per CTA);
+  next tile's decode beside them, and its p . v; "logits *" / "p.v *" sum them per CTA); attention_b64 (since
+  the fortieth session): batch 64 with bf16 q alone, with its timeline, to screen candidates in `before`;
 - sweep: the scan at 128K x 8 over CTAs and tiles per step, the attention at batch 64 over key ranges, each
   timed and with its timeline.
 
@@ -112,7 +113,9 @@ def say_timeline(say, label: str, phases: dict) -> None:
         say(f"{label}:", phases)
 
 
-def attention_group(say, rows, timelines: bool) -> None:
+def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("float32", "bfloat16")) -> None:
+    """The wgmma attention at 128K entries for each batch and q dtype, timed from HBM with its error against the
+    float32 twin, and (timelines) its CTAs' timeline with bf16 q."""
     import functools
 
     import jax
@@ -125,9 +128,9 @@ def attention_group(say, rows, timelines: bool) -> None:
     peak = bk.copy_bandwidth(2.0)
     say(f"copy peak {peak / 1e9:.0f} GB/s")
     scale = bk.D_ATT ** -0.5
-    for b in (64, 8):
+    for b in batches:
         q32, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17, jnp.float32)
-        for q in (q32, q32.astype(jnp.bfloat16)):  # the model's q is bf16
+        for q in (q32.astype(dt) for dt in q_dtypes):  # the model's q is bf16
             moved = bk.attention_bytes(q, window, wvalid, entries, idx)
             args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
             ref = ops.sparse_attention_decode(q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx,
@@ -196,6 +199,8 @@ SHARED_GROUPS = {
     "scan_untimed": lambda say, rows: scan_group(say, rows, timelines=False),
     "attention": lambda say, rows: attention_group(say, rows, timelines=True),
     "attention_untimed": lambda say, rows: attention_group(say, rows, timelines=False),
+    # candidates screened at the target's shape alone (batch 64, the model's bf16 q, with the timeline)
+    "attention_b64": lambda say, rows: attention_group(say, rows, timelines=True, batches=(64,), q_dtypes=("bfloat16",)),
 }
 
 
