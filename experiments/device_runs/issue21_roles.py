@@ -10,8 +10,8 @@ Groups (default: tests attention ablate before ptx):
   timelines);
 - ablate: `issue21_prefetch`'s (the batch-64 kernel without its decode / wgmmas / both / store);
 - before: the command's timing groups (TIMING; attention when none is given; and ptx when the command has it,
-  since the fortieth session: each copy's PTX and ptxas report under $OUT/before_<name>/mgpu; with timelines since the
-  thirty-ninth session's end, untimed before) in a copy of the tree per `build/before/<name>.py` (carried: the
+  since the fortieth session: each copy's PTX and ptxas report under $OUT/before_<name>/mgpu; with timelines
+  since the thirty-ninth session's end, untimed before) in a copy of the tree per `build/before/<name>.py` (carried: the
   attention's kernel file) or `build/before/<name>/` (copied over the tree: e.g. the scan's kernel), that commit's
   `kernels_pallas/gpu_attention_wgmma.py`: call 3 (with ablate): d5eba4e (lockstep warpgroups) and 8cdff13 (the
   two roles, each entry tile's rows loaded when it is decoded); call 4: d5eba4e, f36d2fe (rows loaded a tile

@@ -200,7 +200,8 @@ SHARED_GROUPS = {
     "attention": lambda say, rows: attention_group(say, rows, timelines=True),
     "attention_untimed": lambda say, rows: attention_group(say, rows, timelines=False),
     # candidates screened at the target's shape alone (batch 64, the model's bf16 q, with the timeline)
-    "attention_b64": lambda say, rows: attention_group(say, rows, timelines=True, batches=(64,), q_dtypes=("bfloat16",)),
+    "attention_b64": lambda say, rows: attention_group(say, rows, timelines=True, batches=(64,),
+                                                       q_dtypes=("bfloat16",)),
 }
 
 
