@@ -121,6 +121,9 @@ def test_before_runs_each_earlier_form_in_its_own_tree(tmp_path, monkeypatch):
     monkeypatch.setattr(roles, "run_groups", lambda groups, own, tests: own["before"](lambda *a: None, []))
     roles.main(["tests", "model", "before", "ptx"])
     assert [groups for _, groups, _ in calls] == [["model", "ptx"]] * 2
+    assert roles.ptx_kernels(["tests", "attention_b64", "before", "ptx"]) == ("attention",)
+    assert roles.ptx_kernels(["scan", "ptx"]) == ("scan",) and roles.ptx_kernels(["ptx"]) == ("attention",)
+    assert roles.ptx_kernels(["model", "scan_untimed", "ptx"]) == ("attention", "scan")
     assert roles.gpu_test_files(["tests", "scan", "before"]) == ("tests/test_attention_wgmma.py",
                                                                  "tests/test_indexer_wgmma.py")
     assert roles.gpu_test_files(["tests", "attention"]) == ("tests/test_attention_wgmma.py",)

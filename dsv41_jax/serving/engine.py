@@ -229,7 +229,6 @@ class Engine:
                       else init_cache(cfg, self.n_slots, ecfg.capacity))
         self.window = None
         if ecfg.speculative:  # the draft rings, made on the mesh with one (each device its own shards)
-            api.check_dspark(cfg)
             self.window = self.placement.new_window(cfg) if self.placement else api.init_draft_window(cfg, self.n_slots)
         self._window_row = None  # speculative: the draft rings the last prefill filled (batch 1)
         self._empty_row = rows.to_host(rows.take_row(self.cache, 0))

@@ -61,19 +61,26 @@ def sweep_group(say, rows) -> None:
         del q, w, rec, args
 
 
-# the attention at batch 64 compiled and run once, in a process that dumps Mosaic GPU's PTX and ptxas report
-PTX_SNIPPET = """
-import functools, jax, jax.numpy as jnp
+# Each kernel compiled and run once (the attention at batch 64, the scan at 128K x 8, the dispatch's q_parts 1), in a
+# process that dumps Mosaic GPU's PTX and ptxas report: {kernel: (the snippet, the dumps' name)}
+PTX_SNIPPETS = {
+    "attention": ("""
+import functools, jax
 from experiments import bench_kernels as bk
-from kernels_pallas import gpu_attention_wgmma as att, gpu_indexer_wgmma as scan
+from kernels_pallas import gpu_attention_wgmma as att
 q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(0), 64, 1 << 17)
 fn = functools.partial(att.sparse_attention_wgmma, scale=bk.D_ATT ** -0.5)
 print(float(fn(q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink).sum()))
+""", "sparse_attention"),
+    "scan": ("""
+import jax, jax.numpy as jnp
+from experiments import bench_kernels as bk
+from kernels_pallas import gpu_indexer_wgmma as scan
 q, w, keys = bk.index_data(jax.random.key(1), 8, 1 << 17)
 reach = jnp.full((8,), (1 << 17) - 5, jnp.int32)
 print(float(jnp.nan_to_num(scan.indexer_scores_wgmma(q, w, keys["values"], keys["scales"], reach, q_parts=1)).sum()))
-"""
-DUMPED = ("sparse_attention", "indexer_scores")  # the kernels whose PTX and ptxas report ptx_group keeps
+""", "indexer_scores"),
+}
 
 
 # The logits' and the p . v's wgmmas also apart (fortieth session): whether the logits' (both operands read from
@@ -97,17 +104,19 @@ def ablate_group(say, rows) -> None:
                   moved, peak)
 
 
-def ptx_group(say) -> None:
+def ptx_group(say, kernels=tuple(PTX_SNIPPETS)) -> None:
+    """`kernels`' (of PTX_SNIPPETS) PTX and ptxas reports under $OUT/mgpu."""
     tmp = "/tmp/mgpu_dump"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false", "MOSAIC_GPU_DUMP_PTX": "1",
            "MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_TO": tmp, "PYTHONPATH": "."}
-    run = subprocess.run([sys.executable, "-c", PTX_SNIPPET], capture_output=True, text=True, timeout=240, env=env)
+    snippet = "".join(PTX_SNIPPETS[k][0] for k in kernels)
+    run = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=240, env=env)
     say("ptx dump rc", run.returncode, (run.stdout + run.stderr)[-1500:])
     os.makedirs(os.path.join(OUT, "mgpu"), exist_ok=True)
     for f in sorted(os.listdir(tmp)):
-        if any(k in f for k in DUMPED) and f.endswith((".ptx", ".ptxas")):
+        if any(PTX_SNIPPETS[k][1] in f for k in kernels) and f.endswith((".ptx", ".ptxas")):
             shutil.copy(os.path.join(tmp, f), os.path.join(OUT, "mgpu", f))
             say("dumped", f)
 

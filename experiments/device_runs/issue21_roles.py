@@ -26,7 +26,8 @@ Groups (default: tests attention ablate before ptx):
   turn the output back, bf16 out) at batch 64 and 8, timed from HBM (moved: the bf16 output and the angles), its
   error against `gpu_attention.unrotated` of the f32 twin (since 870d38e the merged kernel turns and casts its
   rows itself; before, XLA did after the kernel);
-- ptx: `issue21_prefetch`'s (the kernel's PTX and ptxas report: registers, spills).
+- ptx: `issue21_prefetch`'s (PTX and ptxas report: registers, spills) of the kernels the command times
+  (`ptx_kernels`).
 
     mkdir -p build/before && for c in 4817d20; do
       git show $c:kernels_pallas/gpu_attention_wgmma.py > build/before/$c.py; done
@@ -97,8 +98,16 @@ def main(groups: list[str]) -> int:
     timed = ([g for g in groups if g in TIMING] or ["attention"]) + [g for g in groups if g == "ptx"]
     return run_groups(groups, {"ablate": ablate_group, "model": model_group,
                                "before": lambda say, rows: before_group(say, timed),
-                               "ptx": lambda say, rows: ptx_group(say)},
+                               "ptx": lambda say, rows: ptx_group(say, ptx_kernels(groups))},
                       tests=lambda say: gpu_tests(say, gpu_test_files(groups), 330))
+
+
+def ptx_kernels(groups: list[str]) -> tuple[str, ...]:
+    """The kernels whose PTX the ptx group dumps: the scan's with a scan group, the attention's with any other (a copy
+    of the tree in `before` recompiles only what it times)."""
+    timed = [g for g in groups if g in TIMING or g == "ablate"]
+    return tuple(k for k, wanted in (("attention", not timed or any(not g.startswith("scan") for g in timed)),
+                                     ("scan", any(g.startswith("scan") for g in timed))) if wanted)
 
 
 def gpu_test_files(groups: list[str]) -> tuple[str, ...]:
