@@ -428,16 +428,10 @@ def generate(cfg: ModelConfig, params, cache: Cache, tokens_b, n_steps: int, *, 
 
 
 # ----------------------------------------------------------------------------- DSpark speculative decoding
-def check_dspark(cfg: ModelConfig) -> None:
-    """A clear error where a config without DSpark stages meets a speculative path (its rings would be empty)."""
-    if not cfg.has_dspark:
-        raise ValueError("this config has no DSpark draft stages (n_mtp_layers or dspark_block_size is 0); "
-                         "speculative decoding needs a config and params with them")
-
 
 def init_draft_window(cfg: ModelConfig, batch: int) -> dict:
     """Empty DSpark draft rings for `batch` sequences (see dsv41_jax.dspark); they follow the cache's lengths."""
-    check_dspark(cfg)
+    dspark.check_stages(cfg)
     return dspark.init_draft_window(cfg, batch)
 
 
@@ -473,7 +467,7 @@ def speculative_prefill(cfg: ModelConfig, params, cache: Cache, window: dict, to
     (logits f32 [B, V] at each prompt's last token, cache, window). Cache and window are donated.
     placement: run on a mesh (module docstring), the rings split like the cache's window.
     """
-    check_dspark(cfg)
+    dspark.check_stages(cfg)
     tokens_bt = jnp.asarray(tokens_bt)
     if tokens_bt.ndim != 2 or tokens_bt.shape[0] != cache.batch or tokens_bt.shape[1] == 0:
         raise ValueError(f"tokens must be [batch={cache.batch}, tokens >= 1], got shape {tokens_bt.shape}")
@@ -524,7 +518,7 @@ def speculative_generate(cfg: ModelConfig, params, cache: Cache, window: dict, t
     step), accepted int32 [B, n_steps] (drafts accepted per step), next tokens_b, cache, window).
     placement: run on a mesh (module docstring), the rings split like the cache's window.
     """
-    check_dspark(cfg)
+    dspark.check_stages(cfg)
     tokens_b = _check_next_tokens(cfg, cache, tokens_b)
     if not isinstance(n_steps, int) or n_steps < 1:
         raise ValueError(f"n_steps must be a positive int, got {n_steps!r}")

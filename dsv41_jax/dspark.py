@@ -130,6 +130,13 @@ class DSparkStage(MixedBlock):
 
 
 # ----------------------------------------------------------------------------- draft rings and draft forward
+def check_stages(cfg: ModelConfig) -> None:
+    """A clear error where a config without DSpark stages meets a speculative path (its rings would be empty)."""
+    if not cfg.has_dspark:
+        raise ValueError("this config has no DSpark draft stages (n_mtp_layers or dspark_block_size is 0); "
+                         "speculative decoding needs a config and params with them")
+
+
 def init_draft_window(cfg: ModelConfig, batch: int) -> dict:
     """Empty draft rings: window records [n_mtp_layers, B, W, ...] in the window-KV format."""
     shapes = formats_of(cfg).window_kv.shapes((cfg.n_mtp_layers, batch, cfg.window_size), cfg.head_dim)

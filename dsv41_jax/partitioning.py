@@ -314,10 +314,10 @@ class Placement:
     def new_window(self, cfg: ModelConfig) -> dict:
         """Empty DSpark draft rings (`api.init_draft_window`) for the placement's batch made on the mesh, split like
         the cache's window rings: each device writes only its own shards (as `new_cache`). A config without draft
-        stages is refused (`api.check_dspark`)."""
-        from dsv41_jax import api  # api imports this module
+        stages is refused (`dspark.check_stages`)."""
+        from dsv41_jax import dspark  # dspark's modules import this one
 
-        api.check_dspark(cfg)
+        dspark.check_stages(cfg)
         return _empty_window_program(self, cfg)()
 
     def put_window(self, window: dict) -> dict:
