@@ -941,18 +941,18 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         def load(i):
             return _load_entries(n)(ev, es, ids_smem, seq, jnp.clip(i, 0, count - 1))
 
-        def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> tiles 1 and 2's rows
+        def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> tile 1's rows
             plgpu.set_max_registers(REGISTERS[group], action="increase" if group == 1 else "decrease")
             _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
-            raw, ahead = load(0), (load(1), load(2))
+            raw = load(0)
             pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
             stamp(point, group)
-            return ahead
+            return load(1)
 
-        def decode_next(i, slot, ahead, group, point):  # in tile i's (slot's) iteration: tile i + 1 from the rows
-            pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, ahead[0]))  # held; -> tiles i + 2 and
-            stamp(point, group)  # i + 3's: the latter lands during this and the next iteration's other work
-            return ahead[1], load(i + 3)
+        def decode_next(i, slot, raw, group, point):  # in tile i's (slot's) iteration: tile i + 1 from raw; -> tile
+            pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, raw))  # i + 2's rows
+            stamp(point, group)
+            return load(i + 2)  # lands during this iteration's other work
 
         def pv(acc, a, slot, half):
             def run(acc_ref):
@@ -1024,21 +1024,21 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 1)
         def _values():  # every tile's rows 0..31, a tile ahead; p . keys[:, 256:] with warpgroup 0's p
-            ahead = start_decoding(1, 2)
+            raw = start_decoding(1, 2)
 
             def tile(i, carry):
-                acc, ahead = carry
+                acc, raw = carry
                 slot = i % 2
-                ahead = decode_next(i, slot, ahead, 1, 3 + 3 * i)
+                raw = decode_next(i, slot, raw, 1, 3 + 3 * i)
                 wait(P_READY)
                 stamp(4 + 3 * i, 1)
                 acc = acc * lax.broadcast_in_dim(plgpu.load(rows_smem.at[0], layout=row_layout), acc.shape, [0])
                 acc = pv(acc, p_smem, slot, 1)
                 pl.when(i + 1 < count)(lambda: arrive(P_FREE))
                 stamp(5 + 3 * i, 1)
-                return acc, ahead
+                return acc, raw
 
-            acc, _ = lax.fori_loop(0, count, tile, (acc0, ahead))
+            acc, _ = lax.fori_loop(0, count, tile, (acc0, raw))
             missing(1, 3, 3 * per, 3 * count)
             wait(STATS_READY)
             stamp(3 + 3 * per, 1)
@@ -1047,7 +1047,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 2)
         def _decoder():  # every tile's rows 32..63, a tile ahead; the merge's cluster barriers with the others
-            lax.fori_loop(0, count, lambda i, ahead: decode_next(i, i % 2, ahead, 2, 2 + i), start_decoding(2, 1))
+            lax.fori_loop(0, count, lambda i, raw: decode_next(i, i % 2, raw, 2, 2 + i), start_decoding(2, 1))
             missing(2, 2, per, count)
             if merged and "store" not in skip:
                 _cluster_syncs(2 if splits > 1 else 1)()
