@@ -274,19 +274,15 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
                 plgpu.barrier_wait(q_bar)
                 gpu_timeline.stamp(tl_gmem, cta, 1)
 
-            # tile i + 1 of the step is decoded while tile i's wgmma runs (a second operand set in registers)
-            decoded = _decode_keys(0, decode_ptx)(k_smem, s_smem)
             for i in range(tiles_per_step):
-                def acc_scope(acc_ref, i=i, keys=decoded[0]):
+                def acc_scope(acc_ref, i=i):
+                    keys, e_max = _decode_keys(TP * i, decode_ptx)(k_smem, s_smem)
                     plgpu.wgmma(acc_ref, keys, q_smem.transpose((1, 0)))
-                    ahead = (_decode_keys(TP * (i + 1), decode_ptx)(k_smem, s_smem)
-                             if i + 1 < tiles_per_step else None)
                     plgpu.wgmma_wait(0)
-                    return acc_ref[...], ahead
+                    return acc_ref[...], e_max
 
-                acc, ahead = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
-                _epilogue(h, TP * i, q_parts)(acc, decoded[1], w_regs, o_gmem, seq, (first + t) * rows, reach)
-                decoded = ahead
+                acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
+                _epilogue(h, TP * i, q_parts)(acc, e_max, w_regs, o_gmem, seq, (first + t) * rows, reach)
 
         plgpu.emit_pipeline(
             step,
