@@ -74,7 +74,6 @@ import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
-from jax._src.lib.mlir.dialects import math as mlir_math
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -588,11 +587,8 @@ def _store_f32_rows(o, moves):
                                                ir.IntegerType.get_signless(8)), alignment=16)
 
 
-# f32 pair -> packed 16-bit pair (round to nearest even), per output element type; and back from f16
+# f32 pair -> packed 16-bit pair (round to nearest even), per output element type
 _PACK_PTX = {"bf16": "cvt.rn.bf16x2.f32 $0, $2, $1;", "f16": "cvt.rn.f16x2.f32 $0, $2, $1;"}
-_UNPACK_F16_PTX = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }"
-# The merge sends other CTAs' rows as f16 scaled so that a thread's largest |value| of the row is below 2**EXCHANGE_TOP
-EXCHANGE_TOP = 14
 
 
 def _store_unrotated_rows(o, cos, sin, b, moves):
@@ -715,19 +711,11 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
         stamp(0)
         recv = mgpu_utils.memref_ptr(k_smem)
 
-        def recv_offset(sender, row, c):  # f16 x 4 [S - 1 senders, 2 warpgroups, 16 c, R rows, 4 q] in the owner
+        def recv_offset(sender, row, c):  # f32 x 2 [S - 1 senders, 2 warpgroups, 32 c, R rows, 4 q] in the owner
             idx = sender
-            for stride, term in ((2, wg), (HALF // 16, i32_const(c)), (own_rows, row), (4, q)):
+            for stride, term in ((2, wg), (HALF // 8, i32_const(c)), (own_rows, row), (4, q)):
                 idx = arith.addi(arith.muli(idx, i32_const(stride)), term)
             return arith.muli(idx, i32_const(8))
-
-        def exp_offset(sender, row):  # i32 [S - 1, 2, R, 4] after the rows: each row's send factor's exponent
-            idx = sender
-            for stride, term in ((2, wg), (own_rows, row), (4, q)):
-                idx = arith.addi(arith.muli(idx, i32_const(stride)), term)
-            return arith.addi(arith.muli(idx, i32_const(4)), i32_const((splits - 1) * 2 * (HALF // 16) * own_rows * 4 * 8))
-
-        const = lambda v: arith.constant(i32, v)  # noqa: E731
 
         mine = []
         for half, row in enumerate(rows):
@@ -748,23 +736,9 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
                 with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, owner, s)):
                     sender = arith.subi(s, arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ugt, s, owner)))
                     remote = mgpu_utils.get_cluster_ptr(recv, owner, generic=False)
-                    # f16 times 2**(EXCHANGE_TOP - 1 - e) for the largest |value| in [2**e, 2**(e + 1)): half the
-                    # bytes of f32, 2**-11 of that largest value
-                    amax = functools.reduce(arith.maximumf, [mlir_math.absf(llvm.extractelement(v, const(j)))
-                                                             for v in vals for j in range(2)])
-                    e = arith.andi(arith.shrui(arith.bitcast(i32, amax), const(23)), const(255))
-                    k = arith.minsi(arith.maxsi(arith.subi(const(127 + 127 + EXCHANGE_TOP - 1), e), const(1)),
-                                    const(254))
-                    f = arith.bitcast(f32, arith.shli(k, const(23)))
-                    for c in range(HALF // 16):
-                        pair = llvm.mlir_undef(ir.VectorType.get((2,), i32))
-                        for t in range(2):
-                            x = [arith.mulf(llvm.extractelement(vals[2 * c + t], const(j)), f) for j in range(2)]
-                            pair = llvm.insertelement(pair, mgpu_utils.inline_ptx(_PACK_PTX["f16"], *x, result_types=i32),
-                                                      const(t))
-                        llvm.store(pair, mgpu_utils.getelementptr(remote, [recv_offset(sender, local, c)], i8),
+                    for c, vec in enumerate(vals):
+                        llvm.store(vec, mgpu_utils.getelementptr(remote, [recv_offset(sender, local, c)], i8),
                                    alignment=8)
-                    llvm.store(k, mgpu_utils.getelementptr(remote, [exp_offset(sender, local)], i8), alignment=4)
             mine.append((is_mine, local, vals))
         if splits > 1:
             mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)  # the others' rows are here
@@ -773,20 +747,8 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
         for is_mine, local, vals in mine:
             with mgpu_utils.when(is_mine):
                 for sender in range(splits - 1):
-                    k = llvm.load(i32, mgpu_utils.getelementptr(recv, [exp_offset(i32_const(sender), local)], i8),
-                                  alignment=4)
-                    inv = arith.bitcast(f32, arith.shli(arith.subi(const(254), k), const(23)))  # 1 / the factor
-                    for c in range(HALF // 16):
-                        pair = llvm.load(ir.VectorType.get((2,), i32), mgpu_utils.getelementptr(
-                            recv, [recv_offset(i32_const(sender), local, c)], i8), alignment=8)
-                        for t in range(2):
-                            got = mgpu_utils.inline_ptx(_UNPACK_F16_PTX, llvm.extractelement(pair, const(t)),
-                                                        result_types=[f32, f32])
-                            v = vals[2 * c + t]
-                            for j in range(2):
-                                v = llvm.insertelement(v, arith.addf(llvm.extractelement(v, const(j)),
-                                                                     arith.mulf(got[j], inv)), const(j))
-                            vals[2 * c + t] = v
+                    vals = [arith.addf(v, llvm.load(ir.VectorType.get((2,), f32), mgpu_utils.getelementptr(
+                        recv, [recv_offset(i32_const(sender), local, c)], i8), alignment=8)) for c, v in enumerate(vals)]
                 _stage_row(stage, local, q, vals)
         moves = _staged_moves(stage, own_rows, arith.addi(arith.muli(b, i32_const(H)), arith.muli(s, i32_const(own_rows))))
         stamp(2)
