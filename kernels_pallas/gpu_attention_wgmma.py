@@ -74,6 +74,7 @@ import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+from jax._src.lib.mlir.dialects import math as mlir_math
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -485,6 +486,7 @@ def _load_query():
 _CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
 # setmaxnreg per warpgroup (scores, values, decoder): at most 3 x 168 (64K registers over 384 threads) in all
 REGISTERS = (232, 192, 80)
+REGISTER_BUDGET = 3 * 168
 
 
 @functools.cache
@@ -587,8 +589,11 @@ def _store_f32_rows(o, moves):
                                                ir.IntegerType.get_signless(8)), alignment=16)
 
 
-# f32 pair -> packed 16-bit pair (round to nearest even), per output element type
+# f32 pair -> packed 16-bit pair (round to nearest even), per output element type; and back from f16
 _PACK_PTX = {"bf16": "cvt.rn.bf16x2.f32 $0, $2, $1;", "f16": "cvt.rn.f16x2.f32 $0, $2, $1;"}
+_UNPACK_F16_PTX = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }"
+# The merge sends other CTAs' rows as f16 scaled so that a thread's largest |value| of the row is below 2**EXCHANGE_TOP
+EXCHANGE_TOP = 14
 
 
 def _store_unrotated_rows(o, cos, sin, b, moves):
@@ -661,7 +666,7 @@ def _store_partials():
 
 
 @functools.cache
-def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
+def _store_merged(rotated: bool, splits: int, exchange: str, stamp_at: int | None = None):
     """inline_mgpu: (acc, m, l as `_store_partials`, the keys' and q's smem (free now), stats smem f32 [MAX_SPLITS,
     2, 64], sink f32 [64] (natural-log units), [rotated: cos, sin f32 [B, 256]], o gmem [B, 64, 512], b, s) -> o[b] =
     the softmax-weighted sum over the cluster's S key ranges (S divides 64) with the sink, in channel order (f32;
@@ -676,7 +681,8 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
     others' weighted rows go to their owner's key slots through distributed shared memory (st.shared::cluster,
     in register order: each thread's values land where the same thread of the owner reads them), all meet again,
     and each owner adds them to its own, stages its rows and stores them once. Until the thirty-eighth session
-    range 0 stored all 64 rows and the others added theirs with red.global.add after a second barrier.
+    range 0 stored all 64 rows and the others added theirs with red.global.add after a second barrier. exchange:
+    the rows sent as "f32", or as "f16" times a power of two per thread and row (`EXCHANGE_TOP`; half the bytes).
 
     stamp_at: with a timeline (two more arguments: its gmem, the CTA's row), its points stamp_at, + 1, + 2 after
     the statistics' barrier, the rows' exchange and the staging (`timeline_groups`)."""
@@ -690,6 +696,7 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
         refs, (tl, tl_row) = (refs[:-2], refs[-2:]) if timed else (refs, (None, None))
         cos, sin, o, b, s = refs if rotated else (None, None, *refs)
         i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
+        const = lambda v: arith.constant(i32, v)  # noqa: E731
         b, s = (a.registers.item() for a in (b, s))
 
         def stamp(k):  # point stamp_at + k, from thread 0 (warpgroup 0)
@@ -711,11 +718,60 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
         stamp(0)
         recv = mgpu_utils.memref_ptr(k_smem)
 
-        def recv_offset(sender, row, c):  # f32 x 2 [S - 1 senders, 2 warpgroups, 32 c, R rows, 4 q] in the owner
+        words = HALF // 8 if exchange == "f32" else HALF // 16  # 8 B words a thread sends of a row
+
+        def recv_offset(sender, row, c):  # 8 B [S - 1 senders, 2 warpgroups, words c, R rows, 4 q] in the owner
             idx = sender
-            for stride, term in ((2, wg), (HALF // 8, i32_const(c)), (own_rows, row), (4, q)):
+            for stride, term in ((2, wg), (words, i32_const(c)), (own_rows, row), (4, q)):
                 idx = arith.addi(arith.muli(idx, i32_const(stride)), term)
             return arith.muli(idx, i32_const(8))
+
+        def exp_offset(sender, row):  # f16: i32 [S - 1, 2, R, 4] after the rows, each row's send factor's exponent
+            idx = sender
+            for stride, term in ((2, wg), (own_rows, row), (4, q)):
+                idx = arith.addi(arith.muli(idx, i32_const(stride)), term)
+            return arith.addi(arith.muli(idx, i32_const(4)), i32_const((splits - 1) * 2 * words * own_rows * 4 * 8))
+
+        def send(remote, sender, local, vals):  # this thread's values of a row to its owner
+            if exchange == "f32":
+                for c, vec in enumerate(vals):
+                    llvm.store(vec, mgpu_utils.getelementptr(remote, [recv_offset(sender, local, c)], i8), alignment=8)
+                return
+            # f16 times 2**(EXCHANGE_TOP - 1 - e) for the largest |value| in [2**e, 2**(e + 1)): half the bytes
+            # of f32, within 2**-11 of that largest value
+            amax = functools.reduce(arith.maximumf, [mlir_math.absf(llvm.extractelement(v, const(j)))
+                                                     for v in vals for j in range(2)])
+            e = arith.andi(arith.shrui(arith.bitcast(i32, amax), const(23)), const(255))
+            k = arith.minsi(arith.maxsi(arith.subi(const(254 + EXCHANGE_TOP - 1), e), const(1)), const(254))
+            f = arith.bitcast(f32, arith.shli(k, const(23)))
+            for c in range(words):
+                pair = llvm.mlir_undef(ir.VectorType.get((2,), i32))
+                for t in range(2):
+                    x = [arith.mulf(llvm.extractelement(vals[2 * c + t], const(j)), f) for j in range(2)]
+                    pair = llvm.insertelement(pair, mgpu_utils.inline_ptx(_PACK_PTX["f16"], *x, result_types=i32),
+                                              const(t))
+                llvm.store(pair, mgpu_utils.getelementptr(remote, [recv_offset(sender, local, c)], i8), alignment=8)
+            llvm.store(k, mgpu_utils.getelementptr(remote, [exp_offset(sender, local)], i8), alignment=4)
+
+        def received(sender, local, vals):  # vals + what `sender` sent of the row
+            if exchange == "f32":
+                return [arith.addf(v, llvm.load(ir.VectorType.get((2,), f32), mgpu_utils.getelementptr(
+                    recv, [recv_offset(sender, local, c)], i8), alignment=8)) for c, v in enumerate(vals)]
+            k = llvm.load(i32, mgpu_utils.getelementptr(recv, [exp_offset(sender, local)], i8), alignment=4)
+            inv = arith.bitcast(f32, arith.shli(arith.subi(const(254), k), const(23)))  # 1 / the send factor
+            out = list(vals)
+            for c in range(words):
+                pair = llvm.load(ir.VectorType.get((2,), i32), mgpu_utils.getelementptr(
+                    recv, [recv_offset(sender, local, c)], i8), alignment=8)
+                for t in range(2):
+                    got = mgpu_utils.inline_ptx(_UNPACK_F16_PTX, llvm.extractelement(pair, const(t)),
+                                                result_types=[f32, f32])
+                    v = out[2 * c + t]
+                    for j in range(2):
+                        v = llvm.insertelement(v, arith.addf(llvm.extractelement(v, const(j)), arith.mulf(got[j], inv)),
+                                               const(j))
+                    out[2 * c + t] = v
+            return out
 
         mine = []
         for half, row in enumerate(rows):
@@ -735,10 +791,7 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
             if splits > 1:
                 with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, owner, s)):
                     sender = arith.subi(s, arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ugt, s, owner)))
-                    remote = mgpu_utils.get_cluster_ptr(recv, owner, generic=False)
-                    for c, vec in enumerate(vals):
-                        llvm.store(vec, mgpu_utils.getelementptr(remote, [recv_offset(sender, local, c)], i8),
-                                   alignment=8)
+                    send(mgpu_utils.get_cluster_ptr(recv, owner, generic=False), sender, local, vals)
             mine.append((is_mine, local, vals))
         if splits > 1:
             mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)  # the others' rows are here
@@ -747,8 +800,7 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
         for is_mine, local, vals in mine:
             with mgpu_utils.when(is_mine):
                 for sender in range(splits - 1):
-                    vals = [arith.addf(v, llvm.load(ir.VectorType.get((2,), f32), mgpu_utils.getelementptr(
-                        recv, [recv_offset(i32_const(sender), local, c)], i8), alignment=8)) for c, v in enumerate(vals)]
+                    vals = received(i32_const(sender), local, vals)
                 _stage_row(stage, local, q, vals)
         moves = _staged_moves(stage, own_rows, arith.addi(arith.muli(b, i32_const(H)), arith.muli(s, i32_const(own_rows))))
         stamp(2)
@@ -831,10 +883,12 @@ def timeline_names(tiles: int) -> list[str]:
     return [name for names in timeline_groups(tiles).values() for name in names]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline", "ahead",
+                                               "exchange", "registers"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
-                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False):
+                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False,
+                           ahead: int = 1, exchange: str = "f32", registers: tuple[int, int, int] = REGISTERS):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
@@ -844,9 +898,18 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong, but for the prefetch).
     unrotate, out_dtype: as `gpu_attention.sparse_attention`'s (partials merged and turned by
     `gpu_attention.combine_unrotated`). timeline: also return each CTA's `timeline_names(tiles per range)` points
-    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range)."""
+    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range). Forms to compare on a GPU (the
+    defaults are the measured kernel's): ahead, the entry tiles whose rows the decoders hold in registers before
+    their decode (1 or 2: 19 registers a tile); exchange, the merge's rows sent as "f32" or "f16"
+    (`_store_merged`); registers, `plgpu.set_max_registers` of the three warpgroups (REGISTERS)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
+    if ahead not in (1, 2) or exchange not in ("f32", "f16"):
+        raise ValueError(f"ahead takes 1 or 2 and exchange 'f32' or 'f16'; got ahead={ahead}, exchange={exchange!r}")
+    if (len(registers) != 3 or any(r % 8 or not 24 <= r <= 256 for r in registers)
+            or sum(registers) > REGISTER_BUDGET):
+        raise ValueError(f"registers={registers}: three multiples of 8 in [24, 256] (setmaxnreg) summing to at most "
+                         f"{REGISTER_BUDGET} (64K registers over 3 x 128 threads)")
     b, h, d = q_bhd.shape
     w, k, n = window_values.shape[1], idx_bk.shape[1], entry_values.shape[1]
     if (h, d) != (H, D) or w % T or window_values.shape != (b, w, D) or window_scales.shape != (b, w, D // WINDOW_GROUP):
@@ -941,18 +1004,18 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         def load(i):
             return _load_entries(n)(ev, es, ids_smem, seq, jnp.clip(i, 0, count - 1))
 
-        def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> tile 1's rows
-            plgpu.set_max_registers(REGISTERS[group], action="increase" if group == 1 else "decrease")
+        def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> the rows it holds
+            plgpu.set_max_registers(registers[group], action="increase" if group == 1 else "decrease")
             _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
-            raw = load(0)
+            raw, held = load(0), tuple(load(1 + j) for j in range(ahead - 1))
             pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
             stamp(point, group)
-            return load(1)
+            return (*held, load(ahead))  # the newest tile's after the decode, as in every iteration
 
-        def decode_next(i, slot, raw, group, point):  # in tile i's (slot's) iteration: tile i + 1 from raw; -> tile
-            pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, raw))  # i + 2's rows
-            stamp(point, group)
-            return load(i + 2)  # lands during this iteration's other work
+        def decode_next(i, slot, held, group, point):  # in tile i's (slot's) iteration: tile i + 1 from the rows
+            pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, held[0]))  # held; the rows of tile
+            stamp(point, group)  # i + 1 + ahead are loaded now, to land during the next `ahead` iterations' work
+            return (*held[1:], load(i + 1 + ahead))
 
         def pv(acc, a, slot, half):
             def run(acc_ref):
@@ -970,7 +1033,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 return
             if merged:
                 timed = (tl_gmem, seq * splits + part) if timeline else ()
-                _store_merged(rotated, splits, merge_points if timeline else None)(
+                _store_merged(rotated, splits, exchange, merge_points if timeline else None)(
                     acc, wide(m), wide(l), k_smem, q_smem, stats_smem, sink_gmem, *turn, o_gmem, seq, part, *timed)
             else:
                 _store_partials()(acc, wide(m), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
@@ -979,7 +1042,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 0)
         def _scores():  # the logits, the softmax and p . keys[:, :256]; p and its rows' rescale to warpgroup 1
-            plgpu.set_max_registers(REGISTERS[0], action="increase")
+            plgpu.set_max_registers(registers[0], action="increase")
             plgpu.commit_smem()  # its part of q, for the wgmmas
             pl.when(count > 0)(lambda: wait3(KEYS_READY))
             stamp(2)
@@ -1024,21 +1087,21 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 1)
         def _values():  # every tile's rows 0..31, a tile ahead; p . keys[:, 256:] with warpgroup 0's p
-            raw = start_decoding(1, 2)
+            held = start_decoding(1, 2)
 
             def tile(i, carry):
-                acc, raw = carry
+                acc, held = carry
                 slot = i % 2
-                raw = decode_next(i, slot, raw, 1, 3 + 3 * i)
+                held = decode_next(i, slot, held, 1, 3 + 3 * i)
                 wait(P_READY)
                 stamp(4 + 3 * i, 1)
                 acc = acc * lax.broadcast_in_dim(plgpu.load(rows_smem.at[0], layout=row_layout), acc.shape, [0])
                 acc = pv(acc, p_smem, slot, 1)
                 pl.when(i + 1 < count)(lambda: arrive(P_FREE))
                 stamp(5 + 3 * i, 1)
-                return acc, raw
+                return acc, held
 
-            acc, _ = lax.fori_loop(0, count, tile, (acc0, raw))
+            acc, _ = lax.fori_loop(0, count, tile, (acc0, held))
             missing(1, 3, 3 * per, 3 * count)
             wait(STATS_READY)
             stamp(3 + 3 * per, 1)
@@ -1047,7 +1110,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 2)
         def _decoder():  # every tile's rows 32..63, a tile ahead; the merge's cluster barriers with the others
-            lax.fori_loop(0, count, lambda i, raw: decode_next(i, i % 2, raw, 2, 2 + i), start_decoding(2, 1))
+            lax.fori_loop(0, count, lambda i, held: decode_next(i, i % 2, held, 2, 2 + i), start_decoding(2, 1))
             missing(2, 2, per, count)
             if merged and "store" not in skip:
                 _cluster_syncs(2 if splits > 1 else 1)()

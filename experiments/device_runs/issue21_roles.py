@@ -27,7 +27,13 @@ Groups (default: tests attention ablate before ptx):
   error against `gpu_attention.unrotated` of the f32 twin (since 870d38e the merged kernel turns and casts its
   rows itself; before, XLA did after the kernel);
 - ptx: `issue21_prefetch`'s (PTX and ptxas report: registers, spills) of the kernels the command times
-  (`ptx_kernels`).
+  (`ptx_kernels`);
+- attention_forms, scan_forms (since the forty-first session): the kernels' forms to compare, keyword arguments
+  of the kernels (ATTENTION_FORMS: the entry rows two tiles ahead, the merge's rows in f16, the registers;
+  SCAN_FORMS: the next tile's decode under the wgmma, q loaded by the CTA), all in one process: attention at
+  batch 64 with bf16 q and its timeline, the scan at 128K and 1M x 8, each with its error against its twin.
+  No copies of the tree: `... issue21_roles tests attention_forms scan_forms` (the tests hold the forms' GPU
+  cases).
 
     mkdir -p build/before && for c in 4817d20; do
       git show $c:kernels_pallas/gpu_attention_wgmma.py > build/before/$c.py; done
@@ -73,6 +79,69 @@ def model_group(say, rows) -> None:
         del q, window, entries, args, ref
 
 
+# The kernels' forms to compare (their keyword arguments; {} the measured default), timed in one process
+ATTENTION_FORMS = ({}, {"ahead": 2}, {"exchange": "f16"}, {"ahead": 2, "exchange": "f16"},
+                   {"ahead": 2, "registers": (224, 200, 80)})
+SCAN_FORMS = ({}, {"overlap": True}, {"load_query": True}, {"overlap": True, "load_query": True})
+
+
+def attention_forms_group(say, rows) -> None:
+    """The attention at batch 64 (bf16 q, 128K entries) in each of ATTENTION_FORMS, timed from HBM with its error
+    against the float32 twin and its CTAs' timeline."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax import ops, quant
+    from experiments import bench_kernels as bk
+    from experiments.device_runs.issue21_timeline import attention_points, say_timeline, timeline
+    from kernels_pallas import gpu_attention_wgmma as att
+
+    peak = bk.copy_bandwidth(2.0)
+    say(f"copy peak {peak / 1e9:.0f} GB/s")
+    scale = bk.D_ATT ** -0.5
+    q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(64), 64, 1 << 17, jnp.float32)
+    q = q.astype(jnp.bfloat16)
+    moved = bk.attention_bytes(q, window, wvalid, entries, idx)
+    args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
+    ref = ops.sparse_attention_decode(q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx,
+                                      quant.MAIN_KV, sink, scale)
+    for form in ATTENTION_FORMS:
+        fn = functools.partial(att.sparse_attention_wgmma, scale=scale, **form)
+        err = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
+        shape = f"128K x 64, q bf16, {form or 'default'}"
+        timed_row(say, rows, "attention", shape, fn, args, 7, moved, peak, f"{err:.1e}")
+        say_timeline(say, f"timeline {shape}", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args,
+                                                        attention_points))
+
+
+def scan_forms_group(say, rows) -> None:
+    """The scan (q_parts 1, the dispatch's) at 128K and 1M x 8 in each of SCAN_FORMS, timed from HBM with its error
+    against the jnp twin."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from experiments import bench_kernels as bk
+    from experiments.device_runs.issue21_alu_decode import scan_error
+    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
+
+    peak = bk.copy_bandwidth(2.0)
+    say(f"copy peak {peak / 1e9:.0f} GB/s")
+    for ctx in (131072, 1048576):
+        q, w, rec = bk.index_data(jax.random.key(ctx + 8), 8, ctx)
+        args = (q, w, rec["values"], rec["scales"], jnp.full((8,), ctx - 5, jnp.int32))
+        moved = bk.nbytes(rec) + 8 * ctx * 4
+        want = gpu_indexer.indexer_scores(*args)
+        for form in SCAN_FORMS:
+            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **form)
+            timed_row(say, rows, "scan", f"{ctx} x 8, {form or 'default'}", fn, args, 1, moved, peak,
+                      scan_error(fn(*args), want))
+        del q, w, rec, args, want
+
+
 def before_group(say, groups) -> None:
     """Each earlier form in a copy of the tree, run with `groups` of this script (its logs, and with ptx its PTX and
     ptxas report, under $OUT/before_<name>/): `BEFORE/<name>.py` is the attention's kernel file; a folder
@@ -96,7 +165,8 @@ TIMING = (*SHARED_GROUPS, "model")
 
 def main(groups: list[str]) -> int:
     timed = ([g for g in groups if g in TIMING] or ["attention"]) + [g for g in groups if g == "ptx"]
-    return run_groups(groups, {"ablate": ablate_group, "model": model_group,
+    return run_groups(groups, {"ablate": ablate_group, "model": model_group, "attention_forms": attention_forms_group,
+                               "scan_forms": scan_forms_group,
                                "before": lambda say, rows: before_group(say, timed),
                                "ptx": lambda say, rows: ptx_group(say, ptx_kernels(groups))},
                       tests=lambda say: gpu_tests(say, gpu_test_files(groups), 330))
