@@ -906,10 +906,12 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     if ahead not in (1, 2) or exchange not in ("f32", "f16"):
         raise ValueError(f"ahead takes 1 or 2 and exchange 'f32' or 'f16'; got ahead={ahead}, exchange={exchange!r}")
+    even = REGISTER_BUDGET // 3  # each warpgroup's at launch: warpgroups 0 and 1 grow from it, 2 shrinks
     if (len(registers) != 3 or any(r % 8 or not 24 <= r <= 256 for r in registers)
-            or sum(registers) > REGISTER_BUDGET):
+            or sum(registers) > REGISTER_BUDGET or min(registers[:2]) < even or registers[2] > even):
         raise ValueError(f"registers={registers}: three multiples of 8 in [24, 256] (setmaxnreg) summing to at most "
-                         f"{REGISTER_BUDGET} (64K registers over 3 x 128 threads)")
+                         f"{REGISTER_BUDGET} (64K registers over 3 x 128 threads), the first two at least {even} "
+                         f"and the third at most {even}")
     b, h, d = q_bhd.shape
     w, k, n = window_values.shape[1], idx_bk.shape[1], entry_values.shape[1]
     if (h, d) != (H, D) or w % T or window_values.shape != (b, w, D) or window_scales.shape != (b, w, D // WINDOW_GROUP):

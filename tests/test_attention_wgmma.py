@@ -100,7 +100,8 @@ def test_lowers_for_cuda():
             assert "sparse_attention_wgmma" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     for form, match in ((dict(ahead=3), "ahead takes 1 or 2"), (dict(exchange="bf16"), "exchange 'f32' or 'f16'"),
                         (dict(registers=(240, 200, 80)), "summing to at most"),
-                        (dict(registers=(228, 196, 80)), "multiples of 8")):
+                        (dict(registers=(228, 196, 80)), "multiples of 8"),
+                        (dict(registers=(160, 168, 176)), "the first two at least 168")):
         with pytest.raises(ValueError, match=match):
             jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, **form)).trace(*args)
     for splits in (3, 9):  # 3 ranges cannot own equal row blocks; 9 is past the largest portable cluster
