@@ -81,8 +81,8 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import gpu_attention, gpu_timeline, gpu_wgmma
-from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, U32, i32_const, index_of, pow2_bf16x2, swizzled_offset,
-                                     warpgroup_coords)
+from kernels_pallas.gpu_wgmma import (DECODE_PTX, PACK_PTX, WORD_PAIRS, U32, i32_const, i64_of, index_of, pow2_bf16x2,
+                                     swizzled_offset, warpgroup_coords)
 
 H = 64  # heads: the wgmma's M
 D = 512  # channels of a key / value
@@ -125,10 +125,6 @@ WINDOW_PTX = ("{ .reg .b32 t, m, z; mov.b32 z, 0x80008000; "
 def channel_perm() -> np.ndarray:
     """p[c]: the channel that column c of the kernel's keys, q and output holds."""
     return (np.arange(D) // 8 * 8 + np.asarray(PERM8)[np.arange(D) % 8]).astype(np.int64)
-
-
-def _i64(v):
-    return arith.extui(ir.IntegerType.get_signless(64), v)
 
 
 def _smem_offset(slot, half, row, col):
@@ -196,7 +192,7 @@ def _prefetch_l2(ptr, off64, lines: int):
     """prefetch.L2 of `lines` 128 B lines from ptr + off64 (bytes)."""
     for j in range(lines):
         mgpu_utils.inline_ptx("prefetch.L2 [$0];", mgpu_utils.getelementptr(
-            ptr, [arith.addi(off64, _i64(i32_const(128 * j)))], ir.IntegerType.get_signless(8)), has_side_effects=True)
+            ptr, [arith.addi(off64, i64_of(i32_const(128 * j)))], ir.IntegerType.get_signless(8)), has_side_effects=True)
 
 
 def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
@@ -273,12 +269,12 @@ def _load_entries(n_rows: int):
         _, q = _thread_row()
         ev_ptr, es_ptr = mgpu_utils.memref_ptr(ev), mgpu_utils.memref_ptr(es)
         ix = memref.load(ids, [index_of(i), index_of(arith.subi(mgpu_utils.thread_idx(), i32_const(128)))])
-        entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
+        entry = arith.addi(arith.muli(i64_of(b), i64_of(i32_const(n_rows))), i64_of(arith.maxsi(ix, i32_const(0))))
         words, scales = [], llvm.mlir_undef(ir.VectorType.get((4,), i16))
         for k in range(4):  # raw 16 B chunk i = q + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
             i = arith.addi(q, i32_const(4 * k))
-            v_off = arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(arith.muli(i, i32_const(16))))
-            s_off = arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), _i64(arith.muli(i, i32_const(2))))
+            v_off = arith.addi(arith.muli(entry, i64_of(i32_const(D // 2))), i64_of(arith.muli(i, i32_const(16))))
+            s_off = arith.addi(arith.muli(entry, i64_of(i32_const(D // ENTRY_GROUP))), i64_of(arith.muli(i, i32_const(2))))
             words.append(_load(ev_ptr, v_off, ir.VectorType.get((4,), i32), 16))
             scales = llvm.insertelement(scales, _load(es_ptr, s_off, i16, 2), arith.constant(i32, k))
         ids = llvm.insertelement(llvm.mlir_undef(ir.VectorType.get((1,), i32)), ix, arith.constant(i32, 0))
@@ -337,16 +333,16 @@ def _decode_window():
         row, q = _thread_row()
         w_rows = ir.MemRefType(wv.type).shape[1]
         wv_ptr, ws_ptr, ok_ptr = (mgpu_utils.memref_ptr(r) for r in (wv, ws, wok))
-        rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(arith.addi(w0, row)))
+        rec = arith.addi(arith.muli(i64_of(b), i64_of(i32_const(w_rows))), i64_of(arith.addi(w0, row)))
         valid = arith.cmpi(arith.CmpIPredicate.ne, _load(ok_ptr, rec, i8, 1), arith.constant(i8, 0))
 
         def loads(ks):
             out = []
             for k in ks:  # raw 16 B chunk i = q + 4k: channels 16i .. 16i + 15, E8M0 byte i // 2
                 i = arith.addi(q, i32_const(4 * k))
-                v_off = arith.addi(arith.muli(rec, _i64(i32_const(D))), _i64(arith.muli(i, i32_const(16))))
-                s_off = arith.addi(arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))),
-                                   _i64(arith.divui(i, i32_const(2))))
+                v_off = arith.addi(arith.muli(rec, i64_of(i32_const(D))), i64_of(arith.muli(i, i32_const(16))))
+                s_off = arith.addi(arith.muli(rec, i64_of(i32_const(D // WINDOW_GROUP))),
+                                   i64_of(arith.divui(i, i32_const(2))))
                 out.append((i, _load(wv_ptr, v_off, ir.VectorType.get((4,), i32), 16), _load(ws_ptr, s_off, i8, 1)))
             return out
 
@@ -399,21 +395,21 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early:
             mine = arith.andi(cmp("slt", key, i32_const(last_key)), cmp("slt", tile, i32_const(n_t)))
             with mgpu_utils.when(mine):
                 with mgpu_utils.when(cmp("slt", tile, i32_const(n_wt))):
-                    rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(pos))
-                    _prefetch_l2(wv_ptr, arith.muli(rec, _i64(i32_const(D))), D // 128)
-                    _prefetch_l2(ws_ptr, arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), 1)
+                    rec = arith.addi(arith.muli(i64_of(b), i64_of(i32_const(w_rows))), i64_of(pos))
+                    _prefetch_l2(wv_ptr, arith.muli(rec, i64_of(i32_const(D))), D // 128)
+                    _prefetch_l2(ws_ptr, arith.muli(rec, i64_of(i32_const(D // WINDOW_GROUP))), 1)
                 with mgpu_utils.when(cmp("sge", tile, i32_const(n_wt))):
                     e = arith.minsi(arith.subi(pos, i32_const(n_wt * T)), i32_const(kp - 1))
                     ix = memref.load(idx, [index_of(b), index_of(e)])
                     with mgpu_utils.when(cmp("sge", ix, i32_const(0))):
-                        entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))
-                        _prefetch_l2(ev_ptr, arith.muli(entry, _i64(i32_const(D // 2))), D // 256)
-                        _prefetch_l2(es_ptr, arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), 1)
+                        entry = arith.addi(arith.muli(i64_of(b), i64_of(i32_const(n_rows))), i64_of(ix))
+                        _prefetch_l2(ev_ptr, arith.muli(entry, i64_of(i32_const(D // 2))), D // 256)
+                        _prefetch_l2(es_ptr, arith.muli(entry, i64_of(i32_const(D // ENTRY_GROUP))), 1)
         if early:
-            q_base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
+            q_base = arith.muli(i64_of(b), i64_of(i32_const(H * D * 2)))
             for i in range(H * D * 2 // 128 // 256):  # q[b]'s 128 B lines
                 line = arith.addi(tid, i32_const(256 * i))
-                _prefetch_l2(q_ptr, arith.addi(q_base, _i64(arith.muli(line, i32_const(128)))), 1)
+                _prefetch_l2(q_ptr, arith.addi(q_base, i64_of(arith.muli(line, i32_const(128)))), 1)
 
     return prefetch
 
@@ -463,11 +459,11 @@ def _load_query():
         b = b.registers.item()
         tid = mgpu_utils.thread_idx()
         g_ptr, s_ptr = mgpu_utils.memref_ptr(q_gmem), mgpu_utils.memref_ptr(q_smem)
-        base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
+        base = arith.muli(i64_of(b), i64_of(i32_const(H * D * 2)))
         groups = []
         for i in range(H * D // 8 // 256):  # 8-channel group g = tid + 256 i: row g // 64, channels 8 (g % 64) + ...
             g = arith.addi(tid, i32_const(256 * i))
-            groups.append((g, _load(g_ptr, arith.addi(base, _i64(arith.muli(g, i32_const(16)))),
+            groups.append((g, _load(g_ptr, arith.addi(base, i64_of(arith.muli(g, i32_const(16)))),
                                     ir.VectorType.get((4,), i32), 16)))
         for g, vals in groups:
             words = [llvm.extractelement(vals, arith.constant(i32, c)) for c in range(4)]  # channels (2c, 2c + 1)
@@ -578,19 +574,18 @@ def _staged_moves(stage, n_rows: int, out_row0):
 
 def _element(row, ch):
     """Element index (i64) of [row, ch] in rows of D channels."""
-    return arith.addi(arith.muli(_i64(row), _i64(i32_const(D))), _i64(ch))
+    return arith.addi(arith.muli(i64_of(row), i64_of(i32_const(D))), i64_of(ch))
 
 
 def _store_f32_rows(o, moves):
     """`_staged_moves` into o (gmem f32, rows of D channels), 16 B each."""
     o_ptr = mgpu_utils.memref_ptr(o)
     for row, ch, v in moves:
-        llvm.store(v, mgpu_utils.getelementptr(o_ptr, [arith.muli(_element(row, ch), _i64(i32_const(4)))],
+        llvm.store(v, mgpu_utils.getelementptr(o_ptr, [arith.muli(_element(row, ch), i64_of(i32_const(4)))],
                                                ir.IntegerType.get_signless(8)), alignment=16)
 
 
-# f32 pair -> packed 16-bit pair (round to nearest even), per output element type; and back from f16
-_PACK_PTX = {"bf16": "cvt.rn.bf16x2.f32 $0, $2, $1;", "f16": "cvt.rn.f16x2.f32 $0, $2, $1;"}
+# packed f16 pair -> f32 pair (`PACK_PTX`'s "f16" back)
 _UNPACK_F16_PTX = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }"
 # The merge sends other CTAs' rows as f16 scaled so that a thread's largest |value| of the row is below 2**EXCHANGE_TOP
 EXCHANGE_TOP = 14
@@ -604,10 +599,10 @@ def _store_unrotated_rows(o, cos, sin, b, moves):
     o_ptr, cos_ptr, sin_ptr = (mgpu_utils.memref_ptr(r) for r in (o, cos, sin))
     out_ty = ir.MemRefType(o.type).element_type
     width = 4 if out_ty == ir.F32Type.get() else 2
-    pack = _PACK_PTX["bf16" if out_ty == ir.BF16Type.get() else "f16"]
+    pack = PACK_PTX["bf16" if out_ty == ir.BF16Type.get() else "f16"]
     for row, ch, v in moves:
-        pair = arith.addi(arith.muli(_i64(b), _i64(i32_const(D // 2))), _i64(arith.shrui(ch, i32_const(1))))
-        c, sn = (_load(ptr, arith.muli(pair, _i64(i32_const(4))), ir.VectorType.get((2,), f32), 8)
+        pair = arith.addi(arith.muli(i64_of(b), i64_of(i32_const(D // 2))), i64_of(arith.shrui(ch, i32_const(1))))
+        c, sn = (_load(ptr, arith.muli(pair, i64_of(i32_const(4))), ir.VectorType.get((2,), f32), 8)
                  for ptr in (cos_ptr, sin_ptr))
         x = [llvm.extractelement(v, arith.constant(i32, e)) for e in range(4)]
         turned = []
@@ -625,7 +620,7 @@ def _store_unrotated_rows(o, cos, sin, b, moves):
             for j in range(2):
                 out = llvm.insertelement(out, mgpu_utils.inline_ptx(pack, turned[2 * j], turned[2 * j + 1],
                                                                     result_types=i32), arith.constant(i32, j))
-        dst = arith.muli(_element(row, ch), _i64(i32_const(width)))
+        dst = arith.muli(_element(row, ch), i64_of(i32_const(width)))
         llvm.store(out, mgpu_utils.getelementptr(o_ptr, [dst], i8), alignment=4 * width)
 
 
@@ -696,7 +691,6 @@ def _store_merged(rotated: bool, splits: int, exchange: str, stamp_at: int | Non
         refs, (tl, tl_row) = (refs[:-2], refs[-2:]) if timed else (refs, (None, None))
         cos, sin, o, b, s = refs if rotated else (None, None, *refs)
         i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
-        const = lambda v: arith.constant(i32, v)  # noqa: E731
         b, s = (a.registers.item() for a in (b, s))
 
         def stamp(k):  # point stamp_at + k, from thread 0 (warpgroup 0)
@@ -739,17 +733,17 @@ def _store_merged(rotated: bool, splits: int, exchange: str, stamp_at: int | Non
                 return
             # f16 times 2**(EXCHANGE_TOP - 1 - e) for the largest |value| in [2**e, 2**(e + 1)): half the bytes
             # of f32, within 2**-11 of that largest value
-            amax = functools.reduce(arith.maximumf, [mlir_math.absf(llvm.extractelement(v, const(j)))
+            amax = functools.reduce(arith.maximumf, [mlir_math.absf(llvm.extractelement(v, i32_const(j)))
                                                      for v in vals for j in range(2)])
-            e = arith.andi(arith.shrui(arith.bitcast(i32, amax), const(23)), const(255))
-            k = arith.minsi(arith.maxsi(arith.subi(const(254 + EXCHANGE_TOP - 1), e), const(1)), const(254))
-            f = arith.bitcast(f32, arith.shli(k, const(23)))
+            e = arith.andi(arith.shrui(arith.bitcast(i32, amax), i32_const(23)), i32_const(255))
+            k = arith.minsi(arith.maxsi(arith.subi(i32_const(254 + EXCHANGE_TOP - 1), e), i32_const(1)), i32_const(254))
+            f = arith.bitcast(f32, arith.shli(k, i32_const(23)))
             for c in range(words):
                 pair = llvm.mlir_undef(ir.VectorType.get((2,), i32))
                 for t in range(2):
-                    x = [arith.mulf(llvm.extractelement(vals[2 * c + t], const(j)), f) for j in range(2)]
-                    pair = llvm.insertelement(pair, mgpu_utils.inline_ptx(_PACK_PTX["f16"], *x, result_types=i32),
-                                              const(t))
+                    x = [arith.mulf(llvm.extractelement(vals[2 * c + t], i32_const(j)), f) for j in range(2)]
+                    pair = llvm.insertelement(pair, mgpu_utils.inline_ptx(PACK_PTX["f16"], *x, result_types=i32),
+                                              i32_const(t))
                 llvm.store(pair, mgpu_utils.getelementptr(remote, [recv_offset(sender, local, c)], i8), alignment=8)
             llvm.store(k, mgpu_utils.getelementptr(remote, [exp_offset(sender, local)], i8), alignment=4)
 
@@ -758,18 +752,18 @@ def _store_merged(rotated: bool, splits: int, exchange: str, stamp_at: int | Non
                 return [arith.addf(v, llvm.load(ir.VectorType.get((2,), f32), mgpu_utils.getelementptr(
                     recv, [recv_offset(sender, local, c)], i8), alignment=8)) for c, v in enumerate(vals)]
             k = llvm.load(i32, mgpu_utils.getelementptr(recv, [exp_offset(sender, local)], i8), alignment=4)
-            inv = arith.bitcast(f32, arith.shli(arith.subi(const(254), k), const(23)))  # 1 / the send factor
+            inv = arith.bitcast(f32, arith.shli(arith.subi(i32_const(254), k), i32_const(23)))  # 1 / the send factor
             out = list(vals)
             for c in range(words):
                 pair = llvm.load(ir.VectorType.get((2,), i32), mgpu_utils.getelementptr(
                     recv, [recv_offset(sender, local, c)], i8), alignment=8)
                 for t in range(2):
-                    got = mgpu_utils.inline_ptx(_UNPACK_F16_PTX, llvm.extractelement(pair, const(t)),
+                    got = mgpu_utils.inline_ptx(_UNPACK_F16_PTX, llvm.extractelement(pair, i32_const(t)),
                                                 result_types=[f32, f32])
                     v = out[2 * c + t]
                     for j in range(2):
-                        v = llvm.insertelement(v, arith.addf(llvm.extractelement(v, const(j)), arith.mulf(got[j], inv)),
-                                               const(j))
+                        v = llvm.insertelement(v, arith.addf(llvm.extractelement(v, i32_const(j)), arith.mulf(got[j], inv)),
+                                               i32_const(j))
                     out[2 * c + t] = v
             return out
 

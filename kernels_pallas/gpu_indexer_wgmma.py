@@ -41,8 +41,8 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import gpu_timeline
-from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, U32, i32_const, index_of, is_hopper, pow2_bf16x2,
-                                     swizzled_offset, warpgroup_coords, wgmma_operand)
+from kernels_pallas.gpu_wgmma import (DECODE_PTX, PACK_PTX, WORD_PAIRS, U32, i32_const, i64_of, index_of, is_hopper,
+                                     pow2_bf16x2, swizzled_offset, warpgroup_coords, wgmma_operand)
 
 D = 128  # channels of an index key
 TP = 64  # positions per step: the wgmma's M
@@ -123,7 +123,6 @@ def _load_query(h: int, q_parts: int):
         size = 4 if wide else 2
         tid = arith.andi(mgpu_utils.thread_idx(), i32_const(127))
         u = arith.andi(tid, i32_const(3))
-        const = lambda v: arith.constant(i32, v)  # noqa: E731
         units = []
         for k in range(-(-h // 32)):  # unit tid + 128 k: row (tid + 128 k) // 4, u = tid % 4 (rows >= h: row 0's)
             row = arith.addi(arith.shrui(tid, i32_const(2)), i32_const(32 * k))
@@ -136,13 +135,13 @@ def _load_query(h: int, q_parts: int):
                 for half in range(size // 2):
                     off = arith.addi(base, i32_const(32 * g * size + 16 * half))
                     vecs.append(llvm.load(ir.VectorType.get((4,), i32),
-                                          mgpu_utils.getelementptr(g_ptr, [_i64(off)], i8), alignment=16))
+                                          mgpu_utils.getelementptr(g_ptr, [i64_of(off)], i8), alignment=16))
             units.append((row, vecs))
         for row, vecs in units:
             def channel(g, c):  # f32 of channel 32 g + 8 u + c
                 if wide:
-                    return arith.bitcast(f32, llvm.extractelement(vecs[2 * g + c // 4], const(c % 4)))
-                w = llvm.extractelement(vecs[g], const(c // 2))
+                    return arith.bitcast(f32, llvm.extractelement(vecs[2 * g + c // 4], i32_const(c % 4)))
+                w = llvm.extractelement(vecs[g], i32_const(c // 2))
                 bits = arith.shli(w, i32_const(16)) if c % 2 == 0 else arith.andi(w, i32_const(-65536))
                 return arith.bitcast(f32, bits)
 
@@ -150,12 +149,12 @@ def _load_query(h: int, q_parts: int):
                 his, los = [], []
                 for g in range(4):
                     x = [channel(g, c) for c in WORD_PAIRS[i]]
-                    hi = mgpu_utils.inline_ptx("cvt.rn.bf16x2.f32 $0, $2, $1;", *x, result_types=i32)
+                    hi = mgpu_utils.inline_ptx(PACK_PTX["bf16"], *x, result_types=i32)
                     his.append(hi)
                     if q_parts == 2:
                         back = [arith.bitcast(f32, arith.shli(hi, i32_const(16))),
                                 arith.bitcast(f32, arith.andi(hi, i32_const(-65536)))]
-                        los.append(mgpu_utils.inline_ptx("cvt.rn.bf16x2.f32 $0, $2, $1;",
+                        los.append(mgpu_utils.inline_ptx(PACK_PTX["bf16"],
                                                          *(arith.subf(a, bk) for a, bk in zip(x, back)),
                                                          result_types=i32))
                 col = arith.muli(arith.addi(arith.muli(u, i32_const(4)), i32_const(i)), i32_const(8))
@@ -163,14 +162,10 @@ def _load_query(h: int, q_parts: int):
                     off = swizzled_offset(0, U32(arith.addi(row, i32_const(part * h))), U32(col), q_parts * h, D).v
                     vec = llvm.mlir_undef(ir.VectorType.get((4,), i32))
                     for j, w in enumerate(words):
-                        vec = llvm.insertelement(vec, w, const(j))
+                        vec = llvm.insertelement(vec, w, i32_const(j))
                     llvm.store(vec, mgpu_utils.getelementptr(s_ptr, [off], i8), alignment=16)
 
     return load
-
-
-def _i64(v):
-    return arith.extui(ir.IntegerType.get_signless(64), v)
 
 
 @functools.cache
@@ -354,30 +349,20 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
                     plgpu.barrier_wait(q_bar[0])
                 gpu_timeline.stamp(tl_gmem, cta, 1)
 
-            if not overlap:
-                for i in range(tiles_per_step):
-                    def acc_scope(acc_ref, i=i):
-                        keys, e_max = _decode_keys(TP * i, decode_ptx)(k_smem, s_smem)
-                        plgpu.wgmma(acc_ref, keys, q_smem.transpose((1, 0)))
-                        plgpu.wgmma_wait(0)
-                        return acc_ref[...], e_max
-
-                    acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
-                    _epilogue(h, TP * i, q_parts)(acc, e_max, w_regs, o_gmem, seq, (first + t) * rows, reach)
-                return
-            # tile i + 1 of the step is decoded while tile i's wgmma runs
-            decoded = _decode_keys(0, decode_ptx)(k_smem, s_smem)
+            # overlap: tile i + 1 of the step is decoded while tile i's wgmma runs (decoded holds it); else each
+            # tile is decoded just before its wgmma
+            decoded = _decode_keys(0, decode_ptx)(k_smem, s_smem) if overlap else None
             for i in range(tiles_per_step):
-                def acc_scope(acc_ref, i=i, keys=decoded[0]):
+                def acc_scope(acc_ref, i=i, decoded=decoded):
+                    keys, e_max = decoded or _decode_keys(TP * i, decode_ptx)(k_smem, s_smem)
                     plgpu.wgmma(acc_ref, keys, q_smem.transpose((1, 0)))
                     ahead = (_decode_keys(TP * (i + 1), decode_ptx)(k_smem, s_smem)
-                             if i + 1 < tiles_per_step else None)
+                             if overlap and i + 1 < tiles_per_step else None)
                     plgpu.wgmma_wait(0)
-                    return acc_ref[...], ahead
+                    return acc_ref[...], e_max, ahead
 
-                acc, ahead = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
-                _epilogue(h, TP * i, q_parts)(acc, decoded[1], w_regs, o_gmem, seq, (first + t) * rows, reach)
-                decoded = ahead
+                acc, e_max, decoded = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
+                _epilogue(h, TP * i, q_parts)(acc, e_max, w_regs, o_gmem, seq, (first + t) * rows, reach)
 
         plgpu.emit_pipeline(
             step,

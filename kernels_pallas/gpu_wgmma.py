@@ -94,6 +94,15 @@ def i32_const(v):
     return arith.constant(ir.IntegerType.get_signless(32), v)
 
 
+def i64_of(v):
+    """An i32 MLIR value zero-extended to i64 (byte offsets into global memory)."""
+    return arith.extui(ir.IntegerType.get_signless(64), v)
+
+
+# f32 pair ($1 low, $2 high) -> packed 16-bit pair, rounded to nearest even, per element type
+PACK_PTX = {"bf16": "cvt.rn.bf16x2.f32 $0, $2, $1;", "f16": "cvt.rn.f16x2.f32 $0, $2, $1;"}
+
+
 def index_of(v):
     """An i32 MLIR value as an index (memref subscripts)."""
     return arith.index_cast(ir.IndexType.get(), v)

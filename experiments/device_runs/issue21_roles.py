@@ -48,7 +48,8 @@ import sys
 
 from experiments.device_runs._steps import OUT, step, tree_before
 from experiments.device_runs.issue21_prefetch import ablate_group, ptx_group
-from experiments.device_runs.issue21_timeline import SHARED_GROUPS, gpu_tests, run_groups, timed_row
+from experiments.device_runs.issue21_timeline import (SHARED_GROUPS, attention_group, gpu_tests, run_groups, scan_group,
+                                                      timed_row)
 
 BEFORE = "build/before"
 
@@ -85,63 +86,6 @@ ATTENTION_FORMS = ({}, {"ahead": 2}, {"exchange": "f16"}, {"ahead": 2, "exchange
 SCAN_FORMS = ({}, {"overlap": True}, {"load_query": True}, {"overlap": True, "load_query": True})
 
 
-def attention_forms_group(say, rows) -> None:
-    """The attention at batch 64 (bf16 q, 128K entries) in each of ATTENTION_FORMS, timed from HBM with its error
-    against the float32 twin and its CTAs' timeline."""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-
-    from dsv41_jax import ops, quant
-    from experiments import bench_kernels as bk
-    from experiments.device_runs.issue21_timeline import attention_points, say_timeline, timeline
-    from kernels_pallas import gpu_attention_wgmma as att
-
-    peak = bk.copy_bandwidth(2.0)
-    say(f"copy peak {peak / 1e9:.0f} GB/s")
-    scale = bk.D_ATT ** -0.5
-    q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(64), 64, 1 << 17, jnp.float32)
-    q = q.astype(jnp.bfloat16)
-    moved = bk.attention_bytes(q, window, wvalid, entries, idx)
-    args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
-    ref = ops.sparse_attention_decode(q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx,
-                                      quant.MAIN_KV, sink, scale)
-    for form in ATTENTION_FORMS:
-        fn = functools.partial(att.sparse_attention_wgmma, scale=scale, **form)
-        err = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
-        shape = f"128K x 64, q bf16, {form or 'default'}"
-        timed_row(say, rows, "attention", shape, fn, args, 7, moved, peak, f"{err:.1e}")
-        say_timeline(say, f"timeline {shape}", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args,
-                                                        attention_points))
-
-
-def scan_forms_group(say, rows) -> None:
-    """The scan (q_parts 1, the dispatch's) at 128K and 1M x 8 in each of SCAN_FORMS, timed from HBM with its error
-    against the jnp twin."""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-
-    from experiments import bench_kernels as bk
-    from experiments.device_runs.issue21_alu_decode import scan_error
-    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
-
-    peak = bk.copy_bandwidth(2.0)
-    say(f"copy peak {peak / 1e9:.0f} GB/s")
-    for ctx in (131072, 1048576):
-        q, w, rec = bk.index_data(jax.random.key(ctx + 8), 8, ctx)
-        args = (q, w, rec["values"], rec["scales"], jnp.full((8,), ctx - 5, jnp.int32))
-        moved = bk.nbytes(rec) + 8 * ctx * 4
-        want = gpu_indexer.indexer_scores(*args)
-        for form in SCAN_FORMS:
-            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **form)
-            timed_row(say, rows, "scan", f"{ctx} x 8, {form or 'default'}", fn, args, 1, moved, peak,
-                      scan_error(fn(*args), want))
-        del q, w, rec, args, want
-
-
 def before_group(say, groups) -> None:
     """Each earlier form in a copy of the tree, run with `groups` of this script (its logs, and with ptx its PTX and
     ptxas report, under $OUT/before_<name>/): `BEFORE/<name>.py` is the attention's kernel file; a folder
@@ -165,8 +109,12 @@ TIMING = (*SHARED_GROUPS, "model")
 
 def main(groups: list[str]) -> int:
     timed = ([g for g in groups if g in TIMING] or ["attention"]) + [g for g in groups if g == "ptx"]
-    return run_groups(groups, {"ablate": ablate_group, "model": model_group, "attention_forms": attention_forms_group,
-                               "scan_forms": scan_forms_group,
+    return run_groups(groups, {"ablate": ablate_group, "model": model_group,
+                               "attention_forms": lambda say, rows: attention_group(
+                                   say, rows, timelines=True, batches=(64,), q_dtypes=("bfloat16",),
+                                   forms=ATTENTION_FORMS),
+                               "scan_forms": lambda say, rows: scan_group(
+                                   say, rows, timelines=False, points=((131072, 8), (1048576, 8)), forms=SCAN_FORMS),
                                "before": lambda say, rows: before_group(say, timed),
                                "ptx": lambda say, rows: ptx_group(say, ptx_kernels(groups))},
                       tests=lambda say: gpu_tests(say, gpu_test_files(groups), 330))
