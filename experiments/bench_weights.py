@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import dsv41_jax as d
 from experiments import _cli
 from experiments.bench_decode import kernel_profile
-from experiments.bench_kernels import copy_bandwidth, random_bytes
+from experiments.bench_kernels import hbm_copy_bandwidth, random_bytes
 from kernels_pallas import gpu_grouped
 
 SWEEP = [  # (label, kernel keywords): tiles are (tm, tk, tn)
@@ -190,13 +190,14 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--experts-only", action="store_true", help="only the routed experts")
     p.add_argument("--variants", nargs="+", default=None, metavar="LABEL",
                    help="with --sweep: only these variants (labels of SWEEP / FP8_SWEEP)")
-    p.add_argument("--copy-gb", type=float, default=4.0)
+    p.add_argument("--copy-gb", type=float, default=1.0,
+                   help="GiB of the copy whose rate is the peak (timed as the kernels are: GPU time in a trace)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         raise _cli.UserError(f"bench_weights times the GPU kernels and this backend is {jax.default_backend()}: "
                              "run it on a GPU machine")
-    peak = copy_bandwidth(args.copy_gb)
+    peak = hbm_copy_bandwidth(args.copy_gb)
     print(f"copy bandwidth (read+write, this run): {peak / 1e9:.0f} GB/s", flush=True)
     rows = run(args.batch, args.reps, args.sweep, peak, args.fp8_only, args.variants, args.experts_only)
     print("\n| op | batch | variant | GPU us (kernel) | GPU us (all) | wall us/call | MB | % of copy peak |\n"

@@ -29,7 +29,7 @@ from jax import lax
 
 from dsv41_jax import grouped
 from experiments.bench_decode import kernel_profile
-from experiments.bench_kernels import copy_bandwidth
+from experiments.bench_kernels import hbm_copy_bandwidth
 from experiments.bench_weights import expert_data
 from kernels_pallas import gpu_grouped, gpu_wgmma
 
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not gpu_wgmma.is_hopper():
         raise SystemExit(f"the wgmma kernel needs an H100/H200 (sm_90); this is {jax.devices()[0]}")
-    peak = copy_bandwidth(1.0)
+    peak = hbm_copy_bandwidth(1.0)
     print(f"{jax.devices()[0].device_kind}: device copy {peak / 1e9:.0f} GB/s", flush=True)
     key, failed, table = jax.random.key(0), 0, []
     for name, (n, k) in ({} if args.fp8_only else SHAPES).items():

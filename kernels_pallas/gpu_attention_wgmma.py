@@ -11,7 +11,8 @@ the ranges merged in a cluster, q read in bf16 and the prefetch in the order its
 The thirty-eighth session's ablations (H100, batch 64) found the decode (~14.5 us of 41) and the wgmmas (~10 us)
 adding up instead of overlapping: the two roles, rows loaded a tile ahead, strided tiles and the merge through
 distributed shared memory took the kernel 41.0 -> 29.6 us. The thirty-ninth (H100, one call against the
-thirty-eighth's kernel): 29.39 -> 27.48 us (call 30.8 -> 28.9, 34.1% of the copy peak), the model's call (bf16 q,
+thirty-eighth's kernel): 29.39 -> 27.48 us (call 30.8 -> 28.9, 34.1% of the copy peak as then measured, 30.1%
+of a copy timed as the kernel is: forty-second session), the model's call (bf16 q,
 turned and cast output) 37.0 -> 29.2 us; the entry ids in shared memory took 28.15 -> 27.56 of that, the prefetch
 in two bursts 29.26 -> 28.26, the output turned in the kernel 6 us off the model's call; the third warpgroup left
 batch 64 where it was (5% off batch 8). Its timeline: ~6 us until q is in, ~1.4-2.5 per tile, ~5.3 for the
@@ -892,10 +893,11 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong, but for the prefetch).
     unrotate, out_dtype: as `gpu_attention.sparse_attention`'s (partials merged and turned by
     `gpu_attention.combine_unrotated`). timeline: also return each CTA's `timeline_names(tiles per range)` points
-    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range). Forms to compare on a GPU (the
-    defaults are the measured kernel's): ahead, the entry tiles whose rows the decoders hold in registers before
-    their decode (1 or 2: 19 registers a tile); exchange, the merge's rows sent as "f32" or "f16"
-    (`_store_merged`); registers, `plgpu.set_max_registers` of the three warpgroups (REGISTERS)."""
+    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range). Forms timed on an H100 and not kept
+    (forty-second session, docs/BENCHMARKS.md; the defaults are the faster): ahead, the entry tiles whose rows the
+    decoders hold in registers before their decode (1 or 2: 19 registers a tile; 2 took the batch-64 call 28.9 ->
+    30.2 us); exchange, the merge's rows sent as "f32" or "f16" (`_store_merged`; within noise); registers,
+    `plgpu.set_max_registers` of the three warpgroups (REGISTERS)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     if ahead not in (1, 2) or exchange not in ("f32", "f16"):

@@ -7,9 +7,11 @@ Issue 21 asks the scan for >= 70% of the copy bandwidth; the Triton scan's f16 /
 ~45% (docs/BENCHMARKS.md, issue 21 sections). Measured on the H200 (same sections, nineteenth session): exact
 to the jnp twin (1e-7); at 1M x 8 69.6-71.7% of the copy peak of the same call (227 us), at 128K x 8 53-54%
 (37.6 us: the kernel 33.6 us, the call's other ~3 kernels ~4 us; the kernel's 1M rate would give 27.8); the
-Triton scan 31% / 27%. SASS (`experiments.sass_mix`): 80 registers, ~300 instructions per thread per 64
-positions (136 of them the decode), the ALU pipe no longer the first limit. In the model's dispatch while `ON`. This is the experts' form of
-`gpu_wgmma` applied to keys:
+Triton scan 31% / 27%. Those percentages are of a copy timed by wall time; against a copy timed as the kernel is
+(GPU time in a trace) the H200's last numbers are 63.5% at 1M x 8 and 50.3% at 128K x 8, an H100's 86.0% and
+60.0% (forty-second session). SASS (`experiments.sass_mix`): 80 registers, ~300 instructions per thread per 64
+positions (136 of them the decode), the ALU pipe no longer the first limit. In the model's dispatch while `ON`.
+This is the experts' form of `gpu_wgmma` applied to keys:
 
 Per CTA (grid: sequence x range of positions, `split_steps`): one warpgroup; q^T [D, q_parts H] (q in bf16,
 or its hi and lo bf16 halves so that q . k keeps ~16 bits of any q) stays in shared memory, w in registers; a TMA
@@ -303,10 +305,10 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     divide N / 64; default `tiles_per_step_for(N)`, 4 where it divides); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16
     (exact for the model's FP4-grid queries; half the MMA work); ctas: CTAs wanted over the batch
     (`split_steps`); decode_ptx: the keys' decode (DECODE_PTX's operands; benchmarks replace it); timeline: also
-    return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part). Forms to
-    compare on a GPU (the defaults are the measured kernel's): overlap, tile i + 1 of a step decoded while tile i's
-    wgmma runs (a second operand set in registers); load_query, q loaded and split by the CTA itself
-    (`_load_query`) instead of `split_query` by XLA and a TMA copy."""
+    return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part). Forms
+    timed on an H100 and not kept (forty-second session, docs/BENCHMARKS.md): overlap, tile i + 1 of a step decoded
+    while tile i's wgmma runs (a second operand set in registers; within noise); load_query, q loaded and split by
+    the CTA itself (`_load_query`) instead of `split_query` by XLA and a TMA copy (128K x 8: 41.3 -> 50.1 us)."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
     b, h, d = q_bhd.shape

@@ -34,3 +34,22 @@ def test_fewer_calls_where_the_outputs_would_pass_the_budget(monkeypatch):
     assert bk.flushed_calls(_call, (x, y), perturb=0, reps=20)[1] == 3
     monkeypatch.setattr(bk, "KEPT_BYTES", 1)
     assert bk.flushed_calls(_call, (x, y), perturb=0, reps=20)[1] == 2  # at least two calls
+
+
+def test_the_copy_peak_is_timed_as_the_kernels_are(monkeypatch):
+    """`hbm_copy_bandwidth` times, through `time_hbm` (as the scan and attention rows are), a pass that reads and
+    writes every word of the copy, and counts both."""
+    seen = {}
+
+    def fake_time_hbm(fn, args, perturb):
+        seen["out"], seen["args"], seen["perturb"] = fn(*args), args, perturb
+        return 1e-3, {}
+
+    monkeypatch.setattr(bk, "time_hbm", fake_time_hbm)
+    rate = bk.hbm_copy_bandwidth(1 / 1024)  # 1 MiB
+    s, x = seen["args"]
+    assert seen["perturb"] == 0 and s.size * s.dtype.itemsize <= 64  # the small array goes through the flush
+    assert x.nbytes == 2**20 and seen["out"].shape == x.shape
+    np.testing.assert_array_equal(seen["out"], x ^ s[0])  # every word read and written
+    assert bool(jnp.any(seen["out"] != x))
+    assert rate == 2 * 2**20 / 1e-3

@@ -46,7 +46,7 @@ def sweep_group(say, rows) -> None:
     from experiments import bench_kernels as bk
     from kernels_pallas import gpu_indexer_wgmma as scan
 
-    peak = bk.copy_bandwidth(2.0)
+    peak = bk.hbm_copy_bandwidth(1.0)
     say(f"copy peak {peak / 1e9:.0f} GB/s")
     for ctx in (131072, 1048576):
         q, w, rec = bk.index_data(jax.random.key(ctx), 8, ctx)
@@ -94,7 +94,7 @@ def ablate_group(say, rows) -> None:
     from experiments import bench_kernels as bk
     from kernels_pallas import gpu_attention_wgmma as att
 
-    peak = bk.copy_bandwidth(2.0)
+    peak = bk.hbm_copy_bandwidth(1.0)
     q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(64), 64, 1 << 17)
     args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
     moved = bk.attention_bytes(q, window, wvalid, entries, idx)

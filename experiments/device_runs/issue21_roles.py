@@ -62,7 +62,7 @@ def model_group(say, rows) -> None:
     from experiments import bench_kernels as bk
     from kernels_pallas import gpu_attention, gpu_attention_wgmma as att
 
-    peak = bk.copy_bandwidth(2.0)
+    peak = bk.hbm_copy_bandwidth(1.0)
     say(f"copy peak {peak / 1e9:.0f} GB/s")
     scale = bk.D_ATT ** -0.5
     for b in (64, 8):
