@@ -111,7 +111,7 @@ def prefetch_l2(after: jax.Array, arrays: Sequence[tuple[jax.Array, int]], *, ch
 T0 = time.time()
 say, LOG = logger("l2_prefetch.log")
 MB = 1 << 20
-peak = bk.copy_bandwidth(2.0)
+peak = bk.hbm_copy_bandwidth(1.0)
 say(f"device {jax.devices()[0].device_kind}; copy {peak / 1e9:.0f} GB/s (read + write)")
 key = jax.random.key(0)
 ks = iter(jax.random.split(key, 16))

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from experiments.bench_kernels import copy_bandwidth, index_data, nbytes, time_hbm
+from experiments.bench_kernels import hbm_copy_bandwidth, index_data, nbytes, time_hbm
 from experiments.bench_wgmma import E, NO_DECODE, SHAPES, TOP_K, check, fp8_section, time_loop
 from experiments.bench_weights import expert_data
 from kernels_pallas import gpu_indexer, gpu_indexer_wgmma, gpu_wgmma
@@ -188,7 +188,7 @@ def main(argv: list[str]) -> int:
         tests(["tests/test_indexer_wgmma.py"] + (["tests/test_wgmma_kernel.py"] if "tests" in groups else []))
     if "fp8tests" in groups:
         tests(["tests/test_wgmma_kernel.py", "-k", "fp8"])
-    peak = copy_bandwidth(1.0)
+    peak = hbm_copy_bandwidth(1.0)
     rows = [r for g in groups if g in GROUPS for r in GROUPS[g](peak)]
     if "dump" in groups:
         dump()

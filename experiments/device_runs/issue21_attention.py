@@ -37,7 +37,7 @@ from experiments import bench_kernels as bk  # noqa: E402
 import kernels_pallas  # noqa: E402
 from kernels_pallas import gpu_attention_wgmma  # noqa: E402
 
-peak = bk.copy_bandwidth(2.0)
+peak = bk.hbm_copy_bandwidth(1.0)
 say(f"device {jax.devices()[0].device_kind}; copy {peak / 1e9:.0f} GB/s (read + write) = peak")
 SCALE = bk.D_ATT ** -0.5
 ROWS = []

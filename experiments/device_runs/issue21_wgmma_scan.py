@@ -9,7 +9,7 @@ exact in bf16), CTAs wanted (264 = 2 per SM of an H200), 64-position tiles per p
 
 import functools
 
-from experiments.bench_kernels import copy_bandwidth
+from experiments.bench_kernels import hbm_copy_bandwidth
 from experiments.device_runs.issue21_alu_decode import print_table, scan_table, tests
 from kernels_pallas import gpu_indexer, gpu_indexer_wgmma
 
@@ -21,7 +21,7 @@ VARIANTS = [(2, 264, 1, 6), (1, 1056, 4, 2), (1, 1056, 2, 2), (1, 528, 4, 2), (1
 
 def main() -> int:
     tests(["tests/test_indexer_wgmma.py"])
-    peak = copy_bandwidth(1.0)
+    peak = hbm_copy_bandwidth(1.0)
     calls = {f"wgmma q x{p}, {c} CTAs, {t} tile(s)/step, {st} stages": functools.partial(
         gpu_indexer_wgmma.indexer_scores_wgmma, q_parts=p, ctas=c, tiles_per_step=t, stages=st)
         for p, c, t, st in VARIANTS}
