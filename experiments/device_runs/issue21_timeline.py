@@ -168,7 +168,7 @@ def sweep_group(say, rows) -> None:
     q, w, rec = bk.index_data(jax.random.key(0), 8, 131072)
     args = (q, w, rec["values"], rec["scales"], jnp.full((8,), 131072 - 5, jnp.int32))
     moved = bk.nbytes(rec) + 8 * 131072 * 4
-    for ctas, tiles in ((1056, 4), (2112, 4), (4224, 4), (2112, 2), (4224, 2), (8448, 2)):
+    for ctas, tiles in ((264, 4), (528, 4), (1056, 4), (2112, 4), (4224, 4), (2112, 2), (4224, 2), (8448, 2)):
         fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, ctas=ctas, tiles_per_step=tiles)
         timed_row(say, rows, "scan", f"131072 x 8, {ctas} CTAs, {tiles} tiles/step", fn, args, 1, moved, peak)
         say("timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, scan.TIMELINE))
