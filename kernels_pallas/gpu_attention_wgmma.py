@@ -20,7 +20,9 @@ merge; without the decode the kernel takes 23.0 us, without the wgmmas 22.9, wit
 Timed and not kept (docs/BENCHMARKS.md): entry rows staged in shared memory a tile ahead by cp.async, the next
 tile's decode split between the logits' and the p . v's wgmmas, and the logits over each warpgroup's channel
 half summed through shared memory (all in the lockstep form); q loaded by warpgroup 0 alone with no early
-prefetch burst (q in sooner, the second tile's rows later: no gain).
+prefetch burst (q in sooner, the second tile's rows later: no gain); the decoders holding two entry tiles' rows
+in registers (batch 64: call 28.9 -> 30.2 us, with or without other `set_max_registers`), the merge's rows sent
+to their owner as f16 (within noise; forty-second session, the forms at 538be34).
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): range s takes the
 sequence's 64-key tiles s, s + S, ... (window tiles first: with 2 ranges each starts with one, decoded while q
@@ -75,15 +77,14 @@ import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
-from jax._src.lib.mlir.dialects import math as mlir_math
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import gpu_attention, gpu_timeline, gpu_wgmma
-from kernels_pallas.gpu_wgmma import (DECODE_PTX, PACK_PTX, WORD_PAIRS, U32, i32_const, i64_of, index_of, pow2_bf16x2,
-                                     swizzled_offset, warpgroup_coords)
+from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, U32, i32_const, index_of, pow2_bf16x2, swizzled_offset,
+                                     warpgroup_coords)
 
 H = 64  # heads: the wgmma's M
 D = 512  # channels of a key / value
@@ -126,6 +127,10 @@ WINDOW_PTX = ("{ .reg .b32 t, m, z; mov.b32 z, 0x80008000; "
 def channel_perm() -> np.ndarray:
     """p[c]: the channel that column c of the kernel's keys, q and output holds."""
     return (np.arange(D) // 8 * 8 + np.asarray(PERM8)[np.arange(D) % 8]).astype(np.int64)
+
+
+def _i64(v):
+    return arith.extui(ir.IntegerType.get_signless(64), v)
 
 
 def _smem_offset(slot, half, row, col):
@@ -193,7 +198,7 @@ def _prefetch_l2(ptr, off64, lines: int):
     """prefetch.L2 of `lines` 128 B lines from ptr + off64 (bytes)."""
     for j in range(lines):
         mgpu_utils.inline_ptx("prefetch.L2 [$0];", mgpu_utils.getelementptr(
-            ptr, [arith.addi(off64, i64_of(i32_const(128 * j)))], ir.IntegerType.get_signless(8)), has_side_effects=True)
+            ptr, [arith.addi(off64, _i64(i32_const(128 * j)))], ir.IntegerType.get_signless(8)), has_side_effects=True)
 
 
 def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
@@ -270,12 +275,12 @@ def _load_entries(n_rows: int):
         _, q = _thread_row()
         ev_ptr, es_ptr = mgpu_utils.memref_ptr(ev), mgpu_utils.memref_ptr(es)
         ix = memref.load(ids, [index_of(i), index_of(arith.subi(mgpu_utils.thread_idx(), i32_const(128)))])
-        entry = arith.addi(arith.muli(i64_of(b), i64_of(i32_const(n_rows))), i64_of(arith.maxsi(ix, i32_const(0))))
+        entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
         words, scales = [], llvm.mlir_undef(ir.VectorType.get((4,), i16))
         for k in range(4):  # raw 16 B chunk i = q + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
             i = arith.addi(q, i32_const(4 * k))
-            v_off = arith.addi(arith.muli(entry, i64_of(i32_const(D // 2))), i64_of(arith.muli(i, i32_const(16))))
-            s_off = arith.addi(arith.muli(entry, i64_of(i32_const(D // ENTRY_GROUP))), i64_of(arith.muli(i, i32_const(2))))
+            v_off = arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(arith.muli(i, i32_const(16))))
+            s_off = arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), _i64(arith.muli(i, i32_const(2))))
             words.append(_load(ev_ptr, v_off, ir.VectorType.get((4,), i32), 16))
             scales = llvm.insertelement(scales, _load(es_ptr, s_off, i16, 2), arith.constant(i32, k))
         ids = llvm.insertelement(llvm.mlir_undef(ir.VectorType.get((1,), i32)), ix, arith.constant(i32, 0))
@@ -334,16 +339,16 @@ def _decode_window():
         row, q = _thread_row()
         w_rows = ir.MemRefType(wv.type).shape[1]
         wv_ptr, ws_ptr, ok_ptr = (mgpu_utils.memref_ptr(r) for r in (wv, ws, wok))
-        rec = arith.addi(arith.muli(i64_of(b), i64_of(i32_const(w_rows))), i64_of(arith.addi(w0, row)))
+        rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(arith.addi(w0, row)))
         valid = arith.cmpi(arith.CmpIPredicate.ne, _load(ok_ptr, rec, i8, 1), arith.constant(i8, 0))
 
         def loads(ks):
             out = []
             for k in ks:  # raw 16 B chunk i = q + 4k: channels 16i .. 16i + 15, E8M0 byte i // 2
                 i = arith.addi(q, i32_const(4 * k))
-                v_off = arith.addi(arith.muli(rec, i64_of(i32_const(D))), i64_of(arith.muli(i, i32_const(16))))
-                s_off = arith.addi(arith.muli(rec, i64_of(i32_const(D // WINDOW_GROUP))),
-                                   i64_of(arith.divui(i, i32_const(2))))
+                v_off = arith.addi(arith.muli(rec, _i64(i32_const(D))), _i64(arith.muli(i, i32_const(16))))
+                s_off = arith.addi(arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))),
+                                   _i64(arith.divui(i, i32_const(2))))
                 out.append((i, _load(wv_ptr, v_off, ir.VectorType.get((4,), i32), 16), _load(ws_ptr, s_off, i8, 1)))
             return out
 
@@ -396,21 +401,21 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early:
             mine = arith.andi(cmp("slt", key, i32_const(last_key)), cmp("slt", tile, i32_const(n_t)))
             with mgpu_utils.when(mine):
                 with mgpu_utils.when(cmp("slt", tile, i32_const(n_wt))):
-                    rec = arith.addi(arith.muli(i64_of(b), i64_of(i32_const(w_rows))), i64_of(pos))
-                    _prefetch_l2(wv_ptr, arith.muli(rec, i64_of(i32_const(D))), D // 128)
-                    _prefetch_l2(ws_ptr, arith.muli(rec, i64_of(i32_const(D // WINDOW_GROUP))), 1)
+                    rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(pos))
+                    _prefetch_l2(wv_ptr, arith.muli(rec, _i64(i32_const(D))), D // 128)
+                    _prefetch_l2(ws_ptr, arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), 1)
                 with mgpu_utils.when(cmp("sge", tile, i32_const(n_wt))):
                     e = arith.minsi(arith.subi(pos, i32_const(n_wt * T)), i32_const(kp - 1))
                     ix = memref.load(idx, [index_of(b), index_of(e)])
                     with mgpu_utils.when(cmp("sge", ix, i32_const(0))):
-                        entry = arith.addi(arith.muli(i64_of(b), i64_of(i32_const(n_rows))), i64_of(ix))
-                        _prefetch_l2(ev_ptr, arith.muli(entry, i64_of(i32_const(D // 2))), D // 256)
-                        _prefetch_l2(es_ptr, arith.muli(entry, i64_of(i32_const(D // ENTRY_GROUP))), 1)
+                        entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))
+                        _prefetch_l2(ev_ptr, arith.muli(entry, _i64(i32_const(D // 2))), D // 256)
+                        _prefetch_l2(es_ptr, arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), 1)
         if early:
-            q_base = arith.muli(i64_of(b), i64_of(i32_const(H * D * 2)))
+            q_base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
             for i in range(H * D * 2 // 128 // 256):  # q[b]'s 128 B lines
                 line = arith.addi(tid, i32_const(256 * i))
-                _prefetch_l2(q_ptr, arith.addi(q_base, i64_of(arith.muli(line, i32_const(128)))), 1)
+                _prefetch_l2(q_ptr, arith.addi(q_base, _i64(arith.muli(line, i32_const(128)))), 1)
 
     return prefetch
 
@@ -460,11 +465,11 @@ def _load_query():
         b = b.registers.item()
         tid = mgpu_utils.thread_idx()
         g_ptr, s_ptr = mgpu_utils.memref_ptr(q_gmem), mgpu_utils.memref_ptr(q_smem)
-        base = arith.muli(i64_of(b), i64_of(i32_const(H * D * 2)))
+        base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
         groups = []
         for i in range(H * D // 8 // 256):  # 8-channel group g = tid + 256 i: row g // 64, channels 8 (g % 64) + ...
             g = arith.addi(tid, i32_const(256 * i))
-            groups.append((g, _load(g_ptr, arith.addi(base, i64_of(arith.muli(g, i32_const(16)))),
+            groups.append((g, _load(g_ptr, arith.addi(base, _i64(arith.muli(g, i32_const(16)))),
                                     ir.VectorType.get((4,), i32), 16)))
         for g, vals in groups:
             words = [llvm.extractelement(vals, arith.constant(i32, c)) for c in range(4)]  # channels (2c, 2c + 1)
@@ -483,7 +488,6 @@ def _load_query():
 _CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
 # setmaxnreg per warpgroup (scores, values, decoder): at most 3 x 168 (64K registers over 384 threads) in all
 REGISTERS = (232, 192, 80)
-REGISTER_BUDGET = 3 * 168
 
 
 @functools.cache
@@ -575,21 +579,19 @@ def _staged_moves(stage, n_rows: int, out_row0):
 
 def _element(row, ch):
     """Element index (i64) of [row, ch] in rows of D channels."""
-    return arith.addi(arith.muli(i64_of(row), i64_of(i32_const(D))), i64_of(ch))
+    return arith.addi(arith.muli(_i64(row), _i64(i32_const(D))), _i64(ch))
 
 
 def _store_f32_rows(o, moves):
     """`_staged_moves` into o (gmem f32, rows of D channels), 16 B each."""
     o_ptr = mgpu_utils.memref_ptr(o)
     for row, ch, v in moves:
-        llvm.store(v, mgpu_utils.getelementptr(o_ptr, [arith.muli(_element(row, ch), i64_of(i32_const(4)))],
+        llvm.store(v, mgpu_utils.getelementptr(o_ptr, [arith.muli(_element(row, ch), _i64(i32_const(4)))],
                                                ir.IntegerType.get_signless(8)), alignment=16)
 
 
-# packed f16 pair -> f32 pair (`PACK_PTX`'s "f16" back)
-_UNPACK_F16_PTX = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }"
-# The merge sends other CTAs' rows as f16 scaled so that a thread's largest |value| of the row is below 2**EXCHANGE_TOP
-EXCHANGE_TOP = 14
+# f32 pair -> packed 16-bit pair (round to nearest even), per output element type
+_PACK_PTX = {"bf16": "cvt.rn.bf16x2.f32 $0, $2, $1;", "f16": "cvt.rn.f16x2.f32 $0, $2, $1;"}
 
 
 def _store_unrotated_rows(o, cos, sin, b, moves):
@@ -600,10 +602,10 @@ def _store_unrotated_rows(o, cos, sin, b, moves):
     o_ptr, cos_ptr, sin_ptr = (mgpu_utils.memref_ptr(r) for r in (o, cos, sin))
     out_ty = ir.MemRefType(o.type).element_type
     width = 4 if out_ty == ir.F32Type.get() else 2
-    pack = PACK_PTX["bf16" if out_ty == ir.BF16Type.get() else "f16"]
+    pack = _PACK_PTX["bf16" if out_ty == ir.BF16Type.get() else "f16"]
     for row, ch, v in moves:
-        pair = arith.addi(arith.muli(i64_of(b), i64_of(i32_const(D // 2))), i64_of(arith.shrui(ch, i32_const(1))))
-        c, sn = (_load(ptr, arith.muli(pair, i64_of(i32_const(4))), ir.VectorType.get((2,), f32), 8)
+        pair = arith.addi(arith.muli(_i64(b), _i64(i32_const(D // 2))), _i64(arith.shrui(ch, i32_const(1))))
+        c, sn = (_load(ptr, arith.muli(pair, _i64(i32_const(4))), ir.VectorType.get((2,), f32), 8)
                  for ptr in (cos_ptr, sin_ptr))
         x = [llvm.extractelement(v, arith.constant(i32, e)) for e in range(4)]
         turned = []
@@ -621,7 +623,7 @@ def _store_unrotated_rows(o, cos, sin, b, moves):
             for j in range(2):
                 out = llvm.insertelement(out, mgpu_utils.inline_ptx(pack, turned[2 * j], turned[2 * j + 1],
                                                                     result_types=i32), arith.constant(i32, j))
-        dst = arith.muli(_element(row, ch), i64_of(i32_const(width)))
+        dst = arith.muli(_element(row, ch), _i64(i32_const(width)))
         llvm.store(out, mgpu_utils.getelementptr(o_ptr, [dst], i8), alignment=4 * width)
 
 
@@ -662,7 +664,7 @@ def _store_partials():
 
 
 @functools.cache
-def _store_merged(rotated: bool, splits: int, exchange: str, stamp_at: int | None = None):
+def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
     """inline_mgpu: (acc, m, l as `_store_partials`, the keys' and q's smem (free now), stats smem f32 [MAX_SPLITS,
     2, 64], sink f32 [64] (natural-log units), [rotated: cos, sin f32 [B, 256]], o gmem [B, 64, 512], b, s) -> o[b] =
     the softmax-weighted sum over the cluster's S key ranges (S divides 64) with the sink, in channel order (f32;
@@ -677,8 +679,7 @@ def _store_merged(rotated: bool, splits: int, exchange: str, stamp_at: int | Non
     others' weighted rows go to their owner's key slots through distributed shared memory (st.shared::cluster,
     in register order: each thread's values land where the same thread of the owner reads them), all meet again,
     and each owner adds them to its own, stages its rows and stores them once. Until the thirty-eighth session
-    range 0 stored all 64 rows and the others added theirs with red.global.add after a second barrier. exchange:
-    the rows sent as "f32", or as "f16" times a power of two per thread and row (`EXCHANGE_TOP`; half the bytes).
+    range 0 stored all 64 rows and the others added theirs with red.global.add after a second barrier.
 
     stamp_at: with a timeline (two more arguments: its gmem, the CTA's row), its points stamp_at, + 1, + 2 after
     the statistics' barrier, the rows' exchange and the staging (`timeline_groups`)."""
@@ -713,60 +714,11 @@ def _store_merged(rotated: bool, splits: int, exchange: str, stamp_at: int | Non
         stamp(0)
         recv = mgpu_utils.memref_ptr(k_smem)
 
-        words = HALF // 8 if exchange == "f32" else HALF // 16  # 8 B words a thread sends of a row
-
-        def recv_offset(sender, row, c):  # 8 B [S - 1 senders, 2 warpgroups, words c, R rows, 4 q] in the owner
+        def recv_offset(sender, row, c):  # f32 x 2 [S - 1 senders, 2 warpgroups, 32 c, R rows, 4 q] in the owner
             idx = sender
-            for stride, term in ((2, wg), (words, i32_const(c)), (own_rows, row), (4, q)):
+            for stride, term in ((2, wg), (HALF // 8, i32_const(c)), (own_rows, row), (4, q)):
                 idx = arith.addi(arith.muli(idx, i32_const(stride)), term)
             return arith.muli(idx, i32_const(8))
-
-        def exp_offset(sender, row):  # f16: i32 [S - 1, 2, R, 4] after the rows, each row's send factor's exponent
-            idx = sender
-            for stride, term in ((2, wg), (own_rows, row), (4, q)):
-                idx = arith.addi(arith.muli(idx, i32_const(stride)), term)
-            return arith.addi(arith.muli(idx, i32_const(4)), i32_const((splits - 1) * 2 * words * own_rows * 4 * 8))
-
-        def send(remote, sender, local, vals):  # this thread's values of a row to its owner
-            if exchange == "f32":
-                for c, vec in enumerate(vals):
-                    llvm.store(vec, mgpu_utils.getelementptr(remote, [recv_offset(sender, local, c)], i8), alignment=8)
-                return
-            # f16 times 2**(EXCHANGE_TOP - 1 - e) for the largest |value| in [2**e, 2**(e + 1)): half the bytes
-            # of f32, within 2**-11 of that largest value
-            amax = functools.reduce(arith.maximumf, [mlir_math.absf(llvm.extractelement(v, i32_const(j)))
-                                                     for v in vals for j in range(2)])
-            e = arith.andi(arith.shrui(arith.bitcast(i32, amax), i32_const(23)), i32_const(255))
-            k = arith.minsi(arith.maxsi(arith.subi(i32_const(254 + EXCHANGE_TOP - 1), e), i32_const(1)), i32_const(254))
-            f = arith.bitcast(f32, arith.shli(k, i32_const(23)))
-            for c in range(words):
-                pair = llvm.mlir_undef(ir.VectorType.get((2,), i32))
-                for t in range(2):
-                    x = [arith.mulf(llvm.extractelement(vals[2 * c + t], i32_const(j)), f) for j in range(2)]
-                    pair = llvm.insertelement(pair, mgpu_utils.inline_ptx(PACK_PTX["f16"], *x, result_types=i32),
-                                              i32_const(t))
-                llvm.store(pair, mgpu_utils.getelementptr(remote, [recv_offset(sender, local, c)], i8), alignment=8)
-            llvm.store(k, mgpu_utils.getelementptr(remote, [exp_offset(sender, local)], i8), alignment=4)
-
-        def received(sender, local, vals):  # vals + what `sender` sent of the row
-            if exchange == "f32":
-                return [arith.addf(v, llvm.load(ir.VectorType.get((2,), f32), mgpu_utils.getelementptr(
-                    recv, [recv_offset(sender, local, c)], i8), alignment=8)) for c, v in enumerate(vals)]
-            k = llvm.load(i32, mgpu_utils.getelementptr(recv, [exp_offset(sender, local)], i8), alignment=4)
-            inv = arith.bitcast(f32, arith.shli(arith.subi(i32_const(254), k), i32_const(23)))  # 1 / the send factor
-            out = list(vals)
-            for c in range(words):
-                pair = llvm.load(ir.VectorType.get((2,), i32), mgpu_utils.getelementptr(
-                    recv, [recv_offset(sender, local, c)], i8), alignment=8)
-                for t in range(2):
-                    got = mgpu_utils.inline_ptx(_UNPACK_F16_PTX, llvm.extractelement(pair, i32_const(t)),
-                                                result_types=[f32, f32])
-                    v = out[2 * c + t]
-                    for j in range(2):
-                        v = llvm.insertelement(v, arith.addf(llvm.extractelement(v, i32_const(j)), arith.mulf(got[j], inv)),
-                                               i32_const(j))
-                    out[2 * c + t] = v
-            return out
 
         mine = []
         for half, row in enumerate(rows):
@@ -786,7 +738,10 @@ def _store_merged(rotated: bool, splits: int, exchange: str, stamp_at: int | Non
             if splits > 1:
                 with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, owner, s)):
                     sender = arith.subi(s, arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ugt, s, owner)))
-                    send(mgpu_utils.get_cluster_ptr(recv, owner, generic=False), sender, local, vals)
+                    remote = mgpu_utils.get_cluster_ptr(recv, owner, generic=False)
+                    for c, vec in enumerate(vals):
+                        llvm.store(vec, mgpu_utils.getelementptr(remote, [recv_offset(sender, local, c)], i8),
+                                   alignment=8)
             mine.append((is_mine, local, vals))
         if splits > 1:
             mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)  # the others' rows are here
@@ -795,7 +750,8 @@ def _store_merged(rotated: bool, splits: int, exchange: str, stamp_at: int | Non
         for is_mine, local, vals in mine:
             with mgpu_utils.when(is_mine):
                 for sender in range(splits - 1):
-                    vals = received(i32_const(sender), local, vals)
+                    vals = [arith.addf(v, llvm.load(ir.VectorType.get((2,), f32), mgpu_utils.getelementptr(
+                        recv, [recv_offset(i32_const(sender), local, c)], i8), alignment=8)) for c, v in enumerate(vals)]
                 _stage_row(stage, local, q, vals)
         moves = _staged_moves(stage, own_rows, arith.addi(arith.muli(b, i32_const(H)), arith.muli(s, i32_const(own_rows))))
         stamp(2)
@@ -878,12 +834,10 @@ def timeline_names(tiles: int) -> list[str]:
     return [name for names in timeline_groups(tiles).values() for name in names]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline", "ahead",
-                                               "exchange", "registers"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
-                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False,
-                           ahead: int = 1, exchange: str = "f32", registers: tuple[int, int, int] = REGISTERS):
+                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
@@ -893,21 +847,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong, but for the prefetch).
     unrotate, out_dtype: as `gpu_attention.sparse_attention`'s (partials merged and turned by
     `gpu_attention.combine_unrotated`). timeline: also return each CTA's `timeline_names(tiles per range)` points
-    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range). Forms timed on an H100 and not kept
-    (forty-second session, docs/BENCHMARKS.md; the defaults are the faster): ahead, the entry tiles whose rows the
-    decoders hold in registers before their decode (1 or 2: 19 registers a tile; 2 took the batch-64 call 28.9 ->
-    30.2 us); exchange, the merge's rows sent as "f32" or "f16" (`_store_merged`; within noise); registers,
-    `plgpu.set_max_registers` of the three warpgroups (REGISTERS)."""
+    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
-    if ahead not in (1, 2) or exchange not in ("f32", "f16"):
-        raise ValueError(f"ahead takes 1 or 2 and exchange 'f32' or 'f16'; got ahead={ahead}, exchange={exchange!r}")
-    even = REGISTER_BUDGET // 3  # each warpgroup's at launch: warpgroups 0 and 1 grow from it, 2 shrinks
-    if (len(registers) != 3 or any(r % 8 or not 24 <= r <= 256 for r in registers)
-            or sum(registers) > REGISTER_BUDGET or min(registers[:2]) < even or registers[2] > even):
-        raise ValueError(f"registers={registers}: three multiples of 8 in [24, 256] (setmaxnreg) summing to at most "
-                         f"{REGISTER_BUDGET} (64K registers over 3 x 128 threads), the first two at least {even} "
-                         f"and the third at most {even}")
     b, h, d = q_bhd.shape
     w, k, n = window_values.shape[1], idx_bk.shape[1], entry_values.shape[1]
     if (h, d) != (H, D) or w % T or window_values.shape != (b, w, D) or window_scales.shape != (b, w, D // WINDOW_GROUP):
@@ -1002,18 +944,18 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         def load(i):
             return _load_entries(n)(ev, es, ids_smem, seq, jnp.clip(i, 0, count - 1))
 
-        def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> the rows it holds
-            plgpu.set_max_registers(registers[group], action="increase" if group == 1 else "decrease")
+        def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> tile 1's rows
+            plgpu.set_max_registers(REGISTERS[group], action="increase" if group == 1 else "decrease")
             _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
-            raw, held = load(0), tuple(load(1 + j) for j in range(ahead - 1))
+            raw = load(0)
             pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
             stamp(point, group)
-            return (*held, load(ahead))  # the newest tile's after the decode, as in every iteration
+            return load(1)
 
-        def decode_next(i, slot, held, group, point):  # in tile i's (slot's) iteration: tile i + 1 from the rows
-            pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, held[0]))  # held; the rows of tile
-            stamp(point, group)  # i + 1 + ahead are loaded now, to land during the next `ahead` iterations' work
-            return (*held[1:], load(i + 1 + ahead))
+        def decode_next(i, slot, raw, group, point):  # in tile i's (slot's) iteration: tile i + 1 from raw; -> tile
+            pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, raw))  # i + 2's rows
+            stamp(point, group)
+            return load(i + 2)  # lands during this iteration's other work
 
         def pv(acc, a, slot, half):
             def run(acc_ref):
@@ -1031,7 +973,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 return
             if merged:
                 timed = (tl_gmem, seq * splits + part) if timeline else ()
-                _store_merged(rotated, splits, exchange, merge_points if timeline else None)(
+                _store_merged(rotated, splits, merge_points if timeline else None)(
                     acc, wide(m), wide(l), k_smem, q_smem, stats_smem, sink_gmem, *turn, o_gmem, seq, part, *timed)
             else:
                 _store_partials()(acc, wide(m), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
@@ -1040,7 +982,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 0)
         def _scores():  # the logits, the softmax and p . keys[:, :256]; p and its rows' rescale to warpgroup 1
-            plgpu.set_max_registers(registers[0], action="increase")
+            plgpu.set_max_registers(REGISTERS[0], action="increase")
             plgpu.commit_smem()  # its part of q, for the wgmmas
             pl.when(count > 0)(lambda: wait3(KEYS_READY))
             stamp(2)
@@ -1085,21 +1027,21 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 1)
         def _values():  # every tile's rows 0..31, a tile ahead; p . keys[:, 256:] with warpgroup 0's p
-            held = start_decoding(1, 2)
+            raw = start_decoding(1, 2)
 
             def tile(i, carry):
-                acc, held = carry
+                acc, raw = carry
                 slot = i % 2
-                held = decode_next(i, slot, held, 1, 3 + 3 * i)
+                raw = decode_next(i, slot, raw, 1, 3 + 3 * i)
                 wait(P_READY)
                 stamp(4 + 3 * i, 1)
                 acc = acc * lax.broadcast_in_dim(plgpu.load(rows_smem.at[0], layout=row_layout), acc.shape, [0])
                 acc = pv(acc, p_smem, slot, 1)
                 pl.when(i + 1 < count)(lambda: arrive(P_FREE))
                 stamp(5 + 3 * i, 1)
-                return acc, held
+                return acc, raw
 
-            acc, _ = lax.fori_loop(0, count, tile, (acc0, held))
+            acc, _ = lax.fori_loop(0, count, tile, (acc0, raw))
             missing(1, 3, 3 * per, 3 * count)
             wait(STATS_READY)
             stamp(3 + 3 * per, 1)
@@ -1108,7 +1050,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 2)
         def _decoder():  # every tile's rows 32..63, a tile ahead; the merge's cluster barriers with the others
-            lax.fori_loop(0, count, lambda i, held: decode_next(i, i % 2, held, 2, 2 + i), start_decoding(2, 1))
+            lax.fori_loop(0, count, lambda i, raw: decode_next(i, i % 2, raw, 2, 2 + i), start_decoding(2, 1))
             missing(2, 2, per, count)
             if merged and "store" not in skip:
                 _cluster_syncs(2 if splits > 1 else 1)()

@@ -137,27 +137,3 @@ def test_a_timeline_with_warpgroups_is_said_a_line_each():
     say_timeline(say, "timeline b8", {"span_us": 3.0, "start": (0.1, 0.2, 0.3)})
     assert lines == ["timeline b64 warpgroup 0: {'span_us': 1.0}", "timeline b64 warpgroup 1: {'span_us': 2.0}",
                      "timeline b8: {'span_us': 3.0, 'start': (0.1, 0.2, 0.3)}"]
-
-
-def test_the_forms_a_call_compares_are_the_kernels_arguments():
-    """`issue21_roles attention_forms scan_forms` time each form in one process: each is a keyword set the kernels
-    take, passing their argument checks, with the default's outputs (traced here; the kernels' own tests lower the
-    forms for CUDA), so that a typo fails on the CPU, not in a device call."""
-    import jax
-    import jax.numpy as jnp
-
-    from experiments.device_runs import issue21_roles as roles
-    from kernels_pallas import gpu_attention_wgmma as att, gpu_indexer_wgmma as scan
-    s = jax.ShapeDtypeStruct
-    b, w, n, k = 2, 128, 300, 512
-    a_args = (s((b, att.H, att.D), jnp.bfloat16), s((b, w, att.D), jnp.uint8), s((b, w, att.D // 32), jnp.uint8),
-              s((b, w), jnp.bool_), s((b, n, att.D // 2), jnp.uint8), s((b, n, att.D // 16), jnp.uint8),
-              s((b, k), jnp.int32), s((att.H,), jnp.float32))
-    s_args = (s((b, 64, scan.D), jnp.float32), s((b, 64), jnp.float32), s((b, 8192, scan.D // 2), jnp.uint8),
-              s((b, 8192, scan.D // scan.GROUP), jnp.uint8), s((b,), jnp.int32))
-    for fn, args, forms in ((lambda *a, **f: att.sparse_attention_wgmma(*a, scale=0.05, timeline=True, **f), a_args,
-                             roles.ATTENTION_FORMS),
-                            (lambda *a, **f: scan.indexer_scores_wgmma(*a, q_parts=1, **f), s_args, roles.SCAN_FORMS)):
-        assert {} in forms and len({str(f) for f in forms}) == len(forms)  # the default, and no form twice
-        outs = [jax.jit(lambda *a, form=form: fn(*a, **form)).trace(*args).out_info for form in forms]
-        assert all(o == outs[0] for o in outs)  # each form gives the default's outputs

@@ -13,7 +13,8 @@ def test_a_form_has_one_fingerprint_and_different_code_another():
     default = mm.lowered("attention", {"splits": 2, "merged": True})
     assert len(mm.module_bytes(default)) == 1
     assert mm.fingerprint(default) == mm.fingerprint(mm.lowered("attention", {"splits": 2, "merged": True}))
-    assert mm.fingerprint(default) != mm.fingerprint(mm.lowered("attention", {"splits": 2, "merged": True, "ahead": 2}))
+    assert mm.fingerprint(default) != mm.fingerprint(mm.lowered("attention", {"splits": 2, "merged": True,
+                                                                          "timeline": True}))
 
 
 def test_the_fingerprint_leaves_out_source_locations():

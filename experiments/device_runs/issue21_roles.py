@@ -27,13 +27,7 @@ Groups (default: tests attention ablate before ptx):
   error against `gpu_attention.unrotated` of the f32 twin (since 870d38e the merged kernel turns and casts its
   rows itself; before, XLA did after the kernel);
 - ptx: `issue21_prefetch`'s (PTX and ptxas report: registers, spills) of the kernels the command times
-  (`ptx_kernels`);
-- attention_forms, scan_forms (since the forty-first session): the kernels' forms to compare, keyword arguments
-  of the kernels (ATTENTION_FORMS: the entry rows two tiles ahead, the merge's rows in f16, the registers;
-  SCAN_FORMS: the next tile's decode under the wgmma, q loaded by the CTA), all in one process: attention at
-  batch 64 with bf16 q and its timeline, the scan at 128K and 1M x 8, each with its error against its twin.
-  No copies of the tree: `... issue21_roles tests attention_forms scan_forms` (the tests hold the forms' GPU
-  cases).
+  (`ptx_kernels`).
 
     mkdir -p build/before && for c in 4817d20; do
       git show $c:kernels_pallas/gpu_attention_wgmma.py > build/before/$c.py; done
@@ -48,8 +42,7 @@ import sys
 
 from experiments.device_runs._steps import OUT, step, tree_before
 from experiments.device_runs.issue21_prefetch import ablate_group, ptx_group
-from experiments.device_runs.issue21_timeline import (SHARED_GROUPS, attention_group, gpu_tests, run_groups, scan_group,
-                                                      timed_row)
+from experiments.device_runs.issue21_timeline import SHARED_GROUPS, gpu_tests, run_groups, timed_row
 
 BEFORE = "build/before"
 
@@ -80,12 +73,6 @@ def model_group(say, rows) -> None:
         del q, window, entries, args, ref
 
 
-# The kernels' forms to compare (their keyword arguments; {} the measured default), timed in one process
-ATTENTION_FORMS = ({}, {"ahead": 2}, {"exchange": "f16"}, {"ahead": 2, "exchange": "f16"},
-                   {"ahead": 2, "registers": (224, 200, 80)})
-SCAN_FORMS = ({}, {"overlap": True}, {"load_query": True}, {"overlap": True, "load_query": True})
-
-
 def before_group(say, groups) -> None:
     """Each earlier form in a copy of the tree, run with `groups` of this script (its logs, and with ptx its PTX and
     ptxas report, under $OUT/before_<name>/): `BEFORE/<name>.py` is the attention's kernel file; a folder
@@ -110,11 +97,6 @@ TIMING = (*SHARED_GROUPS, "model")
 def main(groups: list[str]) -> int:
     timed = ([g for g in groups if g in TIMING] or ["attention"]) + [g for g in groups if g == "ptx"]
     return run_groups(groups, {"ablate": ablate_group, "model": model_group,
-                               "attention_forms": lambda say, rows: attention_group(
-                                   say, rows, timelines=True, batches=(64,), q_dtypes=("bfloat16",),
-                                   forms=ATTENTION_FORMS),
-                               "scan_forms": lambda say, rows: scan_group(
-                                   say, rows, timelines=False, points=((131072, 8), (1048576, 8)), forms=SCAN_FORMS),
                                "before": lambda say, rows: before_group(say, timed),
                                "ptx": lambda say, rows: ptx_group(say, ptx_kernels(groups))},
                       tests=lambda say: gpu_tests(say, gpu_test_files(groups), 330))

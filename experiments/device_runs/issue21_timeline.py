@@ -42,10 +42,7 @@ def attention_points(columns: int) -> dict[str, list[str]] | list[str]:
     return att.timeline_groups(tiles) if hasattr(att, "timeline_groups") else att.timeline_names(tiles)
 
 
-def scan_group(say, rows, timelines: bool, points=SCAN_POINTS, forms=({},)) -> None:
-    """A copy's rate, then the scan (q_parts 1) at each of `points` (context, batch) in each of `forms` (keyword
-    arguments of the kernel), timed from HBM with its error against the jnp twin; with timelines, the CTAs'
-    timeline of the default form at batch 8."""
+def scan_group(say, rows, timelines: bool) -> None:
     import functools
 
     import jax
@@ -63,18 +60,16 @@ def scan_group(say, rows, timelines: bool, points=SCAN_POINTS, forms=({},)) -> N
         rows.append(("copy", f"{2 * mb} MB moved", f"{t * 1e6:.1f}", "-", f"{100 * 2 * big.nbytes / t / peak:.1f}%", "-"))
         say(" | ".join(rows[-1]))
         del big
-    for ctx, b in points:
+    for ctx, b in SCAN_POINTS:
         q, w, rec = bk.index_data(jax.random.key(ctx + b), b, ctx)
         args = (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32))
         moved = bk.nbytes(rec) + b * ctx * 4
-        want = gpu_indexer.indexer_scores(*args)
-        for form in forms:
-            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **form)
-            timed_row(say, rows, "scan", f"{ctx} x {b}" + (f", {form}" if form else ""), fn, args, 1, moved, peak,
-                      scan_error(fn(*args), want))
-            if timelines and b == 8 and not form:
-                say(f"timeline {ctx} x {b}:", timeline(lambda *a: fn(*a, timeline=True)[1], args, scan.TIMELINE))
-        del q, w, rec, args, want
+        fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1)
+        err = scan_error(fn(*args), gpu_indexer.indexer_scores(*args))
+        timed_row(say, rows, "scan", f"{ctx} x {b}", fn, args, 1, moved, peak, err)
+        if timelines and b == 8:
+            say(f"timeline {ctx} x {b}:", timeline(lambda *a: fn(*a, timeline=True)[1], args, scan.TIMELINE))
+        del q, w, rec, args
 
 
 def timed_row(say, rows, kind, shape, fn, args, perturb, moved, peak, err="-") -> None:
@@ -118,10 +113,9 @@ def say_timeline(say, label: str, phases: dict) -> None:
         say(f"{label}:", phases)
 
 
-def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("float32", "bfloat16"),
-                    forms=({},)) -> None:
-    """The wgmma attention at 128K entries for each batch, q dtype and form (keyword arguments of the kernel), timed
-    from HBM with its error against the float32 twin, and (timelines) its CTAs' timeline with bf16 q."""
+def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("float32", "bfloat16")) -> None:
+    """The wgmma attention at 128K entries for each batch and q dtype, timed from HBM with its error against the
+    float32 twin, and (timelines) its CTAs' timeline with bf16 q."""
     import functools
 
     import jax
@@ -142,14 +136,13 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
             ref = ops.sparse_attention_decode(q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx,
                                               quant.MAIN_KV, sink, scale)
             bf16 = q.dtype == jnp.bfloat16
-            for form in forms:
-                fn = functools.partial(att.sparse_attention_wgmma, scale=scale, **form)
-                err = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
-                shape = f"128K x {b}, q {q.dtype}" + (f", {form}" if form else "")
-                timed_row(say, rows, "attention", shape, fn, args, 7, moved, peak, f"{err:.1e}")
-                if timelines and bf16:
-                    say_timeline(say, f"timeline {shape}",
-                                 timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
+            fn = functools.partial(att.sparse_attention_wgmma, scale=scale)
+            err = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
+            shape = f"128K x {b}, q {q.dtype}"
+            timed_row(say, rows, "attention", shape, fn, args, 7, moved, peak, f"{err:.1e}")
+            if timelines and bf16:
+                say_timeline(say, f"timeline {shape}",
+                             timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
         del q, q32, window, entries, args, ref
 
 
