@@ -161,9 +161,12 @@ def sweep_group(say, rows) -> None:
     q, w, rec = bk.index_data(jax.random.key(0), 8, 131072)
     args = (q, w, rec["values"], rec["scales"], jnp.full((8,), 131072 - 5, jnp.int32))
     moved = bk.nbytes(rec) + 8 * 131072 * 4
-    for ctas, tiles in ((264, 4), (528, 4), (1056, 4), (2112, 4), (4224, 4), (2112, 2), (4224, 2), (8448, 2)):
-        fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, ctas=ctas, tiles_per_step=tiles)
-        timed_row(say, rows, "scan", f"131072 x 8, {ctas} CTAs, {tiles} tiles/step", fn, args, 1, moved, peak)
+    # (CTAs wanted, tiles per step, stages): 660 / 528 = one wave of 5 / 4 CTAs an SM (42 KB of shared memory each)
+    for ctas, tiles, stages in ((264, 4, 2), (528, 4, 2), (528, 4, 3), (660, 4, 2), (1056, 4, 2), (1320, 4, 2),
+                                (2112, 4, 2), (4224, 4, 2), (2112, 2, 2), (2112, 2, 3), (4224, 2, 2), (8448, 2, 2)):
+        fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, ctas=ctas, tiles_per_step=tiles, stages=stages)
+        timed_row(say, rows, "scan", f"131072 x 8, {ctas} CTAs, {tiles} tiles/step, {stages} stages", fn, args, 1,
+                  moved, peak)
         say("timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, scan.TIMELINE))
     del q, w, rec, args
     q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(64), 64, 1 << 17)
@@ -174,6 +177,66 @@ def sweep_group(say, rows) -> None:
         timed_row(say, rows, "attention", f"128K x 64, q bf16, {splits} ranges {'merged' if merged else 'partials'}",
                   fn, args, 7, moved, peak)
         say_timeline(say, "timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
+
+
+def configs_group(say, rows) -> None:
+    """The scan at each of SCAN_POINTS over (CTAs, tiles per step, stages) around the sweep's best at 128K x 8, and
+    with the decode replaced by moves (wrong numbers: what the kernel takes without it) at 128K x 8."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from experiments import bench_kernels as bk
+    from experiments.bench_wgmma import NO_DECODE
+    from kernels_pallas import gpu_indexer_wgmma as scan
+
+    peak = bk.hbm_copy_bandwidth(1.0)
+    say(f"copy peak {peak / 1e9:.0f} GB/s")
+    configs = ((2112, 4, 2), (3168, 2, 2), (4224, 2, 2), (6336, 2, 2), (4224, 1, 2), (4224, 1, 4), (8448, 1, 2))
+    for ctx, b in SCAN_POINTS:
+        q, w, rec = bk.index_data(jax.random.key(ctx + b), b, ctx)
+        args = (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32))
+        moved = bk.nbytes(rec) + b * ctx * 4
+        for ctas, tiles, stages in configs if ctx * b <= 131072 * 8 else configs[:3]:
+            for decode in ("decode", "moves") if ctx * b == 131072 * 8 and ctas in (2112, 4224) else ("decode",):
+                fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, ctas=ctas, tiles_per_step=tiles,
+                                       stages=stages, **({"decode_ptx": NO_DECODE} if decode == "moves" else {}))
+                timed_row(say, rows, "scan", f"{ctx} x {b}, {ctas} CTAs, {tiles} tiles/step, {stages} stages"
+                          + (", moves (no decode)" if decode == "moves" else ""), fn, args, 1, moved, peak)
+        del q, w, rec, args
+
+
+def own_query_group(say, rows) -> None:
+    """The scan at each of SCAN_POINTS: the default, 4224 CTAs of 2 tiles a step (the configs group's best), and that
+    with q permuted by each CTA (`query_in_kernel`: no XLA kernel before the scan's), with errors against the twin;
+    the last one's timeline at 128K x 8."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from experiments import bench_kernels as bk
+    from experiments.device_runs.issue21_alu_decode import scan_error
+    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
+
+    peak = bk.hbm_copy_bandwidth(1.0)
+    say(f"copy peak {peak / 1e9:.0f} GB/s")
+    variants = {"default": {}, "4224 CTAs, 2 tiles/step": {"ctas": 4224, "tiles_per_step": 2},
+                "4224 CTAs, 2 tiles/step, q in kernel": {"ctas": 4224, "tiles_per_step": 2, "query_in_kernel": True},
+                "default, q in kernel": {"query_in_kernel": True}}
+    for ctx, b in SCAN_POINTS:
+        q, w, rec = bk.index_data(jax.random.key(ctx + b), b, ctx)
+        args = (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32))
+        moved = bk.nbytes(rec) + b * ctx * 4
+        twin = gpu_indexer.indexer_scores(*args)
+        for name, kw in variants.items():
+            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)
+            timed_row(say, rows, "scan", f"{ctx} x {b}, {name}", fn, args, 1, moved, peak, scan_error(fn(*args), twin))
+        if (ctx, b) == (131072, 8):
+            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **variants["4224 CTAs, 2 tiles/step, q in kernel"])
+            say("timeline, q in kernel:", timeline(lambda *a: fn(*a, timeline=True)[1], args, scan.TIMELINE))
+        del q, w, rec, args, twin
 
 
 def gpu_tests(say, files=("tests/test_indexer_wgmma.py", "tests/test_attention_wgmma.py"), timeout_s=330) -> int:
@@ -226,7 +289,7 @@ def run_groups(groups: list[str], own: dict, tests=gpu_tests) -> int:
 
 
 def main(groups: list[str]) -> int:
-    return run_groups(groups, {"sweep": sweep_group})
+    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "own_query": own_query_group})
 
 
 if __name__ == "__main__":
