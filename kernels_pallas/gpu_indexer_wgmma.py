@@ -9,8 +9,12 @@ to the jnp twin (1e-7); at 1M x 8 69.6-71.7% of the copy peak of the same call (
 (37.6 us: the kernel 33.6 us, the call's other ~3 kernels ~4 us; the kernel's 1M rate would give 27.8); the
 Triton scan 31% / 27%. Those percentages are of a copy timed by wall time; against a copy timed as the kernel is
 (GPU time in a trace) the H200's last numbers are 63.5% at 1M x 8 and 50.3% at 128K x 8, an H100's 86.0% and
-60.0% (forty-second session). Timed there and not kept (the forms at 538be34): the next tile decoded under the
-current tile's wgmma (within noise), q permuted and split by each CTA instead of XLA (128K x 8: 41.3 -> 50.1 us).
+60.0% (forty-second session); with 4224 CTAs of 2 tiles a step (forty-third) the H100's are 88.2% and 63.5%, and
+at 128K x 8 the kernel with no decode at all reaches 65.8%: there the CTAs' starts and the call's XLA kernel
+bound it, not the decode. Timed and not kept (the forms at 538be34 and 69241da): the next tile decoded under the
+current tile's wgmma (within noise), q permuted and split by each CTA instead of XLA, from global memory at the
+first step (128K x 8: 41.3 -> 50.1 us) or copied beside the first keys and permuted in shared memory (39.0 ->
+41.7 us; 1M x 8 224.8 -> 229.1).
 SASS (`experiments.sass_mix`): 80 registers, ~300 instructions per thread per 64 positions (136 of them the
 decode), the ALU pipe no longer the first limit. In the model's dispatch while `ON`. This is the experts' form of
 `gpu_wgmma` applied to keys:
@@ -45,8 +49,8 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import gpu_timeline
-from kernels_pallas.gpu_wgmma import (DECODE_PTX, U32, WORD_PAIRS, i32_const, index_of, is_hopper, pow2_bf16x2,
-                                     swizzled_offset, warpgroup_coords, wgmma_operand)
+from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, i32_const, index_of, is_hopper, pow2_bf16x2,
+                                     warpgroup_coords, wgmma_operand)
 
 D = 128  # channels of an index key
 TP = 64  # positions per step: the wgmma's M
@@ -108,65 +112,6 @@ def _decode_keys(row0: int, ptx: str):
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=False)
 
     return decode
-
-
-_PACK_BF16 = "cvt.rn.bf16x2.f32 $0, $2, $1;"  # (lo, hi) f32 -> bf16x2, lo in the low half
-
-
-@functools.cache
-def _permute_query(h: int, q_parts: int):
-    """inline_mgpu: (q smem f32 or bf16 [H, 128] as given, q smem bf16 [q_parts H, 128] (`_Q_TRANSFORMS`)) -> the
-    second holds q as `split_query` gives it (key_perm order; q_parts 2: rows H.. the lo parts). A thread takes
-    (row, u) units: channels 32 g + 8 u + (0..7) of the row for g < 4 (16 B loads), which fill its 16 B chunks
-    4 u .. 4 u + 3 (`key_perm`); rows past H (H % 32 != 0) repeat row 0's writes."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(_Q_TRANSFORMS)))
-    def permute(ctx, raw_smem, q_smem):
-        del ctx
-        i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
-        r_ptr, s_ptr = mgpu_utils.memref_ptr(raw_smem), mgpu_utils.memref_ptr(q_smem)
-        size = 4 if ir.MemRefType(raw_smem.type).element_type == f32 else 2
-        tid = arith.andi(mgpu_utils.thread_idx(), i32_const(127))
-        u = arith.andi(tid, i32_const(3))
-        units = []
-        for k in range(-(-h // 32)):  # unit tid + 128 k: row (tid + 128 k) // 4, u = tid % 4
-            row = arith.addi(arith.shrui(tid, i32_const(2)), i32_const(32 * k))
-            if h % 32:
-                row = arith.select(arith.cmpi(arith.CmpIPredicate.ult, row, i32_const(h)), row, i32_const(0))
-            base = arith.muli(arith.addi(arith.muli(row, i32_const(D)), arith.muli(u, i32_const(8))), i32_const(size))
-            vecs = [llvm.load(ir.VectorType.get((4,), i32),
-                              mgpu_utils.getelementptr(r_ptr, [arith.addi(base, i32_const(32 * g * size + 16 * part))],
-                                                       i8))
-                    for g in range(4) for part in range(size // 2)]  # channels 32 g + 8 u .. + 7
-            units.append((row, vecs))
-        for row, vecs in units:
-            def channel(g, c, vecs=vecs):  # f32 of channel 32 g + 8 u + c
-                if size == 4:
-                    return arith.bitcast(f32, llvm.extractelement(vecs[2 * g + c // 4], i32_const(c % 4)))
-                w = llvm.extractelement(vecs[g], i32_const(c // 2))
-                return arith.bitcast(f32, arith.shli(w, i32_const(16)) if c % 2 == 0 else
-                                     arith.andi(w, i32_const(-65536)))
-
-            for i in range(4):  # chunk 4 u + i: word g = channel pair WORD_PAIRS[i] of group g, low half first
-                parts = [[], []]
-                for g in range(4):
-                    x = [channel(g, c) for c in WORD_PAIRS[i]]
-                    hi = mgpu_utils.inline_ptx(_PACK_BF16, *x, result_types=i32)
-                    parts[0].append(hi)
-                    if q_parts == 2:
-                        back = (arith.bitcast(f32, arith.shli(hi, i32_const(16))),
-                                arith.bitcast(f32, arith.andi(hi, i32_const(-65536))))
-                        parts[1].append(mgpu_utils.inline_ptx(_PACK_BF16, *(arith.subf(a, b) for a, b in zip(x, back)),
-                                                              result_types=i32))
-                col = arith.muli(arith.addi(arith.muli(u, i32_const(4)), i32_const(i)), i32_const(8))
-                for part, words in enumerate(parts[:q_parts]):
-                    off = swizzled_offset(0, U32(arith.addi(row, i32_const(part * h))), U32(col), q_parts * h, D).v
-                    vec = llvm.mlir_undef(ir.VectorType.get((4,), i32))
-                    for j, w in enumerate(words):
-                        vec = llvm.insertelement(vec, w, i32_const(j))
-                    llvm.store(vec, mgpu_utils.getelementptr(s_ptr, [off], i8), alignment=16)
-
-    return permute
 
 
 @functools.cache
@@ -286,27 +231,24 @@ def split_query(q_bhd: jax.Array, q_parts: int = 2) -> jax.Array:
 
 
 def tiles_per_step_for(n: int) -> int:
-    """The most 64-position tiles per pipeline step (4, 2 or 1) that divide N's tiles."""
-    return next(t for t in (4, 2, 1) if (n // TP) % t == 0)
+    """64-position tiles per pipeline step by default: 2 where they divide N's tiles, else 1."""
+    return 2 if (n // TP) % 2 == 0 else 1
 
 
-# Defaults measured on the H200 at 128K and 1M positions x batch 8 (docs/BENCHMARKS.md, eighteenth and
-# nineteenth sessions): 2112 CTAs (16 per SM; 1056 was 1-3% slower), 4 tiles per step, 2 stages.
-@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx", "timeline",
-                                             "query_in_kernel"))
+# Defaults: 4224 CTAs of 2 tiles a step, 2 stages, the fastest of an H100 sweep at 128K x 8 / 32 and 1M x 8
+# (forty-third session: 63.5 / 82.0 / 88.2% of the copy peak against 59.8 / 79.9 / 86.4% for the H200's earlier
+# choice, 2112 CTAs of 4 tiles; docs/BENCHMARKS.md).
+@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx", "timeline"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                          reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int | None = None, q_parts: int = 2,
-                         ctas: int = 2112, decode_ptx: str = DECODE_PTX, timeline: bool = False,
-                         query_in_kernel: bool = False):
+                         ctas: int = 4224, decode_ptx: str = DECODE_PTX, timeline: bool = False):
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
     stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; must
-    divide N / 64; default `tiles_per_step_for(N)`, 4 where it divides); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16
+    divide N / 64; default `tiles_per_step_for(N)`, 2 where it divides); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16
     (exact for the model's FP4-grid queries; half the MMA work); ctas: CTAs wanted over the batch
     (`split_steps`); decode_ptx: the keys' decode (DECODE_PTX's operands; benchmarks replace it); timeline: also
-    return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part);
-    query_in_kernel: q copied as given (f32 or bf16) beside the first keys and permuted by each CTA in shared
-    memory (`_permute_query`) instead of by an XLA kernel before the scan (`split_query`)."""
+    return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part)."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
     b, h, d = q_bhd.shape
@@ -319,20 +261,17 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         raise ValueError(f"tiles_per_step={tiles_per_step} must divide the {tiles} tiles of {TP} positions")
     all_steps, rows = tiles // tiles_per_step, TP * tiles_per_step
     per_seq, steps = split_steps(b, all_steps, ctas)
-    if query_in_kernel:
-        qs = q_bhd if q_bhd.dtype in (jnp.float32, jnp.bfloat16) else q_bhd.astype(jnp.float32)
-    else:
-        qs = split_query(q_bhd, q_parts)
+    qs = split_query(q_bhd, q_parts)
     w = w_bh.astype(jnp.float32)
     s_view = key_scales.reshape(b, tiles, TP * D // GROUP)  # a tile's 256 scale bytes; a step's: one TMA box
 
     def body(reach_gmem, q_gmem, w_gmem, k_gmem, s_gmem, *refs):
-        o_gmem, tl_gmem, q_smem, q_bar, *q_raw = refs if timeline else (refs[0], None, *refs[1:])
+        o_gmem, tl_gmem, q_smem, q_bar = refs if timeline else (refs[0], None, *refs[1:])
         seq, part = lax.axis_index("b"), lax.axis_index("c")
         cta = seq * per_seq + part
         gpu_timeline.stamp(tl_gmem, cta, 0)
         first = jnp.minimum(part * steps, all_steps - steps)  # this CTA's first step (`split_steps`)
-        plgpu.copy_gmem_to_smem(q_gmem.at[seq], q_raw[0] if query_in_kernel else q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(q_gmem.at[seq], q_smem, q_bar)
         w_regs = _head_weights(h)(w_gmem, seq)
         reach = reach_gmem[seq]
 
@@ -342,9 +281,6 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
             @pl.when(t == 0)
             def _():  # once: a wait flips the barrier's phase
                 plgpu.barrier_wait(q_bar)
-                if query_in_kernel:
-                    _permute_query(h, q_parts)(q_raw[0], q_smem)
-                    plgpu.commit_smem()  # the wgmma reads it through the async proxy
                 gpu_timeline.stamp(tl_gmem, cta, 1)
 
             for i in range(tiles_per_step):
@@ -373,8 +309,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         grid=(b, per_seq),
         grid_names=("b", "c"),
         scratch_types=(plgpu.SMEM((q_parts * h, D), jnp.bfloat16, transforms=_Q_TRANSFORMS),
-                       plgpu.Barrier(num_arrivals=1),
-                       *([plgpu.SMEM((h, D), qs.dtype)] if query_in_kernel else [])),
+                       plgpu.Barrier(num_arrivals=1)),
         kernel_name=f"indexer_scores_wgmma_{h}_{q_parts}",
     )
     return kernel(reachable_b.astype(jnp.int32), qs, w, key_values, s_view)

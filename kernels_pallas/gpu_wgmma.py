@@ -154,11 +154,11 @@ class U32:
         return v if isinstance(v, (int, U32)) else U32(v)
 
 
-def swizzled_offset(lead, row, col, rows: int, cols: int = 256):
-    """Byte offset of bf16 element [lead, row, col] of a [L, rows, cols] shared-memory array tiled (8, 64) with the
-    128 B swizzle (`_X_TRANSFORMS`; the attention's key tiles, the scan's q): 1 KB tiles [lead][row // 8][col //
-    64], 128 B a row, 16 B chunk j of row r at j ^ (r % 8). Ints, numpy arrays or U32s."""
-    tile = (lead * (rows // 8) + row // 8) * (cols // 64) + col // 64
+def swizzled_offset(lead, row, col, rows: int):
+    """Byte offset of bf16 element [lead, row, col] of a [L, rows, 256] shared-memory array tiled (8, 64) with the
+    128 B swizzle (`_X_TRANSFORMS`; the attention's key tiles): 1 KB tiles [lead][row // 8][col // 64], 128 B a
+    row, 16 B chunk j of row r at j ^ (r % 8). Ints, numpy arrays or U32s."""
+    tile = (lead * (rows // 8) + row // 8) * 4 + col // 64
     return tile * 1024 + row % 8 * 128 + (col % 64 // 8 ^ row % 8) * 16 + col % 8 * 2
 
 

@@ -11,8 +11,11 @@ Groups (default: tests scan attention):
   and in bf16 (the model's), and the CTAs' timelines (with per-tile points since call 2: each tile's logits, the
   next tile's decode beside them, and its p . v; "logits *" / "p.v *" sum them per CTA); attention_b64 (since
   the fortieth session): batch 64 with bf16 q alone, with its timeline, to screen candidates in `before`;
-- sweep: the scan at 128K x 8 over CTAs and tiles per step, the attention at batch 64 over key ranges, each
-  timed and with its timeline.
+- sweep: the scan at 128K x 8 over CTAs, tiles per step and stages, the attention at batch 64 over key ranges,
+  each timed and with its timeline;
+- configs (forty-third session): the scan at 128K x 8 / 32 and 1M x 8 over the sweep's best CTA counts and tiles
+  per step, and with no decode (moves) at 128K x 8;
+- defaults: the scan's default against the earlier one (2112 CTAs of 4 tiles) at the three points, with errors.
 
 The groups that ran copies of the tree (before: the thirty-sixth session's changes taken back; query_first) and
 the attention's `staged=True` candidate (staged) ran at commit bad4179 (thirty-sixth and thirty-seventh sessions,
@@ -207,10 +210,10 @@ def configs_group(say, rows) -> None:
         del q, w, rec, args
 
 
-def own_query_group(say, rows) -> None:
-    """The scan at each of SCAN_POINTS: the default, 4224 CTAs of 2 tiles a step (the configs group's best), and that
-    with q permuted by each CTA (`query_in_kernel`: no XLA kernel before the scan's), with errors against the twin;
-    the last one's timeline at 128K x 8."""
+def defaults_group(say, rows) -> None:
+    """The scan at each of SCAN_POINTS: the default (4224 CTAs of 2 tiles a step since the forty-third session) and
+    the earlier default (2112 CTAs of 4 tiles), with errors against the twin; the default's timeline at 128K x 8.
+    (The forty-third session's call 3 ran this group at 69241da as `own_query`, with q permuted in the kernel.)"""
     import functools
 
     import jax
@@ -222,9 +225,7 @@ def own_query_group(say, rows) -> None:
 
     peak = bk.hbm_copy_bandwidth(1.0)
     say(f"copy peak {peak / 1e9:.0f} GB/s")
-    variants = {"default": {}, "4224 CTAs, 2 tiles/step": {"ctas": 4224, "tiles_per_step": 2},
-                "4224 CTAs, 2 tiles/step, q in kernel": {"ctas": 4224, "tiles_per_step": 2, "query_in_kernel": True},
-                "default, q in kernel": {"query_in_kernel": True}}
+    variants = {"default": {}, "2112 CTAs, 4 tiles/step (the earlier default)": {"ctas": 2112, "tiles_per_step": 4}}
     for ctx, b in SCAN_POINTS:
         q, w, rec = bk.index_data(jax.random.key(ctx + b), b, ctx)
         args = (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32))
@@ -234,8 +235,8 @@ def own_query_group(say, rows) -> None:
             fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)
             timed_row(say, rows, "scan", f"{ctx} x {b}, {name}", fn, args, 1, moved, peak, scan_error(fn(*args), twin))
         if (ctx, b) == (131072, 8):
-            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **variants["4224 CTAs, 2 tiles/step, q in kernel"])
-            say("timeline, q in kernel:", timeline(lambda *a: fn(*a, timeline=True)[1], args, scan.TIMELINE))
+            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1)
+            say("timeline, default:", timeline(lambda *a: fn(*a, timeline=True)[1], args, scan.TIMELINE))
         del q, w, rec, args, twin
 
 
@@ -289,7 +290,7 @@ def run_groups(groups: list[str], own: dict, tests=gpu_tests) -> int:
 
 
 def main(groups: list[str]) -> int:
-    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "own_query": own_query_group})
+    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "defaults": defaults_group})
 
 
 if __name__ == "__main__":
