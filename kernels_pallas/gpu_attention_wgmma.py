@@ -76,7 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm, vector
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -714,11 +714,13 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
         stamp(0)
         recv = mgpu_utils.memref_ptr(k_smem)
 
-        def recv_offset(sender, row, c):  # f32 x 2 [S - 1 senders, 2 warpgroups, 32 c, R rows, 4 q] in the owner
-            idx = sender
-            for stride, term in ((2, wg), (HALF // 8, i32_const(c)), (own_rows, row), (4, q)):
+        def recv_offset(sender, row, k):  # f32 x 4 [S - 1 senders, 2 warpgroups, 16 k, R rows, 4 q] in the owner:
+            idx = sender  # column groups 2k and 2k + 1 of a thread in one 16 B store, a warp's 512 B contiguous
+            for stride, term in ((2, wg), (HALF // 16, i32_const(k)), (own_rows, row), (4, q)):
                 idx = arith.addi(arith.muli(idx, i32_const(stride)), term)
-            return arith.muli(idx, i32_const(8))
+            return arith.muli(idx, i32_const(16))
+
+        vec4 = ir.VectorType.get((4,), f32)
 
         mine = []
         for half, row in enumerate(rows):
@@ -739,9 +741,10 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
                 with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, owner, s)):
                     sender = arith.subi(s, arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ugt, s, owner)))
                     remote = mgpu_utils.get_cluster_ptr(recv, owner, generic=False)
-                    for c, vec in enumerate(vals):
-                        llvm.store(vec, mgpu_utils.getelementptr(remote, [recv_offset(sender, local, c)], i8),
-                                   alignment=8)
+                    for k in range(HALF // 16):  # 16 B stores: the exchange's time is its count of stores
+                        pair = vector.shuffle(vals[2 * k], vals[2 * k + 1], [0, 1, 2, 3])
+                        llvm.store(pair, mgpu_utils.getelementptr(remote, [recv_offset(sender, local, k)], i8),
+                                   alignment=16)
             mine.append((is_mine, local, vals))
         if splits > 1:
             mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)  # the others' rows are here
@@ -750,8 +753,10 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
         for is_mine, local, vals in mine:
             with mgpu_utils.when(is_mine):
                 for sender in range(splits - 1):
-                    vals = [arith.addf(v, llvm.load(ir.VectorType.get((2,), f32), mgpu_utils.getelementptr(
-                        recv, [recv_offset(i32_const(sender), local, c)], i8), alignment=8)) for c, v in enumerate(vals)]
+                    got = [llvm.load(vec4, mgpu_utils.getelementptr(recv, [recv_offset(i32_const(sender), local, k)],
+                                                                    i8), alignment=16) for k in range(HALF // 16)]
+                    vals = [arith.addf(v, vector.shuffle(got[c // 2], got[c // 2], [2 * (c % 2), 2 * (c % 2) + 1]))
+                            for c, v in enumerate(vals)]
                 _stage_row(stage, local, q, vals)
         moves = _staged_moves(stage, own_rows, arith.addi(arith.muli(b, i32_const(H)), arith.muli(s, i32_const(own_rows))))
         stamp(2)
