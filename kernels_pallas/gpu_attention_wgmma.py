@@ -372,21 +372,23 @@ EARLY_TILES = 2
 
 
 @functools.cache
-def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early: bool):
-    """inline_mgpu: (entry values, scales, idx, window values, scales, q (gmem), b, key range s) -> prefetch.L2 of
-    key rows this CTA will decode (its tiles s, s + splits, ... < n_t of 64 keys: window tiles, then entry tiles):
-    early, by both warpgroups, its first EARLY_TILES tiles' rows (warpgroup 0: a key a thread) and q[b]; else, by
-    warpgroup 0 once q is in, every other tile's rows.
+def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early: bool, merge_inputs: int = 0):
+    """inline_mgpu: (entry values, scales, idx, window values, scales, q (gmem), [merge_inputs gmem refs], b, key
+    range s) -> prefetch.L2 of key rows this CTA will decode (its tiles s, s + splits, ... < n_t of 64 keys: window
+    tiles, then entry tiles): early, by both warpgroups, its first EARLY_TILES tiles' rows (warpgroup 0: a key a
+    thread) and q[b]; else, by warpgroup 0 once q is in, every other tile's rows, and what the merge reads last
+    (merge_inputs: the sink f32 [64], then the rope's cos and sin f32 [B, 256], of which row b), which each CTA
+    would otherwise read from HBM at its end.
 
     The thirty-seventh session's form asked for every row at once (q and the first tile's first): a batch-64 CTA
     waited ~6.5 us for q and its first tile (H100 and H200, docs/BENCHMARKS.md), the ~20 MB all the CTAs asked
     for arriving together. Here the first burst is q and two tiles a CTA (~11 MB at batch 64), the rest streams
     while the first tiles are computed."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 6 + (_SPLAT,) * 2)
-    def prefetch(ctx, ev, es, idx, wv, ws, q_gmem, b, part):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (6 + merge_inputs) + (_SPLAT,) * 2)
+    def prefetch(ctx, ev, es, idx, wv, ws, q_gmem, *refs):
         del ctx
-        b, part = (a.registers.item() for a in (b, part))
+        ends, (b, part) = refs[:merge_inputs], (a.registers.item() for a in refs[merge_inputs:])
         ev_ptr, es_ptr, wv_ptr, ws_ptr, q_ptr = (mgpu_utils.memref_ptr(r) for r in (ev, es, wv, ws, q_gmem))
         kp = ir.MemRefType(idx.type).shape[1]
         tid = arith.andi(mgpu_utils.thread_idx(), i32_const(127 if not early else 255))
@@ -416,6 +418,10 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early:
             for i in range(H * D * 2 // 128 // 256):  # q[b]'s 128 B lines
                 line = arith.addi(tid, i32_const(256 * i))
                 _prefetch_l2(q_ptr, arith.addi(q_base, _i64(arith.muli(line, i32_const(128)))), 1)
+        with mgpu_utils.when(cmp("eq", tid, i32_const(0))):
+            for k, ref in enumerate(ends):  # the sink's 2 lines; cos[b]'s and sin[b]'s 8 each
+                _prefetch_l2(mgpu_utils.memref_ptr(ref), _i64(i32_const(0)) if k == 0 else
+                             arith.muli(_i64(b), _i64(i32_const(D // 2 * 4))), 2 if k == 0 else D // 2 * 4 // 128)
 
     return prefetch
 
@@ -913,8 +919,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         count = (n_t - part + splits - 1) // splits  # its tiles: part + splits i, i < count (tile_of)
         tile_of = lambda i: part + i * splits  # noqa: E731
 
-        prefetch = lambda early: None if "prefetch" in skip else _prefetch(n, w, n_wt, n_t, splits, early)(  # noqa: E731
-            ev, es, idx_gmem, wv, ws, q_gmem, seq, part)
+        prefetch = lambda early: None if "prefetch" in skip else _prefetch(  # noqa: E731
+            n, w, n_wt, n_t, splits, early, 0 if early or not merged else 1 + len(turn))(
+            ev, es, idx_gmem, wv, ws, q_gmem, *(() if early or not merged else (sink_gmem, *turn)), seq, part)
 
         @pl.when(wg < 2)
         def _():
