@@ -670,7 +670,7 @@ def _store_partials():
 
 
 @functools.cache
-def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
+def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, exchange: bool = True):
     """inline_mgpu: (acc, m, l as `_store_partials`, the keys' and q's smem (free now), stats smem f32 [MAX_SPLITS,
     2, 64], sink f32 [64] (natural-log units), [rotated: cos, sin f32 [B, 256]], o gmem [B, 64, 512], b, s) -> o[b] =
     the softmax-weighted sum over the cluster's S key ranges (S divides 64) with the sink, in channel order (f32;
@@ -688,7 +688,8 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
     range 0 stored all 64 rows and the others added theirs with red.global.add after a second barrier.
 
     stamp_at: with a timeline (two more arguments: its gmem, the CTA's row), its points stamp_at, + 1, + 2 after
-    the statistics' barrier, the rows' exchange and the staging (`timeline_groups`)."""
+    the statistics' barrier, the rows' exchange and the staging (`timeline_groups`). exchange=False (an ablation,
+    wrong output): the rows are neither sent nor added, the barriers kept."""
     timed = stamp_at is not None
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 3 + (plgpu.RefType(_TRANSFORMS),) * 2
@@ -743,7 +744,7 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
             vals = _weighted(acc, half, arith.mulf(arith.divf(own, den), arith.constant(f32, 2.0 ** KEY_SHIFT)))
             owner, local = arith.divui(row, i32_const(own_rows)), arith.remui(row, i32_const(own_rows))
             is_mine = arith.cmpi(arith.CmpIPredicate.eq, owner, s)
-            if splits > 1:
+            if splits > 1 and exchange:
                 with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, owner, s)):
                     sender = arith.subi(s, arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ugt, s, owner)))
                     remote = mgpu_utils.get_cluster_ptr(recv, owner, generic=False)
@@ -758,7 +759,7 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None):
         stage = _stage_base(q_smem if splits > 1 else k_smem, own_rows)  # q: 64 KB, R rows for both warpgroups
         for is_mine, local, vals in mine:
             with mgpu_utils.when(is_mine):
-                for sender in range(splits - 1):
+                for sender in range(splits - 1 if exchange else 0):
                     got = [llvm.load(vec4, mgpu_utils.getelementptr(recv, [recv_offset(i32_const(sender), local, k)],
                                                                     i8), alignment=16) for k in range(HALF // 16)]
                     vals = [arith.addf(v, vector.shuffle(got[c // 2], got[c // 2], [2 * (c % 2), 2 * (c % 2) + 1]))
@@ -814,7 +815,7 @@ def default_splits(b: int, tiles: int, sms: int = 132) -> int:
     return -(-tiles // -(-tiles // splits))
 
 
-ABLATIONS = ("prefetch", "decode", "qk", "pv", "store")
+ABLATIONS = ("prefetch", "decode", "qk", "pv", "store", "exchange")
 
 
 MERGE_POINTS = ("merge stats", "merge rows", "merge staged")
@@ -985,7 +986,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 return
             if merged:
                 timed = (tl_gmem, seq * splits + part) if timeline else ()
-                _store_merged(rotated, splits, merge_points if timeline else None)(
+                _store_merged(rotated, splits, merge_points if timeline else None, "exchange" not in skip)(
                     acc, wide(m), wide(l), k_smem, q_smem, stats_smem, sink_gmem, *turn, o_gmem, seq, part, *timed)
             else:
                 _store_partials()(acc, wide(m), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
