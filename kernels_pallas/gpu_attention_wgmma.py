@@ -492,50 +492,22 @@ def _load_query():
 
 
 _CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
-# The merge's rows go to their owner by st.async, whose writes count down the owner's mbarrier (its bytes expected
-# by one arrival), so no cluster barrier (and its release's round trip) waits for them. Addresses: shared::cta
-# u32, $rank's copy by mapa.
-_MAPA = "mapa.shared::cluster.u32 $0, $1, $2;"
-_ST_ASYNC = "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [$0], {$1, $2, $3, $4}, [$5];"
-_EXPECT = "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;"
-_WAIT_PHASE0 = ("{ .reg .pred p; LAB_WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [$0], 0; @p bra DONE; "
-                "bra LAB_WAIT; DONE: }")
-
-
-def _exchange_barrier(stats_smem):
-    """u32 shared::cta address of the merge's mbarrier: 8 bytes after the (m, l) of MAX_SPLITS ranges in the
-    stats scratch (`sparse_attention_wgmma`'s)."""
-    ptr = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(stats_smem), [i32_const(MAX_SPLITS * 2 * H * 4)],
-                                   ir.IntegerType.get_signless(8))
-    return llvm.ptrtoint(ir.IntegerType.get_signless(32), ptr)
-
-
-@functools.cache
-def _init_exchange_barrier():
-    """inline_mgpu (one warpgroup, at the kernel's start): (stats smem) -> thread 0 initializes the merge's mbarrier
-    for one arrival and fences the init for the cluster (the remote st.async that count it down come after the
-    merge's first cluster barrier)."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def init(ctx, stats):
-        del ctx
-        first = arith.cmpi(arith.CmpIPredicate.eq, arith.andi(mgpu_utils.thread_idx(), i32_const(127)), i32_const(0))
-        with mgpu_utils.when(first):
-            mgpu_utils.inline_ptx("mbarrier.init.shared::cta.b64 [$0], 1;", _exchange_barrier(stats),
-                                  has_side_effects=True)
-            mgpu_utils.inline_ptx("fence.mbarrier_init.release.cluster;", has_side_effects=True)
-
-    return init
 # setmaxnreg per warpgroup (scores, values, decoder): at most 3 x 168 (64K registers over 384 threads) in all
 REGISTERS = (232, 192, 80)
 
 
-@plgpu.inline_mgpu()
-def _cluster_sync(ctx):
-    """inline_mgpu: one cluster barrier (release / acquire), as `_store_merged` meets its cluster: a warpgroup with no
-    rows to store (the decoder) must arrive too."""
-    del ctx
-    mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)
+@functools.cache
+def _cluster_syncs(count: int):
+    """inline_mgpu: `count` cluster barriers (release / acquire), as `_store_merged` meets its cluster: a
+    warpgroup with no rows to store (the decoder) must arrive too."""
+
+    @plgpu.inline_mgpu()
+    def sync(ctx):
+        del ctx
+        for _ in range(count):
+            mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)
+
+    return sync
 
 
 LOG2E = math.log2(math.e)
@@ -710,16 +682,14 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
     slots are free from here), and
     each weighs its accumulator by exp2(m_s - M) / (sum_s' l_s' exp2(m_s' - M) + exp2(sink - M)), M the largest of
     the m_s' and the sink (`gpu_attention.combine`'s weights). CTA s owns rows [s R, s R + R), R = 64 / S: the
-    others' weighted rows go to their owner's key slots through distributed shared memory (st.async, 16 B a
-    store, in register order: each thread's values land where the same thread of the owner reads them; the
-    owner's mbarrier counts their bytes), and each owner, once they are in, adds them to its own, stages its rows
-    and stores them once. Until the thirty-eighth session range 0 stored all 64 rows and the others added theirs
-    with red.global.add after a second barrier; until the forty-third a second cluster barrier waited for the
-    rows' st.shared::cluster stores.
+    others' weighted rows go to their owner's key slots through distributed shared memory (st.shared::cluster,
+    in register order: each thread's values land where the same thread of the owner reads them), all meet again,
+    and each owner adds them to its own, stages its rows and stores them once. Until the thirty-eighth session
+    range 0 stored all 64 rows and the others added theirs with red.global.add after a second barrier.
 
     stamp_at: with a timeline (two more arguments: its gmem, the CTA's row), its points stamp_at, + 1, + 2 after
     the statistics' barrier, the rows' exchange and the staging (`timeline_groups`). exchange=False (an ablation,
-    wrong output): the rows are neither sent, awaited nor added."""
+    wrong output): the rows are neither sent nor added, the barriers kept."""
     timed = stamp_at is not None
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 3 + (plgpu.RefType(_TRANSFORMS),) * 2
@@ -750,11 +720,6 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
         mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)
         stamp(0)
         recv = mgpu_utils.memref_ptr(k_smem)
-        sends = splits > 1 and exchange
-        bar = _exchange_barrier(stats)
-        if sends:  # the owner's one arrival, with the bytes its rows' senders will write
-            with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32_const(0))):
-                mgpu_utils.inline_ptx(_EXPECT, bar, i32_const((splits - 1) * own_rows * D * 4), has_side_effects=True)
 
         def recv_offset(sender, row, k):  # f32 x 4 [S - 1 senders, 2 warpgroups, 16 k, R rows, 4 q] in the owner:
             idx = sender  # column groups 2k and 2k + 1 of a thread in one 16 B store, a warp's 512 B contiguous
@@ -779,19 +744,17 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
             vals = _weighted(acc, half, arith.mulf(arith.divf(own, den), arith.constant(f32, 2.0 ** KEY_SHIFT)))
             owner, local = arith.divui(row, i32_const(own_rows)), arith.remui(row, i32_const(own_rows))
             is_mine = arith.cmpi(arith.CmpIPredicate.eq, owner, s)
-            if sends:
+            if splits > 1 and exchange:
                 with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, owner, s)):
                     sender = arith.subi(s, arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ugt, s, owner)))
-                    base, remote_bar = (mgpu_utils.inline_ptx(_MAPA, a, owner, result_types=i32)
-                                        for a in (llvm.ptrtoint(i32, recv), bar))
-                    for k in range(HALF // 16):  # two column groups a store
-                        x = [llvm.extractelement(vals[2 * k + k2], i32_const(j)) for k2 in range(2) for j in range(2)]
-                        mgpu_utils.inline_ptx(_ST_ASYNC, arith.addi(base, recv_offset(sender, local, k)), *x, remote_bar,
-                                              has_side_effects=True)
+                    remote = mgpu_utils.get_cluster_ptr(recv, owner, generic=False)
+                    for k in range(HALF // 16):  # 16 B stores: the exchange's time is its count of stores
+                        pair = vector.shuffle(vals[2 * k], vals[2 * k + 1], [0, 1, 2, 3])
+                        llvm.store(pair, mgpu_utils.getelementptr(remote, [recv_offset(sender, local, k)], i8),
+                                   alignment=16)
             mine.append((is_mine, local, vals))
-        if sends:  # an owner's rows wait for their senders' bytes (a thread's two rows have one owner)
-            with mgpu_utils.when(mine[0][0]):
-                mgpu_utils.inline_ptx(_WAIT_PHASE0, bar, has_side_effects=True)
+        if splits > 1:
+            mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)  # the others' rows are here
         stamp(1)
         stage = _stage_base(q_smem if splits > 1 else k_smem, own_rows)  # q: 64 KB, R rows for both warpgroups
         for is_mine, local, vals in mine:
@@ -954,8 +917,6 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         for group in range(3):
             stamp(0, group)
-        if merged and splits > 1 and "store" not in skip:
-            pl.when(wg == 0)(lambda: _init_exchange_barrier()(stats_smem))
         count = (n_t - part + splits - 1) // splits  # its tiles: part + splits i, i < count (tile_of)
         tile_of = lambda i: part + i * splits  # noqa: E731
 
@@ -1105,7 +1066,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             lax.fori_loop(0, count, lambda i, raw: decode_next(i, i % 2, raw, 2, 2 + i), start_decoding(2, 1))
             missing(2, 2, per, count)
             if merged and "store" not in skip:
-                _cluster_sync()
+                _cluster_syncs(2 if splits > 1 else 1)()
             stamp(2 + per, 2)
 
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
@@ -1126,8 +1087,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                        plgpu.SMEM((2, 4), jnp.uint32),
                        plgpu.SMEM((H, T), jnp.bfloat16, transforms=_TRANSFORMS),  # p, warpgroup 0 -> 1
                        plgpu.SMEM((3, H), jnp.float32),  # rows' rescale (per tile), then m and l
-                       plgpu.SMEM((MAX_SPLITS * 2 * H + 2,), jnp.float32),  # the merge's (m, l) of every range,
-                       # then its mbarrier (`_exchange_barrier`)
+                       plgpu.SMEM((MAX_SPLITS, 2, H), jnp.float32),  # the merge's (m, l) of every range
                        plgpu.SMEM((per, 256), jnp.int32)),  # the decoders' entry ids, `_load_ids`
         kernel_name="sparse_attention_wgmma",
     )
