@@ -22,7 +22,11 @@ tile's decode split between the logits' and the p . v's wgmmas, and the logits o
 half summed through shared memory (all in the lockstep form); q loaded by warpgroup 0 alone with no early
 prefetch burst (q in sooner, the second tile's rows later: no gain); the decoders holding two entry tiles' rows
 in registers (batch 64: call 28.9 -> 30.2 us, with or without other `set_max_registers`), the merge's rows sent
-to their owner as f16 (within noise; forty-second session, the forms at 538be34).
+to their owner as f16 (within noise; forty-second session, the forms at 538be34), sent by st.async counted on the
+owner's mbarrier instead of a second cluster barrier (28.3 -> 28.2 us; forty-third session, d44c494). That
+session's ablation (`skip`): without the merge and the store the batch-64 call takes 20.9 us of 28.6, without the
+rows' exchange 26.4; its 16 B exchange stores and the late prefetch of the sink and cos / sin took the call
+28.9 -> 28.5 us and the model's 29.5 -> 29.0.
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): range s takes the
 sequence's 64-key tiles s, s + S, ... (window tiles first: with 2 ranges each starts with one, decoded while q
