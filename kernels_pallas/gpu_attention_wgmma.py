@@ -687,7 +687,7 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
     each weighs its accumulator by exp2(m_s - M) / (sum_s' l_s' exp2(m_s' - M) + exp2(sink - M)), M the largest of
     the m_s' and the sink (`gpu_attention.combine`'s weights). CTA s owns rows [s R, s R + R), R = 64 / S: the
     others' weighted rows go to their owner's key slots through distributed shared memory (st.shared::cluster,
-    in register order: each thread's values land where the same thread of the owner reads them), all meet again,
+    16 B a store, in register order: each thread's values land where the same thread of the owner reads them), all meet again,
     and each owner adds them to its own, stages its rows and stores them once. Until the thirty-eighth session
     range 0 stored all 64 rows and the others added theirs with red.global.add after a second barrier.
 
@@ -752,7 +752,7 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
                 with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, owner, s)):
                     sender = arith.subi(s, arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ugt, s, owner)))
                     remote = mgpu_utils.get_cluster_ptr(recv, owner, generic=False)
-                    for k in range(HALF // 16):  # 16 B stores: the exchange's time is its count of stores
+                    for k in range(HALF // 16):  # two column groups a store (half the 8 B stores' count)
                         pair = vector.shuffle(vals[2 * k], vals[2 * k + 1], [0, 1, 2, 3])
                         llvm.store(pair, mgpu_utils.getelementptr(remote, [recv_offset(sender, local, k)], i8),
                                    alignment=16)
