@@ -22,9 +22,10 @@ run: venv
 
 # --dist loadscope: a module's tests run in one worker, so its module fixtures and the programs its tests share
 # compile once, not once per worker. --max-worker-restart=0: a crashed worker ends the run (pytest-xdist 3.8's
-# loadscope hangs after replacing one: its issues 1323 and 1378)
+# loadscope hangs after replacing one: its issues 1323 and 1378). --no-loadscope-reorder: the modules go out in the
+# order tests/conftest.py gives them (longest first), not by their count of tests.
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadscope --max-worker-restart=0 tests
+	$(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --max-worker-restart=0 tests
 
 lint: venv
 	$(VENV)/bin/ruff check .
