@@ -232,6 +232,10 @@ def test_decode_cli_takes_one_path_with_or_without_a_mesh(monkeypatch, capsys):
 
     monkeypatch.setattr(d, "prefill", prefill)
     monkeypatch.setattr(d, "generate", generate)
+    # the random weights placed as drawn on one device (drawing them into their shards compiles ~85 programs,
+    # ~15 s; test_random_params_are_drawn_into_their_shards checks that path)
+    monkeypatch.setattr("dsv41_jax.sharding.init_model", lambda cfg, mesh, layout, batch, seed: shard_model(
+        cfg, d.init_params(cfg, seed=seed), mesh, layout, batch=batch))
     argv = ["--preset", "tiny", "--prompt", "hello", "--batch", "8", "--max-new-tokens", "5", "--decode-chunk", "2",
             "--kernels", "pallas"]
     decode.main(argv)
