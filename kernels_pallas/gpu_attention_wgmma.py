@@ -422,10 +422,13 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early:
             for i in range(H * D * 2 // 128 // 256):  # q[b]'s 128 B lines
                 line = arith.addi(tid, i32_const(256 * i))
                 _prefetch_l2(q_ptr, arith.addi(q_base, _i64(arith.muli(line, i32_const(128)))), 1)
-        with mgpu_utils.when(cmp("eq", tid, i32_const(0))):
-            for k, ref in enumerate(ends):  # the sink's 2 lines; cos[b]'s and sin[b]'s 8 each
-                _prefetch_l2(mgpu_utils.memref_ptr(ref), _i64(i32_const(0)) if k == 0 else
-                             arith.muli(_i64(b), _i64(i32_const(D // 2 * 4))), 2 if k == 0 else D // 2 * 4 // 128)
+        if ends:
+            sink, *turn = ends
+            with mgpu_utils.when(cmp("eq", tid, i32_const(0))):
+                _prefetch_l2(mgpu_utils.memref_ptr(sink), _i64(i32_const(0)), H * 4 // 128)
+                for ref in turn:  # row b of cos and of sin
+                    _prefetch_l2(mgpu_utils.memref_ptr(ref), arith.muli(_i64(b), _i64(i32_const(D // 2 * 4))),
+                                 D // 2 * 4 // 128)
 
     return prefetch
 
@@ -687,8 +690,8 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
     each weighs its accumulator by exp2(m_s - M) / (sum_s' l_s' exp2(m_s' - M) + exp2(sink - M)), M the largest of
     the m_s' and the sink (`gpu_attention.combine`'s weights). CTA s owns rows [s R, s R + R), R = 64 / S: the
     others' weighted rows go to their owner's key slots through distributed shared memory (st.shared::cluster,
-    16 B a store, in register order: each thread's values land where the same thread of the owner reads them), all meet again,
-    and each owner adds them to its own, stages its rows and stores them once. Until the thirty-eighth session
+    16 B a store, in register order: each thread's values land where the same thread of the owner reads them),
+    all meet again, and each owner adds them to its own, stages its rows and stores them once. Until the thirty-eighth session
     range 0 stored all 64 rows and the others added theirs with red.global.add after a second barrier.
 
     stamp_at: with a timeline (two more arguments: its gmem, the CTA's row), its points stamp_at, + 1, + 2 after
@@ -924,9 +927,10 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         count = (n_t - part + splits - 1) // splits  # its tiles: part + splits i, i < count (tile_of)
         tile_of = lambda i: part + i * splits  # noqa: E731
 
+        merge_inputs = (sink_gmem, *turn) if merged else ()  # prefetched with the late tiles
         prefetch = lambda early: None if "prefetch" in skip else _prefetch(  # noqa: E731
-            n, w, n_wt, n_t, splits, early, 0 if early or not merged else 1 + len(turn))(
-            ev, es, idx_gmem, wv, ws, q_gmem, *(() if early or not merged else (sink_gmem, *turn)), seq, part)
+            n, w, n_wt, n_t, splits, early, 0 if early else len(merge_inputs))(
+            ev, es, idx_gmem, wv, ws, q_gmem, *(() if early else merge_inputs), seq, part)
 
         @pl.when(wg < 2)
         def _():

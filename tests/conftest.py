@@ -63,7 +63,8 @@ def _memory_maps_within_limit():
 # The Makefile's xdist run hands whole modules to its 2 workers. xdist's default order (the modules with the most
 # tests first) left modules of few long tests (the mesh engines, DSpark, the CLI) for the end, one worker running
 # them while the other idled; with `--no-loadscope-reorder` the modules go out in this order instead, the longest
-# first (their summed `pytest --durations` on the 2-core CI machine, 2026-12-06), so the last ones are short.
+# first (their summed `pytest --durations` on this repo's 2-core test machine, 2026-12-06), so the last ones
+# are short.
 # Modules not listed follow in their collected order; a stale list only costs balance, never a test.
 LONGEST_MODULES = ("test_sharding.py", "test_cli.py", "test_engine.py", "test_parity.py", "test_serve.py",
                    "test_grouped.py", "test_dspark.py", "test_expert_parallel.py", "test_train.py", "test_vision.py",

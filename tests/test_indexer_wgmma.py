@@ -71,7 +71,8 @@ def test_lowers_for_cuda():
                          [(1, 32, 4096, [3000], 1, 2), (3, 32, 8192, [8192, 17, 5000], 1, 2), (2, 16, 1024, [0, 900], 1, 2),
                           (3, 32, 8192, [8192, 17, 5000], 2, 2), (1, 32, 4096, [4000], 4, 2),
                           (3, 32, 8192, [8192, 17, 5000], 1, 1), (2, 16, 1024, [0, 900], 2, 1),
-                          (1, 32, 320, [300], 1, 1), (2, 32, 131328, [131328, 70001], 4, 1)])
+                          (1, 32, 320, [300], 1, 1), (2, 32, 131328, [131328, 70001], 4, 1),
+                          (2, 32, 131328, [131328, 70001], None, 1)])  # None: the default tiles and CTAs
 def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step, q_parts):
     q, w, rec = index_case(n + b, b, h, scan.D, n)  # q on the FP4 grid, as the model's: exact in bf16
     reach = jnp.asarray(reach, jnp.int32)

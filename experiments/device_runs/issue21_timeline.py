@@ -15,7 +15,9 @@ Groups (default: tests scan attention):
   each timed and with its timeline;
 - configs (forty-third session): the scan at 128K x 8 / 32 and 1M x 8 over the sweep's best CTA counts and tiles
   per step, and with no decode (moves) at 128K x 8;
-- defaults: the scan's default against the earlier one (2112 CTAs of 4 tiles) at the three points, with errors.
+- defaults: the scan group with the scan's default and the earlier one (2112 CTAs of 4 tiles, DEFAULTS) at each
+  point (the forty-third session's call 4 ran it as its own function, without the copies; call 3 at 69241da as
+  `own_query`, with q permuted in the kernel).
 
 The groups that ran copies of the tree (before: the thirty-sixth session's changes taken back; query_first) and
 the attention's `staged=True` candidate (staged) ran at commit bad4179 (thirty-sixth and thirty-seventh sessions,
@@ -45,7 +47,26 @@ def attention_points(columns: int) -> dict[str, list[str]] | list[str]:
     return att.timeline_groups(tiles) if hasattr(att, "timeline_groups") else att.timeline_names(tiles)
 
 
-def scan_group(say, rows, timelines: bool) -> None:
+def scan_case(ctx: int, b: int):
+    """(the scan's arguments at ctx positions x b sequences, reachable ctx - 5; the bytes it must move: the keys,
+    their scales and the f32 scores)."""
+    import jax
+    import jax.numpy as jnp
+
+    from experiments import bench_kernels as bk
+
+    q, w, rec = bk.index_data(jax.random.key(ctx + b), b, ctx)
+    return (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32)), bk.nbytes(rec) + b * ctx * 4
+
+
+# The defaults group's variants: the scan's default, and the default until the forty-third session
+DEFAULTS = {"default": {}, "2112 CTAs, 4 tiles/step (the earlier default)": {"ctas": 2112, "tiles_per_step": 4}}
+
+
+def scan_group(say, rows, timelines: bool, variants: dict | None = None) -> None:
+    """Copies of 72 MB and 2 GiB moved from HBM; the scan (q_parts 1, the dispatch's) at each of SCAN_POINTS,
+    each of `variants` (label -> keyword arguments; default: the kernel's defaults alone) with its error against
+    the Triton twin, and (timelines) the first variant's CTA timeline at batch 8."""
     import functools
 
     import jax
@@ -64,15 +85,15 @@ def scan_group(say, rows, timelines: bool) -> None:
         say(" | ".join(rows[-1]))
         del big
     for ctx, b in SCAN_POINTS:
-        q, w, rec = bk.index_data(jax.random.key(ctx + b), b, ctx)
-        args = (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32))
-        moved = bk.nbytes(rec) + b * ctx * 4
-        fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1)
-        err = scan_error(fn(*args), gpu_indexer.indexer_scores(*args))
-        timed_row(say, rows, "scan", f"{ctx} x {b}", fn, args, 1, moved, peak, err)
-        if timelines and b == 8:
-            say(f"timeline {ctx} x {b}:", timeline(lambda *a: fn(*a, timeline=True)[1], args, scan.TIMELINE))
-        del q, w, rec, args
+        args, moved = scan_case(ctx, b)
+        twin = gpu_indexer.indexer_scores(*args)
+        for i, (name, kw) in enumerate((variants or {"": {}}).items()):
+            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)
+            timed_row(say, rows, "scan", f"{ctx} x {b}" + (f", {name}" if name else ""), fn, args, 1, moved, peak,
+                      scan_error(fn(*args), twin))
+            if timelines and b == 8 and i == 0:
+                say(f"timeline {ctx} x {b}:", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, scan.TIMELINE))
+        del args, twin
 
 
 def timed_row(say, rows, kind, shape, fn, args, perturb, moved, peak, err="-") -> None:
@@ -155,15 +176,12 @@ def sweep_group(say, rows) -> None:
     import functools
 
     import jax
-    import jax.numpy as jnp
 
     from experiments import bench_kernels as bk
     from kernels_pallas import gpu_attention_wgmma as att, gpu_indexer_wgmma as scan
 
     peak = bk.hbm_copy_bandwidth(1.0)
-    q, w, rec = bk.index_data(jax.random.key(0), 8, 131072)
-    args = (q, w, rec["values"], rec["scales"], jnp.full((8,), 131072 - 5, jnp.int32))
-    moved = bk.nbytes(rec) + 8 * 131072 * 4
+    args, moved = scan_case(131072, 8)
     # (CTAs wanted, tiles per step, stages): 660 / 528 = one wave of 5 / 4 CTAs an SM (42 KB of shared memory each)
     for ctas, tiles, stages in ((264, 4, 2), (528, 4, 2), (528, 4, 3), (660, 4, 2), (1056, 4, 2), (1320, 4, 2),
                                 (2112, 4, 2), (4224, 4, 2), (2112, 2, 2), (2112, 2, 3), (4224, 2, 2), (8448, 2, 2)):
@@ -171,7 +189,7 @@ def sweep_group(say, rows) -> None:
         timed_row(say, rows, "scan", f"131072 x 8, {ctas} CTAs, {tiles} tiles/step, {stages} stages", fn, args, 1,
                   moved, peak)
         say("timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, scan.TIMELINE))
-    del q, w, rec, args
+    del args
     q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(64), 64, 1 << 17)
     args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
     moved = bk.attention_bytes(q, window, wvalid, entries, idx)
@@ -187,8 +205,6 @@ def configs_group(say, rows) -> None:
     with the decode replaced by moves (wrong numbers: what the kernel takes without it) at 128K x 8."""
     import functools
 
-    import jax
-    import jax.numpy as jnp
 
     from experiments import bench_kernels as bk
     from experiments.bench_wgmma import NO_DECODE
@@ -198,46 +214,14 @@ def configs_group(say, rows) -> None:
     say(f"copy peak {peak / 1e9:.0f} GB/s")
     configs = ((2112, 4, 2), (3168, 2, 2), (4224, 2, 2), (6336, 2, 2), (4224, 1, 2), (4224, 1, 4), (8448, 1, 2))
     for ctx, b in SCAN_POINTS:
-        q, w, rec = bk.index_data(jax.random.key(ctx + b), b, ctx)
-        args = (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32))
-        moved = bk.nbytes(rec) + b * ctx * 4
+        args, moved = scan_case(ctx, b)
         for ctas, tiles, stages in configs if ctx * b <= 131072 * 8 else configs[:3]:
             for decode in ("decode", "moves") if ctx * b == 131072 * 8 and ctas in (2112, 4224) else ("decode",):
                 fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, ctas=ctas, tiles_per_step=tiles,
                                        stages=stages, **({"decode_ptx": NO_DECODE} if decode == "moves" else {}))
                 timed_row(say, rows, "scan", f"{ctx} x {b}, {ctas} CTAs, {tiles} tiles/step, {stages} stages"
                           + (", moves (no decode)" if decode == "moves" else ""), fn, args, 1, moved, peak)
-        del q, w, rec, args
-
-
-def defaults_group(say, rows) -> None:
-    """The scan at each of SCAN_POINTS: the default (4224 CTAs of 2 tiles a step since the forty-third session) and
-    the earlier default (2112 CTAs of 4 tiles), with errors against the twin; the default's timeline at 128K x 8.
-    (The forty-third session's call 3 ran this group at 69241da as `own_query`, with q permuted in the kernel.)"""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-
-    from experiments import bench_kernels as bk
-    from experiments.device_runs.issue21_alu_decode import scan_error
-    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
-
-    peak = bk.hbm_copy_bandwidth(1.0)
-    say(f"copy peak {peak / 1e9:.0f} GB/s")
-    variants = {"default": {}, "2112 CTAs, 4 tiles/step (the earlier default)": {"ctas": 2112, "tiles_per_step": 4}}
-    for ctx, b in SCAN_POINTS:
-        q, w, rec = bk.index_data(jax.random.key(ctx + b), b, ctx)
-        args = (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32))
-        moved = bk.nbytes(rec) + b * ctx * 4
-        twin = gpu_indexer.indexer_scores(*args)
-        for name, kw in variants.items():
-            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)
-            timed_row(say, rows, "scan", f"{ctx} x {b}, {name}", fn, args, 1, moved, peak, scan_error(fn(*args), twin))
-        if (ctx, b) == (131072, 8):
-            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1)
-            say("timeline, default:", timeline(lambda *a: fn(*a, timeline=True)[1], args, scan.TIMELINE))
-        del q, w, rec, args, twin
+        del args
 
 
 def gpu_tests(say, files=("tests/test_indexer_wgmma.py", "tests/test_attention_wgmma.py"), timeout_s=330) -> int:
@@ -290,7 +274,7 @@ def run_groups(groups: list[str], own: dict, tests=gpu_tests) -> int:
 
 
 def main(groups: list[str]) -> int:
-    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "defaults": defaults_group})
+    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "defaults": lambda say, rows: scan_group(say, rows, timelines=True, variants=DEFAULTS)})
 
 
 if __name__ == "__main__":
