@@ -330,9 +330,10 @@ def _entry_chunk(i, words, sc):
 @functools.cache
 def _decode_window():
     """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0
-    scales u8 [B, W, 16], validity i8 [B, W], b, slot, wait, first row w0) -> keys[slot] rows r = window row w0 + r x
-    2**-KEY_SHIFT in PERM8 order, their validity in masks[slot], as `_decode_entries` (in two passes of 4 chunks
-    a thread, to leave registers to the accumulator)."""
+    scales u8 [B, W, 16], validity bool [B, W] (its bytes read as they are: no conversion kernel before the call), b,
+    slot, wait, first row w0) -> keys[slot] rows r = window row w0 + r x 2**-KEY_SHIFT in PERM8 order, their
+    validity in masks[slot], as `_decode_entries` (in two passes of 4 chunks a thread, to leave registers to the
+    accumulator)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
                                   plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT, _SPLAT))
@@ -822,7 +823,9 @@ def default_splits(b: int, tiles: int, sms: int = 132) -> int:
     return -(-tiles // -(-tiles // splits))
 
 
-ABLATIONS = ("prefetch", "decode", "qk", "pv", "store", "exchange")
+# "decode1" / "decode2": one decoder's rows left undecoded; "rows": the entry rows loaded for the first tile alone
+# (later tiles decode those registers again)
+ABLATIONS = ("prefetch", "decode", "decode1", "decode2", "rows", "qk", "pv", "store", "exchange")
 
 
 MERGE_POINTS = ("merge stats", "merge rows", "merge staged")
@@ -944,9 +947,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         # warpgroups 1 and 2: their rows of tile i into `slot` (an entry tile from raw, its rows as `load` gave
         # them), once warpgroup 0 is done with the slot if `after`
-        def decode(i, slot, after, raw):
+        def decode(i, slot, after, raw, group):
             t, after = tile_of(i), jnp.asarray(after, jnp.int32)
-            if "decode" in skip:
+            if "decode" in skip or f"decode{group}" in skip:
                 pl.when(after != 0)(lambda: wait3(SLOT_FREE + slot))
                 plgpu.commit_smem()  # q
                 arrive3(KEYS_READY + slot)
@@ -969,14 +972,14 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             plgpu.set_max_registers(REGISTERS[group], action="increase" if group == 1 else "decrease")
             _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
             raw = load(0)
-            pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
+            pl.when(count > 0)(lambda: decode(0, 0, 0, raw, group))
             stamp(point, group)
-            return load(1)
+            return raw if "rows" in skip else load(1)
 
         def decode_next(i, slot, raw, group, point):  # in tile i's (slot's) iteration: tile i + 1 from raw; -> tile
-            pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, raw))  # i + 2's rows
+            pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, raw, group))  # i + 2's rows
             stamp(point, group)
-            return load(i + 2)  # lands during this iteration's other work
+            return raw if "rows" in skip else load(i + 2)  # lands during this iteration's other work
 
         def pv(acc, a, slot, half):
             def run(acc_ref):
@@ -1099,7 +1102,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                        plgpu.SMEM((per, 256), jnp.int32)),  # the decoders' entry ids, `_load_ids`
         kernel_name="sparse_attention_wgmma",
     )
-    args = (q_bhd.astype(jnp.bfloat16), window_values, window_scales, window_valid.astype(jnp.int8), entry_values,
+    args = (q_bhd.astype(jnp.bfloat16), window_values, window_scales, window_valid.astype(jnp.bool_), entry_values,
             entry_scales, idx)
     sink = sink_h.astype(jnp.float32)
     if merged:
