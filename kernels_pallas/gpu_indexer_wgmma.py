@@ -239,18 +239,16 @@ def tiles_per_step_for(n: int) -> int:
 # Defaults: 4224 CTAs of 2 tiles a step, 2 stages, the fastest of an H100 sweep at 128K x 8 / 32 and 1M x 8
 # (forty-third session: 63.5 / 82.0 / 88.2% of the copy peak against 59.8 / 79.9 / 86.4% for the H200's earlier
 # choice, 2112 CTAs of 4 tiles; docs/BENCHMARKS.md).
-@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "q_cluster", "decode_ptx",
-                                             "timeline"))
+@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx", "timeline"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                          reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int | None = None, q_parts: int = 2,
-                         ctas: int = 4224, q_cluster: int = 1, decode_ptx: str = DECODE_PTX, timeline: bool = False):
+                         ctas: int = 4224, decode_ptx: str = DECODE_PTX, timeline: bool = False):
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
     stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; must
     divide N / 64; default `tiles_per_step_for(N)`, 2 where it divides); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16
     (exact for the model's FP4-grid queries; half the MMA work); ctas: CTAs wanted over the batch
-    (`split_steps`); q_cluster: a sequence's CTAs in clusters of this many, q multicast to each cluster by one
-    TMA (a cluster reads q from L2 once); decode_ptx: the keys' decode (DECODE_PTX's operands; benchmarks replace it); timeline: also
+    (`split_steps`); decode_ptx: the keys' decode (DECODE_PTX's operands; benchmarks replace it); timeline: also
     return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part)."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
@@ -264,7 +262,6 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         raise ValueError(f"tiles_per_step={tiles_per_step} must divide the {tiles} tiles of {TP} positions")
     all_steps, rows = tiles // tiles_per_step, TP * tiles_per_step
     per_seq, steps = split_steps(b, all_steps, ctas)
-    per_seq = -(-per_seq // q_cluster) * q_cluster  # extra CTAs rescan the last steps (`split_steps`)
     qs = split_query(q_bhd, q_parts)
     w = w_bh.astype(jnp.float32)
     s_view = key_scales.reshape(b, tiles, TP * D // GROUP)  # a tile's 256 scale bytes; a step's: one TMA box
@@ -272,11 +269,10 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     def body(reach_gmem, q_gmem, w_gmem, k_gmem, s_gmem, *refs):
         o_gmem, tl_gmem, q_smem, q_bar = refs if timeline else (refs[0], None, *refs[1:])
         seq, part = lax.axis_index("b"), lax.axis_index("c")
-        part = part * q_cluster + lax.axis_index("k") if q_cluster > 1 else part
         cta = seq * per_seq + part
         gpu_timeline.stamp(tl_gmem, cta, 0)
         first = jnp.minimum(part * steps, all_steps - steps)  # this CTA's first step (`split_steps`)
-        plgpu.copy_gmem_to_smem(q_gmem.at[seq], q_smem, q_bar, collective_axes="k" if q_cluster > 1 else None)
+        plgpu.copy_gmem_to_smem(q_gmem.at[seq], q_smem, q_bar)
         w_regs = _head_weights(h)(w_gmem, seq)
         reach = reach_gmem[seq]
 
@@ -311,9 +307,8 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     kernel = plgpu.kernel(
         body,
         out_type=(scores, jax.ShapeDtypeStruct((b * per_seq, len(TIMELINE) + 1), jnp.uint32)) if timeline else scores,
-        grid=(b, per_seq // q_cluster),
+        grid=(b, per_seq),
         grid_names=("b", "c"),
-        **(dict(cluster=(q_cluster,), cluster_names=("k",)) if q_cluster > 1 else {}),
         scratch_types=(plgpu.SMEM((q_parts * h, D), jnp.bfloat16, transforms=_Q_TRANSFORMS),
                        plgpu.Barrier(num_arrivals=1)),
         kernel_name=f"indexer_scores_wgmma_{h}_{q_parts}",

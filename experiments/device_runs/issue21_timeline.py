@@ -17,8 +17,7 @@ Groups (default: tests scan attention):
   per step, and with no decode (moves) at 128K x 8;
 - defaults: the scan group with the scan's default and the earlier one (2112 CTAs of 4 tiles, DEFAULTS) at each
   point (the forty-third session's call 4 ran it as its own function, without the copies; call 3 at 69241da as
-  `own_query`, with q permuted in the kernel);
-- qcluster (forty-fourth session): the scan group with q multicast to clusters of a sequence's CTAs (QCLUSTER).
+  `own_query`, with q permuted in the kernel).
 
 The groups that ran copies of the tree (before: the thirty-sixth session's changes taken back; query_first) and
 the attention's `staged=True` candidate (staged) ran at commit bad4179 (thirty-sixth and thirty-seventh sessions,
@@ -62,11 +61,6 @@ def scan_case(ctx: int, b: int):
 
 # The defaults group's variants: the scan's default, and the default until the forty-third session
 DEFAULTS = {"default": {}, "2112 CTAs, 4 tiles/step (the earlier default)": {"ctas": 2112, "tiles_per_step": 4}}
-# The qcluster group's (forty-fourth session): q multicast to clusters of a sequence's CTAs, at the default CTAs and
-# with shorter CTAs (which read q more often without it)
-QCLUSTER = {"default": {}, **{f"q to clusters of {k}": {"q_cluster": k} for k in (2, 4, 8)},
-            "8448 CTAs, q to clusters of 4": {"ctas": 8448, "q_cluster": 4},
-            "8448 CTAs, 1 tile/step, q to clusters of 4": {"ctas": 8448, "tiles_per_step": 1, "q_cluster": 4}}
 
 
 def scan_group(say, rows, timelines: bool, variants: dict | None = None) -> None:
@@ -280,9 +274,7 @@ def run_groups(groups: list[str], own: dict, tests=gpu_tests) -> int:
 
 
 def main(groups: list[str]) -> int:
-    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group,
-                               "defaults": lambda say, rows: scan_group(say, rows, timelines=True, variants=DEFAULTS),
-                               "qcluster": lambda say, rows: scan_group(say, rows, timelines=True, variants=QCLUSTER)})
+    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "defaults": lambda say, rows: scan_group(say, rows, timelines=True, variants=DEFAULTS)})
 
 
 if __name__ == "__main__":
