@@ -104,10 +104,7 @@ _SPLAT = plgpu.Layout.WG_SPLAT(shape=())
 # partials' store); the others pass a tile between the roles, one side arriving, the other waiting (the kernel
 # body's hand-offs).
 _CTA_BARRIER = 8
-Q_READY = 7  # warpgroup 1's half of q fenced for the wgmmas (Mosaic GPU's warpgroup barriers are 1..4)
 KEYS_READY, P_READY, P_FREE, STATS_READY, SLOT_FREE = 9, 11, 12, 13, 14  # KEYS_READY, SLOT_FREE: + slot
-DECODER0 = 256  # the first decoder thread: warpgroups 2 and 3 decode
-KEYS_THREADS, SLOT_THREADS = 384, 512  # keys ready: warpgroup 0 and the decoders; a slot free: all four
 
 # E4M3 scale pair (one b16) -> two bf16x2, each both halves E4M3 x 2**116 (exact: 4 significant bits, and
 # 2**116 keeps E4M3's range inside bf16's); the f32 route handles E4M3 subnormals with no special case.
@@ -160,10 +157,10 @@ def _load(ptr, off64, ty, align):
 
 
 def _thread_row():
-    """(tile row this thread of the decoders decodes: 8 per warp, 4 threads a row = (thread - DECODER0) // 4,
-    warpgroup 2 rows 0..31, warpgroup 3 rows 32..63; q = thread % 4), i32."""
+    """(tile row this thread of warpgroups 1 and 2 decodes: 8 per warp, 4 threads a row = (thread - 128) // 4,
+    warpgroup 1 rows 0..31, warpgroup 2 rows 32..63; q = thread % 4), i32."""
     tid = mgpu_utils.thread_idx()
-    return arith.shrui(arith.subi(tid, i32_const(DECODER0)), i32_const(2)), arith.andi(tid, i32_const(3))
+    return arith.shrui(arith.subi(tid, i32_const(128)), i32_const(2)), arith.andi(tid, i32_const(3))
 
 
 def _named_barrier(kind: str, bar, threads: int = 256):
@@ -189,13 +186,13 @@ def _barrier(wait: bool, threads: int):
 
 
 def _publish_validity(mask_ptr, slot, valid, q):
-    """Warp w's (of the decoders: w = (thread - DECODER0) // 32) ballot of its 8 rows' validity (bit 4r for row 8w
+    """Warp w's (of warpgroups 1 and 2: w = (thread - 128) // 32) ballot of its 8 rows' validity (bit 4r for row 8w
     + r, from the row's q = 0 thread) into mask[slot, w] (u32 [2, 8] in shared memory), for `_bias`."""
     pred = arith.andi(valid, arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))
     bits = mgpu_utils.inline_ptx("{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, 0xffffffff; }",
                                  arith.extui(ir.IntegerType.get_signless(32), pred), result_types=ir.IntegerType.get_signless(32))
     tid = mgpu_utils.thread_idx()
-    warp = arith.shrui(arith.subi(tid, i32_const(DECODER0)), i32_const(5))
+    warp = arith.shrui(arith.subi(tid, i32_const(128)), i32_const(5))
     with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, arith.andi(tid, i32_const(31)), i32_const(0))):
         off = arith.muli(arith.addi(arith.muli(slot, i32_const(8)), warp), i32_const(4))
         llvm.store(bits, mgpu_utils.getelementptr(mask_ptr, [off], ir.IntegerType.get_signless(8)), alignment=4)
@@ -209,9 +206,9 @@ def _prefetch_l2(ptr, off64, lines: int):
 
 
 def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
-    """The common part of the decodes (the decoders, each its rows): per pass, passes[p]() loads chunks
+    """The common part of the decodes (warpgroups 1 and 2, each its rows): per pass, passes[p]() loads chunks
     [(chunk index, words, scale)]; after the first pass's loads are issued, the slot's last reader of warpgroup 0
-    and of warpgroup 1 are waited for (wait != 0: `SLOT_FREE` + slot); each chunk goes through decode_chunk(chunk index, words, scale)
+    is waited for (wait != 0: `SLOT_FREE` + slot); each chunk goes through decode_chunk(chunk index, words, scale)
     -> [(channel half, column, four bf16x2)] into the slot's swizzled tile; the rows' validity is published, and
     after a fence that makes the writes visible to the tensor cores (wgmma), the warpgroup arrives at
     `KEYS_READY` + slot."""
@@ -220,16 +217,16 @@ def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
         loads = load()
         if p == 0:
             with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, wait, i32_const(0))):
-                _named_barrier("sync", arith.addi(slot, i32_const(SLOT_FREE)), SLOT_THREADS)
+                _named_barrier("sync", arith.addi(slot, i32_const(SLOT_FREE)), 384)
         for i, words, scale in loads:
             for half, col, outs in decode_chunk(i, words, scale):
                 _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
     _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
     nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-    _named_barrier("arrive", arith.addi(slot, i32_const(KEYS_READY)), KEYS_THREADS)
+    _named_barrier("arrive", arith.addi(slot, i32_const(KEYS_READY)), 384)
 
 
-# An entry tile's raw rows as a decoder holds them between their load and their decode (`_load_entries`): a
+# An entry tile's raw rows as warpgroup 1 holds them between their load and their decode (`_load_entries`): a
 # thread's 4 chunks of 16 B, their 4 E4M3 scale pairs, and its row's entry id.
 _RAW = (plgpu.ShapeDtypeStruct((128 * 4 * 4,), jnp.uint32, plgpu.Layout.WG_STRIDED((128 * 4 * 4,), vec_size=4)),
         plgpu.ShapeDtypeStruct((128 * 4,), jnp.int16, plgpu.Layout.WG_STRIDED((128 * 4,), vec_size=4)),
@@ -243,8 +240,8 @@ def _fragments(shape_dtype, registers):
 
 @functools.cache
 def _load_ids(n_wt: int, per: int, splits: int):
-    """inline_mgpu (the decoders, at their start): (idx i32 [B, K], ids smem i32 [per, 256], b, key range s)
-    -> ids[i, thread - DECODER0] = the entry id of the row this thread decodes in its tile i (tile s + splits i; for a
+    """inline_mgpu (warpgroups 1 and 2, at their start): (idx i32 [B, K], ids smem i32 [per, 256], b, key range s)
+    -> ids[i, thread - 128] = the entry id of the row this thread decodes in its tile i (tile s + splits i; for a
     window tile or one past the range, the first entry tile's: unused), every index loaded before the first is
     stored. `_load_entries` reads its tile's ids from here: one round trip to L2 a tile for the rows, where there
     were two (the index, then the rows)."""
@@ -254,7 +251,7 @@ def _load_ids(n_wt: int, per: int, splits: int):
         del ctx
         b, part = (a.registers.item() for a in (b, part))
         row, _ = _thread_row()
-        me = arith.subi(mgpu_utils.thread_idx(), i32_const(DECODER0))
+        me = arith.subi(mgpu_utils.thread_idx(), i32_const(128))
         kp = ir.MemRefType(idx.type).shape[1]
         vals = []
         for i in range(per):
@@ -269,8 +266,8 @@ def _load_ids(n_wt: int, per: int, splits: int):
 
 @functools.cache
 def _load_entries(n_rows: int):
-    """inline_mgpu (the decoders): (entry values gmem u8 [B, N, 256], scales u8 [B, N, 32], ids smem i32
-    [per, 256] (`_load_ids`), b, tile i) -> `_RAW` of the tile's rows r = entry ids[i, thread - DECODER0] (row 0 for
+    """inline_mgpu (warpgroups 1 and 2): (entry values gmem u8 [B, N, 256], scales u8 [B, N, 32], ids smem i32
+    [per, 256] (`_load_ids`), b, tile i) -> `_RAW` of the tile's rows r = entry ids[i, thread - 128] (row 0 for
     an id < 0: finite, and masked by the bias): the loads issued, not waited for, so that they land while the
     warpgroup does other work (its p . v and the wait for p) before `_decode_entries` uses them. n_rows: N."""
 
@@ -281,7 +278,7 @@ def _load_entries(n_rows: int):
         b, i = (a.registers.item() for a in (b, i))
         _, q = _thread_row()
         ev_ptr, es_ptr = mgpu_utils.memref_ptr(ev), mgpu_utils.memref_ptr(es)
-        ix = memref.load(ids, [index_of(i), index_of(arith.subi(mgpu_utils.thread_idx(), i32_const(DECODER0)))])
+        ix = memref.load(ids, [index_of(i), index_of(arith.subi(mgpu_utils.thread_idx(), i32_const(128)))])
         entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
         words, scales = [], llvm.mlir_undef(ir.VectorType.get((4,), i16))
         for k in range(4):  # raw 16 B chunk i = q + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
@@ -298,7 +295,7 @@ def _load_entries(n_rows: int):
 
 @functools.cache
 def _decode_entries():
-    """inline_mgpu (the decoders): (keys smem, validity masks smem, `_RAW` of an entry tile (`_load_entries`),
+    """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, `_RAW` of an entry tile (`_load_entries`),
     slot, wait) -> keys[slot] rows = the entries x 2**-KEY_SHIFT in PERM8 order, their validity (id >= 0) in
     masks[slot], as `_write_tile` (wait: whether warpgroup 0 still reads the slot)."""
 
@@ -332,7 +329,7 @@ def _entry_chunk(i, words, sc):
 
 @functools.cache
 def _decode_window():
-    """inline_mgpu (the decoders): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0
+    """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0
     scales u8 [B, W, 16], validity bool [B, W] (its bytes read as they are: no conversion kernel before the call), b,
     slot, wait, first row w0) -> keys[slot] rows r = window row w0 + r x 2**-KEY_SHIFT in PERM8 order, their
     validity in masks[slot], as `_decode_entries` (in two passes of 4 chunks a thread, to leave registers to the
@@ -503,14 +500,14 @@ def _load_query():
 
 
 _CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
-# setmaxnreg per warpgroup (scores, values, two decoders): at most 4 x 128 (64K registers over 512 threads) in all
-REGISTERS = (208, 160, 72, 72)
+# setmaxnreg per warpgroup (scores, values, decoder): at most 3 x 168 (64K registers over 384 threads) in all
+REGISTERS = (232, 192, 80)
 
 
 @functools.cache
 def _cluster_syncs(count: int):
     """inline_mgpu: `count` cluster barriers (release / acquire), as `_store_merged` meets its cluster: a
-    warpgroup with no rows to store (a decoder) must arrive too."""
+    warpgroup with no rows to store (the decoder) must arrive too."""
 
     @plgpu.inline_mgpu()
     def sync(ctx):
@@ -841,16 +838,17 @@ def timeline_groups(tiles: int) -> dict[str, list[str]]:
     (with the wait for the next tile's keys), every tile done, a merged cluster's MERGE_POINTS (the statistics'
     barrier, the rows' exchange, the staging; stamped with "tiles" where there is no merge), its rows stored.
     Warpgroup 1 (thread 128): its
-    start, q loaded, then per tile the wait for p and its p . v, then the wait for the rows' statistics and its rows
-    stored. Warpgroups 2 and 3 (threads 256, 384): their start, then each tile decoded (with the waits), then their
-    part of the merge's barriers. A range with fewer tiles stamps its missing tiles' points after its last (phases
-    of 0)."""
+    start, q loaded, tile 0 decoded, then per tile i the decode of tile i + 1 (with the wait for its slot and its
+    rows), the wait for p, its p . v, then the wait for the rows' statistics and its rows stored. Warpgroup 2
+    (thread 256): its start, then each tile decoded (with the waits), then its part of the merge's barriers. A
+    range with fewer tiles stamps its missing tiles' points after its last (phases of 0)."""
     return {"warpgroup 0": ["start", "query", "first tile",
                             *[f"{name} {i}" for i in range(tiles) for name in ("logits", "p.v")], "tiles",
                             *MERGE_POINTS, "stored"],
-            "warpgroup 1": ["start", "query", *[f"{name} {i}" for i in range(tiles) for name in ("p wait", "p.v")],
-                            "stats", "stored"],
-            **{f"warpgroup {g}": ["start", *[f"decode {i}" for i in range(tiles + 1)], "merged"] for g in (2, 3)}}
+            "warpgroup 1": ["start", "query", "decode 0",
+                            *[f"{name} {j}" for i in range(tiles)
+                              for name, j in (("decode", i + 1), ("p wait", i), ("p.v", i))], "stats", "stored"],
+            "warpgroup 2": ["start", *[f"decode {i}" for i in range(tiles + 1)], "merged"]}
 
 
 def timeline_names(tiles: int) -> list[str]:
@@ -915,8 +913,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         tl_gmem, q_smem, k_smem, masks, p_smem, rows_smem, stats_smem, ids_smem = refs if timeline else (None, *refs)
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
         wait, arrive = _barrier(True, 256), _barrier(False, 256)  # warpgroups 0 and 1
-        wait_keys, arrive_keys = _barrier(True, KEYS_THREADS), _barrier(False, KEYS_THREADS)
-        wait_slot, arrive_slot = _barrier(True, SLOT_THREADS), _barrier(False, SLOT_THREADS)
+        wait3, arrive3 = _barrier(True, 384), _barrier(False, 384)  # all three: the key slots
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
         first = np.cumsum([0] + [len(v) for v in timeline_groups(per).values()])  # each warpgroup's first column
@@ -928,7 +925,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             for i in range(points if timeline else 0):
                 pl.when(i >= done)(lambda i=i: stamp(at + i, group))
 
-        for group in range(4):
+        for group in range(3):
             stamp(0, group)
         count = (n_t - part + splits - 1) // splits  # its tiles: part + splits i, i < count (tile_of)
         tile_of = lambda i: part + i * splits  # noqa: E731
@@ -948,14 +945,14 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         stamp(1)
         stamp(1, 1)
 
-        # the decoders (warpgroups 2, 3): their rows of tile i into `slot` (an entry tile from raw, its rows as `load`
-        # gave them), once warpgroups 0 and 1 are done with the slot if `after`
+        # warpgroups 1 and 2: their rows of tile i into `slot` (an entry tile from raw, its rows as `load` gave
+        # them), once warpgroup 0 is done with the slot if `after`
         def decode(i, slot, after, raw, group):
             t, after = tile_of(i), jnp.asarray(after, jnp.int32)
-            if "decode" in skip or f"decode{group - 1}" in skip:
-                pl.when(after != 0)(lambda: wait_slot(SLOT_FREE + slot))
+            if "decode" in skip or f"decode{group}" in skip:
+                pl.when(after != 0)(lambda: wait3(SLOT_FREE + slot))
                 plgpu.commit_smem()  # q
-                arrive_keys(KEYS_READY + slot)
+                arrive3(KEYS_READY + slot)
                 return
 
             @pl.when(t < n_wt)
@@ -966,13 +963,13 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             def _():
                 _decode_entries()(k_smem, masks, *raw, slot, after)
 
-        # the decoders: their rows of entry tile i; past the last tile that one's again (in L2, unused), and
+        # warpgroups 1 and 2: their rows of entry tile i; past the last tile that one's again (in L2, unused), and
         # for a window tile entry tile 0's (unused)
         def load(i):
             return _load_entries(n)(ev, es, ids_smem, seq, jnp.clip(i, 0, count - 1))
 
-        def start_decoding(group, point):  # warpgroup 2 or 3: its registers, its ids, tile 0; -> tile 1's rows
-            plgpu.set_max_registers(REGISTERS[group], action="decrease")
+        def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> tile 1's rows
+            plgpu.set_max_registers(REGISTERS[group], action="increase" if group == 1 else "decrease")
             _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
             raw = load(0)
             pl.when(count > 0)(lambda: decode(0, 0, 0, raw, group))
@@ -1011,8 +1008,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         def _scores():  # the logits, the softmax and p . keys[:, :256]; p and its rows' rescale to warpgroup 1
             plgpu.set_max_registers(REGISTERS[0], action="increase")
             plgpu.commit_smem()  # its part of q, for the wgmmas
-            wait(Q_READY)  # and warpgroup 1's
-            pl.when(count > 0)(lambda: wait_keys(KEYS_READY))
+            pl.when(count > 0)(lambda: wait3(KEYS_READY))
             stamp(2)
 
             def tile(i, carry):
@@ -1037,8 +1033,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 arrive(P_READY)
                 stamp(3 + 2 * i)
                 acc = pv(acc, p, slot, 0)
-                pl.when(i + 2 < count)(lambda: arrive_slot(SLOT_FREE + slot))  # tile i + 2 may take the slot
-                pl.when(i + 1 < count)(lambda: wait_keys(KEYS_READY + 1 - slot))
+                pl.when(i + 2 < count)(lambda: arrive3(SLOT_FREE + slot))  # tile i + 2 may take the slot
+                pl.when(i + 1 < count)(lambda: wait3(KEYS_READY + 1 - slot))
                 stamp(4 + 2 * i)
                 return acc, m_new, l
 
@@ -1054,38 +1050,35 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             stamp(4 + 2 * per + len(MERGE_POINTS))
 
         @pl.when(wg == 1)
-        def _values():  # p . keys[:, 256:] with warpgroup 0's p
-            plgpu.set_max_registers(REGISTERS[1], action="increase")
-            plgpu.commit_smem()  # its part of q
-            arrive(Q_READY)
+        def _values():  # every tile's rows 0..31, a tile ahead; p . keys[:, 256:] with warpgroup 0's p
+            raw = start_decoding(1, 2)
 
-            def tile(i, acc):
+            def tile(i, carry):
+                acc, raw = carry
                 slot = i % 2
+                raw = decode_next(i, slot, raw, 1, 3 + 3 * i)
                 wait(P_READY)
-                stamp(2 + 2 * i, 1)
+                stamp(4 + 3 * i, 1)
                 acc = acc * lax.broadcast_in_dim(plgpu.load(rows_smem.at[0], layout=row_layout), acc.shape, [0])
                 acc = pv(acc, p_smem, slot, 1)
                 pl.when(i + 1 < count)(lambda: arrive(P_FREE))
-                pl.when(i + 2 < count)(lambda: arrive_slot(SLOT_FREE + slot))
-                stamp(3 + 2 * i, 1)
-                return acc
+                stamp(5 + 3 * i, 1)
+                return acc, raw
 
-            acc = lax.fori_loop(0, count, tile, acc0)
-            missing(1, 2, 2 * per, 2 * count)
+            acc, _ = lax.fori_loop(0, count, tile, (acc0, raw))
+            missing(1, 3, 3 * per, 3 * count)
             wait(STATS_READY)
-            stamp(2 + 2 * per, 1)
+            stamp(3 + 3 * per, 1)
             finish(acc, *(plgpu.load(rows_smem.at[i], layout=row_layout) for i in (1, 2)))
-            stamp(3 + 2 * per, 1)
+            stamp(4 + 3 * per, 1)
 
-        for group in (2, 3):
-            @pl.when(wg == group)
-            def _decoder(group=group):  # every tile's rows 0..31 / 32..63, a tile ahead; the merge's cluster barriers
-                lax.fori_loop(0, count, lambda i, raw: decode_next(i, i % 2, raw, group, 2 + i),
-                              start_decoding(group, 1))
-                missing(group, 2, per, count)
-                if merged and "store" not in skip:
-                    _cluster_syncs(2 if splits > 1 else 1)()
-                stamp(2 + per, group)
+        @pl.when(wg == 2)
+        def _decoder():  # every tile's rows 32..63, a tile ahead; the merge's cluster barriers with the others
+            lax.fori_loop(0, count, lambda i, raw: decode_next(i, i % 2, raw, 2, 2 + i), start_decoding(2, 1))
+            missing(2, 2, per, count)
+            if merged and "store" not in skip:
+                _cluster_syncs(2 if splits > 1 else 1)()
+            stamp(2 + per, 2)
 
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     rows = gpu_attention.partial_rows(splits, unrotate)
@@ -1098,7 +1091,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     kernel = plgpu.kernel(
         body,
         **launch,
-        num_threads=4,
+        num_threads=3,
         thread_name="wg",
         scratch_types=(plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
                        plgpu.SMEM((2, 2, T, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
