@@ -104,10 +104,7 @@ _SPLAT = plgpu.Layout.WG_SPLAT(shape=())
 # partials' store); the others pass a tile between the roles, one side arriving, the other waiting (the kernel
 # body's hand-offs).
 _CTA_BARRIER = 8
-Q_READY = 7  # warpgroup 1's part of q fenced for the wgmmas (Mosaic GPU's warpgroup barriers are 1..3)
 KEYS_READY, P_READY, P_FREE, STATS_READY, SLOT_FREE = 9, 11, 12, 13, 14  # KEYS_READY, SLOT_FREE: + slot
-DECODER0, UNITS = 256, 2  # the decoder: warpgroup 2, each thread rows r and r + 32 of a tile (`_thread_row`)
-KEYS_THREADS, SLOT_THREADS = 256, 384  # keys ready: warpgroup 0 and the decoder; a slot free: all three
 
 # E4M3 scale pair (one b16) -> two bf16x2, each both halves E4M3 x 2**116 (exact: 4 significant bits, and
 # 2**116 keeps E4M3's range inside bf16's); the f32 route handles E4M3 subnormals with no special case.
@@ -159,16 +156,11 @@ def _load(ptr, off64, ty, align):
     return llvm.load(ty, mgpu_utils.getelementptr(ptr, [off64], ir.IntegerType.get_signless(8)), alignment=align)
 
 
-def _unit_thread(unit: int):
-    """The decoder thread's index among a tile's 256 row quarters for its unit (0 or 1): thread - DECODER0 +
-    128 unit, i32."""
-    return arith.addi(arith.subi(mgpu_utils.thread_idx(), i32_const(DECODER0)), i32_const(128 * unit))
-
-
-def _thread_row(unit: int):
-    """(tile row this decoder thread decodes in its unit: 8 per warp, 4 threads a row = `_unit_thread` // 4, rows
-    0..31 in unit 0 and 32..63 in unit 1; q = thread % 4), i32."""
-    return arith.shrui(_unit_thread(unit), i32_const(2)), arith.andi(mgpu_utils.thread_idx(), i32_const(3))
+def _thread_row():
+    """(tile row this thread of warpgroups 1 and 2 decodes: 8 per warp, 4 threads a row = (thread - 128) // 4,
+    warpgroup 1 rows 0..31, warpgroup 2 rows 32..63; q = thread % 4), i32."""
+    tid = mgpu_utils.thread_idx()
+    return arith.shrui(arith.subi(tid, i32_const(128)), i32_const(2)), arith.andi(tid, i32_const(3))
 
 
 def _named_barrier(kind: str, bar, threads: int = 256):
@@ -193,14 +185,14 @@ def _barrier(wait: bool, threads: int):
     return lambda bar_id: bar(jnp.asarray(bar_id, jnp.int32))
 
 
-def _publish_validity(mask_ptr, slot, valid, q, unit):
-    """The ballot of warp w's 8 rows in `unit` (w = `_unit_thread` // 32) of their validity (bit 4r for row 8w + r,
-    from the row's q = 0 thread) into mask[slot, w] (u32 [2, 8] in shared memory), for `_bias`."""
+def _publish_validity(mask_ptr, slot, valid, q):
+    """Warp w's (of warpgroups 1 and 2: w = (thread - 128) // 32) ballot of its 8 rows' validity (bit 4r for row 8w
+    + r, from the row's q = 0 thread) into mask[slot, w] (u32 [2, 8] in shared memory), for `_bias`."""
     pred = arith.andi(valid, arith.cmpi(arith.CmpIPredicate.eq, q, i32_const(0)))
     bits = mgpu_utils.inline_ptx("{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, 0xffffffff; }",
                                  arith.extui(ir.IntegerType.get_signless(32), pred), result_types=ir.IntegerType.get_signless(32))
     tid = mgpu_utils.thread_idx()
-    warp = arith.shrui(_unit_thread(unit), i32_const(5))
+    warp = arith.shrui(arith.subi(tid, i32_const(128)), i32_const(5))
     with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, arith.andi(tid, i32_const(31)), i32_const(0))):
         off = arith.muli(arith.addi(arith.muli(slot, i32_const(8)), warp), i32_const(4))
         llvm.store(bits, mgpu_utils.getelementptr(mask_ptr, [off], ir.IntegerType.get_signless(8)), alignment=4)
@@ -213,33 +205,29 @@ def _prefetch_l2(ptr, off64, lines: int):
             ptr, [arith.addi(off64, _i64(i32_const(128 * j)))], ir.IntegerType.get_signless(8)), has_side_effects=True)
 
 
-def _write_tile(k_smem, masks, slot, wait, units, decode_chunk):
-    """The common part of the decodes (the decoder, each thread its rows of UNITS units): units [(row, q, validity,
-    passes)]; per pass, passes[p]() loads chunks [(chunk index, words, scale)]; after the first pass's loads are
-    issued, the slot's last readers (warpgroups 0 and 1) are waited for (wait != 0: `SLOT_FREE` + slot); each chunk
-    goes through decode_chunk(chunk index, words, scale) -> [(channel half, column, four bf16x2)] into the slot's
-    swizzled tile; the rows' validity is published, and after a fence that makes the writes visible to the tensor
-    cores (wgmma), the warpgroup arrives at `KEYS_READY` + slot."""
+def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
+    """The common part of the decodes (warpgroups 1 and 2, each its rows): per pass, passes[p]() loads chunks
+    [(chunk index, words, scale)]; after the first pass's loads are issued, the slot's last reader of warpgroup 0
+    is waited for (wait != 0: `SLOT_FREE` + slot); each chunk goes through decode_chunk(chunk index, words, scale)
+    -> [(channel half, column, four bf16x2)] into the slot's swizzled tile; the rows' validity is published, and
+    after a fence that makes the writes visible to the tensor cores (wgmma), the warpgroup arrives at
+    `KEYS_READY` + slot."""
     k_ptr = mgpu_utils.memref_ptr(k_smem)
-    first = True
-    for row, _, _, passes in units:
-        for load in passes:
-            loads = load()
-            if first:
-                with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, wait, i32_const(0))):
-                    _named_barrier("sync", arith.addi(slot, i32_const(SLOT_FREE)), SLOT_THREADS)
-                first = False
-            for i, words, scale in loads:
-                for half, col, outs in decode_chunk(i, words, scale):
-                    _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
-    for unit, (_, q, valid, _) in enumerate(units):
-        _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q, unit)
+    for p, load in enumerate(passes):
+        loads = load()
+        if p == 0:
+            with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, wait, i32_const(0))):
+                _named_barrier("sync", arith.addi(slot, i32_const(SLOT_FREE)), 384)
+        for i, words, scale in loads:
+            for half, col, outs in decode_chunk(i, words, scale):
+                _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
+    _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
     nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-    _named_barrier("arrive", arith.addi(slot, i32_const(KEYS_READY)), KEYS_THREADS)
+    _named_barrier("arrive", arith.addi(slot, i32_const(KEYS_READY)), 384)
 
 
-# An entry tile's raw rows of one unit as the decoder holds them between their load and their decode
-# (`_load_entries`): a thread's 4 chunks of 16 B, their 4 E4M3 scale pairs, and its row's entry id.
+# An entry tile's raw rows as warpgroup 1 holds them between their load and their decode (`_load_entries`): a
+# thread's 4 chunks of 16 B, their 4 E4M3 scale pairs, and its row's entry id.
 _RAW = (plgpu.ShapeDtypeStruct((128 * 4 * 4,), jnp.uint32, plgpu.Layout.WG_STRIDED((128 * 4 * 4,), vec_size=4)),
         plgpu.ShapeDtypeStruct((128 * 4,), jnp.int16, plgpu.Layout.WG_STRIDED((128 * 4,), vec_size=4)),
         plgpu.ShapeDtypeStruct((128,), jnp.int32, plgpu.Layout.WG_STRIDED((128,), vec_size=1)))
@@ -252,8 +240,8 @@ def _fragments(shape_dtype, registers):
 
 @functools.cache
 def _load_ids(n_wt: int, per: int, splits: int):
-    """inline_mgpu (the decoder, at its start): (idx i32 [B, K], ids smem i32 [per, 256], b, key range s) ->
-    ids[i, `_unit_thread`(u)] = the entry id of the row this thread decodes in unit u of its tile i (tile s + splits i; for a
+    """inline_mgpu (warpgroups 1 and 2, at their start): (idx i32 [B, K], ids smem i32 [per, 256], b, key range s)
+    -> ids[i, thread - 128] = the entry id of the row this thread decodes in its tile i (tile s + splits i; for a
     window tile or one past the range, the first entry tile's: unused), every index loaded before the first is
     stored. `_load_entries` reads its tile's ids from here: one round trip to L2 a tile for the rows, where there
     were two (the index, then the rows)."""
@@ -262,35 +250,35 @@ def _load_ids(n_wt: int, per: int, splits: int):
     def load(ctx, idx, ids, b, part):
         del ctx
         b, part = (a.registers.item() for a in (b, part))
+        row, _ = _thread_row()
+        me = arith.subi(mgpu_utils.thread_idx(), i32_const(128))
         kp = ir.MemRefType(idx.type).shape[1]
         vals = []
-        for unit in range(UNITS):
-            row, _ = _thread_row(unit)
-            for i in range(per):
-                first = arith.muli(arith.subi(arith.addi(part, i32_const(splits * i)), i32_const(n_wt)), i32_const(T))
-                first = arith.minsi(arith.maxsi(first, i32_const(0)), i32_const(kp - T))
-                vals.append((i, _unit_thread(unit), memref.load(idx, [index_of(b), index_of(arith.addi(first, row))])))
-        for i, me, v in vals:
+        for i in range(per):
+            first = arith.muli(arith.subi(arith.addi(part, i32_const(splits * i)), i32_const(n_wt)), i32_const(T))
+            first = arith.minsi(arith.maxsi(first, i32_const(0)), i32_const(kp - T))
+            vals.append(memref.load(idx, [index_of(b), index_of(arith.addi(first, row))]))
+        for i, v in enumerate(vals):
             memref.store(v, ids, [index_of(i32_const(i)), index_of(me)])
 
     return load
 
 
 @functools.cache
-def _load_entries(n_rows: int, unit: int):
-    """inline_mgpu (the decoder): (entry values gmem u8 [B, N, 256], scales u8 [B, N, 32], ids smem i32 [per, 256]
-    (`_load_ids`), b, tile i) -> `_RAW` of the unit's rows r = entry ids[i, `_unit_thread`(unit)] (row 0 for an
-    id < 0: finite, and masked by the bias): the loads issued, not waited for, so that they land during the
-    tile's other decode before `_decode_entries` uses them. n_rows: N."""
+def _load_entries(n_rows: int):
+    """inline_mgpu (warpgroups 1 and 2): (entry values gmem u8 [B, N, 256], scales u8 [B, N, 32], ids smem i32
+    [per, 256] (`_load_ids`), b, tile i) -> `_RAW` of the tile's rows r = entry ids[i, thread - 128] (row 0 for
+    an id < 0: finite, and masked by the bias): the loads issued, not waited for, so that they land while the
+    warpgroup does other work (its p . v and the wait for p) before `_decode_entries` uses them. n_rows: N."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3 + (_SPLAT,) * 2, return_type=_RAW)
     def load(ctx, ev, es, ids, b, i):
         del ctx
         i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
         b, i = (a.registers.item() for a in (b, i))
-        _, q = _thread_row(unit)
+        _, q = _thread_row()
         ev_ptr, es_ptr = mgpu_utils.memref_ptr(ev), mgpu_utils.memref_ptr(es)
-        ix = memref.load(ids, [index_of(i), index_of(_unit_thread(unit))])
+        ix = memref.load(ids, [index_of(i), index_of(arith.subi(mgpu_utils.thread_idx(), i32_const(128)))])
         entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
         words, scales = [], llvm.mlir_undef(ir.VectorType.get((4,), i16))
         for k in range(4):  # raw 16 B chunk i = q + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
@@ -307,26 +295,22 @@ def _load_entries(n_rows: int, unit: int):
 
 @functools.cache
 def _decode_entries():
-    """inline_mgpu (the decoder): (keys smem, validity masks smem, UNITS x `_RAW` of an entry tile
-    (`_load_entries`), slot, wait) -> keys[slot] rows = the entries x 2**-KEY_SHIFT in PERM8 order, their validity
-    (id >= 0) in masks[slot], as `_write_tile` (wait: whether warpgroups 0 and 1 still read the slot)."""
+    """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, `_RAW` of an entry tile (`_load_entries`),
+    slot, wait) -> keys[slot] rows = the entries x 2**-KEY_SHIFT in PERM8 order, their validity (id >= 0) in
+    masks[slot], as `_write_tile` (wait: whether warpgroup 0 still reads the slot)."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), *[r.layout for r in _RAW] * UNITS,
-                                  _SPLAT, _SPLAT))
-    def decode(ctx, k_smem, masks, *refs):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), *(r.layout for r in _RAW), _SPLAT,
+                                  _SPLAT))
+    def decode(ctx, k_smem, masks, words, scales, ids, slot, wait):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
-        slot, wait = (a.registers.item() for a in refs[-2:])
-        units = []
-        for unit in range(UNITS):
-            words, scales, ids = refs[3 * unit:3 * unit + 3]
-            row, q = _thread_row(unit)
-            valid = arith.cmpi(arith.CmpIPredicate.sge, llvm.extractelement(ids.registers[0], arith.constant(i32, 0)),
-                               i32_const(0))
-            chunks = [(arith.addi(q, i32_const(4 * k)), words.registers[k],
-                       llvm.extractelement(scales.registers[0], arith.constant(i32, k))) for k in range(4)]
-            units.append((row, q, valid, [lambda chunks=chunks: chunks]))
-        _write_tile(k_smem, masks, slot, wait, units, _entry_chunk)
+        slot, wait = (a.registers.item() for a in (slot, wait))
+        row, q = _thread_row()
+        valid = arith.cmpi(arith.CmpIPredicate.sge, llvm.extractelement(ids.registers[0], arith.constant(i32, 0)),
+                           i32_const(0))
+        chunks = [(arith.addi(q, i32_const(4 * k)), words.registers[k],
+                   llvm.extractelement(scales.registers[0], arith.constant(i32, k))) for k in range(4)]
+        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: chunks], _entry_chunk)
 
     return decode
 
@@ -345,7 +329,7 @@ def _entry_chunk(i, words, sc):
 
 @functools.cache
 def _decode_window():
-    """inline_mgpu (the decoder): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0
+    """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0
     scales u8 [B, W, 16], validity bool [B, W] (its bytes read as they are: no conversion kernel before the call), b,
     slot, wait, first row w0) -> keys[slot] rows r = window row w0 + r x 2**-KEY_SHIFT in PERM8 order, their
     validity in masks[slot], as `_decode_entries` (in two passes of 4 chunks a thread, to leave registers to the
@@ -357,10 +341,13 @@ def _decode_window():
         del ctx
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
         b, slot, wait, w0 = (a.registers.item() for a in (b, slot, wait, w0))
+        row, q = _thread_row()
         w_rows = ir.MemRefType(wv.type).shape[1]
         wv_ptr, ws_ptr, ok_ptr = (mgpu_utils.memref_ptr(r) for r in (wv, ws, wok))
+        rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(arith.addi(w0, row)))
+        valid = arith.cmpi(arith.CmpIPredicate.ne, _load(ok_ptr, rec, i8, 1), arith.constant(i8, 0))
 
-        def loads(rec, q, ks):
+        def loads(ks):
             out = []
             for k in ks:  # raw 16 B chunk i = q + 4k: channels 16i .. 16i + 15, E8M0 byte i // 2
                 i = arith.addi(q, i32_const(4 * k))
@@ -378,13 +365,8 @@ def _decode_window():
                 col = arith.addi(arith.muli(arith.remui(i, i32_const(16)), i32_const(16)), i32_const(8 * p))
                 yield arith.divui(i, i32_const(16)), col, outs
 
-        units = []
-        for unit in range(UNITS):
-            row, q = _thread_row(unit)
-            rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(arith.addi(w0, row)))
-            valid = arith.cmpi(arith.CmpIPredicate.ne, _load(ok_ptr, rec, i8, 1), arith.constant(i8, 0))
-            units.append((row, q, valid, [lambda rec=rec, q=q, ks=ks: loads(rec, q, ks) for ks in (range(4), range(4, 8))]))
-        _write_tile(k_smem, masks, slot, wait, units, chunk)
+        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: loads(range(4)), lambda: loads(range(4, 8))],
+                    chunk)
 
     return decode
 
@@ -518,6 +500,8 @@ def _load_query():
 
 
 _CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
+# setmaxnreg per warpgroup (scores, values, decoder): at most 3 x 168 (64K registers over 384 threads) in all
+REGISTERS = (232, 192, 80)
 
 
 @functools.cache
@@ -839,8 +823,9 @@ def default_splits(b: int, tiles: int, sms: int = 132) -> int:
     return -(-tiles // -(-tiles // splits))
 
 
-# "rows": the entry rows loaded for the first tile alone (later tiles decode those registers again)
-ABLATIONS = ("prefetch", "decode", "rows", "qk", "pv", "store", "exchange")
+# "decode1" / "decode2": one decoder's rows left undecoded; "rows": the entry rows loaded for the first tile alone
+# (later tiles decode those registers again)
+ABLATIONS = ("prefetch", "decode", "decode1", "decode2", "rows", "qk", "pv", "store", "exchange")
 
 
 MERGE_POINTS = ("merge stats", "merge rows", "merge staged")
@@ -853,14 +838,16 @@ def timeline_groups(tiles: int) -> dict[str, list[str]]:
     (with the wait for the next tile's keys), every tile done, a merged cluster's MERGE_POINTS (the statistics'
     barrier, the rows' exchange, the staging; stamped with "tiles" where there is no merge), its rows stored.
     Warpgroup 1 (thread 128): its
-    start, q loaded, then per tile the wait for p and its p . v, then the wait for the rows' statistics and its rows
-    stored. Warpgroup 2 (thread 256): its start, then each tile decoded (with the waits), then its part of the
-    merge's barriers. A range with fewer tiles stamps its missing tiles' points after its last (phases of 0)."""
+    start, q loaded, tile 0 decoded, then per tile i the decode of tile i + 1 (with the wait for its slot and its
+    rows), the wait for p, its p . v, then the wait for the rows' statistics and its rows stored. Warpgroup 2
+    (thread 256): its start, then each tile decoded (with the waits), then its part of the merge's barriers. A
+    range with fewer tiles stamps its missing tiles' points after its last (phases of 0)."""
     return {"warpgroup 0": ["start", "query", "first tile",
                             *[f"{name} {i}" for i in range(tiles) for name in ("logits", "p.v")], "tiles",
                             *MERGE_POINTS, "stored"],
-            "warpgroup 1": ["start", "query", *[f"{name} {i}" for i in range(tiles) for name in ("p wait", "p.v")],
-                            "stats", "stored"],
+            "warpgroup 1": ["start", "query", "decode 0",
+                            *[f"{name} {j}" for i in range(tiles)
+                              for name, j in (("decode", i + 1), ("p wait", i), ("p.v", i))], "stats", "stored"],
             "warpgroup 2": ["start", *[f"decode {i}" for i in range(tiles + 1)], "merged"]}
 
 
@@ -926,8 +913,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         tl_gmem, q_smem, k_smem, masks, p_smem, rows_smem, stats_smem, ids_smem = refs if timeline else (None, *refs)
         seq, part, wg = lax.axis_index("b"), lax.axis_index("s"), lax.axis_index("wg")
         wait, arrive = _barrier(True, 256), _barrier(False, 256)  # warpgroups 0 and 1
-        wait_keys, arrive_keys = _barrier(True, KEYS_THREADS), _barrier(False, KEYS_THREADS)
-        wait_slot, arrive_slot = _barrier(True, SLOT_THREADS), _barrier(False, SLOT_THREADS)
+        wait3, arrive3 = _barrier(True, 384), _barrier(False, 384)  # all three: the key slots
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
         first = np.cumsum([0] + [len(v) for v in timeline_groups(per).values()])  # each warpgroup's first column
@@ -959,13 +945,14 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         stamp(1)
         stamp(1, 1)
 
-        # the decoder: tile i into `slot` (an entry tile from raw, its rows as `load` gave them), once warpgroups 0
-        # and 1 are done with the slot if `after`
-        def decode(i, slot, after, raw):
+        # warpgroups 1 and 2: their rows of tile i into `slot` (an entry tile from raw, its rows as `load` gave
+        # them), once warpgroup 0 is done with the slot if `after`
+        def decode(i, slot, after, raw, group):
             t, after = tile_of(i), jnp.asarray(after, jnp.int32)
-            if "decode" in skip:
-                pl.when(after != 0)(lambda: wait_slot(SLOT_FREE + slot))
-                arrive_keys(KEYS_READY + slot)
+            if "decode" in skip or f"decode{group}" in skip:
+                pl.when(after != 0)(lambda: wait3(SLOT_FREE + slot))
+                plgpu.commit_smem()  # q
+                arrive3(KEYS_READY + slot)
                 return
 
             @pl.when(t < n_wt)
@@ -974,13 +961,25 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
             @pl.when(t >= n_wt)
             def _():
-                _decode_entries()(k_smem, masks, *(r for unit in raw for r in unit), slot, after)
+                _decode_entries()(k_smem, masks, *raw, slot, after)
 
-        # the decoder: the rows of entry tile i; past the last tile that one's again (in L2, unused), and for a
-        # window tile entry tile 0's (unused)
+        # warpgroups 1 and 2: their rows of entry tile i; past the last tile that one's again (in L2, unused), and
+        # for a window tile entry tile 0's (unused)
         def load(i):
-            return tuple(_load_entries(n, unit)(ev, es, ids_smem, seq, jnp.clip(i, 0, count - 1))
-                         for unit in range(UNITS))
+            return _load_entries(n)(ev, es, ids_smem, seq, jnp.clip(i, 0, count - 1))
+
+        def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> tile 1's rows
+            plgpu.set_max_registers(REGISTERS[group], action="increase" if group == 1 else "decrease")
+            _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
+            raw = load(0)
+            pl.when(count > 0)(lambda: decode(0, 0, 0, raw, group))
+            stamp(point, group)
+            return raw if "rows" in skip else load(1)
+
+        def decode_next(i, slot, raw, group, point):  # in tile i's (slot's) iteration: tile i + 1 from raw; -> tile
+            pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, raw, group))  # i + 2's rows
+            stamp(point, group)
+            return raw if "rows" in skip else load(i + 2)  # lands during this iteration's other work
 
         def pv(acc, a, slot, half):
             def run(acc_ref):
@@ -1007,9 +1006,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 0)
         def _scores():  # the logits, the softmax and p . keys[:, :256]; p and its rows' rescale to warpgroup 1
+            plgpu.set_max_registers(REGISTERS[0], action="increase")
             plgpu.commit_smem()  # its part of q, for the wgmmas
-            wait(Q_READY)  # and warpgroup 1's
-            pl.when(count > 0)(lambda: wait_keys(KEYS_READY))
+            pl.when(count > 0)(lambda: wait3(KEYS_READY))
             stamp(2)
 
             def tile(i, carry):
@@ -1034,8 +1033,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 arrive(P_READY)
                 stamp(3 + 2 * i)
                 acc = pv(acc, p, slot, 0)
-                pl.when(i + 2 < count)(lambda: arrive_slot(SLOT_FREE + slot))  # tile i + 2 may take the slot
-                pl.when(i + 1 < count)(lambda: wait_keys(KEYS_READY + 1 - slot))
+                pl.when(i + 2 < count)(lambda: arrive3(SLOT_FREE + slot))  # tile i + 2 may take the slot
+                pl.when(i + 1 < count)(lambda: wait3(KEYS_READY + 1 - slot))
                 stamp(4 + 2 * i)
                 return acc, m_new, l
 
@@ -1051,42 +1050,31 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             stamp(4 + 2 * per + len(MERGE_POINTS))
 
         @pl.when(wg == 1)
-        def _values():  # p . keys[:, 256:] with warpgroup 0's p
-            plgpu.commit_smem()  # its part of q
-            arrive(Q_READY)
+        def _values():  # every tile's rows 0..31, a tile ahead; p . keys[:, 256:] with warpgroup 0's p
+            raw = start_decoding(1, 2)
 
-            def tile(i, acc):
+            def tile(i, carry):
+                acc, raw = carry
                 slot = i % 2
+                raw = decode_next(i, slot, raw, 1, 3 + 3 * i)
                 wait(P_READY)
-                stamp(2 + 2 * i, 1)
+                stamp(4 + 3 * i, 1)
                 acc = acc * lax.broadcast_in_dim(plgpu.load(rows_smem.at[0], layout=row_layout), acc.shape, [0])
                 acc = pv(acc, p_smem, slot, 1)
                 pl.when(i + 1 < count)(lambda: arrive(P_FREE))
-                pl.when(i + 2 < count)(lambda: arrive_slot(SLOT_FREE + slot))  # tile i + 2 may take the slot
-                stamp(3 + 2 * i, 1)
-                return acc
+                stamp(5 + 3 * i, 1)
+                return acc, raw
 
-            acc = lax.fori_loop(0, count, tile, acc0)
-            missing(1, 2, 2 * per, 2 * count)
+            acc, _ = lax.fori_loop(0, count, tile, (acc0, raw))
+            missing(1, 3, 3 * per, 3 * count)
             wait(STATS_READY)
-            stamp(2 + 2 * per, 1)
+            stamp(3 + 3 * per, 1)
             finish(acc, *(plgpu.load(rows_smem.at[i], layout=row_layout) for i in (1, 2)))
-            stamp(3 + 2 * per, 1)
+            stamp(4 + 3 * per, 1)
 
         @pl.when(wg == 2)
-        def _decoder():  # every tile, a tile ahead (its entry rows loaded a tile before their decode); the merge's
-            # cluster barriers with the others
-            _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
-            raw = load(0)
-            pl.when(count > 0)(lambda: decode(0, 0, 0, raw))
-            stamp(1, 2)
-
-            def tile(i, raw):  # in tile i's (slot's) iteration: tile i + 1 from raw; -> tile i + 2's rows
-                pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - i % 2, i > 0, raw))
-                stamp(2 + i, 2)
-                return raw if "rows" in skip else load(i + 2)
-
-            lax.fori_loop(0, count, tile, raw if "rows" in skip else load(1))
+        def _decoder():  # every tile's rows 32..63, a tile ahead; the merge's cluster barriers with the others
+            lax.fori_loop(0, count, lambda i, raw: decode_next(i, i % 2, raw, 2, 2 + i), start_decoding(2, 1))
             missing(2, 2, per, count)
             if merged and "store" not in skip:
                 _cluster_syncs(2 if splits > 1 else 1)()

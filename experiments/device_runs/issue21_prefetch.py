@@ -85,7 +85,8 @@ print(float(jnp.nan_to_num(scan.indexer_scores_wgmma(q, w, keys["values"], keys[
 
 # The logits' and the p . v's wgmmas also apart (fortieth session): whether the logits' (both operands read from
 # shared memory, N = 64) cost more than their share of the tensor cores' work
-ABLATED = ((), ("decode",), ("rows",), ("qk",), ("pv",), ("qk", "pv"), ("decode", "qk", "pv"), ("store",), ("exchange",))
+ABLATED = ((), ("decode",), ("decode1",), ("decode2",), ("rows",), ("qk",), ("pv",), ("qk", "pv"), ("decode", "qk", "pv"),
+           ("store",), ("exchange",))
 
 
 def ablate_group(say, rows) -> None:
