@@ -501,7 +501,7 @@ def _load_query():
 
 _CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
 # setmaxnreg per warpgroup (scores, values, decoder): at most 3 x 168 (64K registers over 384 threads) in all
-REGISTERS = (232, 208, 72)
+REGISTERS = (232, 192, 80)
 
 
 @functools.cache
