@@ -26,7 +26,10 @@ to their owner as f16 (within noise; forty-second session, the forms at 538be34)
 owner's mbarrier instead of a second cluster barrier (28.3 -> 28.2 us; forty-third session, d44c494). That
 session's ablation (`skip`): without the merge and the store the batch-64 call takes 20.9 us of 28.6, without the
 rows' exchange 26.4; its 16 B exchange stores and the late prefetch of the sink and cos / sin took the call
-28.9 -> 28.5 us and the model's 29.5 -> 29.0.
+28.9 -> 28.5 us and the model's 29.5 -> 29.0. Forty-fourth (H100): the window's validity read as its bool bytes
+(no conversion kernel before the call) 28.9 -> 27.3 us; not kept: the decode by warpgroup 2 alone (two rows a
+thread) with warpgroup 1 on p . v alone, 27.2 -> 36.9 us (its decode ~4 us a tile where two warpgroups take ~1.6),
+and a fourth warpgroup for it, which ptxas cannot compile (`REGISTERS`).
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): range s takes the
 sequence's 64-key tiles s, s + S, ... (window tiles first: with 2 ranges each starts with one, decoded while q
@@ -500,7 +503,11 @@ def _load_query():
 
 
 _CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
-# setmaxnreg per warpgroup (scores, values, decoder): at most 3 x 168 (64K registers over 384 threads) in all
+# setmaxnreg per warpgroup (scores, values, decoder). The launch holds 168 a thread (64K over 384 threads, in steps
+# of 8), 504 x 128 in all: an increase past what the others gave back waits forever (232 / 208 / 72 hung the call,
+# forty-fourth session). ptxas compiles each warpgroup's code at its count (232 / 192 / 80 spills 128 B in warpgroup
+# 1, 224 / 208 / 72 none: no faster, docs/BENCHMARKS.md) but checks an instruction's registers against the launch's:
+# with a fourth warpgroup (128 at launch) a wgmma with a [64, 256] f32 accumulator (158 needed) does not compile.
 REGISTERS = (232, 192, 80)
 
 

@@ -105,6 +105,14 @@ def test_lowers_for_cuda():
             *args[:6], s((b, long_k), jnp.int32), args[7])
 
 
+def test_warpgroup_registers_fit_what_the_launch_holds():
+    """setmaxnreg counts (multiples of 8 in [24, 256]) whose sum is past the launch's 168 a thread over the three
+    warpgroups make an increase wait forever: the call hangs on the GPU (232 / 208 / 72 did)."""
+    regs = att.REGISTERS
+    launch = 65536 // (128 * len(regs)) // 8 * 8  # a thread's registers at launch: 168 for three warpgroups
+    assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs) and sum(regs) <= len(regs) * launch
+
+
 def test_default_splits_fill_the_gpu_with_no_empty_range():
     for b in (1, 2, 3, 8, 16, 33, 64, 200):
         for tiles in (1, 2, 6, 10, 11, 40):
