@@ -8,8 +8,9 @@ Groups (default: tests attention scan sweep):
 - sweep: the scan at 128K x 8 and 1M x 8 over (CTAs wanted, tiles per step, pipeline stages): the default, one
   wave of 4 CTAs per SM, and deeper pipelines with the CTAs that fit (shared memory: q 16 KB + 17 KB per stage of
   4 tiles), each timed, at 128K with its timeline;
-- ablate: the attention at batch 64 (q bf16) with parts left out (`skip`: the decode, the logits' wgmmas, the
-  p . v's, both wgmmas, all three, the store), timed from HBM: what each part costs in the kernel as it is (first
+- ablate: the attention at batch 64 (q bf16) with parts left out (`skip`: the decode, each decoder's rows
+  apart and the entry rows' loads since the forty-fourth session, the logits' wgmmas, the p . v's, both wgmmas, all
+  three, the store, the merge's exchange), timed from HBM: what each part costs in the kernel as it is (first
   run in the thirty-eighth session's call 1, then by `issue21_roles`);
 - ptx: the attention kernel's PTX and ptxas report at batch 64 and the scan's at 128K x 8 (since the fortieth
   session; Mosaic GPU's dumps, under $OUT/mgpu), for ptxas
