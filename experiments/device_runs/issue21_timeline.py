@@ -205,7 +205,6 @@ def configs_group(say, rows) -> None:
     with the decode replaced by moves (wrong numbers: what the kernel takes without it) at 128K x 8."""
     import functools
 
-
     from experiments import bench_kernels as bk
     from experiments.bench_wgmma import NO_DECODE
     from kernels_pallas import gpu_indexer_wgmma as scan
@@ -274,7 +273,8 @@ def run_groups(groups: list[str], own: dict, tests=gpu_tests) -> int:
 
 
 def main(groups: list[str]) -> int:
-    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "defaults": lambda say, rows: scan_group(say, rows, timelines=True, variants=DEFAULTS)})
+    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group,
+                               "defaults": lambda say, rows: scan_group(say, rows, timelines=True, variants=DEFAULTS)})
 
 
 if __name__ == "__main__":
