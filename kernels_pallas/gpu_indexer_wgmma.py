@@ -316,24 +316,23 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     return kernel(reachable_b.astype(jnp.int32), qs, w, key_values, s_view)
 
 
-def persistent_split(b: int, tiles: int, per_step: int, sms: int = 132) -> tuple[int, int, int]:
-    """(CTAs per sequence c, tiles per CTA span, pipeline steps per CTA n) for the persistent scan: at most one
-    CTA an SM over the batch (c <= sms // b, at least 1), each a contiguous run of span >= per_step tiles from
-    min(i * span, tiles - span), in n steps of per_step tiles, step t from min(t * per_step, span - per_step)
-    (the last run and the last step overlap their neighbours: those scores are written twice, alike). Needs
-    tiles >= per_step."""
-    c = max(1, min(sms // b, tiles // per_step))
-    span = -(-tiles // c)
-    return c, span, -(-span // per_step)
+def persistent_split(b: int, tiles: int, sms: int = 132) -> tuple[int, int]:
+    """(CTAs per sequence c, tiles per CTA n) for the persistent scan: at most one CTA an SM over the batch
+    (c = sms // b, at least 1), each a contiguous run of n tiles; CTA i scans from min(i * n, tiles - n), so the
+    last CTA's run overlaps its neighbour's by fewer than n tiles (both write the same scores)."""
+    n = -(-tiles // max(1, min(sms // b, tiles)))
+    return -(-tiles // n), n
 
 
 @functools.partial(jax.jit, static_argnames=("consumers", "stages", "q_parts", "memory_registers", "sms"))
 def indexer_scores_persistent(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
-                              reachable_b: jax.Array, *, consumers: int = 6, stages: int = 4, q_parts: int = 2,
-                              memory_registers: int = 24, sms: int = 132):
+                              reachable_b: jax.Array, *, consumers: int = 5, stages: int = 16, q_parts: int = 2,
+                              memory_registers: int = 40, sms: int = 132):
     """`indexer_scores_wgmma`'s contract and per-tile work, warp-specialized and persistent: one CTA an SM
-    (`persistent_split`), a memory warpgroup keeping `stages` pipeline steps of `consumers` tiles in flight
-    (TMA) and `consumers` compute warpgroups, warpgroup w taking tile w of each step."""
+    (`persistent_split`), a memory warpgroup keeping `stages` tiles of keys and scales in flight through a ring
+    (TMA, one tile a pipeline step) and `consumers` compute warpgroups taking the tiles in turn (tile t by
+    warpgroup t % consumers). No CTA waits for its first data but once, and no compute warpgroup waits while
+    the ring holds tiles: the loads no longer gate the registers that compute."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
     b, h, d = q_bhd.shape
@@ -342,18 +341,14 @@ def indexer_scores_persistent(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax
         raise ValueError(f"the wgmma scan needs q [B, H % 8 == 0, {D}], keys [B, N % {TP} == 0, {D // 2}] and "
                          f"scales [B, N, {D // GROUP}]; got {q_bhd.shape}, {key_values.shape}, {key_scales.shape}")
     tiles = n // TP
-    consumers = min(consumers, tiles)
-    per_seq, span, n_s = persistent_split(b, tiles, consumers, sms)
+    per_seq, n_t = persistent_split(b, tiles, sms)
     qs = split_query(q_bhd, q_parts)
     w = w_bh.astype(jnp.float32)
     s_view = key_scales.reshape(b, tiles, TP * D // GROUP)
 
     def body(reach_gmem, q_gmem, w_gmem, k_gmem, s_gmem, o_gmem, q_smem, q_bar):
         seq, part, wg = lax.axis_index("b"), lax.axis_index("c"), lax.axis_index("wg")
-        first = jnp.minimum(part * span, tiles - span)  # this CTA's first tile
-
-        def step_tile(t):  # the first tile of step t
-            return first + jnp.minimum(t * consumers, span - consumers)
+        first = jnp.minimum(part * n_t, tiles - n_t)  # this CTA's first tile
 
         @pl.when(wg == consumers)
         def _():
@@ -369,22 +364,25 @@ def indexer_scores_persistent(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax
         def step(idx, k_smem, s_smem, carry):
             (t,) = idx
 
-            def acc_scope(acc_ref):
-                keys, e_max = _decode_keys(0, DECODE_PTX)(k_smem.at[wg], s_smem.at[pl.ds(wg, 1)])
-                plgpu.wgmma(acc_ref, keys, q_smem.transpose((1, 0)))
-                plgpu.wgmma_wait(0)
-                return acc_ref[...], e_max
+            @pl.when(lax.rem(t, consumers) == wg)
+            def _():
+                def acc_scope(acc_ref):
+                    keys, e_max = _decode_keys(0, DECODE_PTX)(k_smem, s_smem)
+                    plgpu.wgmma(acc_ref, keys, q_smem.transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+                    return acc_ref[...], e_max
 
-            acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
-            _epilogue(h, 0, q_parts)(acc, e_max, held["w"], o_gmem, seq, (step_tile(t) + wg) * TP, held["reach"])
+                acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
+                _epilogue(h, 0, q_parts)(acc, e_max, held["w"], o_gmem, seq, (first + t) * TP, held["reach"])
+
             return carry
 
         plgpu.emit_pipeline_warp_specialized(
             step,
-            grid=(n_s,),
-            in_specs=[plgpu.BlockSpec((pl.Element(consumers), TP, D // 2), lambda t: (step_tile(t), 0, 0)),
-                      plgpu.BlockSpec((pl.Element(consumers), TP * D // GROUP), lambda t: (step_tile(t), 0))],
-            max_concurrent_steps=min(stages, n_s),
+            grid=(n_t,),
+            in_specs=[plgpu.BlockSpec((TP, D // 2), lambda t: (first + t, 0)),
+                      plgpu.BlockSpec((1, TP * D // GROUP), lambda t: (first + t, 0))],
+            max_concurrent_steps=min(stages, n_t),
             memory_registers=memory_registers,
             wg_axis="wg",
             num_compute_wgs=consumers,
@@ -402,4 +400,4 @@ def indexer_scores_persistent(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax
                        plgpu.Barrier(num_arrivals=1)),
         kernel_name=f"indexer_scores_persistent_{h}_{q_parts}",
     )
-    return kernel(reachable_b.astype(jnp.int32), qs, w, key_values.reshape(b, tiles, TP, D // 2), s_view)
+    return kernel(reachable_b.astype(jnp.int32), qs, w, key_values, s_view)

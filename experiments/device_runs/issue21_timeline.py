@@ -282,7 +282,7 @@ def persistent_variants() -> dict:
 
     forms = {f"persistent, {c} consumers, {s} stages, memory {m} registers": dict(consumers=c, stages=s,
                                                                                   memory_registers=m)
-             for c, s, m in ((6, 4, 24), (6, 2, 24), (5, 4, 40))}
+             for c, s, m in ((6, 16, 24), (7, 16, 24))}
     return {"default": {}, **{k: functools.partial(scan.indexer_scores_persistent, q_parts=1, **kw)
                               for k, kw in forms.items()}}
 
