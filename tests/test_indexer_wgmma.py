@@ -98,9 +98,8 @@ def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step, q_part
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
 @pytest.mark.parametrize("b,h,n,reach,q_parts,kw",
                          [(3, 32, 8192, [8192, 17, 5000], 2, {}), (2, 16, 1024, [0, 900], 1, {}),
-                          (1, 32, 320, [300], 1, {"sms": 3}),
+                          (1, 32, 320, [300], 1, {"sms": 3}), (8, 32, 131072, [131072, 70001] * 4, 1, {}),
                           (8, 64, 8192, [5000] * 8, 1, {"consumers": 6, "memory_registers": 24, "stages": 8}),
-                          (3, 32, 8192, [8192, 17, 5000], 1, {"consumers": 7, "memory_registers": 24}),
                           (200, 32, 256, list(range(0, 400, 2)), 1, {"consumers": 4})])
 def test_persistent_scores_match_the_twin_on_the_gpu(b, h, n, reach, q_parts, kw):
     """The warp-specialized persistent form: ranges overlapping (320 positions = 5 tiles over 3 CTAs), more

@@ -63,7 +63,7 @@ def scan_case(ctx: int, b: int):
 DEFAULTS = {"default": {}, "2112 CTAs, 4 tiles/step (the earlier default)": {"ctas": 2112, "tiles_per_step": 4}}
 
 
-def scan_group(say, rows, timelines: bool, variants: dict | None = None, points=SCAN_POINTS) -> None:
+def scan_group(say, rows, timelines: bool, variants: dict | None = None) -> None:
     """Copies of 72 MB and 2 GiB moved from HBM; the scan (q_parts 1, the dispatch's) at each of SCAN_POINTS,
     each of `variants` (label -> keyword arguments; default: the kernel's defaults alone) with its error against
     the Triton twin, and (timelines) the first variant's CTA timeline at batch 8. A variant may instead be the
@@ -85,7 +85,7 @@ def scan_group(say, rows, timelines: bool, variants: dict | None = None, points=
         rows.append(("copy", f"{2 * mb} MB moved", f"{t * 1e6:.1f}", "-", f"{100 * 2 * big.nbytes / t / peak:.1f}%", "-"))
         say(" | ".join(rows[-1]))
         del big
-    for ctx, b in points:
+    for ctx, b in SCAN_POINTS:
         args, moved = scan_case(ctx, b)
         twin = gpu_indexer.indexer_scores(*args)
         for i, (name, kw) in enumerate((variants or {"": {}}).items()):
@@ -282,7 +282,7 @@ def persistent_variants() -> dict:
 
     forms = {f"persistent, {c} consumers, {s} stages, memory {m} registers": dict(consumers=c, stages=s,
                                                                                   memory_registers=m)
-             for c, s, m in ((6, 16, 24), (7, 16, 24))}
+             for c, s, m in ((5, 16, 40), (5, 8, 40), (5, 24, 40), (4, 16, 40), (6, 16, 24), (6, 8, 24))}
     return {"default": {}, **{k: functools.partial(scan.indexer_scores_persistent, q_parts=1, **kw)
                               for k, kw in forms.items()}}
 
@@ -291,8 +291,7 @@ def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group,
                                "defaults": lambda say, rows: scan_group(say, rows, timelines=True, variants=DEFAULTS),
                                "persistent": lambda say, rows: scan_group(say, rows, timelines=False,
-                                                                          variants=persistent_variants(),
-                                                                          points=((131072, 8), (1048576, 8)))})
+                                                                          variants=persistent_variants())})
 
 
 if __name__ == "__main__":
