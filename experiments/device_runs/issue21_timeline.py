@@ -66,8 +66,7 @@ DEFAULTS = {"default": {}, "2112 CTAs, 4 tiles/step (the earlier default)": {"ct
 def scan_group(say, rows, timelines: bool, variants: dict | None = None) -> None:
     """Copies of 72 MB and 2 GiB moved from HBM; the scan (q_parts 1, the dispatch's) at each of SCAN_POINTS,
     each of `variants` (label -> keyword arguments; default: the kernel's defaults alone) with its error against
-    the Triton twin, and (timelines) the first variant's CTA timeline at batch 8. A variant may instead be the
-    scan itself (a function of the scan's five arguments)."""
+    the Triton twin, and (timelines) the first variant's CTA timeline at batch 8."""
     import functools
 
     import jax
@@ -89,7 +88,7 @@ def scan_group(say, rows, timelines: bool, variants: dict | None = None) -> None
         args, moved = scan_case(ctx, b)
         twin = gpu_indexer.indexer_scores(*args)
         for i, (name, kw) in enumerate((variants or {"": {}}).items()):
-            fn = kw if callable(kw) else functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)
+            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)
             timed_row(say, rows, "scan", f"{ctx} x {b}" + (f", {name}" if name else ""), fn, args, 1, moved, peak,
                       scan_error(fn(*args), twin))
             if timelines and b == 8 and i == 0:
@@ -273,25 +272,9 @@ def run_groups(groups: list[str], own: dict, tests=gpu_tests) -> int:
     return 0
 
 
-def persistent_variants() -> dict:
-    """The persistent scan (`indexer_scores_persistent`, forty-fifth session) over consumer warpgroups, ring
-    stages and the memory warpgroup's registers, beside the default."""
-    import functools
-
-    from kernels_pallas import gpu_indexer_wgmma as scan
-
-    forms = {f"persistent, {c} consumers, {s} stages, memory {m} registers": dict(consumers=c, stages=s,
-                                                                                  memory_registers=m)
-             for c, s, m in ((5, 16, 40), (5, 8, 40), (5, 24, 40), (4, 16, 40), (6, 16, 24), (6, 8, 24))}
-    return {"default": {}, **{k: functools.partial(scan.indexer_scores_persistent, q_parts=1, **kw)
-                              for k, kw in forms.items()}}
-
-
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group,
-                               "defaults": lambda say, rows: scan_group(say, rows, timelines=True, variants=DEFAULTS),
-                               "persistent": lambda say, rows: scan_group(say, rows, timelines=False,
-                                                                          variants=persistent_variants())})
+                               "defaults": lambda say, rows: scan_group(say, rows, timelines=True, variants=DEFAULTS)})
 
 
 if __name__ == "__main__":
