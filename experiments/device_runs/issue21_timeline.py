@@ -15,6 +15,7 @@ Groups (default: tests scan attention):
   each timed and with its timeline;
 - configs (forty-third session): the scan at 128K x 8 / 32 and 1M x 8 over the sweep's best CTA counts and tiles
   per step, and with no decode (moves) at 128K x 8;
+- decode_bound (forty-fifth session): the scan at 128K x 8 and 1M x 8 with and without its decode (moves);
 - defaults: the scan group with the scan's default and the earlier one (2112 CTAs of 4 tiles, DEFAULTS) at each
   point (the forty-third session's call 4 ran it as its own function, without the copies; call 3 at 69241da as
   `own_query`, with q permuted in the kernel).
@@ -272,8 +273,28 @@ def run_groups(groups: list[str], own: dict, tests=gpu_tests) -> int:
     return 0
 
 
+def decode_bound_group(say, rows) -> None:
+    """The scan (q_parts 1) at 128K x 8 and 1M x 8 as it is and with its decode replaced by moves (wrong scores: what
+    the kernel takes without its decode), each timed from HBM (forty-fifth session: on an H200 the scan takes the
+    H100's microseconds; is the decode what bounds it there?)."""
+    import functools
+
+    from experiments import bench_kernels as bk
+    from experiments.bench_wgmma import NO_DECODE
+    from kernels_pallas import gpu_indexer_wgmma as scan
+
+    peak = bk.hbm_copy_bandwidth(1.0)
+    say(f"copy peak {peak / 1e9:.0f} GB/s")
+    for ctx, b in ((131072, 8), (1048576, 8)):
+        args, moved = scan_case(ctx, b)
+        for name, kw in (("default", {}), ("moves (no decode)", {"decode_ptx": NO_DECODE})):
+            timed_row(say, rows, "scan", f"{ctx} x {b}, {name}", functools.partial(scan.indexer_scores_wgmma,
+                                                                                  q_parts=1, **kw), args, 1, moved, peak)
+        del args
+
+
 def main(groups: list[str]) -> int:
-    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group,
+    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "decode_bound": decode_bound_group,
                                "defaults": lambda say, rows: scan_group(say, rows, timelines=True, variants=DEFAULTS)})
 
 
