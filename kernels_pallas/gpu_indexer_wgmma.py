@@ -13,9 +13,9 @@ Triton scan 31% / 27%. Those percentages are of a copy timed by wall time; again
 at 128K x 8 the call with no decode at all reaches 65.8%: there the decode is not the bound (the timelines show
 each CTA ~3.2 us from its start to its first keys, its 4 tiles in ~2.5; the call's XLA kernel before the scan
 ~2 us). On the H200 (forty-fifth session) the default takes nearly the same microseconds as on an H100 (1M x 8
-222.5 us, 62.9% of the H200's peak; 128K x 8 49.9%): the SMs' work a tile (~0.22 us per 64 positions per SM) bounds
-it, not memory; a persistent, warp-specialized form (one CTA an SM, the loads in a memory warpgroup's ring, at
-ebfc01a) ties it at 1M x 8 and its timeline shows the same rate at 128K x 8. Timed and not kept (the forms at
+221-222.5 us, 63% of the H200's peak; 128K x 8 50%) and the decode bounds it: without it 1M x 8 takes 166.9 us
+(83.7%); a persistent, warp-specialized form (one CTA an SM, the loads in a memory warpgroup's ring, at ebfc01a)
+ties the default at 1M x 8 on an H100 and its timeline shows the same rate of tiles at 128K x 8. Timed and not kept (the forms at
 538be34 and 69241da): the next tile decoded under the
 current tile's wgmma (within noise), q permuted and split by each CTA instead of XLA, from global memory at the
 first step (128K x 8: 41.3 -> 50.1 us) or copied beside the first keys and permuted in shared memory (39.0 ->
