@@ -12,7 +12,11 @@ Triton scan 31% / 27%. Those percentages are of a copy timed by wall time; again
 60.0% (forty-second session); with 4224 CTAs of 2 tiles a step (forty-third) the H100's are 88.2% and 63.5%, and
 at 128K x 8 the call with no decode at all reaches 65.8%: there the decode is not the bound (the timelines show
 each CTA ~3.2 us from its start to its first keys, its 4 tiles in ~2.5; the call's XLA kernel before the scan
-~2 us). Timed and not kept (the forms at 538be34 and 69241da): the next tile decoded under the
+~2 us). On the H200 (forty-fifth session) the default takes nearly the same microseconds as on an H100 (1M x 8
+221-222.5 us, 63% of the H200's peak; 128K x 8 50%) and the decode bounds it: without it 1M x 8 takes 166.9 us
+(83.7%); a persistent, warp-specialized form (one CTA an SM, the loads in a memory warpgroup's ring, at ebfc01a)
+ties the default at 1M x 8 on an H100 and its timeline shows the same rate of tiles at 128K x 8. Timed and not kept (the forms at
+538be34 and 69241da): the next tile decoded under the
 current tile's wgmma (within noise), q permuted and split by each CTA instead of XLA, from global memory at the
 first step (128K x 8: 41.3 -> 50.1 us) or copied beside the first keys and permuted in shared memory (39.0 ->
 41.7 us; 1M x 8 224.8 -> 229.1).
@@ -314,92 +318,3 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         kernel_name=f"indexer_scores_wgmma_{h}_{q_parts}",
     )
     return kernel(reachable_b.astype(jnp.int32), qs, w, key_values, s_view)
-
-
-def persistent_split(b: int, tiles: int, per_step: int, sms: int = 132) -> tuple[int, int, int]:
-    """(CTAs per sequence c, tiles per CTA span, pipeline steps per CTA n) for the persistent scan: at most one
-    CTA an SM over the batch (c <= sms // b, at least 1), each a contiguous run of span >= per_step tiles from
-    min(i * span, tiles - span), in n steps of per_step tiles, step t from min(t * per_step, span - per_step)
-    (the last run and the last step overlap their neighbours: those scores are written twice, alike). Needs
-    tiles >= per_step."""
-    c = max(1, min(sms // b, tiles // per_step))
-    span = -(-tiles // c)
-    return c, span, -(-span // per_step)
-
-
-@functools.partial(jax.jit, static_argnames=("consumers", "stages", "q_parts", "memory_registers", "sms"))
-def indexer_scores_persistent(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
-                              reachable_b: jax.Array, *, consumers: int = 6, stages: int = 4, q_parts: int = 2,
-                              memory_registers: int = 24, sms: int = 132):
-    """`indexer_scores_wgmma`'s contract and per-tile work, warp-specialized and persistent: one CTA an SM
-    (`persistent_split`), a memory warpgroup keeping `stages` pipeline steps of `consumers` tiles in flight
-    (TMA) and `consumers` compute warpgroups, warpgroup w taking tile w of each step."""
-    if q_parts not in (1, 2):
-        raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
-    b, h, d = q_bhd.shape
-    n = key_values.shape[1]
-    if d != D or h % 8 or n % TP or key_values.shape != (b, n, D // 2) or key_scales.shape != (b, n, D // GROUP):
-        raise ValueError(f"the wgmma scan needs q [B, H % 8 == 0, {D}], keys [B, N % {TP} == 0, {D // 2}] and "
-                         f"scales [B, N, {D // GROUP}]; got {q_bhd.shape}, {key_values.shape}, {key_scales.shape}")
-    tiles = n // TP
-    consumers = min(consumers, tiles)
-    per_seq, span, n_s = persistent_split(b, tiles, consumers, sms)
-    qs = split_query(q_bhd, q_parts)
-    w = w_bh.astype(jnp.float32)
-    s_view = key_scales.reshape(b, tiles, TP * D // GROUP)
-
-    def body(reach_gmem, q_gmem, w_gmem, k_gmem, s_gmem, o_gmem, q_smem, q_bar):
-        seq, part, wg = lax.axis_index("b"), lax.axis_index("c"), lax.axis_index("wg")
-        first = jnp.minimum(part * span, tiles - span)  # this CTA's first tile
-
-        def step_tile(t):  # the first tile of step t
-            return first + jnp.minimum(t * consumers, span - consumers)
-
-        @pl.when(wg == consumers)
-        def _():
-            plgpu.copy_gmem_to_smem(q_gmem.at[seq], q_smem, q_bar)
-
-        held = {}
-
-        def compute(pipeline):  # the compute warpgroups' prologue: head weights in registers, q in shared memory
-            held["w"], held["reach"] = _head_weights(h)(w_gmem, seq), reach_gmem[seq]
-            plgpu.barrier_wait(q_bar)
-            pipeline(jnp.int32(0))
-
-        def step(idx, k_smem, s_smem, carry):
-            (t,) = idx
-
-            def acc_scope(acc_ref):
-                keys, e_max = _decode_keys(0, DECODE_PTX)(k_smem.at[wg], s_smem.at[pl.ds(wg, 1)])
-                plgpu.wgmma(acc_ref, keys, q_smem.transpose((1, 0)))
-                plgpu.wgmma_wait(0)
-                return acc_ref[...], e_max
-
-            acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
-            _epilogue(h, 0, q_parts)(acc, e_max, held["w"], o_gmem, seq, (step_tile(t) + wg) * TP, held["reach"])
-            return carry
-
-        plgpu.emit_pipeline_warp_specialized(
-            step,
-            grid=(n_s,),
-            in_specs=[plgpu.BlockSpec((pl.Element(consumers), TP, D // 2), lambda t: (step_tile(t), 0, 0)),
-                      plgpu.BlockSpec((pl.Element(consumers), TP * D // GROUP), lambda t: (step_tile(t), 0))],
-            max_concurrent_steps=min(stages, n_s),
-            memory_registers=memory_registers,
-            wg_axis="wg",
-            num_compute_wgs=consumers,
-            compute_context=compute,
-        )(k_gmem.at[seq], s_gmem.at[seq])
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((b, n), jnp.float32),
-        grid=(b, per_seq),
-        grid_names=("b", "c"),
-        num_threads=consumers + 1,
-        thread_name="wg",
-        scratch_types=(plgpu.SMEM((q_parts * h, D), jnp.bfloat16, transforms=_Q_TRANSFORMS),
-                       plgpu.Barrier(num_arrivals=1)),
-        kernel_name=f"indexer_scores_persistent_{h}_{q_parts}",
-    )
-    return kernel(reachable_b.astype(jnp.int32), qs, w, key_values.reshape(b, tiles, TP, D // 2), s_view)

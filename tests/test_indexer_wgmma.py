@@ -47,17 +47,6 @@ def test_split_steps_covers_every_step_with_equal_ranges(b, steps, want):
     assert c <= per_seq and c >= min(steps, per_seq) / 2  # about `want` CTAs over the batch, at least half
 
 
-@pytest.mark.parametrize("b,tiles,per_step,sms", [(8, 2048, 6, 132), (1, 5, 5, 3), (200, 4, 4, 132), (3, 7, 6, 132),
-                                                   (64, 16384, 7, 132), (1, 320, 6, 3)])
-def test_persistent_split_covers_every_tile_with_one_cta_an_sm(b, tiles, per_step, sms):
-    c, span, n = scan.persistent_split(b, tiles, per_step, sms)
-    firsts = [min(i * span, tiles - span) for i in range(c)]
-    steps = [f + min(t * per_step, span - per_step) for f in firsts for t in range(n)]
-    assert {s + w for s in steps for w in range(per_step)} == set(range(tiles))
-    assert min(steps) >= 0 and max(steps) + per_step <= tiles  # every step's tiles inside the sequence
-    assert b * c <= max(sms, b) and c * span - tiles < span and n * per_step - span < per_step
-
-
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
 def test_lowers_for_cuda():
     s = jax.ShapeDtypeStruct
@@ -96,26 +85,6 @@ def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step, q_part
     if fin.any():
         err = np.abs(np.asarray(got)[fin] - np.asarray(want)[fin]).max() / np.abs(np.asarray(want)[fin]).max()
         assert err <= 1e-6, err
-
-
-@pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
-@pytest.mark.parametrize("b,h,n,reach,q_parts,kw",
-                         [(3, 32, 8192, [8192, 17, 5000], 2, {}), (2, 16, 1024, [0, 900], 1, {}),
-                          (1, 32, 320, [300], 1, {"sms": 3}), (3, 32, 448, [448, 5, 200], 1, {}),
-                          (8, 64, 8192, [5000] * 8, 1, {"consumers": 6, "memory_registers": 24, "stages": 8}),
-                          (3, 32, 8192, [8192, 17, 5000], 1, {"consumers": 7, "memory_registers": 24}),
-                          (200, 32, 256, list(range(0, 400, 2)), 1, {"consumers": 4})])
-def test_persistent_scores_match_the_twin_on_the_gpu(b, h, n, reach, q_parts, kw):
-    """The warp-specialized persistent form: ranges overlapping (320 positions = 5 tiles over 3 CTAs), more
-    sequences than SMs (200: CTAs in waves), every consumer count's tiles."""
-    q, w, rec = index_case(n + b, b, h, scan.D, n)
-    reach = jnp.asarray(reach, jnp.int32)
-    want = np.asarray(ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY))
-    got = np.asarray(scan.indexer_scores_persistent(q, w, rec["values"], rec["scales"], reach, q_parts=q_parts, **kw))
-    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
-    fin = np.isfinite(want)
-    if fin.any():
-        assert np.abs(got[fin] - want[fin]).max() / np.abs(want[fin]).max() <= 1e-6
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")

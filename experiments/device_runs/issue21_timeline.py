@@ -64,7 +64,7 @@ def scan_case(ctx: int, b: int):
 DEFAULTS = {"default": {}, "2112 CTAs, 4 tiles/step (the earlier default)": {"ctas": 2112, "tiles_per_step": 4}}
 
 
-def scan_group(say, rows, timelines: bool, variants: dict | None = None, points=SCAN_POINTS) -> None:
+def scan_group(say, rows, timelines: bool, variants: dict | None = None) -> None:
     """Copies of 72 MB and 2 GiB moved from HBM; the scan (q_parts 1, the dispatch's) at each of SCAN_POINTS,
     each of `variants` (label -> keyword arguments; default: the kernel's defaults alone) with its error against
     the Triton twin, and (timelines) the first variant's CTA timeline at batch 8."""
@@ -85,11 +85,11 @@ def scan_group(say, rows, timelines: bool, variants: dict | None = None, points=
         rows.append(("copy", f"{2 * mb} MB moved", f"{t * 1e6:.1f}", "-", f"{100 * 2 * big.nbytes / t / peak:.1f}%", "-"))
         say(" | ".join(rows[-1]))
         del big
-    for ctx, b in points:
+    for ctx, b in SCAN_POINTS:
         args, moved = scan_case(ctx, b)
         twin = gpu_indexer.indexer_scores(*args)
         for i, (name, kw) in enumerate((variants or {"": {}}).items()):
-            fn = kw if callable(kw) else functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)
+            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)
             timed_row(say, rows, "scan", f"{ctx} x {b}" + (f", {name}" if name else ""), fn, args, 1, moved, peak,
                       scan_error(fn(*args), twin))
             if timelines and b == 8 and i == 0:
@@ -293,25 +293,8 @@ def decode_bound_group(say, rows) -> None:
         del args
 
 
-def persistent_variants() -> dict:
-    """The persistent scan (`indexer_scores_persistent`, forty-fifth session) over consumer warpgroups, ring
-    stages and the memory warpgroup's registers, beside the default."""
-    import functools
-
-    from kernels_pallas import gpu_indexer_wgmma as scan
-
-    forms = {f"persistent, {c} consumers, {s} stages, memory {m} registers": dict(consumers=c, stages=s,
-                                                                                  memory_registers=m)
-             for c, s, m in ((5, 4, 40), (6, 4, 24), (7, 4, 24))}
-    return {"default": {}, **{k: functools.partial(scan.indexer_scores_persistent, q_parts=1, **kw)
-                              for k, kw in forms.items()}}
-
-
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "decode_bound": decode_bound_group,
-                               "persistent": lambda say, rows: scan_group(say, rows, timelines=False,
-                                                                          variants=persistent_variants(),
-                                                                          points=((1048576, 8), (131072, 8))),
                                "defaults": lambda say, rows: scan_group(say, rows, timelines=True, variants=DEFAULTS)})
 
 
