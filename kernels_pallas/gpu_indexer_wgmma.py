@@ -10,13 +10,13 @@ to the jnp twin (1e-7); at 1M x 8 69.6-71.7% of the copy peak of the same call (
 Triton scan 31% / 27%. Those percentages are of a copy timed by wall time; against a copy timed as the kernel is
 (GPU time in a trace) the H200's last numbers are 63.5% at 1M x 8 and 50.3% at 128K x 8, an H100's 86.0% and
 60.0% (forty-second session); with 4224 CTAs of 2 tiles a step (forty-third) the H100's are 88.2% and 63.5%, and
-at 128K x 8 the call with no decode at all reaches 65.8%: there the decode is not the bound (the timelines show
-each CTA ~3.2 us from its start to its first keys, its 4 tiles in ~2.5; the call's XLA kernel before the scan
-~2 us). On the H200 (forty-fifth session) the default takes nearly the same microseconds as on an H100 (1M x 8
+at 128K x 8 the call with no decode at all reaches 65.8%: on an H100 the decode is not the bound there (the
+timelines show each CTA ~3.2 us from its start to its first keys, its 4 tiles in ~2.5; the call's XLA kernel
+before the scan ~2 us). On the H200 (forty-fifth session) the default takes nearly the H100's microseconds (1M x 8
 221-222.5 us, 63% of the H200's peak; 128K x 8 50%) and the decode bounds it: without it 1M x 8 takes 166.9 us
-(83.7%); a persistent, warp-specialized form (one CTA an SM, the loads in a memory warpgroup's ring, at ebfc01a)
-ties the default at 1M x 8 on an H100 and its timeline shows the same rate of tiles at 128K x 8. Timed and not kept (the forms at
-538be34 and 69241da): the next tile decoded under the
+(83.7%). A persistent, warp-specialized form (one CTA an SM, the loads in a memory warpgroup's ring, at ebfc01a)
+ties the default at 1M x 8 on an H100, its timeline at 128K x 8 the same rate of tiles. Timed and not kept (the
+forms at 538be34 and 69241da): the next tile decoded under the
 current tile's wgmma (within noise), q permuted and split by each CTA instead of XLA, from global memory at the
 first step (128K x 8: 41.3 -> 50.1 us) or copied beside the first keys and permuted in shared memory (39.0 ->
 41.7 us; 1M x 8 224.8 -> 229.1).

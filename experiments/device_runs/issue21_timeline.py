@@ -15,7 +15,8 @@ Groups (default: tests scan attention):
   each timed and with its timeline;
 - configs (forty-third session): the scan at 128K x 8 / 32 and 1M x 8 over the sweep's best CTA counts and tiles
   per step, and with no decode (moves) at 128K x 8;
-- decode_bound (forty-fifth session): the scan at 128K x 8 and 1M x 8 with and without its decode (moves);
+- decode_bound (forty-fifth session): the scan group at 128K x 8 and 1M x 8, with and without its decode (moves;
+  its error column then says how wrong the scores are by design);
 - defaults: the scan group with the scan's default and the earlier one (2112 CTAs of 4 tiles, DEFAULTS) at each
   point (the forty-third session's call 4 ran it as its own function, without the copies; call 3 at 69241da as
   `own_query`, with q permuted in the kernel).
@@ -64,8 +65,8 @@ def scan_case(ctx: int, b: int):
 DEFAULTS = {"default": {}, "2112 CTAs, 4 tiles/step (the earlier default)": {"ctas": 2112, "tiles_per_step": 4}}
 
 
-def scan_group(say, rows, timelines: bool, variants: dict | None = None) -> None:
-    """Copies of 72 MB and 2 GiB moved from HBM; the scan (q_parts 1, the dispatch's) at each of SCAN_POINTS,
+def scan_group(say, rows, timelines: bool, variants: dict | None = None, points=SCAN_POINTS) -> None:
+    """Copies of 72 MB and 2 GiB moved from HBM; the scan (q_parts 1, the dispatch's) at each of `points`,
     each of `variants` (label -> keyword arguments; default: the kernel's defaults alone) with its error against
     the Triton twin, and (timelines) the first variant's CTA timeline at batch 8."""
     import functools
@@ -85,7 +86,7 @@ def scan_group(say, rows, timelines: bool, variants: dict | None = None) -> None
         rows.append(("copy", f"{2 * mb} MB moved", f"{t * 1e6:.1f}", "-", f"{100 * 2 * big.nbytes / t / peak:.1f}%", "-"))
         say(" | ".join(rows[-1]))
         del big
-    for ctx, b in SCAN_POINTS:
+    for ctx, b in points:
         args, moved = scan_case(ctx, b)
         twin = gpu_indexer.indexer_scores(*args)
         for i, (name, kw) in enumerate((variants or {"": {}}).items()):
@@ -273,28 +274,19 @@ def run_groups(groups: list[str], own: dict, tests=gpu_tests) -> int:
     return 0
 
 
-def decode_bound_group(say, rows) -> None:
-    """The scan (q_parts 1) at 128K x 8 and 1M x 8 as it is and with its decode replaced by moves (wrong scores: what
-    the kernel takes without its decode), each timed from HBM (forty-fifth session: on an H200 the scan takes the
-    H100's microseconds; is the decode what bounds it there?)."""
-    import functools
-
-    from experiments import bench_kernels as bk
+def decode_bound_variants() -> dict:
+    """The scan as it is and with its decode replaced by moves (wrong scores: what the kernel takes without its
+    decode; forty-fifth session: on an H200 the scan takes the H100's microseconds, is the decode what bounds it?)."""
     from experiments.bench_wgmma import NO_DECODE
-    from kernels_pallas import gpu_indexer_wgmma as scan
 
-    peak = bk.hbm_copy_bandwidth(1.0)
-    say(f"copy peak {peak / 1e9:.0f} GB/s")
-    for ctx, b in ((131072, 8), (1048576, 8)):
-        args, moved = scan_case(ctx, b)
-        for name, kw in (("default", {}), ("moves (no decode)", {"decode_ptx": NO_DECODE})):
-            timed_row(say, rows, "scan", f"{ctx} x {b}, {name}", functools.partial(scan.indexer_scores_wgmma,
-                                                                                  q_parts=1, **kw), args, 1, moved, peak)
-        del args
+    return {"default": {}, "moves (no decode, wrong scores)": {"decode_ptx": NO_DECODE}}
 
 
 def main(groups: list[str]) -> int:
-    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "decode_bound": decode_bound_group,
+    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group,
+                               "decode_bound": lambda say, rows: scan_group(
+                                   say, rows, timelines=False, variants=decode_bound_variants(),
+                                   points=((131072, 8), (1048576, 8))),
                                "defaults": lambda say, rows: scan_group(say, rows, timelines=True, variants=DEFAULTS)})
 
 
