@@ -2,11 +2,20 @@
 process, and once per run through the suite's compilation cache, conftest.py)."""
 
 import dataclasses
+import os
+
+import pytest
 
 import dsv41_jax as d
 from dsv41_jax.config import ModelConfig
 
 TINY = d.preset("tiny")
+
+
+def covered_elsewhere(by: str):
+    """A mark for a case that `by` (other tests of the default run) covers: skipped, saying so, unless DSV41_FULL=1
+    (README), for the suite's time on the 2-core CI machine (under 15 minutes)."""
+    return pytest.mark.skipif(os.environ.get("DSV41_FULL") != "1", reason=f"covered by {by}: DSV41_FULL=1 runs it")
 
 
 def five_layers(cfg: ModelConfig) -> ModelConfig:

@@ -14,6 +14,7 @@ from dsv41_jax import partitioning as S
 from dsv41_jax.moe import MoE
 from dsv41_jax.sequence_split import split_over
 from dsv41_jax.sharding import greedy, shard_model
+from tests.configs import covered_elsewhere
 
 # released packed FP4 experts (E8M0 / 32) and FP8 shared expert; 16 experts, top-4: the routing spreads
 MOE_CFG = d.preset("tiny").replace(weight_format="fp8", n_routed_experts=16, n_activated_experts=4)
@@ -114,7 +115,13 @@ def test_dispatch_sends_each_token_once_per_shard_it_needs():
     np.testing.assert_array_equal(np.asarray(order)[1, :2], [1, 2])
 
 
-def test_greedy_tokens_and_logits_equal_one_device_in_every_layout():
+# tp_ep and dp_ep are tests/test_sharding.py's default meshes (on 8 devices); dp is the case of it only here.
+_EP = covered_elsewhere("tests/test_sharding.py's tp_ep and dp_ep meshes")
+
+
+@pytest.mark.parametrize("layout,mesh", [("dp", "data=2"), pytest.param("tp_ep", "expert=2", marks=_EP),
+                                         pytest.param("dp_ep", "expert=2", marks=_EP)])
+def test_greedy_tokens_and_logits_equal_one_device(layout, mesh):
     """float32, a 2-layer cut of tiny: on 2 devices -- data=2 (dp), expert=2 (tp_ep) and expert=2
     (dp_ep) -- the prefill logits agree with one device's to 1e-5 x scale and greedy generation emits
     the single-device tokens."""
@@ -125,12 +132,11 @@ def test_greedy_tokens_and_logits_equal_one_device_in_every_layout():
     lens = np.array([7, 3, 5, 6])
 
     want_logits, want_toks = greedy(cfg, params, tok, lens, cap, steps)
-    for layout, mesh in (("dp", "data=2"), ("tp_ep", "expert=2"), ("dp_ep", "expert=2")):
-        m = shard_model(cfg, params, S.make_mesh(cfg, mesh, batch=b, devices=jax.devices()[:2], layout=layout),
-                        layout, batch=b)
-        logits, toks = greedy(cfg, params, tok, lens, cap, steps, m)
-        np.testing.assert_array_equal(toks, want_toks, err_msg=f"{layout} {mesh}")
-        assert np.abs(logits - want_logits).max() <= 1e-5 * np.abs(want_logits).max(), (layout, mesh)
+    m = shard_model(cfg, params, S.make_mesh(cfg, mesh, batch=b, devices=jax.devices()[:2], layout=layout),
+                    layout, batch=b)
+    logits, toks = greedy(cfg, params, tok, lens, cap, steps, m)
+    np.testing.assert_array_equal(toks, want_toks)
+    assert np.abs(logits - want_logits).max() <= 1e-5 * np.abs(want_logits).max()
 
 
 def test_dp_ep_places_sequences_on_every_device_and_checks_the_batch():

@@ -15,6 +15,7 @@ import dsv41_jax as d
 from dsv41_jax import partitioning as S
 from dsv41_jax.pytree_paths import path_str
 from dsv41_jax.sharding import init_model, shard_model
+from tests.configs import covered_elsewhere
 
 # Cache quantization off: partitioned reductions change float summation order, and with the FP4/FP8
 # cache a value on a rounding boundary can flip a code and then a top-k choice (SPEC: ties), which would
@@ -28,7 +29,7 @@ CFG = _TINY.replace(n_layers=4, n_mtp_layers=0, compress_ratios=(0, 2, 1, 1), kv
 GOLDEN = Path(__file__).parent / "golden_sharding"
 # tp_ep's expert=8 and dp's data=8 only with DSV41_FULL=1 (the suite's time, ~67 s on the 2-core CI machine): their
 # axes are the three-axis tp_ep case's and test_expert_parallel's dp layout; their golden files stay checked then.
-_FULL = pytest.mark.skipif(os.environ.get("DSV41_FULL") != "1", reason="a layout other cases cover: DSV41_FULL=1")
+_FULL = covered_elsewhere("the three-axis tp_ep case and test_expert_parallel's dp layout")
 MESHES = [("tp_ep", "data=2,tensor=2,expert=2"), pytest.param("tp_ep", "expert=8", marks=_FULL),
           pytest.param("dp", "data=8", marks=_FULL), ("dp_ep", "data=2,expert=4")]
 B, T, CAP = 8, 21, 32
@@ -267,6 +268,8 @@ def test_random_params_are_drawn_into_their_shards():
                                    err_msg=path_str(path))
 
 
+# The engine's DSpark steps on a mesh (tests/test_engine_dspark.py) run the same sharded api programs.
+@covered_elsewhere("tests/test_engine_dspark.py's mesh case")
 def test_sharded_speculative_steps_emit_the_one_device_greedy_tokens():
     """`ShardedModel.speculative_prefill` / `speculative_generate` (DSpark through `api` on a mesh: data=2 x
     expert=4, tp_ep) emit at temperature 0 the tokens one device's prefill + `generate` do, with the draft

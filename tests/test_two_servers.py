@@ -5,13 +5,14 @@ with --no-bounded-replay, so a miss gives the cold tokens again, not an approxim
 keep serving.
 
 Compile time is most of the cost: the servers compile with XLA's backend optimizations off (both run the
-same programs, so their tokens still agree exactly) and share a JAX compilation cache, so each program is
-compiled by the first server that needs it and loaded by every later one, in this test or the next.
+same programs, so their tokens still agree exactly) and share the suite's JAX compilation cache (conftest.py),
+so each program is compiled by the first server that needs it and loaded by every later one. That cache starts
+empty in every run, as on a fresh CI machine (a cache kept across runs made this test's local times shorter
+than CI's).
 """
 
 import os
 import re
-import tempfile
 
 import httpx2 as httpx
 import numpy as np
@@ -19,12 +20,13 @@ import openai
 import pytest
 
 from tests import stores
+from tests.configs import covered_elsewhere
 from tests.http_server import ServeProcess
 
 PT, CAP, NEW = 32, 160, 12
 PROMPT = np.random.default_rng(1).integers(0, 320, 90).tolist()  # 2 full pages before the last token
-JAX_CACHE = os.path.join(tempfile.gettempdir(), f"dsv41-test-jax-cache-{os.getuid()}")
-ENV = {"JAX_COMPILATION_CACHE_DIR": JAX_CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+ENV = {"JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"],  # set by conftest.py
+       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
                                                       " --xla_llvm_disable_expensive_passes=true"}
@@ -33,8 +35,8 @@ ENV = {"JAX_COMPILATION_CACHE_DIR": JAX_CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE
 # Redis between two processes only with DSV41_FULL=1 (the suite's time): tests/test_window_store.py runs the
 # same sharing through Redis in one process (two engines, two HTTP servers, the store killed); the processes
 # themselves are what the Mooncake case adds, and that part does not depend on the store.
-@pytest.mark.parametrize("kind", [pytest.param("redis", marks=pytest.mark.skipif(
-    os.environ.get("DSV41_FULL") != "1", reason="Redis across two processes: set DSV41_FULL=1")), "mooncake"])
+@pytest.mark.parametrize("kind", [pytest.param("redis", marks=covered_elsewhere(
+    "tests/test_window_store.py (Redis) and the Mooncake case (two processes)")), "mooncake"])
 def test_two_server_processes_share_one_store_and_one_cache_dir(kind, tmp_path):
     if stores.skip_reason(kind):
         pytest.skip(stores.skip_reason(kind))
