@@ -27,7 +27,7 @@ from dsv41_jax import compile_notice, sharding
 from dsv41_jax.checkpoint.synthetic import fixture_config, make_tensors, write_checkpoint
 from experiments import (_cli, bench_kernels, bench_sharding, bench_weights, cache_bytes, decode, logits, plan_deployment,
                          prefix_reuse, quality, recall, train_small)
-from tests.configs import five_layer_presets, five_layers
+from tests.configs import covered_elsewhere, five_layer_presets, five_layers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -358,6 +358,8 @@ def test_decode_announces_compiles_and_starts_the_bar_after_them(capsys, fresh_n
     assert metrics["new_tokens"] == 40
 
 
+@covered_elsewhere("test_decode_announces_compiles_and_starts_the_bar_after_them (the CLI's order) and "
+                   "tests/test_dspark.py (the speculative tokens)")
 def test_speculative_decode_compiles_its_six_programs_first_then_times_every_call(capsys, fresh_notices,
                                                                                   caplog, monkeypatch):
     """--speculative: plain prefill and decode, speculative prefill and decode, draft and verify are compiled
