@@ -228,14 +228,15 @@ def cache_read_bytes(cfg, batch: int, context: int) -> int:
     return batch * total
 
 
-def experts_hit(cfg, params, cache, tokens):
+def experts_hit(cfg, params, cache, tokens, kernels: str):
     """(distinct routed experts per layer in one decode step on this cache, from the router's load; the cache after
-    that step). The cache is donated: a step that may not write into it copies it whole (17 GiB at 128K x 64,
-    past an H100's memory beside the step's own)."""
+    that step). The step runs as the timed ones do, with `kernels` (resolved) and the cache donated: the jnp
+    scan's temporaries (14 GiB at 128K x 64) or a copy of a cache it may not overwrite (17 GiB) took an H100
+    past its memory."""
     def load(params, cache, tokens):
         m = nnx.merge(api.graphdef(cfg), params)
         _, cache, aux = m.forward(cache, tokens[:, None], jnp.ones_like(cache.lengths), all_logits=False,
-                                  with_aux=True)
+                                  kernels=kernels, with_aux=True)
         return aux.expert_load_le, cache
     counts, cache = jax.jit(load, donate_argnums=1)(params, cache, tokens)
     return [int(c) for c in np.asarray((counts > 0).sum(-1))], cache
@@ -312,7 +313,7 @@ def serving_loop_ms(gen, cache, calls: int, chunk: int):
 def bench_point(cfg, params, batch: int, context: int, args, peak_bw: float) -> dict:
     cache, room = random_cache(cfg, batch, context), Room(context)
     tokens = jax.random.randint(jax.random.key(2), (batch,), 0, cfg.vocab_size)
-    hit, cache = experts_hit(cfg, params, room.before(cache, 1), tokens)
+    hit, cache = experts_hit(cfg, params, room.before(cache, 1), tokens, resolve(args.kernels))
     placement, n_dev, n_launch = None, 1, None
     if args.mesh:  # the same steps on the mesh: params placed there, the cache and tokens split
         params, cache, tokens, placement = on_mesh(cfg, params, cache, tokens, args)
