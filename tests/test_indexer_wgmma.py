@@ -88,6 +88,23 @@ def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step, q_part
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
+@pytest.mark.parametrize("b,h,n,reach,q_parts", [(3, 32, 8192, [8192, 17, 5000], 1), (2, 64, 131328, [131328, 70001], 1),
+                                                 (3, 32, 8192, [8192, 17, 5000], 2)])
+def test_linear_form_matches_the_twin_on_the_gpu(b, h, n, reach, q_parts):
+    """`linear=True` (candidate): sum_h w |x| in the epilogue plus sum_h w x from 8 more wgmma columns; the same
+    bound as the default form (the two sums cancel where every head's x < 0: ~2**-24 of sum_h |w x| apart)."""
+    q, w, rec = index_case(n + b, b, h, scan.D, n)
+    reach = jnp.asarray(reach, jnp.int32)
+    want = np.asarray(ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY))
+    got = np.asarray(scan.indexer_scores_wgmma(q, w, rec["values"], rec["scales"], reach, q_parts=q_parts,
+                                               linear=True))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    fin = np.isfinite(want)
+    err = np.abs(got[fin] - want[fin]).max() / np.abs(want[fin]).max()
+    assert err <= 1e-6, err
+
+
+@pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
 def test_every_row_exact_at_its_own_scale_on_the_gpu():
     """Rows at scales 2**-87 .. 2**72, groups up to 2**-30 below their row's largest and one row's 2**-149
     below (the decode scales each row by its own e_max, found across the row's 4 threads): each score
