@@ -57,6 +57,8 @@ def test_lowers_for_cuda():
     assert "mosaic_gpu" in text and "indexer_scores_wgmma_32_2" in text
     one = jax.jit(lambda *a: scan.indexer_scores_wgmma(*a, q_parts=1, ctas=528))
     assert "indexer_scores_wgmma_32_1" in one.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    linear = jax.jit(lambda *a: scan.indexer_scores_wgmma(*a, q_parts=1, linear=True))  # a wgmma of N = 40
+    assert "indexer_scores_wgmma_32_1_linear" in linear.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     timed = jax.jit(lambda *a: scan.indexer_scores_wgmma(*a, q_parts=1, ctas=64, timeline=True)).trace(*args)
     c, _ = scan.split_steps(b, n // scan.TP // scan.tiles_per_step_for(n), 64)  # CTAs a sequence: a row each
     assert timed.out_info[1].shape == (b * c, len(scan.TIMELINE) + 1)
@@ -85,6 +87,17 @@ def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step, q_part
     if fin.any():
         err = np.abs(np.asarray(got)[fin] - np.asarray(want)[fin]).max() / np.abs(np.asarray(want)[fin]).max()
         assert err <= 1e-6, err
+
+
+def test_linear_query_is_the_weighted_query_to_f32():
+    """`linear_query`: rows 0-2 (bf16) sum to sum_h w q in key_perm order to f32's precision, rows 3-7 zero."""
+    q, w, _ = index_case(3, 2, 32, scan.D, 64)
+    got = np.asarray(scan.linear_query(q, w), np.float64)
+    want = np.einsum("bh,bhd->bd", np.asarray(w, np.float64), np.asarray(q, np.float64))[:, scan.key_perm()]
+    mag = np.einsum("bh,bhd->bd", np.abs(np.asarray(w, np.float64)), np.abs(np.asarray(q, np.float64)))[:, scan.key_perm()]
+    assert got.shape == (2, 8, scan.D) and not got[:, 3:].any()
+    # an f32 sum of 32 products: within 32 ulp of its terms' magnitude (bf16 alone: 2**-9 of it)
+    assert np.all(np.abs(got[:, :3].sum(1) - want) <= 2.0 ** -19 * mag)
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
