@@ -120,7 +120,7 @@ def _decode_keys(row0: int, ptx: str):
 
 
 @functools.cache
-def _epilogue(h: int, row0: int, q_parts: int, linear: bool = False):
+def _epilogue(h: int, row0: int, q_parts: int, linear: bool):
     """inline_mgpu: (acc f32 [64, q_parts * H (+ 8 with linear)] WGMMA layout of the step's rows row0 .. row0 + 63
     (q_parts 2: hi columns, then lo; linear: then the 8 columns of `linear_query`), the rows' e_max
     (`_decode_keys`), w f32 [64, H] WGMMA layout (`_head_weights`), out gmem f32 [B, N], b, the step's first
@@ -144,14 +144,11 @@ def _epilogue(h: int, row0: int, q_parts: int, linear: bool = False):
                                                       for v in parts])
                     w = vector.extract(w_regs.registers[0, c, 0, 0, 0, 0, 0, 0, 0], dynamic_position=[],
                                        static_position=pos)
-                    if linear:  # sum_h w |x|: the |x| is an operand modifier of the FFMA (ptxas), no instruction
-                        ax = mlir_math.absf(x)
-                        total = arith.mulf(ax, w) if total is None else mlir_math.fma(ax, w, total)
-                        continue
                     # 2 relu(x) = x + |x| exactly: an FADD on the FMA pipe where a max would take the ALU pipe,
-                    # which bounds the kernel; the 2 leaves with the row's scale
-                    relu2 = arith.addf(x, mlir_math.absf(x))
-                    total = arith.mulf(relu2, w) if total is None else mlir_math.fma(relu2, w, total)
+                    # which bounds the kernel; the 2 leaves with the row's scale. linear: |x| alone, an operand
+                    # modifier of the FFMA (ptxas), its x added from the linear columns below
+                    term = mlir_math.absf(x) if linear else arith.addf(x, mlir_math.absf(x))
+                    total = arith.mulf(term, w) if total is None else mlir_math.fma(term, w, total)
             if linear:  # + sum_h w x = this thread's 2 columns of the linear block (threads q >= 2 hold zeros)
                 v = acc.registers[0, q_parts * h // 8, 0, 0, half, 0, 0, 0, 0]
                 for j in range(2):

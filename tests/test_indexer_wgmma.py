@@ -69,19 +69,24 @@ def test_lowers_for_cuda():
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
-@pytest.mark.parametrize("b,h,n,reach,tiles_per_step,q_parts",
-                         [(1, 32, 4096, [3000], 1, 2), (3, 32, 8192, [8192, 17, 5000], 1, 2), (2, 16, 1024, [0, 900], 1, 2),
-                          (3, 32, 8192, [8192, 17, 5000], 2, 2), (1, 32, 4096, [4000], 4, 2),
-                          (3, 32, 8192, [8192, 17, 5000], 1, 1), (2, 16, 1024, [0, 900], 2, 1),
-                          (1, 32, 320, [300], 1, 1), (2, 32, 131328, [131328, 70001], 4, 1),
-                          (2, 32, 131328, [131328, 70001], None, 1)])  # None: the default tiles and CTAs
-def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step, q_parts):
+@pytest.mark.parametrize("b,h,n,reach,tiles_per_step,q_parts,linear",
+                         [(1, 32, 4096, [3000], 1, 2, False), (3, 32, 8192, [8192, 17, 5000], 1, 2, False),
+                          (2, 16, 1024, [0, 900], 1, 2, False), (3, 32, 8192, [8192, 17, 5000], 2, 2, False),
+                          (1, 32, 4096, [4000], 4, 2, False), (3, 32, 8192, [8192, 17, 5000], 1, 1, False),
+                          (2, 16, 1024, [0, 900], 2, 1, False), (1, 32, 320, [300], 1, 1, False),
+                          (2, 32, 131328, [131328, 70001], 4, 1, False),
+                          (2, 32, 131328, [131328, 70001], None, 1, False),  # None: the default tiles and CTAs
+                          # the candidate `linear` form (sum_h w |x| + sum_h w x from wgmma columns: the two sums
+                          # cancel where every head's x < 0, ~2**-24 of sum_h |w x| apart), under the same bound
+                          (3, 32, 8192, [8192, 17, 5000], None, 1, True), (2, 64, 131328, [131328, 70001], None, 1, True),
+                          (3, 32, 8192, [8192, 17, 5000], None, 2, True)])
+def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step, q_parts, linear):
     q, w, rec = index_case(n + b, b, h, scan.D, n)  # q on the FP4 grid, as the model's: exact in bf16
     reach = jnp.asarray(reach, jnp.int32)
     want = ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY)
     split = {"ctas": 3} if n == 320 else {}  # 320: 5 steps in 3 CTAs, the last range overlapping (`split_steps`)
     got = scan.indexer_scores_wgmma(q, w, rec["values"], rec["scales"], reach, tiles_per_step=tiles_per_step,
-                                    q_parts=q_parts, **split)
+                                    q_parts=q_parts, linear=linear, **split)
     np.testing.assert_array_equal(np.isinf(np.asarray(got)), np.isinf(np.asarray(want)))
     fin = np.isfinite(np.asarray(want))
     if fin.any():
@@ -98,23 +103,6 @@ def test_linear_query_is_the_weighted_query_to_f32():
     assert got.shape == (2, 8, scan.D) and not got[:, 3:].any()
     # an f32 sum of 32 products: within 32 ulp of its terms' magnitude (bf16 alone: 2**-9 of it)
     assert np.all(np.abs(got[:, :3].sum(1) - want) <= 2.0 ** -19 * mag)
-
-
-@pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
-@pytest.mark.parametrize("b,h,n,reach,q_parts", [(3, 32, 8192, [8192, 17, 5000], 1), (2, 64, 131328, [131328, 70001], 1),
-                                                 (3, 32, 8192, [8192, 17, 5000], 2)])
-def test_linear_form_matches_the_twin_on_the_gpu(b, h, n, reach, q_parts):
-    """`linear=True` (candidate): sum_h w |x| in the epilogue plus sum_h w x from 8 more wgmma columns; the same
-    bound as the default form (the two sums cancel where every head's x < 0: ~2**-24 of sum_h |w x| apart)."""
-    q, w, rec = index_case(n + b, b, h, scan.D, n)
-    reach = jnp.asarray(reach, jnp.int32)
-    want = np.asarray(ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY))
-    got = np.asarray(scan.indexer_scores_wgmma(q, w, rec["values"], rec["scales"], reach, q_parts=q_parts,
-                                               linear=True))
-    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
-    fin = np.isfinite(want)
-    err = np.abs(got[fin] - want[fin]).max() / np.abs(want[fin]).max()
-    assert err <= 1e-6, err
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
