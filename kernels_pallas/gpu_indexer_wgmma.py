@@ -231,15 +231,25 @@ def split_steps(b: int, steps: int, want: int) -> tuple[int, int]:
     return -(-steps // n), n
 
 
+def bf16_round(x: jax.Array) -> jax.Array:
+    """f32 x rounded to the nearest bf16 (ties to even), as f32, by integer ops on its bits (finite x). A split
+    x = hi + (x - hi) written with `x.astype(bf16).astype(f32)` loses its low part inside a jit on the GPU: XLA
+    drops an f32 -> bf16 -> f32 round trip (`--xla_allow_excess_precision`, ../shared/GPU_NOTES.md), so the
+    remainder comes out 0 there and hi + lo keeps bf16's 2**-9 instead of ~2**-17."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    bits = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & 1)) & jnp.uint32(0xFFFF0000)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def split_query(q_bhd: jax.Array, q_parts: int = 2) -> jax.Array:
     """bf16 [B, q_parts * H, D], channels in key_perm order: q's hi and lo bf16 parts (q = hi + lo to
-    ~2**-17), or (q_parts 1) hi alone: q itself where q is exact in bf16, as FP4-grid queries are."""
+    ~2**-17, on every backend: `bf16_round`), or (q_parts 1) hi alone: q itself where q is exact in bf16, as
+    FP4-grid queries are."""
     q = q_bhd.astype(jnp.float32)[:, :, key_perm()]
-    hi = q.astype(jnp.bfloat16)
     if q_parts == 1:
-        return hi
-    lo = (q - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    return jnp.concatenate([hi, lo], axis=1)
+        return q.astype(jnp.bfloat16)
+    hi = bf16_round(q)
+    return jnp.concatenate([hi.astype(jnp.bfloat16), (q - hi).astype(jnp.bfloat16)], axis=1)
 
 
 def linear_query(q_bhd: jax.Array, w_bh: jax.Array) -> jax.Array:
@@ -250,9 +260,9 @@ def linear_query(q_bhd: jax.Array, w_bh: jax.Array) -> jax.Array:
                     precision=lax.Precision.HIGHEST)
     parts = []
     for _ in range(3):
-        part = qw.astype(jnp.bfloat16)
-        parts.append(part)
-        qw = qw - part.astype(jnp.float32)
+        part = bf16_round(qw)
+        parts.append(part.astype(jnp.bfloat16))
+        qw = qw - part
     return jnp.concatenate([jnp.stack(parts, axis=1), jnp.zeros((qw.shape[0], 5, D), jnp.bfloat16)], axis=1)
 
 
