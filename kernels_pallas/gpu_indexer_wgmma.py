@@ -19,7 +19,9 @@ ties the default at 1M x 8 on an H100, its timeline at 128K x 8 the same rate of
 forms at 538be34 and 69241da): the next tile decoded under the
 current tile's wgmma (within noise), q permuted and split by each CTA instead of XLA, from global memory at the
 first step (128K x 8: 41.3 -> 50.1 us) or copied beside the first keys and permuted in shared memory (39.0 ->
-41.7 us; 1M x 8 224.8 -> 229.1).
+41.7 us; 1M x 8 224.8 -> 229.1); the epilogue's FADD a head replaced by 8 more wgmma columns (sum_h w x beside
+the FFMA's sum_h w |x|; 06a9f37, forty-seventh session, H100: 1-3% slower at each point, the XLA kernel that
+prepares those columns ~2.5 us more).
 SASS (`experiments.sass_mix`): 80 registers, ~300 instructions per thread per 64 positions (136 of them the
 decode), the ALU pipe no longer the first limit. In the model's dispatch while `ON`. This is the experts' form of
 `gpu_wgmma` applied to keys:
@@ -120,11 +122,10 @@ def _decode_keys(row0: int, ptx: str):
 
 
 @functools.cache
-def _epilogue(h: int, row0: int, q_parts: int, linear: bool):
-    """inline_mgpu: (acc f32 [64, q_parts * H (+ 8 with linear)] WGMMA layout of the step's rows row0 .. row0 + 63
-    (q_parts 2: hi columns, then lo; linear: then the 8 columns of `linear_query`), the rows' e_max
-    (`_decode_keys`), w f32 [64, H] WGMMA layout (`_head_weights`), out gmem f32 [B, N], b, the step's first
-    position, reachable) -> stores the 64 scores."""
+def _epilogue(h: int, row0: int, q_parts: int):
+    """inline_mgpu: (acc f32 [64, q_parts * H] WGMMA layout of the step's rows row0 .. row0 + 63 (q_parts 2:
+    hi columns, then lo), the rows' e_max (`_decode_keys`), w f32 [64, H] WGMMA layout (`_head_weights`),
+    out gmem f32 [B, N], b, the step's first position, reachable) -> stores the 64 scores."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(), _SPLAT,
                                   _SPLAT, _SPLAT))
@@ -145,15 +146,9 @@ def _epilogue(h: int, row0: int, q_parts: int, linear: bool):
                     w = vector.extract(w_regs.registers[0, c, 0, 0, 0, 0, 0, 0, 0], dynamic_position=[],
                                        static_position=pos)
                     # 2 relu(x) = x + |x| exactly: an FADD on the FMA pipe where a max would take the ALU pipe,
-                    # which bounds the kernel; the 2 leaves with the row's scale. linear: |x| alone, an operand
-                    # modifier of the FFMA (ptxas), its x added from the linear columns below
-                    term = mlir_math.absf(x) if linear else arith.addf(x, mlir_math.absf(x))
-                    total = arith.mulf(term, w) if total is None else mlir_math.fma(term, w, total)
-            if linear:  # + sum_h w x = this thread's 2 columns of the linear block (threads q >= 2 hold zeros)
-                v = acc.registers[0, q_parts * h // 8, 0, 0, half, 0, 0, 0, 0]
-                for j in range(2):
-                    total = arith.addf(total, vector.extract(v, dynamic_position=[],
-                                                             static_position=ir.DenseI64ArrayAttr.get([j])))
+                    # which bounds the kernel; the 2 leaves with the row's scale
+                    relu2 = arith.addf(x, mlir_math.absf(x))
+                    total = arith.mulf(relu2, w) if total is None else mlir_math.fma(relu2, w, total)
             totals.append(mgpu_utils.warp_tree_reduce(total, arith.addf, 4))  # the row's lanes 4r .. 4r + 3
         # thread q < 2 of the row scales and stores half q: one predicated stretch of code for both halves
         half = arith.andi(q, i32_const(1))
@@ -252,20 +247,6 @@ def split_query(q_bhd: jax.Array, q_parts: int = 2) -> jax.Array:
     return jnp.concatenate([hi.astype(jnp.bfloat16), (q - hi).astype(jnp.bfloat16)], axis=1)
 
 
-def linear_query(q_bhd: jax.Array, w_bh: jax.Array) -> jax.Array:
-    """bf16 [B, 8, D], channels in key_perm order: sum_h w[b, h] q[b, h] in f32 as three bf16 parts (hi, lo, lo2:
-    its 24 bits) and 5 zero rows. Its wgmma columns give sum_h w x_h, so that sum_h w 2 relu(x_h) = sum_h w |x_h| +
-    sum_h w x_h takes one FFMA per head where x + |x| took an FADD more (`linear=True`)."""
-    qw = jnp.einsum("bh,bhd->bd", w_bh.astype(jnp.float32), q_bhd.astype(jnp.float32)[:, :, key_perm()],
-                    precision=lax.Precision.HIGHEST)
-    parts = []
-    for _ in range(3):
-        part = bf16_round(qw)
-        parts.append(part.astype(jnp.bfloat16))
-        qw = qw - part
-    return jnp.concatenate([jnp.stack(parts, axis=1), jnp.zeros((qw.shape[0], 5, D), jnp.bfloat16)], axis=1)
-
-
 def tiles_per_step_for(n: int) -> int:
     """64-position tiles per pipeline step by default: 2 where they divide N's tiles, else 1."""
     return 2 if (n // TP) % 2 == 0 else 1
@@ -274,19 +255,17 @@ def tiles_per_step_for(n: int) -> int:
 # Defaults: 4224 CTAs of 2 tiles a step, 2 stages, the fastest of an H100 sweep at 128K x 8 / 32 and 1M x 8
 # (forty-third session: 63.5 / 82.0 / 88.2% of the copy peak against 59.8 / 79.9 / 86.4% for the H200's earlier
 # choice, 2112 CTAs of 4 tiles; docs/BENCHMARKS.md).
-@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx", "timeline",
-                                             "linear"))
+@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx", "timeline"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                          reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int | None = None, q_parts: int = 2,
-                         ctas: int = 4224, decode_ptx: str = DECODE_PTX, timeline: bool = False, linear: bool = False):
+                         ctas: int = 4224, decode_ptx: str = DECODE_PTX, timeline: bool = False):
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
     stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; must
     divide N / 64; default `tiles_per_step_for(N)`, 2 where it divides); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16
     (exact for the model's FP4-grid queries; half the MMA work); ctas: CTAs wanted over the batch
     (`split_steps`); decode_ptx: the keys' decode (DECODE_PTX's operands; benchmarks replace it); timeline: also
-    return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part); linear: the
-    heads' weighted sum of q as 8 more wgmma columns (`linear_query`), one FFMA a head in the epilogue (candidate)."""
+    return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part)."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
     b, h, d = q_bhd.shape
@@ -300,9 +279,6 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     all_steps, rows = tiles // tiles_per_step, TP * tiles_per_step
     per_seq, steps = split_steps(b, all_steps, ctas)
     qs = split_query(q_bhd, q_parts)
-    if linear:
-        qs = jnp.concatenate([qs, linear_query(q_bhd, w_bh)], axis=1)
-    cols = q_parts * h + 8 * linear  # the wgmma's N
     w = w_bh.astype(jnp.float32)
     s_view = key_scales.reshape(b, tiles, TP * D // GROUP)  # a tile's 256 scale bytes; a step's: one TMA box
 
@@ -331,8 +307,8 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
                     plgpu.wgmma_wait(0)
                     return acc_ref[...], e_max
 
-                acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, cols), jnp.float32))
-                _epilogue(h, TP * i, q_parts, linear)(acc, e_max, w_regs, o_gmem, seq, (first + t) * rows, reach)
+                acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
+                _epilogue(h, TP * i, q_parts)(acc, e_max, w_regs, o_gmem, seq, (first + t) * rows, reach)
 
         plgpu.emit_pipeline(
             step,
@@ -349,8 +325,8 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         out_type=(scores, jax.ShapeDtypeStruct((b * per_seq, len(TIMELINE) + 1), jnp.uint32)) if timeline else scores,
         grid=(b, per_seq),
         grid_names=("b", "c"),
-        scratch_types=(plgpu.SMEM((cols, D), jnp.bfloat16, transforms=_Q_TRANSFORMS),
+        scratch_types=(plgpu.SMEM((q_parts * h, D), jnp.bfloat16, transforms=_Q_TRANSFORMS),
                        plgpu.Barrier(num_arrivals=1)),
-        kernel_name=f"indexer_scores_wgmma_{h}_{q_parts}" + ("_linear" if linear else ""),
+        kernel_name=f"indexer_scores_wgmma_{h}_{q_parts}",
     )
     return kernel(reachable_b.astype(jnp.int32), qs, w, key_values, s_view)

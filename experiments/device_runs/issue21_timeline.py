@@ -17,8 +17,8 @@ Groups (default: tests scan attention):
   per step, and with no decode (moves) at 128K x 8;
 - decode_bound (forty-fifth session): the scan group at 128K x 8 and 1M x 8, with and without its decode (moves;
   its error column then says how wrong the scores are by design);
-- linear (forty-sixth session): the scan group with the default and `linear=True` (the epilogue's FADD a head
-  taken by 8 more wgmma columns);
+- linear (forty-sixth session; run at 06a9f37 in the forty-seventh, then removed with its form): the scan group
+  with the default and `linear=True` (the epilogue's FADD a head taken by 8 more wgmma columns);
 - defaults: the scan group with the scan's default and the earlier one (2112 CTAs of 4 tiles, DEFAULTS) at each
   point (the forty-third session's call 4 ran it as its own function, without the copies; call 3 at 69241da as
   `own_query`, with q permuted in the kernel).
@@ -284,14 +284,8 @@ def decode_bound_variants() -> dict:
     return {"default": {}, "moves (no decode, wrong scores)": {"decode_ptx": NO_DECODE}}
 
 
-# The linear group's variants (forty-sixth session): the epilogue's sum_h w (x + |x|) as sum_h w |x| (the |x| an FFMA
-# operand modifier) plus sum_h w x from 8 more wgmma columns (`gpu_indexer_wgmma.linear_query`)
-LINEAR = {"default": {}, "linear (w |x| in the epilogue, w x as wgmma columns)": {"linear": True}}
-
-
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group,
-                               "linear": lambda say, rows: scan_group(say, rows, timelines=False, variants=LINEAR),
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
