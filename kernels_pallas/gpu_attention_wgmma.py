@@ -680,8 +680,7 @@ def _store_partials():
         _named_barrier("sync", _CTA_BARRIER)  # both done with the keys
         for half, row in enumerate(rows):
             _stage_row(stage, row, q, _weighted(acc, half, shift))
-        row0 = arith.muli(seq, i32_const(H))
-        _store_f32_rows(o, _staged_moves(stage, H, lambda r: arith.addi(row0, r)))
+        _store_f32_rows(o, _staged_moves(stage, H, lambda r: arith.addi(arith.muli(seq, i32_const(H)), r)))
 
     return store
 
