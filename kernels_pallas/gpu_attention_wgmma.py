@@ -574,10 +574,10 @@ def _stage_row(stage, row, q, vals):
                        alignment=4)
 
 
-def _staged_moves(stage, n_rows: int, out_row):
+def _staged_moves(stage, n_rows: int, out_row0):
     """After `_stage_row` of rows [0, n_rows) by the warpgroup: [(output row, first channel c, f32 x 4: channels c ..
-    c + 3)], a thread's n_rows / 2 moves of 16 B, a warp's 512 contiguous bytes of one row: staged row r (i32) is
-    output row out_row(r) (of 512 channels), this warpgroup's 256 of them.
+    c + 3)], a thread's n_rows / 2 moves of 16 B, a warp's 512 contiguous bytes of one row: staged row r is output
+    row out_row0 + r (of 512 channels), this warpgroup's 256 of them.
 
     The accumulator's registers hold 2 channels of a row each, 16 B of a row per 4 threads: stored to global
     memory directly (4-byte scatters once the channels are put back in order) the batch-64 kernel took 41.5 us;
@@ -594,7 +594,7 @@ def _staged_moves(stage, n_rows: int, out_row):
         src = arith.addi(arith.muli(row, i32_const(HALF * 4)),
                          arith.muli(arith.xori(k, arith.andi(row, i32_const(7))), i32_const(16)))
         v = llvm.load(ir.VectorType.get((4,), f32), mgpu_utils.getelementptr(stage, [src], i8), alignment=16)
-        moves.append((out_row(row), arith.addi(arith.muli(wg, i32_const(HALF)), arith.muli(k, i32_const(4))),
+        moves.append((arith.addi(out_row0, row), arith.addi(arith.muli(wg, i32_const(HALF)), arith.muli(k, i32_const(4))),
                       v))
     return moves
 
@@ -680,23 +680,9 @@ def _store_partials():
         _named_barrier("sync", _CTA_BARRIER)  # both done with the keys
         for half, row in enumerate(rows):
             _stage_row(stage, row, q, _weighted(acc, half, shift))
-        _store_f32_rows(o, _staged_moves(stage, H, lambda r: arith.addi(arith.muli(seq, i32_const(H)), r)))
+        _store_f32_rows(o, _staged_moves(stage, H, arith.muli(seq, i32_const(H))))
 
     return store
-
-
-def _owner(row, splits: int):
-    """(the CTA of a cluster of `splits` that owns a row in the merge, its place among that CTA's rows), i32: the
-    8-row bands go round the CTAs."""
-    band = arith.shrui(row, i32_const(3))
-    local = arith.addi(arith.muli(arith.divui(band, i32_const(splits)), i32_const(8)), arith.andi(row, i32_const(7)))
-    return arith.remui(band, i32_const(splits)), local
-
-
-def _owned_row(local, s, splits: int):
-    """The row at place `local` of CTA s's rows (`_owner`'s inverse), i32."""
-    band = arith.addi(arith.muli(arith.shrui(local, i32_const(3)), i32_const(splits)), s)
-    return arith.addi(arith.muli(band, i32_const(8)), arith.andi(local, i32_const(7)))
 
 
 @functools.cache
@@ -711,10 +697,7 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
     memory, a round trip to L2 after the barrier), all meet (a cluster barrier: release / acquire; every CTA's key
     slots are free from here), and
     each weighs its accumulator by exp2(m_s - M) / (sum_s' l_s' exp2(m_s' - M) + exp2(sink - M)), M the largest of
-    the m_s' and the sink (`gpu_attention.combine`'s weights). CTA s owns R = 64 / S rows, the 8-row bands
-    s, s + S, s + 2 S, ... (`_owner`: each thread's two rows, 8 apart, have two owners, so that every thread sends
-    and adds; until the forty-eighth session CTA s owned rows [s R, s R + R), and half the warps sent both their
-    rows while the other half added both): the
+    the m_s' and the sink (`gpu_attention.combine`'s weights). CTA s owns rows [s R, s R + R), R = 64 / S: the
     others' weighted rows go to their owner's key slots through distributed shared memory (st.shared::cluster,
     16 B a store, in register order: each thread's values land where the same thread of the owner reads them),
     all meet again, and each owner adds them to its own, stages its rows and stores them once. Until the thirty-eighth session
@@ -775,7 +758,7 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
                 den = arith.addf(den, arith.mulf(lv, _ex2(arith.subf(mv, top))))
             own = _ex2(arith.subf(_row_value(m, half), top))
             vals = _weighted(acc, half, arith.mulf(arith.divf(own, den), arith.constant(f32, 2.0 ** KEY_SHIFT)))
-            owner, local = _owner(row, splits)
+            owner, local = arith.divui(row, i32_const(own_rows)), arith.remui(row, i32_const(own_rows))
             is_mine = arith.cmpi(arith.CmpIPredicate.eq, owner, s)
             if splits > 1 and exchange:
                 with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, owner, s)):
@@ -798,7 +781,7 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
                     vals = [arith.addf(v, vector.shuffle(got[c // 2], got[c // 2], [2 * (c % 2), 2 * (c % 2) + 1]))
                             for c, v in enumerate(vals)]
                 _stage_row(stage, local, q, vals)
-        moves = _staged_moves(stage, own_rows, lambda r: arith.addi(arith.muli(b, i32_const(H)), _owned_row(r, s, splits)))
+        moves = _staged_moves(stage, own_rows, arith.addi(arith.muli(b, i32_const(H)), arith.muli(s, i32_const(own_rows))))
         stamp(2)
         if rotated:
             _store_unrotated_rows(o, cos, sin, b, moves)
