@@ -29,7 +29,9 @@ rows' exchange 26.4; its 16 B exchange stores and the late prefetch of the sink 
 28.9 -> 28.5 us and the model's 29.5 -> 29.0. Forty-fourth (H100): the window's validity read as its bool bytes
 (no conversion kernel before the call) 28.9 -> 27.3 us; not kept: the decode by warpgroup 2 alone (two rows a
 thread) with warpgroup 1 on p . v alone, 27.2 -> 36.9 us (its decode ~4 us a tile where two warpgroups take ~1.6),
-and a fourth warpgroup for it, which ptxas cannot compile (`REGISTERS`).
+and a fourth warpgroup for it, which ptxas cannot compile (`REGISTERS`). Forty-eighth (H100): the merge's rows
+owned by 8-row bands going round the cluster, so that every thread sends one row and adds one (3b8248f): 27.1 ->
+27.5 us, the model's call 27.6 -> 27.3, the rows' exchange no faster (not kept).
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): range s takes the
 sequence's 64-key tiles s, s + S, ... (window tiles first: with 2 ranges each starts with one, decoded while q
