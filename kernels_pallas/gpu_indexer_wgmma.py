@@ -337,12 +337,6 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
 # The queued scan's points when timed: its start, consumer 0's first step done, consumer 0 out of steps (the
 # queue's sentinel read)
 QUEUED_TIMELINE = ("start", "first step", "end")
-def queued_registers(consumers: int) -> tuple[int, int]:
-    """setmaxnreg (compute, memory warpgroups) of the queued scan: the launch gives each thread 64K registers over
-    its threads in steps of 8 (80 with 5 consumers: the default scan's count, with a step's head weights beside
-    it); the memory warpgroup gives back all but 24, shared by the consumers (88 each with 5)."""
-    launch = 65536 // ((consumers + 1) * 128) // 8 * 8
-    return min(248, (launch * (consumers + 1) - 24) // consumers // 8 * 8), 24
 # The queued scan holds every sequence's q in shared memory (with 4 stages of 5 tiles: ~85 KB of keys beside it)
 QUEUED_Q_BYTES = 96 * 1024
 
@@ -439,7 +433,6 @@ def indexer_scores_queued(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arr
 
         @pl.when(wg == consumers)
         def _memory():
-            plgpu.set_max_registers(queued_registers(consumers)[1], action="decrease")
             take = _take_ticket(b * q_parts * h * D * 2)
 
             def fetch(carry, opening: bool = False):  # opening: the CTA's first step, with every q
@@ -477,7 +470,6 @@ def indexer_scores_queued(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arr
 
         @pl.when(wg < consumers)
         def _compute():
-            plgpu.set_max_registers(queued_registers(consumers)[0], action="increase")
             def work(carry):
                 i, _, seen = carry
                 slot = i % stages
