@@ -82,10 +82,6 @@ def test_lowers_for_cuda():
     assert "indexer_scores_queued_32_1" in text and "atom.global.add.u32" in text
     with pytest.raises(ValueError, match="fewer than a step"):
         scan.indexer_scores_queued(*(jnp.zeros(a.shape, a.dtype) for a in args), consumers=5, tiles_per_wg=32)
-    many = (jnp.zeros((32, h, scan.D)), jnp.zeros((32, h)), jnp.zeros((32, 1024, scan.D // 2), jnp.uint8),
-            jnp.zeros((32, 1024, scan.D // scan.GROUP), jnp.uint8), jnp.zeros((32,), jnp.int32))
-    with pytest.raises(ValueError, match="every sequence's q in shared memory"):
-        scan.indexer_scores_queued(*many, q_parts=1)
 
 
 @pytest.mark.parametrize("b,tiles,step", [(8, 2052, 5), (3, 10, 5), (1, 5, 5), (2, 7, 6)])
@@ -127,11 +123,10 @@ def _assert_matches(got, want):
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
 @pytest.mark.parametrize("b,h,n,reach,q_parts,consumers,tiles_per_wg",
                          [(3, 32, 8192, [8192, 17, 5000], 2, 5, 1), (2, 16, 1024, [0, 900], 1, 4, 2),
-                          (3, 32, 320, [300, 0, 64], 1, 5, 1), (2, 32, 131328, [131328, 70001], 1, 5, 1)])
+                          (1, 32, 320, [300], 1, 5, 1), (2, 32, 131328, [131328, 70001], 1, 5, 1)])
 def test_queued_scores_match_the_twin_on_the_gpu(b, h, n, reach, q_parts, consumers, tiles_per_wg):
-    """The queued form (steps taken from a counter in global memory, every sequence's q in shared memory): the
-    twin's scores, and the same again in a second call (the counters start from 0 in each). 320 positions: one
-    step a sequence (3 sequences x 1 step for 132 CTAs: most start with the queue's end); 131,328: the last step
+    """The queued form (steps taken from a counter in global memory): the twin's scores, and the same again in a
+    second call (the counters start from 0 in each). 320 positions: one step a sequence; 131,328: the last step
     of a sequence overlapping the one before."""
     q, w, rec = index_case(n + b, b, h, scan.D, n)
     reach = jnp.asarray(reach, jnp.int32)

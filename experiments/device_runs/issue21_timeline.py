@@ -19,8 +19,8 @@ Groups (default: tests scan attention):
   its error column then says how wrong the scores are by design);
 - linear (forty-sixth session; run at 06a9f37 in the forty-seventh, then removed with its form): the scan group
   with the default and `linear=True` (the epilogue's FADD a head taken by 8 more wgmma columns);
-- queued (forty-eighth session): the scan group at batch 8 with the default and the queued form (one CTA an SM,
-  steps taken from a counter) in four configurations, and the queued form's timeline at 128K x 8;
+- queued (forty-eighth session): the scan group with the default and the queued form (one CTA an SM, steps
+  taken from a counter) in four configurations, and the queued form's timeline at 128K x 8;
 - defaults: the scan group with the scan's default and the earlier one (2112 CTAs of 4 tiles, DEFAULTS) at each
   point (the forty-third session's call 4 ran it as its own function, without the copies; call 3 at 69241da as
   `own_query`, with q permuted in the kernel).
@@ -288,9 +288,9 @@ def decode_bound_variants() -> dict:
 
 
 def queued_group(say, rows) -> None:
-    """The scan group at batch 8 (the queued form holds every sequence's q) with the default and the queued form
-    (`indexer_scores_queued`: one CTA an SM taking steps from a counter) over consumers x tiles per consumer x
-    stages, then the queued form's CTA timeline at 128K x 8 beside the default's (forty-eighth session)."""
+    """The scan group with the default and the queued form (`indexer_scores_queued`: one CTA an SM taking steps
+    from a counter) over consumers x tiles per consumer x stages, then the queued form's CTA timeline at 128K x 8
+    beside the default's (forty-eighth session)."""
     from kernels_pallas import gpu_indexer_wgmma as scan
 
     queued = scan.indexer_scores_queued
@@ -299,7 +299,7 @@ def queued_group(say, rows) -> None:
                 "queued, 5 x 2, 3 stages": {"fn": queued, "tiles_per_wg": 2, "stages": 3},
                 "queued, 4 x 2, 4 stages": {"fn": queued, "consumers": 4, "tiles_per_wg": 2},
                 "queued, 5 x 1, 6 stages": {"fn": queued, "stages": 6}}
-    scan_group(say, rows, timelines=True, variants=variants, points=((131072, 8), (1048576, 8)))
+    scan_group(say, rows, timelines=True, variants=variants)
     args, _ = scan_case(131072, 8)
     say("timeline queued 131072 x 8:", timeline(lambda *a: queued(*a, q_parts=1, timeline=True)[1], args,
                                                 scan.QUEUED_TIMELINE))
