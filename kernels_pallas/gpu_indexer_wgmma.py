@@ -332,3 +332,202 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         kernel_name=f"indexer_scores_wgmma_{h}_{q_parts}",
     )
     return kernel(reachable_b.astype(jnp.int32), qs, w, key_values, s_view)
+
+
+# The queued scan's points when timed: its start, consumer 0's first step done, consumer 0 out of steps (the
+# queue's sentinel read)
+QUEUED_TIMELINE = ("start", "first step", "end")
+def queued_registers(consumers: int) -> tuple[int, int]:
+    """setmaxnreg (compute, memory warpgroups) of the queued scan: the launch gives each thread 64K registers over
+    its threads in steps of 8 (80 with 5 consumers: the default scan's count, with a step's head weights beside
+    it); the memory warpgroup gives back all but 24, shared by the consumers (88 each with 5)."""
+    launch = 65536 // ((consumers + 1) * 128) // 8 * 8
+    return min(248, (launch * (consumers + 1) - 24) // consumers // 8 * 8), 24
+# The queued scan holds every sequence's q in shared memory (with 4 stages of 5 tiles: ~85 KB of keys beside it)
+QUEUED_Q_BYTES = 96 * 1024
+
+
+@functools.cache
+def _take_ticket(counter_at: int):
+    """inline_mgpu: (q gmem with the queue's two u32 counters at byte counter_at, ids smem i32 [stages], slot,
+    total steps, CTAs, this CTA's first ticket or -1) -> the next step's ticket: the first ticket as given (CTA c
+    starts with step c, no atomic on its way to its first keys), then CTAs + the first counter's old value (one
+    atomic add by thread 0 of the warpgroup); also written to ids[slot] for the consumers. A ticket past the last
+    step is the queue's end: the CTA counts itself done on the second counter, and the last CTA done sets both
+    back to 0 (the buffer leaves the call as it came, whoever else reads it)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT, _SPLAT),
+                       return_type=plgpu.ShapeDtypeStruct((), jnp.int32, _SPLAT))
+    def take(ctx, q_gmem, ids, slot, total, ctas, given):
+        del ctx
+        i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        slot, total, ctas, given = (a.registers.item() for a in (slot, total, ctas, given))
+        tickets = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(q_gmem), [counter_at], i8)
+        done = mgpu_utils.getelementptr(tickets, [4], i8)
+        ids_at = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ids), [arith.muli(slot, i32_const(4))], i8)
+        with mgpu_utils.single_thread(mgpu_utils.ThreadSubset.WARPGROUP):
+            with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.sge, given, i32_const(0))):
+                llvm.store(given, ids_at, alignment=4)
+            with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.slt, given, i32_const(0))):
+                taken = mgpu_utils.inline_ptx("atom.global.add.u32 $0, [$1], 1;", tickets, result_types=i32)
+                llvm.store(arith.addi(ctas, taken), ids_at, alignment=4)
+            ticket = llvm.load(i32, ids_at, alignment=4)
+            with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.sge, ticket, total)):
+                # every CTA takes its end ticket before it counts itself done (acq_rel): the last one counted
+                # sees every ticket taken
+                n = mgpu_utils.inline_ptx("atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;", done, result_types=i32)
+                with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, n, arith.subi(ctas, i32_const(1)))):
+                    mgpu_utils.inline_ptx("st.relaxed.gpu.global.v2.u32 [$0], {$1, $1};", tickets, i32_const(0),
+                                          has_side_effects=True)
+        mgpu_utils.warpgroup_barrier()
+        return mgpu.FragmentedArray.splat(llvm.load(i32, ids_at, alignment=4), (), is_signed=True)
+
+    return take
+
+
+def queue_steps(b: int, tiles: int, step_tiles: int) -> tuple[int, int]:
+    """(steps per sequence, steps in all) of the queued scan: step s of a sequence takes its tiles from
+    min(s * step_tiles, tiles - step_tiles) (the last overlapping its neighbour, as `split_steps`' last range)."""
+    per_seq = -(-tiles // step_tiles)
+    return per_seq, b * per_seq
+
+
+@functools.partial(jax.jit, static_argnames=("consumers", "tiles_per_wg", "stages", "q_parts", "sms", "timeline"))
+def indexer_scores_queued(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
+                          reachable_b: jax.Array, *, consumers: int = 5, tiles_per_wg: int = 1, stages: int = 4,
+                          q_parts: int = 2, sms: int = 132, timeline: bool = False):
+    """`indexer_scores_wgmma`'s contract and per-tile work, as one CTA an SM taking steps from a queue: a memory
+    warpgroup takes the next step's ticket (CTA c's first is step c, the others an atomic add on a counter in
+    global memory) and loads its keys into a ring of `stages` slots (TMA); `consumers` compute warpgroups each
+    score `tiles_per_wg` of the step's tiles. Steps are `consumers * tiles_per_wg` tiles of one sequence
+    (`queue_steps`), taken in order across the batch, so an SM that runs faster takes more of them: the
+    forty-fifth session's persistent form, which split the positions evenly ahead, waited at 128K x 8 for its
+    slowest CTA, 29.1 us median to 32.4 (H100). Every sequence's q is held in shared memory (at most
+    QUEUED_Q_BYTES), each sequence's loaded once by each CTA, the first step's first; the forty-eighth session's
+    first form loaded q with every step's keys (8 KB a step beside 20 KB of keys) and took 9% longer a tile.
+    The counters are the two u32 after q in the [B + 1, q_parts H, 128] array the q split writes (zeros, in the
+    same XLA kernel). timeline: also return each CTA's `QUEUED_TIMELINE` points (u32 [sms, 4])."""
+    if q_parts not in (1, 2):
+        raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
+    b, h, d = q_bhd.shape
+    n = key_values.shape[1]
+    step_tiles = consumers * tiles_per_wg
+    if d != D or h % 8 or n % TP or key_values.shape != (b, n, D // 2) or key_scales.shape != (b, n, D // GROUP):
+        raise ValueError(f"the wgmma scan needs q [B, H % 8 == 0, {D}], keys [B, N % {TP} == 0, {D // 2}] and "
+                         f"scales [B, N, {D // GROUP}]; got {q_bhd.shape}, {key_values.shape}, {key_scales.shape}")
+    tiles = n // TP
+    if tiles < step_tiles:
+        raise ValueError(f"{tiles} tiles of {TP} positions are fewer than a step's {step_tiles} (consumers x "
+                         "tiles_per_wg): pass fewer, or take `indexer_scores_wgmma`")
+    if b * q_parts * h * D * 2 > QUEUED_Q_BYTES or b > 31:
+        raise ValueError(f"the queued scan holds every sequence's q in shared memory: {b} x {q_parts * h} x {D} "
+                         f"bf16 is more than QUEUED_Q_BYTES = {QUEUED_Q_BYTES} (or more than 31 sequences); take "
+                         "`indexer_scores_wgmma`")
+    per_seq, total = queue_steps(b, tiles, step_tiles)
+    qs = split_query(q_bhd, q_parts)
+    qs = jnp.concatenate([qs, jnp.zeros((1, *qs.shape[1:]), qs.dtype)])  # row B: the queue's counters
+    w = w_bh.astype(jnp.float32)
+
+    def body(reach_gmem, q_gmem, w_gmem, k_gmem, s_gmem, *refs):
+        o_gmem, tl_gmem, q_all, k_ring, s_ring, ids, q_bars, full, free = \
+            refs if timeline else (refs[0], None, *refs[1:])
+        cta, wg = lax.axis_index("c"), lax.axis_index("wg")
+        gpu_timeline.stamp(tl_gmem, cta, 0)
+
+        def place(ticket):  # a step's sequence and first tile
+            return ticket // per_seq, jnp.minimum((ticket % per_seq) * step_tiles, tiles - step_tiles)
+
+        @pl.when(wg == consumers)
+        def _memory():
+            plgpu.set_max_registers(queued_registers(consumers)[1], action="decrease")
+            take = _take_ticket(b * q_parts * h * D * 2)
+
+            def fetch(carry, opening: bool = False):  # opening: the CTA's first step, with every q
+                i, _ = carry
+                slot = i % stages
+                if not opening:
+                    pl.when(i >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+                ticket = take(q_gmem, ids, slot, jnp.int32(total), jnp.int32(sms), cta if opening else jnp.int32(-1))
+
+                @pl.when(ticket < total)
+                def _():
+                    seq, first = place(ticket)
+                    if opening:
+                        plgpu.copy_gmem_to_smem(q_gmem.at[seq], q_all.at[seq], q_bars.at[seq])
+                    plgpu.copy_gmem_to_smem(k_gmem.at[seq, pl.ds(first, step_tiles)], k_ring.at[slot], full.at[slot])
+                    plgpu.copy_gmem_to_smem(s_gmem.at[seq, pl.ds(first, step_tiles)], s_ring.at[slot], full.at[slot])
+                    for other in range(b if opening else 0):  # the other sequences' q, after the first keys
+                        pl.when(other != seq)(lambda other=other: plgpu.copy_gmem_to_smem(
+                            q_gmem.at[other], q_all.at[other], q_bars.at[other]))
+
+                @pl.when(ticket >= total)
+                def _():  # the end: the consumers read it and stop
+                    for _ in range(2):
+                        plgpu.barrier_arrive(full.at[slot])
+
+                return i + 1, ticket
+
+            _, first = fetch((jnp.int32(0), jnp.int32(0)), opening=True)
+            lax.while_loop(lambda c: c[1] < total, fetch, (jnp.int32(1), first))
+
+            @pl.when(first < total)
+            def _():  # no copy in flight when the CTA ends, though no step needed that q
+                for other in range(b):
+                    plgpu.barrier_wait(q_bars.at[other])
+
+        @pl.when(wg < consumers)
+        def _compute():
+            plgpu.set_max_registers(queued_registers(consumers)[0], action="increase")
+            def work(carry):
+                i, _, seen = carry
+                slot = i % stages
+                plgpu.barrier_wait(full.at[slot])
+                ticket = ids[slot]
+                seq, first = place(ticket)
+                fresh = jnp.logical_and(ticket < total, ((seen >> seq) & 1) == 0)
+                pl.when(fresh)(lambda: plgpu.barrier_wait(q_bars.at[seq]))  # this sequence's q, once
+
+                @pl.when(ticket < total)
+                def _():
+                    w_regs = _head_weights(h)(w_gmem, seq)
+                    reach = reach_gmem[seq]
+                    for j in range(tiles_per_wg):
+                        tile = wg * tiles_per_wg + j
+
+                        def acc_scope(acc_ref, tile=tile):
+                            keys, e_max = _decode_keys(0, DECODE_PTX)(k_ring.at[slot, tile],
+                                                                      s_ring.at[slot, pl.ds(tile, 1)])
+                            plgpu.wgmma(acc_ref, keys, q_all.at[seq].transpose((1, 0)))
+                            plgpu.wgmma_wait(0)
+                            return acc_ref[...], e_max
+
+                        acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
+                        _epilogue(h, 0, q_parts)(acc, e_max, w_regs, o_gmem, seq, (first + tile) * TP, reach)
+                    plgpu.barrier_arrive(free.at[slot])
+                    if timeline:
+                        pl.when(i == 0)(lambda: gpu_timeline.stamp(tl_gmem, cta, 1))
+
+                return i + 1, ticket, jnp.where(fresh, seen | (1 << seq), seen)
+
+            lax.while_loop(lambda c: c[1] < total, work, (jnp.int32(0), jnp.int32(0), jnp.int32(0)))
+            gpu_timeline.stamp(tl_gmem, cta, 2)
+
+    scores = jax.ShapeDtypeStruct((b, n), jnp.float32)
+    kernel = plgpu.kernel(
+        body,
+        out_type=(scores, jax.ShapeDtypeStruct((sms, len(QUEUED_TIMELINE) + 1), jnp.uint32)) if timeline else scores,
+        grid=(sms,),
+        grid_names=("c",),
+        num_threads=consumers + 1,
+        thread_name="wg",
+        scratch_types=(plgpu.SMEM((b, q_parts * h, D), jnp.bfloat16, transforms=_Q_TRANSFORMS),
+                       plgpu.SMEM((stages, step_tiles, TP, D // 2), jnp.uint8),
+                       plgpu.SMEM((stages, step_tiles, TP * D // GROUP), jnp.uint8),
+                       plgpu.SMEM((stages,), jnp.int32),
+                       plgpu.Barrier(num_arrivals=1, num_barriers=b),
+                       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                       plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)),
+        kernel_name=f"indexer_scores_queued_{h}_{q_parts}",
+    )
+    return kernel(reachable_b.astype(jnp.int32), qs, w, key_values.reshape(b, tiles, TP, D // 2),
+                  key_scales.reshape(b, tiles, TP * D // GROUP))
