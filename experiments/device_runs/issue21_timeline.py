@@ -19,8 +19,6 @@ Groups (default: tests scan attention):
   its error column then says how wrong the scores are by design);
 - linear (forty-sixth session; run at 06a9f37 in the forty-seventh, then removed with its form): the scan group
   with the default and `linear=True` (the epilogue's FADD a head taken by 8 more wgmma columns);
-- queued (forty-eighth session): the scan group at batch 8 with the default and the queued form (one CTA an SM,
-  steps taken from a counter) in four configurations, and the queued form's timeline at 128K x 8;
 - defaults: the scan group with the scan's default and the earlier one (2112 CTAs of 4 tiles, DEFAULTS) at each
   point (the forty-third session's call 4 ran it as its own function, without the copies; call 3 at 69241da as
   `own_query`, with q permuted in the kernel).
@@ -94,8 +92,7 @@ def scan_group(say, rows, timelines: bool, variants: dict | None = None, points=
         args, moved = scan_case(ctx, b)
         twin = gpu_indexer.indexer_scores(*args)
         for i, (name, kw) in enumerate((variants or {"": {}}).items()):
-            kw = dict(kw)  # "fn": the scan's form (default `indexer_scores_wgmma`), the rest its keywords
-            fn = functools.partial(kw.pop("fn", scan.indexer_scores_wgmma), q_parts=1, **kw)
+            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)
             timed_row(say, rows, "scan", f"{ctx} x {b}" + (f", {name}" if name else ""), fn, args, 1, moved, peak,
                       scan_error(fn(*args), twin))
             if timelines and b == 8 and i == 0:
@@ -287,31 +284,12 @@ def decode_bound_variants() -> dict:
     return {"default": {}, "moves (no decode, wrong scores)": {"decode_ptx": NO_DECODE}}
 
 
-def queued_group(say, rows) -> None:
-    """The scan group at batch 8 (the queued form holds every sequence's q) with the default and the queued form
-    (`indexer_scores_queued`: one CTA an SM taking steps from a counter) over consumers x tiles per consumer x
-    stages, then the queued form's CTA timeline at 128K x 8 beside the default's (forty-eighth session)."""
-    from kernels_pallas import gpu_indexer_wgmma as scan
-
-    queued = scan.indexer_scores_queued
-    variants = {"default": {},
-                "queued, 5 consumers x 1 tile, 4 stages": {"fn": queued},
-                "queued, 6 x 1, 4 stages": {"fn": queued, "consumers": 6},
-                "queued, 6 x 1, 3 stages": {"fn": queued, "consumers": 6, "stages": 3},
-                "queued, 6 x 1, 6 stages": {"fn": queued, "consumers": 6, "stages": 6}}
-    scan_group(say, rows, timelines=True, variants=variants, points=((131072, 8), (1048576, 8)))
-    args, _ = scan_case(131072, 8)
-    say("timeline queued 131072 x 8:", timeline(lambda *a: queued(*a, q_parts=1, timeline=True)[1], args,
-                                                scan.QUEUED_TIMELINE))
-
-
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group,
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
-                               "defaults": lambda say, rows: scan_group(say, rows, timelines=True, variants=DEFAULTS),
-                               "queued": queued_group})
+                               "defaults": lambda say, rows: scan_group(say, rows, timelines=True, variants=DEFAULTS)})
 
 
 if __name__ == "__main__":
