@@ -22,8 +22,9 @@ first step (128K x 8: 41.3 -> 50.1 us) or copied beside the first keys and permu
 41.7 us; 1M x 8 224.8 -> 229.1); the epilogue's FADD a head replaced by 8 more wgmma columns (sum_h w x beside
 the FFMA's sum_h w |x|; 06a9f37, forty-seventh session, H100: 1-3% slower at each point, the XLA kernels that
 prepare those columns ~2 us more a call); one CTA an SM taking steps from a counter in global memory (dbf2f0d,
-b25cdfb, f94ab96, a376940, bbc30ee, forty-eighth session, H100: its SMs end within ~1 us of each other, but each
-tile takes 5-10% longer: 128K x 8 39.0-39.6 us against 37.0-37.3, 1M x 8 230-252 against 225-229).
+b25cdfb, f94ab96, a376940, bbc30ee, forty-eighth session, H100: its median CTA ends ~1 us before its last, but
+each tile takes 5-11% longer: 128K x 8 39.0-39.6 us in each call's best configuration against 37.0-37.3, 1M x 8
+230-252 against 225-229).
 SASS (`experiments.sass_mix`): 80 registers, ~300 instructions per thread per 64 positions (136 of them the
 decode), the ALU pipe no longer the first limit. In the model's dispatch while `ON`. This is the experts' form of
 `gpu_wgmma` applied to keys:
