@@ -294,8 +294,8 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     (exact for the model's FP4-grid queries; half the MMA work); ctas: CTAs wanted over the batch
     (`split_steps`); decode_ptx: the keys' decode (DECODE_PTX's operands; benchmarks replace it); timeline: also
     return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part); prefetch_ahead
-    (a candidate, 0 = off): once its first keys are in, each CTA asks the L2 for the keys of the CTA launched
-    that many after it (launch order: part fastest), so that the late CTAs find theirs there."""
+    (a candidate, 0 = off): once its first keys are in, each CTA asks the L2 for the first `stages` steps of the
+    CTA launched that many after it (launch order: part fastest), so that the late CTAs find theirs there."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
     b, h, d = q_bhd.shape
@@ -333,7 +333,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
                     later = cta + prefetch_ahead
                     l_seq, l_part = later // per_seq, later % per_seq
                     l_first = jnp.minimum(l_part * steps, all_steps - steps)
-                    _prefetch_keys(n, steps * rows)(k_gmem, s_gmem, l_seq, l_first * rows,
+                    _prefetch_keys(n, min(steps, stages) * rows)(k_gmem, s_gmem, l_seq, l_first * rows,
                                                     (later < b * per_seq).astype(jnp.int32))
 
             for i in range(tiles_per_step):
