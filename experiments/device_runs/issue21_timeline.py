@@ -23,7 +23,9 @@ Groups (default: tests scan attention):
   point (the forty-third session's call 4 ran it as its own function, without the copies; call 3 at 69241da as
   `own_query`, with q permuted in the kernel);
 - prefetch (forty-ninth session): the scan group with each CTA asking the L2 for a later CTA's keys
-  (`prefetch_ahead`), and each variant's tail at 128K x 8 (the last tenth of the CTAs by start).
+  (`prefetch_ahead`), and each variant's tail at 128K x 8 (the last tenth of the CTAs by start);
+- heads (forty-ninth session): the same keys scanned for 8, 16, 32 and 64 heads, with and without the decode (does
+  the per-tile time follow the tensor and epilogue work, which grows with the heads, or the decode?).
 
 The groups that ran copies of the tree (before: the thirty-sixth session's changes taken back; query_first) and
 the attention's `staged=True` candidate (staged) ran at commit bad4179 (thirty-sixth and thirty-seventh sessions,
@@ -331,8 +333,38 @@ def prefetch_group(say, rows) -> None:
         say(f"tail 131072 x 8, {name}:", tail(lambda *a, fn=fn: fn(*a)[1], args))
 
 
+def heads_group(say, rows) -> None:
+    """Whether the scan's per-tile time follows its tensor and epilogue work (both grow with the heads) or its
+    decode (which does not): the same keys with q and w of 8, 16, 32 (the model's) and 64 heads, at 1M x 8 and
+    128K x 8, with the decode and without it (moves: wrong scores). Errors against the twin for the decoded forms."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from experiments import bench_kernels as bk
+    from experiments.bench_wgmma import NO_DECODE
+    from experiments.device_runs.issue21_alu_decode import scan_error
+    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
+
+    peak = bk.hbm_copy_bandwidth(1.0)
+    say(f"copy peak {peak / 1e9:.0f} GB/s")
+    for ctx, b in ((1048576, 8), (131072, 8)):
+        (q, w, values, scales, reach), moved = scan_case(ctx, b)
+        for h in (8, 16, 32, 64):
+            qh = jnp.concatenate([q, q[:, ::-1]], axis=1) if h > q.shape[1] else q[:, :h]
+            wh = jnp.concatenate([w, -w], axis=1) if h > w.shape[1] else w[:, :h]
+            args = (qh, wh, values, scales, reach)
+            twin = gpu_indexer.indexer_scores(*args)
+            for name, kw in (("", {}), (", moves (no decode)", {"decode_ptx": NO_DECODE})):
+                fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)
+                timed_row(say, rows, "scan", f"{ctx} x {b}, {h} heads{name}", fn, args, 1, moved, peak,
+                          "-" if kw else scan_error(fn(*args), twin))
+            del twin
+
+
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "prefetch": prefetch_group,
+                               "heads": heads_group,
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
