@@ -203,29 +203,6 @@ def _head_weights(h: int):
     return load
 
 
-@functools.cache
-def _prefetch_keys(n: int, positions: int):
-    """inline_mgpu: (keys gmem u8 [B, n, 64], scales gmem u8 [B, n / 64, 256], b, p0, ok) -> when ok != 0, thread 0
-    asks the L2 for positions p0 .. p0 + positions - 1 of sequence b, their key and scale bytes (two bulk prefetches:
-    no registers held, nothing waited for)."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT))
-    def prefetch(ctx, k_gmem, s_gmem, b, p0, ok):
-        del ctx
-        i64 = ir.IntegerType.get_signless(64)
-        b, p0, ok = (a.registers.item() for a in (b, p0, ok))
-        row = arith.addi(arith.muli(arith.extui(i64, b), arith.constant(i64, n)), arith.extui(i64, p0))
-        first = arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32_const(0))
-        with mgpu_utils.when(arith.andi(first, arith.cmpi(arith.CmpIPredicate.ne, ok, i32_const(0)))):
-            for ref, per_position in ((k_gmem, D // 2), (s_gmem, D // GROUP)):
-                ptr = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [arith.muli(row, arith.constant(i64, per_position))],
-                                               ir.IntegerType.get_signless(8))
-                mgpu_utils.inline_ptx("{ .reg .b64 g; cvta.to.global.u64 g, $0; cp.async.bulk.prefetch.L2.global [g], $1; }",
-                                      ptr, i32_const(positions * per_position), has_side_effects=True)
-
-    return prefetch
-
-
 # A CTA's points when timed (`gpu_timeline`): its start, q and its first keys in shared memory, done
 TIMELINE = ("start", "waited", "end")
 
@@ -281,21 +258,17 @@ def tiles_per_step_for(n: int) -> int:
 # Defaults: 4224 CTAs of 2 tiles a step, 2 stages, the fastest of an H100 sweep at 128K x 8 / 32 and 1M x 8
 # (forty-third session: 63.5 / 82.0 / 88.2% of the copy peak against 59.8 / 79.9 / 86.4% for the H200's earlier
 # choice, 2112 CTAs of 4 tiles; docs/BENCHMARKS.md).
-@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx", "timeline",
-                                               "prefetch_ahead"))
+@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx", "timeline"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                          reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int | None = None, q_parts: int = 2,
-                         ctas: int = 4224, decode_ptx: str = DECODE_PTX, timeline: bool = False,
-                         prefetch_ahead: int = 0):
+                         ctas: int = 4224, decode_ptx: str = DECODE_PTX, timeline: bool = False):
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
     stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; must
     divide N / 64; default `tiles_per_step_for(N)`, 2 where it divides); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16
     (exact for the model's FP4-grid queries; half the MMA work); ctas: CTAs wanted over the batch
     (`split_steps`); decode_ptx: the keys' decode (DECODE_PTX's operands; benchmarks replace it); timeline: also
-    return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part); prefetch_ahead
-    (a candidate, 0 = off): once its first keys are in, each CTA asks the L2 for the first `stages` steps of the
-    CTA launched that many after it (launch order: part fastest), so that the late CTAs find theirs there."""
+    return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part)."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
     b, h, d = q_bhd.shape
@@ -329,12 +302,6 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
             def _():  # once: a wait flips the barrier's phase
                 plgpu.barrier_wait(q_bar)
                 gpu_timeline.stamp(tl_gmem, cta, 1)
-                if prefetch_ahead:
-                    later = cta + prefetch_ahead
-                    l_seq, l_part = later // per_seq, later % per_seq
-                    l_first = jnp.minimum(l_part * steps, all_steps - steps)
-                    _prefetch_keys(n, min(steps, stages) * rows)(k_gmem, s_gmem, l_seq, l_first * rows,
-                                                    (later < b * per_seq).astype(jnp.int32))
 
             for i in range(tiles_per_step):
                 def acc_scope(acc_ref, i=i):

@@ -22,8 +22,9 @@ Groups (default: tests scan attention):
 - defaults: the scan group with the scan's default and the earlier one (2112 CTAs of 4 tiles, DEFAULTS) at each
   point (the forty-third session's call 4 ran it as its own function, without the copies; call 3 at 69241da as
   `own_query`, with q permuted in the kernel);
-- prefetch (forty-ninth session): the scan group with each CTA asking the L2 for a later CTA's keys
-  (`prefetch_ahead`), and each variant's tail at 128K x 8 (the last tenth of the CTAs by start);
+- prefetch (forty-ninth session, at d5fb818; removed with its form): the scan group with each CTA asking the L2
+  for a later CTA's keys (`prefetch_ahead`), and each variant's tail at 128K x 8 (the last tenth of the CTAs by
+  start);
 - heads (forty-ninth session): the same keys scanned for 8, 16, 32 and 64 heads, with and without the decode (does
   the per-tile time follow the tensor and epilogue work, which grows with the heads, or the decode?).
 
@@ -288,51 +289,6 @@ def decode_bound_variants() -> dict:
     return {"default": {}, "moves (no decode, wrong scores)": {"decode_ptx": NO_DECODE}}
 
 
-# The prefetch group's variants (forty-ninth session): each CTA asks the L2 for the keys of the CTA launched this
-# many after it, once its own first keys are in (about a wave of 6 an SM ahead: 792 on 132 SMs)
-PREFETCH = {"default": {}, **{f"prefetch {a} ahead": {"prefetch_ahead": a} for a in (264, 792, 1584)}}
-
-
-def tail(fn, args) -> dict:
-    """The CTA timeline's last tenth by start (`TIMELINE` points of the scan): median us from start to first keys
-    and from there to the end, against the other CTAs' medians; the span."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from experiments import bench_kernels as bk
-
-    @jax.jit
-    def flushed(buf, *a):
-        buf, _ = bk.l2_flush(buf, jnp.zeros((8,), jnp.uint32))
-        return buf, fn(*a)
-
-    buf = jnp.zeros((bk.FLUSH_BYTES // 4,), jnp.uint32)
-    for _ in range(5):
-        buf, tl = flushed(buf, *args)
-    t = np.asarray(jax.device_get(tl), np.int64)[:, :3]
-    t = (((t - t[0, 0] + 2**31) % 2**32) - 2**31).astype(np.float64)
-    t = (t - t.min()) / 1e3
-    late = t[:, 0] >= np.percentile(t[:, 0], 90)
-    med = lambda m, i: round(float(np.median(t[m, i + 1] - t[m, i])), 2)  # noqa: E731
-    return {"span_us": round(float(t.max()), 2), "last start": round(float(t[:, 0].max()), 2),
-            "wait (late / others)": (med(late, 0), med(~late, 0)), "tiles (late / others)": (med(late, 1), med(~late, 1))}
-
-
-def prefetch_group(say, rows) -> None:
-    """The scan with each of PREFETCH at every point (errors against the twin), then at 128K x 8 each variant's tail
-    (`tail`)."""
-    import functools
-
-    from kernels_pallas import gpu_indexer_wgmma as scan
-
-    scan_group(say, rows, timelines=True, variants=PREFETCH)
-    args, _ = scan_case(131072, 8)
-    for name, kw in PREFETCH.items():
-        fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, timeline=True, **kw)
-        say(f"tail 131072 x 8, {name}:", tail(lambda *a, fn=fn: fn(*a)[1], args))
-
-
 def heads_group(say, rows) -> None:
     """Whether the scan's per-tile time follows its tensor and epilogue work (both grow with the heads) or its
     decode (which does not): the same keys with q and w of 8, 16, 32 (the model's) and 64 heads, at 1M x 8 and
@@ -363,8 +319,7 @@ def heads_group(say, rows) -> None:
 
 
 def main(groups: list[str]) -> int:
-    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "prefetch": prefetch_group,
-                               "heads": heads_group,
+    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
