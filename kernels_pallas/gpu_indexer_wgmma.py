@@ -333,3 +333,193 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         kernel_name=f"indexer_scores_wgmma_{h}_{q_parts}",
     )
     return kernel(reachable_b.astype(jnp.int32), qs, w, key_values, s_view)
+
+
+# The workers' form (a candidate, forty-ninth session): its points when timed, per CTA (warpgroup 0's)
+WORKERS_TIMELINE = ("start", "first step", "end")
+WORKERS_Q_BYTES = 64 * 1024  # every sequence's q in shared memory, beside the workers' rings
+
+
+@functools.cache
+def _atomic_ticket(counter_at: int):
+    """inline_mgpu: (q gmem, the queue's counter the u32 at byte counter_at) -> in thread 0 of the warpgroup the
+    counter's old value (one atomic add; 0 in the others). The value is not waited for until it is used (the next
+    refill), so the round trip overlaps a step's work."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct((), jnp.int32, _SPLAT))
+    def take(ctx, q_gmem):
+        del ctx
+        i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        counter = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(q_gmem), [counter_at], i8)
+        lane0 = arith.remui(mgpu_utils.thread_idx(), i32_const(128))
+        taken = mgpu_utils.inline_ptx("{ .reg .pred p; setp.eq.u32 p, $2, 0; mov.u32 $0, 0; "
+                                      "@p atom.global.add.u32 $0, [$1], 1; }", counter, lane0, result_types=i32,
+                                      has_side_effects=True)
+        return mgpu.FragmentedArray.splat(taken, (), is_signed=True)
+
+    return take
+
+
+@functools.cache
+def _post_ticket():
+    """inline_mgpu: (ids smem i32 [workers * stages], index, ticket) -> thread 0 of the warpgroup writes its ticket
+    at ids[index] (the other threads' tickets are not theirs), the warpgroup meets, and every thread reads it
+    back: a ticket all of it can branch on, written before the slot's copy is asked for."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT),
+                       return_type=plgpu.ShapeDtypeStruct((), jnp.int32, _SPLAT))
+    def post(ctx, ids, index, ticket):
+        del ctx
+        i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        index, ticket = index.registers.item(), ticket.registers.item()
+        at = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ids), [arith.muli(index, i32_const(4))], i8)
+        lane0 = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(mgpu_utils.thread_idx(), i32_const(128)), i32_const(0))
+        with mgpu_utils.when(lane0):
+            llvm.store(ticket, at, alignment=4)
+        mgpu_utils.warpgroup_barrier()
+        return mgpu.FragmentedArray.splat(llvm.load(i32, at, alignment=4), (), is_signed=True)
+
+    return post
+
+
+@functools.cache
+def _count_done(counter_at: int):
+    """inline_mgpu: (q gmem, workers) -> thread 0 counts its worker done on the second counter (after every ticket
+    it took: acq_rel); the last of all the workers sets both counters back to 0, so the array leaves as it came."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT))
+    def done(ctx, q_gmem, workers):
+        del ctx
+        i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        workers = workers.registers.item()
+        counter = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(q_gmem), [counter_at], i8)
+        finished = mgpu_utils.getelementptr(counter, [4], i8)
+        lane0 = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(mgpu_utils.thread_idx(), i32_const(128)), i32_const(0))
+        with mgpu_utils.when(lane0):
+            n = mgpu_utils.inline_ptx("atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;", finished, result_types=i32,
+                                      has_side_effects=True)
+            with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, n, arith.subi(workers, i32_const(1)))):
+                mgpu_utils.inline_ptx("st.relaxed.gpu.global.v2.u32 [$0], {$1, $1};", counter, i32_const(0),
+                                      has_side_effects=True)
+
+    return done
+
+
+@functools.partial(jax.jit, static_argnames=("workers", "stages", "sms", "timeline"))
+def indexer_scores_workers(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
+                           reachable_b: jax.Array, *, workers: int = 6, stages: int = 2, sms: int = 132,
+                           timeline: bool = False):
+    """`indexer_scores_wgmma`'s contract (q_parts 1: q exact in bf16) and per-tile work, as one CTA an SM of
+    `workers` warpgroups, each an independent worker with its own ring of `stages` steps (2 tiles of one sequence
+    a step): it scores a step, then refills that slot with the next ticket (the first `stages` tickets static,
+    worker i's i + s W; the others from a counter in global memory, taken a step ahead). The default's CTAs
+    each wait ~3 us for their first keys and its last ones end ~4.4 us after the last starts (128K x 8, H100,
+    forty-ninth session); the forty-eighth session's queued form ended its SMs together but shared one ring
+    among its consumers, each step's slot freed by the slowest of them. Every sequence's q (at most
+    WORKERS_Q_BYTES) and head weights are loaded once a CTA. The counters are the two u32 after q in the
+    [B + 1, H, 128] array the q split writes (zeros). timeline: also each CTA's `WORKERS_TIMELINE` points."""
+    b, h, d = q_bhd.shape
+    n = key_values.shape[1]
+    if d != D or h % 8 or n % (2 * TP) or key_values.shape != (b, n, D // 2) or key_scales.shape != (b, n, D // GROUP):
+        raise ValueError(f"the workers' scan needs q [B, H % 8 == 0, {D}], keys [B, N % {2 * TP} == 0, {D // 2}] and "
+                         f"scales [B, N, {D // GROUP}]; got {q_bhd.shape}, {key_values.shape}, {key_scales.shape}")
+    if b * h * D * 2 > WORKERS_Q_BYTES:
+        raise ValueError(f"the workers' scan holds every sequence's q in shared memory: {b} x {h} x {D} bf16 is more "
+                         f"than WORKERS_Q_BYTES = {WORKERS_Q_BYTES}; take `indexer_scores_wgmma`")
+    tiles = n // TP
+    per_seq = tiles // 2
+    total, all_workers = b * per_seq, sms * workers
+    qs = split_query(q_bhd, 1)
+    qs = jnp.concatenate([qs, jnp.zeros((1, *qs.shape[1:]), qs.dtype)])  # row B: the queue's counters
+    w = w_bh.astype(jnp.float32)
+    s_view = key_scales.reshape(b, tiles, TP * D // GROUP)
+    counter_at = b * h * D * 2
+
+    def body(reach_gmem, q_gmem, w_gmem, k_gmem, s_gmem, *refs):
+        o_gmem, tl_gmem, q_all, w_all, k_ring, s_ring, ids, q_bars, w_bar, full = \
+            refs if timeline else (refs[0], None, *refs[1:])
+        cta, wg = lax.axis_index("c"), lax.axis_index("wg")
+        me = cta * workers + wg
+        pl.when(wg == 0)(lambda: gpu_timeline.stamp(tl_gmem, cta, 0))
+
+        @pl.when(wg == 0)
+        def _():
+            plgpu.copy_gmem_to_smem(w_gmem, w_all, w_bar)
+            for seq in range(b):
+                plgpu.copy_gmem_to_smem(q_gmem.at[seq], q_all.at[seq], q_bars.at[seq])
+
+        def ask(slot, ticket):  # the slot's copies for ticket, or (past the last) the end mark
+            bar = full.at[wg * stages + slot]
+
+            @pl.when(ticket < total)
+            def _():
+                seq, first = ticket // per_seq, (ticket % per_seq) * 2
+                plgpu.copy_gmem_to_smem(k_gmem.at[seq, pl.ds(first * TP, 2 * TP)], k_ring.at[wg, slot], bar)
+                plgpu.copy_gmem_to_smem(s_gmem.at[seq, pl.ds(first, 2)], s_ring.at[wg, slot], bar)
+
+            @pl.when(ticket >= total)
+            def _():
+                for _ in range(2):
+                    plgpu.barrier_arrive(bar)
+
+        post = _post_ticket()
+        for slot in range(stages):
+            ask(slot, post(ids, wg * stages + slot, me + slot * all_workers))
+        take = _atomic_ticket(counter_at)
+        plgpu.barrier_wait(w_bar)
+
+        def work(carry):
+            i, _, pending, seen = carry
+            slot = i % stages
+            plgpu.barrier_wait(full.at[wg * stages + slot])
+            ticket = ids[wg * stages + slot]
+
+            @pl.when(ticket < total)
+            def _():
+                seq, first = ticket // per_seq, (ticket % per_seq) * 2
+                pl.when(((seen >> seq) & 1) == 0)(lambda: plgpu.barrier_wait(q_bars.at[seq]))
+                w_regs = _head_weights(h)(w_all, seq)
+                reach = reach_gmem[seq]
+                for j in range(2):
+                    def acc_scope(acc_ref, j=j):
+                        keys, e_max = _decode_keys(TP * j, DECODE_PTX)(k_ring.at[wg, slot], s_ring.at[wg, slot])
+                        plgpu.wgmma(acc_ref, keys, q_all.at[seq].transpose((1, 0)))
+                        plgpu.wgmma_wait(0)
+                        return acc_ref[...], e_max
+
+                    acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, h), jnp.float32))
+                    _epilogue(h, TP * j, 1)(acc, e_max, w_regs, o_gmem, seq, (first + j) * TP, reach)
+                ask(slot, post(ids, wg * stages + slot, stages * all_workers + pending))
+                if timeline:
+                    pl.when((i == 0) & (wg == 0))(lambda: gpu_timeline.stamp(tl_gmem, cta, 1))
+
+            live = ticket < total
+            seq = jnp.where(live, ticket // per_seq, 0)
+            return (i + 1, ticket, jnp.where(live, take(q_gmem), pending),
+                    jnp.where(live, seen | (1 << seq), seen))
+
+        *_, seen = lax.while_loop(lambda c: c[1] < total, work, (jnp.int32(0), jnp.int32(0), take(q_gmem), jnp.int32(0)))
+        _count_done(counter_at)(q_gmem, jnp.int32(all_workers))
+        for seq in range(b):  # no copy in flight when the CTA ends, though warpgroup 0 needed no step of that q
+            pl.when((wg == 0) & (((seen >> seq) & 1) == 0))(lambda seq=seq: plgpu.barrier_wait(q_bars.at[seq]))
+        pl.when(wg == 0)(lambda: gpu_timeline.stamp(tl_gmem, cta, 2))
+
+    scores = jax.ShapeDtypeStruct((b, n), jnp.float32)
+    kernel = plgpu.kernel(
+        body,
+        out_type=(scores, jax.ShapeDtypeStruct((sms, len(WORKERS_TIMELINE) + 1), jnp.uint32)) if timeline else scores,
+        grid=(sms,),
+        grid_names=("c",),
+        num_threads=workers,
+        thread_name="wg",
+        scratch_types=(plgpu.SMEM((b, h, D), jnp.bfloat16, transforms=_Q_TRANSFORMS),
+                       plgpu.SMEM((b, h), jnp.float32),
+                       plgpu.SMEM((workers, stages, 2 * TP, D // 2), jnp.uint8),
+                       plgpu.SMEM((workers, stages, 2, TP * D // GROUP), jnp.uint8),
+                       plgpu.SMEM((workers * stages,), jnp.int32),
+                       plgpu.Barrier(num_arrivals=1, num_barriers=b),
+                       plgpu.Barrier(num_arrivals=1),
+                       plgpu.Barrier(num_arrivals=2, num_barriers=workers * stages)),
+        kernel_name=f"indexer_scores_workers_{h}",
+    )
+    return kernel(reachable_b.astype(jnp.int32), qs, w, key_values, s_view)
