@@ -343,8 +343,8 @@ WORKERS_Q_BYTES = 64 * 1024  # every sequence's q in shared memory, beside the w
 @functools.cache
 def _atomic_ticket(counter_at: int):
     """inline_mgpu: (q gmem, the queue's counter the u32 at byte counter_at) -> in thread 0 of the warpgroup the
-    counter's old value (one atomic add; 0 in the others). The value is not waited for until it is used (the next
-    refill), so the round trip overlaps a step's work."""
+    counter's old value (one atomic add; 0 in the others). The value is not waited for until it is used (the
+    refill after the step's work), so the round trip overlaps that work."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct((), jnp.int32, _SPLAT))
     def take(ctx, q_gmem):
@@ -412,7 +412,7 @@ def indexer_scores_workers(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Ar
     """`indexer_scores_wgmma`'s contract (q_parts 1: q exact in bf16) and per-tile work, as one CTA an SM of
     `workers` warpgroups, each an independent worker with its own ring of `stages` steps (2 tiles of one sequence
     a step): it scores a step, then refills that slot with the next ticket (the first `stages` tickets static,
-    worker i's i + s W; the others from a counter in global memory, taken a step ahead). The default's CTAs
+    worker i's i + s W; the others from a counter in global memory, the atomic issued before the step's work). The default's CTAs
     each wait ~3 us for their first keys and its last ones end ~4.4 us after the last starts (128K x 8, H100,
     forty-ninth session); the forty-eighth session's queued form ended its SMs together but shared one ring
     among its consumers, each step's slot freed by the slowest of them. Every sequence's q (at most
@@ -469,8 +469,9 @@ def indexer_scores_workers(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Ar
         plgpu.barrier_wait(w_bar)
 
         def work(carry):
-            i, _, pending, seen = carry
+            i, _, seen = carry
             slot = i % stages
+            pending = take(q_gmem)  # the refill's ticket, first used after this step's work
             plgpu.barrier_wait(full.at[wg * stages + slot])
             ticket = ids[wg * stages + slot]
 
@@ -494,11 +495,9 @@ def indexer_scores_workers(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Ar
                     pl.when((i == 0) & (wg == 0))(lambda: gpu_timeline.stamp(tl_gmem, cta, 1))
 
             live = ticket < total
-            seq = jnp.where(live, ticket // per_seq, 0)
-            return (i + 1, ticket, jnp.where(live, take(q_gmem), pending),
-                    jnp.where(live, seen | (1 << seq), seen))
+            return i + 1, ticket, jnp.where(live, seen | (1 << jnp.where(live, ticket // per_seq, 0)), seen)
 
-        *_, seen = lax.while_loop(lambda c: c[1] < total, work, (jnp.int32(0), jnp.int32(0), take(q_gmem), jnp.int32(0)))
+        *_, seen = lax.while_loop(lambda c: c[1] < total, work, (jnp.int32(0), jnp.int32(0), jnp.int32(0)))
         _count_done(counter_at)(q_gmem, jnp.int32(all_workers))
         for seq in range(b):  # no copy in flight when the CTA ends, though warpgroup 0 needed no step of that q
             pl.when((wg == 0) & (((seen >> seq) & 1) == 0))(lambda seq=seq: plgpu.barrier_wait(q_bars.at[seq]))
