@@ -24,9 +24,12 @@ the FFMA's sum_h w |x|; 06a9f37, forty-seventh session, H100: 1-3% slower at eac
 prepare those columns ~2 us more a call); one CTA an SM taking steps from a counter in global memory (dbf2f0d,
 b25cdfb, f94ab96, a376940, bbc30ee, forty-eighth session, H100: its median CTA ends ~1 us before its last, but
 each tile takes 5-11% longer: 128K x 8 39.0-39.6 us in each call's best configuration against 37.0-37.3, 1M x 8
-230-252 against 225-229).
-SASS (`experiments.sass_mix`): 80 registers, ~300 instructions per thread per 64 positions (136 of them the
-decode), the ALU pipe no longer the first limit. In the model's dispatch while `ON`. This is the experts' form of
+230-252 against 225-229); each CTA asking the L2 for a later CTA's first keys (d5fb818, forty-ninth session,
+H100: 128K x 8 -1.5% at 264 CTAs ahead, the other points 2-3% slower). On an H100 the scan's time does not follow
+its compute up to the model's 32 heads (forty-ninth session: 128K x 8 35.1 us with 8 heads and no decode, 36.9
+with 32 and the decode; 1M x 8 at 88-92% of the copy either way): 128K x 8 is held by the CTAs' structure.
+SASS (`experiments.sass_mix`, forty-ninth session): 77 registers, 216-235 instructions a thread per 64 positions
+in the loop body (136 of them the decode). In the model's dispatch while `ON`. This is the experts' form of
 `gpu_wgmma` applied to keys:
 
 Per CTA (grid: sequence x range of positions, `split_steps`): one warpgroup; q^T [D, q_parts H] (q in bf16,
