@@ -334,7 +334,7 @@ def workers_group(say, rows) -> None:
     say(f"copy peak {peak / 1e9:.0f} GB/s")
     forms = {"default": functools.partial(scan.indexer_scores_wgmma, q_parts=1),
              **{f"workers {wk} x {st} stages": functools.partial(scan.indexer_scores_workers, workers=wk, stages=st)
-                for wk, st in ((6, 2), (6, 3), (5, 3), (4, 4))}}
+                for wk, st in ((6, 2), (6, 3))}}
     for ctx, b in ((131072, 8), (1048576, 8)):
         args, moved = scan_case(ctx, b)
         twin = gpu_indexer.indexer_scores(*args)
