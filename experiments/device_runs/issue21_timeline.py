@@ -347,7 +347,7 @@ def workers_group(say, rows) -> None:
 
 
 def main(groups: list[str]) -> int:
-    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
+    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group, "workers": workers_group,
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
