@@ -5,8 +5,6 @@ Triton scan's tests: ~1e-6 of the largest score, the same -inf pattern; and each
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,12 +73,6 @@ def test_lowers_for_cuda():
     assert timed.out_info[1].shape == (b * c, len(scan.TIMELINE) + 1)
     assert "globaltimer_lo" in timed.lower(lowering_platforms=("cuda",)).as_text()
     assert "globaltimer_lo" not in text  # none without a timeline
-    workers = jax.jit(lambda *a: scan.indexer_scores_workers(*a, timeline=True)).trace(*args)
-    assert workers.out_info[1].shape == (132, len(scan.WORKERS_TIMELINE) + 1)
-    assert "atom.global.add.u32" in workers.lower(lowering_platforms=("cuda",)).as_text()
-    with pytest.raises(ValueError, match="WORKERS_Q_BYTES"):
-        scan.indexer_scores_workers(jnp.zeros((9, h, scan.D)), *(jnp.zeros(a.shape[1:], a.dtype)[None].repeat(9, 0)
-                                                                for a in args[1:]))
     with pytest.raises(ValueError, match="q_parts"):
         scan.indexer_scores_wgmma(*(jnp.zeros(a.shape, a.dtype) for a in args), q_parts=3)
 
@@ -104,21 +96,6 @@ def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step, q_part
     if fin.any():
         err = np.abs(np.asarray(got)[fin] - np.asarray(want)[fin]).max() / np.abs(np.asarray(want)[fin]).max()
         assert err <= 1e-6, err
-
-
-@pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
-@pytest.mark.parametrize("b,n,reach,workers,stages", [(1, 8192, [8000], 6, 2), (3, 131328, [131328, 70001, 9], 6, 2),
-                                                      (8, 16384, [16384] * 7 + [100], 5, 3), (2, 256, [256, 1], 6, 2)])
-def test_workers_scores_match_the_twin_on_the_gpu(b, n, reach, workers, stages):
-    """The workers' form (steps from a counter in global memory, the counters set back by the last worker): the
-    default's scores bit for bit, and a second call the same (the counters left at zero)."""
-    q, w, rec = index_case(n + b, b, 32, scan.D, n)
-    reach = jnp.asarray(reach, jnp.int32)
-    want = scan.indexer_scores_wgmma(q, w, rec["values"], rec["scales"], reach, q_parts=1)
-    run = functools.partial(scan.indexer_scores_workers, q, w, rec["values"], rec["scales"], reach, workers=workers,
-                            stages=stages)
-    np.testing.assert_array_equal(np.asarray(run()), np.asarray(want))
-    np.testing.assert_array_equal(np.asarray(run()), np.asarray(want))
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")

@@ -27,8 +27,9 @@ Groups (default: tests scan attention):
   start);
 - heads (forty-ninth session): the same keys scanned for 8, 16, 32 and 64 heads, with and without the decode (does
   the per-tile time follow the tensor and epilogue work, which grows with the heads, or the decode?);
-- workers (forty-ninth session): the default against `indexer_scores_workers` (one CTA an SM, each warpgroup a
-  worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with both timelines at 128K x 8.
+- workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
+  (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
+  both timelines at 128K x 8.
 
 The groups that ran copies of the tree (before: the thirty-sixth session's changes taken back; query_first) and
 the attention's `staged=True` candidate (staged) ran at commit bad4179 (thirty-sixth and thirty-seventh sessions,
@@ -320,34 +321,8 @@ def heads_group(say, rows) -> None:
             del twin
 
 
-def workers_group(say, rows) -> None:
-    """The default scan against the workers' form (`indexer_scores_workers`: one CTA an SM, each warpgroup an
-    independent worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, errors against the twin,
-    and both forms' CTA timelines at 128K x 8 (forty-ninth session)."""
-    import functools
-
-    from experiments import bench_kernels as bk
-    from experiments.device_runs.issue21_alu_decode import scan_error
-    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
-
-    peak = bk.hbm_copy_bandwidth(1.0)
-    say(f"copy peak {peak / 1e9:.0f} GB/s")
-    forms = {"default": functools.partial(scan.indexer_scores_wgmma, q_parts=1),
-             **{f"workers {wk} x {st} stages": functools.partial(scan.indexer_scores_workers, workers=wk, stages=st)
-                for wk, st in ((6, 2), (6, 3))}}
-    for ctx, b in ((131072, 8), (1048576, 8)):
-        args, moved = scan_case(ctx, b)
-        twin = gpu_indexer.indexer_scores(*args)
-        for name, fn in forms.items():
-            timed_row(say, rows, "scan", f"{ctx} x {b}, {name}", fn, args, 1, moved, peak, scan_error(fn(*args), twin))
-            if ctx == 131072 and name in ("default", "workers 6 x 2 stages"):
-                points = scan.TIMELINE if name == "default" else scan.WORKERS_TIMELINE
-                say(f"timeline {ctx} x {b}, {name}:", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, points))
-        del args, twin
-
-
 def main(groups: list[str]) -> int:
-    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group, "workers": workers_group,
+    return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
