@@ -25,11 +25,11 @@ prepare those columns ~2 us more a call); one CTA an SM taking steps from a coun
 b25cdfb, f94ab96, a376940, bbc30ee, forty-eighth session, H100: its median CTA ends ~1 us before its last, but
 each tile takes 5-11% longer: 128K x 8 39.0-39.6 us in each call's best configuration against 37.0-37.3, 1M x 8
 230-252 against 225-229); each CTA asking the L2 for a later CTA's first keys (d5fb818, forty-ninth session,
-H100: 128K x 8 -1.5% at 264 CTAs ahead, the other points 2-3% slower); one CTA an SM of 6 independent workers,
-each with its own ring, steps from one counter (cb0e16e, forty-ninth session, H100: 128K x 8 40.3 us against 37.2,
-and its scores wrong, not debugged). On an H100 the scan's time does not follow
-its compute up to the model's 32 heads (forty-ninth session: 128K x 8 35.1 us with 8 heads and no decode, 36.9
-with 32 and the decode; 1M x 8 at 88-92% of the copy either way): 128K x 8 is held by the CTAs' structure.
+H100: 1.5% faster at 128K x 8 with 264 CTAs ahead, 2-3% slower at the other points); one CTA an SM of 6
+independent workers, each with its own ring, steps from one counter (cb0e16e, forty-ninth session, H100: 128K x 8
+40.3 us against 37.2, and its scores wrong, not debugged). On an H100 the scan's time does not follow its compute
+up to the model's 32 heads (forty-ninth session: 128K x 8 35.1 us with 8 heads and no decode, 36.9 with 32 and
+the decode; 1M x 8 at 87.7-92.2% of the copy in every form): 128K x 8 is held by the CTAs' structure.
 SASS (`experiments.sass_mix`, forty-ninth session): 77 registers, 216-235 instructions a thread per 64 positions
 in the loop body (136 of them the decode). In the model's dispatch while `ON`. This is the experts' form of
 `gpu_wgmma` applied to keys:
@@ -338,4 +338,3 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         kernel_name=f"indexer_scores_wgmma_{h}_{q_parts}",
     )
     return kernel(reachable_b.astype(jnp.int32), qs, w, key_values, s_view)
-
