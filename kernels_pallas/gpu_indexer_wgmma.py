@@ -29,7 +29,8 @@ H100: 1.5% faster at 128K x 8 with 264 CTAs ahead, 2-3% slower at the other poin
 independent workers, each with its own ring, steps from one counter (cb0e16e, forty-ninth session, H100: 128K x 8
 40.3 us against 37.2, and its scores wrong, not debugged). On an H100 the scan's time does not follow its compute
 up to the model's 32 heads (forty-ninth session: 128K x 8 35.1 us with 8 heads and no decode, 36.9 with 32 and
-the decode; 1M x 8 at 87.7-92.2% of the copy in every form): 128K x 8 is held by the CTAs' structure.
+the decode; 1M x 8 at 87.7-92.2% of the copy with 8-32 heads, with or without the decode): 128K x 8 is held by
+the CTAs' structure.
 SASS (`experiments.sass_mix`, forty-ninth session): 77 registers, 216-235 instructions a thread per 64 positions
 in the loop body (136 of them the decode). In the model's dispatch while `ON`. This is the experts' form of
 `gpu_wgmma` applied to keys:
