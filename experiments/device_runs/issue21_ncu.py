@@ -1,0 +1,172 @@
+"""Issue 21 (fiftieth session): the scan's and the attention's hardware counters, read by Nsight Compute.
+
+Forty-nine sessions placed the kernels' time by ablation and in-kernel timelines; the issue asks for "the profile
+that says why" each target is met or not. This runs `ncu --set full` (caches flushed before each replay pass, as
+the HBM benchmarks flush the L2; clocks left alone) on one call of each case, after a warm-up call, and prints
+per case the kernel's duration, its DRAM bytes and rate against the copy peak timed in the same run
+(`bench_kernels.hbm_copy_bandwidth`), its issue-slot and pipe utilizations, and the warp stall reasons (cycles a
+warp waits per issued instruction, by reason). The reports, their raw metrics and the per-SASS-instruction stall
+samples come back compressed.
+
+Cases: scan_128k8, scan_1m8 (the dispatch's q_parts 1), scan_1m8_nodecode (the decode replaced by moves:
+wrong scores by design), attention_b64 (bf16 q, the model's), or any subset as arguments.
+
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_ncu [CASE ...]          (~5 min on an H200)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_ncu launch CASE        (what ncu runs)
+"""
+
+import csv
+import functools
+import glob
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+
+from experiments.device_runs._steps import OUT, logger
+
+CASES = {"scan_1m8": (1048576, 8, {}), "scan_1m8_nodecode": (1048576, 8, None), "scan_128k8": (131072, 8, {}),
+         "attention_b64": None}
+KERNEL = {"scan": "indexer_scores_wgmma", "attention": "sparse_attention_wgmma"}
+# raw metrics worth a line in the log (the rest stay in the raw csv)
+SHOWN = re.compile(r"^(gpu__time_duration\.sum|dram__bytes_(read|write)\.sum|dram__throughput\.avg\.pct_of_peak_sustained"
+                   r"_elapsed|sm__throughput\.avg\.pct_of_peak_sustained_elapsed|smsp__issue_active\.avg\.pct_of_peak_"
+                   r"sustained_active|sm__warps_active\.avg\.pct_of_peak_sustained_active|launch__registers_per_thread|"
+                   r"launch__occupancy_limit_.*|sm__(inst_executed_)?pipe_.*\.avg\.pct_of_peak_sustained_active|"
+                   r"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio)$")
+
+
+def case_call(case: str):
+    """(jitted fn, args, the bytes the call must move) of a case."""
+    import jax
+    import jax.numpy as jnp
+
+    from experiments import bench_kernels as bk
+
+    if case.startswith("scan"):
+        from experiments.bench_wgmma import NO_DECODE
+        from experiments.device_runs.issue21_timeline import scan_case
+        from kernels_pallas import gpu_indexer_wgmma as scan
+
+        ctx, b, kw = CASES[case]
+        args, moved = scan_case(ctx, b)
+        kw = {"decode_ptx": NO_DECODE} if kw is None else kw
+        return jax.jit(functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)), args, moved
+    from kernels_pallas import gpu_attention_wgmma as att
+
+    q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(64), 64, 1 << 17, jnp.bfloat16)
+    args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
+    fn = jax.jit(functools.partial(att.sparse_attention_wgmma, scale=bk.D_ATT ** -0.5))
+    return fn, args, bk.attention_bytes(q, window, wvalid, entries, idx)
+
+
+def launch(case: str) -> int:
+    """Two calls of the case (ncu profiles the second: `--launch-skip 1`); prints the bytes the call must move."""
+    import jax
+
+    fn, args, moved = case_call(case)
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    print(f"MOVED {moved}", flush=True)
+    return 0
+
+
+def ncu_binary() -> str:
+    found = shutil.which("ncu") or sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))
+    if not found:
+        raise SystemExit("ncu not found on PATH or under /opt/nvidia/nsight-compute")
+    return found if isinstance(found, str) else found[-1]
+
+
+def raw_rows(ncu: str, rep: str) -> list[dict]:
+    """The report's raw page as {metric: value} per profiled kernel, in base units (ns, bytes; ncu's csv: names,
+    then units, then rows)."""
+    text = subprocess.run([ncu, "--import", rep, "--page", "raw", "--csv", "--print-units", "base"],
+                          capture_output=True, text=True).stdout
+    rows = list(csv.reader(io.StringIO(text)))
+    return [dict(zip(rows[0], r)) for r in rows[2:]] if len(rows) > 2 else []
+
+
+def as_float(v: str) -> float:
+    try:
+        return float(v.replace(",", ""))
+    except ValueError:
+        return float("nan")
+
+
+def main(cases: list[str]) -> int:
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # leave the GPU's memory to the profiled processes
+    import jax
+
+    from experiments import bench_kernels as bk
+
+    say, _ = logger("ncu.log")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}: choose from {list(CASES)}")
+    ncu = ncu_binary()
+    say("ncu", ncu, subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1:])
+    peak = bk.hbm_copy_bandwidth(1.0)
+    say(f"copy peak {peak / 1e9:.0f} GB/s ({jax.devices()[0].device_kind})")
+    # the kernels launched one by one, not as nodes of XLA's command buffers
+    env = {**os.environ, "PYTHONPATH": ".", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="}
+    tmp = "/tmp/issue21_ncu"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    table = []
+    for case in cases:
+        rep = os.path.join(tmp, case)
+        cmd = [ncu, "--set", "full", "--clock-control", "none", "--target-processes", "all", "--kernel-name",
+               f"regex:{KERNEL[case.split('_')[0]]}", "--launch-skip", "1", "--launch-count", "1", "--export", rep,
+               "--force-overwrite", sys.executable, "-m", "experiments.device_runs.issue21_ncu", "launch", case]
+        say("$", " ".join(cmd[1:]))
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150)
+        except subprocess.TimeoutExpired:
+            say(f"[{case}] timed out after 150 s")
+            continue
+        say(f"[{case}] rc={p.returncode}", p.stdout[-1500:], p.stderr[-1500:])
+        moved = re.findall(r"^MOVED (\d+)$", p.stdout, re.M)
+        if not os.path.exists(rep + ".ncu-rep") or not moved:
+            continue
+        for page, extra in (("details", []), ("raw", ["--csv", "--print-units", "base"]),
+                            ("source", ["--csv", "--print-source", "sass"])):
+            out = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", page, *extra], capture_output=True,
+                                 text=True)
+            open(f"{rep}.{page}.{'csv' if extra else 'txt'}", "w").write(out.stdout + out.stderr[-2000:])
+        for row in raw_rows(ncu, rep + ".ncu-rep"):
+            say(f"-- {case}: {row.get('Kernel Name', '?')[:60]}")
+            for k in sorted(k for k in row if SHOWN.match(k)):
+                say(f"   {k} = {row[k]}")
+            ns = as_float(row.get("gpu__time_duration.sum", ""))  # ncu's default unit: ns
+            dram = as_float(row.get("dram__bytes_read.sum", "")) + as_float(row.get("dram__bytes_write.sum", ""))
+            stalls = sorted(((as_float(v), k) for k, v in row.items()
+                             if k.startswith("smsp__average_warps_issue_stalled_") and k.endswith("_per_issue_active.ratio")),
+                            reverse=True)[:4]
+            table.append((case, f"{ns / 1e3:.1f}", f"{100 * int(moved[-1]) / (ns * 1e-9) / peak:.1f}%",
+                           row.get("dram__throughput.avg.pct_of_peak_sustained_elapsed", "?"),
+                           row.get("smsp__issue_active.avg.pct_of_peak_sustained_active", "?"),
+                           ", ".join(f"{k.split('stalled_')[1].split('_per_issue')[0]} {v:.2f}" for v, k in stalls),
+                           f"{dram / 1e6:.1f} MB"))
+    for name, keep in (("ncu_reports", ".ncu-rep"), ("ncu_pages", "")):  # the reports may pass 16 MB: apart
+        with tarfile.open(os.path.join(OUT, f"{name}.tar.gz"), "w:gz") as tar:
+            for f in sorted(os.listdir(tmp)):
+                if f.endswith(".ncu-rep") == bool(keep):
+                    tar.add(os.path.join(tmp, f), arcname=f)
+    say("\n| case | kernel us (ncu) | % of the copy peak | dram % of ncu's peak | issue active % | top stalls "
+        "(cycles per issued instruction) | DRAM bytes |")
+    say("|---|---|---|---|---|---|---|")
+    for r in table:
+        say("| " + " | ".join(r) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if argv[:1] == ["launch"]:
+        raise SystemExit(launch(argv[1]))
+    raise SystemExit(main(argv or list(CASES)))
