@@ -13,6 +13,7 @@ wrong scores by design), attention_b64 (bf16 q, the model's), or any subset as a
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_ncu [CASE ...]          (~5 min on an H200)
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_ncu launch CASE        (what ncu runs)
+    python -m experiments.device_runs.issue21_ncu summarize ncu_pages.tar.gz        (here: stall samples by SASS)
 """
 
 import csv
@@ -165,8 +166,39 @@ def main(cases: list[str]) -> int:
     return 0
 
 
+def summarize(pages: str, top: int = 25) -> int:
+    """Per case in a pages tarball (`main`'s ncu_pages.tar.gz): the stall samples of the SASS source page summed by
+    opcode, and the `top` instructions by samples with their sampled stall reasons."""
+    with tarfile.open(pages) as tar:
+        for member in sorted(m.name for m in tar.getmembers() if m.name.endswith(".source.csv")):
+            rows = list(csv.DictReader(io.StringIO(tar.extractfile(member).read().decode(errors="replace"))))
+            if not rows:
+                continue
+            cols = list(rows[0])
+            src = next(c for c in cols if c.strip("# ").lower() == "source")
+            total_col = next(c for c in cols if "Sampling (All" in c)
+            reasons = [c for c in cols if c.startswith("stall_") or "pcsamp" in c]
+            samples = [(as_float(r[total_col]), r) for r in rows]
+            everything = sum(v for v, _ in samples if v == v) or 1.0
+            print(f"== {member}: {len(rows)} instructions, {everything:.0f} samples; columns: {cols}")
+            by_op: dict[str, float] = {}
+            for v, r in samples:
+                words = [w for w in r[src].split() if not w.startswith("@")]
+                op = words[0].split(".")[0] if words else "?"
+                by_op[op] = by_op.get(op, 0.0) + (v if v == v else 0.0)
+            print("  by opcode:", ", ".join(f"{op} {100 * v / everything:.1f}%" for op, v in
+                                             sorted(by_op.items(), key=lambda kv: -kv[1])[:16]))
+            for v, r in sorted(samples, key=lambda vr: -(vr[0] if vr[0] == vr[0] else 0))[:top]:
+                why = sorted(((as_float(r[c]), c) for c in reasons), reverse=True)[:3]
+                print(f"  {100 * v / everything:5.1f}%  {r[src][:70]:70s} "
+                      + ", ".join(f"{c} {x:.0f}" for x, c in why if x == x and x > 0))
+    return 0
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
     if argv[:1] == ["launch"]:
         raise SystemExit(launch(argv[1]))
+    if argv[:1] == ["summarize"]:
+        raise SystemExit(summarize(argv[1]))
     raise SystemExit(main(argv or list(CASES)))

@@ -27,6 +27,8 @@ Groups (default: tests scan attention):
   start);
 - heads (forty-ninth session): the same keys scanned for 8, 16, 32 and 64 heads, with and without the decode (does
   the per-tile time follow the tensor and epilogue work, which grows with the heads, or the decode?);
+- depth (fiftieth session): the scan at 1M x 8 and 128K x 8 over stages, tiles per step and CTAs with more bytes
+  in flight than the defaults (an H100's sweep);
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -321,8 +323,30 @@ def heads_group(say, rows) -> None:
             del twin
 
 
+def depth_group(say, rows) -> None:
+    """The scan at 1M x 8 and 128K x 8 with more bytes in flight per CTA (stages, tiles per step, CTAs): the
+    defaults come from an H100 sweep, and the H200 moves 41% more bytes a microsecond through the same SMs."""
+    import functools
+
+    from experiments import bench_kernels as bk
+    from kernels_pallas import gpu_indexer_wgmma as scan
+
+    peak = bk.hbm_copy_bandwidth(1.0)
+    say(f"copy peak {peak / 1e9:.0f} GB/s")
+    for ctx, b in ((1048576, 8), (131072, 8)):
+        args, moved = scan_case(ctx, b)
+        for ctas, tiles, stages in ((4224, 2, 2), (4224, 2, 3), (4224, 2, 4), (2112, 4, 3), (4224, 1, 4),
+                                    (4224, 1, 6), (8448, 1, 4)):
+            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, ctas=ctas, tiles_per_step=tiles,
+                                   stages=stages)
+            timed_row(say, rows, "scan", f"{ctx} x {b}, {ctas} CTAs, {tiles} tiles/step, {stages} stages", fn, args,
+                      1, moved, peak)
+        del args
+
+
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
+                               "depth": depth_group,
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
