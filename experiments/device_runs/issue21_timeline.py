@@ -81,14 +81,11 @@ def scan_group(say, rows, timelines: bool, variants: dict | None = None, points=
     """Copies of 72 MB and 2 GiB moved from HBM; the scan (q_parts 1, the dispatch's) at each of `points`,
     each of `variants` (label -> keyword arguments; default: the kernel's defaults alone) with its error against
     the Triton twin, and (timelines) the first variant's CTA timeline at batch 8."""
-    import functools
-
     import jax
     import jax.numpy as jnp
 
     from experiments import bench_kernels as bk
-    from experiments.device_runs.issue21_alu_decode import scan_error
-    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
+    from kernels_pallas import gpu_indexer_wgmma as scan
 
     peak = bk.hbm_copy_bandwidth(1.0)
     say(f"copy peak {peak / 1e9:.0f} GB/s")
@@ -100,14 +97,27 @@ def scan_group(say, rows, timelines: bool, variants: dict | None = None, points=
         del big
     for ctx, b in points:
         args, moved = scan_case(ctx, b)
-        twin = gpu_indexer.indexer_scores(*args)
-        for i, (name, kw) in enumerate((variants or {"": {}}).items()):
-            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)
-            timed_row(say, rows, "scan", f"{ctx} x {b}" + (f", {name}" if name else ""), fn, args, 1, moved, peak,
-                      scan_error(fn(*args), twin))
-            if timelines and b == 8 and i == 0:
-                say(f"timeline {ctx} x {b}:", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, scan.TIMELINE))
-        del args, twin
+        fns = scan_rows(say, rows, f"{ctx} x {b}", args, moved, peak, variants or {"": {}})
+        if timelines and b == 8:
+            say(f"timeline {ctx} x {b}:", timeline(lambda *a, fn=fns[0]: fn(*a, timeline=True)[1], args, scan.TIMELINE))
+        del args
+
+
+def scan_rows(say, rows, shape: str, args, moved: int, peak: float, variants: dict) -> list:
+    """Each of `variants` (label -> keyword arguments of the scan, q_parts 1) on args timed from HBM, a row each
+    with its error against the Triton twin (a variant without the decode: how wrong its scores are by design).
+    Returns the variants' functions."""
+    import functools
+
+    from experiments.device_runs.issue21_alu_decode import scan_error
+    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
+
+    twin, fns = gpu_indexer.indexer_scores(*args), []
+    for name, kw in variants.items():
+        fns.append(functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw))
+        timed_row(say, rows, "scan", shape + (f", {name}" if name else ""), fns[-1], args, 1, moved, peak,
+                  scan_error(fns[-1](*args), twin))
+    return fns
 
 
 def timed_row(say, rows, kind, shape, fn, args, perturb, moved, peak, err="-") -> None:
@@ -297,15 +307,11 @@ def decode_bound_variants() -> dict:
 def heads_group(say, rows) -> None:
     """Whether the scan's per-tile time follows its tensor and epilogue work (both grow with the heads) or its
     decode (which does not): the same keys with q and w of 8, 16, 32 (the model's) and 64 heads, at 1M x 8 and
-    128K x 8, with the decode and without it (moves: wrong scores). Errors against the twin for the decoded forms."""
-    import functools
-
+    128K x 8, with the decode and without it (moves: wrong scores)."""
     import jax.numpy as jnp
 
     from experiments import bench_kernels as bk
     from experiments.bench_wgmma import NO_DECODE
-    from experiments.device_runs.issue21_alu_decode import scan_error
-    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
 
     peak = bk.hbm_copy_bandwidth(1.0)
     say(f"copy peak {peak / 1e9:.0f} GB/s")
@@ -314,33 +320,23 @@ def heads_group(say, rows) -> None:
         for h in (8, 16, 32, 64):
             qh = jnp.concatenate([q, q[:, ::-1]], axis=1) if h > q.shape[1] else q[:, :h]
             wh = jnp.concatenate([w, -w], axis=1) if h > w.shape[1] else w[:, :h]
-            args = (qh, wh, values, scales, reach)
-            twin = gpu_indexer.indexer_scores(*args)
-            for name, kw in (("", {}), (", moves (no decode)", {"decode_ptx": NO_DECODE})):
-                fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)
-                timed_row(say, rows, "scan", f"{ctx} x {b}, {h} heads{name}", fn, args, 1, moved, peak,
-                          "-" if kw else scan_error(fn(*args), twin))
-            del twin
+            scan_rows(say, rows, f"{ctx} x {b}, {h} heads", (qh, wh, values, scales, reach), moved, peak,
+                      {"": {}, "moves (no decode)": {"decode_ptx": NO_DECODE}})
 
 
 def depth_group(say, rows) -> None:
     """The scan at 1M x 8 and 128K x 8 with more bytes in flight per CTA (stages, tiles per step, CTAs): the
     defaults come from an H100 sweep, and the H200 moves 41% more bytes a microsecond through the same SMs."""
-    import functools
-
     from experiments import bench_kernels as bk
-    from kernels_pallas import gpu_indexer_wgmma as scan
 
     peak = bk.hbm_copy_bandwidth(1.0)
     say(f"copy peak {peak / 1e9:.0f} GB/s")
+    configs = ((4224, 2, 2), (4224, 2, 3), (4224, 2, 4), (2112, 4, 3), (4224, 1, 4), (4224, 1, 6), (8448, 1, 4))
     for ctx, b in ((1048576, 8), (131072, 8)):
         args, moved = scan_case(ctx, b)
-        for ctas, tiles, stages in ((4224, 2, 2), (4224, 2, 3), (4224, 2, 4), (2112, 4, 3), (4224, 1, 4),
-                                    (4224, 1, 6), (8448, 1, 4)):
-            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, ctas=ctas, tiles_per_step=tiles,
-                                   stages=stages)
-            timed_row(say, rows, "scan", f"{ctx} x {b}, {ctas} CTAs, {tiles} tiles/step, {stages} stages", fn, args,
-                      1, moved, peak)
+        scan_rows(say, rows, f"{ctx} x {b}", args, moved, peak,
+                  {f"{c} CTAs, {t} tiles/step, {s} stages": {"ctas": c, "tiles_per_step": t, "stages": s}
+                   for c, t, s in configs})
         del args
 
 
