@@ -98,6 +98,16 @@ def as_float(v: str) -> float:
         return float("nan")
 
 
+def pack(tmp: str) -> None:
+    """$OUT/ncu_reports.tar.gz (the reports) and $OUT/ncu_pages.tar.gz (their exported pages), apart: the reports
+    may pass the 16 MB a file that comes back."""
+    for name, reports in (("ncu_reports", True), ("ncu_pages", False)):
+        with tarfile.open(os.path.join(OUT, f"{name}.tar.gz"), "w:gz") as tar:
+            for f in sorted(os.listdir(tmp)):
+                if f.endswith(".ncu-rep") == reports:
+                    tar.add(os.path.join(tmp, f), arcname=f)
+
+
 def main(cases: list[str]) -> int:
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # leave the GPU's memory to the profiled processes
     import jax
@@ -125,13 +135,16 @@ def main(cases: list[str]) -> int:
                f"regex:{KERNEL[case.split('_')[0]]}", "--launch-skip", "1", "--launch-count", "1", "--export", rep,
                "--force-overwrite", sys.executable, "-m", "experiments.device_runs.issue21_ncu", "launch", case]
         say("$", " ".join(cmd[1:]))
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             start_new_session=True)  # a group: a timeout ends ncu and the program it profiles
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+            stdout, stderr = p.communicate(timeout=120)
         except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
             say(f"[{case}] timed out after 120 s")
             continue
-        say(f"[{case}] rc={p.returncode}", p.stdout[-1500:], p.stderr[-1500:])
-        moved = re.findall(r"^MOVED (\d+)$", p.stdout, re.M)
+        say(f"[{case}] rc={p.returncode}", stdout[-1500:], stderr[-1500:])
+        moved = re.findall(r"^MOVED (\d+)$", stdout, re.M)
         if not os.path.exists(rep + ".ncu-rep") or not moved:
             continue
         for page, extra in (("details", []), ("raw", ["--csv", "--print-units", "base"]),
@@ -153,11 +166,7 @@ def main(cases: list[str]) -> int:
                            row.get("smsp__issue_active.avg.pct_of_peak_sustained_active", "?"),
                            ", ".join(f"{k.split('stalled_')[1].split('_per_issue')[0]} {v:.2f}" for v, k in stalls),
                            f"{dram / 1e6:.1f} MB"))
-    for name, keep in (("ncu_reports", ".ncu-rep"), ("ncu_pages", "")):  # the reports may pass 16 MB: apart
-        with tarfile.open(os.path.join(OUT, f"{name}.tar.gz"), "w:gz") as tar:
-            for f in sorted(os.listdir(tmp)):
-                if f.endswith(".ncu-rep") == bool(keep):
-                    tar.add(os.path.join(tmp, f), arcname=f)
+        pack(tmp)  # after each case: a run cut short keeps what it profiled
     say("\n| case | kernel us (ncu) | % of the copy peak | dram % of ncu's peak | issue active % | top stalls "
         "(cycles per issued instruction) | DRAM bytes |")
     say("|---|---|---|---|---|---|---|")
