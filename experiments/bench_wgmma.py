@@ -36,10 +36,6 @@ from kernels_pallas import gpu_grouped, gpu_wgmma
 SHAPES = {"w1-like": (2304, 5120), "w2-like": (5120, 2304)}  # (N, K) of the v41 routed experts
 E, TOP_K = 384, 6
 NO_DECODE = "{ mov.b32 $0, $4; mov.b32 $1, $5; mov.b32 $2, $4; mov.b32 $3, $5; }"  # words as weights
-# The decode with its word >> 8 as mul.hi by 2**24 (the same bits): ptxas keeps it an IMAD.HI on the FMA pipe, one
-# ALU op fewer a word (8 of ~89 a scan tile's thread issues on the half-rate ALU pipe; fiftieth session)
-MULHI_DECODE = gpu_wgmma.DECODE_PTX.replace("shr.b32 v, $4, 8;", "mul.hi.u32 v, $4, 16777216;")
-assert MULHI_DECODE != gpu_wgmma.DECODE_PTX, "DECODE_PTX changed: update MULHI_DECODE's replacement"
 
 
 def variants(k: int, sweep: bool = False) -> dict[str, dict]:

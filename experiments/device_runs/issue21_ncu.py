@@ -180,16 +180,17 @@ def summarize(pages: str, top: int = 25) -> int:
     opcode, and the `top` instructions by samples with their sampled stall reasons."""
     with tarfile.open(pages) as tar:
         for member in sorted(m.name for m in tar.getmembers() if m.name.endswith(".source.csv")):
-            rows = list(csv.DictReader(io.StringIO(tar.extractfile(member).read().decode(errors="replace"))))
-            if not rows:
+            lines = tar.extractfile(member).read().decode(errors="replace").splitlines()
+            head = next((i for i, line in enumerate(lines) if line.startswith('"Address","Source"')), None)
+            if head is None:  # the page's csv: a kernel-name line, then the header, then a row per instruction
                 continue
-            cols = list(rows[0])
-            src = next(c for c in cols if c.strip("# ").lower() == "source")
-            total_col = next(c for c in cols if "Sampling (All" in c)
-            reasons = [c for c in cols if c.startswith("stall_") or "pcsamp" in c]
+            rows = list(csv.DictReader(io.StringIO("\n".join(lines[head:]))))
+            cols = list(rows[0]) if rows else []
+            src, total_col = "Source", "Warp Stall Sampling (All Samples)"
+            reasons = [c for c in cols if c.startswith("stall_") and "Not Issued" not in c]
             samples = [(as_float(r[total_col]), r) for r in rows]
             everything = sum(v for v, _ in samples if v == v) or 1.0
-            print(f"== {member}: {len(rows)} instructions, {everything:.0f} samples; columns: {cols}")
+            print(f"== {member}: {len(rows)} instructions, {everything:.0f} samples")
             by_op: dict[str, float] = {}
             for v, r in samples:
                 words = [w for w in r[src].split() if not w.startswith("@")]

@@ -27,10 +27,8 @@ Groups (default: tests scan attention):
   start);
 - heads (forty-ninth session): the same keys scanned for 8, 16, 32 and 64 heads, with and without the decode (does
   the per-tile time follow the tensor and epilogue work, which grows with the heads, or the decode?);
-- mulhi (fiftieth session): the scan group at 128K x 8 and 1M x 8 with the default decode and with its word >> 8
-  as a mul.hi (an IMAD.HI instead of an ALU shift);
-- depth (fiftieth session): the scan at 1M x 8 and 128K x 8 over stages, tiles per step and CTAs with more bytes
-  in flight than the defaults (an H100's sweep);
+- mulhi (fiftieth session; removed after its run): the default decode against its word >> 8 as a mul.hi (IMAD.HI)
+  at 128K x 8 and 1M x 8 (slower: docs/BENCHMARKS.md, fiftieth session);
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -306,14 +304,6 @@ def decode_bound_variants() -> dict:
     return {"default": {}, "moves (no decode, wrong scores)": {"decode_ptx": NO_DECODE}}
 
 
-def mulhi_variants() -> dict:
-    """The scan as it is and with its decode's word >> 8 as an IMAD.HI (`bench_wgmma.MULHI_DECODE`: the ALU pipe,
-    which issues at half rate, takes 8 of a tile's ~89 ALU instructions fewer)."""
-    from experiments.bench_wgmma import MULHI_DECODE
-
-    return {"default": {}, "w >> 8 as mul.hi (IMAD)": {"decode_ptx": MULHI_DECODE}}
-
-
 def heads_group(say, rows) -> None:
     """Whether the scan's per-tile time follows its tensor and epilogue work (both grow with the heads) or its
     decode (which does not): the same keys with q and w of 8, 16, 32 (the model's) and 64 heads, at 1M x 8 and
@@ -334,28 +324,8 @@ def heads_group(say, rows) -> None:
                       {"": {}, "moves (no decode)": {"decode_ptx": NO_DECODE}})
 
 
-def depth_group(say, rows) -> None:
-    """The scan at 1M x 8 and 128K x 8 with more bytes in flight per CTA (stages, tiles per step, CTAs): the
-    defaults come from an H100 sweep, and the H200 moves 41% more bytes a microsecond through the same SMs."""
-    from experiments import bench_kernels as bk
-
-    peak = bk.hbm_copy_bandwidth(1.0)
-    say(f"copy peak {peak / 1e9:.0f} GB/s")
-    configs = ((4224, 2, 2), (4224, 2, 3), (4224, 2, 4), (2112, 4, 3), (4224, 1, 4), (4224, 1, 6), (8448, 1, 4))
-    for ctx, b in ((1048576, 8), (131072, 8)):
-        args, moved = scan_case(ctx, b)
-        scan_rows(say, rows, f"{ctx} x {b}", args, moved, peak,
-                  {f"{c} CTAs, {t} tiles/step, {s} stages": {"ctas": c, "tiles_per_step": t, "stages": s}
-                   for c, t, s in configs})
-        del args
-
-
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
-                               "depth": depth_group,
-                               "mulhi": lambda say, rows: scan_group(
-                                   say, rows, timelines=False, variants=mulhi_variants(),
-                                   points=((131072, 8), (1048576, 8))),
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
