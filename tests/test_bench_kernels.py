@@ -6,6 +6,7 @@ GPU time per call would then undercount the call."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from experiments import bench_kernels as bk
 
@@ -14,8 +15,10 @@ def _call(x, y):  # y is not the perturbed argument: only the barrier keeps its 
     return jnp.sin(y) @ y + x[0]
 
 
-def test_every_call_runs_its_own_work_after_its_flush(monkeypatch):
+@pytest.mark.parametrize("flush", ["rewrite", "read"])
+def test_every_call_runs_its_own_work_after_its_flush(monkeypatch, flush):
     monkeypatch.setattr(bk, "KW", {"interpret": True})  # the flush as on the smoke run (CPU)
+    monkeypatch.setattr(bk, "FLUSH", flush)
     x, y = jnp.arange(8, dtype=jnp.float32), jax.random.normal(jax.random.key(0), (32, 32))
     f, reps = bk.flushed_calls(_call, (x, y), perturb=0, reps=5)
     buf = jnp.zeros((bk._FLUSH_BLOCK,), jnp.uint32)
@@ -25,7 +28,14 @@ def test_every_call_runs_its_own_work_after_its_flush(monkeypatch):
     assert len(outs) == reps
     for out in outs:
         np.testing.assert_allclose(out, _call(x, y), rtol=1e-5)
-    np.testing.assert_array_equal(buf_out, reps % 2)  # every flush rewrote the buffer (^ 1 each)
+    # every rewrite flipped the buffer (^ 1 each); the read flush leaves it as it was
+    np.testing.assert_array_equal(buf_out, reps % 2 if flush == "rewrite" else 0)
+
+
+def test_an_unknown_flush_is_refused(monkeypatch):
+    monkeypatch.setattr(bk, "FLUSH", "zero")
+    with pytest.raises(ValueError, match="rewrite' or 'read'"):
+        bk.l2_flush(jnp.zeros((bk._FLUSH_BLOCK,), jnp.uint32), jnp.zeros((8,), jnp.uint32))
 
 
 def test_fewer_calls_where_the_outputs_would_pass_the_budget(monkeypatch):

@@ -29,6 +29,8 @@ Groups (default: tests scan attention):
   the per-tile time follow the tensor and epilogue work, which grows with the heads, or the decode?);
 - mulhi (fiftieth session; removed after its run): the default decode against its word >> 8 as a mul.hi (IMAD.HI)
   at 128K x 8 and 1M x 8 (slower: docs/BENCHMARKS.md, fiftieth session);
+- flush (fiftieth session): the copy peak, the scan at 128K x 8 and 1M x 8 and the attention at batch 64 after
+  each kind of L2 flush (`bench_kernels.FLUSH`: the rewrite leaves dirty lines, the read clean ones);
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -161,9 +163,11 @@ def say_timeline(say, label: str, phases: dict) -> None:
         say(f"{label}:", phases)
 
 
-def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("float32", "bfloat16")) -> None:
+def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("float32", "bfloat16"), peak=None,
+                    label: str = "") -> None:
     """The wgmma attention at 128K entries for each batch and q dtype, timed from HBM with its error against the
-    float32 twin, and (timelines) its CTAs' timeline with bf16 q."""
+    float32 twin, and (timelines) its CTAs' timeline with bf16 q. peak: the copy peak (default: timed here);
+    label: appended to each row's shape."""
     import functools
 
     import jax
@@ -173,8 +177,9 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
     from experiments import bench_kernels as bk
     from kernels_pallas import gpu_attention_wgmma as att
 
-    peak = bk.hbm_copy_bandwidth(1.0)
-    say(f"copy peak {peak / 1e9:.0f} GB/s")
+    if peak is None:
+        peak = bk.hbm_copy_bandwidth(1.0)
+        say(f"copy peak {peak / 1e9:.0f} GB/s")
     scale = bk.D_ATT ** -0.5
     for b in batches:
         q32, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17, jnp.float32)
@@ -186,7 +191,7 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
             bf16 = q.dtype == jnp.bfloat16
             fn = functools.partial(att.sparse_attention_wgmma, scale=scale)
             err = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
-            shape = f"128K x {b}, q {q.dtype}"
+            shape = f"128K x {b}, q {q.dtype}{label}"
             timed_row(say, rows, "attention", shape, fn, args, 7, moved, peak, f"{err:.1e}")
             if timelines and bf16:
                 say_timeline(say, f"timeline {shape}",
@@ -324,8 +329,31 @@ def heads_group(say, rows) -> None:
                       {"": {}, "moves (no decode)": {"decode_ptx": NO_DECODE}})
 
 
+def flush_group(say, rows) -> None:
+    """The copy peak, the scan at 128K x 8 and 1M x 8 and the attention at batch 64 timed after each kind of L2
+    flush (`bench_kernels.FLUSH`): the rewrite leaves the L2 full of dirty lines whose write-backs the timed call
+    shares the DRAM with, the read leaves clean lines (as ncu does: 33.2 us at 128K x 8 there, 36.95 after the
+    rewrite; fiftieth session, H100)."""
+    from experiments import bench_kernels as bk
+
+    for mode in ("rewrite", "read"):
+        bk.FLUSH = mode
+        try:
+            peak = bk.hbm_copy_bandwidth(1.0)
+            say(f"flush {mode}: copy peak {peak / 1e9:.0f} GB/s")
+            for ctx, b in ((131072, 8), (1048576, 8)):
+                args, moved = scan_case(ctx, b)
+                scan_rows(say, rows, f"{ctx} x {b}, {mode} flush", args, moved, peak, {"": {}})
+                del args
+            attention_group(say, rows, timelines=False, batches=(64,), q_dtypes=("bfloat16",), peak=peak,
+                            label=f", {mode} flush")
+        finally:
+            bk.FLUSH = "rewrite"
+
+
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
+                               "flush": flush_group,
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
