@@ -6,12 +6,13 @@ the HBM benchmarks flush the L2; clocks left alone) on one call of each case, af
 per case the kernel's duration, its DRAM bytes and rate against the copy peak timed in the same run
 (`bench_kernels.hbm_copy_bandwidth`), its issue-slot and pipe utilizations, and the warp stall reasons (cycles a
 warp waits per issued instruction, by reason). The reports, their raw metrics and the per-SASS-instruction stall
-samples come back compressed.
+samples come back compressed. First run (H100, fiftieth session; docs/BENCHMARKS.md): the scan at 1M x 8 bound by
+instruction issue, at its memory without the decode; the attention latency-bound.
 
 Cases: scan_128k8, scan_1m8 (the dispatch's q_parts 1), scan_1m8_nodecode (the decode replaced by moves:
 wrong scores by design), attention_b64 (bf16 q, the model's), or any subset as arguments.
 
-    PYTHONPATH=. python3 -m experiments.device_runs.issue21_ncu [CASE ...]          (~5 min on an H200)
+    PYTHONPATH=. python3 -m experiments.device_runs.issue21_ncu [CASE ...]          (~30 s a case on an H100)
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_ncu launch CASE        (what ncu runs)
     python -m experiments.device_runs.issue21_ncu summarize ncu_pages.tar.gz        (here: stall samples by SASS)
 """
