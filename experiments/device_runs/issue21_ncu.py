@@ -1,8 +1,8 @@
 """Issue 21 (fiftieth session): the scan's and the attention's hardware counters, read by Nsight Compute.
 
 Forty-nine sessions placed the kernels' time by ablation and in-kernel timelines; the issue asks for "the profile
-that says why" each target is met or not. This runs `ncu --set full` (caches flushed before each replay pass, as
-the HBM benchmarks flush the L2; clocks left alone) on one call of each case, after a warm-up call, and prints
+that says why" each target is met or not. This runs `ncu --set full` (caches flushed and invalidated before each
+replay pass: clean, where the HBM benchmarks' `l2_flush` leaves dirty lines; clocks left alone) on one call of each case, after a warm-up call, and prints
 per case the kernel's duration, its DRAM bytes and rate against the copy peak timed in the same run
 (`bench_kernels.hbm_copy_bandwidth`), its issue-slot and pipe utilizations, and the warp stall reasons (cycles a
 warp waits per issued instruction, by reason). The reports, their raw metrics and the per-SASS-instruction stall
@@ -34,7 +34,7 @@ CASES = {"scan_1m8": (1048576, 8, {}), "attention_b64": None, "scan_128k8": (131
          "scan_1m8_nodecode": (1048576, 8, None)}
 KERNEL = {"scan": "indexer_scores_wgmma", "attention": "sparse_attention_wgmma"}
 # raw metrics worth a line in the log (the rest stay in the raw csv)
-SHOWN = re.compile(r"^(gpu__time_duration\.sum|dram__bytes_(read|write)\.sum|dram__throughput\.avg\.pct_of_peak_sustained"
+SHOWN = re.compile(r"^(gpu__time_duration\.sum|dram__bytes_(read|write)\.sum|gpu__dram_throughput\.avg\.pct_of_peak_sustained"
                    r"_elapsed|sm__throughput\.avg\.pct_of_peak_sustained_elapsed|smsp__issue_active\.avg\.pct_of_peak_"
                    r"sustained_active|sm__warps_active\.avg\.pct_of_peak_sustained_active|launch__registers_per_thread|"
                    r"launch__occupancy_limit_.*|sm__(inst_executed_)?pipe_.*\.avg\.pct_of_peak_sustained_active|"
@@ -83,12 +83,10 @@ def ncu_binary() -> str:
     return found if isinstance(found, str) else found[-1]
 
 
-def raw_rows(ncu: str, rep: str) -> list[dict]:
-    """The report's raw page as {metric: value} per profiled kernel, in base units (ns, bytes; ncu's csv: names,
-    then units, then rows)."""
-    text = subprocess.run([ncu, "--import", rep, "--page", "raw", "--csv", "--print-units", "base"],
-                          capture_output=True, text=True).stdout
-    rows = list(csv.reader(io.StringIO(text)))
+def raw_rows(path: str) -> list[dict]:
+    """An exported raw page (`--page raw --csv --print-units base`) as {metric: value} per profiled kernel, in base
+    units (ns, bytes; ncu's csv: names, then units, then a row per kernel)."""
+    rows = list(csv.reader(open(path)))
     return [dict(zip(rows[0], r)) for r in rows[2:]] if len(rows) > 2 else []
 
 
@@ -152,8 +150,9 @@ def main(cases: list[str]) -> int:
                             ("source", ["--csv", "--print-source", "sass"])):
             out = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", page, *extra], capture_output=True,
                                  text=True)
-            open(f"{rep}.{page}.{'csv' if extra else 'txt'}", "w").write(out.stdout + out.stderr[-2000:])
-        for row in raw_rows(ncu, rep + ".ncu-rep"):
+            with open(f"{rep}.{page}.{'csv' if extra else 'txt'}", "w") as f:  # ncu's errors after the page
+                f.write(out.stdout + (out.stderr[-2000:] if page == "details" else ""))
+        for row in raw_rows(f"{rep}.raw.csv"):
             say(f"-- {case}: {row.get('Kernel Name', '?')[:60]}")
             for k in sorted(k for k in row if SHOWN.match(k)):
                 say(f"   {k} = {row[k]}")
@@ -163,7 +162,7 @@ def main(cases: list[str]) -> int:
                              if k.startswith("smsp__average_warps_issue_stalled_") and k.endswith("_per_issue_active.ratio")),
                             reverse=True)[:4]
             table.append((case, f"{ns / 1e3:.1f}", f"{100 * int(moved[-1]) / (ns * 1e-9) / peak:.1f}%",
-                           row.get("dram__throughput.avg.pct_of_peak_sustained_elapsed", "?"),
+                           row.get("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "?"),
                            row.get("smsp__issue_active.avg.pct_of_peak_sustained_active", "?"),
                            ", ".join(f"{k.split('stalled_')[1].split('_per_issue')[0]} {v:.2f}" for v, k in stalls),
                            f"{dram / 1e6:.1f} MB"))
@@ -177,8 +176,9 @@ def main(cases: list[str]) -> int:
 
 
 def summarize(pages: str, top: int = 25) -> int:
-    """Per case in a pages tarball (`main`'s ncu_pages.tar.gz): the stall samples of the SASS source page summed by
-    opcode, and the `top` instructions by samples with their sampled stall reasons."""
+    """Per case in a pages tarball (`main`'s ncu_pages.tar.gz): the warp instructions executed and the stall
+    samples of the SASS source page summed by opcode, and the `top` instructions by samples with their sampled
+    stall reasons."""
     with tarfile.open(pages) as tar:
         for member in sorted(m.name for m in tar.getmembers() if m.name.endswith(".source.csv")):
             lines = tar.extractfile(member).read().decode(errors="replace").splitlines()
@@ -193,12 +193,17 @@ def summarize(pages: str, top: int = 25) -> int:
             everything = sum(v for v, _ in samples if v == v) or 1.0
             print(f"== {member}: {len(rows)} instructions, {everything:.0f} samples")
             by_op: dict[str, float] = {}
+            executed: dict[str, float] = {}
             for v, r in samples:
                 words = [w for w in r[src].split() if not w.startswith("@")]
                 op = words[0].split(".")[0] if words else "?"
                 by_op[op] = by_op.get(op, 0.0) + (v if v == v else 0.0)
-            print("  by opcode:", ", ".join(f"{op} {100 * v / everything:.1f}%" for op, v in
-                                             sorted(by_op.items(), key=lambda kv: -kv[1])[:16]))
+                n = as_float(r.get("Instructions Executed", ""))
+                executed[op] = executed.get(op, 0.0) + (n if n == n else 0.0)
+            print(f"  executed, warp instructions ({sum(executed.values()) / 1e6:.1f}M):",
+                  ", ".join(f"{op} {n / 1e6:.2f}M" for op, n in sorted(executed.items(), key=lambda kv: -kv[1])[:18]))
+            print("  samples by opcode:", ", ".join(f"{op} {100 * v / everything:.1f}%" for op, v in
+                                                     sorted(by_op.items(), key=lambda kv: -kv[1])[:16]))
             for v, r in sorted(samples, key=lambda vr: -(vr[0] if vr[0] == vr[0] else 0))[:top]:
                 why = sorted(((as_float(r[c]), c) for c in reasons), reverse=True)[:3]
                 print(f"  {100 * v / everything:5.1f}%  {r[src][:70]:70s} "

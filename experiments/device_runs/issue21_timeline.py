@@ -336,6 +336,7 @@ def flush_group(say, rows) -> None:
     rewrite; fiftieth session, H100)."""
     from experiments import bench_kernels as bk
 
+    before = bk.FLUSH
     for mode in ("rewrite", "read"):
         bk.FLUSH = mode
         try:
@@ -348,7 +349,7 @@ def flush_group(say, rows) -> None:
             attention_group(say, rows, timelines=False, batches=(64,), q_dtypes=("bfloat16",), peak=peak,
                             label=f", {mode} flush")
         finally:
-            bk.FLUSH = "rewrite"
+            bk.FLUSH = before
 
 
 def main(groups: list[str]) -> int:
