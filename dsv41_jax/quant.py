@@ -68,6 +68,42 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
     return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+# Hopper's word layout of packed FP4 codes (the indexer keys' on sm_90: `Fp4Codec(word_layout="sm90")`). A
+# little-endian 32-bit word of `pack_nibbles` holds codes c < 8 (bits 4c .. 4c + 3: mantissa, e0, e1, sign);
+# SM90_WORD_BITS[4c + k] is where bit k of code c sits in the stored word instead. The wgmma scan's decode
+# (`kernels_pallas.gpu_indexer_wgmma.SM90_DECODE_PTX`) wants each bf16 lane as sign << 15 | e1 e0 m << 6, code
+# pairs (3, 7), (2, 6), (1, 5), (0, 4) in its four outputs: here the first pair already sits at bits 6..8 and 15
+# of each 16-bit half, the next two pairs 3 and 6 bits below (one rotate each), the last pair scattered where an
+# integer multiply's three copies put them (a mask, a multiply, a mask): 12 instructions a word where the
+# released nibbles take 17 (docs/BENCHMARKS.md, fifty-first session). Same bytes, same codes, one bijection.
+SM90_WORD_BITS = np.array([30, 26, 27, 29, 0, 1, 2, 9, 3, 4, 5, 12, 6, 7, 8, 15,
+                           14, 10, 11, 13, 16, 17, 18, 25, 19, 20, 21, 28, 22, 23, 24, 31])
+
+
+def _permute_word_bits(packed: jax.Array, dest: np.ndarray) -> jax.Array:
+    """uint8 [..., 4n]: each little-endian 32-bit word's bit i moved to bit dest[i] (one mask and shift per
+    distinct distance)."""
+    if packed.shape[-1] % 4:
+        raise ValueError(f"the sm90 word layout needs whole 32-bit words: last dim {packed.shape[-1]} % 4 != 0")
+    b = packed.reshape(*packed.shape[:-1], -1, 4).astype(jnp.uint32)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    out = jnp.zeros_like(word)
+    for dist in sorted(set((dest - np.arange(32)).tolist())):
+        mask = jnp.uint32(sum(1 << int(i) for i in np.flatnonzero(dest - np.arange(32) == dist)))
+        out = out | ((word & mask) << dist if dist >= 0 else (word & mask) >> -dist)
+    return jnp.stack([(out >> (8 * i)) & 0xFF for i in range(4)], -1).astype(jnp.uint8).reshape(packed.shape)
+
+
+def to_sm90_words(packed: jax.Array) -> jax.Array:
+    """`pack_nibbles` bytes [..., 4n] -> the same codes in Hopper's word layout (SM90_WORD_BITS)."""
+    return _permute_word_bits(packed, SM90_WORD_BITS)
+
+
+def from_sm90_words(stored: jax.Array) -> jax.Array:
+    """Inverse of `to_sm90_words`."""
+    return _permute_word_bits(stored, np.argsort(SM90_WORD_BITS))
+
+
 def e8m0_scale(amax: jax.Array, max_value: float) -> tuple[jax.Array, jax.Array]:
     """Power-of-two scale 2^ceil(log2(amax / max_value)), computed on the f32 bits as the release does.
 

@@ -75,6 +75,20 @@ _SPLAT = plgpu.Layout.WG_SPLAT(shape=())
 _Q_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 [2H, 128]
 
 
+# The decode of keys in Hopper's word layout (`quant.SM90_WORD_BITS`), with DECODE_PTX's operands ($4 the word,
+# $5 the bf16x2 factor) and outputs ($0 .. $3: code pairs WORD_PAIRS, sign << 15 | e1 e0 m << 6 a lane): pair 0
+# masked in place, pairs 1 and 2 after a rotate by 3 and by 6, pair 3 gathered from the rotate by 6 by a multiply
+# whose three copies (<< 2, 7, 12) do not overlap (so no carry); then the same exact fma.rn.bf16x2 by $5 (-0 added).
+# 8 integer ops and 4 HFMA2 a word against DECODE_PTX's 13 and 4.
+SM90_DECODE_PTX = ("{ .reg .b32 r3, r6, t, z; mov.b32 z, 0x80008000; shf.l.wrap.b32 r3, $4, $4, 3; "
+                   "shf.l.wrap.b32 r6, $4, $4, 6; "
+                   "and.b32 t, $4, 0x81C081C0; fma.rn.bf16x2 $0, t, $5, z; "
+                   "and.b32 t, r3, 0x81C081C0; fma.rn.bf16x2 $1, t, $5, z; "
+                   "and.b32 t, r6, 0x81C081C0; fma.rn.bf16x2 $2, t, $5, z; "
+                   "and.b32 t, r6, 0x001B001B; mul.lo.u32 t, t, 4228; and.b32 t, t, 0x81C081C0; "
+                   "fma.rn.bf16x2 $3, t, $5, z; }")
+
+
 def key_perm() -> np.ndarray:
     """p[c]: the channel that the wgmma's K column c holds, in every key row and in q.
 

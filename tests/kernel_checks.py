@@ -93,3 +93,52 @@ def dot_precisions(jaxpr) -> list:
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             out += dot_precisions(sub)
     return out
+
+
+def bf16_bits_to_float(bits_u16: np.ndarray) -> np.ndarray:
+    """float64 values of bf16 bit patterns (uint16)."""
+    return (bits_u16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def run_decode_ptx(ptx: str, word: np.ndarray, exp_u8: np.ndarray) -> np.ndarray:
+    """float64 [..., 4, 2]: a keys' decode PTX (`gpu_wgmma.DECODE_PTX`'s operands: $4 the uint32 words, $5 the
+    bf16x2 factor 2**(E8M0 byte - 1); outputs $0 .. $3, low and high lane) run instruction by instruction in numpy.
+    It knows the instructions those decodes use and refuses any other; an fma.rn.bf16x2 must be exact (each
+    product a bf16, the addend -0), which it asserts."""
+    mult = ((exp_u8.astype(np.uint32) + 126) << 7).astype(np.uint16)  # bf16 2**(E + 126), E = byte - 127
+    regs = {"$4": word.astype(np.uint32)}
+    outs = {}
+
+    def val(x):
+        return regs[x] if x in regs else np.uint32(int(x, 0))
+
+    body = ptx.strip()[1:-1]  # "{ .reg ...; op; op; }"
+    for ins in (s.strip() for s in body.split(";") if s.strip()):
+        op, args = ins.split(None, 1)
+        a = [x.strip() for x in args.split(",")]
+        if op == ".reg":
+            continue
+        if op == "mov.b32":
+            regs[a[0]] = val(a[1]) + np.zeros_like(word, np.uint32)
+        elif op == "shr.b32":
+            regs[a[0]] = val(a[1]) >> np.uint32(int(a[2]))
+        elif op == "shf.l.wrap.b32":  # {a[2]:a[1]} << n, upper word; a[1] == a[2]: a rotate
+            assert a[1] == a[2], ins
+            n = np.uint32(int(a[3]) % 32)
+            x = val(a[1])
+            regs[a[0]] = (x << n) | (x >> (np.uint32(32) - n)) if n else x
+        elif op == "and.b32":
+            regs[a[0]] = val(a[1]) & val(a[2])
+        elif op == "mul.lo.u32":
+            regs[a[0]] = ((val(a[1]).astype(np.uint64) * int(val(a[2]))) & 0xFFFFFFFF).astype(np.uint32)
+        elif op == "fma.rn.bf16x2":
+            assert a[2] == "$5" and np.all(val(a[3]) == 0x80008000), ins  # times the factor, plus -0
+            t = val(a[1])
+            lanes = np.stack([t & np.uint32(0xFFFF), t >> np.uint32(16)], -1).astype(np.uint16)
+            prod = bf16_bits_to_float(lanes) * bf16_bits_to_float(mult)[..., None]
+            assert np.all(np.asarray(jnp.asarray(prod, jnp.bfloat16), np.float64) == prod), "an inexact product"
+            outs[int(a[0][1:])] = prod
+        else:
+            raise AssertionError(f"the numpy model does not know {op!r}")
+    assert sorted(outs) == [0, 1, 2, 3], sorted(outs)
+    return np.stack([outs[i] for i in range(4)], -2)

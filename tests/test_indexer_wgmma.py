@@ -13,7 +13,7 @@ import pytest
 from dsv41_jax import ops, quant
 from kernels_pallas import gpu_indexer_wgmma as scan
 from kernels_pallas import gpu_wgmma
-from tests.kernel_checks import index_case
+from tests.kernel_checks import index_case, run_decode_ptx
 
 
 def test_key_permutation_gives_each_thread_its_own_scale_group():
@@ -21,6 +21,29 @@ def test_key_permutation_gives_each_thread_its_own_scale_group():
     assert sorted(p) == list(range(scan.D))
     thread = (np.arange(scan.D) % 8) // 2
     assert np.all(p // scan.GROUP == thread)
+
+
+def test_sm90_decode_gives_every_code_of_the_sm90_words_times_its_scale():
+    """SM90_DECODE_PTX (run in numpy) on words that `quant.to_sm90_words` stored: output i holds codes
+    WORD_PAIRS[i] of the `pack_nibbles` word (code j: byte j // 2, high nibble for odd j) times 2**(byte - 127),
+    for every pair of codes in every position and E8M0 bytes 0 .. 128; and the layout is a bijection of bits."""
+    assert sorted(quant.SM90_WORD_BITS) == list(range(32))
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 16, (4096, 8)).astype(np.uint8)
+    for j in range(0, 8, 2):  # all 256 pairs in each pair of positions
+        codes[256 * j // 2:256 * (j // 2 + 1), j:j + 2] = np.stack(np.meshgrid(np.arange(16), np.arange(16)), -1).reshape(256, 2)
+    packed = quant.pack_nibbles(jnp.asarray(codes))  # [4096, 4]: one word a row
+    stored = quant.to_sm90_words(packed)
+    np.testing.assert_array_equal(np.asarray(quant.from_sm90_words(stored)), np.asarray(packed))
+    words = np.asarray(stored).view("<u4")[:, 0]
+    exps = np.resize(np.arange(129, dtype=np.uint8), len(codes))
+    got = run_decode_ptx(scan.SM90_DECODE_PTX, words, exps)
+    e2m1 = quant.FP4_VALUES.astype(np.float64)
+    for i, pair in enumerate(gpu_wgmma.WORD_PAIRS):
+        for lane, j in enumerate(pair):
+            want = e2m1[codes[:, j]] * np.exp2(exps.astype(np.float64) - 127)
+            np.testing.assert_array_equal(got[:, i, lane], want)
+            assert np.array_equal(np.signbit(got[:, i, lane]), np.signbit(e2m1[codes[:, j]]))  # -0 stays -0
 
 
 def test_bf16_round_is_the_bf16_cast():

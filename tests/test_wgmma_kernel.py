@@ -17,31 +17,9 @@ import pytest
 
 from dsv41_jax import grouped
 from kernels_pallas import gpu_grouped, gpu_wgmma
+from tests.kernel_checks import bf16_bits_to_float, run_decode_ptx
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
-
-
-def _bf16_bits_to_float(bits_u16: np.ndarray) -> np.ndarray:
-    return (bits_u16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
-def _ptx_model(word: np.ndarray, exp_u8: np.ndarray) -> np.ndarray:
-    """float64 [..., 4, 2]: DECODE_PTX's four bf16x2 outputs (low, high lane) for uint32 words and E8M0 bytes,
-    instruction by instruction (the FMA's product is exact in bf16 here, as the test below checks)."""
-    ptx = gpu_wgmma.DECODE_PTX  # the model below follows its instructions and constants
-    assert re.findall(r"\b(shr|and|mul|fma)\.", ptx) == ["shr"] + ["and", "mul", "and", "fma"] * 4
-    steps = re.findall(r"and\.b32 l, (\$4|v), (0x[0-9A-F]+); mul\.lo\.u32 t, l, (\d+); and\.b32 t, t, (0x[0-9A-F]+); "
-                       r"fma\.rn\.bf16x2 \$(\d), t, \$5, z;", ptx)
-    assert "shr.b32 v, $4, 8;" in ptx and [int(s[4]) for s in steps] == [0, 1, 2, 3]
-    mult = ((exp_u8.astype(np.uint32) + 126) << 7).astype(np.uint16)  # bf16 2**(E + 126), E = byte - 127
-    v = word >> np.uint32(8)
-    outs = []
-    for src, mask, k, keep, _ in steps:
-        t = (word if src == "$4" else v) & np.uint32(int(mask, 16))
-        t = ((t.astype(np.uint64) * int(k)) & 0xFFFFFFFF).astype(np.uint32) & np.uint32(int(keep, 16))
-        lanes = np.stack([t & np.uint32(0xFFFF), t >> np.uint32(16)], -1).astype(np.uint16)
-        outs.append(_bf16_bits_to_float(lanes) * _bf16_bits_to_float(mult)[..., None])
-    return np.stack(outs, -2)
 
 
 def test_decode_bits_give_every_code_times_its_scale():
@@ -54,7 +32,7 @@ def test_decode_bits_give_every_code_times_its_scale():
     for j in range(8):  # input j: byte j // 2, high nibble for odd j
         words |= codes[:, j] << np.uint32(4 * j)
     exps = np.resize(np.arange(129, dtype=np.uint8), len(codes))
-    got = _ptx_model(words, exps)
+    got = run_decode_ptx(gpu_wgmma.DECODE_PTX, words, exps)
     for i, (lo, hi) in enumerate(gpu_wgmma.WORD_PAIRS):
         for lane, j in enumerate((lo, hi)):
             want = E2M1[codes[:, j]] * np.exp2(exps.astype(np.float64) - 127)
@@ -211,7 +189,7 @@ def test_fp8_decode_bits_give_every_byte_times_its_scale():
     words4[:, 0] = codes  # every code in byte 0 at least
     words = sum(words4[:, j] << np.uint32(8 * j) for j in range(4)).astype(np.uint32)
     exps = np.resize(np.arange(100, 135, dtype=np.uint32), len(codes))
-    mult = _bf16_bits_to_float(((exps + 120) << 7).astype(np.uint16))
+    mult = bf16_bits_to_float(((exps + 120) << 7).astype(np.uint16))
     e4m3 = np.asarray(jnp.asarray(words4.astype(np.uint8)).view(jnp.float8_e4m3fn).astype(jnp.float32), np.float64)
     for sel in sels:
         t = np.zeros_like(words)
@@ -224,7 +202,7 @@ def test_fp8_decode_bits_give_every_byte_times_its_scale():
         lo, hi = sel & 0xF, (sel >> 8) & 0xF  # the lanes' source bytes
         for lane, j in enumerate((lo, hi)):
             bits = (m >> np.uint32(16 * lane)) & np.uint32(0xFFFF)
-            got = _bf16_bits_to_float(bits.astype(np.uint16)) * mult
+            got = bf16_bits_to_float(bits.astype(np.uint16)) * mult
             np.testing.assert_array_equal(got, e4m3[:, j] * np.exp2(exps.astype(np.float64) - 127))
 
 

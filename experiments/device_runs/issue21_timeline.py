@@ -31,6 +31,8 @@ Groups (default: tests scan attention):
   at 128K x 8 and 1M x 8 (slower: docs/BENCHMARKS.md, fiftieth session);
 - flush (fiftieth session): the copy peak, the scan at 128K x 8 and 1M x 8 and the attention at batch 64 after
   each kind of L2 flush (`bench_kernels.FLUSH`: the rewrite leaves dirty lines, the read clean ones);
+- sm90 (fifty-first session): the scan at 128K x 8 and 1M x 8 on the released nibbles and on the same keys in
+  Hopper's word layout (`quant.to_sm90_words`, SM90_DECODE_PTX);
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -352,9 +354,32 @@ def flush_group(say, rows) -> None:
             bk.FLUSH = before
 
 
+def sm90_group(say, rows) -> None:
+    """The scan at 128K x 8 and 1M x 8 with the released nibbles (DECODE_PTX) and with the keys in Hopper's word
+    layout (`quant.to_sm90_words`, decoded by SM90_DECODE_PTX: 12 instructions a word against 17), each with its
+    error against the Triton twin on the released bytes."""
+    import functools
+
+    from dsv41_jax import quant
+    from experiments import bench_kernels as bk
+    from experiments.device_runs.issue21_alu_decode import scan_error
+    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
+
+    peak = bk.hbm_copy_bandwidth(1.0)
+    say(f"copy peak {peak / 1e9:.0f} GB/s")
+    for ctx, b in ((131072, 8), (1048576, 8)):
+        args, moved = scan_case(ctx, b)
+        twin = gpu_indexer.indexer_scores(*args)
+        sm90 = (*args[:2], quant.to_sm90_words(args[2]), *args[3:])
+        for name, a, ptx in (("released nibbles", args, scan.DECODE_PTX), ("sm90 words", sm90, scan.SM90_DECODE_PTX)):
+            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, decode_ptx=ptx)
+            timed_row(say, rows, "scan", f"{ctx} x {b}, {name}", fn, a, 1, moved, peak, scan_error(fn(*a), twin))
+        del args, sm90, twin
+
+
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
-                               "flush": flush_group,
+                               "flush": flush_group, "sm90": sm90_group,
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
