@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax import kernels
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.plan import Mode, build_plan
 from dsv41_jax.quant import cache_formats
@@ -60,7 +61,8 @@ class Cache:
 
 
 def formats_of(cfg: ModelConfig):
-    return cache_formats(cfg.quantize_cache, "float32" if cfg.dtype == "float32" else "bfloat16")
+    return cache_formats(cfg.quantize_cache, "float32" if cfg.dtype == "float32" else "bfloat16",
+                         kernels.index_key_layout(cfg))
 
 
 def init_cache(cfg: ModelConfig, batch: int, capacity: int) -> Cache:

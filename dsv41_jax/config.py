@@ -37,8 +37,8 @@ _HF_KEYS = {
 
 
 # ModelConfig fields that are choices of how to run, not part of a checkpoint's config
-RUNTIME_FIELDS = ("dtype", "param_dtype", "quantize_cache", "index_keys", "weight_format", "activation_quant",
-                  "sinkhorn_unroll", "matmul_precision")
+RUNTIME_FIELDS = ("dtype", "param_dtype", "quantize_cache", "index_keys", "index_key_layout", "weight_format",
+                  "activation_quant", "sinkhorn_unroll", "matmul_precision")
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,10 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"  # random-init params
     quantize_cache: bool = True  # FP4/FP8 cache formats + in-model quantize-dequantize
     index_keys: Literal["consistent", "released"] = "consistent"
+    # the cached index keys' 32-bit words (`quant.Fp4Codec.word_layout`, same bytes and codes): "sm90" is the
+    # layout the Hopper scan decodes in 12 instructions a word instead of 17; "auto" takes it where that scan
+    # runs (an H100/H200, `kernels.index_key_layout`), the released nibbles elsewhere
+    index_key_layout: Literal["auto", "nibbles", "sm90"] = "auto"
     weight_format: Literal["float", "fp8"] = "float"  # "fp8": keep the released FP8/FP4 weight formats
     activation_quant: bool = False  # the release's fp8 mode: FP8-round the inputs of FP8/FP4 projections
     # Sinkhorn loop of mHC: "auto" unrolls on accelerators (fused steps, 2.6x faster decode on the H200,
@@ -234,6 +238,8 @@ class ModelConfig:
         need(self.score_func in ("sqrtsoftplus", "softmax", "sigmoid"), f"unknown score_func {self.score_func!r}")
         need(self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         need(self.index_keys in ("consistent", "released"), f"index_keys must be consistent|released, got {self.index_keys!r}")
+        need(self.index_key_layout in ("auto", "nibbles", "sm90"),
+             f"index_key_layout must be auto|nibbles|sm90, got {self.index_key_layout!r}")
         need(self.weight_format in ("float", "fp8"), f"weight_format must be float|fp8, got {self.weight_format!r}")
         need(self.sinkhorn_unroll in ("auto", "unrolled", "rolled"),
              f"sinkhorn_unroll must be auto|unrolled|rolled, got {self.sinkhorn_unroll!r}")

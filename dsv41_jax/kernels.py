@@ -41,11 +41,22 @@ from dsv41_jax import grouped, ops, quant
 from dsv41_jax.rope import apply_rope, pair_angles
 from dsv41_jax.sequence_split import per_sequence
 
-_KERNEL_FORMATS = {  # what the kernels decode: the released record layouts
-    "index_key": quant.INDEX_KEY,
-    "main_kv": quant.MAIN_KV,
-    "window_kv": quant.WINDOW_KV,
+_KERNEL_FORMATS = {  # what the kernels decode: the released record layouts (the GPU's also Hopper's index key words)
+    "index_key": (quant.INDEX_KEY, quant.INDEX_KEY_SM90),
+    "main_kv": (quant.MAIN_KV,),
+    "window_kv": (quant.WINDOW_KV,),
 }
+
+
+def index_key_layout(cfg) -> str:
+    """The index keys' word layout a model config stores (`ModelConfig.index_key_layout`): "auto" is "sm90"
+    where the dispatch's full scan is Hopper's wgmma scan (a GPU backend, an H100/H200, that scan on and its
+    shapes), whose decode takes 12 instructions a word there against 17 for the released nibbles, else
+    "nibbles"."""
+    if cfg.index_key_layout != "auto":
+        return cfg.index_key_layout
+    gpu = jax.default_backend() in ("gpu", "cuda")
+    return "sm90" if gpu and _kp.gpu_indexer_wgmma.takes(cfg.index_n_heads, cfg.index_head_dim) else "nibbles"
 
 
 def resolve(kernels: str) -> str:
@@ -62,10 +73,12 @@ def _pallas(kernels: str, **codecs) -> bool:
     kernels = resolve(kernels)
     if kernels == "jnp":
         return False
-    odd = [f"{name}={codec!r}" for name, codec in codecs.items() if codec != _KERNEL_FORMATS[name]]
+    tpu = jax.default_backend() == "tpu"
+    odd = [f"{name}={codec!r}" for name, codec in codecs.items()
+           if codec not in _KERNEL_FORMATS[name] or (tpu and getattr(codec, "word_layout", "") == "sm90")]
     if odd and kernels == "pallas":
-        raise ValueError(f"the Pallas kernels read the released packed formats only, got {', '.join(odd)}; "
-                         "use kernels='jnp' or 'auto' with these cache formats")
+        raise ValueError(f"the Pallas kernels read the released packed formats only (and Hopper's index key words "
+                         f"on GPUs), got {', '.join(odd)}; use kernels='jnp' or 'auto' with these cache formats")
     return not odd
 
 
@@ -73,7 +86,8 @@ def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec, *, block=Non
     """f32 [B, N] decode scores (`ops.indexer_scores_decode`); with `block`, also their block maxima
     f32 [B, ceil(N / block)], which the Pallas scan writes in the same pass."""
     if _pallas(kernels, index_key=codec):
-        return per_sequence(lambda *a: _kp.indexer_scores_decode(*a, block=block), q_bhd, w_bh, key_rec, reachable_b)
+        return per_sequence(lambda *a: _kp.indexer_scores_decode(*a, block=block, layout=codec.word_layout),
+                            q_bhd, w_bh, key_rec, reachable_b)
     scores = ops.indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec)
     return scores if block is None else (scores, ops.block_maxima(scores, block))
 
@@ -81,7 +95,8 @@ def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec, *, block=Non
 def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b, codec, *, kernels="jnp"):
     """f32 [B, K * block] scores of the pool positions only (`ops.indexer_scores_pool_decode`)."""
     if _pallas(kernels, index_key=codec):
-        return per_sequence(lambda q, w, k, b, r: _kp.indexer_scores_pool_decode(q, w, k, b, block, r),
+        return per_sequence(lambda q, w, k, b, r: _kp.indexer_scores_pool_decode(q, w, k, b, block, r,
+                                                                                 layout=codec.word_layout),
                             q_bhd, w_bh, key_rec, blocks_bk, reachable_b)
     return ops.indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b, codec)
 

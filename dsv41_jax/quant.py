@@ -143,10 +143,16 @@ def _groups(x: jax.Array, block: int) -> jax.Array:
 
 @dataclass(frozen=True)
 class Fp4Codec:
-    """FP4 E2M1 values, packed two per byte, one scale per `block` channels (E4M3 or E8M0)."""
+    """FP4 E2M1 values, packed two per byte, one scale per `block` channels (E4M3 or E8M0); word_layout
+    "nibbles" as released (`pack_nibbles`), "sm90" the same codes in Hopper's word layout (`to_sm90_words`)."""
 
     block: int
     scale_format: str  # "e4m3" | "e8m0"
+    word_layout: str = "nibbles"  # "nibbles" | "sm90"
+
+    def __post_init__(self):
+        if self.word_layout not in ("nibbles", "sm90"):
+            raise ValueError(f"Fp4Codec word_layout must be nibbles|sm90, got {self.word_layout!r}")
 
     def encode(self, x: jax.Array) -> dict[str, jax.Array]:
         g = _groups(x, self.block)
@@ -158,11 +164,12 @@ class Fp4Codec:
         else:
             scale, s_bytes = e8m0_scale(jnp.maximum(amax, 6 * 2.0**-126), FP4_MAX)
         v = jnp.clip(g / scale[..., None], -FP4_MAX, FP4_MAX)
-        codes = fp4_codes(v).reshape(x.shape)
-        return {"values": pack_nibbles(codes), "scales": s_bytes}
+        packed = pack_nibbles(fp4_codes(v).reshape(x.shape))
+        return {"values": to_sm90_words(packed) if self.word_layout == "sm90" else packed, "scales": s_bytes}
 
     def decode(self, rec: dict[str, jax.Array], dtype=jnp.float32) -> jax.Array:
-        codes = unpack_nibbles(rec["values"])
+        packed = from_sm90_words(rec["values"]) if self.word_layout == "sm90" else rec["values"]
+        codes = unpack_nibbles(packed)
         vals = fp4_decode(codes)
         vals = vals.reshape(*vals.shape[:-1], -1, self.block)
         scale = e4m3_decode(rec["scales"]) if self.scale_format == "e4m3" else e8m0_decode(rec["scales"])
@@ -224,6 +231,7 @@ class RawCodec:
 # The released formats.
 MAIN_KV = Fp4Codec(block=16, scale_format="e4m3")
 INDEX_KEY = Fp4Codec(block=32, scale_format="e8m0")
+INDEX_KEY_SM90 = Fp4Codec(block=32, scale_format="e8m0", word_layout="sm90")  # the same bytes in Hopper's words
 WINDOW_KV = Fp8Codec(block=32)
 
 
@@ -234,10 +242,11 @@ class CacheFormats:
     window_kv: Fp8Codec | RawCodec
 
 
-def cache_formats(quantize: bool, dtype: str = "float32") -> CacheFormats:
-    """The released formats, or raw storage in `dtype` when cache quantization is switched off."""
+def cache_formats(quantize: bool, dtype: str = "float32", index_layout: str = "nibbles") -> CacheFormats:
+    """The released formats (the index keys' words in `index_layout`: "nibbles" as released, "sm90" Hopper's),
+    or raw storage in `dtype` when cache quantization is switched off."""
     if quantize:
-        return CacheFormats(MAIN_KV, INDEX_KEY, WINDOW_KV)
+        return CacheFormats(MAIN_KV, {"nibbles": INDEX_KEY, "sm90": INDEX_KEY_SM90}[index_layout], WINDOW_KV)
     raw = RawCodec(dtype)
     return CacheFormats(raw, raw, raw)
 

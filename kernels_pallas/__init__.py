@@ -4,7 +4,8 @@ GPU kernels lower through Triton (`gpu_*`; the Hopper kernels `gpu_wgmma` and `g
 Mosaic GPU), TPU kernels through Mosaic TPU (`tpu_*`); on a CPU both run in interpret mode (that is how CI
 checks them), except the Mosaic GPU ones, which have none (a CPU checks their lowering and a bit model of
 their decode). The functions below take the cache records of
-`dsv41_jax.quant` in the released packed formats and pick the platform from the default backend
+`dsv41_jax.quant` in the released packed formats (the GPU index scans also Hopper's words,
+`quant.INDEX_KEY_SM90`) and pick the platform from the default backend
 unless `family` ("gpu" | "tpu") is given.
 """
 
@@ -41,27 +42,44 @@ def _gpu_only(kernel: str, instead: str, family: str | None = None) -> bool:
     return interpret
 
 
-def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | None = None, family=None):
+def _index_family(family, layout: str) -> tuple[str, bool]:
+    """`platform` for an index-key scan of keys in word `layout` (`quant.Fp4Codec.word_layout`): Hopper's
+    words are read by the GPU kernels only."""
+    fam, interpret = platform(family)
+    if fam == "tpu" and layout != "nibbles":
+        raise ValueError(f"the TPU index scans read the released nibbles only, got word_layout {layout!r}: store "
+                         "the index keys with index_key_layout='nibbles' (or 'auto') on TPUs")
+    return fam, interpret
+
+
+def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | None = None, layout: str = "nibbles",
+                          family=None):
     """f32 [B, N] scores, -inf past reachable (and block maxima [B, ceil(N/block)] with `block`). q: the model's
     indexer queries, on the FP4 grid: the GPU scans take them exactly (others are rounded, to bf16 or f16). On
-    an H100/H200 while `gpu_indexer_wgmma.ON`: the wgmma scan, its block maxima by XLA after it."""
-    fam, interpret = platform(family)
+    an H100/H200 while `gpu_indexer_wgmma.ON`: the wgmma scan, its block maxima by XLA after it. layout: the
+    keys' word layout ("nibbles" as released, "sm90": GPU only)."""
+    fam, interpret = _index_family(family, layout)
     if fam == "gpu" and not interpret and gpu_indexer_wgmma.supported(q_bhd, key_rec["values"], block):
         b, n = key_rec["values"].shape[:2]
         scores = gpu_indexer_wgmma.indexer_scores_wgmma(q_bhd, w_bh, key_rec["values"], key_rec["scales"],
-                                                        reachable_b, q_parts=1)
+                                                        reachable_b, q_parts=1, layout=layout)
         return scores if block is None else (scores, scores.reshape(b, n // block, block).max(axis=-1))
-    mod = tpu_indexer if fam == "tpu" else gpu_indexer
-    return mod.indexer_scores(q_bhd, w_bh, key_rec["values"], key_rec["scales"], reachable_b, block=block,
-                              interpret=interpret)
+    if fam == "tpu":
+        return tpu_indexer.indexer_scores(q_bhd, w_bh, key_rec["values"], key_rec["scales"], reachable_b, block=block,
+                                          interpret=interpret)
+    return gpu_indexer.indexer_scores(q_bhd, w_bh, key_rec["values"], key_rec["scales"], reachable_b, block=block,
+                                      layout=layout, interpret=interpret)
 
 
-def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block: int, reachable_b, *, family=None):
-    """f32 [B, K * block] scores of the candidate pool's positions only (`ops.indexer_scores_pool_decode`)."""
-    fam, interpret = platform(family)
-    mod = tpu_indexer if fam == "tpu" else gpu_indexer
-    return mod.indexer_scores_pool(q_bhd, w_bh, key_rec["values"], key_rec["scales"], blocks_bk, reachable_b,
-                                   block=block, interpret=interpret)
+def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block: int, reachable_b, *, layout: str = "nibbles",
+                               family=None):
+    """f32 [B, K * block] scores of the candidate pool's positions only (`ops.indexer_scores_pool_decode`);
+    layout as in `indexer_scores_decode`."""
+    fam, interpret = _index_family(family, layout)
+    args = (q_bhd, w_bh, key_rec["values"], key_rec["scales"], blocks_bk, reachable_b)
+    if fam == "tpu":
+        return tpu_indexer.indexer_scores_pool(*args, block=block, interpret=interpret)
+    return gpu_indexer.indexer_scores_pool(*args, block=block, layout=layout, interpret=interpret)
 
 
 def select_topk(scores, k: int, *, family=None):

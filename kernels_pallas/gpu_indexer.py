@@ -25,6 +25,7 @@ than this one on the H200 and were removed (docs/BENCHMARKS.md, issue 21, 2026-1
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -58,12 +59,31 @@ def prepare_query(q_bhd: jax.Array, w_bh: jax.Array, min_heads: int = 16):
 
 
 def _tile_scores(kb, e, q_ref, b, w, groups: int) -> jax.Array:
-    """Scores f32 [TN] of TN key rows, before any masking: packed FP4 bytes kb uint8 [TN, D/2], E8M0
-    exponents e int32 [TN, D/32], the queries q_ref (f16 q^T [B, D, Hp] from `prepare_query`) of which
-    sequence b's, and its w' f32 [Hp]."""
+    """Scores f32 [TN] of TN key rows, before any masking: packed FP4 kb (uint8 [TN, D/2] bytes, or uint32
+    [TN, D/8] words in Hopper's layout), E8M0 exponents e int32 [TN, D/32], the queries q_ref of which sequence
+    b's (`prepare_query`: f16 q^T [B, D, Hp], or [B, 8, D/8, Hp] for words) and its w' f32 [Hp]."""
     e_max, rel = _group_scales(e)
-    logits = jnp.dot(_decoded_keys(kb, rel, groups), q_ref[b], preferred_element_type=jnp.float32)
+    if kb.dtype == jnp.uint32:  # one K = D/8 dot a code slot: code c of word u is channel 8u + c
+        tn, words = kb.shape
+        rel_w = jnp.broadcast_to(rel[:, :, None], (tn, groups, words // groups)).reshape(tn, words)
+        logits = functools.reduce(operator.add, (jnp.dot(k16 * rel_w, q_ref[b, c], preferred_element_type=jnp.float32)
+                                                 for c, k16 in enumerate(decode.sm90_f16(kb))))
+    else:
+        logits = jnp.dot(_decoded_keys(kb, rel, groups), q_ref[b], preferred_element_type=jnp.float32)
     return jnp.sum(jnp.maximum(logits, 0.0) * w[None, :], axis=1) * decode.e8m0_f32(e_max)
+
+
+def _layout_args(qt: jax.Array, key_values: jax.Array, layout: str) -> tuple[jax.Array, jax.Array]:
+    """(queries, keys) as the kernels read them for a word layout (`quant.Fp4Codec.word_layout`): "nibbles" as
+    given; "sm90" the keys as uint32 words [B, N, D/8] (a bitcast) and q^T [B, D, Hp] as [B, 8, D/8, Hp] (slot c
+    holds channels 8u + c)."""
+    if layout == "nibbles":
+        return qt, key_values
+    if layout != "sm90":
+        raise ValueError(f"index key word_layout must be nibbles|sm90, got {layout!r}")
+    b, n, half = key_values.shape
+    words = jax.lax.bitcast_convert_type(key_values.reshape(b, n, half // 4, 4), jnp.uint32)
+    return jnp.swapaxes(qt.reshape(b, half // 4, 8, qt.shape[-1]), 1, 2), words
 
 
 def _group_scales(e) -> tuple[jax.Array, jax.Array]:
@@ -87,7 +107,7 @@ def _kernel(reach_ref, qt_ref, w_ref, kv_ref, ks_ref, s_ref, *bmax_refs, n: int,
     n0 = t * tn
     rows = n0 + jnp.arange(tn)
     in_range = rows < n
-    kb = plt.load(kv_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=0)  # [TN, D/2]
+    kb = plt.load(kv_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=0)  # [TN, D/2] bytes or D/8 words
     e = plt.load(ks_ref.at[b, pl.ds(n0, tn), :], mask=in_range[:, None], other=127).astype(jnp.int32)
     s = _tile_scores(kb, e, qt_ref, b, w_ref[b, :], groups)
     s = jnp.where(rows < reach_ref[b], s, -jnp.inf)
@@ -120,16 +140,17 @@ def _check_keys(d: int, key_values: jax.Array, key_scales: jax.Array) -> None:
                          f"for head_dim {d}; got values {key_values.shape}, scales {key_scales.shape}")
 
 
-_STATIC = ("block", "block_n", "num_warps", "num_stages", "interpret")
+_STATIC = ("block", "block_n", "num_warps", "num_stages", "layout", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def indexer_scores(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                    reachable_b: jax.Array, *, block: int | None = None, block_n: int = 128,
-                   num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+                   num_warps: int = 4, num_stages: int = 3, layout: str = "nibbles", interpret: bool = False):
     """Scores f32 [B, N]; with `block`, also the block maxima f32 [B, ceil(N / block)].
 
-    key_values uint8 [B, N, D/2], key_scales uint8 [B, N, D/32] (quant.INDEX_KEY records).
+    key_values uint8 [B, N, D/2], key_scales uint8 [B, N, D/32] (quant.INDEX_KEY records; layout: their
+    word_layout, "nibbles" or "sm90").
     """
     b, h, d = q_bhd.shape
     n = key_values.shape[1]
@@ -137,6 +158,7 @@ def indexer_scores(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key
     if block is not None and block_n % block:
         raise ValueError(f"block_n {block_n} must be a multiple of the candidate block {block}")
     qt, wn = prepare_query(q_bhd, w_bh)
+    qt, key_values = _layout_args(qt, key_values, layout)
     tn = block_n
     out_shape = [jax.ShapeDtypeStruct((b, n), jnp.float32)]
     if block is not None:
@@ -153,14 +175,15 @@ def indexer_scores(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def indexer_scores_pool(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                         blocks_bk: jax.Array, reachable_b: jax.Array, *, block: int, block_n: int = 128,
-                        num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
+                        num_warps: int = 4, num_stages: int = 3, layout: str = "nibbles",
+                        interpret: bool = False) -> jax.Array:
     """Scores f32 [B, K * block] of the candidate pool's positions only (`ops.indexer_scores_pool_decode`).
 
     blocks_bk int32 [B, K]: pool block ids (-1 = empty); slot j scores position
     blocks[b, j // block] * block + j % block, -inf in empty blocks and at positions >= min(reachable, N).
     Each program gathers block_n / block whole blocks (block_n rows of keys) and scores them like the
     full scan; the keys outside the pool are never read. `block` and block_n must be powers of two
-    (Triton tensor shapes).
+    (Triton tensor shapes). layout: the keys' word_layout, as in `indexer_scores`.
     """
     b, h, d = q_bhd.shape
     n, k = key_values.shape[1], blocks_bk.shape[1]
@@ -168,6 +191,7 @@ def indexer_scores_pool(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array
     if block & (block - 1) or block_n & (block_n - 1) or block_n < block:
         raise ValueError(f"the GPU pool scan needs power-of-two block {block} <= block_n {block_n}")
     qt, wn = prepare_query(q_bhd, w_bh)
+    qt, key_values = _layout_args(qt, key_values, layout)
     per_program = block_n // block
     kernel = functools.partial(_pool_kernel, n=n, n_blocks=k, block=block, per_program=per_program,
                                groups=d // KEY_SCALE_BLOCK)

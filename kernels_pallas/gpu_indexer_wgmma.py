@@ -232,12 +232,17 @@ TIMELINE = ("start", "waited", "end")
 ON = True
 
 
+def takes(h: int, d: int) -> bool:
+    """True when the dispatch would scan H heads of D-channel index keys with this kernel here (ON, an
+    H100/H200, D = 128, H % 8 == 0): where `kernels.index_key_layout` stores Hopper's words."""
+    return ON and d == D and h % 8 == 0 and is_hopper()
+
+
 def supported(q_bhd: jax.Array, key_values: jax.Array, block: int | None) -> bool:
     """True when the dispatch runs this scan: ON, an H100/H200, D = 128, heads % 8 == 0, N % 64 == 0 and
     block maxima (if asked) over whole blocks that tile 64 positions."""
     _, h, d = q_bhd.shape
-    return (ON and d == D and h % 8 == 0 and key_values.shape[1] % TP == 0
-            and (block is None or TP % block == 0) and is_hopper())
+    return (key_values.shape[1] % TP == 0 and (block is None or TP % block == 0) and takes(h, d))
 
 
 def split_steps(b: int, steps: int, want: int) -> tuple[int, int]:
@@ -278,19 +283,26 @@ def tiles_per_step_for(n: int) -> int:
 # Defaults: 4224 CTAs of 2 tiles a step, 2 stages, the fastest of an H100 sweep at 128K x 8 / 32 and 1M x 8
 # (forty-third session: 63.5 / 82.0 / 88.2% of the copy peak against 59.8 / 79.9 / 86.4% for the H200's earlier
 # choice, 2112 CTAs of 4 tiles; docs/BENCHMARKS.md).
-@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "decode_ptx", "timeline"))
+@functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "layout", "decode_ptx",
+                                             "timeline"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                          reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int | None = None, q_parts: int = 2,
-                         ctas: int = 4224, decode_ptx: str = DECODE_PTX, timeline: bool = False):
+                         ctas: int = 4224, layout: str = "nibbles", decode_ptx: str | None = None,
+                         timeline: bool = False):
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
     stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; must
     divide N / 64; default `tiles_per_step_for(N)`, 2 where it divides); q_parts: 2 = q as bf16 hi + lo (any q), 1 = q rounded to bf16
     (exact for the model's FP4-grid queries; half the MMA work); ctas: CTAs wanted over the batch
-    (`split_steps`); decode_ptx: the keys' decode (DECODE_PTX's operands; benchmarks replace it); timeline: also
+    (`split_steps`); layout: the keys' word layout (`quant.Fp4Codec.word_layout`: "nibbles" as released, decoded
+    by DECODE_PTX, or "sm90", by SM90_DECODE_PTX); decode_ptx: a replacement for that decode (its operands;
+    benchmarks); timeline: also
     return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part)."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
+    if layout not in ("nibbles", "sm90"):
+        raise ValueError(f"layout must be the keys' word layout, nibbles|sm90, got {layout!r}")
+    decode_ptx = decode_ptx or (SM90_DECODE_PTX if layout == "sm90" else DECODE_PTX)
     b, h, d = q_bhd.shape
     n = key_values.shape[1]
     if d != D or h % 8 or n % TP or key_values.shape != (b, n, D // 2) or key_scales.shape != (b, n, D // GROUP):

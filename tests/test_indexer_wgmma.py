@@ -122,6 +122,22 @@ def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step, q_part
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
+@pytest.mark.parametrize("b,n,reach,q_parts", [(3, 8192, [8192, 17, 5000], 1), (2, 131328, [131328, 70001], 1),
+                                              (1, 4096, [3000], 2)])
+def test_scores_of_keys_in_hopper_words_match_the_twin_on_the_gpu(b, n, reach, q_parts):
+    """The keys as an H100/H200 caches them (`quant.INDEX_KEY_SM90`), decoded by SM90_DECODE_PTX: the released
+    keys' scores, as bounded above."""
+    q, w, rec = index_case(n + b, b, 32, scan.D, n)
+    reach = jnp.asarray(reach, jnp.int32)
+    want = np.asarray(ops.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY))
+    got = np.asarray(scan.indexer_scores_wgmma(q, w, quant.to_sm90_words(rec["values"]), rec["scales"], reach,
+                                               q_parts=q_parts, layout="sm90"))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    fin = np.isfinite(want)
+    assert np.abs(got[fin] - want[fin]).max() / np.abs(want[fin]).max() <= 1e-6
+
+
+@pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
 def test_every_row_exact_at_its_own_scale_on_the_gpu():
     """Rows at scales 2**-87 .. 2**72, groups up to 2**-30 below their row's largest and one row's 2**-149
     below (the decode scales each row by its own e_max, found across the row's 4 threads): each score

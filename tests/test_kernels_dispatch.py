@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import dsv41_jax as d
+import kernels_pallas
 from dsv41_jax import kernels, ops, quant
 from tests.configs import TINY5
 from tests.kernel_checks import index_case
@@ -39,6 +40,37 @@ def test_raw_formats_stay_on_jnp_unless_forced():
         ops.indexer_scores_pool_decode(q, w, rec, blocks, 4, jnp.array([3]), raw))
     with pytest.raises(ValueError, match="released packed formats"):
         kernels.indexer_scores_pool_decode(q, w, rec, blocks, 4, jnp.array([3]), raw, kernels="pallas")
+
+
+def test_index_key_layout_follows_the_config_and_the_scan_that_reads_it(monkeypatch):
+    """"auto" stores Hopper's words only where the dispatch's full scan is the wgmma scan; the dispatch takes
+    either layout to the GPU kernels (interpreted here) with the same scores, and refuses them for the TPU's."""
+    from dataclasses import replace
+
+    from dsv41_jax import cache
+    from kernels_pallas import gpu_indexer_wgmma
+    cfg = TINY5
+    assert kernels.index_key_layout(cfg) == "nibbles"  # no Hopper here
+    assert kernels.index_key_layout(replace(cfg, index_key_layout="sm90")) == "sm90"
+    assert cache.formats_of(replace(cfg, index_key_layout="sm90")).index_key == quant.INDEX_KEY_SM90
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gpu_indexer_wgmma, "is_hopper", lambda: True)
+    released = replace(cfg, index_n_heads=32, index_head_dim=128)
+    assert kernels.index_key_layout(released) == "sm90"
+    assert kernels.index_key_layout(replace(released, index_key_layout="nibbles")) == "nibbles"
+    assert kernels.index_key_layout(cfg) == "nibbles"  # the tiny heads / dims: not that scan's shapes
+    monkeypatch.setattr(gpu_indexer_wgmma, "ON", False)
+    assert kernels.index_key_layout(released) == "nibbles"
+    monkeypatch.undo()
+    q, w, rec = index_case(0, 2, 4, 32, 37)
+    reach = jnp.array([37, 12], jnp.int32)
+    words = {"values": quant.to_sm90_words(rec["values"]), "scales": rec["scales"]}
+    want = kernels.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY, kernels="jnp")
+    for k in ("jnp", "pallas"):
+        got = kernels.indexer_scores_decode(q, w, words, reach, quant.INDEX_KEY_SM90, kernels=k)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="TPU index scans read the released nibbles"):
+        kernels_pallas.indexer_scores_decode(q, w, words, reach, layout="sm90", family="tpu")
 
 
 def test_pallas_backend_matches_jnp_on_tiny_shapes():

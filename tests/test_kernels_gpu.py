@@ -58,6 +58,21 @@ def test_indexer_scores(b, h, d, n, reach, block):
     assert_scan_matches(out, ref, n, block)
 
 
+@pytest.mark.parametrize("b,h,d,n,reach,block", [(3, 4, 32, 37, [37, 5, 0], 4), (2, 32, 128, 1000, [1000, 517], 8)])
+def test_indexer_scores_of_keys_in_hopper_words(b, h, d, n, reach, block):
+    """The same keys stored in Hopper's word layout (`quant.to_sm90_words`, what an H100/H200 caches): the
+    same scores, full scan and pool scan (one dot a code slot)."""
+    q, w, rec = jit_index_case(n + h, b, h, d, n)
+    reach = jnp.array(reach, jnp.int32)
+    words = quant.to_sm90_words(rec["values"])
+    out = gpu_indexer.indexer_scores(q, w, words, rec["scales"], reach, block=block, block_n=64, layout="sm90",
+                                     interpret=INTERPRET)
+    assert_scan_matches(out, indexer_ref(q, w, rec, reach), n, block)
+    pool = functools.partial(gpu_indexer.indexer_scores_pool, block=block, block_n=4 * block, layout="sm90",
+                             interpret=INTERPRET)
+    check_pool_scan(lambda q, w, v, *a: pool(q, w, quant.to_sm90_words(v), *a), b, h, d, n, reach, block, 3)
+
+
 @pytest.mark.parametrize("b,h,d,n,reach,block,n_blocks,block_n", [
     (4, 4, 32, 37, [37, 13, 1, 0], 4, 3, 8),  # tiny config: partial last block, one-entry and empty rows
     (2, 32, 128, 1001, [1001, 517], 8, 40, 256),  # released heads and block; N % 8 != 0; partial program

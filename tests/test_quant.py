@@ -89,3 +89,21 @@ def test_record_bytes_and_round_trip_bounds(codec, dim):
 def test_raw_codec_is_lossless():
     x = jnp.asarray(np.random.default_rng(3).normal(size=(4, 64)).astype(np.float32))
     np.testing.assert_array_equal(np.asarray(quant.fake_quant(quant.RawCodec("float32"), x)), np.asarray(x))
+
+
+def test_index_keys_in_hopper_words_hold_the_same_bytes_and_values():
+    """INDEX_KEY_SM90 stores the released codes with each 32-bit word's bits moved (`SM90_WORD_BITS`): as many
+    bytes, the same decoded values, the same bytes once moved back; a layout it does not know is refused."""
+    x = jax.random.normal(jax.random.key(5), (3, 7, 128)) * 4
+    rel, sm90 = quant.INDEX_KEY.encode(x), quant.INDEX_KEY_SM90.encode(x)
+    assert sm90["values"].shape == rel["values"].shape and sm90["values"].dtype == jnp.uint8
+    np.testing.assert_array_equal(sm90["scales"], rel["scales"])
+    assert not np.array_equal(sm90["values"], rel["values"])
+    np.testing.assert_array_equal(quant.from_sm90_words(sm90["values"]), rel["values"])
+    np.testing.assert_array_equal(quant.INDEX_KEY_SM90.decode(sm90), quant.INDEX_KEY.decode(rel))
+    assert quant.INDEX_KEY_SM90.bytes_per_record(128) == quant.INDEX_KEY.bytes_per_record(128)
+    assert quant.cache_formats(True, index_layout="sm90").index_key == quant.INDEX_KEY_SM90
+    with pytest.raises(ValueError, match="word_layout"):
+        quant.Fp4Codec(block=32, scale_format="e8m0", word_layout="packed")
+    with pytest.raises(ValueError, match="whole 32-bit words"):
+        quant.to_sm90_words(jnp.zeros((2, 6), jnp.uint8))

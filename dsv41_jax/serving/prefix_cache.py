@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from dsv41_jax import kernels
 from dsv41_jax.cache import Cache
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.images import image_mask
@@ -64,7 +65,9 @@ class PrefixCache:
         self.token_map = None if tm is None else np.asarray(tm)
         self.hist_width = empty_row.ngram_history.shape[1]
         weights = ecfg.weights_revision or weights_digest(jax.tree.leaves(params))
-        self.fp = fingerprint(cfg, weights, ecfg.page_tokens, extra=f"capacity-independent;{self.ratios}")
+        # the index keys' word layout as resolved here ("auto" differs between an H100 and a TPU)
+        self.fp = fingerprint(cfg, weights, ecfg.page_tokens,
+                              extra=f"capacity-independent;{self.ratios};index keys {kernels.index_key_layout(cfg)}")
         self.store = PageStore(ecfg.cache_dir, self.fp, ecfg.page_tokens, retention_s=ecfg.retention_s)
         # window states differ between the prefill modes: a shared pool keeps them apart
         mode = "bounded" if ecfg.bounded_prefill else "exact"

@@ -371,8 +371,8 @@ def sm90_group(say, rows) -> None:
         args, moved = scan_case(ctx, b)
         twin = gpu_indexer.indexer_scores(*args)
         sm90 = (*args[:2], quant.to_sm90_words(args[2]), *args[3:])
-        for name, a, ptx in (("released nibbles", args, scan.DECODE_PTX), ("sm90 words", sm90, scan.SM90_DECODE_PTX)):
-            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, decode_ptx=ptx)
+        for name, a, layout in (("released nibbles", args, "nibbles"), ("sm90 words", sm90, "sm90")):
+            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, layout=layout)
             timed_row(say, rows, "scan", f"{ctx} x {b}, {name}", fn, a, 1, moved, peak, scan_error(fn(*a), twin))
         del args, sm90, twin
 
