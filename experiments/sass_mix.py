@@ -2,11 +2,11 @@
 
     python -m experiments.sass_mix KERNEL.ptx [...]          # PTX that Mosaic GPU dumped (MOSAIC_GPU_DUMP_PTX=1
                                                              # MOSAIC_GPU_DUMP_TO=DIR on the GPU machine)
-    python -m experiments.sass_mix --decode fp4 fp4-previous fp8 fp8-previous   # one decode call alone
+    python -m experiments.sass_mix --decode fp4 fp4-sm90 fp4-previous fp8 fp8-previous   # one decode call alone
 
 ptxas (-arch=sm_90a -O3, as the machine's JAX does) builds the cubin and nvdisasm lists it; both come with
 CUDA (nvdisasm also as PyPI's `nvidia-cuda-nvdisasm`: pass --nvdisasm or put it on PATH). `--decode` wraps one
-decode PTX (`gpu_wgmma.DECODE_PTX` / `FP8_DECODE_PTX`, or the eighteenth session's forms kept for A/B in
+decode PTX (`gpu_wgmma.DECODE_PTX` / `FP8_DECODE_PTX`, `gpu_indexer_wgmma.SM90_DECODE_PTX`, or the eighteenth session's forms kept for A/B in
 `experiments.device_runs.issue21_alu_decode`) in a kernel that loads a word and stores its outputs. Classes:
 ALU = the half-rate integer / logic / compare / select / min-max opcodes (PIPES), IMAD = integer multiplies,
 FP = float and packed-half arithmetic, MIO = shared / global memory, shuffles, barriers; the rest "other".
@@ -68,9 +68,10 @@ def decode_kernel(name: str, ptx: str, n_out: int) -> str:
 def decodes() -> dict[str, tuple[str, int]]:
     """name -> (decode PTX, outputs per word)."""
     from experiments.device_runs.issue21_alu_decode import PREVIOUS_FP8_PTX, PREVIOUS_PTX
+    from kernels_pallas.gpu_indexer_wgmma import SM90_DECODE_PTX
     from kernels_pallas.gpu_wgmma import DECODE_PTX, FP8_DECODE_PTX
-    return {"fp4": (DECODE_PTX, 4), "fp4-previous": (PREVIOUS_PTX, 4), "fp8": (FP8_DECODE_PTX, 2),
-            "fp8-previous": (PREVIOUS_FP8_PTX, 2)}
+    return {"fp4": (DECODE_PTX, 4), "fp4-sm90": (SM90_DECODE_PTX, 4), "fp4-previous": (PREVIOUS_PTX, 4),
+            "fp8": (FP8_DECODE_PTX, 2), "fp8-previous": (PREVIOUS_FP8_PTX, 2)}
 
 
 def sass(ptx_path: str, nvdisasm: str, tmp: str) -> tuple[str, str]:
@@ -85,7 +86,7 @@ def sass(ptx_path: str, nvdisasm: str, tmp: str) -> tuple[str, str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("ptx", nargs="*", help="PTX files (a dumped kernel)")
-    parser.add_argument("--decode", nargs="*", default=[], choices=["fp4", "fp4-previous", "fp8", "fp8-previous"],
+    parser.add_argument("--decode", nargs="*", default=[], choices=["fp4", "fp4-sm90", "fp4-previous", "fp8", "fp8-previous"],
                         help="decode PTX strings, each alone in a small kernel")
     parser.add_argument("--nvdisasm", default=os.environ.get("NVDISASM") or shutil.which("nvdisasm"),
                         help="path of nvdisasm (default: $NVDISASM, then PATH)")

@@ -10,7 +10,8 @@ samples come back compressed. First run (H100, fiftieth session; docs/BENCHMARKS
 instruction issue, at its memory without the decode; the attention latency-bound.
 
 Cases: scan_128k8, scan_1m8 (the dispatch's q_parts 1), scan_1m8_nodecode (the decode replaced by moves:
-wrong scores by design), attention_b64 (bf16 q, the model's), or any subset as arguments.
+wrong scores by design), scan_128k8_sm90 and scan_1m8_sm90 (the keys in Hopper's word layout, fifty-first
+session), attention_b64 (bf16 q, the model's), or any subset as arguments.
 
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_ncu [CASE ...]          (~30 s a case on an H100)
     PYTHONPATH=. python3 -m experiments.device_runs.issue21_ncu launch CASE        (what ncu runs)
@@ -31,7 +32,8 @@ import tarfile
 from experiments.device_runs._steps import OUT, logger
 
 CASES = {"scan_1m8": (1048576, 8, {}), "attention_b64": None, "scan_128k8": (131072, 8, {}),
-         "scan_1m8_nodecode": (1048576, 8, None)}
+         "scan_1m8_nodecode": (1048576, 8, None), "scan_1m8_sm90": (1048576, 8, {"layout": "sm90"}),
+         "scan_128k8_sm90": (131072, 8, {"layout": "sm90"})}
 KERNEL = {"scan": "indexer_scores_wgmma", "attention": "sparse_attention_wgmma"}
 # raw metrics worth a line in the log (the rest stay in the raw csv)
 SHOWN = re.compile(r"^(gpu__time_duration\.sum|dram__bytes_(read|write)\.sum|gpu__dram_throughput\.avg\.pct_of_peak_sustained"
@@ -55,6 +57,9 @@ def case_call(case: str):
 
         ctx, b, kw = CASES[case]
         args, moved = scan_case(ctx, b)
+        if kw and kw.get("layout") == "sm90":  # the keys as an H100/H200 caches them
+            from dsv41_jax import quant
+            args = (*args[:2], quant.to_sm90_words(args[2]), *args[3:])
         kw = {"decode_ptx": NO_DECODE} if kw is None else kw
         return jax.jit(functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)), args, moved
     from kernels_pallas import gpu_attention_wgmma as att
