@@ -127,7 +127,8 @@ class ModelConfig:
     index_keys: Literal["consistent", "released"] = "consistent"
     # the cached index keys' 32-bit words (`quant.Fp4Codec.word_layout`, same bytes and codes): "sm90" is the
     # layout the Hopper scan decodes in 12 instructions a word instead of 17; "auto" takes it where that scan
-    # runs (an H100/H200, `kernels.index_key_layout`), the released nibbles elsewhere
+    # runs (an H100/H200) once `gpu_indexer_wgmma.SM90_KEYS` is on (`kernels.index_key_layout`), the released
+    # nibbles elsewhere
     index_key_layout: Literal["auto", "nibbles", "sm90"] = "auto"
     weight_format: Literal["float", "fp8"] = "float"  # "fp8": keep the released FP8/FP4 weight formats
     activation_quant: bool = False  # the release's fp8 mode: FP8-round the inputs of FP8/FP4 projections

@@ -51,12 +51,13 @@ _KERNEL_FORMATS = {  # what the kernels decode: the released record layouts (the
 def index_key_layout(cfg) -> str:
     """The index keys' word layout a model config stores (`ModelConfig.index_key_layout`): "auto" is "sm90"
     where the dispatch's full scan is Hopper's wgmma scan (a GPU backend, an H100/H200, that scan on and its
-    shapes), whose decode takes 12 instructions a word there against 17 for the released nibbles, else
-    "nibbles"."""
+    shapes) and `gpu_indexer_wgmma.SM90_KEYS` is on (its decode takes 12 instructions a word there against 17 for
+    the released nibbles), else "nibbles"."""
     if cfg.index_key_layout != "auto":
         return cfg.index_key_layout
+    wgmma = _kp.gpu_indexer_wgmma
     gpu = jax.default_backend() in ("gpu", "cuda")
-    return "sm90" if gpu and _kp.gpu_indexer_wgmma.takes(cfg.index_n_heads, cfg.index_head_dim) else "nibbles"
+    return "sm90" if gpu and wgmma.SM90_KEYS and wgmma.takes(cfg.index_n_heads, cfg.index_head_dim) else "nibbles"
 
 
 def resolve(kernels: str) -> str:

@@ -232,6 +232,12 @@ TIMELINE = ("start", "waited", "end")
 ON = True
 
 
+# The model stores its index keys in Hopper's word layout where this scan runs (`kernels.index_key_layout`, "auto")
+# only while SM90_KEYS: off until its first GPU run (prepared in the fifty-first session, when no machine came:
+# docs/BENCHMARKS.md); `ModelConfig(index_key_layout="sm90")` asks for it either way.
+SM90_KEYS = False
+
+
 def takes(h: int, d: int) -> bool:
     """True when the dispatch would scan H heads of D-channel index keys with this kernel here (ON, an
     H100/H200, D = 128, H % 8 == 0): where `kernels.index_key_layout` stores Hopper's words."""

@@ -43,7 +43,7 @@ def test_raw_formats_stay_on_jnp_unless_forced():
 
 
 def test_index_key_layout_follows_the_config_and_the_scan_that_reads_it(monkeypatch):
-    """"auto" stores Hopper's words only where the dispatch's full scan is the wgmma scan; the dispatch takes
+    """"auto" stores Hopper's words only where the dispatch's full scan is the wgmma scan (and SM90_KEYS); the dispatch takes
     either layout to the GPU kernels (interpreted here) with the same scores, and refuses them for the TPU's."""
     from dataclasses import replace
 
@@ -56,6 +56,8 @@ def test_index_key_layout_follows_the_config_and_the_scan_that_reads_it(monkeypa
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(gpu_indexer_wgmma, "is_hopper", lambda: True)
     released = replace(cfg, index_n_heads=32, index_head_dim=128)
+    assert kernels.index_key_layout(released) == ("sm90" if gpu_indexer_wgmma.SM90_KEYS else "nibbles")
+    monkeypatch.setattr(gpu_indexer_wgmma, "SM90_KEYS", True)
     assert kernels.index_key_layout(released) == "sm90"
     assert kernels.index_key_layout(replace(released, index_key_layout="nibbles")) == "nibbles"
     assert kernels.index_key_layout(cfg) == "nibbles"  # the tiny heads / dims: not that scan's shapes
