@@ -3,6 +3,7 @@
     python -m experiments.sass_mix KERNEL.ptx [...]          # PTX that Mosaic GPU dumped (MOSAIC_GPU_DUMP_PTX=1
                                                              # MOSAIC_GPU_DUMP_TO=DIR on the GPU machine)
     python -m experiments.sass_mix --decode fp4 fp4-sm90 fp4-previous fp8 fp8-previous   # one decode call alone
+    python -m experiments.sass_mix KERNEL.ptx --swap-decode fp4-sm90   # also with its decode blocks swapped
 
 ptxas (-arch=sm_90a -O3, as the machine's JAX does) builds the cubin and nvdisasm lists it; both come with
 CUDA (nvdisasm also as PyPI's `nvidia-cuda-nvdisasm`: pass --nvdisasm or put it on PATH). `--decode` wraps one
@@ -74,6 +75,26 @@ def decodes() -> dict[str, tuple[str, int]]:
             "fp8": (FP8_DECODE_PTX, 2), "fp8-previous": (PREVIOUS_FP8_PTX, 2)}
 
 
+_DECODE_BLOCK = re.compile(r"\{ \.reg \.b32 v, l, t, z;[^}]*\}")  # DECODE_PTX inlined in a dumped kernel
+
+
+def swap_decode(kernel_ptx: str, ptx: str) -> tuple[str, int]:
+    """(a dumped kernel's PTX with each inlined DECODE_PTX block replaced by `ptx` on the same registers, the
+    number of blocks replaced): the kernel as a decode of the same operands would compile it."""
+    from kernels_pallas.gpu_wgmma import DECODE_PTX
+    n_out = DECODE_PTX.count("fma.rn.bf16x2")
+
+    def swap(m):
+        block = m.group(0)
+        word = re.search(r"shr\.b32 v, (%r\d+), 8;", block).group(1)
+        fmas = re.findall(r"fma\.rn\.bf16x2 (%r\d+), t, (%r\d+), z;", block)
+        regs = [out for out, _ in fmas] + [word, fmas[0][1]]
+        assert len(fmas) == n_out, block
+        return re.sub(r"\$(\d)", lambda r: regs[int(r.group(1))], ptx)
+
+    return _DECODE_BLOCK.subn(swap, kernel_ptx)
+
+
 def sass(ptx_path: str, nvdisasm: str, tmp: str) -> tuple[str, str]:
     """(ptxas -v report, nvdisasm -c listing) of a PTX file for sm_90a."""
     cubin = os.path.join(tmp, os.path.basename(ptx_path) + ".cubin")
@@ -88,6 +109,8 @@ def main(argv=None) -> int:
     parser.add_argument("ptx", nargs="*", help="PTX files (a dumped kernel)")
     parser.add_argument("--decode", nargs="*", default=[], choices=["fp4", "fp4-sm90", "fp4-previous", "fp8", "fp8-previous"],
                         help="decode PTX strings, each alone in a small kernel")
+    parser.add_argument("--swap-decode", choices=["fp4-sm90"], help="also count each PTX file with its inlined "
+                        "DECODE_PTX blocks replaced by this decode (same registers)")
     parser.add_argument("--nvdisasm", default=os.environ.get("NVDISASM") or shutil.which("nvdisasm"),
                         help="path of nvdisasm (default: $NVDISASM, then PATH)")
     args = parser.parse_args(argv)
@@ -100,6 +123,15 @@ def main(argv=None) -> int:
                          "pass --nvdisasm .../nvidia/cu13/bin/nvdisasm")
     with tempfile.TemporaryDirectory() as tmp:
         paths = list(args.ptx)
+        for path in args.ptx if args.swap_decode else ():
+            with open(path) as f:
+                swapped, n = swap_decode(f.read(), decodes()[args.swap_decode][0])
+            if not n:
+                raise SystemExit(f"{path} holds no inlined DECODE_PTX block to swap")
+            paths.append(os.path.join(tmp, f"{os.path.basename(path)}.{args.swap_decode}.ptx"))
+            with open(paths[-1], "w") as f:
+                f.write(swapped)
+            print(f"{os.path.basename(paths[-1])}: {n} decode blocks swapped")
         for name in args.decode:
             ptx, n_out = decodes()[name]
             path = os.path.join(tmp, f"decode_{name}.ptx")

@@ -32,3 +32,16 @@ def test_decode_wrapper_binds_every_operand_of_each_decode():
         assert f"st.global.v{n_out}.u32" in entry and f"ld.global.u32 %r{n_out}," in entry  # outputs, then the word
         assert f"ld.param.u32 %r{n_out + 1}, [mult]" in entry  # then the scale
         assert set(re.findall(r"%r(\d+)", entry)) <= {str(i) for i in range(n_out + 3)}
+
+
+def test_swap_decode_puts_the_other_decode_on_the_same_registers():
+    """A dumped kernel's inlined DECODE_PTX (as LLVM writes it: registers for $0 .. $5) becomes SM90_DECODE_PTX
+    on those registers; the rest of the kernel is untouched."""
+    from kernels_pallas.gpu_indexer_wgmma import SM90_DECODE_PTX
+    from kernels_pallas.gpu_wgmma import DECODE_PTX
+    regs = ["%r105", "%r107", "%r109", "%r111", "%r95", "%r96"]
+    inline = re.sub(r"\$(\d)", lambda m: regs[int(m.group(1))], DECODE_PTX)
+    kernel = f"ld.shared.u32 %r95, [%rd1];\n{inline}\nst.global.u32 [%rd2], %r105;\n{inline}\n"
+    swapped, n = sass_mix.swap_decode(kernel, SM90_DECODE_PTX)
+    want = re.sub(r"\$(\d)", lambda m: regs[int(m.group(1))], SM90_DECODE_PTX)
+    assert n == 2 and swapped == f"ld.shared.u32 %r95, [%rd1];\n{want}\nst.global.u32 [%rd2], %r105;\n{want}\n"
