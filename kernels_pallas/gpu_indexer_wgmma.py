@@ -38,7 +38,8 @@ in the loop body (136 of them the decode). In the model's dispatch while `ON`. T
 Per CTA (grid: sequence x range of positions, `split_steps`): one warpgroup; q^T [D, q_parts H] (q in bf16,
 or its hi and lo bf16 halves so that q . k keeps ~16 bits of any q) stays in shared memory, w in registers; a TMA
 pipeline streams `tiles_per_step` tiles of 64 positions per step (a tile's 64 x 64 key bytes and 64 x 4 scale
-bytes). Each tile: the keys decoded by the experts' PTX (`gpu_wgmma.DECODE_PTX`) straight into the wgmma's
+bytes). Each tile: the keys decoded by the experts' PTX (`gpu_wgmma.DECODE_PTX`; keys in Hopper's word layout,
+`layout="sm90"`, by SM90_DECODE_PTX, 12 instructions a word against 17) straight into the wgmma's
 register operand, each row's groups scaled by 2**(e_g - e_max) (e_max: the row's largest scale byte; groups
 2**-252 below it become 0; the 4 threads of a row each load their group's byte and take the row's largest
 by two shuffles), one 64 x q_parts H x 128 wgmma, then the epilogue on the accumulator's registers: hi + lo
