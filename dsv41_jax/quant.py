@@ -9,7 +9,9 @@ Formats (SPEC section 3 and 6):
 | window KV       | FP8 E4M3 (one byte)                     | E8M0 per 32 (2^ceil(log2(amax/448)))| D + D/32   |
 
 Hopper's words (`SM90_WORD_BITS`, `INDEX_KEY_SM90`) hold the same codes in the same bytes, each 32-bit word's
-bits placed for the H100/H200 scan's decode. Every array is stored as `uint8` (GPU_NOTES: fp4 arrays report 1 byte/element and cannot be loaded by
+bits placed for the H100/H200 scan's decode.
+
+Every array is stored as `uint8` (GPU_NOTES: fp4 arrays report 1 byte/element and cannot be loaded by
 Pallas on Hopper; byte counts must come from real arrays). E4M3 bytes are the raw fp8 bit patterns;
 E8M0 bytes are the biased exponent (value = 2^(byte - 127)).
 
