@@ -76,7 +76,7 @@ def _pallas(kernels: str, **codecs) -> bool:
         return False
     tpu = jax.default_backend() == "tpu"
     odd = [f"{name}={codec!r}" for name, codec in codecs.items()
-           if codec not in _KERNEL_FORMATS[name] or (tpu and getattr(codec, "word_layout", "") == "sm90")]
+           if codec not in _KERNEL_FORMATS[name] or (tpu and codec == quant.INDEX_KEY_SM90)]
     if odd and kernels == "pallas":
         raise ValueError(f"the Pallas kernels read the released packed formats only (and Hopper's index key words "
                          f"on GPUs), got {', '.join(odd)}; use kernels='jnp' or 'auto' with these cache formats")

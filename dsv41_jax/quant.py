@@ -83,17 +83,27 @@ SM90_WORD_BITS = np.array([30, 26, 27, 29, 0, 1, 2, 9, 3, 4, 5, 12, 6, 7, 8, 15,
                            14, 10, 11, 13, 16, 17, 18, 25, 19, 20, 21, 28, 22, 23, 24, 31])
 
 
+WORD_LAYOUTS = ("nibbles", "sm90")  # `Fp4Codec.word_layout`: the released nibbles, Hopper's words
+
+
+def move_bits(word: jax.Array, src, dest) -> jax.Array:
+    """uint32 word's bits src[i] placed at bits dest[i], every other bit 0: one mask and shift per distinct
+    distance (jnp; also inside kernels)."""
+    src, dist = np.asarray(src), np.asarray(dest) - np.asarray(src)
+    out = None
+    for d in sorted(set(dist.tolist())):
+        part = word & jnp.uint32(sum(1 << int(b) for b in src[dist == d]))
+        part = part << d if d >= 0 else part >> -d
+        out = part if out is None else out | part
+    return out
+
+
 def _permute_word_bits(packed: jax.Array, dest: np.ndarray) -> jax.Array:
-    """uint8 [..., 4n]: each little-endian 32-bit word's bit i moved to bit dest[i] (one mask and shift per
-    distinct distance)."""
+    """uint8 [..., 4n]: each little-endian 32-bit word's bit i moved to bit dest[i]."""
     if packed.shape[-1] % 4:
         raise ValueError(f"the sm90 word layout needs whole 32-bit words: last dim {packed.shape[-1]} % 4 != 0")
     b = packed.reshape(*packed.shape[:-1], -1, 4).astype(jnp.uint32)
-    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
-    out = jnp.zeros_like(word)
-    for dist in sorted(set((dest - np.arange(32)).tolist())):
-        mask = jnp.uint32(sum(1 << int(i) for i in np.flatnonzero(dest - np.arange(32) == dist)))
-        out = out | ((word & mask) << dist if dist >= 0 else (word & mask) >> -dist)
+    out = move_bits(b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24), np.arange(32), dest)
     return jnp.stack([(out >> (8 * i)) & 0xFF for i in range(4)], -1).astype(jnp.uint8).reshape(packed.shape)
 
 
@@ -154,8 +164,8 @@ class Fp4Codec:
     word_layout: str = "nibbles"  # "nibbles" | "sm90"
 
     def __post_init__(self):
-        if self.word_layout not in ("nibbles", "sm90"):
-            raise ValueError(f"Fp4Codec word_layout must be nibbles|sm90, got {self.word_layout!r}")
+        if self.word_layout not in WORD_LAYOUTS:
+            raise ValueError(f"Fp4Codec word_layout must be one of {WORD_LAYOUTS}, got {self.word_layout!r}")
 
     def encode(self, x: jax.Array) -> dict[str, jax.Array]:
         g = _groups(x, self.block)

@@ -64,11 +64,9 @@ def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | Non
         scores = gpu_indexer_wgmma.indexer_scores_wgmma(q_bhd, w_bh, key_rec["values"], key_rec["scales"],
                                                         reachable_b, q_parts=1, layout=layout)
         return scores if block is None else (scores, scores.reshape(b, n // block, block).max(axis=-1))
-    if fam == "tpu":
-        return tpu_indexer.indexer_scores(q_bhd, w_bh, key_rec["values"], key_rec["scales"], reachable_b, block=block,
-                                          interpret=interpret)
-    return gpu_indexer.indexer_scores(q_bhd, w_bh, key_rec["values"], key_rec["scales"], reachable_b, block=block,
-                                      layout=layout, interpret=interpret)
+    mod, kw = (tpu_indexer, {}) if fam == "tpu" else (gpu_indexer, {"layout": layout})
+    return mod.indexer_scores(q_bhd, w_bh, key_rec["values"], key_rec["scales"], reachable_b, block=block,
+                              interpret=interpret, **kw)
 
 
 def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block: int, reachable_b, *, layout: str = "nibbles",
@@ -76,10 +74,9 @@ def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block: int, reac
     """f32 [B, K * block] scores of the candidate pool's positions only (`ops.indexer_scores_pool_decode`);
     layout as in `indexer_scores_decode`."""
     fam, interpret = _index_family(family, layout)
-    args = (q_bhd, w_bh, key_rec["values"], key_rec["scales"], blocks_bk, reachable_b)
-    if fam == "tpu":
-        return tpu_indexer.indexer_scores_pool(*args, block=block, interpret=interpret)
-    return gpu_indexer.indexer_scores_pool(*args, block=block, layout=layout, interpret=interpret)
+    mod, kw = (tpu_indexer, {}) if fam == "tpu" else (gpu_indexer, {"layout": layout})
+    return mod.indexer_scores_pool(q_bhd, w_bh, key_rec["values"], key_rec["scales"], blocks_bk, reachable_b,
+                                   block=block, interpret=interpret, **kw)
 
 
 def select_topk(scores, k: int, *, family=None):

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
-from dsv41_jax.quant import SM90_WORD_BITS
+from dsv41_jax.quant import SM90_WORD_BITS, move_bits
 
 FP4_F16_SHIFT = 2.0 ** 14  # fp4_as_f16 returns the E2M1 value times 2**-14
 
@@ -35,19 +33,10 @@ def fp4_as_f16(code_i32: jax.Array) -> jax.Array:
 def sm90_f16(words_u32: jax.Array) -> list[jax.Array]:
     """Words of codes in Hopper's word layout (`quant.SM90_WORD_BITS`; uint32 or int32) -> [float16 of code c of
     each word for c < 8] (code c of word u is channel 8u + c), each E2M1 * 2**-14 as `fp4_as_f16` gives it: the
-    code's 4 bits moved to f16 bits 9, 10, 11 (magnitude) and 15 (sign), one mask and shift per distance."""
+    code's 4 bits moved to f16 bits 9, 10, 11 (magnitude) and 15 (sign)."""
     w = words_u32.astype(jnp.uint32)
-    out = []
-    for c in range(8):
-        src = SM90_WORD_BITS[4 * c:4 * c + 4]
-        dist = np.array([9, 10, 11, 15]) - src
-        bits = None
-        for d in sorted(set(dist.tolist())):
-            part = w & jnp.uint32(sum(1 << int(b) for b in src[dist == d]))
-            part = part << d if d >= 0 else part >> -d
-            bits = part if bits is None else bits | part
-        out.append(jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16))
-    return out
+    return [jax.lax.bitcast_convert_type(move_bits(w, SM90_WORD_BITS[4 * c:4 * c + 4], (9, 10, 11, 15))
+                                         .astype(jnp.uint16), jnp.float16) for c in range(8)]
 
 
 def fp4_f32(code_i32: jax.Array) -> jax.Array:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsv41_jax.quant import WORD_LAYOUTS
 from kernels_pallas import decode
 
 KEY_SCALE_BLOCK = 32  # channels per E8M0 scale of the released index key (quant.INDEX_KEY)
@@ -77,10 +78,10 @@ def _layout_args(qt: jax.Array, key_values: jax.Array, layout: str) -> tuple[jax
     """(queries, keys) as the kernels read them for a word layout (`quant.Fp4Codec.word_layout`): "nibbles" as
     given; "sm90" the keys as uint32 words [B, N, D/8] (a bitcast) and q^T [B, D, Hp] as [B, 8, D/8, Hp] (slot c
     holds channels 8u + c)."""
+    if layout not in WORD_LAYOUTS:
+        raise ValueError(f"index key word_layout must be one of {WORD_LAYOUTS}, got {layout!r}")
     if layout == "nibbles":
         return qt, key_values
-    if layout != "sm90":
-        raise ValueError(f"index key word_layout must be nibbles|sm90, got {layout!r}")
     b, n, half = key_values.shape
     words = jax.lax.bitcast_convert_type(key_values.reshape(b, n, half // 4, 4), jnp.uint32)
     return jnp.swapaxes(qt.reshape(b, half // 4, 8, qt.shape[-1]), 1, 2), words

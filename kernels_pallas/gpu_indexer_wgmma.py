@@ -65,6 +65,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from dsv41_jax.quant import WORD_LAYOUTS
 from kernels_pallas import gpu_timeline
 from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, i32_const, index_of, is_hopper, pow2_bf16x2,
                                      warpgroup_coords, wgmma_operand)
@@ -307,8 +308,8 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part)."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
-    if layout not in ("nibbles", "sm90"):
-        raise ValueError(f"layout must be the keys' word layout, nibbles|sm90, got {layout!r}")
+    if layout not in WORD_LAYOUTS:
+        raise ValueError(f"layout must be the keys' word layout, one of {WORD_LAYOUTS}, got {layout!r}")
     decode_ptx = decode_ptx or (SM90_DECODE_PTX if layout == "sm90" else DECODE_PTX)
     b, h, d = q_bhd.shape
     n = key_values.shape[1]

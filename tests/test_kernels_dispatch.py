@@ -73,6 +73,11 @@ def test_index_key_layout_follows_the_config_and_the_scan_that_reads_it(monkeypa
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="TPU index scans read the released nibbles"):
         kernels_pallas.indexer_scores_decode(q, w, words, reach, layout="sm90", family="tpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # the dispatch: "auto" falls back to jnp there
+    np.testing.assert_array_equal(kernels.indexer_scores_decode(q, w, words, reach, quant.INDEX_KEY_SM90, kernels="auto"),
+                                  kernels.indexer_scores_decode(q, w, words, reach, quant.INDEX_KEY_SM90, kernels="jnp"))
+    with pytest.raises(ValueError, match="released packed formats only"):
+        kernels.indexer_scores_decode(q, w, words, reach, quant.INDEX_KEY_SM90, kernels="pallas")
 
 
 def test_pallas_backend_matches_jnp_on_tiny_shapes():

@@ -33,7 +33,7 @@ Groups (default: tests scan attention):
   each kind of L2 flush (`bench_kernels.FLUSH`: the rewrite leaves dirty lines, the read clean ones);
 - sm90 (fifty-first session): the scan at 128K x 8 and 1M x 8 on the released nibbles and on the same keys in
   Hopper's word layout (`quant.to_sm90_words`, SM90_DECODE_PTX), and the Triton pool scan on both at 128K x 8
-  (its error column: against the nibbles' scores);
+  (its error column: against the jnp twin on the nibbles);
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -363,7 +363,7 @@ def sm90_group(say, rows) -> None:
 
     import jax
 
-    from dsv41_jax import quant
+    from dsv41_jax import ops, quant
     from experiments import bench_kernels as bk
     from experiments.device_runs.issue21_alu_decode import scan_error
     from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
@@ -380,14 +380,14 @@ def sm90_group(say, rows) -> None:
         if ctx == 131072:  # the Triton pool scan (a Reindex layer's: 2048 blocks of 8) reads the same words
             blocks = bk.pool_data(jax.random.key(1), b, ctx)
             pool_moved = b * bk.N_BLOCKS * bk.BLOCK * 72  # keys, scales, scores
-            want = None
+            q, w, values, scales, reach = args
+            want = ops.indexer_scores_pool_decode(q, w, {"values": values, "scales": scales}, blocks, bk.BLOCK, reach,
+                                                  quant.INDEX_KEY)
             for name, a, layout in (("released nibbles", args, "nibbles"), ("sm90 words", sm90, "sm90")):
                 fn = functools.partial(gpu_indexer.indexer_scores_pool, block=bk.BLOCK, layout=layout)
                 pa = (*a[:4], blocks, a[4])
-                got = fn(*pa)
-                want = got if want is None else want
                 timed_row(say, rows, "pool scan", f"{ctx} x {b}, {name}", fn, pa, 1, pool_moved, peak,
-                          scan_error(got, want))
+                          scan_error(fn(*pa), want))
         del args, sm90, twin
 
 
