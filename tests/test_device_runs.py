@@ -137,3 +137,32 @@ def test_a_timeline_with_warpgroups_is_said_a_line_each():
     say_timeline(say, "timeline b8", {"span_us": 3.0, "start": (0.1, 0.2, 0.3)})
     assert lines == ["timeline b64 warpgroup 0: {'span_us': 1.0}", "timeline b64 warpgroup 1: {'span_us': 2.0}",
                      "timeline b8: {'span_us': 3.0, 'start': (0.1, 0.2, 0.3)}"]
+
+
+def test_ncu_pages_read_back_as_the_kernel_must_have_run(tmp_path):
+    """The Nsight Compute pages the fiftieth session brought back (one H100, the scan at 1M x 8 with and without
+    its decode) read back through the script's own parsers into what the kernel's structure fixes: 8 HGMMAs a warp
+    a 64-position tile (131,072 tiles, 4 warps each), the keys and scales read from DRAM and the f32 scores
+    written, ncu's thousands separators parsed, and the decode's LOP3s gone from the no-decode form."""
+    import tarfile
+
+    from experiments.device_runs import issue21_ncu as ncu
+
+    call1, call2 = (f"docs/bench_decode/h100_session50_call{k}_ncu_pages.tar.gz" for k in (1, 2))
+    pages = {**ncu.source_pages(call1), **ncu.source_pages(call2)}
+    assert {"scan_1m8", "scan_1m8_nodecode", "scan_128k8", "attention_b64"} <= set(pages)
+    tiles = 8 * (1 << 20) // 64
+    executed = {case: ncu.by_opcode(pages[case], "Instructions Executed") for case in ("scan_1m8", "scan_1m8_nodecode")}
+    for case, ops in executed.items():
+        assert ops["HGMMA"] == 8 * 4 * tiles, case
+    assert executed["scan_1m8"]["LOP3"] - executed["scan_1m8_nodecode"]["LOP3"] >= 60 * 4 * tiles
+    assert ncu.opcode("@!P1  BRA 0x7f7d597e3630") == "BRA"
+
+    with tarfile.open(call1) as tar:
+        tar.extract("scan_1m8.raw.csv", tmp_path, filter="data")
+    (row,) = ncu.raw_rows(str(tmp_path / "scan_1m8.raw.csv"))
+    assert row["Kernel Name"].startswith(ncu.KERNEL["scan"])
+    positions = 8 * (1 << 20)
+    assert 1e5 < ncu.as_float(row["gpu__time_duration.sum"]) < 1e6  # ns: ~224 us
+    assert ncu.as_float(row["dram__bytes_read.sum"]) >= positions * (64 + 4)  # FP4 keys + E8M0 scales
+    assert ncu.as_float(row["dram__bytes_write.sum"]) >= positions * 4  # f32 scores

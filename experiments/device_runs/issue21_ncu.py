@@ -180,39 +180,53 @@ def main(cases: list[str]) -> int:
     return 0
 
 
-def summarize(pages: str, top: int = 25) -> int:
-    """Per case in a pages tarball (`main`'s ncu_pages.tar.gz): the warp instructions executed and the stall
-    samples of the SASS source page summed by opcode, and the `top` instructions by samples with their sampled
-    stall reasons."""
+def source_pages(pages: str) -> dict[str, list[dict]]:
+    """The SASS source pages in a pages tarball (`main`'s ncu_pages.tar.gz): per case, a row per instruction
+    ({column: text}; ncu's csv: a kernel-name line, then the header, then the rows)."""
+    out = {}
     with tarfile.open(pages) as tar:
         for member in sorted(m.name for m in tar.getmembers() if m.name.endswith(".source.csv")):
             lines = tar.extractfile(member).read().decode(errors="replace").splitlines()
             head = next((i for i, line in enumerate(lines) if line.startswith('"Address","Source"')), None)
-            if head is None:  # the page's csv: a kernel-name line, then the header, then a row per instruction
-                continue
-            rows = list(csv.DictReader(io.StringIO("\n".join(lines[head:]))))
-            cols = list(rows[0]) if rows else []
-            src, total_col = "Source", "Warp Stall Sampling (All Samples)"
-            reasons = [c for c in cols if c.startswith("stall_") and "Not Issued" not in c]
-            samples = [(as_float(r[total_col]), r) for r in rows]
-            everything = sum(v for v, _ in samples if v == v) or 1.0
-            print(f"== {member}: {len(rows)} instructions, {everything:.0f} samples")
-            by_op: dict[str, float] = {}
-            executed: dict[str, float] = {}
-            for v, r in samples:
-                words = [w for w in r[src].split() if not w.startswith("@")]
-                op = words[0].split(".")[0] if words else "?"
-                by_op[op] = by_op.get(op, 0.0) + (v if v == v else 0.0)
-                n = as_float(r.get("Instructions Executed", ""))
-                executed[op] = executed.get(op, 0.0) + (n if n == n else 0.0)
-            print(f"  executed, warp instructions ({sum(executed.values()) / 1e6:.1f}M):",
-                  ", ".join(f"{op} {n / 1e6:.2f}M" for op, n in sorted(executed.items(), key=lambda kv: -kv[1])[:18]))
-            print("  samples by opcode:", ", ".join(f"{op} {100 * v / everything:.1f}%" for op, v in
-                                                     sorted(by_op.items(), key=lambda kv: -kv[1])[:16]))
-            for v, r in sorted(samples, key=lambda vr: -(vr[0] if vr[0] == vr[0] else 0))[:top]:
-                why = sorted(((as_float(r[c]), c) for c in reasons), reverse=True)[:3]
-                print(f"  {100 * v / everything:5.1f}%  {r[src][:70]:70s} "
-                      + ", ".join(f"{c} {x:.0f}" for x, c in why if x == x and x > 0))
+            if head is not None:
+                out[member.removesuffix(".source.csv")] = list(csv.DictReader(io.StringIO("\n".join(lines[head:]))))
+    return out
+
+
+def opcode(sass: str) -> str:
+    """`@!P1 BRA 0x7f..` -> BRA, `HGMMA.64x32x16.F32.BF16 R24, ..` -> HGMMA."""
+    words = [w for w in sass.split() if not w.startswith("@")]
+    return words[0].split(".")[0] if words else "?"
+
+
+def by_opcode(rows: list[dict], column: str) -> dict[str, float]:
+    """A source page's numeric column (e.g. "Instructions Executed": warp instructions) summed by opcode; blanks
+    count 0."""
+    total: dict[str, float] = {}
+    for r in rows:
+        v = as_float(r.get(column, ""))
+        total[opcode(r["Source"])] = total.get(opcode(r["Source"]), 0.0) + (v if v == v else 0.0)
+    return total
+
+
+def summarize(pages: str, top: int = 25) -> int:
+    """Per case in a pages tarball: the warp instructions executed and the stall samples summed by opcode, and the
+    `top` instructions by samples with their sampled stall reasons."""
+    total_col = "Warp Stall Sampling (All Samples)"
+    for case, rows in source_pages(pages).items():
+        reasons = [c for c in (rows[0] if rows else ()) if c.startswith("stall_") and "Not Issued" not in c]
+        samples = by_opcode(rows, total_col)
+        executed = by_opcode(rows, "Instructions Executed")
+        everything = sum(samples.values()) or 1.0
+        print(f"== {case}: {len(rows)} instructions, {everything:.0f} samples")
+        print(f"  executed, warp instructions ({sum(executed.values()) / 1e6:.1f}M):",
+              ", ".join(f"{op} {n / 1e6:.2f}M" for op, n in sorted(executed.items(), key=lambda kv: -kv[1])[:18]))
+        print("  samples by opcode:", ", ".join(f"{op} {100 * v / everything:.1f}%" for op, v in
+                                                 sorted(samples.items(), key=lambda kv: -kv[1])[:16]))
+        for r in sorted(rows, key=lambda r: -(v if (v := as_float(r[total_col])) == v else 0))[:top]:
+            why = sorted(((as_float(r[c]), c) for c in reasons), reverse=True)[:3]
+            print(f"  {100 * as_float(r[total_col]) / everything:5.1f}%  {r['Source'][:70]:70s} "
+                  + ", ".join(f"{c} {x:.0f}" for x, c in why if x == x and x > 0))
     return 0
 
 
