@@ -32,8 +32,9 @@ Groups (default: tests scan attention):
 - flush (fiftieth session): the copy peak, the scan at 128K x 8 and 1M x 8 and the attention at batch 64 after
   each kind of L2 flush (`bench_kernels.FLUSH`: the rewrite leaves dirty lines, the read clean ones);
 - sm90 (fifty-first session): the scan at 128K x 8 and 1M x 8 on the released nibbles and on the same keys in
-  Hopper's word layout (`quant.to_sm90_words`, SM90_DECODE_PTX), and the Triton pool scan on both at 128K x 8
-  (its error column: against the jnp twin on the nibbles);
+  Hopper's word layout (`quant.to_sm90_words`, SM90_DECODE_PTX), after each kind of flush (as `flush`, the
+  attention at batch 64 too; fifty-second), and the Triton pool scan on both at 128K x 8 (its error column:
+  against the jnp twin on the nibbles);
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -358,8 +359,9 @@ def flush_group(say, rows) -> None:
 def sm90_group(say, rows) -> None:
     """The scan at 128K x 8 and 1M x 8 with the released nibbles (DECODE_PTX) and with the keys in Hopper's word
     layout (`quant.to_sm90_words`, decoded by SM90_DECODE_PTX: 12 instructions a word against 17), each with its
-    error against the Triton twin on the released bytes. A variant that fails (its first GPU compile) is said with
-    its error and the others still run."""
+    error against the Triton twin on the released bytes, after each kind of L2 flush (as `flush_group`; the
+    attention at batch 64 too); the Triton pool scan on both layouts once. A variant that fails (its first GPU
+    compile) is said with its error and the others still run."""
     import functools
     import traceback
 
@@ -377,26 +379,34 @@ def sm90_group(say, rows) -> None:
             say(f"[{kind} {shape}] FAILED: {type(e).__name__}: {str(e)[:2000]}", traceback.format_exc()[-3000:])
             rows.append((kind, shape, "failed", "-", "-", type(e).__name__))
 
-    peak = bk.hbm_copy_bandwidth(1.0)
-    say(f"copy peak {peak / 1e9:.0f} GB/s")
-    for ctx, b in ((131072, 8), (1048576, 8)):
-        args, moved = scan_case(ctx, b)
-        twin = gpu_indexer.indexer_scores(*args)
-        sm90 = (*args[:2], quant.to_sm90_words(args[2]), *args[3:])
-        for name, a, layout in (("released nibbles", args, "nibbles"), ("sm90 words", sm90, "sm90")):
-            row("scan", f"{ctx} x {b}, {name}", functools.partial(scan.indexer_scores_wgmma, q_parts=1, layout=layout),
-                a, moved, twin)
-        if ctx == 131072:  # the Triton pool scan (a Reindex layer's: 2048 blocks of 8) reads the same words
-            blocks = bk.pool_data(jax.random.key(1), b, ctx)
-            pool_moved = b * bk.N_BLOCKS * bk.BLOCK * 72  # keys, scales, scores
-            q, w, values, scales, reach = args
-            want = ops.indexer_scores_pool_decode(q, w, {"values": values, "scales": scales}, blocks, bk.BLOCK, reach,
-                                                  quant.INDEX_KEY)
-            for name, a, layout in (("released nibbles", args, "nibbles"), ("sm90 words", sm90, "sm90")):
-                row("pool scan", f"{ctx} x {b}, {name}",
-                    functools.partial(gpu_indexer.indexer_scores_pool, block=bk.BLOCK, layout=layout),
-                    (*a[:4], blocks, a[4]), pool_moved, want)
-        del args, sm90, twin
+    before = bk.FLUSH
+    for mode in ("rewrite", "read"):
+        bk.FLUSH = mode
+        try:
+            peak = bk.hbm_copy_bandwidth(1.0)
+            say(f"flush {mode}: copy peak {peak / 1e9:.0f} GB/s")
+            for ctx, b in ((131072, 8), (1048576, 8)):
+                args, moved = scan_case(ctx, b)
+                twin = gpu_indexer.indexer_scores(*args)
+                sm90 = (*args[:2], quant.to_sm90_words(args[2]), *args[3:])
+                for name, a, layout in (("released nibbles", args, "nibbles"), ("sm90 words", sm90, "sm90")):
+                    row("scan", f"{ctx} x {b}, {name}, {mode} flush",
+                        functools.partial(scan.indexer_scores_wgmma, q_parts=1, layout=layout), a, moved, twin)
+                if ctx == 131072 and mode == "rewrite":  # the Triton pool scan (a Reindex layer's) on the same words
+                    blocks = bk.pool_data(jax.random.key(1), b, ctx)
+                    pool_moved = b * bk.N_BLOCKS * bk.BLOCK * 72  # keys, scales, scores
+                    q, w, values, scales, reach = args
+                    want = ops.indexer_scores_pool_decode(q, w, {"values": values, "scales": scales}, blocks,
+                                                          bk.BLOCK, reach, quant.INDEX_KEY)
+                    for name, a, layout in (("released nibbles", args, "nibbles"), ("sm90 words", sm90, "sm90")):
+                        row("pool scan", f"{ctx} x {b}, {name}",
+                            functools.partial(gpu_indexer.indexer_scores_pool, block=bk.BLOCK, layout=layout),
+                            (*a[:4], blocks, a[4]), pool_moved, want)
+                del args, sm90, twin
+            attention_group(say, rows, timelines=False, batches=(64,), q_dtypes=("bfloat16",), peak=peak,
+                            label=f", {mode} flush")
+        finally:
+            bk.FLUSH = before
 
 
 def main(groups: list[str]) -> int:
