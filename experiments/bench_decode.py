@@ -52,7 +52,7 @@ from flax import nnx
 
 import dsv41_jax as d
 from dsv41_jax import api, partitioning
-from dsv41_jax.kernels import resolve
+from dsv41_jax.kernels import index_key_layout, resolve
 from dsv41_jax.cache import init_cache
 from dsv41_jax.plan import Mode, build_plan
 from dsv41_jax.pytree_paths import is_engram_table, path_str
@@ -413,6 +413,8 @@ def parse_args(argv=None):
                    help="default: fp8 (released formats) for the v41 presets, the preset's own otherwise")
     p.add_argument("--activation-quant", action="store_true", help="the release's W8A8 / W4A8 mode")
     p.add_argument("--kernels", default="auto", choices=["auto", "jnp", "pallas"])
+    p.add_argument("--index-key-layout", default="auto", choices=["auto", "nibbles", "sm90"],
+                   help="the cached index keys' word layout (ModelConfig.index_key_layout; auto: the kernels' choice)")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per point (median)")
     p.add_argument("--chunk", type=int, default=16,
                    help="steps per api.generate call (16: what experiments.decode runs; each call pays one graph "
@@ -448,7 +450,8 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     v41 = args.preset.startswith("v41")
     fmt = args.weight_format or ("fp8" if v41 else None)
-    over = dict(activation_quant=args.activation_quant) | ({"weight_format": fmt} if fmt else {})
+    over = (dict(activation_quant=args.activation_quant, index_key_layout=args.index_key_layout)
+            | ({"weight_format": fmt} if fmt else {}))
     cfg = slice_config(**over) if args.preset == "v41-slice" else d.preset(args.preset, **over)
     if args.layers is not None:
         cfg = truncated(cfg, args.layers)
@@ -465,6 +468,7 @@ def main(argv=None) -> list[dict]:
         except partitioning.MeshError as e:
             raise SystemExit(f"error: --mesh {args.mesh}: {e}") from None
     print(f"{args.preset}: {cfg.n_layers} layers, weight_format={cfg.weight_format}, kernels={args.kernels}, "
+          f"index keys {index_key_layout(cfg)}, "
           f"device {jax.devices()[0].device_kind}" + (f", mesh {args.mesh} layout {args.layout}" if args.mesh else ""),
           flush=True)
     peak = copy_bandwidth(args.copy_gb)
