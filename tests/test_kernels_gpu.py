@@ -58,13 +58,18 @@ def test_indexer_scores(b, h, d, n, reach, block):
     assert_scan_matches(out, ref, n, block)
 
 
-@pytest.mark.parametrize("b,h,d,n,reach,block", [(3, 4, 32, 37, [37, 5, 0], 4), (2, 32, 128, 1000, [1000, 517], 8)])
+@pytest.mark.parametrize("b,h,d,n,reach,block", [(3, 4, 128, 37, [37, 5, 0], 4), (2, 32, 128, 1000, [1000, 517], 8)])
 def test_indexer_scores_of_keys_in_hopper_words(b, h, d, n, reach, block):
     """The same keys stored in Hopper's word layout (`quant.to_sm90_words`, what an H100/H200 caches): the
-    same scores, full scan and pool scan (one dot a code slot)."""
+    same scores, full scan and pool scan (one dot a code slot); keys too narrow for a K >= 16 dot a slot refused
+    (on an H100 head_dim 32's K = 4 dots came out 4x too large)."""
     q, w, rec = jit_index_case(n + h, b, h, d, n)
     reach = jnp.array(reach, jnp.int32)
     words = quant.to_sm90_words(rec["values"])
+    narrow = jit_index_case(n + h, b, h, 64, n)
+    with pytest.raises(ValueError, match="need head_dim >= 128"):
+        gpu_indexer.indexer_scores(narrow[0], narrow[1], quant.to_sm90_words(narrow[2]["values"]),
+                                   narrow[2]["scales"], reach, layout="sm90", interpret=INTERPRET)
     out = gpu_indexer.indexer_scores(q, w, words, rec["scales"], reach, block=block, block_n=64, layout="sm90",
                                      interpret=INTERPRET)
     assert_scan_matches(out, indexer_ref(q, w, rec, reach), n, block)
