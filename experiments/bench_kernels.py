@@ -81,11 +81,13 @@ FLUSH_BYTES = 256 * 2**20  # > 4x the H200's 60 MB L2
 _FLUSH_BLOCK = 8192  # uint32 per flush program
 
 
-# How `l2_flush` evicts the L2: "rewrite" (buf ^ 1: the timed call starts with the L2 full of the flush's dirty
-# lines, whose write-backs share the DRAM with its reads) or "read" (the buffer read and summed, 8 words written a
-# program: the L2 left holding clean lines, as Nsight Compute's cache control leaves it). Fiftieth session (H100):
-# the scan at 128K x 8 took 33.2 us in ncu against 36.95 timed after the rewrite; at 1M x 8 the two agreed.
-FLUSH = "rewrite"
+# How `l2_flush` evicts the L2: "read" (the buffer read and summed, 8 words written a program: the L2 left holding
+# clean lines, as Nsight Compute's cache control leaves it, and as a decode step's earlier kernels, which write
+# little, leave it) or "rewrite" (buf ^ 1: the timed call starts with the L2 full of the flush's dirty lines, up to
+# 50-60 MB whose write-backs share the DRAM with the call's reads: the flush's cost, not the call's). The rewrite
+# was the default until the fifty-second session; then (H100) the scan at 128K x 8 took 37.29 us after it against
+# 32.18 after the read (ncu, fiftieth: 33.2), at 1M x 8 227.18 against 219.52 (docs/BENCHMARKS.md).
+FLUSH = "read"
 
 
 def _flush_kernel(buf_ref, x_ref, buf_out, x_out):
@@ -517,6 +519,7 @@ def pieces(text: str) -> str:
 
 @_cli.entry_point
 def main(argv=None):
+    global FLUSH
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default=[8192, 131072, 1048576], type=positive_ints)
     p.add_argument("--batches", default=[1, 8, 64], type=positive_ints)
@@ -537,9 +540,13 @@ def main(argv=None):
     p.add_argument("--dense-limit-gb", type=float, default=40.0)
     p.add_argument("--only", default="indexer,select,pool,attention", type=pieces,
                    help="pieces to time (also: stages, the scan cut after each stage)")
+    p.add_argument("--flush", default=FLUSH, choices=("read", "rewrite"),
+                   help="how the L2 is evicted before each timed call (read: clean lines left, as ncu; rewrite: "
+                        "dirty lines whose write-backs the call shares the DRAM with)")
     p.add_argument("--smoke", action="store_true", help="CPU check of this script (interpret mode, tiny)")
     args = p.parse_args(argv)
     _cli.output_file(args.out, "--out")
+    FLUSH = args.flush
     if args.smoke:
         KW["interpret"] = True
     elif jax.default_backend() != "gpu":
@@ -548,7 +555,7 @@ def main(argv=None):
     dev = jax.devices()[0]
     peak = hbm_copy_bandwidth(0.05 if args.smoke else 1.0)
     print(f"device {dev.device_kind}; copy bandwidth {peak / 1e9:.0f} GB/s (read + write, timed as the kernels), "
-          "used as peak")
+          f"used as peak; the L2 flushed by a {FLUSH} before each call")
     rows = [{"piece": "copy", "GBps": peak / 1e9, "device": dev.device_kind}]
     for ctx in args.contexts:
         for b in args.batches:
