@@ -357,11 +357,11 @@ def flush_group(say, rows) -> None:
 
 
 def sm90_group(say, rows) -> None:
-    """The scan at 128K x 8 and 1M x 8 with the released nibbles (DECODE_PTX) and with the keys in Hopper's word
-    layout (`quant.to_sm90_words`, decoded by SM90_DECODE_PTX: 12 instructions a word against 17), each with its
-    error against the Triton twin on the released bytes, after each kind of L2 flush (as `flush_group`; the
-    attention at batch 64 too); the Triton pool scan on both layouts once. A variant that fails (its first GPU
-    compile) is said with its error and the others still run."""
+    """The scan at SCAN_POINTS (128K x 8 / 32, 1M x 8) with the released nibbles (DECODE_PTX) and with the keys in
+    Hopper's word layout (`quant.to_sm90_words`, decoded by SM90_DECODE_PTX: 12 instructions a word against 17),
+    each with its error against the Triton twin on the released bytes, after each kind of L2 flush (as
+    `flush_group`; the attention at batch 64 too); the Triton pool scan on both layouts once. A variant that fails
+    (its first GPU compile) is said with its error and the others still run."""
     import functools
     import traceback
 
@@ -385,7 +385,7 @@ def sm90_group(say, rows) -> None:
         try:
             peak = bk.hbm_copy_bandwidth(1.0)
             say(f"flush {mode}: copy peak {peak / 1e9:.0f} GB/s")
-            for ctx, b in ((131072, 8), (1048576, 8)):
+            for ctx, b in SCAN_POINTS:
                 args, moved = scan_case(ctx, b)
                 twin = gpu_indexer.indexer_scores(*args)
                 sm90 = (*args[:2], quant.to_sm90_words(args[2]), *args[3:])
