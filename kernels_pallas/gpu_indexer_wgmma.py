@@ -235,8 +235,9 @@ ON = True
 
 
 # The model stores its index keys in Hopper's word layout where this scan runs (`kernels.index_key_layout`, "auto")
-# only while SM90_KEYS: off until its first GPU run (prepared in the fifty-first session, when no machine came:
-# docs/BENCHMARKS.md); `ModelConfig(index_key_layout="sm90")` asks for it either way.
+# only while SM90_KEYS. Off: on an H100 (fifty-second session, docs/BENCHMARKS.md) the words were exact and this
+# scan 1-6% faster, but the Triton pool scan slower and the slice's step no faster beyond noise; the H200, bound
+# by the scan's instructions, is untimed. `ModelConfig(index_key_layout="sm90")` asks for them either way.
 SM90_KEYS = False
 
 
