@@ -204,8 +204,8 @@ def by_opcode(rows: list[dict], column: str) -> dict[str, float]:
     count 0."""
     total: dict[str, float] = {}
     for r in rows:
-        v = as_float(r.get(column, ""))
-        total[opcode(r["Source"])] = total.get(opcode(r["Source"]), 0.0) + (v if v == v else 0.0)
+        v, op = as_float(r.get(column, "")), opcode(r["Source"])
+        total[op] = total.get(op, 0.0) + (v if v == v else 0.0)
     return total
 
 

@@ -29,12 +29,11 @@ Groups (default: tests scan attention):
   the per-tile time follow the tensor and epilogue work, which grows with the heads, or the decode?);
 - mulhi (fiftieth session; removed after its run): the default decode against its word >> 8 as a mul.hi (IMAD.HI)
   at 128K x 8 and 1M x 8 (slower: docs/BENCHMARKS.md, fiftieth session);
-- flush (fiftieth session): the copy peak, the scan at 128K x 8 and 1M x 8 and the attention at batch 64 after
-  each kind of L2 flush (`bench_kernels.FLUSH`: the rewrite leaves dirty lines, the read clean ones);
-- sm90 (fifty-first session): the scan at 128K x 8 and 1M x 8 on the released nibbles and on the same keys in
-  Hopper's word layout (`quant.to_sm90_words`, SM90_DECODE_PTX), after each kind of flush (as `flush`, the
-  attention at batch 64 too; fifty-second), and the Triton pool scan on both at 128K x 8 (its error column:
-  against the jnp twin on the nibbles);
+- flush (fiftieth session; folded into sm90 in the fifty-second): the copy peak, the scan and the attention at
+  batch 64 after each kind of L2 flush (`bench_kernels.FLUSH`: the rewrite leaves dirty lines, the read clean ones);
+- sm90 (fifty-first session): the scan at SCAN_POINTS on the released nibbles and on the same keys in Hopper's
+  word layout (`quant.to_sm90_words`, SM90_DECODE_PTX) after each kind of flush, the attention at batch 64 after
+  each, and the Triton pool scan on both layouts at 128K (its error column: against the jnp twin on the nibbles);
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -333,35 +332,13 @@ def heads_group(say, rows) -> None:
                       {"": {}, "moves (no decode)": {"decode_ptx": NO_DECODE}})
 
 
-def flush_group(say, rows) -> None:
-    """The copy peak, the scan at 128K x 8 and 1M x 8 and the attention at batch 64 timed after each kind of L2
-    flush (`bench_kernels.FLUSH`): the rewrite leaves the L2 full of dirty lines whose write-backs the timed call
-    shares the DRAM with, the read leaves clean lines (as ncu does: 33.2 us at 128K x 8 there, 36.95 after the
-    rewrite; fiftieth session, H100)."""
-    from experiments import bench_kernels as bk
-
-    before = bk.FLUSH
-    for mode in ("rewrite", "read"):
-        bk.FLUSH = mode
-        try:
-            peak = bk.hbm_copy_bandwidth(1.0)
-            say(f"flush {mode}: copy peak {peak / 1e9:.0f} GB/s")
-            for ctx, b in ((131072, 8), (1048576, 8)):
-                args, moved = scan_case(ctx, b)
-                scan_rows(say, rows, f"{ctx} x {b}, {mode} flush", args, moved, peak, {"": {}})
-                del args
-            attention_group(say, rows, timelines=False, batches=(64,), q_dtypes=("bfloat16",), peak=peak,
-                            label=f", {mode} flush")
-        finally:
-            bk.FLUSH = before
-
-
 def sm90_group(say, rows) -> None:
     """The scan at SCAN_POINTS (128K x 8 / 32, 1M x 8) with the released nibbles (DECODE_PTX) and with the keys in
     Hopper's word layout (`quant.to_sm90_words`, decoded by SM90_DECODE_PTX: 12 instructions a word against 17),
-    each with its error against the Triton twin on the released bytes, after each kind of L2 flush (as
-    `flush_group`; the attention at batch 64 too); the Triton pool scan on both layouts once. A variant that fails
-    (its first GPU compile) is said with its error and the others still run."""
+    each with its error against the Triton twin on the released bytes, after each kind of L2 flush
+    (`bench_kernels.FLUSH`), and the attention at batch 64 after each; the Triton pool scan on both layouts at
+    128K after the rewrite. A variant that fails (its first GPU compile) is said with its error and the others
+    still run."""
     import functools
     import traceback
 
@@ -411,7 +388,7 @@ def sm90_group(say, rows) -> None:
 
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
-                               "flush": flush_group, "sm90": sm90_group,
+                               "sm90": sm90_group,
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
