@@ -64,7 +64,7 @@ def test_index_key_layout_follows_the_config_and_the_scan_that_reads_it(monkeypa
     monkeypatch.setattr(gpu_indexer_wgmma, "ON", False)
     assert kernels.index_key_layout(released) == "nibbles"
     monkeypatch.undo()
-    q, w, rec = index_case(0, 2, 4, 32, 37)
+    q, w, rec = index_case(0, 2, 4, 128, 37)  # the Triton scans take words of head_dim >= 128 (K >= 16 a code slot)
     reach = jnp.array([37, 12], jnp.int32)
     words = {"values": quant.to_sm90_words(rec["values"]), "scales": rec["scales"]}
     want = kernels.indexer_scores_decode(q, w, rec, reach, quant.INDEX_KEY, kernels="jnp")
