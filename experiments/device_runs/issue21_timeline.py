@@ -34,6 +34,8 @@ Groups (default: tests scan attention):
 - sm90 (fifty-first session): the scan at SCAN_POINTS on the released nibbles and on the same keys in Hopper's
   word layout (`quant.to_sm90_words`, SM90_DECODE_PTX) after each kind of flush, the attention at batch 64 after
   each, and the Triton pool scan on both layouts at 128K (its error column: against the jnp twin on the nibbles);
+- early (fifty-second session, prepared): the attention at batch 64 with its first prefetch burst of 2 (the
+  default), 0, 1 and 3 tiles, with timelines, after the read flush;
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -386,9 +388,36 @@ def sm90_group(say, rows) -> None:
             bk.FLUSH = before
 
 
+def early_group(say, rows) -> None:
+    """The attention at batch 64 (bf16 q) with its first burst (`gpu_attention_wgmma.EARLY_TILES` tiles' rows and
+    q, prefetched at the CTA's start) of 2 (the default), 0, 1 and 3 tiles, each with its timeline, after the read
+    flush: there q arrives at 7.7 us of ~24.5 (fifty-second session, H100), the kernel's first third its memory
+    phase. The thirty-ninth session's burst of q alone was no faster after the rewrite flush."""
+    import jax
+
+    from experiments import bench_kernels as bk
+    from kernels_pallas import gpu_attention_wgmma as att
+
+    def use(tiles: int) -> None:  # read when the prefetch is built: its builder's cache and the jit caches go
+        att.EARLY_TILES = tiles
+        att._prefetch.cache_clear()
+        jax.clear_caches()
+
+    before = att.EARLY_TILES
+    peak = bk.hbm_copy_bandwidth(1.0)
+    say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
+    try:
+        for tiles in (before, 0, 1, 3):
+            use(tiles)
+            attention_group(say, rows, timelines=True, batches=(64,), q_dtypes=("bfloat16",), peak=peak,
+                            label=f", first burst {tiles} tiles")
+    finally:
+        use(before)
+
+
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
-                               "sm90": sm90_group,
+                               "sm90": sm90_group, "early": early_group,
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
