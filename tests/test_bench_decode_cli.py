@@ -1,5 +1,5 @@
-"""experiments.bench_decode on CPU: the loop's steps per call and calls per host sync reach its rows; the serving
-loop's timing."""
+"""experiments.bench_decode on CPU: the loop's steps per call and calls per host sync reach its rows, the index keys'
+layout its config; the serving loop's timing."""
 
 import numpy as np
 
@@ -12,14 +12,16 @@ def test_bench_decode_times_queued_calls_on_tiny(capsys, monkeypatch):
     before = bench_decode.Room.before
     monkeypatch.setattr(bench_decode.Room, "before", lambda self, cache, n: (
         rewinds.append(self.taken + n > bench_decode.ROOM), before(self, cache, n))[1])
-    rows = bench_decode.main(["--preset", "tiny", "--layers", "2", "--batch", "2", "--context", "256", "--steps", "4", "--chunk", "2",
-                              "--queued", "2", "--kernels", "jnp", "--copy-gb", "0.01"])
+    rows = bench_decode.main(["--preset", "tiny", "--layers", "3", "--batch", "2", "--context", "256", "--steps", "4", "--chunk", "2",
+                              "--queued", "2", "--kernels", "jnp", "--copy-gb", "0.01", "--index-key-layout", "sm90"])
     (row,) = rows
     assert (row["steps_per_call"], row["calls_per_sync"], row["batch"]) == (2, 2, 2)
     assert row["ms_step_loop"] > 0 and row["ms_step_serving"] > 0
     assert row["roofline_ms"] > 0 and row["bytes_must_move"] > 0
     assert row["ratio_serving"] == row["ms_step_serving"] / row["roofline_ms"]
-    assert "(the loop: 2 steps per api.generate call, 2 call(s) per host sync; serving:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(the loop: 2 steps per api.generate call, 2 call(s) per host sync; serving:" in out
+    assert "index keys sm90," in out  # layer 2 (Full) scans its index keys in Hopper's words, through the codec
     assert sum(rewinds) >= 3, rewinds
 
 
