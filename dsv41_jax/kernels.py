@@ -69,24 +69,26 @@ def resolve(kernels: str) -> str:
     return kernels
 
 
-def _pallas(kernels: str, **codecs) -> bool:
-    """True when this call runs the Pallas kernels; "pallas" with other record formats is an error."""
+def _pallas(kernels: str, index_head_dim: int | None = None, **codecs) -> bool:
+    """True when this call runs the Pallas kernels; "pallas" with other record formats is an error (index keys in
+    Hopper's words: where `kernels_pallas.reads_index_words(index_head_dim)`)."""
     kernels = resolve(kernels)
     if kernels == "jnp":
         return False
-    tpu = jax.default_backend() == "tpu"
     odd = [f"{name}={codec!r}" for name, codec in codecs.items()
-           if codec not in _KERNEL_FORMATS[name] or (tpu and codec == quant.INDEX_KEY_SM90)]
+           if codec not in _KERNEL_FORMATS[name]
+           or (codec == quant.INDEX_KEY_SM90 and not _kp.reads_index_words(index_head_dim))]
     if odd and kernels == "pallas":
         raise ValueError(f"the Pallas kernels read the released packed formats only (and Hopper's index key words "
-                         f"on GPUs), got {', '.join(odd)}; use kernels='jnp' or 'auto' with these cache formats")
+                         f"on GPUs, head_dim >= {_kp.gpu_indexer.WORDS_MIN_HEAD_DIM}), got {', '.join(odd)}; use kernels='jnp' or 'auto' with these "
+                         "cache formats")
     return not odd
 
 
 def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec, *, block=None, kernels="jnp"):
     """f32 [B, N] decode scores (`ops.indexer_scores_decode`); with `block`, also their block maxima
     f32 [B, ceil(N / block)], which the Pallas scan writes in the same pass."""
-    if _pallas(kernels, index_key=codec):
+    if _pallas(kernels, q_bhd.shape[-1], index_key=codec):
         return per_sequence(lambda *a: _kp.indexer_scores_decode(*a, block=block, layout=codec.word_layout),
                             q_bhd, w_bh, key_rec, reachable_b)
     scores = ops.indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec)
@@ -95,7 +97,7 @@ def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, codec, *, block=Non
 
 def indexer_scores_pool_decode(q_bhd, w_bh, key_rec, blocks_bk, block, reachable_b, codec, *, kernels="jnp"):
     """f32 [B, K * block] scores of the pool positions only (`ops.indexer_scores_pool_decode`)."""
-    if _pallas(kernels, index_key=codec):
+    if _pallas(kernels, q_bhd.shape[-1], index_key=codec):
         return per_sequence(lambda q, w, k, b, r: _kp.indexer_scores_pool_decode(q, w, k, b, block, r,
                                                                                  layout=codec.word_layout),
                             q_bhd, w_bh, key_rec, blocks_bk, reachable_b)

@@ -20,7 +20,7 @@ from kernels_pallas import (gpu_attention, gpu_attention_wgmma, gpu_grouped, gpu
 
 __all__ = ["indexer_scores_decode", "indexer_scores_pool_decode", "select_topk", "sparse_attention_decode",
            "grouped_matmuls_fp4", "rows_matmuls_fp4", "rows_matmuls_float", "fp8_matmuls", "hyper_input",
-           "hyper_coefficients", "rms_norms", "route", "platform"]
+           "hyper_coefficients", "rms_norms", "route", "platform", "reads_index_words"]
 
 
 def platform(family: str | None = None) -> tuple[str, bool]:
@@ -50,6 +50,12 @@ def _index_family(family, layout: str) -> tuple[str, bool]:
         raise ValueError(f"the TPU index scans read the released nibbles only, got word_layout {layout!r}: store "
                          "the index keys with index_key_layout='nibbles' (or 'auto') on TPUs")
     return fam, interpret
+
+
+def reads_index_words(head_dim: int, family: str | None = None) -> bool:
+    """True when the index scans here read keys of head_dim channels in Hopper's words (`quant.INDEX_KEY_SM90`):
+    the GPU family's, from `gpu_indexer.WORDS_MIN_HEAD_DIM` channels."""
+    return platform(family)[0] == "gpu" and head_dim >= gpu_indexer.WORDS_MIN_HEAD_DIM
 
 
 def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | None = None, layout: str = "nibbles",

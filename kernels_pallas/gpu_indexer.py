@@ -36,6 +36,9 @@ from dsv41_jax.quant import WORD_LAYOUTS
 from kernels_pallas import decode
 
 KEY_SCALE_BLOCK = 32  # channels per E8M0 scale of the released index key (quant.INDEX_KEY)
+# Keys in Hopper's words are scored by one dot a code slot of K = head_dim / 8, and Triton's dots need K >= 16 (on
+# an H100 head_dim 32's K = 4 dots came out 4x too large, fifty-second session)
+WORDS_MIN_HEAD_DIM = 128
 
 
 def _round_up(x: int, m: int) -> int:
@@ -83,10 +86,10 @@ def _layout_args(qt: jax.Array, key_values: jax.Array, layout: str) -> tuple[jax
     if layout == "nibbles":
         return qt, key_values
     b, n, half = key_values.shape
-    if half // 4 < 16:  # on a GPU a smaller K came out 4x too large (K = 4, fifty-second session, H100)
-        raise ValueError(f"index keys in Hopper's word layout need head_dim >= 128 here (each code slot's dot has "
-                         f"K = head_dim / 8 and Triton's dots need K >= 16); got head_dim {2 * half}: store these "
-                         "keys as 'nibbles' (ModelConfig.index_key_layout)")
+    if 2 * half < WORDS_MIN_HEAD_DIM:
+        raise ValueError(f"index keys in Hopper's word layout need head_dim >= {WORDS_MIN_HEAD_DIM} here (each code "
+                         f"slot's dot has K = head_dim / 8 and Triton's dots need K >= 16); got head_dim {2 * half}: "
+                         "store these keys as 'nibbles' (ModelConfig.index_key_layout)")
     words = jax.lax.bitcast_convert_type(key_values.reshape(b, n, half // 4, 4), jnp.uint32)
     return jnp.swapaxes(qt.reshape(b, half // 4, 8, qt.shape[-1]), 1, 2), words
 

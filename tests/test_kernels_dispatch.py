@@ -73,6 +73,16 @@ def test_index_key_layout_follows_the_config_and_the_scan_that_reads_it(monkeypa
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="TPU index scans read the released nibbles"):
         kernels_pallas.indexer_scores_decode(q, w, words, reach, layout="sm90", family="tpu")
+    # words narrower than the Triton scans take: "auto" stays on jnp on a GPU, "pallas" is refused first
+    nq, nw, nrec = index_case(0, 2, 4, 64, 37)
+    narrow = {"values": quant.to_sm90_words(nrec["values"]), "scales": nrec["scales"]}
+    with pytest.raises(ValueError, match=r"released packed formats only .*head_dim >= 128"):
+        kernels.indexer_scores_decode(nq, nw, narrow, reach, quant.INDEX_KEY_SM90, kernels="pallas")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    np.testing.assert_array_equal(kernels.indexer_scores_decode(nq, nw, narrow, reach, quant.INDEX_KEY_SM90,
+                                                                kernels="auto"),
+                                  kernels.indexer_scores_decode(nq, nw, narrow, reach, quant.INDEX_KEY_SM90,
+                                                                kernels="jnp"))
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # the dispatch: "auto" falls back to jnp there
     np.testing.assert_array_equal(kernels.indexer_scores_decode(q, w, words, reach, quant.INDEX_KEY_SM90, kernels="auto"),
                                   kernels.indexer_scores_decode(q, w, words, reach, quant.INDEX_KEY_SM90, kernels="jnp"))

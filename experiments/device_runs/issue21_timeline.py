@@ -341,6 +341,7 @@ def sm90_group(say, rows) -> None:
     (`bench_kernels.FLUSH`), and the attention at batch 64 after each; the Triton pool scan on both layouts at
     128K after the rewrite. A variant that fails (its first GPU compile) is said with its error and the others
     still run."""
+    import contextlib
     import functools
     import traceback
 
@@ -351,41 +352,53 @@ def sm90_group(say, rows) -> None:
     from experiments.device_runs.issue21_alu_decode import scan_error
     from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
 
-    def row(kind, shape, fn, a, moved, want):
+    def row(kind, shape, fn, a, moved, want, peak):
         try:
             timed_row(say, rows, kind, shape, fn, a, 1, moved, peak, scan_error(fn(*a), want))
         except Exception as e:  # noqa: BLE001 - one failed variant must not cost the call the others
             say(f"[{kind} {shape}] FAILED: {type(e).__name__}: {str(e)[:2000]}", traceback.format_exc()[-3000:])
             rows.append((kind, shape, "failed", "-", "-", type(e).__name__))
 
-    before = bk.FLUSH
-    for mode in ("rewrite", "read"):
-        bk.FLUSH = mode
+    @contextlib.contextmanager
+    def flushing(mode):
+        before, bk.FLUSH = bk.FLUSH, mode
         try:
-            peak = bk.hbm_copy_bandwidth(1.0)
-            say(f"flush {mode}: copy peak {peak / 1e9:.0f} GB/s")
-            for ctx, b in SCAN_POINTS:
-                args, moved = scan_case(ctx, b)
-                twin = gpu_indexer.indexer_scores(*args)
-                sm90 = (*args[:2], quant.to_sm90_words(args[2]), *args[3:])
-                for name, a, layout in (("released nibbles", args, "nibbles"), ("sm90 words", sm90, "sm90")):
-                    row("scan", f"{ctx} x {b}, {name}, {mode} flush",
-                        functools.partial(scan.indexer_scores_wgmma, q_parts=1, layout=layout), a, moved, twin)
-                if ctx == 131072 and mode == "rewrite":  # the Triton pool scan (a Reindex layer's) on the same words
-                    blocks = bk.pool_data(jax.random.key(1), b, ctx)
-                    pool_moved = b * bk.N_BLOCKS * bk.BLOCK * 72  # keys, scales, scores
-                    q, w, values, scales, reach = args
-                    want = ops.indexer_scores_pool_decode(q, w, {"values": values, "scales": scales}, blocks,
-                                                          bk.BLOCK, reach, quant.INDEX_KEY)
-                    for name, a, layout in (("released nibbles", args, "nibbles"), ("sm90 words", sm90, "sm90")):
-                        row("pool scan", f"{ctx} x {b}, {name}",
-                            functools.partial(gpu_indexer.indexer_scores_pool, block=bk.BLOCK, layout=layout),
-                            (*a[:4], blocks, a[4]), pool_moved, want)
-                del args, sm90, twin
-            attention_group(say, rows, timelines=False, batches=(64,), q_dtypes=("bfloat16",), peak=peak,
-                            label=f", {mode} flush")
+            yield
         finally:
             bk.FLUSH = before
+
+    modes = ("rewrite", "read")
+    peaks = {}
+    for mode in modes:
+        with flushing(mode):
+            peaks[mode] = bk.hbm_copy_bandwidth(1.0)
+        say(f"flush {mode}: copy peak {peaks[mode] / 1e9:.0f} GB/s")
+    for ctx, b in SCAN_POINTS:  # each point's data, twin and words made once, timed after each flush
+        args, moved = scan_case(ctx, b)
+        twin = gpu_indexer.indexer_scores(*args)
+        sm90 = (*args[:2], quant.to_sm90_words(args[2]), *args[3:])
+        for mode in modes:
+            with flushing(mode):
+                for name, a, layout in (("released nibbles", args, "nibbles"), ("sm90 words", sm90, "sm90")):
+                    row("scan", f"{ctx} x {b}, {name}, {mode} flush",
+                        functools.partial(scan.indexer_scores_wgmma, q_parts=1, layout=layout), a, moved, twin,
+                        peaks[mode])
+        if ctx == 131072:  # the Triton pool scan (a Reindex layer's) on the same words, after the rewrite
+            blocks = bk.pool_data(jax.random.key(1), b, ctx)
+            pool_moved = b * bk.N_BLOCKS * bk.BLOCK * 72  # keys, scales, scores
+            q, w, values, scales, reach = args
+            want = ops.indexer_scores_pool_decode(q, w, {"values": values, "scales": scales}, blocks, bk.BLOCK,
+                                                  reach, quant.INDEX_KEY)
+            with flushing("rewrite"):
+                for name, a, layout in (("released nibbles", args, "nibbles"), ("sm90 words", sm90, "sm90")):
+                    row("pool scan", f"{ctx} x {b}, {name}",
+                        functools.partial(gpu_indexer.indexer_scores_pool, block=bk.BLOCK, layout=layout),
+                        (*a[:4], blocks, a[4]), pool_moved, want, peaks["rewrite"])
+        del args, sm90, twin
+    for mode in modes:
+        with flushing(mode):
+            attention_group(say, rows, timelines=False, batches=(64,), q_dtypes=("bfloat16",), peak=peaks[mode],
+                            label=f", {mode} flush")
 
 
 def early_group(say, rows) -> None:
