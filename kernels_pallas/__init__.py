@@ -62,14 +62,18 @@ def indexer_scores_decode(q_bhd, w_bh, key_rec, reachable_b, *, block: int | Non
                           family=None):
     """f32 [B, N] scores, -inf past reachable (and block maxima [B, ceil(N/block)] with `block`). q: the model's
     indexer queries, on the FP4 grid: the GPU scans take them exactly (others are rounded, to bf16 or f16). On
-    an H100/H200 while `gpu_indexer_wgmma.ON`: the wgmma scan, its block maxima by XLA after it. layout: the
-    keys' word layout ("nibbles" as released, "sm90": GPU only)."""
+    an H100/H200 while `gpu_indexer_wgmma.ON`: the wgmma scan, its block maxima by XLA after it (or, while
+    `gpu_indexer_wgmma.FUSED_BLOCK_MAX`, by its epilogue where block is its BLOCK). layout: the keys' word layout
+    ("nibbles" as released, "sm90": GPU only)."""
     fam, interpret = _index_family(family, layout)
     if fam == "gpu" and not interpret and gpu_indexer_wgmma.supported(q_bhd, key_rec["values"], block):
         b, n = key_rec["values"].shape[:2]
-        scores = gpu_indexer_wgmma.indexer_scores_wgmma(q_bhd, w_bh, key_rec["values"], key_rec["scales"],
-                                                        reachable_b, q_parts=1, layout=layout)
-        return scores if block is None else (scores, scores.reshape(b, n // block, block).max(axis=-1))
+        fused = gpu_indexer_wgmma.FUSED_BLOCK_MAX and block == gpu_indexer_wgmma.BLOCK
+        out = gpu_indexer_wgmma.indexer_scores_wgmma(q_bhd, w_bh, key_rec["values"], key_rec["scales"], reachable_b,
+                                                     q_parts=1, layout=layout, block=block if fused else None)
+        if fused or block is None:
+            return out
+        return out, out.reshape(b, n // block, block).max(axis=-1)
     mod, kw = (tpu_indexer, {}) if fam == "tpu" else (gpu_indexer, {"layout": layout})
     return mod.indexer_scores(q_bhd, w_bh, key_rec["values"], key_rec["scales"], reachable_b, block=block,
                               interpret=interpret, **kw)

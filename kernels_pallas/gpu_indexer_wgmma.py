@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm, vector
 from jax._src.lib.mlir.dialects import math as mlir_math
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
@@ -73,6 +73,7 @@ from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, i32_const, index_o
 D = 128  # channels of an index key
 TP = 64  # positions per step: the wgmma's M
 GROUP = 32  # channels per E8M0 scale
+BLOCK = 8  # positions per block maximum the epilogue can give: the rows of one half of a warp's accumulator
 _SPLAT = plgpu.Layout.WG_SPLAT(shape=())
 _Q_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 [2H, 128]
 
@@ -147,17 +148,19 @@ def _decode_keys(row0: int, ptx: str):
 
 
 @functools.cache
-def _epilogue(h: int, row0: int, q_parts: int):
+def _epilogue(h: int, row0: int, q_parts: int, block_max: bool = False):
     """inline_mgpu: (acc f32 [64, q_parts * H] WGMMA layout of the step's rows row0 .. row0 + 63 (q_parts 2:
     hi columns, then lo), the rows' e_max (`_decode_keys`), w f32 [64, H] WGMMA layout (`_head_weights`),
-    out gmem f32 [B, N], b, the step's first position, reachable) -> stores the 64 scores."""
+    out gmem f32 [B, N], [block_max: maxima gmem f32 [B, N / BLOCK]], b, the step's first position, reachable)
+    -> stores the 64 scores [and their 8 block maxima]."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(), _SPLAT,
-                                  _SPLAT, _SPLAT))
-    def epilogue(ctx, acc, e_maxes, w_regs, o_gmem, b, p0, reach):
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType(),
+                                  *(plgpu.RefType(),) * block_max, _SPLAT, _SPLAT, _SPLAT))
+    def epilogue(ctx, acc, e_maxes, w_regs, o_gmem, *refs):
         del ctx
         f32 = ir.F32Type.get()
-        b, p0, reach = (a.registers.item() for a in (b, p0, reach))
+        m_gmem, refs = (refs[0], refs[1:]) if block_max else (None, refs)
+        b, p0, reach = (a.registers.item() for a in refs)
         warp, q, r = warpgroup_coords()
         totals = []
         for half in range(2):  # rows 16 warp + r + 8 half: every thread of the row ends with its total
@@ -195,6 +198,14 @@ def _epilogue(h: int, row0: int, q_parts: int):
                              arith.constant(f32, float("-inf")))
         with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, q, i32_const(2))):
             memref.store(total, o_gmem, [index_of(b), index_of(pos_n)])
+        if block_max:  # the 8 rows 16 warp + 8 half + r of one half are one block: its lanes 4r + q, r < 8
+            top = total
+            for lanes in (4, 8, 16):
+                top = arith.maximumf(top, nvvm.shfl_sync(i32_const(-1), top, i32_const(lanes), i32_const(0x1F),
+                                                         nvvm.ShflKind.bfly))
+            with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, arith.addi(arith.muli(r, i32_const(4)), q),
+                                            i32_const(2))):  # r = 0, q < 2: half q's first row
+                memref.store(top, m_gmem, [index_of(b), index_of(arith.divui(pos_n, i32_const(BLOCK)))])
 
     return epilogue
 
@@ -239,6 +250,12 @@ ON = True
 # scan 1-6% faster, but the Triton pool scan slower and the slice's step no faster beyond noise; the H200, bound
 # by the scan's instructions, is untimed. `ModelConfig(index_key_layout="sm90")` asks for them either way.
 SM90_KEYS = False
+
+
+# The dispatch takes the block maxima of BLOCK positions from this scan's epilogue (3 shuffles and maxima a tile)
+# only while FUSED_BLOCK_MAX; off, from one XLA reduce after it that reads the scores back (4-7% of the dispatch's
+# call on the H200, fifty-third session, docs/BENCHMARKS.md). Off until a GPU has checked and timed it.
+FUSED_BLOCK_MAX = False
 
 
 def takes(h: int, d: int) -> bool:
@@ -293,11 +310,11 @@ def tiles_per_step_for(n: int) -> int:
 # (forty-third session: 63.5 / 82.0 / 88.2% of the copy peak against 59.8 / 79.9 / 86.4% for the H200's earlier
 # choice, 2112 CTAs of 4 tiles; docs/BENCHMARKS.md).
 @functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "layout", "decode_ptx",
-                                             "timeline"))
+                                             "block", "timeline"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                          reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int | None = None, q_parts: int = 2,
                          ctas: int = 4224, layout: str = "nibbles", decode_ptx: str | None = None,
-                         timeline: bool = False):
+                         block: int | None = None, timeline: bool = False):
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
     stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; must
@@ -305,12 +322,16 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     (exact for the model's FP4-grid queries; half the MMA work); ctas: CTAs wanted over the batch
     (`split_steps`); layout: the keys' word layout (`quant.Fp4Codec.word_layout`: "nibbles" as released, decoded
     by DECODE_PTX, or "sm90", by SM90_DECODE_PTX); decode_ptx: a replacement for that decode (its operands;
-    benchmarks); timeline: also
+    benchmarks); block: also return the scores' maxima over blocks of BLOCK positions (f32 [B, N / BLOCK],
+    `gpu_indexer.indexer_scores`' second output), taken in the epilogue; timeline: also
     return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part)."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
     if layout not in WORD_LAYOUTS:
         raise ValueError(f"layout must be the keys' word layout, one of {WORD_LAYOUTS}, got {layout!r}")
+    if block not in (None, BLOCK):
+        raise ValueError(f"the wgmma scan's epilogue gives block maxima over {BLOCK} positions, got block={block}: "
+                         "take other blocks' maxima from its scores")
     decode_ptx = decode_ptx or (SM90_DECODE_PTX if layout == "sm90" else DECODE_PTX)
     b, h, d = q_bhd.shape
     n = key_values.shape[1]
@@ -327,7 +348,8 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     s_view = key_scales.reshape(b, tiles, TP * D // GROUP)  # a tile's 256 scale bytes; a step's: one TMA box
 
     def body(reach_gmem, q_gmem, w_gmem, k_gmem, s_gmem, *refs):
-        o_gmem, tl_gmem, q_smem, q_bar = refs if timeline else (refs[0], None, *refs[1:])
+        outs, (q_smem, q_bar) = refs[:-2], refs[-2:]
+        o_gmem, m_gmem, tl_gmem = outs[0], outs[1] if block else None, outs[-1] if timeline else None
         seq, part = lax.axis_index("b"), lax.axis_index("c")
         cta = seq * per_seq + part
         gpu_timeline.stamp(tl_gmem, cta, 0)
@@ -352,7 +374,8 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
                     return acc_ref[...], e_max
 
                 acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
-                _epilogue(h, TP * i, q_parts)(acc, e_max, w_regs, o_gmem, seq, (first + t) * rows, reach)
+                _epilogue(h, TP * i, q_parts, bool(block))(acc, e_max, w_regs, o_gmem, *(m_gmem,) * bool(block), seq,
+                                                           (first + t) * rows, reach)
 
         plgpu.emit_pipeline(
             step,
@@ -363,10 +386,12 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         )(k_gmem.at[seq], s_gmem.at[seq])
         gpu_timeline.stamp(tl_gmem, cta, 2)
 
-    scores = jax.ShapeDtypeStruct((b, n), jnp.float32)
+    out_type = (jax.ShapeDtypeStruct((b, n), jnp.float32),
+                *(jax.ShapeDtypeStruct((b, n // BLOCK), jnp.float32),) * bool(block),
+                *(jax.ShapeDtypeStruct((b * per_seq, len(TIMELINE) + 1), jnp.uint32),) * timeline)
     kernel = plgpu.kernel(
         body,
-        out_type=(scores, jax.ShapeDtypeStruct((b * per_seq, len(TIMELINE) + 1), jnp.uint32)) if timeline else scores,
+        out_type=out_type if len(out_type) > 1 else out_type[0],
         grid=(b, per_seq),
         grid_names=("b", "c"),
         scratch_types=(plgpu.SMEM((q_parts * h, D), jnp.bfloat16, transforms=_Q_TRANSFORMS),

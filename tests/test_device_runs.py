@@ -166,3 +166,38 @@ def test_ncu_pages_read_back_as_the_kernel_must_have_run(tmp_path):
     assert 1e5 < ncu.as_float(row["gpu__time_duration.sum"]) < 1e6  # ns: ~224 us
     assert ncu.as_float(row["dram__bytes_read.sum"]) >= positions * (64 + 4)  # FP4 keys + E8M0 scales
     assert ncu.as_float(row["dram__bytes_write.sum"]) >= positions * 4  # f32 scores
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_blockmax_group_checks_the_fused_maxima_against_the_xla_form(monkeypatch, broken):
+    """`issue21_timeline blockmax` on a CPU with the scan stubbed by its jnp twin: a row for each point, layout and
+    form; the epilogue's maxima said bit-equal to the XLA form's when they are, and how many places differ when
+    not (a stub whose maxima are off by one place)."""
+    from experiments import bench_kernels as bk
+    from experiments.device_runs import issue21_timeline as tl
+    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
+    from tests.kernel_checks import index_case
+
+    triton = gpu_indexer.indexer_scores
+    monkeypatch.setattr(gpu_indexer, "indexer_scores", lambda *a, **kw: triton(*a, interpret=True, **kw))
+
+    def stub(q, w, v, s, r, *, q_parts, layout, block=None):
+        assert q_parts == 1 and layout in ("nibbles", "sm90")
+        out = triton(q, w, v, s, r, interpret=True, layout=layout)
+        if block is None:
+            return out
+        maxima = out.reshape(out.shape[0], -1, block).max(-1)
+        return out, maxima.at[0, 0].add(1.0) if broken else maxima
+
+    monkeypatch.setattr(scan, "indexer_scores_wgmma", stub)
+    monkeypatch.setattr(tl, "SCAN_POINTS", ((128, 2),))
+    monkeypatch.setattr(bk, "index_data", lambda key, b, n: index_case(3, b, 4, 128, n))
+    monkeypatch.setattr(bk, "hbm_copy_bandwidth", lambda gb: 1e12)
+    monkeypatch.setattr(bk, "time_hbm", lambda fn, args, perturb: (fn(*args), (1e-6, {"pallas_us": 1.0}))[1])
+    lines, rows = [], []
+    tl.blockmax_group(lambda *a: lines.append(" ".join(map(str, a))), rows)
+    assert [r[1] for r in rows] == [f"128 x 2, {lay}, {form}" for lay in ("nibbles", "sm90")
+                                    for form in ("XLA maxima after", "epilogue maxima")]
+    fused = [r[5] for r in rows if "epilogue" in r[1]]
+    want = "DIFFERS from the XLA form at 1 places" if broken else "bit-equal to the XLA form"
+    assert all(e.startswith("twin 0.0e+00, -inf same") and e.endswith(want) for e in fused), fused

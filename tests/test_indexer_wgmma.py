@@ -96,8 +96,14 @@ def test_lowers_for_cuda():
     assert timed.out_info[1].shape == (b * c, len(scan.TIMELINE) + 1)
     assert "globaltimer_lo" in timed.lower(lowering_platforms=("cuda",)).as_text()
     assert "globaltimer_lo" not in text  # none without a timeline
+    blocked = jax.jit(lambda *a: scan.indexer_scores_wgmma(*a, q_parts=1, block=scan.BLOCK, timeline=True)).trace(*args)
+    assert [o.shape for o in blocked.out_info[:2]] == [(b, n), (b, n // scan.BLOCK)]  # then the timeline
+    assert "nvvm.shfl.sync" in blocked.lower(lowering_platforms=("cuda",)).as_text().replace('"', "")
+    zeros = [jnp.zeros(a.shape, a.dtype) for a in args]
     with pytest.raises(ValueError, match="q_parts"):
-        scan.indexer_scores_wgmma(*(jnp.zeros(a.shape, a.dtype) for a in args), q_parts=3)
+        scan.indexer_scores_wgmma(*zeros, q_parts=3)
+    with pytest.raises(ValueError, match="block maxima over 8 positions, got block=16"):
+        scan.indexer_scores_wgmma(*zeros, block=16)
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
@@ -119,6 +125,25 @@ def test_scores_match_the_twin_on_the_gpu(b, h, n, reach, tiles_per_step, q_part
     if fin.any():
         err = np.abs(np.asarray(got)[fin] - np.asarray(want)[fin]).max() / np.abs(np.asarray(want)[fin]).max()
         assert err <= 1e-6, err
+
+
+@pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
+@pytest.mark.parametrize("n,tiles_per_step,ctas,layout", [(8192, 1, 4224, "nibbles"), (8192, 2, 4224, "sm90"),
+                                                          (320, 1, 3, "nibbles"), (131328, None, 4224, "nibbles")])
+def test_epilogue_block_maxima_are_the_maxima_of_its_scores_on_the_gpu(n, tiles_per_step, ctas, layout):
+    """The epilogue's block maxima equal, bit for bit, the maxima of the scores the same call wrote (blocks past
+    reachable -inf, partly reachable ones the max of their reachable rows; 320: the last CTA's range overlapping
+    its neighbour's), and the scores are those of the call without them."""
+    b = 3
+    q, w, rec = index_case(n, b, 32, scan.D, n)
+    reach = jnp.asarray([n, 17, n // 2 + 3], jnp.int32)
+    keys = quant.to_sm90_words(rec["values"]) if layout == "sm90" else rec["values"]
+    kw = dict(tiles_per_step=tiles_per_step, q_parts=1, ctas=ctas, layout=layout)
+    scores, bmax = scan.indexer_scores_wgmma(q, w, keys, rec["scales"], reach, block=scan.BLOCK, **kw)
+    np.testing.assert_array_equal(np.asarray(scores),
+                                  np.asarray(scan.indexer_scores_wgmma(q, w, keys, rec["scales"], reach, **kw)))
+    np.testing.assert_array_equal(np.asarray(bmax), np.asarray(scores).reshape(b, -1, scan.BLOCK).max(-1))
+    assert np.isneginf(np.asarray(bmax)[1, 3:]).all() and np.isfinite(np.asarray(bmax)[1, :2]).all()
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
@@ -176,9 +201,11 @@ def test_any_query_to_its_hi_plus_lo_on_the_gpu():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
-def test_dispatch_takes_it_when_on_with_block_maxima(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_dispatch_takes_it_when_on_with_block_maxima(monkeypatch, fused):
     """`kernels_pallas.indexer_scores_decode` on an H100/H200 with ON: the wgmma scan, and the candidate
-    source's block maxima after it (shapes); off, the Triton scan."""
+    source's block maxima (shapes) by an XLA reduce after it, or with FUSED_BLOCK_MAX from its epilogue (no
+    reduce); off, the Triton scan."""
     import kernels_pallas
     from tests.kernel_checks import lower_for_h200
 
@@ -195,17 +222,22 @@ def test_dispatch_takes_it_when_on_with_block_maxima(monkeypatch):
     monkeypatch.setattr(scan, "ON", False)
     assert "indexer_scores_wgmma" not in lower_for_h200(lambda *a: fn(*a), *args)
     monkeypatch.setattr(scan, "ON", True)
-    assert "indexer_scores_wgmma" in lower_for_h200(lambda *a: fn(*a), *args)
+    monkeypatch.setattr(scan, "FUSED_BLOCK_MAX", fused)
+    text = lower_for_h200(lambda *a: fn(*a), *args)
+    assert "indexer_scores_wgmma" in text and ("stablehlo.reduce" in text) != fused
     scores, bmax = jax.eval_shape(lambda *a: fn(*a), *args)
     assert scores.shape == (b, n) and bmax.shape == (b, n // 8)
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
-def test_dispatch_with_block_maxima_on_the_gpu(monkeypatch):
-    """With ON, the dispatch's scores and block maxima (the candidate source's) equal the twin's."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_dispatch_with_block_maxima_on_the_gpu(monkeypatch, fused):
+    """With ON, the dispatch's scores and block maxima (the candidate source's, by XLA or by the epilogue)
+    equal the twin's."""
     import kernels_pallas
 
     monkeypatch.setattr(scan, "ON", True)
+    monkeypatch.setattr(scan, "FUSED_BLOCK_MAX", fused)
     b, h, n = 2, 32, 4096
     q, w, rec = index_case(7, b, h, scan.D, n)
     reach = jnp.asarray([4000, 1234], jnp.int32)

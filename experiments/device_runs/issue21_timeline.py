@@ -34,8 +34,11 @@ Groups (default: tests scan attention):
 - sm90 (fifty-first session): the scan at SCAN_POINTS on the released nibbles and on the same keys in Hopper's
   word layout (`quant.to_sm90_words`, SM90_DECODE_PTX) after each kind of flush, the attention at batch 64 after
   each, and the Triton pool scan on both layouts at 128K (its error column: against the jnp twin on the nibbles);
-- early (fifty-second session, prepared): the attention at batch 64 with its first prefetch burst of 2 (the
-  default), 0, 1 and 3 tiles, with timelines, after the read flush;
+- early (fifty-second session; run in the fifty-third): the attention at batch 64 with its first prefetch burst of
+  2 (the default), 0, 1 and 3 tiles, with timelines, after the read flush;
+- blockmax (fifty-third session, prepared): the scan as the dispatch calls it with block maxima of 8 (the
+  candidate source's), the maxima by XLA after the kernel (the default) against the kernel's epilogue
+  (`FUSED_BLOCK_MAX`), at SCAN_POINTS on both word layouts after the read flush, each pair checked bit for bit;
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -401,6 +404,49 @@ def sm90_group(say, rows) -> None:
                             label=f", {mode} flush")
 
 
+def blockmax_group(say, rows) -> None:
+    """The scan with the candidate source's block maxima (8 positions) at SCAN_POINTS on the released nibbles and
+    on Hopper's words, after the read flush: the maxima by one XLA reduce after the kernel (what the dispatch does
+    while FUSED_BLOCK_MAX is off) against the kernel's epilogue (`block=BLOCK`). The two calls' scores and maxima
+    must be equal bit for bit (the err column says so, or by how much they differ); the scores' error against
+    the Triton twin is said for the fused call."""
+    import functools
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dsv41_jax import quant
+    from experiments import bench_kernels as bk
+    from experiments.device_runs.issue21_alu_decode import scan_error
+    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
+
+    def after(q, w, v, s, r, layout):  # the dispatch's form: the kernel, then XLA's maxima
+        out = scan.indexer_scores_wgmma(q, w, v, s, r, q_parts=1, layout=layout)
+        return out, out.reshape(out.shape[0], -1, scan.BLOCK).max(axis=-1)
+
+    def fused(q, w, v, s, r, layout):
+        return scan.indexer_scores_wgmma(q, w, v, s, r, q_parts=1, layout=layout, block=scan.BLOCK)
+
+    peak = bk.hbm_copy_bandwidth(1.0)
+    say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
+    for ctx, b in SCAN_POINTS:
+        args, moved = scan_case(ctx, b)
+        moved += b * ctx // scan.BLOCK * 4  # the maxima written
+        twin = gpu_indexer.indexer_scores(*args)
+        for layout in ("nibbles", "sm90"):
+            a = (*args[:2], quant.to_sm90_words(args[2]), *args[3:]) if layout == "sm90" else args
+            outs = {}
+            for name, fn in (("XLA maxima after", after), ("epilogue maxima", fused)):
+                f = functools.partial(fn, layout=layout)
+                outs[name] = [np.asarray(x) for x in f(*a)]
+                differ = sum(int(np.sum(x != y)) for x, y in zip(outs[name], outs["XLA maxima after"]))
+                err = f"twin {scan_error(jnp.asarray(outs[name][0]), twin)}; " + (
+                    "bit-equal to the XLA form" if not differ else f"DIFFERS from the XLA form at {differ} places")
+                timed_row(say, rows, "scan + maxima", f"{ctx} x {b}, {layout}, {name}", f, a, 1, moved, peak, err)
+            del a, outs
+        del args, twin
+
+
 def early_group(say, rows) -> None:
     """The attention at batch 64 (bf16 q) with its first burst (`gpu_attention_wgmma.EARLY_TILES` tiles' rows and
     q, prefetched at the CTA's start) of 2 (the default), 0, 1 and 3 tiles, each with its timeline, after the read
@@ -430,7 +476,7 @@ def early_group(say, rows) -> None:
 
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
-                               "sm90": sm90_group, "early": early_group,
+                               "sm90": sm90_group, "early": early_group, "blockmax": blockmax_group,
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
