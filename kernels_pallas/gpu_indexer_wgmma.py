@@ -246,9 +246,10 @@ ON = True
 
 
 # The model stores its index keys in Hopper's word layout where this scan runs (`kernels.index_key_layout`, "auto")
-# only while SM90_KEYS. Off: on an H100 (fifty-second session, docs/BENCHMARKS.md) the words were exact and this
-# scan 1-6% faster, but the Triton pool scan slower and the slice's step no faster beyond noise; the H200, bound
-# by the scan's instructions, is untimed. `ModelConfig(index_key_layout="sm90")` asks for them either way.
+# only while SM90_KEYS. Off: the words are exact and this scan faster on them (H100 1-6%, fifty-second session;
+# H200 7-8%, fifty-third, where the scan is bound by its instructions: docs/BENCHMARKS.md), but the Triton pool scan
+# slower, and the slice's step at 128K x 8 no faster beyond noise on either GPU (1M untimed).
+# `ModelConfig(index_key_layout="sm90")` asks for them either way.
 SM90_KEYS = False
 
 
