@@ -201,3 +201,30 @@ def test_blockmax_group_checks_the_fused_maxima_against_the_xla_form(monkeypatch
     fused = [r[5] for r in rows if "epilogue" in r[1]]
     want = "DIFFERS from the XLA form at 1 places" if broken else "bit-equal to the XLA form"
     assert all(e.startswith("twin 0.0e+00, -inf same") and e.endswith(want) for e in fused), fused
+
+
+def test_words_configs_group_runs_each_config_on_the_words(monkeypatch):
+    """`issue21_timeline words_configs` on a CPU with the scan stubbed by the Triton twin on the words: a row a
+    point and config, each scored against the twin on the released nibbles (so equal)."""
+    from experiments import bench_kernels as bk
+    from experiments.device_runs import issue21_timeline as tl
+    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
+    from tests.kernel_checks import index_case
+
+    triton, seen = gpu_indexer.indexer_scores, []
+    monkeypatch.setattr(gpu_indexer, "indexer_scores", lambda *a, **kw: triton(*a, interpret=True, **kw))
+
+    def stub(q, w, v, s, r, *, q_parts, layout, ctas, tiles_per_step, stages):
+        seen.append((ctas, tiles_per_step, stages))
+        assert q_parts == 1 and layout == "sm90"
+        return triton(q, w, v, s, r, interpret=True, layout=layout)
+
+    monkeypatch.setattr(scan, "indexer_scores_wgmma", stub)
+    monkeypatch.setattr(tl, "SCAN_POINTS", ((128, 2),))
+    monkeypatch.setattr(bk, "index_data", lambda key, b, n: index_case(3, b, 4, 128, n))
+    monkeypatch.setattr(bk, "hbm_copy_bandwidth", lambda gb: 1e12)
+    monkeypatch.setattr(bk, "time_hbm", lambda fn, args, perturb: (fn(*args), (1e-6, {"pallas_us": 1.0}))[1])
+    rows = []
+    tl.words_configs_group(lambda *a: None, rows)
+    assert seen[::2] == list(tl.WORDS_CONFIGS)  # each config called twice: timed, then its error
+    assert [r[5] for r in rows] == ["0.0e+00, -inf same"] * len(tl.WORDS_CONFIGS)

@@ -36,6 +36,9 @@ Groups (default: tests scan attention):
   each, and the Triton pool scan on both layouts at 128K (its error column: against the jnp twin on the nibbles);
 - early (fifty-second session; run in the fifty-third): the attention at batch 64 with its first prefetch burst of
   2 (the default), 0, 1 and 3 tiles, with timelines, after the read flush;
+- words_configs (fifty-third session, prepared): the scan on Hopper's words at SCAN_POINTS over (CTAs, tiles per
+  step, stages), after the read flush: on the H200 the words' scan is bound by instruction issue (fifty-third
+  session's counters), and more tiles a step spread each step's bookkeeping over more tiles;
 - blockmax (fifty-third session, prepared): the scan as the dispatch calls it with block maxima of 8 (the
   candidate source's), the maxima by XLA after the kernel (the default) against the kernel's epilogue
   (`FUSED_BLOCK_MAX`), at SCAN_POINTS on both word layouts after the read flush, each pair checked bit for bit;
@@ -404,6 +407,34 @@ def sm90_group(say, rows) -> None:
                             label=f", {mode} flush")
 
 
+# (CTAs, tiles per step, stages) of the words_configs group: the default first
+WORDS_CONFIGS = ((4224, 2, 2), (2112, 4, 2), (2112, 4, 3), (1056, 8, 2))
+
+
+def words_configs_group(say, rows) -> None:
+    """The scan (q_parts 1) on the keys in Hopper's words at SCAN_POINTS for each of WORDS_CONFIGS, after the
+    read flush, each with its error against the Triton twin on the released nibbles."""
+    import functools
+
+    from dsv41_jax import quant
+    from experiments import bench_kernels as bk
+    from experiments.device_runs.issue21_alu_decode import scan_error
+    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
+
+    peak = bk.hbm_copy_bandwidth(1.0)
+    say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
+    for ctx, b in SCAN_POINTS:
+        args, moved = scan_case(ctx, b)
+        twin = gpu_indexer.indexer_scores(*args)
+        words = (*args[:2], quant.to_sm90_words(args[2]), *args[3:])
+        for ctas, tiles, stages in WORDS_CONFIGS:
+            fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, layout="sm90", ctas=ctas,
+                                   tiles_per_step=tiles, stages=stages)
+            timed_row(say, rows, "scan", f"{ctx} x {b}, sm90 words, {ctas} CTAs, {tiles} tiles/step, {stages} stages",
+                      fn, words, 1, moved, peak, scan_error(fn(*words), twin))
+        del args, words, twin
+
+
 def blockmax_group(say, rows) -> None:
     """The scan with the candidate source's block maxima (8 positions) at SCAN_POINTS on the released nibbles and
     on Hopper's words, after the read flush: the maxima by one XLA reduce after the kernel (what the dispatch does
@@ -477,6 +508,7 @@ def early_group(say, rows) -> None:
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
                                "sm90": sm90_group, "early": early_group, "blockmax": blockmax_group,
+                               "words_configs": words_configs_group,
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
