@@ -407,8 +407,11 @@ def sm90_group(say, rows) -> None:
                             label=f", {mode} flush")
 
 
-# (CTAs, tiles per step, stages) of the words_configs group: the default first
-WORDS_CONFIGS = ((4224, 2, 2), (2112, 4, 2), (2112, 4, 3), (1056, 8, 2))
+# (CTAs, tiles per step, stages) of the words_configs group, the default first. In the H200's SASS (fifty-third
+# session's ncu source page) a step's first tile starts its wgmma from zero (HGMMA ... RZ, !UPT) and every later
+# tile zeroes its accumulator by 17 moves; a step's bookkeeping is shared by its tiles: 1 and 4 tiles a step
+# trade the two.
+WORDS_CONFIGS = ((4224, 2, 2), (4224, 4, 2), (2112, 4, 2), (4224, 1, 2), (1056, 8, 2))
 
 
 def words_configs_group(say, rows) -> None:
