@@ -442,8 +442,8 @@ def blockmax_group(say, rows) -> None:
     """The scan with the candidate source's block maxima (8 positions) at SCAN_POINTS on the released nibbles and
     on Hopper's words, after the read flush: the maxima by one XLA reduce after the kernel (what the dispatch does
     while FUSED_BLOCK_MAX is off) against the kernel's epilogue (`block=BLOCK`). The two calls' scores and maxima
-    must be equal bit for bit (the err column says so, or by how much they differ); the scores' error against
-    the Triton twin is said for the fused call."""
+    must be equal bit for bit (the err column says so, or at how many places they differ), and each call's
+    scores are scored against the Triton twin."""
     import functools
 
     import jax.numpy as jnp
