@@ -80,8 +80,8 @@ def _pallas(kernels: str, index_head_dim: int | None = None, **codecs) -> bool:
            or (codec == quant.INDEX_KEY_SM90 and not _kp.reads_index_words(index_head_dim))]
     if odd and kernels == "pallas":
         raise ValueError(f"the Pallas kernels read the released packed formats only (and Hopper's index key words "
-                         f"on GPUs, head_dim >= {_kp.gpu_indexer.WORDS_MIN_HEAD_DIM}), got {', '.join(odd)}; use kernels='jnp' or 'auto' with these "
-                         "cache formats")
+                         f"on GPUs, head_dim >= {_kp.gpu_indexer.WORDS_MIN_HEAD_DIM}), got {', '.join(odd)}; "
+                         "use kernels='jnp' or 'auto' with these cache formats")
     return not odd
 
 

@@ -83,8 +83,9 @@ _FLUSH_BLOCK = 8192  # uint32 per flush program
 
 # How `l2_flush` evicts the L2: "read" (the buffer read and summed, 8 words written a program: the L2 left holding
 # clean lines, as Nsight Compute's cache control leaves it; a decode step's earlier kernels write little, so
-# likely closer to the step too, not measured there) or "rewrite" (buf ^ 1: the timed call starts with the L2 full of the flush's dirty lines, up to
-# 50-60 MB whose write-backs share the DRAM with the call's reads: the flush's cost, not the call's). The rewrite
+# likely closer to the step too, not measured there) or "rewrite" (buf ^ 1: the timed call starts with the L2 full
+# of the flush's dirty lines, up to 50-60 MB whose write-backs share the DRAM with the call's reads: the flush's
+# cost, not the call's). The rewrite
 # was the default until the fifty-second session; then (H100) the scan at 128K x 8 took 37.29 us after it against
 # 32.18 after the read (ncu, fiftieth: 33.2), at 1M x 8 227.18 against 219.52 (docs/BENCHMARKS.md).
 FLUSH = "read"

@@ -63,8 +63,8 @@ def _memory_maps_within_limit():
 # The Makefile's xdist run hands whole modules to its 2 workers. xdist's default order (the modules with the most
 # tests first) left modules of few long tests (the mesh engines, DSpark, the CLI) for the end, one worker running
 # them while the other idled; with `--no-loadscope-reorder` the modules go out in this order instead, the longest
-# first (their summed times in a junit report of the suite on this repo's 2-core test machine, 2026-12-07,
-# fifty-third session: 1,549 s over the two workers), so the last ones are short.
+# first (each module's test times summed from `pytest -n 2 ... --junitxml=FILE tests` on this repo's 2-core test
+# machine, 2026-12-07, fifty-third session: 1,549 s over the two workers), so the last ones are short.
 # Modules not listed follow in their collected order; a stale list only costs balance, never a test.
 LONGEST_MODULES = ("test_cli.py", "test_grouped.py", "test_engine.py", "test_sharding.py", "test_serve.py",
                    "test_dspark.py", "test_train.py", "test_expert_parallel.py", "test_kernels_lowering.py",

@@ -168,11 +168,12 @@ def test_ncu_pages_read_back_as_the_kernel_must_have_run(tmp_path):
     assert ncu.as_float(row["dram__bytes_write.sum"]) >= positions * 4  # f32 scores
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_blockmax_group_checks_the_fused_maxima_against_the_xla_form(monkeypatch, broken):
-    """`issue21_timeline blockmax` on a CPU with the scan stubbed by its jnp twin: a row for each point, layout and
-    form; the epilogue's maxima said bit-equal to the XLA form's when they are, and how many places differ when
-    not (a stub whose maxima are off by one place)."""
+@pytest.mark.parametrize("fused", ["equal", "differs", "fails"])
+def test_blockmax_group_checks_the_fused_maxima_against_the_xla_form(monkeypatch, fused):
+    """`issue21_timeline blockmax` on a CPU with the scan stubbed by its Triton twin: a row for each point, layout
+    and form; the epilogue's maxima said bit-equal to the XLA form's when they are, how many places differ when
+    not (a stub whose maxima are off by one place), and a fused form that fails said failed while the other rows
+    still come."""
     from experiments import bench_kernels as bk
     from experiments.device_runs import issue21_timeline as tl
     from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
@@ -186,8 +187,10 @@ def test_blockmax_group_checks_the_fused_maxima_against_the_xla_form(monkeypatch
         out = triton(q, w, v, s, r, interpret=True, layout=layout)
         if block is None:
             return out
+        if fused == "fails":
+            raise RuntimeError("stub: no fused kernel")
         maxima = out.reshape(out.shape[0], -1, block).max(-1)
-        return out, maxima.at[0, 0].add(1.0) if broken else maxima
+        return out, maxima.at[0, 0].add(1.0) if fused == "differs" else maxima
 
     monkeypatch.setattr(scan, "indexer_scores_wgmma", stub)
     monkeypatch.setattr(tl, "SCAN_POINTS", ((128, 2),))
@@ -198,9 +201,14 @@ def test_blockmax_group_checks_the_fused_maxima_against_the_xla_form(monkeypatch
     tl.blockmax_group(lambda *a: lines.append(" ".join(map(str, a))), rows)
     assert [r[1] for r in rows] == [f"128 x 2, {lay}, {form}" for lay in ("nibbles", "sm90")
                                     for form in ("XLA maxima after", "epilogue maxima")]
-    fused = [r[5] for r in rows if "epilogue" in r[1]]
-    want = "DIFFERS from the XLA form at 1 places" if broken else "bit-equal to the XLA form"
-    assert all(e.startswith("twin 0.0e+00, -inf same") and e.endswith(want) for e in fused), fused
+    got = [r[5] for r in rows if "epilogue" in r[1]]
+    if fused == "fails":
+        assert got == ["RuntimeError"] * 2 and all(r[2] == "failed" for r in rows if "epilogue" in r[1])
+        assert any("FAILED: RuntimeError: stub: no fused kernel" in line for line in lines)
+    else:
+        want = "DIFFERS from the XLA form at 1 places" if fused == "differs" else "bit-equal to the XLA form"
+        assert all(e.startswith("twin 0.0e+00, -inf same") and e.endswith(want) for e in got), got
+    assert [r[5] for r in rows if "XLA" in r[1]] == ["twin 0.0e+00, -inf same"] * 2
 
 
 def test_words_configs_group_runs_each_config_on_the_words(monkeypatch):

@@ -86,6 +86,25 @@ def scan_case(ctx: int, b: int):
     return (q, w, rec["values"], rec["scales"], jnp.full((b,), ctx - 5, jnp.int32)), bk.nbytes(rec) + b * ctx * 4
 
 
+def in_words(args):
+    """The scan's arguments (`scan_case`) with the keys in Hopper's word layout (`quant.to_sm90_words`)."""
+    from dsv41_jax import quant
+
+    return (*args[:2], quant.to_sm90_words(args[2]), *args[3:])
+
+
+def guarded(say, rows, kind: str, shape: str, run) -> None:
+    """run() (a variant's check and timed row); if it fails (say, at its first GPU compile) the error is said and
+    the table gets a 'failed' row, and the group's other variants still run."""
+    import traceback
+
+    try:
+        run()
+    except Exception as e:  # noqa: BLE001 - one failed variant must not cost the call the others
+        say(f"[{kind} {shape}] FAILED: {type(e).__name__}: {str(e)[:2000]}", traceback.format_exc()[-3000:])
+        rows.append((kind, shape, "failed", "-", "-", type(e).__name__))
+
+
 # The defaults group's variants: the scan's default, and the default until the forty-third session
 DEFAULTS = {"default": {}, "2112 CTAs, 4 tiles/step (the earlier default)": {"ctas": 2112, "tiles_per_step": 4}}
 
@@ -345,11 +364,9 @@ def sm90_group(say, rows) -> None:
     Hopper's word layout (`quant.to_sm90_words`, decoded by SM90_DECODE_PTX: 12 instructions a word against 17),
     each with its error against the Triton twin on the released bytes, after each kind of L2 flush
     (`bench_kernels.FLUSH`), and the attention at batch 64 after each; the Triton pool scan on both layouts at
-    128K after the rewrite. A variant that fails (its first GPU compile) is said with its error and the others
-    still run."""
+    128K after the rewrite. A variant that fails is said with its error and the others still run (`guarded`)."""
     import contextlib
     import functools
-    import traceback
 
     import jax
 
@@ -359,11 +376,8 @@ def sm90_group(say, rows) -> None:
     from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
 
     def row(kind, shape, fn, a, moved, want, peak):
-        try:
-            timed_row(say, rows, kind, shape, fn, a, 1, moved, peak, scan_error(fn(*a), want))
-        except Exception as e:  # noqa: BLE001 - one failed variant must not cost the call the others
-            say(f"[{kind} {shape}] FAILED: {type(e).__name__}: {str(e)[:2000]}", traceback.format_exc()[-3000:])
-            rows.append((kind, shape, "failed", "-", "-", type(e).__name__))
+        guarded(say, rows, kind, shape,
+                lambda: timed_row(say, rows, kind, shape, fn, a, 1, moved, peak, scan_error(fn(*a), want)))
 
     @contextlib.contextmanager
     def flushing(mode):
@@ -382,7 +396,7 @@ def sm90_group(say, rows) -> None:
     for ctx, b in SCAN_POINTS:  # each point's data, twin and words made once, timed after each flush
         args, moved = scan_case(ctx, b)
         twin = gpu_indexer.indexer_scores(*args)
-        sm90 = (*args[:2], quant.to_sm90_words(args[2]), *args[3:])
+        sm90 = in_words(args)
         for mode in modes:
             with flushing(mode):
                 for name, a, layout in (("released nibbles", args, "nibbles"), ("sm90 words", sm90, "sm90")):
@@ -419,7 +433,6 @@ def words_configs_group(say, rows) -> None:
     read flush, each with its error against the Triton twin on the released nibbles."""
     import functools
 
-    from dsv41_jax import quant
     from experiments import bench_kernels as bk
     from experiments.device_runs.issue21_alu_decode import scan_error
     from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
@@ -429,12 +442,13 @@ def words_configs_group(say, rows) -> None:
     for ctx, b in SCAN_POINTS:
         args, moved = scan_case(ctx, b)
         twin = gpu_indexer.indexer_scores(*args)
-        words = (*args[:2], quant.to_sm90_words(args[2]), *args[3:])
+        words = in_words(args)
         for ctas, tiles, stages in WORDS_CONFIGS:
             fn = functools.partial(scan.indexer_scores_wgmma, q_parts=1, layout="sm90", ctas=ctas,
                                    tiles_per_step=tiles, stages=stages)
-            timed_row(say, rows, "scan", f"{ctx} x {b}, sm90 words, {ctas} CTAs, {tiles} tiles/step, {stages} stages",
-                      fn, words, 1, moved, peak, scan_error(fn(*words), twin))
+            shape = f"{ctx} x {b}, sm90 words, {ctas} CTAs, {tiles} tiles/step, {stages} stages"
+            guarded(say, rows, "scan", shape, lambda fn=fn, shape=shape, words=words, twin=twin: timed_row(
+                say, rows, "scan", shape, fn, words, 1, moved, peak, scan_error(fn(*words), twin)))
         del args, words, twin
 
 
@@ -449,7 +463,6 @@ def blockmax_group(say, rows) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from dsv41_jax import quant
     from experiments import bench_kernels as bk
     from experiments.device_runs.issue21_alu_decode import scan_error
     from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
@@ -468,15 +481,21 @@ def blockmax_group(say, rows) -> None:
         moved += b * ctx // scan.BLOCK * 4  # the maxima written
         twin = gpu_indexer.indexer_scores(*args)
         for layout in ("nibbles", "sm90"):
-            a = (*args[:2], quant.to_sm90_words(args[2]), *args[3:]) if layout == "sm90" else args
-            outs = {}
+            a, outs = in_words(args) if layout == "sm90" else args, {}
+
+            def run(name, f, a=a, outs=outs, twin=twin):
+                outs[name] = [np.asarray(x) for x in f(*a)]
+                err = f"twin {scan_error(jnp.asarray(outs[name][0]), twin)}"
+                if name != "XLA maxima after" and "XLA maxima after" in outs:
+                    differ = sum(int(np.sum(x != y)) for x, y in zip(outs[name], outs["XLA maxima after"]))
+                    err += ("; bit-equal to the XLA form" if not differ
+                            else f"; DIFFERS from the XLA form at {differ} places")
+                timed_row(say, rows, "scan + maxima", f"{ctx} x {b}, {layout}, {name}", f, a, 1, moved, peak, err)
+
             for name, fn in (("XLA maxima after", after), ("epilogue maxima", fused)):
                 f = functools.partial(fn, layout=layout)
-                outs[name] = [np.asarray(x) for x in f(*a)]
-                differ = sum(int(np.sum(x != y)) for x, y in zip(outs[name], outs["XLA maxima after"]))
-                err = f"twin {scan_error(jnp.asarray(outs[name][0]), twin)}; " + (
-                    "bit-equal to the XLA form" if not differ else f"DIFFERS from the XLA form at {differ} places")
-                timed_row(say, rows, "scan + maxima", f"{ctx} x {b}, {layout}, {name}", f, a, 1, moved, peak, err)
+                guarded(say, rows, "scan + maxima", f"{ctx} x {b}, {layout}, {name}",
+                        lambda name=name, f=f: run(name, f))
             del a, outs
         del args, twin
 
