@@ -67,8 +67,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsv41_jax.quant import WORD_LAYOUTS
 from kernels_pallas import gpu_timeline
-from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, i32_const, index_of, is_hopper, pow2_bf16x2,
-                                     warpgroup_coords, wgmma_operand)
+from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, fresh_product, i32_const, index_of, is_hopper,
+                                     pow2_bf16x2, warpgroup_coords, wgmma_operand)
 
 D = 128  # channels of an index key
 TP = 64  # positions per step: the wgmma's M
@@ -258,6 +258,11 @@ SM90_KEYS = False
 # call on the H200, fifty-third session, docs/BENCHMARKS.md). Off until a GPU has checked and timed it.
 FUSED_BLOCK_MAX = False
 
+# Each tile's product by `gpu_wgmma.fresh_product` (its first wgmma does not read the accumulator) instead of
+# `plgpu.wgmma` into a fresh accumulator, which ptxas zeroes by moves in a step's later tiles (3.6% of the H200's
+# instructions a tile, fifty-third session). Off until a GPU has checked and timed it.
+FRESH = False
+
 
 def takes(h: int, d: int) -> bool:
     """True when the dispatch would scan H heads of D-channel index keys with this kernel here (ON, an
@@ -311,11 +316,11 @@ def tiles_per_step_for(n: int) -> int:
 # (forty-third session: 63.5 / 82.0 / 88.2% of the copy peak against 59.8 / 79.9 / 86.4% for the H200's earlier
 # choice, 2112 CTAs of 4 tiles; docs/BENCHMARKS.md).
 @functools.partial(jax.jit, static_argnames=("stages", "tiles_per_step", "q_parts", "ctas", "layout", "decode_ptx",
-                                             "block", "timeline"))
+                                             "block", "fresh", "timeline"))
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                          reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int | None = None, q_parts: int = 2,
                          ctas: int = 4224, layout: str = "nibbles", decode_ptx: str | None = None,
-                         block: int | None = None, timeline: bool = False):
+                         block: int | None = None, fresh: bool | None = None, timeline: bool = False):
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
     stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; must
@@ -324,7 +329,9 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     (`split_steps`); layout: the keys' word layout (`quant.Fp4Codec.word_layout`: "nibbles" as released, decoded
     by DECODE_PTX, or "sm90", by SM90_DECODE_PTX); decode_ptx: a replacement for that decode (its operands;
     benchmarks); block: also return the scores' maxima over blocks of BLOCK positions (f32 [B, N / BLOCK],
-    `gpu_indexer.indexer_scores`' second output), taken in the epilogue; timeline: also
+    `gpu_indexer.indexer_scores`' second output), taken in the epilogue; fresh: each tile's product by
+    `gpu_wgmma.fresh_product` (no accumulator zeroed first) instead of `plgpu.wgmma` into a fresh accumulator
+    (default FRESH); timeline: also
     return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part)."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
@@ -334,6 +341,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         raise ValueError(f"the wgmma scan's epilogue gives block maxima over {BLOCK} positions, got block={block}: "
                          "take other blocks' maxima from its scores")
     decode_ptx = decode_ptx or (SM90_DECODE_PTX if layout == "sm90" else DECODE_PTX)
+    fresh = FRESH if fresh is None else fresh
     b, h, d = q_bhd.shape
     n = key_values.shape[1]
     if d != D or h % 8 or n % TP or key_values.shape != (b, n, D // 2) or key_scales.shape != (b, n, D // GROUP):
@@ -374,7 +382,11 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
                     plgpu.wgmma_wait(0)
                     return acc_ref[...], e_max
 
-                acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
+                if fresh:
+                    keys, e_max = _decode_keys(TP * i, decode_ptx)(k_smem, s_smem)
+                    acc = fresh_product(D, q_parts * h, _Q_TRANSFORMS)(keys, q_smem)
+                else:
+                    acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
                 _epilogue(h, TP * i, q_parts, bool(block))(acc, e_max, w_regs, o_gmem, *(m_gmem,) * bool(block), seq,
                                                            (first + t) * rows, reach)
 

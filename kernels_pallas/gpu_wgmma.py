@@ -42,6 +42,8 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm, vector
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import mma_utils
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -252,6 +254,56 @@ def _x_for_tma(x_mk: jax.Array, perm: np.ndarray) -> jax.Array:
     rows, k = x_mk.shape
     xp = x_mk.reshape(rows, k // TK, TK)[:, :, perm].reshape(rows, k)
     return jnp.pad(xp, ((0, -rows % TM), (0, 0)))
+
+
+def fresh_product(k: int, n: int, b_transforms: tuple):
+    """inline_mgpu: (a bf16 [64, k] in WGMMA_LAYOUT (registers, k % 64 == 0), b bf16 smem [n, k] with
+    `b_transforms` (tiled (8, 64), 128 B swizzle)) -> f32 [64, n] = a . b^T in WGMMA_LAYOUT, complete.
+
+    What `plgpu.wgmma` into a fresh `plgpu.ACC` and a wait give, but the first of its k / 16 instructions does
+    not read the accumulator (scale-d false): Mosaic GPU 0.11.2's wgmma always accumulates, so a fresh
+    accumulator is zeroed first, and ptxas zeroes a reused one with register moves (17 of the scan's 234 warp
+    instructions a tile on the H200, docs/BENCHMARKS.md, fifty-third session). One asm block: fence, the
+    wgmmas, commit and wait, so its outputs are final when it ends."""
+    if k % 64 or n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"fresh_product needs k % 64 == 0 and n a multiple of 8 in [8, 256], got k={k}, n={n}")
+    steps = k // 16  # wgmma instructions of K = 16
+    outs = n // 2  # f32 accumulator registers a thread
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(b_transforms)),
+                       return_type=plgpu.ShapeDtypeStruct((TN, n), jnp.float32, plgpu.Layout.WGMMA))
+    def product(ctx, a, b):
+        del ctx
+        i32, i64, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.F32Type.get()
+        b_kn = mgpu.memref_transpose(b, (1, 0, 3, 2))  # tiled [k / 64, n / 8, 64, 8]: B = b^T, K-major
+        (base, (k_tiling, k_strides)), (_, k_group_stride), fastest = mma_utils.create_descriptor(
+            b_kn, swizzle=128, group_size=(64, n), logical_k_major=True)
+        if k_tiling or len(k_strides) != 1:
+            raise NotImplementedError(f"fresh_product: a B layout with K strides {k_tiling, k_strides}")
+        a_regs, descs = [], []
+        for j in range(steps):
+            regs = a[:, 16 * j:16 * (j + 1)].registers.flat
+            a_regs += [vector.extract(vector.bitcast(ir.VectorType.get((1,), i32), r), dynamic_position=[],
+                                      static_position=ir.DenseI64ArrayAttr.get([0])) for r in regs]
+            offset = (j // 4) * k_group_stride + (j % 4) * k_strides[0]
+            descs.append(llvm.add(base, arith.constant(i64, mma_utils.encode_addr(offset)),
+                                  overflow_flags=llvm.IntegerOverflowFlags.none))
+        trans_b = int(fastest != mma_utils.Dim.K)
+        acc = "{" + ", ".join(f"${i}" for i in range(outs)) + "}"
+        instrs = "".join(
+            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {acc}, "
+            f"{{${outs + 4 * j}, ${outs + 4 * j + 1}, ${outs + 4 * j + 2}, ${outs + 4 * j + 3}}}, "
+            f"${outs + 4 * steps + j}, {'t' if j else 'f'}, 1, 1, {trans_b}; " for j in range(steps))
+        ptx = ("{ .reg .pred f, t; setp.ne.b32 f, 0, 0; setp.eq.b32 t, 0, 0; wgmma.fence.sync.aligned; "
+               f"{instrs}wgmma.commit_group.sync.aligned; wgmma.wait_group.sync.aligned 0; }}")
+        vals = mgpu_utils.inline_ptx(ptx, *a_regs, *descs, result_types=[f32] * outs, has_side_effects=True,
+                                     convergent=True)
+        layout = mgpu_fa.WGMMA_LAYOUT_ACC_32BIT  # a register a value, in the wgmma's order
+        regs = np.array([vector.broadcast(ir.VectorType.get((1,), f32), v) for v in vals], dtype=object)
+        return mgpu.FragmentedArray(_registers=regs.reshape(layout.registers_shape((TN, n))), _layout=layout,
+                                    _is_signed=None).to_layout(mgpu.WGMMA_LAYOUT)
+
+    return product
 
 
 def wgmma_operand(shape: tuple[int, int], arg_types: tuple, extra=None):

@@ -206,7 +206,7 @@ def test_blockmax_group_checks_the_fused_maxima_against_the_xla_form(monkeypatch
         assert got == ["RuntimeError"] * 2 and all(r[2] == "failed" for r in rows if "epilogue" in r[1])
         assert any("FAILED: RuntimeError: stub: no fused kernel" in line for line in lines)
     else:
-        want = "DIFFERS from the XLA form at 1 places" if fused == "differs" else "bit-equal to the XLA form"
+        want = "DIFFERS from XLA maxima after at 1 places" if fused == "differs" else "bit-equal to XLA maxima after"
         assert all(e.startswith("twin 0.0e+00, -inf same") and e.endswith(want) for e in got), got
     assert [r[5] for r in rows if "XLA" in r[1]] == ["twin 0.0e+00, -inf same"] * 2
 
@@ -236,3 +236,32 @@ def test_words_configs_group_runs_each_config_on_the_words(monkeypatch):
     tl.words_configs_group(lambda *a: None, rows)
     assert seen[::2] == list(tl.WORDS_CONFIGS)  # each config called twice: timed, then its error
     assert [r[5] for r in rows] == ["0.0e+00, -inf same"] * len(tl.WORDS_CONFIGS)
+
+
+def test_fresh_group_checks_the_fresh_product_against_plgpu_wgmma(monkeypatch):
+    """`issue21_timeline fresh` on a CPU with the scan stubbed by its Triton twin: a row a point, layout and form,
+    the fresh_product form asked for by `fresh=True` and said bit-equal to the plgpu.wgmma form."""
+    from experiments import bench_kernels as bk
+    from experiments.device_runs import issue21_timeline as tl
+    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
+    from tests.kernel_checks import index_case
+
+    triton, seen = gpu_indexer.indexer_scores, []
+    monkeypatch.setattr(gpu_indexer, "indexer_scores", lambda *a, **kw: triton(*a, interpret=True, **kw))
+
+    def stub(q, w, v, s, r, *, q_parts, layout, fresh):
+        seen.append(fresh)
+        assert q_parts == 1 and layout in ("nibbles", "sm90")
+        return triton(q, w, v, s, r, interpret=True, layout=layout)
+
+    monkeypatch.setattr(scan, "indexer_scores_wgmma", stub)
+    monkeypatch.setattr(tl, "SCAN_POINTS", ((128, 2),))
+    monkeypatch.setattr(bk, "index_data", lambda key, b, n: index_case(3, b, 4, 128, n))
+    monkeypatch.setattr(bk, "hbm_copy_bandwidth", lambda gb: 1e12)
+    monkeypatch.setattr(bk, "time_hbm", lambda fn, args, perturb: (fn(*args), (1e-6, {"pallas_us": 1.0}))[1])
+    rows = []
+    tl.fresh_group(lambda *a: None, rows)
+    assert [r[1] for r in rows] == [f"128 x 2, {lay}, {form}" for lay in ("nibbles", "sm90")
+                                    for form in ("plgpu.wgmma", "fresh_product")]
+    assert seen == [False, False, True, True] * 2  # each form called twice: its error, then timed
+    assert [r[5] for r in rows] == ["twin 0.0e+00, -inf same", "twin 0.0e+00, -inf same; bit-equal to plgpu.wgmma"] * 2

@@ -101,6 +101,10 @@ def test_lowers_for_cuda():
     assert [o.shape for o in blocked.out_info[:2]] == [(b, n), (b, n // scan.BLOCK)]  # then the timeline
     # the epilogue's block maxima: the one maximum of floats in the module (the e_max of the scale bytes is unsigned)
     assert "maximumf" in blocked.lower(lowering_platforms=("cuda",)).as_text() and "maximumf" not in one_text
+    # fresh_product: its first wgmma's scale-d predicate false (no zeroed accumulator), in no other form
+    fresh = jax.jit(lambda *a: scan.indexer_scores_wgmma(*a, q_parts=1, ctas=528, fresh=True)).trace(*args)
+    assert "setp.ne.b32 f, 0, 0" in fresh.lower(lowering_platforms=("cuda",)).as_text()
+    assert "setp.ne.b32 f, 0, 0" not in one_text
     zeros = [jnp.zeros(a.shape, a.dtype) for a in args]
     with pytest.raises(ValueError, match="q_parts"):
         scan.indexer_scores_wgmma(*zeros, q_parts=3)
@@ -146,6 +150,24 @@ def test_epilogue_block_maxima_are_the_maxima_of_its_scores_on_the_gpu(n, tiles_
                                   np.asarray(scan.indexer_scores_wgmma(q, w, keys, rec["scales"], reach, **kw)))
     np.testing.assert_array_equal(np.asarray(bmax), np.asarray(scores).reshape(b, -1, scan.BLOCK).max(-1))
     assert np.isneginf(np.asarray(bmax)[1, 3:]).all() and np.isfinite(np.asarray(bmax)[1, :2]).all()
+
+
+@pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
+@pytest.mark.parametrize("n,tiles_per_step,q_parts,layout", [(8192, 1, 1, "nibbles"), (8192, 2, 1, "sm90"),
+                                                             (8192, 4, 2, "nibbles"), (131328, None, 1, "sm90")])
+def test_fresh_product_scores_equal_the_plgpu_wgmma_forms_on_the_gpu(n, tiles_per_step, q_parts, layout):
+    """`fresh=True` (`gpu_wgmma.fresh_product`: the first wgmma of a tile does not read its accumulator) gives the
+    scores of the default form bit for bit (the same products, summed in the same order), with 1, 2 and 4 tiles a
+    step, q in one part and in two."""
+    b = 3
+    q, w, rec = index_case(n, b, 32, scan.D, n)
+    reach = jnp.asarray([n, 17, n // 2 + 3], jnp.int32)
+    keys = quant.to_sm90_words(rec["values"]) if layout == "sm90" else rec["values"]
+    kw = dict(tiles_per_step=tiles_per_step, q_parts=q_parts, layout=layout)
+    fresh = np.asarray(scan.indexer_scores_wgmma(q, w, keys, rec["scales"], reach, fresh=True, **kw))
+    np.testing.assert_array_equal(fresh, np.asarray(scan.indexer_scores_wgmma(q, w, keys, rec["scales"], reach,
+                                                                              fresh=False, **kw)))
+    assert np.isfinite(fresh[0]).all() and np.isneginf(fresh[1, 17:]).all()
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")

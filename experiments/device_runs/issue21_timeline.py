@@ -42,6 +42,10 @@ Groups (default: tests scan attention):
 - blockmax (fifty-third session, prepared): the scan as the dispatch calls it with block maxima of 8 (the
   candidate source's), the maxima by XLA after the kernel (the default) against the kernel's epilogue
   (`FUSED_BLOCK_MAX`), at SCAN_POINTS on both word layouts after the read flush, each pair checked bit for bit;
+- fresh (fifty-fourth session): the scan at SCAN_POINTS on both word layouts with each tile's product by
+  `plgpu.wgmma` into a fresh accumulator (ptxas zeroes a step's later tiles' accumulators by 17 moves on the
+  H200) against `gpu_wgmma.fresh_product` (its first wgmma's scale-d false), after the read flush, each pair checked
+  bit for bit;
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -452,20 +456,49 @@ def words_configs_group(say, rows) -> None:
         del args, words, twin
 
 
-def blockmax_group(say, rows) -> None:
-    """The scan with the candidate source's block maxima (8 positions) at SCAN_POINTS on the released nibbles and
-    on Hopper's words, after the read flush: the maxima by one XLA reduce after the kernel (what the dispatch does
-    while FUSED_BLOCK_MAX is off) against the kernel's epilogue (`block=BLOCK`). The two calls' scores and maxima
-    must be equal bit for bit (the err column says so, or at how many places they differ), and each call's
-    scores are scored against the Triton twin."""
-    import functools
-
+def paired_group(say, rows, kind: str, forms: dict, extra_bytes=lambda ctx, b: 0) -> None:
+    """The scan's `forms` (label -> f(q, w, values, scales, reach, layout) -> a tuple, its scores first) at
+    SCAN_POINTS on the released nibbles and on Hopper's words, after the read flush, each timed, its scores
+    scored against the Triton twin, and each form after the first checked bit for bit against the first (the
+    err column says so, or at how many places they differ). extra_bytes(ctx, b): bytes moved beyond the scan's."""
     import jax.numpy as jnp
     import numpy as np
 
     from experiments import bench_kernels as bk
     from experiments.device_runs.issue21_alu_decode import scan_error
-    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
+    from kernels_pallas import gpu_indexer
+
+    first = next(iter(forms))
+    peak = bk.hbm_copy_bandwidth(1.0)
+    say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
+    for ctx, b in SCAN_POINTS:
+        args, moved = scan_case(ctx, b)
+        moved += extra_bytes(ctx, b)
+        twin = gpu_indexer.indexer_scores(*args)
+        for layout in ("nibbles", "sm90"):
+            a, outs = in_words(args) if layout == "sm90" else args, {}
+
+            def run(name, f, a=a, outs=outs, twin=twin, shape=None):
+                outs[name] = [np.asarray(x) for x in f(*a)]
+                err = f"twin {scan_error(jnp.asarray(outs[name][0]), twin)}"
+                if name != first and first in outs:
+                    differ = sum(int(np.sum(x != y)) for x, y in zip(outs[name], outs[first]))
+                    err += f"; bit-equal to {first}" if not differ else f"; DIFFERS from {first} at {differ} places"
+                timed_row(say, rows, kind, shape, f, a, 1, moved, peak, err)
+
+            for name, form in forms.items():
+                shape = f"{ctx} x {b}, {layout}, {name}"
+                f = lambda *x, form=form, layout=layout: form(*x, layout)  # noqa: E731
+                guarded(say, rows, kind, shape, lambda name=name, f=f, shape=shape: run(name, f, shape=shape))
+            del a, outs
+        del args, twin
+
+
+def blockmax_group(say, rows) -> None:
+    """The scan with the candidate source's block maxima (8 positions) (`paired_group`): the maxima by one XLA
+    reduce after the kernel (what the dispatch does while FUSED_BLOCK_MAX is off) against the kernel's epilogue
+    (`block=BLOCK`); the scores and the maxima must be equal bit for bit."""
+    from kernels_pallas import gpu_indexer_wgmma as scan
 
     def after(q, w, v, s, r, layout):  # the dispatch's form: the kernel, then XLA's maxima
         out = scan.indexer_scores_wgmma(q, w, v, s, r, q_parts=1, layout=layout)
@@ -474,30 +507,21 @@ def blockmax_group(say, rows) -> None:
     def fused(q, w, v, s, r, layout):
         return scan.indexer_scores_wgmma(q, w, v, s, r, q_parts=1, layout=layout, block=scan.BLOCK)
 
-    peak = bk.hbm_copy_bandwidth(1.0)
-    say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
-    for ctx, b in SCAN_POINTS:
-        args, moved = scan_case(ctx, b)
-        moved += b * ctx // scan.BLOCK * 4  # the maxima written
-        twin = gpu_indexer.indexer_scores(*args)
-        for layout in ("nibbles", "sm90"):
-            a, outs = in_words(args) if layout == "sm90" else args, {}
+    paired_group(say, rows, "scan + maxima", {"XLA maxima after": after, "epilogue maxima": fused},
+                 lambda ctx, b: b * ctx // scan.BLOCK * 4)  # the maxima written
 
-            def run(name, f, a=a, outs=outs, twin=twin):
-                outs[name] = [np.asarray(x) for x in f(*a)]
-                err = f"twin {scan_error(jnp.asarray(outs[name][0]), twin)}"
-                if name != "XLA maxima after" and "XLA maxima after" in outs:
-                    differ = sum(int(np.sum(x != y)) for x, y in zip(outs[name], outs["XLA maxima after"]))
-                    err += ("; bit-equal to the XLA form" if not differ
-                            else f"; DIFFERS from the XLA form at {differ} places")
-                timed_row(say, rows, "scan + maxima", f"{ctx} x {b}, {layout}, {name}", f, a, 1, moved, peak, err)
 
-            for name, fn in (("XLA maxima after", after), ("epilogue maxima", fused)):
-                f = functools.partial(fn, layout=layout)
-                guarded(say, rows, "scan + maxima", f"{ctx} x {b}, {layout}, {name}",
-                        lambda name=name, f=f: run(name, f))
-            del a, outs
-        del args, twin
+def fresh_group(say, rows) -> None:
+    """The scan (q_parts 1) with each tile's product by `plgpu.wgmma` into a fresh accumulator (the default)
+    against `gpu_wgmma.fresh_product` (its first wgmma does not read the accumulator: no zeroing moves)
+    (`paired_group`); the scores must be equal bit for bit."""
+    from kernels_pallas import gpu_indexer_wgmma as scan
+
+    def form(fresh: bool):
+        return lambda q, w, v, s, r, layout: (scan.indexer_scores_wgmma(q, w, v, s, r, q_parts=1, layout=layout,
+                                                                        fresh=fresh),)
+
+    paired_group(say, rows, "scan", {"plgpu.wgmma": form(False), "fresh_product": form(True)})
 
 
 def early_group(say, rows) -> None:
@@ -529,7 +553,7 @@ def early_group(say, rows) -> None:
 
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
-                               "sm90": sm90_group, "early": early_group, "blockmax": blockmax_group,
+                               "sm90": sm90_group, "early": early_group, "blockmax": blockmax_group, "fresh": fresh_group,
                                "words_configs": words_configs_group,
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
