@@ -377,9 +377,10 @@ def _decode_window():
 
 
 # Tiles of a range whose rows `_prefetch` asks for with q, before q is loaded (the decode of tile 0 and the load
-# of tile 1 come first); the others' after. 1 and 3 timed slower on an H200 (24.4 / 24.8 us against 24.2 at batch 64,
-# forty-fifth session)
-EARLY_TILES = 2
+# of tile 1 come first); the others' after. 1 and 3 timed slower than 2 on an H200 (24.4 / 24.8 us against 24.2 at
+# batch 64, forty-fifth session); 0 faster than 2, 22.48 / 22.92 us on an H200 (fifty-third) and 23.98 / 24.36 on
+# an H100 (fifty-fourth session; `issue21_timeline early`, docs/BENCHMARKS.md)
+EARLY_TILES = 0
 
 
 @functools.cache
