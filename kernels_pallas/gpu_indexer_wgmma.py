@@ -73,6 +73,7 @@ from kernels_pallas.gpu_wgmma import (DECODE_PTX, WORD_PAIRS, fresh_product, i32
 D = 128  # channels of an index key
 TP = 64  # positions per step: the wgmma's M
 GROUP = 32  # channels per E8M0 scale
+MAX_TILES_PER_STEP = 4  # a step's keys are one TMA box, at most 256 rows
 BLOCK = 8  # positions per block maximum the epilogue can give: the rows of one half of a warp's accumulator
 _SPLAT = plgpu.Layout.WG_SPLAT(shape=())
 _Q_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 [2H, 128]
@@ -349,8 +350,9 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         raise ValueError(f"the wgmma scan needs q [B, H % 8 == 0, {D}], keys [B, N % {TP} == 0, {D // 2}] and "
                          f"scales [B, N, {D // GROUP}]; got {q_bhd.shape}, {key_values.shape}, {key_scales.shape}")
     tiles, tiles_per_step = n // TP, tiles_per_step or tiles_per_step_for(n)
-    if tiles % tiles_per_step:
-        raise ValueError(f"tiles_per_step={tiles_per_step} must divide the {tiles} tiles of {TP} positions")
+    if tiles % tiles_per_step or tiles_per_step > MAX_TILES_PER_STEP:
+        raise ValueError(f"tiles_per_step={tiles_per_step} must divide the {tiles} tiles of {TP} positions and be at "
+                         f"most {MAX_TILES_PER_STEP} (a step's keys are one TMA box of <= 256 rows)")
     all_steps, rows = tiles // tiles_per_step, TP * tiles_per_step
     per_seq, steps = split_steps(b, all_steps, ctas)
     qs = split_query(q_bhd, q_parts)

@@ -101,15 +101,17 @@ def test_lowers_for_cuda():
     assert [o.shape for o in blocked.out_info[:2]] == [(b, n), (b, n // scan.BLOCK)]  # then the timeline
     # the epilogue's block maxima: the one maximum of floats in the module (the e_max of the scale bytes is unsigned)
     assert "maximumf" in blocked.lower(lowering_platforms=("cuda",)).as_text() and "maximumf" not in one_text
-    # fresh_product: its first wgmma's scale-d predicate false (no zeroed accumulator), in no other form
-    fresh = jax.jit(lambda *a: scan.indexer_scores_wgmma(*a, q_parts=1, ctas=528, fresh=True)).trace(*args)
-    assert "setp.ne.b32 f, 0, 0" in fresh.lower(lowering_platforms=("cuda",)).as_text()
-    assert "setp.ne.b32 f, 0, 0" not in one_text
+    # fresh_product: its first wgmma's scale-d predicate false (no zeroed accumulator), absent with fresh=False
+    plain = jax.jit(lambda *a: scan.indexer_scores_wgmma(*a, q_parts=1, ctas=528, fresh=False)).trace(*args)
+    assert "setp.ne.b32 f, 0, 0" not in plain.lower(lowering_platforms=("cuda",)).as_text()
+    assert ("setp.ne.b32 f, 0, 0" in one_text) == scan.FRESH
     zeros = [jnp.zeros(a.shape, a.dtype) for a in args]
     with pytest.raises(ValueError, match="q_parts"):
         scan.indexer_scores_wgmma(*zeros, q_parts=3)
     with pytest.raises(ValueError, match="block maxima over 8 positions, got block=16"):
         scan.indexer_scores_wgmma(*zeros, block=16)
+    with pytest.raises(ValueError, match="tiles_per_step=8 must divide .* at most 4"):  # not the TMA's own error
+        scan.indexer_scores_wgmma(*zeros, tiles_per_step=8)
 
 
 @pytest.mark.skipif(not gpu_wgmma.is_hopper(), reason="needs an H100/H200 (sm_90): wgmma")
