@@ -42,7 +42,8 @@ bytes). Each tile: the keys decoded by the experts' PTX (`gpu_wgmma.DECODE_PTX`;
 `layout="sm90"`, by SM90_DECODE_PTX, 12 instructions a word against 17) straight into the wgmma's
 register operand, each row's groups scaled by 2**(e_g - e_max) (e_max: the row's largest scale byte; groups
 2**-252 below it become 0; the 4 threads of a row each load their group's byte and take the row's largest
-by two shuffles), one 64 x q_parts H x 128 wgmma, then the epilogue on the accumulator's registers: hi + lo
+by two shuffles), one 64 x q_parts H x 128 product (`gpu_wgmma.fresh_product` while FRESH: its first wgmma
+does not read the accumulator, so none is zeroed first), then the epilogue on the accumulator's registers: hi + lo
 per head, 2 relu (x + |x|), times w, summed over the head columns a thread holds and across the 4 threads of
 a row (shuffles), times 2**(e_max - 127) / 2 (e_max handed over by the decode), -inf past reachable, stored
 by 2 of the row's threads (one half of the rows each). The channel order inside each row is permuted
