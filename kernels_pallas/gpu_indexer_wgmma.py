@@ -263,9 +263,9 @@ SM90_KEYS = False
 FUSED_BLOCK_MAX = False
 
 # Each tile's product by `gpu_wgmma.fresh_product` (its first wgmma does not read the accumulator) instead of
-# `plgpu.wgmma` into a fresh accumulator, which ptxas zeroes by moves in a step's later tiles (3.6% of the H200's
-# instructions a tile, fifty-third session). Bit-equal; on an H100 1.3-3.1% faster at 128K x 8 / 32 and 1M x 8, a
-# tie where the words' scan is at its memory (1M x 8: 207.2 / 208.0 us; fifty-fourth session, docs/BENCHMARKS.md).
+# `plgpu.wgmma` into a fresh accumulator, which ptxas zeroes by moves in a step's later tiles (fifty-third
+# session). Bit-equal, 4.2% fewer instructions executed; on an H100 0.8-3.1% faster at 128K x 8 / 32 and 1M x 8,
+# 0.4-0.8% slower where the words' scan is at its memory (1M x 8; fifty-fourth session, docs/BENCHMARKS.md).
 FRESH = True
 
 

@@ -262,9 +262,10 @@ def fresh_product(k: int, n: int, b_transforms: tuple):
 
     What `plgpu.wgmma` into a fresh `plgpu.ACC` and a wait give, but the first of its k / 16 instructions does
     not read the accumulator (scale-d false): Mosaic GPU 0.11.2's wgmma always accumulates, so a fresh
-    accumulator is zeroed first, and ptxas zeroes a reused one with register moves (17 of the scan's 234 warp
-    instructions a tile on the H200, docs/BENCHMARKS.md, fifty-third session). One asm block: fence, the
-    wgmmas, commit and wait, so its outputs are final when it ends."""
+    accumulator is zeroed first, and ptxas zeroes a reused one with register moves (17 in a scan step's second
+    tile: 8.5 of its 234 warp instructions a tile, docs/BENCHMARKS.md, fifty-third session; with this the scan
+    executes 4.2% fewer, fifty-fourth). One asm block: fence, the wgmmas, commit and wait, so its outputs are
+    final when it ends."""
     if k % 64 or n % 8 or not 8 <= n <= 256:
         raise ValueError(f"fresh_product needs k % 64 == 0 and n a multiple of 8 in [8, 256], got k={k}, n={n}")
     steps = k // 16  # wgmma instructions of K = 16
