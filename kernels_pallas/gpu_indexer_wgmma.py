@@ -258,8 +258,8 @@ SM90_KEYS = False
 # The dispatch takes the block maxima of BLOCK positions from this scan's epilogue (3 shuffles and maxima a tile)
 # only while FUSED_BLOCK_MAX; off, from one XLA reduce after it that reads the scores back (4-7% of the dispatch's
 # call on the H200, fifty-third session, docs/BENCHMARKS.md). Bit-equal, but the epilogue's maxima add about what
-# the reduce costs to the kernel: on an H100 the calls tie on the released nibbles, the words 1.5-3% faster at
-# 128K x 32 and 1M x 8 (fifty-fourth session); not timed on the H200.
+# the reduce costs to the kernel: on an H100 the calls tie on the released nibbles, the words 1.6-3.2% faster at
+# 128K x 32 and 1M x 8, 0.9-2.1% slower at 128K x 8 (fifty-fourth session); not timed on the H200.
 FUSED_BLOCK_MAX = False
 
 # Each tile's product by `gpu_wgmma.fresh_product` (its first wgmma does not read the accumulator) instead of
