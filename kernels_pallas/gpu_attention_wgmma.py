@@ -394,8 +394,9 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early:
 
     The thirty-seventh session's form asked for every row at once (q and the first tile's first): a batch-64 CTA
     waited ~6.5 us for q and its first tile (H100 and H200, docs/BENCHMARKS.md), the ~20 MB all the CTAs asked
-    for arriving together. Here the first burst is q and two tiles a CTA (~11 MB at batch 64), the rest streams
-    while the first tiles are computed."""
+    for arriving together. Here the first burst is q and EARLY_TILES tiles a CTA (0 since the fifty-fourth
+    session: q alone, ~8 MB at batch 64, while the decoders load their first tiles' rows themselves); the rest
+    streams while the first tiles are computed."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (6 + merge_inputs) + (_SPLAT,) * 2)
     def prefetch(ctx, ev, es, idx, wv, ws, q_gmem, *refs):
