@@ -42,7 +42,7 @@ bytes). Each tile: the keys decoded by the experts' PTX (`gpu_wgmma.DECODE_PTX`;
 `layout="sm90"`, by SM90_DECODE_PTX, 12 instructions a word against 17) straight into the wgmma's
 register operand, each row's groups scaled by 2**(e_g - e_max) (e_max: the row's largest scale byte; groups
 2**-252 below it become 0; the 4 threads of a row each load their group's byte and take the row's largest
-by two shuffles), one 64 x q_parts H x 128 product (`gpu_wgmma.fresh_product` while FRESH: its first wgmma
+by two shuffles), one 64 x q_parts H x 128 product (`gpu_wgmma.fresh_product` unless fresh=False: its first wgmma
 does not read the accumulator, so none is zeroed first), then the epilogue on the accumulator's registers: hi + lo
 per head, 2 relu (x + |x|), times w, summed over the head columns a thread holds and across the 4 threads of
 a row (shuffles), times 2**(e_max - 127) / 2 (e_max handed over by the decode), -inf past reachable, stored
@@ -262,12 +262,6 @@ SM90_KEYS = False
 # 128K x 32 and 1M x 8, 0.9-2.1% slower at 128K x 8 (fifty-fourth session); not timed on the H200.
 FUSED_BLOCK_MAX = False
 
-# Each tile's product by `gpu_wgmma.fresh_product` (its first wgmma does not read the accumulator) instead of
-# `plgpu.wgmma` into a fresh accumulator, which ptxas zeroes by moves in a step's later tiles (fifty-third
-# session). Bit-equal, 4.2% fewer instructions executed; on an H100 0.8-3.1% faster at 128K x 8 / 32 and 1M x 8,
-# 0.4-0.8% slower where the words' scan is at its memory (1M x 8; fifty-fourth session, docs/BENCHMARKS.md).
-FRESH = True
-
 
 def takes(h: int, d: int) -> bool:
     """True when the dispatch would scan H heads of D-channel index keys with this kernel here (ON, an
@@ -317,6 +311,11 @@ def tiles_per_step_for(n: int) -> int:
     return 2 if (n // TP) % 2 == 0 else 1
 
 
+# fresh=True (the default): each tile's product by `gpu_wgmma.fresh_product` (its first wgmma does not read the
+# accumulator) instead of `plgpu.wgmma` into a fresh accumulator, which ptxas zeroes by moves in a step's later tiles
+# (fifty-third session). Bit-equal, 4.2% fewer instructions executed; on an H100 0.8-3.1% faster at 128K x 8 / 32
+# and 1M x 8, 0.4-0.8% slower where the words' scan is at its memory (1M x 8; fifty-fourth session,
+# docs/BENCHMARKS.md).
 # Defaults: 4224 CTAs of 2 tiles a step, 2 stages, the fastest of an H100 sweep at 128K x 8 / 32 and 1M x 8
 # (forty-third session: 63.5 / 82.0 / 88.2% of the copy peak against 59.8 / 79.9 / 86.4% for the H200's earlier
 # choice, 2112 CTAs of 4 tiles; docs/BENCHMARKS.md).
@@ -325,7 +324,7 @@ def tiles_per_step_for(n: int) -> int:
 def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Array, key_scales: jax.Array,
                          reachable_b: jax.Array, *, stages: int = 2, tiles_per_step: int | None = None, q_parts: int = 2,
                          ctas: int = 4224, layout: str = "nibbles", decode_ptx: str | None = None,
-                         block: int | None = None, fresh: bool | None = None, timeline: bool = False):
+                         block: int | None = None, fresh: bool = True, timeline: bool = False):
     """Scores f32 [B, N] (`gpu_indexer.indexer_scores` without `block`): q f32/bf16 [B, H, 128] with H % 8 == 0,
     w [B, H], key_values uint8 [B, N, 64], key_scales uint8 [B, N, 4], N % 64 == 0; -inf at n >= reachable.
     stages: TMA pipeline depth; tiles_per_step: 64-position tiles per pipeline step (one wgmma each; must
@@ -336,7 +335,7 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
     benchmarks); block: also return the scores' maxima over blocks of BLOCK positions (f32 [B, N / BLOCK],
     `gpu_indexer.indexer_scores`' second output), taken in the epilogue; fresh: each tile's product by
     `gpu_wgmma.fresh_product` (no accumulator zeroed first) instead of `plgpu.wgmma` into a fresh accumulator
-    (default FRESH); timeline: also
+    (False: the earlier form, for A/B); timeline: also
     return each CTA's `TIMELINE` points (`gpu_timeline`: u32 [CTAs, 4], CTA seq * per_seq + part)."""
     if q_parts not in (1, 2):
         raise ValueError(f"q_parts must be 1 (q exact in bf16) or 2 (bf16 hi + lo), got {q_parts}")
@@ -346,7 +345,6 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
         raise ValueError(f"the wgmma scan's epilogue gives block maxima over {BLOCK} positions, got block={block}: "
                          "take other blocks' maxima from its scores")
     decode_ptx = decode_ptx or (SM90_DECODE_PTX if layout == "sm90" else DECODE_PTX)
-    fresh = FRESH if fresh is None else fresh
     b, h, d = q_bhd.shape
     n = key_values.shape[1]
     if d != D or h % 8 or n % TP or key_values.shape != (b, n, D // 2) or key_scales.shape != (b, n, D // GROUP):
@@ -382,17 +380,16 @@ def indexer_scores_wgmma(q_bhd: jax.Array, w_bh: jax.Array, key_values: jax.Arra
                 gpu_timeline.stamp(tl_gmem, cta, 1)
 
             for i in range(tiles_per_step):
-                def acc_scope(acc_ref, i=i):
-                    keys, e_max = _decode_keys(TP * i, decode_ptx)(k_smem, s_smem)
-                    plgpu.wgmma(acc_ref, keys, q_smem.transpose((1, 0)))
-                    plgpu.wgmma_wait(0)
-                    return acc_ref[...], e_max
-
+                keys, e_max = _decode_keys(TP * i, decode_ptx)(k_smem, s_smem)
                 if fresh:
-                    keys, e_max = _decode_keys(TP * i, decode_ptx)(k_smem, s_smem)
                     acc = fresh_product(D, q_parts * h, _Q_TRANSFORMS)(keys, q_smem)
                 else:
-                    acc, e_max = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
+                    def acc_scope(acc_ref, keys=keys):
+                        plgpu.wgmma(acc_ref, keys, q_smem.transpose((1, 0)))
+                        plgpu.wgmma_wait(0)
+                        return acc_ref[...]
+
+                    acc = pl.run_scoped(acc_scope, plgpu.ACC((TP, q_parts * h), jnp.float32))
                 _epilogue(h, TP * i, q_parts, bool(block))(acc, e_max, w_regs, o_gmem, *(m_gmem,) * bool(block), seq,
                                                            (first + t) * rows, reach)
 

@@ -168,12 +168,9 @@ def test_ncu_pages_read_back_as_the_kernel_must_have_run(tmp_path):
     assert ncu.as_float(row["dram__bytes_write.sum"]) >= positions * 4  # f32 scores
 
 
-@pytest.mark.parametrize("fused", ["equal", "differs", "fails"])
-def test_blockmax_group_checks_the_fused_maxima_against_the_xla_form(monkeypatch, fused):
-    """`issue21_timeline blockmax` on a CPU with the scan stubbed by its Triton twin: a row for each point, layout
-    and form; the epilogue's maxima said bit-equal to the XLA form's when they are, how many places differ when
-    not (a stub whose maxima are off by one place), and a fused form that fails said failed while the other rows
-    still come."""
+def _scan_groups_on_cpu(monkeypatch, stub):
+    """The scan's device groups made to run on a CPU: the wgmma scan replaced by `stub`, the Triton twin
+    interpreted, one small point (128 positions x 2), untimed (1 us a call against a 1 TB/s copy)."""
     from experiments import bench_kernels as bk
     from experiments.device_runs import issue21_timeline as tl
     from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
@@ -181,6 +178,23 @@ def test_blockmax_group_checks_the_fused_maxima_against_the_xla_form(monkeypatch
 
     triton = gpu_indexer.indexer_scores
     monkeypatch.setattr(gpu_indexer, "indexer_scores", lambda *a, **kw: triton(*a, interpret=True, **kw))
+    monkeypatch.setattr(scan, "indexer_scores_wgmma", stub)
+    monkeypatch.setattr(tl, "SCAN_POINTS", ((128, 2),))
+    monkeypatch.setattr(bk, "index_data", lambda key, b, n: index_case(3, b, 4, 128, n))
+    monkeypatch.setattr(bk, "hbm_copy_bandwidth", lambda gb: 1e12)
+    monkeypatch.setattr(bk, "time_hbm", lambda fn, args, perturb: (fn(*args), (1e-6, {"pallas_us": 1.0}))[1])
+
+
+@pytest.mark.parametrize("fused", ["equal", "differs", "fails"])
+def test_blockmax_group_checks_the_fused_maxima_against_the_xla_form(monkeypatch, fused):
+    """`issue21_timeline blockmax` on a CPU with the scan stubbed by its Triton twin: a row for each point, layout
+    and form; the epilogue's maxima said bit-equal to the XLA form's when they are, how many places differ when
+    not (a stub whose maxima are off by one place), and a fused form that fails said failed while the other rows
+    still come."""
+    from experiments.device_runs import issue21_timeline as tl
+    from kernels_pallas import gpu_indexer
+
+    triton = gpu_indexer.indexer_scores
 
     def stub(q, w, v, s, r, *, q_parts, layout, block=None):
         assert q_parts == 1 and layout in ("nibbles", "sm90")
@@ -192,11 +206,7 @@ def test_blockmax_group_checks_the_fused_maxima_against_the_xla_form(monkeypatch
         maxima = out.reshape(out.shape[0], -1, block).max(-1)
         return out, maxima.at[0, 0].add(1.0) if fused == "differs" else maxima
 
-    monkeypatch.setattr(scan, "indexer_scores_wgmma", stub)
-    monkeypatch.setattr(tl, "SCAN_POINTS", ((128, 2),))
-    monkeypatch.setattr(bk, "index_data", lambda key, b, n: index_case(3, b, 4, 128, n))
-    monkeypatch.setattr(bk, "hbm_copy_bandwidth", lambda gb: 1e12)
-    monkeypatch.setattr(bk, "time_hbm", lambda fn, args, perturb: (fn(*args), (1e-6, {"pallas_us": 1.0}))[1])
+    _scan_groups_on_cpu(monkeypatch, stub)
     lines, rows = [], []
     tl.blockmax_group(lambda *a: lines.append(" ".join(map(str, a))), rows)
     assert [r[1] for r in rows] == [f"128 x 2, {lay}, {form}" for lay in ("nibbles", "sm90")
@@ -214,24 +224,17 @@ def test_blockmax_group_checks_the_fused_maxima_against_the_xla_form(monkeypatch
 def test_words_configs_group_runs_each_config_on_the_words(monkeypatch):
     """`issue21_timeline words_configs` on a CPU with the scan stubbed by the Triton twin on the words: a row a
     point and config, each scored against the twin on the released nibbles (so equal)."""
-    from experiments import bench_kernels as bk
     from experiments.device_runs import issue21_timeline as tl
-    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
-    from tests.kernel_checks import index_case
+    from kernels_pallas import gpu_indexer
 
     triton, seen = gpu_indexer.indexer_scores, []
-    monkeypatch.setattr(gpu_indexer, "indexer_scores", lambda *a, **kw: triton(*a, interpret=True, **kw))
 
     def stub(q, w, v, s, r, *, q_parts, layout, ctas, tiles_per_step, stages):
         seen.append((ctas, tiles_per_step, stages))
         assert q_parts == 1 and layout == "sm90"
         return triton(q, w, v, s, r, interpret=True, layout=layout)
 
-    monkeypatch.setattr(scan, "indexer_scores_wgmma", stub)
-    monkeypatch.setattr(tl, "SCAN_POINTS", ((128, 2),))
-    monkeypatch.setattr(bk, "index_data", lambda key, b, n: index_case(3, b, 4, 128, n))
-    monkeypatch.setattr(bk, "hbm_copy_bandwidth", lambda gb: 1e12)
-    monkeypatch.setattr(bk, "time_hbm", lambda fn, args, perturb: (fn(*args), (1e-6, {"pallas_us": 1.0}))[1])
+    _scan_groups_on_cpu(monkeypatch, stub)
     rows = []
     tl.words_configs_group(lambda *a: None, rows)
     assert seen[::2] == list(tl.WORDS_CONFIGS)  # each config called twice: timed, then its error
@@ -241,24 +244,17 @@ def test_words_configs_group_runs_each_config_on_the_words(monkeypatch):
 def test_fresh_group_checks_the_fresh_product_against_plgpu_wgmma(monkeypatch):
     """`issue21_timeline fresh` on a CPU with the scan stubbed by its Triton twin: a row a point, layout and form,
     the fresh_product form asked for by `fresh=True` and said bit-equal to the plgpu.wgmma form."""
-    from experiments import bench_kernels as bk
     from experiments.device_runs import issue21_timeline as tl
-    from kernels_pallas import gpu_indexer, gpu_indexer_wgmma as scan
-    from tests.kernel_checks import index_case
+    from kernels_pallas import gpu_indexer
 
     triton, seen = gpu_indexer.indexer_scores, []
-    monkeypatch.setattr(gpu_indexer, "indexer_scores", lambda *a, **kw: triton(*a, interpret=True, **kw))
 
     def stub(q, w, v, s, r, *, q_parts, layout, fresh):
         seen.append(fresh)
         assert q_parts == 1 and layout in ("nibbles", "sm90")
         return triton(q, w, v, s, r, interpret=True, layout=layout)
 
-    monkeypatch.setattr(scan, "indexer_scores_wgmma", stub)
-    monkeypatch.setattr(tl, "SCAN_POINTS", ((128, 2),))
-    monkeypatch.setattr(bk, "index_data", lambda key, b, n: index_case(3, b, 4, 128, n))
-    monkeypatch.setattr(bk, "hbm_copy_bandwidth", lambda gb: 1e12)
-    monkeypatch.setattr(bk, "time_hbm", lambda fn, args, perturb: (fn(*args), (1e-6, {"pallas_us": 1.0}))[1])
+    _scan_groups_on_cpu(monkeypatch, stub)
     rows = []
     tl.fresh_group(lambda *a: None, rows)
     assert [r[1] for r in rows] == [f"128 x 2, {lay}, {form}" for lay in ("nibbles", "sm90")

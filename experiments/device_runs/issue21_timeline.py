@@ -39,7 +39,7 @@ Groups (default: tests scan attention):
 - words_configs (fifty-third session, prepared): the scan on Hopper's words at SCAN_POINTS over (CTAs, tiles per
   step, stages), after the read flush: on the H200 the words' scan is bound by instruction issue (fifty-third
   session's counters), and more tiles a step spread each step's bookkeeping over more tiles (run on an H100 in the
-  fifty-fourth, with FRESH on);
+  fifty-fourth, with fresh_product);
 - blockmax (fifty-third session, prepared): the scan as the dispatch calls it with block maxima of 8 (the
   candidate source's), the maxima by XLA after the kernel (the default) against the kernel's epilogue
   (`FUSED_BLOCK_MAX`), at SCAN_POINTS on both word layouts after the read flush, each pair checked bit for bit;
@@ -478,7 +478,7 @@ def paired_group(say, rows, kind: str, forms: dict, extra_bytes=lambda ctx, b: 0
         for layout in ("nibbles", "sm90"):
             a, outs = in_words(args) if layout == "sm90" else args, {}
 
-            def run(name, f, a=a, outs=outs, twin=twin, shape=None):
+            def run(name, shape, f, a=a, outs=outs, twin=twin):
                 outs[name] = [np.asarray(x) for x in f(*a)]
                 err = f"twin {scan_error(jnp.asarray(outs[name][0]), twin)}"
                 if name != first and first in outs:
@@ -489,7 +489,7 @@ def paired_group(say, rows, kind: str, forms: dict, extra_bytes=lambda ctx, b: 0
             for name, form in forms.items():
                 shape = f"{ctx} x {b}, {layout}, {name}"
                 f = lambda *x, form=form, layout=layout: form(*x, layout)  # noqa: E731
-                guarded(say, rows, kind, shape, lambda name=name, f=f, shape=shape: run(name, f, shape=shape))
+                guarded(say, rows, kind, shape, lambda name=name, f=f, shape=shape: run(name, shape, f))
             del a, outs
         del args, twin
 
