@@ -34,13 +34,13 @@ Groups (default: tests scan attention):
 - sm90 (fifty-first session): the scan at SCAN_POINTS on the released nibbles and on the same keys in Hopper's
   word layout (`quant.to_sm90_words`, SM90_DECODE_PTX) after each kind of flush, the attention at batch 64 after
   each, and the Triton pool scan on both layouts at 128K (its error column: against the jnp twin on the nibbles);
-- early (fifty-second session; run in the fifty-third): the attention at batch 64 with its first prefetch burst of
-  2 (the default), 0, 1 and 3 tiles, with timelines, after the read flush;
-- words_configs (fifty-third session, prepared): the scan on Hopper's words at SCAN_POINTS over (CTAs, tiles per
+- early (fifty-second session; run in the fifty-third and fifty-fourth): the attention at batch 64 with its first
+  prefetch burst of the default's tiles (0 since the fifty-fourth), then 0-3, with timelines, after the read flush;
+- words_configs (fifty-third session; run in the fifty-fourth): the scan on Hopper's words at SCAN_POINTS over (CTAs, tiles per
   step, stages), after the read flush: on the H200 the words' scan is bound by instruction issue (fifty-third
-  session's counters), and more tiles a step spread each step's bookkeeping over more tiles (run on an H100 in the
-  fifty-fourth, with fresh_product);
-- blockmax (fifty-third session, prepared): the scan as the dispatch calls it with block maxima of 8 (the
+  session's counters), and more tiles a step spread each step's bookkeeping over more tiles (the fifty-fourth's
+  run was on an H100, with fresh_product);
+- blockmax (fifty-third session; run in the fifty-fourth): the scan as the dispatch calls it with block maxima of 8 (the
   candidate source's), the maxima by XLA after the kernel (the default) against the kernel's epilogue
   (`FUSED_BLOCK_MAX`), at SCAN_POINTS on both word layouts after the read flush, each pair checked bit for bit;
 - fresh (fifty-fourth session): the scan at SCAN_POINTS on both word layouts with each tile's product by
