@@ -51,8 +51,10 @@ KEYS_READY, SLOT_FREE, P_READY, P_FREE, STATS_READY = 4, 4 + SLOTS, 4 + 2 * SLOT
 # [64, 256] accumulator (128 a thread) and decodes
 REGISTERS = (136, 232, 136)
 LOGITS_BYTES = H * T * 4  # a tile's partial logits, f32 [64, 64]
-# Key tiles a sequence may have: its entry ids take 1 KB of shared memory a tile (`_load_ids`) beside ~180 KB
+# Key tiles a sequence may have: its entry ids take 1 KB of shared memory a tile (`_load_ids`) beside ~181 KB
+# (2 receive slots) or ~213 KB (4, `ahead`), of the 227 KB a CTA may hold
 MAX_TILES = 32
+MAX_TILES_AHEAD = 14
 # The dispatch (`kernels_pallas.sparse_attention_decode`) takes this kernel from MIN_BATCH sequences on (two CTAs a
 # sequence: at batch 64, 128 of the 132 SMs)
 MIN_BATCH = 32
@@ -72,16 +74,16 @@ def _u32(ref, offset=0):
 
 
 @functools.cache
-def _init_barriers():
-    """inline_mgpu (warpgroup 0, at the start): (barriers smem) -> its first thread initializes the two receive
-    slots' mbarriers for one arrival each and fences the inits for the cluster, then every thread arrives at the
-    cluster barrier (relaxed: each waits later, `_cluster_wait`, before the peer's barriers are used)."""
+def _init_barriers(slots: int):
+    """inline_mgpu (warpgroup 0, at the start): (barriers smem) -> its first thread initializes the receive slots'
+    mbarriers for one arrival each and fences the inits for the cluster (every thread then arrives at the cluster
+    barrier, `_cluster_arrive`, and waits there before the peer's barriers are used, `_cluster_wait`)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def init(ctx, bars):
         del ctx
         with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32_const(0))):
-            for slot in range(2):
+            for slot in range(slots):
                 mgpu_utils.inline_ptx("mbarrier.init.shared::cta.b64 [$0], 1;", _u32(bars, 8 * slot),
                                       has_side_effects=True)
             mgpu_utils.inline_ptx("fence.mbarrier_init.release.cluster;", has_side_effects=True)
@@ -103,42 +105,71 @@ def _cluster_wait(ctx):
     mgpu_utils.inline_ptx("barrier.cluster.wait.acquire.aligned;", has_side_effects=True, convergent=True)
 
 
-@functools.cache
-def _exchange():
-    """inline_mgpu (warpgroup 0): (own partial logits f32 [64, 64] WGMMA, receive smem f32 [2, 64 x 64], barriers
-    smem, tile i, peer) -> own + the peer's partial logits of tile i. Each thread sends its 32 values to the peer's
-    receive slot i % 2 (8 st.async of 16 B, a warp's 512 B contiguous, in register order: the peer's same thread
-    reads them), counted on the peer's mbarrier of that slot; thread 0 arrives at its own with the 16 KB it
-    expects; all wait for the phase (i // 2) % 2, read, add."""
+def _slot_parts(i, slots: int):
+    """(receive slot i % slots, its mbarrier's phase parity (i // slots) % 2), i32, for tile i."""
+    shift = slots.bit_length() - 1
+    return (arith.andi(i, i32_const(slots - 1)),
+            arith.andi(arith.shrui(i, i32_const(shift)), i32_const(1)))
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT),
-                       return_type=plgpu.ShapeDtypeStruct((H, T), jnp.float32, plgpu.Layout.WGMMA))
-    def exchange(ctx, own, recv, bars, i, peer):
+
+def _chunk(k, t):
+    """Byte offset of thread t's 16 B chunk k (of 8) in a receive slot: a warp's 512 B contiguous."""
+    return arith.muli(arith.addi(i32_const(128 * k), t), i32_const(16))
+
+
+@functools.cache
+def _send(slots: int):
+    """inline_mgpu (warpgroup 0): (own partial logits f32 [64, 64] WGMMA, receive smem f32 [slots, 64 x 64],
+    barriers smem, tile i, peer) -> each thread's 32 values into the peer's receive slot i % slots (8 st.async of
+    16 B, in register order: the peer's same thread reads them), counted on the peer's mbarrier of that slot."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT))
+    def send(ctx, own, recv, bars, i, peer):
         del ctx
-        i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
+        i32 = ir.IntegerType.get_signless(32)
         i, peer = (a.registers.item() for a in (i, peer))
-        slot, parity = arith.andi(i, i32_const(1)), arith.andi(arith.shrui(i, i32_const(1)), i32_const(1))
+        slot, _ = _slot_parts(i, slots)
         t = arith.andi(mgpu_utils.thread_idx(), i32_const(127))
         regs = list(own.registers.flat)  # 16 x f32 x 2
-        chunk = lambda k: arith.muli(arith.addi(i32_const(128 * k), t), i32_const(16))  # noqa: E731
-        base = arith.muli(slot, i32_const(LOGITS_BYTES))
-        bar = _u32(bars, arith.muli(slot, i32_const(8)))
-        to, to_bar = (mgpu_utils.inline_ptx(_MAPA, a, peer, result_types=i32) for a in (_u32(recv, base), bar))
+        to, to_bar = (mgpu_utils.inline_ptx(_MAPA, a, peer, result_types=i32)
+                      for a in (_u32(recv, arith.muli(slot, i32_const(LOGITS_BYTES))),
+                                _u32(bars, arith.muli(slot, i32_const(8)))))
         for k in range(len(regs) // 2):
             x = [llvm.extractelement(regs[2 * k + a], arith.constant(i32, j)) for a in range(2) for j in range(2)]
-            mgpu_utils.inline_ptx(_ST_ASYNC, arith.addi(to, chunk(k)), *x, to_bar, has_side_effects=True)
+            mgpu_utils.inline_ptx(_ST_ASYNC, arith.addi(to, _chunk(k, t)), *x, to_bar, has_side_effects=True)
+
+    return send
+
+
+@functools.cache
+def _receive(slots: int):
+    """inline_mgpu (warpgroup 0): (own partial logits, receive smem, barriers smem, tile i) -> own + the peer's
+    partial logits of tile i (`_send`'s): thread 0 arrives at the slot's mbarrier with the 16 KB it expects, all
+    wait for its phase, read their values and add them."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType(), _SPLAT),
+                       return_type=plgpu.ShapeDtypeStruct((H, T), jnp.float32, plgpu.Layout.WGMMA))
+    def receive(ctx, own, recv, bars, i):
+        del ctx
+        i8, f32 = ir.IntegerType.get_signless(8), ir.F32Type.get()
+        slot, parity = _slot_parts(i.registers.item(), slots)
+        t = arith.andi(mgpu_utils.thread_idx(), i32_const(127))
+        regs = list(own.registers.flat)
+        base = arith.muli(slot, i32_const(LOGITS_BYTES))
+        bar = _u32(bars, arith.muli(slot, i32_const(8)))
         with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, t, i32_const(0))):
             mgpu_utils.inline_ptx(_EXPECT, bar, i32_const(LOGITS_BYTES), has_side_effects=True)
         mgpu_utils.inline_ptx(_WAIT_PARITY, bar, parity, has_side_effects=True)
         mine = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(recv), [base], i8)
         out = []
         for k in range(len(regs) // 2):
-            got = llvm.load(ir.VectorType.get((4,), f32), mgpu_utils.getelementptr(mine, [chunk(k)], i8), alignment=16)
+            got = llvm.load(ir.VectorType.get((4,), f32), mgpu_utils.getelementptr(mine, [_chunk(k, t)], i8),
+                            alignment=16)
             out += [arith.addf(regs[2 * k + a], vector.shuffle(got, got, [2 * a, 2 * a + 1])) for a in range(2)]
         return mgpu.FragmentedArray(_registers=np.asarray(out, dtype=object).reshape(own.registers.shape),
                                     _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
-    return exchange
+    return receive
 
 
 @functools.cache
@@ -183,18 +214,30 @@ def supported(q_bhd: jax.Array, window_values: jax.Array, entry_values: jax.Arra
     return q_bhd.shape[0] >= MIN_BATCH and tiles <= MAX_TILES and att.supported(q_bhd, window_values, entry_values)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "out_dtype"))
+# Parts `skip` can leave out (an ablation for benchmarks: the output is then wrong)
+ABLATIONS = ("exchange", "decode", "qk", "pv")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "out_dtype", "ahead", "skip"))
 def sparse_attention_channels(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
-                              sink_h, scale: float, *, unrotate=None, out_dtype=jnp.float32):
+                              sink_h, scale: float, *, unrotate=None, out_dtype=jnp.float32, ahead: bool = False,
+                              skip: tuple[str, ...] = ()):
     """f32 [B, 64, 512] (or, with unrotate = (cos, sin) f32 [B, 256], the output turned back by those angles and
     cast to out_dtype: f32, bf16 or f16), `att.sparse_attention_wgmma`'s contract and inputs: window records u8
     [B, W, 512] + E8M0 u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8
-    [B, N, 32] gathered by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale."""
+    [B, N, 32] gathered by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. ahead: warpgroup 0
+    computes and sends tile i + 1's partial logits before it waits for the peer's of tile i (four receive slots
+    instead of two: a CTA may then be three tiles behind its peer's sends). skip: parts of ABLATIONS left out."""
+    if set(skip) - set(ABLATIONS):
+        raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
+    recv_slots = 4 if ahead else 2
     b, w, n, idx, n_wt, n_t = att.checked_tiles(q_bhd, window_values, window_scales, entry_values, entry_scales,
                                                 idx_bk)
-    if n_t > MAX_TILES:
-        raise ValueError(f"{n_t} key tiles of {T}: the channel-split kernel holds the entry ids of at most "
-                         f"{MAX_TILES} in shared memory; use `gpu_attention_wgmma.sparse_attention_wgmma`")
+    most = MAX_TILES_AHEAD if ahead else MAX_TILES
+    if n_t > most:
+        raise ValueError(f"{n_t} key tiles of {T}: the channel-split kernel holds the entry ids of at most {most} "
+                         f"in shared memory{' with ahead=True' if ahead else ''}; use "
+                         "`gpu_attention_wgmma.sparse_attention_wgmma`")
     rotated = unrotate is not None
     if rotated and jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"out_dtype={jnp.dtype(out_dtype)}: the kernel writes float32, bfloat16 or float16")
@@ -209,7 +252,7 @@ def sparse_attention_channels(q_bhd, window_values, window_scales, window_valid,
         wait3, arrive3 = att._barrier(True, 384), att._barrier(False, 384)  # all three: the key slots
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-        pl.when(wg == 0)(lambda: _init_barriers()(bars_smem))
+        pl.when(wg == 0)(lambda: _init_barriers(recv_slots)(bars_smem))
         _cluster_arrive()
 
         def prefetch(early):
@@ -226,6 +269,11 @@ def sparse_attention_channels(q_bhd, window_values, window_scales, window_valid,
 
         def decode(i, after, raw):  # warpgroups 1 and 2: their rows of tile i into slot i % SLOTS
             slot, after = i % SLOTS, jnp.asarray(after, jnp.int32)
+            if "decode" in skip:
+                pl.when(after != 0)(lambda: wait3(SLOT_FREE + slot))
+                plgpu.commit_smem()  # q
+                arrive3(KEYS_READY + slot)
+                return
             pl.when(i < n_wt)(lambda: att._decode_window(True, bars)(k_smem, masks, wv, ws, wok, seq, slot, after,
                                                                      i * T, half))
             pl.when(i >= n_wt)(lambda: att._decode_entries(True, bars)(k_smem, masks, *raw, slot, after))
@@ -248,20 +296,28 @@ def sparse_attention_channels(q_bhd, window_values, window_scales, window_valid,
             plgpu.set_max_registers(REGISTERS[0], action="decrease")
             plgpu.commit_smem()  # its part of q, for the wgmmas
             _cluster_wait()  # the peer's barriers are initialized
-            wait3(KEYS_READY)
             zero = plgpu.layout_cast(jnp.zeros((H, T), jnp.float32), plgpu.Layout.WGMMA)
 
-            def tile(i, carry):
-                m, l = carry
-                slot, ps = i % SLOTS, i % 2
-                bias = att._bias()(masks, slot)  # before the slot is given back
+            def logits(i):  # once tile i's keys are in: its partial logits, sent, and its bias; the slot given back
+                slot = i % SLOTS
+                wait3(KEYS_READY + slot)
+                bias = att._bias()(masks, slot)
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    if "qk" not in skip:
+                        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
 
                 own = pl.run_state(qk)(plgpu.ACC.init(zero))
                 pl.when(i + SLOTS < n_t)(lambda: arrive3(SLOT_FREE + slot))
-                s = (_exchange()(own, recv_smem, bars_smem, i, 1 - half) + bias) * c
+                if "exchange" not in skip:
+                    _send(recv_slots)(own, recv_smem, bars_smem, i, 1 - half)
+                return own, bias
+
+            def softmax(i, own, bias, m, l):  # tile i's logits summed with the peer's; p and the rescale to warpgroup 1
+                ps = i % 2
+                if "exchange" not in skip:
+                    own = _receive(recv_slots)(own, recv_smem, bars_smem, i)
+                s = (own + bias) * c
                 m_new = jnp.maximum(m, s.max(axis=1))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -271,12 +327,20 @@ def sparse_attention_channels(q_bhd, window_values, window_scales, window_valid,
                 rows_smem.at[ps][...] = alpha
                 plgpu.commit_smem()
                 arrive(P_READY + ps)
-                pl.when(i + 1 < n_t)(lambda: wait3(KEYS_READY + (i + 1) % SLOTS))
                 return m_new, l
 
             m = plgpu.layout_cast(jnp.full((H,), att.gpu_attention.M_FLOOR, jnp.float32), row_layout)
             l = plgpu.layout_cast(jnp.zeros((H,), jnp.float32), row_layout)
-            m, l = lax.fori_loop(0, n_t, tile, (m, l))
+            if ahead:  # tile i + 1's logits computed and sent before tile i's are received
+                def tile(i, carry):
+                    own, bias, m, l = carry
+                    nxt = logits(i + 1)
+                    return (*nxt, *softmax(i, own, bias, m, l))
+
+                own, bias, m, l = lax.fori_loop(0, n_t - 1, tile, (*logits(0), m, l))
+                m, l = softmax(n_t - 1, own, bias, m, l)
+            else:
+                m, l = lax.fori_loop(0, n_t, lambda i, ml: softmax(i, *logits(i), *ml), (m, l))
             rows_smem.at[2][...] = m
             rows_smem.at[3][...] = l
             arrive(STATS_READY)
@@ -294,7 +358,8 @@ def sparse_attention_channels(q_bhd, window_values, window_scales, window_valid,
                 acc = acc * lax.broadcast_in_dim(plgpu.load(rows_smem.at[ps], layout=row_layout), acc.shape, [0])
 
                 def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem.at[ps], k_smem.at[slot])
+                    if "pv" not in skip:
+                        plgpu.wgmma(acc_ref, p_smem.at[ps], k_smem.at[slot])
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 pl.when(i + 2 < n_t)(lambda: arrive(P_FREE + ps))
@@ -326,8 +391,8 @@ def sparse_attention_channels(q_bhd, window_values, window_scales, window_valid,
                        plgpu.SMEM((SLOTS, 8), jnp.uint32),  # validity, `att._publish_validity`
                        plgpu.SMEM((2, H, T), jnp.bfloat16, transforms=att._TRANSFORMS),  # p, warpgroup 0 -> 1
                        plgpu.SMEM((4, H), jnp.float32),  # rows' rescale (two slots), then m and l
-                       plgpu.SMEM((2, H * T), jnp.float32),  # the peer's partial logits (`_exchange`)
-                       plgpu.SMEM((4,), jnp.uint32),  # their two mbarriers
+                       plgpu.SMEM((recv_slots, H * T), jnp.float32),  # the peer's partial logits (`_send`)
+                       plgpu.SMEM((2 * recv_slots,), jnp.uint32),  # their mbarriers
                        plgpu.SMEM((n_t, 256), jnp.int32)),  # the decoders' entry ids, `att._load_ids`
         kernel_name="sparse_attention_channels",
     )

@@ -39,6 +39,9 @@ def test_lowers_for_cuda_and_refuses_too_many_tiles():
     long_k = att.T * (ch.MAX_TILES - w // att.T + 1)  # one tile more than the ids' shared memory holds
     with pytest.raises(ValueError, match="at most 32"):
         lower(lambda *a: ch.sparse_attention_channels(*a, scale=0.05), *_shapes(b, w, n, long_k))
+    with pytest.raises(ValueError, match="at most 14 in shared memory with ahead=True"):
+        lower(lambda *a: ch.sparse_attention_channels(*a, scale=0.05, ahead=True),
+              *_shapes(b, w, n, att.T * (ch.MAX_TILES_AHEAD - 1)))
     with pytest.raises(ValueError, match="64 heads|wgmma attention"):
         lower(lambda *a: ch.sparse_attention_channels(*a, scale=0.05), jax.ShapeDtypeStruct((b, 16, att.D), jnp.float32),
               *_shapes(b, w, n, k)[1:])
@@ -64,7 +67,8 @@ def _run(case, **kw):
 @pytest.mark.parametrize("b,w,n,k", [(3, 128, 300, 512), (4, 64, 3000, 300), (3, 128, 2000, 64), (2, 64, 5000, 1920)])
 def test_matches_the_reference(b, w, n, k):
     """The released window and top-k (2 + 8 tiles), a partial last tile, 3 tiles (fewer than the p slots' reuse),
-    32 tiles (MAX_TILES)."""
+    32 tiles (MAX_TILES); the logits a tile ahead give the same output bit for bit (same arithmetic, other
+    order of waits)."""
     case = _attention_case(b + w + k, b, att.H, att.D, w, n, k)
     q, window, valid, entries, idx, sink = case
     ref = attention_ref(q, window, valid, entries, idx, sink, att.D ** -0.5)
@@ -73,6 +77,8 @@ def test_matches_the_reference(b, w, n, k):
     for i in range(1, b):
         err = float(jnp.linalg.norm(out[i] - ref[i]) / jnp.linalg.norm(ref[i]))
         assert err < 5e-3, (i, err)
+    if w // att.T + -(-k // att.T) <= ch.MAX_TILES_AHEAD:
+        np.testing.assert_array_equal(_run(case, ahead=True), out)
     keys = att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],
                                       entries["scales"], idx, sink, att.D ** -0.5)
     np.testing.assert_allclose(out, keys, rtol=0, atol=2e-3 * float(jnp.abs(keys).max()))

@@ -39,9 +39,21 @@ peak = bk.hbm_copy_bandwidth(1.0)
 say(f"device {jax.devices()[0].device_kind}; copy {peak / 1e9:.0f} GB/s (read + write) = peak")
 SCALE = bk.D_ATT ** -0.5
 ROWS = []
-VARIANTS = {
+
+def channels(**kw):
+    return lambda *a: gpu_attention_channels.sparse_attention_channels(*a, SCALE, **kw)
+
+
+VARIANTS = {  # batch 64 also times the ablations (`gpu_attention_channels.ABLATIONS`: wrong outputs)
     "wgmma (key split, default)": lambda *a: gpu_attention_wgmma.sparse_attention_wgmma(*a, SCALE),
-    "channels": lambda *a: gpu_attention_channels.sparse_attention_channels(*a, SCALE),
+    "channels": channels(),
+    "channels, ahead": channels(ahead=True),
+}
+ABLATED = {
+    "channels, no exchange": channels(skip=("exchange",)),
+    "channels, no decode": channels(skip=("decode",)),
+    "channels, ahead, no decode": channels(ahead=True, skip=("decode",)),
+    "channels, no exchange / qk / pv": channels(skip=("exchange", "qk", "pv")),
 }
 
 for b in BATCHES:
@@ -49,15 +61,15 @@ for b in BATCHES:
     moved = bk.attention_bytes(q, window, wvalid, entries, idx)
     args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
     ref = ops.sparse_attention_decode(q, window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, SCALE)
-    for name, fn in VARIANTS.items():
+    for name, fn in {**VARIANTS, **(ABLATED if b == 64 else {})}.items():
         try:
             err = float(jnp.linalg.norm(jnp.nan_to_num(fn(*args)) - ref) / jnp.linalg.norm(ref))
             t, info = bk.time_hbm(fn, args, perturb=7)
             ROWS.append((b, name, t * 1e6, info.get("pallas_us"), moved / t / peak, err))
-            say(f"  128K x{b} {name:28s} {t * 1e6:8.2f} us  {100 * moved / t / peak:5.1f}% of copy  {info}  "
+            say(f"  128K x{b} {name:34s} {t * 1e6:8.2f} us  {100 * moved / t / peak:5.1f}% of copy  {info}  "
                 f"rel err {err:.2e}")
         except Exception as e:
-            say(f"  128K x{b} {name:28s} FAILED {type(e).__name__}: {str(e)[:600]}")
+            say(f"  128K x{b} {name:34s} FAILED {type(e).__name__}: {str(e)[:600]}")
             traceback.print_exc(file=LOG)
     del args, q, window, entries, ref
 
