@@ -218,18 +218,22 @@ def supported(q_bhd: jax.Array, window_values: jax.Array, entry_values: jax.Arra
 ABLATIONS = ("exchange", "decode", "qk", "pv")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "out_dtype", "ahead", "skip"))
+@functools.partial(jax.jit, static_argnames=("scale", "out_dtype", "ahead", "rows_ahead", "skip"))
 def sparse_attention_channels(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                               sink_h, scale: float, *, unrotate=None, out_dtype=jnp.float32, ahead: bool = False,
-                              skip: tuple[str, ...] = ()):
+                              rows_ahead: int = 1, skip: tuple[str, ...] = ()):
     """f32 [B, 64, 512] (or, with unrotate = (cos, sin) f32 [B, 256], the output turned back by those angles and
     cast to out_dtype: f32, bf16 or f16), `att.sparse_attention_wgmma`'s contract and inputs: window records u8
     [B, W, 512] + E8M0 u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8
     [B, N, 32] gathered by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. ahead: warpgroup 0
     computes and sends tile i + 1's partial logits before it waits for the peer's of tile i (four receive slots
-    instead of two: a CTA may then be three tiles behind its peer's sends). skip: parts of ABLATIONS left out."""
+    instead of two: a CTA may then be three tiles behind its peer's sends). rows_ahead: entry tiles whose rows
+    each decoder holds in registers, loaded and not yet decoded (bytes in flight: the decode waits on DRAM's
+    latency). skip: parts of ABLATIONS left out."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
+    if rows_ahead < 1:
+        raise ValueError(f"rows_ahead={rows_ahead}: the decoders hold at least the next tile's rows")
     recv_slots = 4 if ahead else 2
     b, w, n, idx, n_wt, n_t = att.checked_tiles(q_bhd, window_values, window_scales, entry_values, entry_scales,
                                                 idx_bk)
@@ -281,15 +285,15 @@ def sparse_attention_channels(q_bhd, window_values, window_scales, window_valid,
         def load(i):  # the rows of entry tile i (past the last, the last's again: unused)
             return att._load_entries(n, True)(ev, es, ids_smem, seq, jnp.minimum(i, n_t - 1), half)
 
-        def start_decoding(group):  # -> tile 1's rows
+        def start_decoding(group):  # -> the rows of tiles 1 .. rows_ahead
             plgpu.set_max_registers(REGISTERS[group], action="increase" if group == 1 else "decrease")
             att._load_ids(n_wt, n_t, 1)(idx_gmem, ids_smem, seq, jnp.int32(0))
             decode(jnp.int32(0), False, load(0))
-            return load(1)
+            return tuple(load(1 + j) for j in range(rows_ahead))
 
-        def decode_next(i, raw):  # in tile i's iteration: tile i + 1 (its slot free once warpgroup 0 has read tile
-            pl.when(i + 1 < n_t)(lambda: decode(i + 1, i + 1 >= SLOTS, raw))  # i + 1 - SLOTS); -> tile i + 2's rows
-            return load(i + 2)
+        def decode_next(i, raws):  # in tile i's iteration: tile i + 1 from raws[0] (its slot free once warpgroup 0
+            pl.when(i + 1 < n_t)(lambda: decode(i + 1, i + 1 >= SLOTS, raws[0]))  # has read tile i + 1 - SLOTS);
+            return (*raws[1:], load(i + 1 + rows_ahead))  # -> the rows of tiles i + 2 .. i + 1 + rows_ahead
 
         @pl.when(wg == 0)
         def _scores():
@@ -347,13 +351,13 @@ def sparse_attention_channels(q_bhd, window_values, window_scales, window_valid,
 
         @pl.when(wg == 1)
         def _values():
-            raw = start_decoding(1)
+            raws = start_decoding(1)
             acc0 = plgpu.layout_cast(jnp.zeros((H, HALF), jnp.float32), plgpu.Layout.WGMMA)
 
             def tile(i, carry):
-                acc, raw = carry
+                acc, raws = carry
                 slot, ps = i % SLOTS, i % 2
-                raw = decode_next(i, raw)
+                raws = decode_next(i, raws)
                 wait(P_READY + ps)
                 acc = acc * lax.broadcast_in_dim(plgpu.load(rows_smem.at[ps], layout=row_layout), acc.shape, [0])
 
@@ -363,9 +367,9 @@ def sparse_attention_channels(q_bhd, window_values, window_scales, window_valid,
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 pl.when(i + 2 < n_t)(lambda: arrive(P_FREE + ps))
-                return acc, raw
+                return acc, raws
 
-            acc, _ = lax.fori_loop(0, n_t, tile, (acc0, raw))
+            acc, _ = lax.fori_loop(0, n_t, tile, (acc0, raws))
             wait(STATS_READY)
             wide = lambda r: lax.broadcast_in_dim(plgpu.load(rows_smem.at[r], layout=row_layout), (H, 8), [0])  # noqa: E731
             _store_channels(rotated)(acc, wide(2), wide(3), k_smem, sink_gmem, *turn, o_gmem, seq, half)
@@ -373,7 +377,7 @@ def sparse_attention_channels(q_bhd, window_values, window_scales, window_valid,
 
         @pl.when(wg == 2)
         def _decoder():
-            lax.fori_loop(0, n_t, lambda i, raw: decode_next(i, raw), start_decoding(2))
+            lax.fori_loop(0, n_t, decode_next, start_decoding(2))
             _cluster_wait()
 
     out = jax.ShapeDtypeStruct((b, H, D), out_dtype if rotated else jnp.float32)
