@@ -142,13 +142,11 @@ def _i64(v):
     return arith.extui(ir.IntegerType.get_signless(64), v)
 
 
-def _smem_offset(slot, half, row, col, halves: int = 2):
-    """Byte offset of bf16 keys[slot, half, row, col] in the [slots, 2, 64, 256] tiles (`gpu_wgmma.swizzled_offset`),
-    an i32 value; halves=1: keys[slot, row, col] in [slots, 64, 256] (half ignored: the channel-split kernel's
-    slots hold one half), an i32 value."""
+def _smem_offset(slot, half, row, col):
+    """Byte offset of bf16 keys[slot, half, row, col] in the [2, 2, 64, 256] tile (`gpu_wgmma.swizzled_offset`),
+    an i32 value."""
     u = U32.of
-    plane = u(slot) * 2 + u(half) if halves == 2 else u(slot)
-    return swizzled_offset(plane, u(row), u(col), T).v
+    return swizzled_offset(u(slot) * 2 + u(half), u(row), u(col), T).v
 
 
 def _store16(k_ptr, off, words):
@@ -212,38 +210,32 @@ def _prefetch_l2(ptr, off64, lines: int):
             ptr, [arith.addi(off64, _i64(i32_const(128 * j)))], ir.IntegerType.get_signless(8)), has_side_effects=True)
 
 
-def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk, halves=2, bars=None):
+def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
     """The common part of the decodes (warpgroups 1 and 2, each its rows): per pass, passes[p]() loads chunks
     [(chunk index, words, scale)]; after the first pass's loads are issued, the slot's last reader of warpgroup 0
     is waited for (wait != 0: `SLOT_FREE` + slot); each chunk goes through decode_chunk(chunk index, words, scale)
     -> [(channel half, column, four bf16x2)] into the slot's swizzled tile; the rows' validity is published, and
     after a fence that makes the writes visible to the tensor cores (wgmma), the warpgroup arrives at
-    `KEYS_READY` + slot. halves: as `_smem_offset`'s; bars: (first slot-free, first keys-ready barrier id), by
-    default (SLOT_FREE, KEYS_READY)."""
-    slot_free, keys_ready = bars or (SLOT_FREE, KEYS_READY)
+    `KEYS_READY` + slot."""
     k_ptr = mgpu_utils.memref_ptr(k_smem)
     for p, load in enumerate(passes):
         loads = load()
         if p == 0:
             with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, wait, i32_const(0))):
-                _named_barrier("sync", arith.addi(slot, i32_const(slot_free)), 384)
+                _named_barrier("sync", arith.addi(slot, i32_const(SLOT_FREE)), 384)
         for i, words, scale in loads:
             for half, col, outs in decode_chunk(i, words, scale):
-                _store16(k_ptr, _smem_offset(slot, half, row, col, halves), outs)
+                _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
     _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
     nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-    _named_barrier("arrive", arith.addi(slot, i32_const(keys_ready)), 384)
+    _named_barrier("arrive", arith.addi(slot, i32_const(KEYS_READY)), 384)
 
 
-@functools.cache
-def _raw(chunks: int):
-    """An entry tile's raw rows as a decoding warpgroup holds them between their load and their decode
-    (`_load_entries`): a thread's `chunks` chunks of 16 B (4 for a whole row, 2 for a channel half), their E4M3
-    scale pairs, and its row's entry id."""
-    return (plgpu.ShapeDtypeStruct((128 * chunks * 4,), jnp.uint32,
-                                   plgpu.Layout.WG_STRIDED((128 * chunks * 4,), vec_size=4)),
-            plgpu.ShapeDtypeStruct((128 * chunks,), jnp.int16, plgpu.Layout.WG_STRIDED((128 * chunks,), vec_size=chunks)),
-            plgpu.ShapeDtypeStruct((128,), jnp.int32, plgpu.Layout.WG_STRIDED((128,), vec_size=1)))
+# An entry tile's raw rows as warpgroup 1 holds them between their load and their decode (`_load_entries`): a
+# thread's 4 chunks of 16 B, their 4 E4M3 scale pairs, and its row's entry id.
+_RAW = (plgpu.ShapeDtypeStruct((128 * 4 * 4,), jnp.uint32, plgpu.Layout.WG_STRIDED((128 * 4 * 4,), vec_size=4)),
+        plgpu.ShapeDtypeStruct((128 * 4,), jnp.int16, plgpu.Layout.WG_STRIDED((128 * 4,), vec_size=4)),
+        plgpu.ShapeDtypeStruct((128,), jnp.int32, plgpu.Layout.WG_STRIDED((128,), vec_size=1)))
 
 
 def _fragments(shape_dtype, registers):
@@ -278,47 +270,42 @@ def _load_ids(n_wt: int, per: int, splits: int):
 
 
 @functools.cache
-def _load_entries(n_rows: int, split: bool = False):
+def _load_entries(n_rows: int):
     """inline_mgpu (warpgroups 1 and 2): (entry values gmem u8 [B, N, 256], scales u8 [B, N, 32], ids smem i32
-    [per, 256] (`_load_ids`), b, tile i[, split: channel half c]) -> `_raw` of the tile's rows r = entry ids[i,
-    thread - 128] (row 0 for an id < 0: finite, and masked by the bias): the loads issued, not waited for, so that
-    they land while the warpgroup does other work (its p . v and the wait for p) before `_decode_entries` uses
-    them. n_rows: N. split: only the row's channels [256c, 256c + 256) (its raw chunks 8c + q + 4k, k < 2)."""
-    chunks = 2 if split else 4
+    [per, 256] (`_load_ids`), b, tile i) -> `_RAW` of the tile's rows r = entry ids[i, thread - 128] (row 0 for
+    an id < 0: finite, and masked by the bias): the loads issued, not waited for, so that they land while the
+    warpgroup does other work (its p . v and the wait for p) before `_decode_entries` uses them. n_rows: N."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3 + (_SPLAT,) * (3 if split else 2), return_type=_raw(chunks))
-    def load(ctx, ev, es, ids, b, i, *half):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3 + (_SPLAT,) * 2, return_type=_RAW)
+    def load(ctx, ev, es, ids, b, i):
         del ctx
         i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
         b, i = (a.registers.item() for a in (b, i))
         _, q = _thread_row()
-        first = arith.addi(q, arith.muli(half[0].registers.item(), i32_const(8))) if split else q
         ev_ptr, es_ptr = mgpu_utils.memref_ptr(ev), mgpu_utils.memref_ptr(es)
         ix = memref.load(ids, [index_of(i), index_of(arith.subi(mgpu_utils.thread_idx(), i32_const(128)))])
         entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
-        words, scales = [], llvm.mlir_undef(ir.VectorType.get((chunks,), i16))
-        for k in range(chunks):  # raw 16 B chunk i = first + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
-            i = arith.addi(first, i32_const(4 * k))
+        words, scales = [], llvm.mlir_undef(ir.VectorType.get((4,), i16))
+        for k in range(4):  # raw 16 B chunk i = q + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
+            i = arith.addi(q, i32_const(4 * k))
             v_off = arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(arith.muli(i, i32_const(16))))
             s_off = arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), _i64(arith.muli(i, i32_const(2))))
             words.append(_load(ev_ptr, v_off, ir.VectorType.get((4,), i32), 16))
             scales = llvm.insertelement(scales, _load(es_ptr, s_off, i16, 2), arith.constant(i32, k))
         ids = llvm.insertelement(llvm.mlir_undef(ir.VectorType.get((1,), i32)), ix, arith.constant(i32, 0))
-        return tuple(_fragments(t, r) for t, r in zip(_raw(chunks), (words, [scales], [ids])))
+        return tuple(_fragments(t, r) for t, r in zip(_RAW, (words, [scales], [ids])))
 
     return load
 
 
 @functools.cache
-def _decode_entries(split: bool = False, bars: tuple[int, int] | None = None):
-    """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, `_raw` of an entry tile (`_load_entries`),
+def _decode_entries():
+    """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, `_RAW` of an entry tile (`_load_entries`),
     slot, wait) -> keys[slot] rows = the entries x 2**-KEY_SHIFT in PERM8 order, their validity (id >= 0) in
-    masks[slot], as `_write_tile` (wait: whether warpgroup 0 still reads the slot). split: the channel half
-    `_load_entries(split=True)` loaded, into slots of one half (`_write_tile`'s halves=1, its bars)."""
-    chunks = 2 if split else 4
+    masks[slot], as `_write_tile` (wait: whether warpgroup 0 still reads the slot)."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), *(r.layout for r in _raw(chunks)),
-                                  _SPLAT, _SPLAT))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), *(r.layout for r in _RAW), _SPLAT,
+                                  _SPLAT))
     def decode(ctx, k_smem, masks, words, scales, ids, slot, wait):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
@@ -326,9 +313,9 @@ def _decode_entries(split: bool = False, bars: tuple[int, int] | None = None):
         row, q = _thread_row()
         valid = arith.cmpi(arith.CmpIPredicate.sge, llvm.extractelement(ids.registers[0], arith.constant(i32, 0)),
                            i32_const(0))
-        loaded = [(arith.addi(q, i32_const(4 * k)), words.registers[k],  # i % 8 = q + 4k: the column in either case
-                   llvm.extractelement(scales.registers[0], arith.constant(i32, k))) for k in range(chunks)]
-        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: loaded], _entry_chunk, 1 if split else 2, bars)
+        chunks = [(arith.addi(q, i32_const(4 * k)), words.registers[k],
+                   llvm.extractelement(scales.registers[0], arith.constant(i32, k))) for k in range(4)]
+        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: chunks], _entry_chunk)
 
     return decode
 
@@ -346,21 +333,20 @@ def _entry_chunk(i, words, sc):
 
 
 @functools.cache
-def _decode_window(split: bool = False, bars: tuple[int, int] | None = None):
+def _decode_window():
     """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0
     scales u8 [B, W, 16], validity bool [B, W] (its bytes read as they are: no conversion kernel before the call), b,
-    slot, wait, first row w0[, split: channel half c]) -> keys[slot] rows r = window row w0 + r x 2**-KEY_SHIFT in
-    PERM8 order, their validity in masks[slot], as `_decode_entries` (in two passes of 4 chunks a thread, to leave
-    registers to the accumulator; split: channels [256c, 256c + 256) alone, one pass, as `_decode_entries`')."""
+    slot, wait, first row w0) -> keys[slot] rows r = window row w0 + r x 2**-KEY_SHIFT in PERM8 order, their
+    validity in masks[slot], as `_decode_entries` (in two passes of 4 chunks a thread, to leave registers to the
+    accumulator)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                  plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT, _SPLAT) + ((_SPLAT,) if split else ()))
-    def decode(ctx, k_smem, masks, wv, ws, wok, b, slot, wait, w0, *half):
+                                  plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT, _SPLAT))
+    def decode(ctx, k_smem, masks, wv, ws, wok, b, slot, wait, w0):
         del ctx
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
         b, slot, wait, w0 = (a.registers.item() for a in (b, slot, wait, w0))
         row, q = _thread_row()
-        first = arith.addi(q, arith.muli(half[0].registers.item(), i32_const(16))) if split else q
         w_rows = ir.MemRefType(wv.type).shape[1]
         wv_ptr, ws_ptr, ok_ptr = (mgpu_utils.memref_ptr(r) for r in (wv, ws, wok))
         rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(arith.addi(w0, row)))
@@ -368,8 +354,8 @@ def _decode_window(split: bool = False, bars: tuple[int, int] | None = None):
 
         def loads(ks):
             out = []
-            for k in ks:  # raw 16 B chunk i = first + 4k: channels 16i .. 16i + 15, E8M0 byte i // 2
-                i = arith.addi(first, i32_const(4 * k))
+            for k in ks:  # raw 16 B chunk i = q + 4k: channels 16i .. 16i + 15, E8M0 byte i // 2
+                i = arith.addi(q, i32_const(4 * k))
                 v_off = arith.addi(arith.muli(rec, _i64(i32_const(D))), _i64(arith.muli(i, i32_const(16))))
                 s_off = arith.addi(arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))),
                                    _i64(arith.divui(i, i32_const(2))))
@@ -384,8 +370,8 @@ def _decode_window(split: bool = False, bars: tuple[int, int] | None = None):
                 col = arith.addi(arith.muli(arith.remui(i, i32_const(16)), i32_const(16)), i32_const(8 * p))
                 yield arith.divui(i, i32_const(16)), col, outs
 
-        passes = [lambda: loads(range(4))] + ([] if split else [lambda: loads(range(4, 8))])
-        _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, chunk, 1 if split else 2, bars)
+        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: loads(range(4)), lambda: loads(range(4, 8))],
+                    chunk)
 
     return decode
 
@@ -398,8 +384,7 @@ EARLY_TILES = 0
 
 
 @functools.cache
-def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early: bool, merge_inputs: int = 0,
-              split: bool = False):
+def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early: bool, merge_inputs: int = 0):
     """inline_mgpu: (entry values, scales, idx, window values, scales, q (gmem), [merge_inputs gmem refs], b, key
     range s) -> prefetch.L2 of key rows this CTA will decode (its tiles s, s + splits, ... < n_t of 64 keys: window
     tiles, then entry tiles): early, by both warpgroups, its first EARLY_TILES tiles' rows (warpgroup 0: a key a
@@ -411,19 +396,12 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early:
     waited ~6.5 us for q and its first tile (H100 and H200, docs/BENCHMARKS.md), the ~20 MB all the CTAs asked
     for arriving together. Here the first burst is q and EARLY_TILES tiles a CTA (0 since the fifty-fourth
     session: q alone, ~8 MB at batch 64, while the decoders load their first tiles' rows themselves); the rest
-    streams while the first tiles are computed.
+    streams while the first tiles are computed."""
 
-    split (one more argument, the channel half c): only the lines of channels [256c, 256c + 256) of the rows and of
-    q (the channel-split kernel's CTA c)."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (6 + merge_inputs) + (_SPLAT,) * (3 if split else 2))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (6 + merge_inputs) + (_SPLAT,) * 2)
     def prefetch(ctx, ev, es, idx, wv, ws, q_gmem, *refs):
         del ctx
-        ends, (b, part, *half) = refs[:merge_inputs], (a.registers.item() for a in refs[merge_inputs:])
-        # a row's lines: the whole row, or its half's (bytes [half bytes x c, + half bytes))
-        line0 = lambda row_bytes: _i64(arith.muli(half[0], i32_const(row_bytes // 2))) if split else None  # noqa: E731
-        lines = lambda row_bytes: row_bytes // 128 // (2 if split else 1)  # noqa: E731
-        at = lambda off, row_bytes: off if not split else arith.addi(off, line0(row_bytes))  # noqa: E731
+        ends, (b, part) = refs[:merge_inputs], (a.registers.item() for a in refs[merge_inputs:])
         ev_ptr, es_ptr, wv_ptr, ws_ptr, q_ptr = (mgpu_utils.memref_ptr(r) for r in (ev, es, wv, ws, q_gmem))
         kp = ir.MemRefType(idx.type).shape[1]
         tid = arith.andi(mgpu_utils.thread_idx(), i32_const(127 if not early else 255))
@@ -439,22 +417,19 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early:
             with mgpu_utils.when(mine):
                 with mgpu_utils.when(cmp("slt", tile, i32_const(n_wt))):
                     rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))), _i64(pos))
-                    _prefetch_l2(wv_ptr, at(arith.muli(rec, _i64(i32_const(D))), D), lines(D))
+                    _prefetch_l2(wv_ptr, arith.muli(rec, _i64(i32_const(D))), D // 128)
                     _prefetch_l2(ws_ptr, arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), 1)
                 with mgpu_utils.when(cmp("sge", tile, i32_const(n_wt))):
                     e = arith.minsi(arith.subi(pos, i32_const(n_wt * T)), i32_const(kp - 1))
                     ix = memref.load(idx, [index_of(b), index_of(e)])
                     with mgpu_utils.when(cmp("sge", ix, i32_const(0))):
                         entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))
-                        _prefetch_l2(ev_ptr, at(arith.muli(entry, _i64(i32_const(D // 2))), D // 2), lines(D // 2))
+                        _prefetch_l2(ev_ptr, arith.muli(entry, _i64(i32_const(D // 2))), D // 256)
                         _prefetch_l2(es_ptr, arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), 1)
         if early:
             q_base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
-            for i in range(lines(H * D * 2) // 256):  # q[b]'s 128 B lines (split: of its rows' half c)
+            for i in range(H * D * 2 // 128 // 256):  # q[b]'s 128 B lines
                 line = arith.addi(tid, i32_const(256 * i))
-                if split:  # line j of row r's half: at r D 2 + c D + 128 j
-                    row, j = arith.shrui(line, i32_const(2)), arith.andi(line, i32_const(3))
-                    line = arith.addi(arith.muli(row, i32_const(8)), arith.addi(arith.muli(half[0], i32_const(4)), j))
                 _prefetch_l2(q_ptr, arith.addi(q_base, _i64(arith.muli(line, i32_const(128)))), 1)
         if ends:
             sink, *turn = ends
@@ -500,14 +475,13 @@ def _bias():
 
 
 @functools.cache
-def _load_query(split: bool = False):
-    """inline_mgpu (warpgroups 0 and 1): (q gmem bf16 [B, 64, 512], q smem bf16 [2, 64, 256] (channel halves), b)
-    -> q[b] in the kernel's channel order (`channel_perm`): a thread reads 8 channels (one 16 B load, whole lines
-    over a warp), puts their pairs in PERM8 order by byte permutes and writes the 16 B chunk. split (one more
-    argument, the channel half c): q smem bf16 [64, 256] = q[b, :, 256c:256c + 256] alone."""
+def _load_query():
+    """inline_mgpu: (q gmem bf16 [B, 64, 512], q smem bf16 [2, 64, 256] (channel halves), b) -> q[b] in the
+    kernel's channel order (`channel_perm`): a thread reads 8 channels (one 16 B load, whole lines over a warp),
+    puts their pairs in PERM8 order by byte permutes and writes the 16 B chunk."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(_TRANSFORMS), _SPLAT) + ((_SPLAT,) if split else ()))
-    def load(ctx, q_gmem, q_smem, b, *half):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(_TRANSFORMS), _SPLAT))
+    def load(ctx, q_gmem, q_smem, b):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         b = b.registers.item()
@@ -515,12 +489,8 @@ def _load_query(split: bool = False):
         g_ptr, s_ptr = mgpu_utils.memref_ptr(q_gmem), mgpu_utils.memref_ptr(q_smem)
         base = arith.muli(_i64(b), _i64(i32_const(H * D * 2)))
         groups = []
-        for i in range(H * D // 8 // 256 // (2 if split else 1)):  # 8-channel group g = tid + 256 i: row g // 64,
-            g = arith.addi(tid, i32_const(256 * i))  # channels 8 (g % 64) + ... (split: row g // 32, 32 c + g % 32)
-            if split:
-                g = arith.addi(arith.muli(arith.shrui(g, i32_const(5)), i32_const(D // 8)),
-                               arith.addi(arith.muli(half[0].registers.item(), i32_const(HALF // 8)),
-                                          arith.andi(g, i32_const(31))))
+        for i in range(H * D // 8 // 256):  # 8-channel group g = tid + 256 i: row g // 64, channels 8 (g % 64) + ...
+            g = arith.addi(tid, i32_const(256 * i))
             groups.append((g, _load(g_ptr, arith.addi(base, _i64(arith.muli(g, i32_const(16)))),
                                     ir.VectorType.get((4,), i32), 16)))
         for g, vals in groups:
@@ -532,7 +502,7 @@ def _load_query(split: bool = False):
             row, u = arith.divui(g, i32_const(D // 8)), arith.remui(g, i32_const(D // 8))
             half = arith.divui(u, i32_const(HALF // 8))
             col = arith.muli(arith.remui(u, i32_const(HALF // 8)), i32_const(8))
-            _store16(s_ptr, _smem_offset(0, half, row, col, 1 if split else 2), pairs)
+            _store16(s_ptr, _smem_offset(0, half, row, col), pairs)
 
     return load
 
@@ -608,11 +578,10 @@ def _stage_row(stage, row, q, vals):
                        alignment=4)
 
 
-def _staged_moves(stage, n_rows: int, out_row0, ch0=None):
+def _staged_moves(stage, n_rows: int, out_row0):
     """After `_stage_row` of rows [0, n_rows) by the warpgroup: [(output row, first channel c, f32 x 4: channels c ..
     c + 3)], a thread's n_rows / 2 moves of 16 B, a warp's 512 contiguous bytes of one row: staged row r is output
-    row out_row0 + r (of 512 channels), this warpgroup's 256 of them (channels from ch0, an i32 value; by
-    default 256 x its warpgroup).
+    row out_row0 + r (of 512 channels), this warpgroup's 256 of them.
 
     The accumulator's registers hold 2 channels of a row each, 16 B of a row per 4 threads: stored to global
     memory directly (4-byte scatters once the channels are put back in order) the batch-64 kernel took 41.5 us;
@@ -629,9 +598,8 @@ def _staged_moves(stage, n_rows: int, out_row0, ch0=None):
         src = arith.addi(arith.muli(row, i32_const(HALF * 4)),
                          arith.muli(arith.xori(k, arith.andi(row, i32_const(7))), i32_const(16)))
         v = llvm.load(ir.VectorType.get((4,), f32), mgpu_utils.getelementptr(stage, [src], i8), alignment=16)
-        out_row = arith.addi(out_row0, row)
-        first = arith.muli(wg, i32_const(HALF)) if ch0 is None else ch0
-        moves.append((out_row, arith.addi(first, arith.muli(k, i32_const(4))), v))
+        moves.append((arith.addi(out_row0, row), arith.addi(arith.muli(wg, i32_const(HALF)), arith.muli(k, i32_const(4))),
+                      v))
     return moves
 
 
@@ -900,24 +868,6 @@ def timeline_names(tiles: int) -> list[str]:
     return [name for names in timeline_groups(tiles).values() for name in names]
 
 
-def checked_tiles(q_bhd, window_values, window_scales, entry_values, entry_scales, idx_bk):
-    """The wgmma kernels' inputs checked (a ValueError naming the expected shapes): (B, W, N, idx int32 [B, Kp]
-    padded with -1 to whole 64-key tiles, window tiles W / 64, key tiles (W + Kp) / 64)."""
-    b, h, d = q_bhd.shape
-    w, k, n = window_values.shape[1], idx_bk.shape[1], entry_values.shape[1]
-    if (h, d) != (H, D) or w % T or window_values.shape != (b, w, D) or window_scales.shape != (b, w, D // WINDOW_GROUP):
-        raise ValueError(f"the wgmma attention needs q [B, {H}, {D}] and a window [B, W % {T} == 0, {D}] + "
-                         f"[B, W, {D // WINDOW_GROUP}]; got q {q_bhd.shape}, window {window_values.shape} / "
-                         f"{window_scales.shape}")
-    if entry_values.shape != (b, n, D // 2) or entry_scales.shape != (b, n, D // ENTRY_GROUP):
-        raise ValueError(f"entries must be [B, N, {D // 2}] + [B, N, {D // ENTRY_GROUP}]; got {entry_values.shape} / "
-                         f"{entry_scales.shape}")
-    kp = -(-k // T) * T
-    idx = idx_bk.astype(jnp.int32)
-    idx = idx if kp == k else jnp.pad(idx, ((0, 0), (0, kp - k)), constant_values=-1)
-    return b, w, n, idx, w // T, (w + kp) // T
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
@@ -934,7 +884,19 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
-    b, w, n, idx, n_wt, n_t = checked_tiles(q_bhd, window_values, window_scales, entry_values, entry_scales, idx_bk)
+    b, h, d = q_bhd.shape
+    w, k, n = window_values.shape[1], idx_bk.shape[1], entry_values.shape[1]
+    if (h, d) != (H, D) or w % T or window_values.shape != (b, w, D) or window_scales.shape != (b, w, D // WINDOW_GROUP):
+        raise ValueError(f"the wgmma attention needs q [B, {H}, {D}] and a window [B, W % {T} == 0, {D}] + "
+                         f"[B, W, {D // WINDOW_GROUP}]; got q {q_bhd.shape}, window {window_values.shape} / "
+                         f"{window_scales.shape}")
+    if entry_values.shape != (b, n, D // 2) or entry_scales.shape != (b, n, D // ENTRY_GROUP):
+        raise ValueError(f"entries must be [B, N, {D // 2}] + [B, N, {D // ENTRY_GROUP}]; got {entry_values.shape} / "
+                         f"{entry_scales.shape}")
+    kp = -(-k // T) * T
+    idx = idx_bk.astype(jnp.int32)
+    idx = idx if kp == k else jnp.pad(idx, ((0, 0), (0, kp - k)), constant_values=-1)
+    n_wt, n_t = w // T, (w + kp) // T
     splits = splits or default_splits(b, n_t)
     if splits < 1:
         raise ValueError(f"splits={splits}: a sequence needs at least one key range")
