@@ -31,7 +31,10 @@ rows' exchange 26.4; its 16 B exchange stores and the late prefetch of the sink 
 thread) with warpgroup 1 on p . v alone, 27.2 -> 36.9 us (its decode ~4 us a tile where two warpgroups take ~1.6),
 and a fourth warpgroup for it, which ptxas cannot compile (`REGISTERS`). Forty-eighth (H100): the merge's rows
 owned by 8-row bands going round the cluster, so that every thread sends one row and adds one (3b8248f): 27.1 ->
-27.5 us, the model's call 27.6 -> 27.3, the rows' exchange no faster (not kept).
+27.5 us, the model's call 27.6 -> 27.3, the rows' exchange no faster (not kept). Fifty-fifth (H100): a sequence's
+cluster split by output channels instead of keys (each CTA 256 channels of every tile, the partial logits exchanged
+by st.async each tile, no merge; 824618b reverts it): 24.2 -> 31.0-32.6 us in every form, 21.3 us even without
+the exchange and the tensor work (10 half-width tiles a CTA cost more than 5 whole ones).
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): range s takes the
 sequence's 64-key tiles s, s + S, ... (window tiles first: with 2 ranges each starts with one, decoded while q
