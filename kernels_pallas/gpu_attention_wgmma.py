@@ -871,10 +871,12 @@ def timeline_names(tiles: int) -> list[str]:
     return [name for names in timeline_groups(tiles).values() for name in names]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline",
+                                             "window_first"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
-                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False):
+                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False,
+                           window_first: bool = False):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
@@ -884,7 +886,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong, but for the prefetch).
     unrotate, out_dtype: as `gpu_attention.sparse_attention`'s (partials merged and turned by
     `gpu_attention.combine_unrotated`). timeline: also return each CTA's `timeline_names(tiles per range)` points
-    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range)."""
+    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range). window_first: a range whose first tile
+    is a window tile decodes it before it loads its entry ids (a candidate, fifty-fifth session)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     b, h, d = q_bhd.shape
@@ -974,9 +977,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             def _():
                 _decode_window()(k_smem, masks, wv, ws, wok, seq, slot, after, t * T)
 
-            @pl.when(t >= n_wt)
-            def _():
-                _decode_entries()(k_smem, masks, *raw, slot, after)
+            if raw is not None:  # None: a window tile for sure
+                pl.when(t >= n_wt)(lambda: _decode_entries()(k_smem, masks, *raw, slot, after))
 
         # warpgroups 1 and 2: their rows of entry tile i; past the last tile that one's again (in L2, unused), and
         # for a window tile entry tile 0's (unused)
@@ -985,9 +987,12 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> tile 1's rows
             plgpu.set_max_registers(REGISTERS[group], action="increase" if group == 1 else "decrease")
+            if window_first:  # a window tile 0 first: its rows need no entry ids (one round trip less before it)
+                pl.when((count > 0) & (tile_of(0) < n_wt))(lambda: decode(0, 0, 0, None, group))
             _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
             raw = load(0)
-            pl.when(count > 0)(lambda: decode(0, 0, 0, raw, group))
+            pl.when((count > 0) & (tile_of(0) >= n_wt) if window_first else count > 0)(
+                lambda: decode(0, 0, 0, raw, group))
             stamp(point, group)
             return raw if "rows" in skip else load(1)
 
