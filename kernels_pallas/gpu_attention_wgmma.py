@@ -336,12 +336,12 @@ def _entry_chunk(i, words, sc):
 
 
 @functools.cache
-def _decode_window():
+def _decode_window(one_pass: bool = False):
     """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0
     scales u8 [B, W, 16], validity bool [B, W] (its bytes read as they are: no conversion kernel before the call), b,
     slot, wait, first row w0) -> keys[slot] rows r = window row w0 + r x 2**-KEY_SHIFT in PERM8 order, their
     validity in masks[slot], as `_decode_entries` (in two passes of 4 chunks a thread, to leave registers to the
-    accumulator)."""
+    accumulator; one_pass: all 8 chunks' loads issued before the first decode, one round trip to memory)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
                                   plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT, _SPLAT))
@@ -373,8 +373,8 @@ def _decode_window():
                 col = arith.addi(arith.muli(arith.remui(i, i32_const(16)), i32_const(16)), i32_const(8 * p))
                 yield arith.divui(i, i32_const(16)), col, outs
 
-        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: loads(range(4)), lambda: loads(range(4, 8))],
-                    chunk)
+        passes = [lambda: loads(range(8))] if one_pass else [lambda: loads(range(4)), lambda: loads(range(4, 8))]
+        _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, chunk)
 
     return decode
 
@@ -872,11 +872,11 @@ def timeline_names(tiles: int) -> list[str]:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline",
-                                             "window_first"))
+                                             "window_first", "window_one_pass"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
                            skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False,
-                           window_first: bool = False):
+                           window_first: bool = False, window_one_pass: bool = False):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
@@ -887,7 +887,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     unrotate, out_dtype: as `gpu_attention.sparse_attention`'s (partials merged and turned by
     `gpu_attention.combine_unrotated`). timeline: also return each CTA's `timeline_names(tiles per range)` points
     (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range). window_first: a range whose first tile
-    is a window tile decodes it before it loads its entry ids (a candidate, fifty-fifth session)."""
+    is a window tile decodes it before it loads its entry ids; window_one_pass: a window tile's rows loaded in one
+    pass (`_decode_window`; candidates, fifty-fifth session)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     b, h, d = q_bhd.shape
@@ -975,7 +976,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
             @pl.when(t < n_wt)
             def _():
-                _decode_window()(k_smem, masks, wv, ws, wok, seq, slot, after, t * T)
+                _decode_window(window_one_pass)(k_smem, masks, wv, ws, wok, seq, slot, after, t * T)
 
             if raw is not None:  # None: a window tile for sure
                 pl.when(t >= n_wt)(lambda: _decode_entries()(k_smem, masks, *raw, slot, after))

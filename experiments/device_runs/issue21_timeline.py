@@ -47,8 +47,9 @@ Groups (default: tests scan attention):
   `plgpu.wgmma` into a fresh accumulator (ptxas zeroes a step's later tiles' accumulators by 17 moves on the
   H200) against `gpu_wgmma.fresh_product` (its first wgmma's scale-d false), after the read flush, each pair checked
   bit for bit;
-- window_first (fifty-fifth session): the attention at batch 64 and 8 (bf16 q), the default and `window_first`
-  (a range's first window tile decoded before its entry ids load), each with its timeline, outputs bit-equal.
+- window_first (fifty-fifth session): the attention at batch 64 and 8 (bf16 q), the default, `window_first`
+  (a range's first window tile decoded before its entry ids load), `window_one_pass` (a window tile's rows in
+  one round trip) and both, each with its timeline, outputs bit-equal.
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -240,9 +241,10 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
 
 
 def window_first_group(say, rows) -> None:
-    """The attention (bf16 q) at batch 64 and 8 as the default and with `window_first` (a range's first window tile
-    decoded before its entry ids are loaded: one round trip less before the first keys; fifty-fifth session), each
-    with its timeline; the outputs must be equal bit for bit."""
+    """The attention (bf16 q) at batch 64 and 8 as the default, with `window_first` (a range's first window tile
+    decoded before its entry ids are loaded: one round trip less before the first keys; fifty-fifth session), with
+    `window_one_pass` (a window tile's rows in one round trip) and both, each with its timeline; the outputs must be
+    equal bit for bit."""
     import numpy as np
 
     from experiments import bench_kernels as bk
@@ -251,8 +253,10 @@ def window_first_group(say, rows) -> None:
     say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
     common = dict(timelines=True, batches=(64, 8), q_dtypes=("bfloat16",), peak=peak)
     base = attention_group(say, rows, **common)
-    first = attention_group(say, rows, **common, label=", window first", options={"window_first": True})
-    say("window_first bit-equal to the default:", [bool(np.array_equal(a, b)) for a, b in zip(base, first)])
+    for label, options in ((", window first", {"window_first": True}), (", window one pass", {"window_one_pass": True}),
+                           (", both", {"window_first": True, "window_one_pass": True})):
+        outs = attention_group(say, rows, **common, label=label, options=options)
+        say(f"{label[2:]}: bit-equal to the default:", [bool(np.array_equal(a, b)) for a, b in zip(base, outs)])
 
 
 def sweep_group(say, rows) -> None:
