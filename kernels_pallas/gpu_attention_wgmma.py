@@ -387,7 +387,8 @@ EARLY_TILES = 0
 
 
 @functools.cache
-def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early: bool, merge_inputs: int = 0):
+def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early: bool, merge_inputs: int = 0,
+              rolling: bool = False):
     """inline_mgpu: (entry values, scales, idx, window values, scales, q (gmem), [merge_inputs gmem refs], b, key
     range s) -> prefetch.L2 of key rows this CTA will decode (its tiles s, s + splits, ... < n_t of 64 keys: window
     tiles, then entry tiles): early, by both warpgroups, its first EARLY_TILES tiles' rows (warpgroup 0: a key a
@@ -399,7 +400,9 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early:
     waited ~6.5 us for q and its first tile (H100 and H200, docs/BENCHMARKS.md), the ~20 MB all the CTAs asked
     for arriving together. Here the first burst is q and EARLY_TILES tiles a CTA (0 since the fifty-fourth
     session: q alone, ~8 MB at batch 64, while the decoders load their first tiles' rows themselves); the rest
-    streams while the first tiles are computed."""
+    streams while the first tiles are computed. rolling: the first burst is q and ROLL_AHEAD tiles, the late one the
+    merge's inputs alone; warpgroup 0 asks for each later tile's rows ROLL_AHEAD tiles before it (`_prefetch_tile`).
+    """
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (6 + merge_inputs) + (_SPLAT,) * 2)
     def prefetch(ctx, ev, es, idx, wv, ws, q_gmem, *refs):
@@ -411,7 +414,8 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early:
         threads = 256 if early else 128
         cmp = lambda pred, x, y: arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)
         per = -(-n_t // splits)
-        first_key, last_key = (0, EARLY_TILES * T) if early else (EARLY_TILES * T, per * T)
+        early_tiles = ROLL_AHEAD if rolling else EARLY_TILES  # rolling: the late burst is the merge's inputs alone
+        first_key, last_key = (0, early_tiles * T) if early else (early_tiles * T, early_tiles * T if rolling else per * T)
         for j in range(-(-(last_key - first_key) // threads)):
             key = arith.addi(tid, i32_const(first_key + threads * j))  # its tile i = key // 64: s + splits i
             tile = arith.addi(part, arith.muli(arith.divui(key, i32_const(T)), i32_const(splits)))
@@ -441,6 +445,42 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early:
                 for ref in turn:  # row b of cos and of sin
                     _prefetch_l2(mgpu_utils.memref_ptr(ref), arith.muli(_i64(b), _i64(i32_const(D // 2 * 4))),
                                  D // 2 * 4 // 128)
+
+    return prefetch
+
+
+# rolling prefetch (`_prefetch_tile`): tile i's rows asked for while tile i - ROLL_AHEAD is computed
+ROLL_AHEAD = 2
+
+
+@functools.cache
+def _prefetch_tile(n_rows: int, w_rows: int, n_wt: int, splits: int):
+    """inline_mgpu (warpgroup 0, after the first tile's keys: the decoders' entry ids are in shared memory): (entry
+    values, scales, window values, scales (gmem), ids smem i32 [per, 256] (`_load_ids`), b, key range s, tile i)
+    -> prefetch.L2 of the rows of the range's tile i (tile s + splits i), a key a thread (threads 0..63), the
+    entry ids read from shared memory (no dependent load from idx). A candidate (fifty-fifth session): the rows of
+    every tile asked for at once (the late burst) arrive together with the first tiles' (their decode waits ~7 us
+    at batch 64 on an H100: the timelines of the `window_first` group)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5 + (_SPLAT,) * 3)
+    def prefetch(ctx, ev, es, wv, ws, ids, b, part, i):
+        del ctx
+        b, part, i = (a.registers.item() for a in (b, part, i))
+        cmp = lambda pred, x, y: arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)  # noqa: E731
+        key = arith.andi(mgpu_utils.thread_idx(), i32_const(127))
+        tile = arith.addi(part, arith.muli(i, i32_const(splits)))
+        with mgpu_utils.when(cmp("slt", key, i32_const(T))):
+            with mgpu_utils.when(cmp("slt", tile, i32_const(n_wt))):
+                rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))),
+                                 _i64(arith.addi(arith.muli(tile, i32_const(T)), key)))
+                _prefetch_l2(mgpu_utils.memref_ptr(wv), arith.muli(rec, _i64(i32_const(D))), D // 128)
+                _prefetch_l2(mgpu_utils.memref_ptr(ws), arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), 1)
+            with mgpu_utils.when(cmp("sge", tile, i32_const(n_wt))):
+                ix = memref.load(ids, [index_of(i), index_of(arith.muli(key, i32_const(4)))])  # row key's decoders'
+                with mgpu_utils.when(cmp("sge", ix, i32_const(0))):
+                    entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))
+                    _prefetch_l2(mgpu_utils.memref_ptr(ev), arith.muli(entry, _i64(i32_const(D // 2))), D // 256)
+                    _prefetch_l2(mgpu_utils.memref_ptr(es), arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), 1)
 
     return prefetch
 
@@ -872,11 +912,11 @@ def timeline_names(tiles: int) -> list[str]:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline",
-                                             "window_first", "window_one_pass"))
+                                             "window_first", "window_one_pass", "rolling"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
                            skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False,
-                           window_first: bool = False, window_one_pass: bool = False):
+                           window_first: bool = False, window_one_pass: bool = False, rolling: bool = False):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
@@ -888,7 +928,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     `gpu_attention.combine_unrotated`). timeline: also return each CTA's `timeline_names(tiles per range)` points
     (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range). window_first: a range whose first tile
     is a window tile decodes it before it loads its entry ids; window_one_pass: a window tile's rows loaded in one
-    pass (`_decode_window`; candidates, fifty-fifth session)."""
+    pass (`_decode_window`); rolling: each tile's rows prefetched ROLL_AHEAD tiles ahead (`_prefetch_tile`), not
+    all at once (candidates, fifty-fifth session)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     b, h, d = q_bhd.shape
@@ -951,7 +992,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         merge_inputs = (sink_gmem, *turn) if merged else ()  # prefetched with the late tiles
         prefetch = lambda early: None if "prefetch" in skip else _prefetch(  # noqa: E731
-            n, w, n_wt, n_t, splits, early, 0 if early else len(merge_inputs))(
+            n, w, n_wt, n_t, splits, early, 0 if early else len(merge_inputs), *((True,) if rolling else ()))(
             ev, es, idx_gmem, wv, ws, q_gmem, *(() if early else merge_inputs), seq, part)
 
         @pl.when(wg < 2)
@@ -1035,6 +1076,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             def tile(i, carry):
                 acc, m, l = carry
                 slot = i % 2
+                if rolling and "prefetch" not in skip:
+                    pl.when(i + ROLL_AHEAD < count)(lambda: _prefetch_tile(n, w, n_wt, splits)(
+                        ev, es, wv, ws, ids_smem, seq, part, i + ROLL_AHEAD))
 
                 def qk(acc_ref):
                     for hf in range(0 if "qk" in skip else 2):

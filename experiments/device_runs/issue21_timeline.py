@@ -49,7 +49,9 @@ Groups (default: tests scan attention):
   bit for bit;
 - window_first (fifty-fifth session): the attention at batch 64 and 8 (bf16 q), the default, `window_first`
   (a range's first window tile decoded before its entry ids load), `window_one_pass` (a window tile's rows in
-  one round trip) and both, each with its timeline, outputs bit-equal.
+  one round trip) and both, each with its timeline, outputs bit-equal (run in that session: no gain at batch 64).
+- rolling (fifty-fifth session): the same with `rolling` (each tile's rows prefetched ROLL_AHEAD tiles ahead by
+  warpgroup 0 instead of all at once after q), alone and with `window_first`.
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -240,11 +242,9 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
     return outs
 
 
-def window_first_group(say, rows) -> None:
-    """The attention (bf16 q) at batch 64 and 8 as the default, with `window_first` (a range's first window tile
-    decoded before its entry ids are loaded: one round trip less before the first keys; fifty-fifth session), with
-    `window_one_pass` (a window tile's rows in one round trip) and both, each with its timeline; the outputs must be
-    equal bit for bit."""
+def attention_forms_group(say, rows, forms: dict) -> None:
+    """The attention (bf16 q) at batch 64 and 8 as the default and in each of `forms` (label -> keyword arguments
+    of the kernel), each with its timeline; the outputs must be equal bit for bit."""
     import numpy as np
 
     from experiments import bench_kernels as bk
@@ -253,10 +253,17 @@ def window_first_group(say, rows) -> None:
     say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
     common = dict(timelines=True, batches=(64, 8), q_dtypes=("bfloat16",), peak=peak)
     base = attention_group(say, rows, **common)
-    for label, options in ((", window first", {"window_first": True}), (", window one pass", {"window_one_pass": True}),
-                           (", both", {"window_first": True, "window_one_pass": True})):
-        outs = attention_group(say, rows, **common, label=label, options=options)
-        say(f"{label[2:]}: bit-equal to the default:", [bool(np.array_equal(a, b)) for a, b in zip(base, outs)])
+    for label, options in forms.items():
+        outs = attention_group(say, rows, **common, label=f", {label}", options=options)
+        say(f"{label}: bit-equal to the default:", [bool(np.array_equal(a, b)) for a, b in zip(base, outs)])
+
+
+# `window_first` (a range's first window tile decoded before its entry ids are loaded: one round trip less before
+# the first keys), `window_one_pass` (a window tile's rows in one round trip); `rolling` (each tile's rows
+# prefetched ROLL_AHEAD tiles ahead, not all at once; fifty-fifth session)
+START_FORMS = {"window first": {"window_first": True}, "window one pass": {"window_one_pass": True},
+               "both": {"window_first": True, "window_one_pass": True}}
+ROLLING_FORMS = {"rolling": {"rolling": True}, "rolling, window first": {"rolling": True, "window_first": True}}
 
 
 def sweep_group(say, rows) -> None:
@@ -579,7 +586,8 @@ def early_group(say, rows) -> None:
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
                                "sm90": sm90_group, "early": early_group, "blockmax": blockmax_group, "fresh": fresh_group,
-                               "window_first": window_first_group,
+                               "window_first": lambda say, rows: attention_forms_group(say, rows, START_FORMS),
+                               "rolling": lambda say, rows: attention_forms_group(say, rows, ROLLING_FORMS),
                                "words_configs": words_configs_group,
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
