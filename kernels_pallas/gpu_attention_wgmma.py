@@ -336,12 +336,12 @@ def _entry_chunk(i, words, sc):
 
 
 @functools.cache
-def _decode_window(one_pass: bool = False):
+def _decode_window():
     """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0
     scales u8 [B, W, 16], validity bool [B, W] (its bytes read as they are: no conversion kernel before the call), b,
     slot, wait, first row w0) -> keys[slot] rows r = window row w0 + r x 2**-KEY_SHIFT in PERM8 order, their
     validity in masks[slot], as `_decode_entries` (in two passes of 4 chunks a thread, to leave registers to the
-    accumulator; one_pass: all 8 chunks' loads issued before the first decode, one round trip to memory)."""
+    accumulator)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
                                   plgpu.RefType(), _SPLAT, _SPLAT, _SPLAT, _SPLAT))
@@ -373,8 +373,8 @@ def _decode_window(one_pass: bool = False):
                 col = arith.addi(arith.muli(arith.remui(i, i32_const(16)), i32_const(16)), i32_const(8 * p))
                 yield arith.divui(i, i32_const(16)), col, outs
 
-        passes = [lambda: loads(range(8))] if one_pass else [lambda: loads(range(4)), lambda: loads(range(4, 8))]
-        _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, chunk)
+        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: loads(range(4)), lambda: loads(range(4, 8))],
+                    chunk)
 
     return decode
 
@@ -387,8 +387,7 @@ EARLY_TILES = 0
 
 
 @functools.cache
-def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early: bool, merge_inputs: int = 0,
-              rolling: bool = False):
+def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early: bool, merge_inputs: int = 0):
     """inline_mgpu: (entry values, scales, idx, window values, scales, q (gmem), [merge_inputs gmem refs], b, key
     range s) -> prefetch.L2 of key rows this CTA will decode (its tiles s, s + splits, ... < n_t of 64 keys: window
     tiles, then entry tiles): early, by both warpgroups, its first EARLY_TILES tiles' rows (warpgroup 0: a key a
@@ -400,9 +399,7 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early:
     waited ~6.5 us for q and its first tile (H100 and H200, docs/BENCHMARKS.md), the ~20 MB all the CTAs asked
     for arriving together. Here the first burst is q and EARLY_TILES tiles a CTA (0 since the fifty-fourth
     session: q alone, ~8 MB at batch 64, while the decoders load their first tiles' rows themselves); the rest
-    streams while the first tiles are computed. rolling: the first burst is q and ROLL_AHEAD tiles, the late one the
-    merge's inputs alone; warpgroup 0 asks for each later tile's rows ROLL_AHEAD tiles before it (`_prefetch_tile`).
-    """
+    streams while the first tiles are computed."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (6 + merge_inputs) + (_SPLAT,) * 2)
     def prefetch(ctx, ev, es, idx, wv, ws, q_gmem, *refs):
@@ -414,8 +411,7 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early:
         threads = 256 if early else 128
         cmp = lambda pred, x, y: arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)
         per = -(-n_t // splits)
-        early_tiles = ROLL_AHEAD if rolling else EARLY_TILES  # rolling: the late burst is the merge's inputs alone
-        first_key, last_key = (0, early_tiles * T) if early else (early_tiles * T, early_tiles * T if rolling else per * T)
+        first_key, last_key = (0, EARLY_TILES * T) if early else (EARLY_TILES * T, per * T)
         for j in range(-(-(last_key - first_key) // threads)):
             key = arith.addi(tid, i32_const(first_key + threads * j))  # its tile i = key // 64: s + splits i
             tile = arith.addi(part, arith.muli(arith.divui(key, i32_const(T)), i32_const(splits)))
@@ -445,42 +441,6 @@ def _prefetch(n_rows: int, w_rows: int, n_wt: int, n_t: int, splits: int, early:
                 for ref in turn:  # row b of cos and of sin
                     _prefetch_l2(mgpu_utils.memref_ptr(ref), arith.muli(_i64(b), _i64(i32_const(D // 2 * 4))),
                                  D // 2 * 4 // 128)
-
-    return prefetch
-
-
-# rolling prefetch (`_prefetch_tile`): tile i's rows asked for while tile i - ROLL_AHEAD is computed
-ROLL_AHEAD = 2
-
-
-@functools.cache
-def _prefetch_tile(n_rows: int, w_rows: int, n_wt: int, splits: int):
-    """inline_mgpu (warpgroup 0, after the first tile's keys: the decoders' entry ids are in shared memory): (entry
-    values, scales, window values, scales (gmem), ids smem i32 [per, 256] (`_load_ids`), b, key range s, tile i)
-    -> prefetch.L2 of the rows of the range's tile i (tile s + splits i), a key a thread (threads 0..63), the
-    entry ids read from shared memory (no dependent load from idx). A candidate (fifty-fifth session): the rows of
-    every tile asked for at once (the late burst) arrive together with the first tiles' (their decode waits ~7 us
-    at batch 64 on an H100: the timelines of the `window_first` group)."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 5 + (_SPLAT,) * 3)
-    def prefetch(ctx, ev, es, wv, ws, ids, b, part, i):
-        del ctx
-        b, part, i = (a.registers.item() for a in (b, part, i))
-        cmp = lambda pred, x, y: arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)  # noqa: E731
-        key = arith.andi(mgpu_utils.thread_idx(), i32_const(127))
-        tile = arith.addi(part, arith.muli(i, i32_const(splits)))
-        with mgpu_utils.when(cmp("slt", key, i32_const(T))):
-            with mgpu_utils.when(cmp("slt", tile, i32_const(n_wt))):
-                rec = arith.addi(arith.muli(_i64(b), _i64(i32_const(w_rows))),
-                                 _i64(arith.addi(arith.muli(tile, i32_const(T)), key)))
-                _prefetch_l2(mgpu_utils.memref_ptr(wv), arith.muli(rec, _i64(i32_const(D))), D // 128)
-                _prefetch_l2(mgpu_utils.memref_ptr(ws), arith.muli(rec, _i64(i32_const(D // WINDOW_GROUP))), 1)
-            with mgpu_utils.when(cmp("sge", tile, i32_const(n_wt))):
-                ix = memref.load(ids, [index_of(i), index_of(arith.muli(key, i32_const(4)))])  # row key's decoders'
-                with mgpu_utils.when(cmp("sge", ix, i32_const(0))):
-                    entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(ix))
-                    _prefetch_l2(mgpu_utils.memref_ptr(ev), arith.muli(entry, _i64(i32_const(D // 2))), D // 256)
-                    _prefetch_l2(mgpu_utils.memref_ptr(es), arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), 1)
 
     return prefetch
 
@@ -911,12 +871,10 @@ def timeline_names(tiles: int) -> list[str]:
     return [name for names in timeline_groups(tiles).values() for name in names]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline",
-                                             "window_first", "window_one_pass", "rolling"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
-                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False,
-                           window_first: bool = False, window_one_pass: bool = False, rolling: bool = False):
+                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
@@ -926,10 +884,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong, but for the prefetch).
     unrotate, out_dtype: as `gpu_attention.sparse_attention`'s (partials merged and turned by
     `gpu_attention.combine_unrotated`). timeline: also return each CTA's `timeline_names(tiles per range)` points
-    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range). window_first: a range whose first tile
-    is a window tile decodes it before it loads its entry ids; window_one_pass: a window tile's rows loaded in one
-    pass (`_decode_window`); rolling: each tile's rows prefetched ROLL_AHEAD tiles ahead (`_prefetch_tile`), not
-    all at once (candidates, fifty-fifth session)."""
+    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     b, h, d = q_bhd.shape
@@ -992,7 +947,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         merge_inputs = (sink_gmem, *turn) if merged else ()  # prefetched with the late tiles
         prefetch = lambda early: None if "prefetch" in skip else _prefetch(  # noqa: E731
-            n, w, n_wt, n_t, splits, early, 0 if early else len(merge_inputs), *((True,) if rolling else ()))(
+            n, w, n_wt, n_t, splits, early, 0 if early else len(merge_inputs))(
             ev, es, idx_gmem, wv, ws, q_gmem, *(() if early else merge_inputs), seq, part)
 
         @pl.when(wg < 2)
@@ -1017,10 +972,11 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
             @pl.when(t < n_wt)
             def _():
-                _decode_window(window_one_pass)(k_smem, masks, wv, ws, wok, seq, slot, after, t * T)
+                _decode_window()(k_smem, masks, wv, ws, wok, seq, slot, after, t * T)
 
-            if raw is not None:  # None: a window tile for sure
-                pl.when(t >= n_wt)(lambda: _decode_entries()(k_smem, masks, *raw, slot, after))
+            @pl.when(t >= n_wt)
+            def _():
+                _decode_entries()(k_smem, masks, *raw, slot, after)
 
         # warpgroups 1 and 2: their rows of entry tile i; past the last tile that one's again (in L2, unused), and
         # for a window tile entry tile 0's (unused)
@@ -1029,12 +985,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> tile 1's rows
             plgpu.set_max_registers(REGISTERS[group], action="increase" if group == 1 else "decrease")
-            if window_first:  # a window tile 0 first: its rows need no entry ids (one round trip less before it)
-                pl.when((count > 0) & (tile_of(0) < n_wt))(lambda: decode(0, 0, 0, None, group))
             _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
             raw = load(0)
-            pl.when((count > 0) & (tile_of(0) >= n_wt) if window_first else count > 0)(
-                lambda: decode(0, 0, 0, raw, group))
+            pl.when(count > 0)(lambda: decode(0, 0, 0, raw, group))
             stamp(point, group)
             return raw if "rows" in skip else load(1)
 
@@ -1076,9 +1029,6 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             def tile(i, carry):
                 acc, m, l = carry
                 slot = i % 2
-                if rolling and "prefetch" not in skip:
-                    pl.when(i + ROLL_AHEAD < count)(lambda: _prefetch_tile(n, w, n_wt, splits)(
-                        ev, es, wv, ws, ids_smem, seq, part, i + ROLL_AHEAD))
 
                 def qk(acc_ref):
                     for hf in range(0 if "qk" in skip else 2):

@@ -161,22 +161,6 @@ def test_the_prefetch_changes_no_output(b, w, n, k, splits, merged):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
-@pytest.mark.parametrize("b,w,n,k,splits,merged", [(3, 128, 300, 512, 1, None), (5, 64, 2000, 300, 4, True),
-                                                    (3, 64, 2000, 300, 9, None), (3, 128, 3000, 512, 2, None)])
-def test_window_first_changes_no_output(b, w, n, k, splits, merged):
-    """A range's first window tile decoded before its entry ids load (`window_first`), and with its rows in one pass
-    (`window_one_pass`), and the rows prefetched a tile at a time (`rolling`) give the same output bit for bit:
-    ranges starting with a window tile and (4 and 9 ranges over one window tile) with an entry tile."""
-    q, window, valid, entries, idx, sink = _attention_case(splits + 7, b, att.H, att.D, w, n, k)
-    run = lambda **kw: att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],  # noqa: E731
-                                                  entries["scales"], idx, sink, att.D ** -0.5, splits=splits,
-                                                  merged=merged, **kw)
-    np.testing.assert_array_equal(run(window_first=True), run())
-    np.testing.assert_array_equal(run(window_first=True, window_one_pass=True), run())
-    np.testing.assert_array_equal(run(rolling=True), run())
-
-
-@pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
 @pytest.mark.parametrize("splits,merged,out_dtype", [(2, None, jnp.bfloat16), (2, None, jnp.float32),
                                                      (1, None, jnp.bfloat16), (3, False, jnp.bfloat16),
                                                      (None, None, jnp.bfloat16)])
