@@ -66,12 +66,32 @@ def _memory_maps_within_limit():
 # first (each module's test times summed from `pytest -n 2 ... --junitxml=FILE tests` on this repo's 2-core test
 # machine, 2026-12-07, fifty-third session: 1,549 s over the two workers), so the last ones are short.
 # Modules not listed follow in their collected order; a stale list only costs balance, never a test.
-LONGEST_MODULES = ("test_cli.py", "test_grouped.py", "test_engine.py", "test_sharding.py", "test_serve.py",
-                   "test_dspark.py", "test_train.py", "test_expert_parallel.py", "test_kernels_lowering.py",
-                   "test_parity.py", "test_kernels_dispatch.py", "test_kernels_tpu.py", "test_step_state.py",
-                   "test_model.py", "test_engine_dspark.py", "test_vision.py", "test_generate.py", "test_kernels_gpu.py",
-                   "test_checkpoint.py", "test_hyper_kernel.py", "test_dspark_parity.py", "test_compile_options.py",
-                   "test_bench_decode_cli.py", "test_mooncake_store.py", "test_window_store.py")
+LONGEST_MODULES = ("test_grouped.py", "test_cli.py", "test_engine.py", "test_engine_dspark.py", "test_window_store.py",
+                   "test_train.py", "test_engine_mesh.py", "test_serve.py", "test_sharding.py", "test_dspark.py",
+                   "test_kernels_lowering.py", "test_expert_parallel.py", "test_parity.py", "test_kernels_dispatch.py",
+                   "test_vision.py", "test_kernels_gpu.py", "test_kernels_tpu.py", "test_step_state.py", "test_model.py",
+                   "test_checkpoint.py", "test_hyper_kernel.py", "test_generate.py", "test_dspark_parity.py",
+                   "test_compile_options.py", "test_bench_decode_cli.py", "test_mooncake_store.py")
+
+
+# Modules that run test_engine.py's programs (the tiny engine's prefill and decode): one xdist scope with it, so that
+# the worker that runs it runs them next, and they find those programs compiled in its own process (not traced,
+# lowered and read from the compilation cache again).
+SAME_SCOPE = {"test_engine_dspark.py": "test_engine.py", "test_window_store.py": "test_engine.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            scope = super()._split_scope(nodeid)
+            folder, _, name = scope.rpartition("/")
+            return f"{folder}/{SAME_SCOPE[name]}" if name in SAME_SCOPE else scope
+
+    return Scheduling(config, log)
 
 
 def pytest_collection_modifyitems(items):

@@ -17,7 +17,6 @@ import pytest
 import dsv41_jax as d
 from dsv41_jax import api
 from dsv41_jax.plan import build_plan, encoder_depth
-from dsv41_jax.pytree_paths import path_str
 from dsv41_jax.sampling import sample
 from dsv41_jax.serving import Engine, EngineConfig, Request, slots as rows, slots_for_budget
 from dsv41_jax.tiers import block_chain
@@ -126,17 +125,17 @@ def test_skipped_layers_restart_with_an_empty_ring(model):
     new length: whatever bytes are left in them are masked, never read."""
     cfg, params = model
     depth = encoder_depth(build_plan(cfg))
-    tok = PROMPT[None, :48].astype(np.int32)
+    tok = PROMPT[None, :64].astype(np.int32)  # two chunks of the engine's shape: its compiled programs
     none, cache = api.prefill(cfg, params, d.init_cache(cfg, 1, CAP), tok[:, :32], np.array([32]), layers=depth)
     assert none is None and np.asarray(cache.window_start)[:, 0].tolist() == [0] * depth + [32] * (cfg.n_layers - depth)
     rng = np.random.default_rng(0)  # FP8 rows of magnitude ~1..240: scale exponent 127 (1.0), random codes
     junk = {k: a.at[depth:].set(127 if k == "scales" else rng.integers(1, 120, a[depth:].shape).astype(a.dtype))
             for k, a in cache.window.items()}
-    want, _ = api.prefill(cfg, params, cache, tok[:, 32:], np.array([16]))
-    got, _ = api.prefill(cfg, params, cache.replace(window=junk), tok[:, 32:], np.array([16]))
+    want, _ = api.prefill(cfg, params, cache, tok[:, 32:], np.array([32]))
+    got, _ = api.prefill(cfg, params, cache.replace(window=junk), tok[:, 32:], np.array([32]))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="layers must be"):
-        api.prefill(cfg, params, cache, tok[:, 32:], np.array([16]), layers=0)
+        api.prefill(cfg, params, cache, tok[:, 32:], np.array([32]), layers=0)
 
 
 def page_files(root):
@@ -210,17 +209,21 @@ def test_slots_join_and_leave_without_recompiling(model, cold):
 
 
 def one_call_at_a_time(eng: Engine, req: Request, chunk: int) -> list[int]:
-    """A request's tokens by the engine's prefill, then `api.generate` calls of `chunk` steps on its own row, each
-    call's tokens read back before the next call (what the engine computed before it queued its calls)."""
+    """A request's tokens by the engine's prefill, then `api.generate` calls of `chunk` steps on its slot of the
+    engine's 2 (the other idle), each call's tokens read back before the next call (what the engine computed before
+    it queued its calls; the engine's decode program, so no compile of its own)."""
     cfg = eng.cfg
     logits, row, _ = eng.prefill(np.asarray(req.prompt, np.int32))
-    temp, seed = np.array([req.temperature], np.float32), np.array([req.seed], np.uint32)
-    toks = [int(np.asarray(sample(logits, temp, seed, np.zeros(1, np.int32)))[0])]
-    stops = np.array([list(req.stop_tokens) + [-1] * (4 - len(req.stop_tokens))], np.int32)
+    cache = rows.put_row(eng.cache, 0, row)
+    temp, seed = np.array([req.temperature, 0], np.float32), np.array([req.seed, 0], np.uint32)
+    toks = [int(np.asarray(sample(logits, temp[:1], seed[:1], np.zeros(1, np.int32)))[0])]
+    stops = np.full((2, 4), -1, np.int32)
+    stops[0, :len(req.stop_tokens)] = req.stop_tokens
     while toks[-1] not in req.stop_tokens and len(toks) < req.max_new_tokens:
-        out, emitted, row = api.generate(cfg, eng.params, row, np.array([toks[-1]], np.int32), chunk,
-                                         temperature_b=temp, seed_b=seed, step_b=len(toks),
-                                         budget_b=min(req.max_new_tokens - len(toks), chunk), stop_ids_bs=stops)
+        budget = min(req.max_new_tokens - len(toks), chunk)
+        out, emitted, cache = api.generate(cfg, eng.params, cache, np.array([toks[-1], 0], np.int32), chunk,
+                                           temperature_b=temp, seed_b=seed, step_b=np.array([len(toks), 0], np.int32),
+                                           budget_b=np.array([budget, 0], np.int32), stop_ids_bs=stops)
         toks += [int(t) for t in np.asarray(out)[0][np.asarray(emitted)[0]]]
     return toks
 
@@ -282,37 +285,3 @@ def test_cancel_frees_a_live_slot_and_drops_a_queued_request(model, cold):
         eng.step()
     (r1,) = eng.drain()
     assert r1.id == ids[1] and r1.tokens == cold.tokens  # the survivor is unaffected
-
-
-def test_engine_on_a_mesh_decodes_and_reuses_prefixes_as_one_device(tmp_path):
-    """On 8 devices in the DeepSeek serving layout (data=2 x expert=4, dp_ep: slots split over both axes, experts
-    over `expert`; every layer mode of tiny, float32, raw cache: nothing quantized whose code a summation order
-    could flip): the params and the slots' cache live on the mesh, and two requests emit the one-device engine's
-    tokens, cold (each prefilled on a batch-1 row replicated over the mesh) and from the host tier (an exact
-    restore of the prefix); slots the mesh does not divide are refused first. (Images on a mesh:
-    tests/test_vision.py.)"""
-    from tests.configs import TINY5
-
-    if len(jax.devices()) < 8:
-        pytest.skip("needs --xla_force_host_platform_device_count=8 (set in conftest.py)")
-    cfg = TINY5.replace(quantize_cache=False)
-    assert cfg.dtype == "float32"
-    params = d.init_params(cfg, seed=0)
-    reqs = [Request(PROMPT, max_new_tokens=NEW), Request(PROMPT[:40], max_new_tokens=5, temperature=0.8, seed=2)]
-    want = [r.tokens for r in engine((cfg, params)).generate(reqs)]
-    mesh = dict(mesh="data=2,expert=4", layout="dp_ep")
-    eng = Engine(cfg, params, EngineConfig(slots=8, capacity=CAP, prefill_chunk=CHUNK, page_tokens=PT,
-                                           cache_dir=str(tmp_path), progress=False, **mesh))
-    for round_ in range(2):
-        out = eng.generate(reqs)
-        assert [r.tokens for r in out] == want, round_
-    assert out[0].metrics["prefix_path"] == "host_restore" and out[0].metrics["reused_tokens"] == 2 * PT
-    w1 = next(a for p, a in jax.tree_util.tree_leaves_with_path(eng.params.state) if path_str(p).endswith("ffn/w1"))
-    assert w1.sharding.spec[0] == "expert" and len(w1.sharding.device_set) == 8
-    assert eng.cache.lengths.sharding.spec == jax.sharding.PartitionSpec(("data", "expert"))
-    # a row put into the slots' cache comes back placed equivalently (P() for P(None, ...)): the next call takes it
-    # as it is, no copy of the whole cache
-    put = rows.put_row(eng.cache, 0, eng._row_placement.new_cache(cfg, CAP))
-    assert eng.placement.put_cache(put) is put
-    with pytest.raises(ValueError, match="slots=2: layout dp_ep splits the slots over 8 devices"):
-        engine((cfg, params), **mesh)  # 2 slots

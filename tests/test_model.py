@@ -82,7 +82,8 @@ def test_decode_reads_compressed_entries_and_only_reachable_ones(setup):
     """Scrambling a source's reachable entries changes the next token's logits (the CSA2 path is live);
     scrambling the slots past each sequence's reachable count changes nothing (the garbage contract)."""
     cfg, params, _ = setup
-    _, cache = d.prefill(cfg, params, d.init_cache(cfg, 2, CAP), _tokens(), LENS)
+    # all_logits: the program of `setup`'s prefill (the cache does not depend on it), so no compile of its own
+    _, cache = d.prefill(cfg, params, d.init_cache(cfg, 2, CAP), _tokens(), LENS, all_logits=True)
     nxt = np.array([5, 6])
     base, _ = d.decode_step(cfg, params, cache, nxt)
     ratios = [p.ratio for p in d.build_plan(cfg) if p.mode is d.Mode.FULL]

@@ -45,8 +45,10 @@ def five_layer_model():
 
 @pytest.fixture(scope="module")
 def server():
+    # 8 decode steps per call: the engine of `experiments.decode --engine` (EngineConfig's default), so that the
+    # reference runs of it below reuse the server's decode program
     srv = serve.build_server(serve.parse_args(["--preset", "tiny", "--slots", "2", "--capacity", "256",
-                                               "--max-queue", "2", "--decode-chunk", "4", "--kernels", "jnp"]))
+                                               "--max-queue", "2", "--decode-chunk", "8", "--kernels", "jnp"]))
     srv.engine.ecfg.progress = False
     with serving(srv.app) as url:
         srv.url = url
@@ -116,7 +118,7 @@ def test_chat_with_an_image_answers_as_experiments_decode(server, client, tmp_pa
     text = render_chat([{"role": "user", "content": "Look: <image> What is it?"}], None)
     out = tmp_path / "run.json"
     decode.main(["--preset", "tiny", "--engine", "--prompt", text, "--image", str(png), "--max-new-tokens", str(NEW),
-                 "--capacity", "256", "--slots", "2", "--decode-chunk", "4", "--kernels", "jnp", "--output-json",
+                 "--capacity", "256", "--slots", "2", "--decode-chunk", "8", "--kernels", "jnp", "--output-json",
                  str(out)])
     assert chat.choices[0].token_ids == json.loads(out.read_text())["generated_ids"][0]
     n_image = prepare_image(png, server.engine.cfg).n_tokens
@@ -331,12 +333,18 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
         assert e.value.code == 1 and len(err) == 1 and err[0].startswith(message), err
 
 
-def test_mesh_flags_draw_the_weights_into_their_shards_and_place_the_engine():
+def test_mesh_flags_draw_the_weights_into_their_shards_and_place_the_engine(monkeypatch):
     """--mesh reaches the engine (experiments.decode --engine shares the code: engine_config, random_engine_params):
     the random weights are drawn on the mesh, the experts split over `expert`, the slots' cache there too. That an
-    engine on a mesh emits one device's tokens: tests/test_engine.py."""
+    engine on a mesh emits one device's tokens: tests/test_engine_mesh.py. The model: tiny cut to 2 layers (window,
+    Full m=1) without draft stages, as where it is placed does not depend on the depth, and the draw is one program
+    that compiles in ~40% of the 5 layers' time."""
     if len(jax.devices()) < 8:
         pytest.skip("needs --xla_force_host_platform_device_count=8 (set in conftest.py)")
+    five_layers = serve.model_config
+    monkeypatch.setattr(serve, "model_config", lambda args: five_layers(args).replace(
+        n_layers=2, n_mtp_layers=0, compress_ratios=(0, 1), kv_source_layers=(1,), index_source_layers=(1,),
+        candidate_source_layer=1, engram_layer_ids=(), engram_num_embeddings=()))
     eng = serve.build_server(serve.parse_args(["--mesh", "tensor=2,expert=4", "--slots", "2", "--capacity", "64"])).engine
     assert dict(eng.placement.mesh.shape) == {"tensor": 2, "expert": 4} and eng.placement.batch == 2
     args = decode.parse_args(["--engine", "--mesh", "data=2,expert=4", "--layout", "dp_ep", "--batch", "3"])

@@ -268,8 +268,8 @@ def test_random_params_are_drawn_into_their_shards():
                                    err_msg=path_str(path))
 
 
-# The engine's DSpark steps on a mesh (tests/test_engine_dspark.py) run the same sharded api programs.
-@covered_elsewhere("tests/test_engine_dspark.py's mesh case")
+# The engine's DSpark steps on a mesh (tests/test_engine_mesh.py) run the same sharded api programs.
+@covered_elsewhere("tests/test_engine_mesh.py's DSpark case")
 def test_sharded_speculative_steps_emit_the_one_device_greedy_tokens():
     """`ShardedModel.speculative_prefill` / `speculative_generate` (DSpark through `api` on a mesh: data=2 x
     expert=4, tp_ep) emit at temperature 0 the tokens one device's prefill + `generate` do, with the draft

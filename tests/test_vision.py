@@ -236,7 +236,7 @@ def test_engine_never_shares_pages_between_different_images(ckpt, tmp_path):
     assert "2 image placeholder(s)" in bad.error and "1 image(s)" in bad.error
 
 
-@covered_elsewhere("tests/test_engine.py's mesh engine and test_prefill_with_images_on_a_mesh_matches_official")
+@covered_elsewhere("tests/test_engine_mesh.py's engine and test_prefill_with_images_on_a_mesh_matches_official")
 def test_engine_on_a_mesh_takes_images(ckpt):
     """On 8 devices (data=2 x expert=4, dp_ep): a request with an image and one without emit the one-device
     engine's tokens, and the first logits agree to float rounding (the image's tower runs on the mesh's params,
