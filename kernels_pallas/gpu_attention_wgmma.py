@@ -213,13 +213,14 @@ def _prefetch_l2(ptr, off64, lines: int):
             ptr, [arith.addi(off64, _i64(i32_const(128 * j)))], ir.IntegerType.get_signless(8)), has_side_effects=True)
 
 
-def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
+def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk, publish=None):
     """The common part of the decodes (warpgroups 1 and 2, each its rows): per pass, passes[p]() loads chunks
     [(chunk index, words, scale)]; after the first pass's loads are issued, the slot's last reader of warpgroup 0
     is waited for (wait != 0: `SLOT_FREE` + slot); each chunk goes through decode_chunk(chunk index, words, scale)
     -> [(channel half, column, four bf16x2)] into the slot's swizzled tile; the rows' validity is published, and
     after a fence that makes the writes visible to the tensor cores (wgmma), the warpgroup arrives at
-    `KEYS_READY` + slot."""
+    `KEYS_READY` + slot. publish(mask pointer, slot): the validity's publication where the rows are shared by
+    channels (`decode_share`), else `_publish_validity`'s."""
     k_ptr = mgpu_utils.memref_ptr(k_smem)
     for p, load in enumerate(passes):
         loads = load()
@@ -229,7 +230,10 @@ def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
         for i, words, scale in loads:
             for half, col, outs in decode_chunk(i, words, scale):
                 _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
-    _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
+    if publish is None:
+        _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
+    else:
+        publish(mgpu_utils.memref_ptr(masks), slot)
     nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
     _named_barrier("arrive", arith.addi(slot, i32_const(KEYS_READY)), 384)
 
@@ -247,18 +251,18 @@ def _fragments(shape_dtype, registers):
 
 
 @functools.cache
-def _load_ids(n_wt: int, per: int, splits: int):
+def _load_ids(n_wt: int, per: int, splits: int, shared: bool = False):
     """inline_mgpu (warpgroups 1 and 2, at their start): (idx i32 [B, K], ids smem i32 [per, 256], b, key range s)
     -> ids[i, thread - 128] = the entry id of the row this thread decodes in its tile i (tile s + splits i; for a
-    window tile or one past the range, the first entry tile's: unused), every index loaded before the first is
-    stored. `_load_entries` reads its tile's ids from here: one round trip to L2 a tile for the rows, where there
+    window tile or one past the range, the first entry tile's: unused; shared: its row in `decode_share`'s form),
+    every index loaded before the first is stored. `_load_entries` reads its tile's ids from here: one round trip to L2 a tile for the rows, where there
     were two (the index, then the rows)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT))
     def load(ctx, idx, ids, b, part):
         del ctx
         b, part = (a.registers.item() for a in (b, part))
-        row, _ = _thread_row()
+        row = _shared_row()[0] if shared else _thread_row()[0]
         me = arith.subi(mgpu_utils.thread_idx(), i32_const(128))
         kp = ir.MemRefType(idx.type).shape[1]
         vals = []
@@ -273,54 +277,115 @@ def _load_ids(n_wt: int, per: int, splits: int):
 
 
 @functools.cache
-def _load_entries(n_rows: int):
+def _load_entries(n_rows: int, share: int | None = None, group: int = 1):
     """inline_mgpu (warpgroups 1 and 2): (entry values gmem u8 [B, N, 256], scales u8 [B, N, 32], ids smem i32
     [per, 256] (`_load_ids`), b, tile i) -> `_RAW` of the tile's rows r = entry ids[i, thread - 128] (row 0 for
     an id < 0: finite, and masked by the bias): the loads issued, not waited for, so that they land while the
-    warpgroup does other work (its p . v and the wait for p) before `_decode_entries` uses them. n_rows: N."""
+    warpgroup does other work (its p . v and the wait for p) before `_decode_entries` uses them. n_rows: N.
+    share: `decode_share`'s form (`_shared_raw` of warpgroup `group`'s chunks)."""
+    raw = _RAW if share is None else _shared_raw(share, group)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3 + (_SPLAT,) * 2, return_type=_RAW)
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3 + (_SPLAT,) * 2, return_type=raw)
     def load(ctx, ev, es, ids, b, i):
         del ctx
         i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
         b, i = (a.registers.item() for a in (b, i))
-        _, q = _thread_row()
+        count, chunk = _entry_chunks(share, group, (_thread_row() if share is None else _shared_row())[1])
         ev_ptr, es_ptr = mgpu_utils.memref_ptr(ev), mgpu_utils.memref_ptr(es)
         ix = memref.load(ids, [index_of(i), index_of(arith.subi(mgpu_utils.thread_idx(), i32_const(128)))])
         entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
-        words, scales = [], llvm.mlir_undef(ir.VectorType.get((4,), i16))
-        for k in range(4):  # raw 16 B chunk i = q + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
-            i = arith.addi(q, i32_const(4 * k))
+        words, scales = [], llvm.mlir_undef(ir.VectorType.get((raw[1].shape[0] // 128,), i16))
+        for k in range(count):  # raw 16 B chunk i: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
+            i = chunk(k)
             v_off = arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(arith.muli(i, i32_const(16))))
             s_off = arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), _i64(arith.muli(i, i32_const(2))))
             words.append(_load(ev_ptr, v_off, ir.VectorType.get((4,), i32), 16))
             scales = llvm.insertelement(scales, _load(es_ptr, s_off, i16, 2), arith.constant(i32, k))
         ids = llvm.insertelement(llvm.mlir_undef(ir.VectorType.get((1,), i32)), ix, arith.constant(i32, 0))
-        return tuple(_fragments(t, r) for t, r in zip(_RAW, (words, [scales], [ids])))
+        return tuple(_fragments(t, r) for t, r in zip(raw, (words, [scales], [ids])))
 
     return load
 
 
 @functools.cache
-def _decode_entries():
+def _decode_entries(share: int | None = None, group: int = 1):
     """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, `_RAW` of an entry tile (`_load_entries`),
     slot, wait) -> keys[slot] rows = the entries x 2**-KEY_SHIFT in PERM8 order, their validity (id >= 0) in
-    masks[slot], as `_write_tile` (wait: whether warpgroup 0 still reads the slot)."""
+    masks[slot], as `_write_tile` (wait: whether warpgroup 0 still reads the slot). share: `decode_share`'s form,
+    warpgroup `group`'s chunks of every row (warpgroup 2 publishes the validity)."""
+    raw = _RAW if share is None else _shared_raw(share, group)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), *(r.layout for r in _RAW), _SPLAT,
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), *(r.layout for r in raw), _SPLAT,
                                   _SPLAT))
     def decode(ctx, k_smem, masks, words, scales, ids, slot, wait):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         slot, wait = (a.registers.item() for a in (slot, wait))
-        row, q = _thread_row()
+        row, q = _thread_row() if share is None else _shared_row()
         valid = arith.cmpi(arith.CmpIPredicate.sge, llvm.extractelement(ids.registers[0], arith.constant(i32, 0)),
                            i32_const(0))
-        chunks = [(arith.addi(q, i32_const(4 * k)), words.registers[k],
-                   llvm.extractelement(scales.registers[0], arith.constant(i32, k))) for k in range(4)]
-        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: chunks], _entry_chunk)
+        count, chunk = _entry_chunks(share, group, q)
+        chunks = [(chunk(k), words.registers[k], llvm.extractelement(scales.registers[0], arith.constant(i32, k)))
+                  for k in range(count)]
+        publish = None
+        if share is not None:
+            publish = (lambda ptr, s: _publish_shared_validity(ptr, s, valid, row, q)) if group == 2 else (
+                lambda ptr, s: None)
+        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: chunks], _entry_chunk, publish)
 
     return decode
+
+
+# The entry tiles' decode shared by channels (`decode_share`, a candidate; fifty-sixth session): both decoders
+# hold every row of a tile, two threads a row (thread t of its warpgroup: row t // 2, j = t % 2); warpgroup 1's
+# pair decodes the row's raw 16 B chunks [0, 2 share) (thread j: j, j + 2, ...), warpgroup 2's the other
+# 16 - 2 share. Warpgroup 1's p . v follows its decode in every tile (the timelines: ~1.7 + 0.8 us a tile at batch
+# 64, while warpgroup 2 waits for its slot), so that with share < 4 the two would finish together.
+def _shared_row():
+    """(row t // 2, j = t % 2) of this decoder thread in `decode_share`'s form, t its index in its warpgroup, i32."""
+    t = arith.andi(mgpu_utils.thread_idx(), i32_const(127))
+    return arith.shrui(t, i32_const(1)), arith.andi(t, i32_const(1))
+
+
+def _entry_chunks(share: int | None, group: int, q):
+    """(count, k -> chunk): the raw 16 B chunks (i32 values) of its row that this thread of warpgroup `group` loads
+    and decodes, given its q (`_thread_row`) or j (`_shared_row`): q + 4k (k < 4) in the default form, else
+    j + first + 2k (k < count) for `decode_share`'s (first, count): (0, share) for warpgroup 1, (2 share,
+    8 - share) for 2."""
+    if share is None:
+        return 4, lambda k: arith.addi(q, i32_const(4 * k))
+    first, count = (0, share) if group == 1 else (2 * share, 8 - share)
+    return count, lambda k: arith.addi(q, i32_const(first + 2 * k))
+
+
+@functools.cache
+def _shared_raw(share: int, group: int):
+    """`_RAW` for warpgroup `group` in `decode_share`'s form: its chunks' words, their scale pairs (8 slots), the
+    row's entry id."""
+    count = share if group == 1 else 8 - share
+    return (plgpu.ShapeDtypeStruct((128 * count * 4,), jnp.uint32, plgpu.Layout.WG_STRIDED((128 * count * 4,), vec_size=4)),
+            plgpu.ShapeDtypeStruct((128 * 8,), jnp.int16, plgpu.Layout.WG_STRIDED((128 * 8,), vec_size=8)),
+            _RAW[2])
+
+
+def _publish_shared_validity(mask_ptr, slot, valid, row, j):
+    """Warpgroup 2's warp w (rows 16w .. 16w + 15, two threads a row in `decode_share`'s form): its rows' validity
+    into mask words 2w (rows 16w .. 16w + 7) and 2w + 1, bit 4 (row % 8) as `_publish_validity` writes them, ORed
+    over the warp (redux.sync)."""
+    i32 = ir.IntegerType.get_signless(32)
+    cmp = lambda pred, x, y: arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)  # noqa: E731
+    bit = arith.select(arith.andi(valid, cmp("eq", j, i32_const(0))),
+                       arith.shli(i32_const(1), arith.muli(arith.andi(row, i32_const(7)), i32_const(4))), i32_const(0))
+    upper = cmp("ne", arith.andi(row, i32_const(8)), i32_const(0))
+    words = [mgpu_utils.inline_ptx("redux.sync.or.b32 $0, $1, 0xffffffff;", arith.select(sel, i32_const(0), bit),
+                                   result_types=i32) for sel in (upper, arith.xori(upper, arith.constant(upper.type, 1)))]
+    tid = mgpu_utils.thread_idx()
+    warp = arith.shrui(arith.subi(tid, i32_const(256)), i32_const(5))
+    with mgpu_utils.when(cmp("eq", arith.andi(tid, i32_const(31)), i32_const(0))):
+        for h, w in enumerate(words):
+            off = arith.muli(arith.addi(arith.muli(slot, i32_const(8)), arith.addi(arith.muli(warp, i32_const(2)),
+                                                                                   i32_const(h))), i32_const(4))
+            llvm.store(w, mgpu_utils.getelementptr(mask_ptr, [off], ir.IntegerType.get_signless(8)), alignment=4)
 
 
 def _entry_chunk(i, words, sc):
@@ -871,10 +936,12 @@ def timeline_names(tiles: int) -> list[str]:
     return [name for names in timeline_groups(tiles).values() for name in names]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline",
+                                             "decode_share", "registers"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
-                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False):
+                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False,
+                           decode_share: int | None = None, registers: tuple[int, int, int] = REGISTERS):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
@@ -884,7 +951,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong, but for the prefetch).
     unrotate, out_dtype: as `gpu_attention.sparse_attention`'s (partials merged and turned by
     `gpu_attention.combine_unrotated`). timeline: also return each CTA's `timeline_names(tiles per range)` points
-    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range)."""
+    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range). decode_share (a candidate, 1..7): the
+    entry tiles' decode shared by channels, warpgroup 1 taking 2 decode_share of each row's 16 raw chunks
+    (`_shared_row`); registers: the warpgroups' `set_max_registers` counts (REGISTERS)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     b, h, d = q_bhd.shape
@@ -916,6 +985,12 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         raise ValueError(f"{n_t} key tiles in {splits} range(s) make {per} a range, more than the "
                          f"{MAX_TILES_PER_RANGE} whose entry ids fit in shared memory (`_load_ids`); pass "
                          f"splits >= {-(-n_t // MAX_TILES_PER_RANGE)}")
+    if decode_share is not None and not 1 <= decode_share <= 7:
+        raise ValueError(f"decode_share={decode_share}: warpgroup 1 takes 1 to 7 of each thread pair's 8 chunks")
+    launch_regs = 65536 // (128 * 3) // 8 * 8  # 168 a thread at launch
+    if len(registers) != 3 or sum(registers) > 3 * launch_regs or any(r % 8 or not 24 <= r <= 256 for r in registers):
+        raise ValueError(f"registers={registers}: three multiples of 8 in [24, 256] summing to at most "
+                         f"{3 * launch_regs} (more makes an increase wait forever: the call hangs)")
     c = scale * 2.0 ** KEY_SHIFT * LOG2E  # logits in log2 units from q . (keys x 2**-KEY_SHIFT)
 
     def body(q_gmem, wv, ws, wok, ev, es, idx_gmem, *refs):
@@ -976,25 +1051,28 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
             @pl.when(t >= n_wt)
             def _():
-                _decode_entries()(k_smem, masks, *raw, slot, after)
+                _decode_entries(*entry_form(group))(k_smem, masks, *raw, slot, after)
+
+        def entry_form(group):  # the entry decode's (share, group), () in the default form
+            return () if decode_share is None else (decode_share, group)
 
         # warpgroups 1 and 2: their rows of entry tile i; past the last tile that one's again (in L2, unused), and
         # for a window tile entry tile 0's (unused)
-        def load(i):
-            return _load_entries(n)(ev, es, ids_smem, seq, jnp.clip(i, 0, count - 1))
+        def load(i, group):
+            return _load_entries(n, *entry_form(group))(ev, es, ids_smem, seq, jnp.clip(i, 0, count - 1))
 
         def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> tile 1's rows
-            plgpu.set_max_registers(REGISTERS[group], action="increase" if group == 1 else "decrease")
-            _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
-            raw = load(0)
+            plgpu.set_max_registers(registers[group], action="increase" if group == 1 else "decrease")
+            _load_ids(n_wt, per, splits, decode_share is not None)(idx_gmem, ids_smem, seq, part)
+            raw = load(0, group)
             pl.when(count > 0)(lambda: decode(0, 0, 0, raw, group))
             stamp(point, group)
-            return raw if "rows" in skip else load(1)
+            return raw if "rows" in skip else load(1, group)
 
         def decode_next(i, slot, raw, group, point):  # in tile i's (slot's) iteration: tile i + 1 from raw; -> tile
             pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, raw, group))  # i + 2's rows
             stamp(point, group)
-            return raw if "rows" in skip else load(i + 2)  # lands during this iteration's other work
+            return raw if "rows" in skip else load(i + 2, group)  # lands during this iteration's other work
 
         def pv(acc, a, slot, half):
             def run(acc_ref):
@@ -1021,7 +1099,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 0)
         def _scores():  # the logits, the softmax and p . keys[:, :256]; p and its rows' rescale to warpgroup 1
-            plgpu.set_max_registers(REGISTERS[0], action="increase")
+            plgpu.set_max_registers(registers[0], action="increase")
             plgpu.commit_smem()  # its part of q, for the wgmmas
             pl.when(count > 0)(lambda: wait3(KEYS_READY))
             stamp(2)

@@ -161,6 +161,23 @@ def test_the_prefetch_changes_no_output(b, w, n, k, splits, merged):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
+@pytest.mark.parametrize("b,w,n,k,splits,merged", [(3, 128, 300, 512, 1, None), (5, 64, 2000, 300, 4, True),
+                                                    (3, 64, 2000, 300, 9, None), (3, 128, 3000, 512, 2, None)])
+def test_decode_share_changes_no_output(b, w, n, k, splits, merged):
+    """The entry tiles' decode shared by channels (`decode_share`: both decoders hold every row, warpgroup 1 taking
+    2, 3 or 4 of each thread pair's 8 chunks, warpgroup 2 the validity) writes the same keys and masks: the output
+    is equal bit for bit, with one range, 4 merged, more ranges than tiles and the batch-64 default's 2."""
+    q, window, valid, entries, idx, sink = _attention_case(splits + 11, b, att.H, att.D, w, n, k)
+    run = lambda **kw: att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],  # noqa: E731
+                                                  entries["scales"], idx, sink, att.D ** -0.5, splits=splits,
+                                                  merged=merged, **kw)
+    base = run()
+    for share in (2, 3, 4):
+        np.testing.assert_array_equal(run(decode_share=share), base)
+    np.testing.assert_array_equal(run(decode_share=3, registers=(232, 184, 88)), base)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
 @pytest.mark.parametrize("splits,merged,out_dtype", [(2, None, jnp.bfloat16), (2, None, jnp.float32),
                                                      (1, None, jnp.bfloat16), (3, False, jnp.bfloat16),
                                                      (None, None, jnp.bfloat16)])
