@@ -863,6 +863,169 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
     return store
 
 
+# `merge="async"` (a candidate; fifty-sixth session), 2 ranges merged: one cluster barrier, split, at the kernel's
+# start (its arrive there, each warpgroup's wait at its end), instead of two in the merge. A CTA receives its peer's
+# rows into its q (free after its last logits: warpgroup 0 says so by a remote arrive on the peer's mbarrier
+# `Q_FREE`), raw (the weights are the owner's), with their (m, l), by st.async counted on its own mbarrier
+# (`ROWS_IN`); it weighs its rows and the peer's as `_store_merged` does (the same products and sums: bit-equal)
+# and stages them in its key slots. Addresses: shared::cta u32, the peer's copy by mapa.
+_MAPA = "mapa.shared::cluster.u32 $0, $1, $2;"
+_ST_ASYNC4 = "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [$0], {$1, $2, $3, $4}, [$5];"
+_ST_ASYNC1 = "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [$0], $1, [$2];"
+_WAIT_PHASE0 = ("{ .reg .pred p; LAB_WAIT: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], 0; "
+                "@p bra DONE; bra LAB_WAIT; DONE: }")
+ROWS_IN, Q_FREE = 0, 1  # the two mbarriers after the (m, l) of MAX_SPLITS ranges in the stats scratch
+
+
+def _async_barrier(stats_smem, which: int):
+    """u32 shared::cta address of mbarrier `which` (ROWS_IN, Q_FREE) in the stats scratch (`merge="async"`)."""
+    ptr = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(stats_smem), [i32_const(MAX_SPLITS * 2 * H * 4 + 8 * which)],
+                                   ir.IntegerType.get_signless(8))
+    return llvm.ptrtoint(ir.IntegerType.get_signless(32), ptr)
+
+
+@plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+def _async_start(ctx, stats):
+    """Every thread, at the kernel's start (`merge="async"`): thread 0 initializes ROWS_IN (one arrival, with the
+    rows' bytes) and Q_FREE (the peer's one arrival) and fences the inits for the cluster; all arrive at the
+    cluster barrier (release) whose wait (`_async_cluster_wait`) comes before their first remote operation."""
+    del ctx
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32_const(0))):
+        for which in (ROWS_IN, Q_FREE):
+            mgpu_utils.inline_ptx("mbarrier.init.shared::cta.b64 [$0], 1;", _async_barrier(stats, which),
+                                  has_side_effects=True)
+        mgpu_utils.inline_ptx("fence.mbarrier_init.release.cluster;", has_side_effects=True)
+    mgpu_utils.inline_ptx("barrier.cluster.arrive.release.aligned;", has_side_effects=True, convergent=True)
+
+
+@plgpu.inline_mgpu()
+def _async_cluster_wait(ctx):
+    """The wait of `_async_start`'s cluster barrier (acquire): the peer's mbarriers are initialized."""
+    del ctx
+    mgpu_utils.inline_ptx("barrier.cluster.wait.acquire.aligned;", has_side_effects=True, convergent=True)
+
+
+@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT))
+def _q_free(ctx, stats, s):
+    """Warpgroup 0 after its last logits (`merge="async"`): the cluster barrier's wait, then thread 0 arrives
+    (release, cluster scope) at the peer's Q_FREE: the peer may write its rows into this CTA's q."""
+    del ctx
+    mgpu_utils.inline_ptx("barrier.cluster.wait.acquire.aligned;", has_side_effects=True, convergent=True)
+    i32 = ir.IntegerType.get_signless(32)
+    peer = arith.subi(i32_const(1), s.registers.item())
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32_const(0))):
+        remote = mgpu_utils.inline_ptx(_MAPA, _async_barrier(stats, Q_FREE), peer, result_types=i32)
+        mgpu_utils.inline_ptx("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];", remote,
+                              has_side_effects=True)
+
+
+@functools.cache
+def _store_merged_async(rotated: bool, stamp_at: int | None = None):
+    """inline_mgpu, `merge="async"`'s `_store_merged` for 2 ranges (its arguments and result): CTA s owns rows
+    [32 s, 32 s + 32); the threads holding the peer's rows send their (m, l) (warpgroup 0's q = 0 threads) into
+    the peer's stats[s] and, once the peer's q is free (Q_FREE), their accumulator rows as they are into the
+    peer's q, by st.async counted on the peer's ROWS_IN; thread 0 expects this CTA's 32 rows' bytes there; the
+    owner's threads wait for them, weigh their own rows and the peer's by `_store_merged`'s weights, add them in
+    its order and stage the sums in the key slots (free once warpgroups 0 and 1 meet at _CTA_BARRIER). Points
+    stamp_at, + 1, + 2: sent, received, staged."""
+    timed = stamp_at is not None
+    own_rows = H // 2
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 3 + (plgpu.RefType(_TRANSFORMS),) * 2
+                       + (plgpu.RefType(),) * (5 if rotated else 3) + (_SPLAT,) * 2
+                       + ((plgpu.RefType(), _SPLAT) if timed else ()))
+    def store(ctx, acc, m, l, k_smem, q_smem, stats, sink, *refs):
+        del ctx
+        refs, (tl, tl_row) = (refs[:-2], refs[-2:]) if timed else (refs, (None, None))
+        cos, sin, o, b, s = refs if rotated else (None, None, *refs)
+        i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
+        b, s = (a.registers.item() for a in (b, s))
+        peer = arith.subi(i32_const(1), s)
+        cmp = lambda pred, x, y: arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)  # noqa: E731
+
+        def stamp(k):
+            if timed:
+                gpu_timeline.emit_stamp(tl, tl_row.registers.item(), i32_const(stamp_at + k))
+        rows, q, wg, publishes = _my_rows()
+        stats_ptr = mgpu_utils.memref_ptr(stats)
+        stat_offset = lambda j, kind, row: arith.muli(arith.addi(  # noqa: E731
+            arith.muli(arith.addi(arith.muli(j, i32_const(2)), i32_const(kind)), i32_const(H)), row), i32_const(4))
+        local = [arith.remui(row, i32_const(own_rows)) for row in rows]
+        mine = cmp("eq", arith.divui(rows[0], i32_const(own_rows)), s)  # a thread's two rows have one owner
+
+        def recv_offset(row, k):  # f32 x 4 [2 warpgroups, 16 k, 32 rows, 4 q] in the owner's q (64 KB)
+            idx = wg
+            for stride, term in ((HALF // 16, i32_const(k)), (own_rows, row), (4, q)):
+                idx = arith.addi(arith.muli(idx, i32_const(stride)), term)
+            return arith.muli(idx, i32_const(16))
+
+        q_addr = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(q_smem))
+        with mgpu_utils.when(arith.xori(mine, arith.constant(mine.type, 1))):
+            mapa = lambda a: mgpu_utils.inline_ptx(_MAPA, a, peer, result_types=i32)  # noqa: E731
+            remote_bar, remote_q, remote_stats = (mapa(a) for a in (
+                _async_barrier(stats, ROWS_IN), q_addr, llvm.ptrtoint(i32, stats_ptr)))
+            with mgpu_utils.when(publishes):
+                for half, row in enumerate(rows):
+                    for kind, v in enumerate((m, l)):
+                        mgpu_utils.inline_ptx(_ST_ASYNC1, arith.addi(remote_stats, stat_offset(s, kind, row)),
+                                              _row_value(v, half), remote_bar, has_side_effects=True)
+            mgpu_utils.inline_ptx(_WAIT_PHASE0, _async_barrier(stats, Q_FREE), has_side_effects=True)
+            for half in range(2):
+                for k in range(HALF // 16):  # column groups 2k, 2k + 1 of the row in one 16 B store
+                    x = [llvm.extractelement(acc.registers[0, 2 * k + k2, 0, 0, half, 0, 0, 0, 0], i32_const(j))
+                         for k2 in range(2) for j in range(2)]
+                    mgpu_utils.inline_ptx(_ST_ASYNC4, arith.addi(remote_q, recv_offset(local[half], k)), *x, remote_bar,
+                                          has_side_effects=True)
+        stamp(0)
+        with mgpu_utils.when(cmp("eq", mgpu_utils.thread_idx(), i32_const(0))):
+            mgpu_utils.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
+                                  _async_barrier(stats, ROWS_IN), i32_const(own_rows * (D + 2) * 4),
+                                  has_side_effects=True)
+        _named_barrier("sync", _CTA_BARRIER)  # warpgroups 0 and 1 done with the keys: their slots stage the rows
+        vec4 = ir.VectorType.get((4,), f32)
+        with mgpu_utils.when(mine):
+            mgpu_utils.inline_ptx(_WAIT_PHASE0, _async_barrier(stats, ROWS_IN), has_side_effects=True)
+        stamp(1)
+        stage = _stage_base(k_smem, own_rows)
+        with mgpu_utils.when(mine):
+            for half, row in enumerate(rows):
+                ms, ls = [], []
+                for kind, own_v, out in ((0, m, ms), (1, l, ls)):
+                    for j in range(2):  # range j's value: this CTA's own from its registers
+                        there = llvm.load(f32, mgpu_utils.getelementptr(stats_ptr, [stat_offset(i32_const(j), kind, row)],
+                                                                        i8), alignment=4)
+                        out.append(arith.select(cmp("eq", s, i32_const(j)), _row_value(own_v, half), there))
+                sk = arith.mulf(memref.load(sink, [index_of(row)]), arith.constant(f32, LOG2E))
+                top = sk
+                for v in ms:
+                    top = arith.maximumf(top, v)
+                den = _ex2(arith.subf(sk, top))
+                for mv, lv in zip(ms, ls):
+                    den = arith.addf(den, arith.mulf(lv, _ex2(arith.subf(mv, top))))
+                factor = lambda mv: arith.mulf(arith.divf(_ex2(arith.subf(mv, top)), den),  # noqa: E731
+                                               arith.constant(f32, 2.0 ** KEY_SHIFT))
+                own_m = _row_value(m, half)
+                vals = _weighted(acc, half, factor(own_m))
+                peer_m = arith.select(cmp("eq", s, i32_const(0)), ms[1], ms[0])
+                f = factor(peer_m)
+                fv = llvm.insertelement(llvm.insertelement(llvm.mlir_undef(ir.VectorType.get((2,), f32)), f,
+                                                           i32_const(0)), f, i32_const(1))
+                got = [llvm.load(vec4, mgpu_utils.getelementptr(mgpu_utils.memref_ptr(q_smem),
+                                                                [recv_offset(local[half], k)], i8), alignment=16)
+                       for k in range(HALF // 16)]
+                vals = [arith.addf(v, arith.mulf(vector.shuffle(got[c // 2], got[c // 2], [2 * (c % 2), 2 * (c % 2) + 1]),
+                                                 fv)) for c, v in enumerate(vals)]
+                _stage_row(stage, local[half], q, vals)
+        moves = _staged_moves(stage, own_rows, arith.addi(arith.muli(b, i32_const(H)), arith.muli(s, i32_const(own_rows))))
+        stamp(2)
+        if rotated:
+            _store_unrotated_rows(o, cos, sin, b, moves)
+        else:
+            _store_f32_rows(o, moves)
+
+    return store
+
+
 # The dispatch (`kernels_pallas.sparse_attention_decode`) takes this kernel from MIN_BATCH sequences on. H200,
 # 128K entries, from HBM, against the dispatch's Triton tiles (docs/BENCHMARKS.md, twenty-third session): batch 64
 # 47.3 / 85.1 us, 32: 31.3 / 62.0, 16: 25.7 / 39.1, 8: 20.4 / 34.4, 4: 18.5 / 25.8, 2: 17.5 / 22.7; at batch 1 a
@@ -937,11 +1100,12 @@ def timeline_names(tiles: int) -> list[str]:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline",
-                                             "decode_share", "registers"))
+                                             "decode_share", "registers", "async_merge"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
                            skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False,
-                           decode_share: int | None = None, registers: tuple[int, int, int] = REGISTERS):
+                           decode_share: int | None = None, registers: tuple[int, int, int] = REGISTERS,
+                           async_merge: bool = False):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
@@ -953,7 +1117,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     `gpu_attention.combine_unrotated`). timeline: also return each CTA's `timeline_names(tiles per range)` points
     (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range). decode_share (a candidate, 1..7): the
     entry tiles' decode shared by channels, warpgroup 1 taking 2 decode_share of each row's 16 raw chunks
-    (`_shared_row`); registers: the warpgroups' `set_max_registers` counts (REGISTERS)."""
+    (`_shared_row`); registers: the warpgroups' `set_max_registers` counts (REGISTERS); async_merge (a candidate,
+    2 ranges merged): `_store_merged_async`'s merge, one cluster barrier at the start."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     b, h, d = q_bhd.shape
@@ -985,6 +1150,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         raise ValueError(f"{n_t} key tiles in {splits} range(s) make {per} a range, more than the "
                          f"{MAX_TILES_PER_RANGE} whose entry ids fit in shared memory (`_load_ids`); pass "
                          f"splits >= {-(-n_t // MAX_TILES_PER_RANGE)}")
+    if async_merge and (not merged or splits != 2 or {"store", "exchange"} & set(skip)):
+        raise ValueError(f"async_merge takes 2 ranges merged in the kernel with its store and exchange; got "
+                         f"splits={splits}, merged={merged}, skip={skip}")
     if decode_share is not None and not 1 <= decode_share <= 7:
         raise ValueError(f"decode_share={decode_share}: warpgroup 1 takes 1 to 7 of each thread pair's 8 chunks")
     launch_regs = 65536 // (128 * 3) // 8 * 8  # 168 a thread at launch
@@ -1017,6 +1185,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         for group in range(3):
             stamp(0, group)
+        if async_merge:
+            _async_start(stats_smem)
         count = (n_t - part + splits - 1) // splits  # its tiles: part + splits i, i < count (tile_of)
         tile_of = lambda i: part + i * splits  # noqa: E731
 
@@ -1090,8 +1260,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 return
             if merged:
                 timed = (tl_gmem, seq * splits + part) if timeline else ()
-                _store_merged(rotated, splits, merge_points if timeline else None, "exchange" not in skip)(
-                    acc, wide(m), wide(l), k_smem, q_smem, stats_smem, sink_gmem, *turn, o_gmem, seq, part, *timed)
+                store = (_store_merged_async(rotated, merge_points if timeline else None) if async_merge else
+                         _store_merged(rotated, splits, merge_points if timeline else None, "exchange" not in skip))
+                store(acc, wide(m), wide(l), k_smem, q_smem, stats_smem, sink_gmem, *turn, o_gmem, seq, part, *timed)
             else:
                 _store_partials()(acc, wide(m), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
 
@@ -1134,6 +1305,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             m = plgpu.layout_cast(jnp.full((H,), gpu_attention.M_FLOOR, jnp.float32), row_layout)
             l = plgpu.layout_cast(jnp.zeros((H,), jnp.float32), row_layout)
             acc, m, l = lax.fori_loop(0, count, tile, (acc0, m, l))
+            if async_merge:  # its q is free: the peer may send its rows there
+                _q_free(stats_smem, part)
             rows_smem.at[1][...] = m
             rows_smem.at[2][...] = l
             arrive(STATS_READY)
@@ -1162,6 +1335,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             missing(1, 3, 3 * per, 3 * count)
             wait(STATS_READY)
             stamp(3 + 3 * per, 1)
+            if async_merge:
+                _async_cluster_wait()
             finish(acc, *(plgpu.load(rows_smem.at[i], layout=row_layout) for i in (1, 2)))
             stamp(4 + 3 * per, 1)
 
@@ -1169,7 +1344,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         def _decoder():  # every tile's rows 32..63, a tile ahead; the merge's cluster barriers with the others
             lax.fori_loop(0, count, lambda i, raw: decode_next(i, i % 2, raw, 2, 2 + i), start_decoding(2, 1))
             missing(2, 2, per, count)
-            if merged and "store" not in skip:
+            if async_merge:
+                _async_cluster_wait()
+            elif merged and "store" not in skip:
                 _cluster_syncs(2 if splits > 1 else 1)()
             stamp(2 + per, 2)
 
@@ -1191,7 +1368,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                        plgpu.SMEM((2, 8), jnp.uint32),  # the slots' validity words (`_publish_validity`)
                        plgpu.SMEM((H, T), jnp.bfloat16, transforms=_TRANSFORMS),  # p, warpgroup 0 -> 1
                        plgpu.SMEM((3, H), jnp.float32),  # rows' rescale (per tile), then m and l
-                       plgpu.SMEM((MAX_SPLITS, 2, H), jnp.float32),  # the merge's (m, l) of every range
+                       # the merge's (m, l) of every range (async_merge: then its two mbarriers)
+                       plgpu.SMEM((MAX_SPLITS * 2 * H + 4,), jnp.float32) if async_merge else
+                       plgpu.SMEM((MAX_SPLITS, 2, H), jnp.float32),
                        plgpu.SMEM((per, 256), jnp.int32)),  # the decoders' entry ids, `_load_ids`
         kernel_name="sparse_attention_wgmma",
     )

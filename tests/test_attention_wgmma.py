@@ -178,6 +178,25 @@ def test_decode_share_changes_no_output(b, w, n, k, splits, merged):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
+@pytest.mark.parametrize("b", [3, 5])
+def test_async_merge_changes_no_output(b):
+    """The 2-range merge with one cluster barrier at the start (`async_merge`: the rows sent raw into the peer's q by
+    st.async, weighed by their owner) gives the same output bit for bit, plain and turned back to bf16, alone and
+    with `decode_share`."""
+    q, window, valid, entries, idx, sink = _attention_case(b + 13, b, att.H, att.D, 128, 3000, 512)
+    ang = jnp.linspace(0.0, 40.0, b * 32).reshape(b, 32)
+    turn = (jnp.concatenate([jnp.ones((b, att.D // 2 - 32)), jnp.cos(ang)], -1),
+            jnp.concatenate([jnp.zeros((b, att.D // 2 - 32)), jnp.sin(ang)], -1))
+    run = lambda **kw: att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],  # noqa: E731
+                                                  entries["scales"], idx, sink, att.D ** -0.5, splits=2, **kw)
+    np.testing.assert_array_equal(run(async_merge=True), run())
+    np.testing.assert_array_equal(run(async_merge=True, decode_share=3), run())
+    turned = dict(unrotate=turn, out_dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(run(async_merge=True, **turned), np.float32),
+                                  np.asarray(run(**turned), np.float32))
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
 @pytest.mark.parametrize("splits,merged,out_dtype", [(2, None, jnp.bfloat16), (2, None, jnp.float32),
                                                      (1, None, jnp.bfloat16), (3, False, jnp.bfloat16),
                                                      (None, None, jnp.bfloat16)])

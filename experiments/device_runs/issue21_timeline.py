@@ -49,7 +49,8 @@ Groups (default: tests scan attention):
   bit for bit;
 - share (fifty-sixth session): the attention at batch 64 and 8 (bf16 q), the default and `decode_share` 4, 3, 2
   (the entry tiles' decode shared by channels, warpgroup 1 taking that many of each thread pair's 8 chunks) and 3
-  with registers 232 / 184 / 88, each with its timeline, outputs bit-equal.
+  with registers 232 / 184 / 88, each with its timeline, outputs bit-equal; merge: the same at batch 64 for
+  `async_merge` (one cluster barrier, at the start), alone and with `decode_share` 3.
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -240,7 +241,7 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
     return outs
 
 
-def attention_forms_group(say, rows, forms: dict) -> None:
+def attention_forms_group(say, rows, forms: dict, batches=(64, 8)) -> None:
     """The attention (bf16 q) at batch 64 and 8 as the default and in each of `forms` (label -> keyword arguments
     of the kernel), each with its timeline; the outputs must be equal bit for bit."""
     import numpy as np
@@ -249,7 +250,7 @@ def attention_forms_group(say, rows, forms: dict) -> None:
 
     peak = bk.hbm_copy_bandwidth(1.0)
     say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
-    common = dict(timelines=True, batches=(64, 8), q_dtypes=("bfloat16",), peak=peak)
+    common = dict(timelines=True, batches=batches, q_dtypes=("bfloat16",), peak=peak)
     base = attention_group(say, rows, **common)
     for label, options in forms.items():
         outs = attention_group(say, rows, **common, label=f", {label}", options=options)
@@ -260,6 +261,8 @@ def attention_forms_group(say, rows, forms: dict) -> None:
 # its p . v each tile) taking 4, 3 or 2 of each thread pair's 8 chunks; with 3, registers moved to warpgroup 2
 SHARE_FORMS = {"share 4": {"decode_share": 4}, "share 3": {"decode_share": 3}, "share 2": {"decode_share": 2},
                "share 3, registers 232/184/88": {"decode_share": 3, "registers": (232, 184, 88)}}
+# `async_merge` (fifty-sixth session): the 2-range merge with one cluster barrier, at the start (batch 64 only)
+MERGE_FORMS = {"async merge": {"async_merge": True}, "async merge, share 3": {"async_merge": True, "decode_share": 3}}
 
 
 def sweep_group(say, rows) -> None:
@@ -584,6 +587,7 @@ def main(groups: list[str]) -> int:
                                "sm90": sm90_group, "early": early_group, "blockmax": blockmax_group, "fresh": fresh_group,
                                "words_configs": words_configs_group,
                                "share": lambda say, rows: attention_forms_group(say, rows, SHARE_FORMS),
+                               "merge": lambda say, rows: attention_forms_group(say, rows, MERGE_FORMS, batches=(64,)),
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
