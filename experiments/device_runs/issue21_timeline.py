@@ -50,8 +50,8 @@ Groups (default: tests scan attention):
 - share (fifty-sixth session): the attention at batch 64 and 8 (bf16 q), the default and `decode_share` 4, 3, 2
   (the entry tiles' decode shared by channels, warpgroup 1 taking that many of each thread pair's 8 chunks) and 3
   with registers 232 / 184 / 88, each with its timeline, outputs bit-equal; merge: the same at batch 64 for
-  `async_merge` (one cluster barrier, at the start), alone and with `decode_share` 3; candidates: both groups'
-  forms at batch 64 against one default.
+  `async_merge` (one cluster barrier, at the start), alone and with `decode_share` 3; candidates: share 3, share 2
+  and the merge forms at batch 64 against one default.
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -590,7 +590,8 @@ def main(groups: list[str]) -> int:
                                "share": lambda say, rows: attention_forms_group(say, rows, SHARE_FORMS),
                                "merge": lambda say, rows: attention_forms_group(say, rows, MERGE_FORMS, batches=(64,)),
                                "candidates": lambda say, rows: attention_forms_group(
-                                   say, rows, {**SHARE_FORMS, **MERGE_FORMS}, batches=(64,)),
+                                   say, rows, {k: v for k, v in {**SHARE_FORMS, **MERGE_FORMS}.items()
+                                               if k in ("share 3", "share 2", *MERGE_FORMS)}, batches=(64,)),
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
