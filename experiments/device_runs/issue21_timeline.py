@@ -51,7 +51,8 @@ Groups (default: tests scan attention):
   (the entry tiles' decode shared by channels, warpgroup 1 taking that many of each thread pair's 8 chunks) and 3
   with registers 232 / 184 / 88, each with its timeline, outputs bit-equal; merge: the same at batch 64 for
   `async_merge` (one cluster barrier, at the start), alone and with `decode_share` 3; candidates: share 3, share 2
-  and the merge forms at batch 64 against one default.
+  and the merge forms at batch 64 against one default; quick: share 3, the merge forms, share 2 and the default
+  again at batch 64, no timelines.
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -242,16 +243,16 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
     return outs
 
 
-def attention_forms_group(say, rows, forms: dict, batches=(64, 8)) -> None:
+def attention_forms_group(say, rows, forms: dict, batches=(64, 8), timelines: bool = True) -> None:
     """The attention (bf16 q) at batch 64 and 8 as the default and in each of `forms` (label -> keyword arguments
-    of the kernel), each with its timeline; the outputs must be equal bit for bit."""
+    of the kernel), each with its timeline (timelines); the outputs must be equal bit for bit."""
     import numpy as np
 
     from experiments import bench_kernels as bk
 
     peak = bk.hbm_copy_bandwidth(1.0)
     say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
-    common = dict(timelines=True, batches=batches, q_dtypes=("bfloat16",), peak=peak)
+    common = dict(timelines=timelines, batches=batches, q_dtypes=("bfloat16",), peak=peak)
     base = attention_group(say, rows, **common)
     for label, options in forms.items():
         outs = attention_group(say, rows, **common, label=f", {label}", options=options)
@@ -592,6 +593,10 @@ def main(groups: list[str]) -> int:
                                "candidates": lambda say, rows: attention_forms_group(
                                    say, rows, {k: v for k, v in {**SHARE_FORMS, **MERGE_FORMS}.items()
                                                if k in ("share 3", "share 2", *MERGE_FORMS)}, batches=(64,)),
+                               "quick": lambda say, rows: attention_forms_group(
+                                   say, rows, {"share 3": {"decode_share": 3}, **MERGE_FORMS,
+                                               "share 2": {"decode_share": 2}, "default again": {}},
+                                   batches=(64,), timelines=False),
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
