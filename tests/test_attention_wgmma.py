@@ -105,6 +105,26 @@ def test_lowers_for_cuda():
             *args[:6], s((b, long_k), jnp.int32), args[7])
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
+def test_candidates_lower_for_cuda():
+    """The issue-21 candidates not yet timed (`decode_share`, `async_merge`, `registers`) lower for CUDA, alone and
+    together, with a timeline; their arguments are checked before anything is built."""
+    s = jax.ShapeDtypeStruct
+    b, w, n, k = 2, 128, 300, 512
+    args = (s((b, att.H, att.D), jnp.bfloat16), s((b, w, att.D), jnp.uint8), s((b, w, att.D // 32), jnp.uint8),
+            s((b, w), jnp.bool_), s((b, n, att.D // 2), jnp.uint8), s((b, n, att.D // 16), jnp.uint8),
+            s((b, k), jnp.int32), s((att.H,), jnp.float32))
+    lower = lambda **kw: jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=2, **kw)).trace(  # noqa: E731
+        *args).lower(lowering_platforms=("cuda",)).as_text()
+    for kw in ({"decode_share": 3}, {"async_merge": True, "decode_share": 2, "registers": (232, 184, 88)},
+               {"async_merge": True, "timeline": True}):
+        assert "sparse_attention_wgmma" in lower(**kw)
+    for kw, match in (({"decode_share": 8}, "decode_share=8"), ({"registers": (232, 200, 80)}, "hangs"),
+                      ({"async_merge": True, "merged": False}, "async_merge takes 2 ranges")):
+        with pytest.raises(ValueError, match=match):
+            lower(**kw)
+
+
 def test_warpgroup_registers_fit_what_the_launch_holds():
     """setmaxnreg counts (multiples of 8 in [24, 256]) whose sum is past the launch's 168 a thread over the three
     warpgroups make an increase wait forever: the call hangs on the GPU (232 / 208 / 72 did)."""
