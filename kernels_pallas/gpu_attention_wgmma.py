@@ -255,8 +255,8 @@ def _load_ids(n_wt: int, per: int, splits: int, shared: bool = False):
     """inline_mgpu (warpgroups 1 and 2, at their start): (idx i32 [B, K], ids smem i32 [per, 256], b, key range s)
     -> ids[i, thread - 128] = the entry id of the row this thread decodes in its tile i (tile s + splits i; for a
     window tile or one past the range, the first entry tile's: unused; shared: its row in `decode_share`'s form),
-    every index loaded before the first is stored. `_load_entries` reads its tile's ids from here: one round trip to L2 a tile for the rows, where there
-    were two (the index, then the rows)."""
+    every index loaded before the first is stored. `_load_entries` reads its tile's ids from here: one round trip
+    to L2 a tile for the rows, where there were two (the index, then the rows)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT))
     def load(ctx, idx, ids, b, part):
@@ -863,7 +863,7 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
     return store
 
 
-# `merge="async"` (a candidate; fifty-sixth session), 2 ranges merged: one cluster barrier, split, at the kernel's
+# `async_merge` (a candidate; fifty-sixth session), 2 ranges merged: one cluster barrier, split, at the kernel's
 # start (its arrive there, each warpgroup's wait at its end), instead of two in the merge. A CTA receives its peer's
 # rows into its q (free after its last logits: warpgroup 0 says so by a remote arrive on the peer's mbarrier
 # `Q_FREE`), raw (the weights are the owner's), with their (m, l), by st.async counted on its own mbarrier
@@ -878,7 +878,7 @@ ROWS_IN, Q_FREE = 0, 1  # the two mbarriers after the (m, l) of MAX_SPLITS range
 
 
 def _async_barrier(stats_smem, which: int):
-    """u32 shared::cta address of mbarrier `which` (ROWS_IN, Q_FREE) in the stats scratch (`merge="async"`)."""
+    """u32 shared::cta address of mbarrier `which` (ROWS_IN, Q_FREE) in the stats scratch (`async_merge`)."""
     ptr = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(stats_smem), [i32_const(MAX_SPLITS * 2 * H * 4 + 8 * which)],
                                    ir.IntegerType.get_signless(8))
     return llvm.ptrtoint(ir.IntegerType.get_signless(32), ptr)
@@ -886,7 +886,7 @@ def _async_barrier(stats_smem, which: int):
 
 @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
 def _async_start(ctx, stats):
-    """Every thread, at the kernel's start (`merge="async"`): thread 0 initializes ROWS_IN (one arrival, with the
+    """Every thread, at the kernel's start (`async_merge`): thread 0 initializes ROWS_IN (one arrival, with the
     rows' bytes) and Q_FREE (the peer's one arrival) and fences the inits for the cluster; all arrive at the
     cluster barrier (release) whose wait (`_async_cluster_wait`) comes before their first remote operation."""
     del ctx
@@ -907,7 +907,7 @@ def _async_cluster_wait(ctx):
 
 @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT))
 def _q_free(ctx, stats, s):
-    """Warpgroup 0 after its last logits (`merge="async"`): the cluster barrier's wait, then thread 0 arrives
+    """Warpgroup 0 after its last logits (`async_merge`): the cluster barrier's wait, then thread 0 arrives
     (release, cluster scope) at the peer's Q_FREE: the peer may write its rows into this CTA's q."""
     del ctx
     mgpu_utils.inline_ptx("barrier.cluster.wait.acquire.aligned;", has_side_effects=True, convergent=True)
@@ -921,7 +921,7 @@ def _q_free(ctx, stats, s):
 
 @functools.cache
 def _store_merged_async(rotated: bool, stamp_at: int | None = None):
-    """inline_mgpu, `merge="async"`'s `_store_merged` for 2 ranges (its arguments and result): CTA s owns rows
+    """inline_mgpu, `async_merge`'s `_store_merged` for 2 ranges (its arguments and result): CTA s owns rows
     [32 s, 32 s + 32); the threads holding the peer's rows send their (m, l) (warpgroup 0's q = 0 threads) into
     the peer's stats[s] and, once the peer's q is free (Q_FREE), their accumulator rows as they are into the
     peer's q, by st.async counted on the peer's ROWS_IN; thread 0 expects this CTA's 32 rows' bytes there; the
