@@ -354,15 +354,21 @@ def _entry_chunks(share: int | None, group: int, q):
     8 - share) for 2."""
     if share is None:
         return 4, lambda k: arith.addi(q, i32_const(4 * k))
-    first, count = (0, share) if group == 1 else (2 * share, 8 - share)
+    first, count = share_split(share, group)
     return count, lambda k: arith.addi(q, i32_const(first + 2 * k))
+
+
+def share_split(share: int, group: int) -> tuple[int, int]:
+    """(first, count): thread j of a row's pair in decoder warpgroup `group` (1 or 2) takes raw chunks first + j +
+    2k, k < count, in `decode_share`'s form."""
+    return (0, share) if group == 1 else (2 * share, 8 - share)
 
 
 @functools.cache
 def _shared_raw(share: int, group: int):
     """`_RAW` for warpgroup `group` in `decode_share`'s form: its chunks' words, their scale pairs (8 slots), the
     row's entry id."""
-    count = share if group == 1 else 8 - share
+    count = share_split(share, group)[1]
     return (plgpu.ShapeDtypeStruct((128 * count * 4,), jnp.uint32, plgpu.Layout.WG_STRIDED((128 * count * 4,), vec_size=4)),
             plgpu.ShapeDtypeStruct((128 * 8,), jnp.int16, plgpu.Layout.WG_STRIDED((128 * 8,), vec_size=8)),
             _RAW[2])

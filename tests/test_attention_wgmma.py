@@ -125,6 +125,16 @@ def test_candidates_lower_for_cuda():
             lower(**kw)
 
 
+def test_decode_share_covers_every_chunk_once():
+    """In `decode_share`'s form the two decoders' thread pairs take each of a row's 16 raw chunks exactly once, and
+    warpgroup 1 takes 2 x share of them."""
+    for share in range(1, 8):
+        taken = [(group, first + j + 2 * k) for group in (1, 2) for first, count in [att.share_split(share, group)]
+                 for j in range(2) for k in range(count)]
+        assert sorted(c for _, c in taken) == list(range(16))
+        assert sum(group == 1 for group, _ in taken) == 2 * share
+
+
 def test_warpgroup_registers_fit_what_the_launch_holds():
     """setmaxnreg counts (multiples of 8 in [24, 256]) whose sum is past the launch's 168 a thread over the three
     warpgroups make an increase wait forever: the call hangs on the GPU (232 / 208 / 72 did)."""
