@@ -630,10 +630,50 @@ def _row_value(v, half):
 def _weighted(acc, half, factor):
     """This thread's 64 values of accumulator row `half` (of its two; 32 f32 x 2: columns 8c + 2q + {0, 1}) times
     factor."""
+    return _scaled([acc.registers[0, c, 0, 0, half, 0, 0, 0, 0] for c in range(HALF // 8)], factor)
+
+
+def _scaled(pairs, factor):
+    """Each f32 x 2 of `pairs` times factor (f32)."""
     f = llvm.mlir_undef(ir.VectorType.get((2,), ir.F32Type.get()))
     for j in range(2):
         f = llvm.insertelement(f, factor, arith.constant(ir.IntegerType.get_signless(32), j))
-    return [arith.mulf(acc.registers[0, c, 0, 0, half, 0, 0, 0, 0], f) for c in range(HALF // 8)]
+    return [arith.mulf(v, f) for v in pairs]
+
+
+def _merge_factor(ms, ls, sink, row):
+    """mv -> the merge's weight of a range whose row `row` has running max mv, x 2**KEY_SHIFT (f32):
+    exp2(mv - M) / (sum_s l_s exp2(m_s - M) + exp2(sink - M)), M the largest of the ranges' maxima ms and the sink
+    (f32 [64], natural-log units; `gpu_attention.combine`'s weights), summed in the ranges' order."""
+    f32 = ir.F32Type.get()
+    sk = arith.mulf(memref.load(sink, [index_of(row)]), arith.constant(f32, LOG2E))
+    top = sk
+    for v in ms:
+        top = arith.maximumf(top, v)
+    den = _ex2(arith.subf(sk, top))
+    for mv, lv in zip(ms, ls):
+        den = arith.addf(den, arith.mulf(lv, _ex2(arith.subf(mv, top))))
+    return lambda mv: arith.mulf(arith.divf(_ex2(arith.subf(mv, top)), den), arith.constant(f32, 2.0 ** KEY_SHIFT))
+
+
+def _stat_offset(j, kind, row):
+    """Byte offset (i32) of stats[j, kind, row] in the merge's f32 [MAX_SPLITS, 2 (m, l), 64] statistics."""
+    return arith.muli(arith.addi(arith.muli(arith.addi(arith.muli(j, i32_const(2)), i32_const(kind)), i32_const(H)),
+                                 row), i32_const(4))
+
+
+def _merge_arg_types(rotated: bool, timed: bool) -> tuple:
+    """inline_mgpu argument types of `_store_merged` and `_store_merged_async`: (acc, m, l, k_smem, q_smem, stats,
+    sink, [cos, sin], o, b, s, [timeline, its row])."""
+    return ((plgpu.Layout.WGMMA,) * 3 + (plgpu.RefType(_TRANSFORMS),) * 2 + (plgpu.RefType(),) * (5 if rotated else 3)
+            + (_SPLAT,) * 2 + ((plgpu.RefType(), _SPLAT) if timed else ()))
+
+
+def _merge_refs(refs, rotated: bool, timed: bool):
+    """(cos, sin, o, b, s (i32), timeline, its row) from the merges' arguments after sink (None where absent)."""
+    refs, (tl, tl_row) = (refs[:-2], refs[-2:]) if timed else (refs, (None, None))
+    cos, sin, o, b, s = refs if rotated else (None, None, *refs)
+    return (cos, sin, o, *(a.registers.item() for a in (b, s)), tl, tl_row)
 
 
 def _stage_row(stage, row, q, vals):
@@ -786,15 +826,11 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
     wrong output): the rows are neither sent nor added, the barriers kept."""
     timed = stamp_at is not None
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 3 + (plgpu.RefType(_TRANSFORMS),) * 2
-                       + (plgpu.RefType(),) * (5 if rotated else 3) + (_SPLAT,) * 2
-                       + ((plgpu.RefType(), _SPLAT) if timed else ()))
+    @plgpu.inline_mgpu(arg_types=_merge_arg_types(rotated, timed))
     def store(ctx, acc, m, l, k_smem, q_smem, stats, sink, *refs):
         del ctx
-        refs, (tl, tl_row) = (refs[:-2], refs[-2:]) if timed else (refs, (None, None))
-        cos, sin, o, b, s = refs if rotated else (None, None, *refs)
+        cos, sin, o, b, s, tl, tl_row = _merge_refs(refs, rotated, timed)
         i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
-        b, s = (a.registers.item() for a in (b, s))
 
         def stamp(k):  # point stamp_at + k, from thread 0 (warpgroup 0)
             if timed:
@@ -802,14 +838,12 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
         own_rows = H // splits
         rows, q, wg, publishes = _my_rows()
         stats_ptr = mgpu_utils.memref_ptr(stats)
-        stat_offset = lambda j, kind, row: arith.muli(arith.addi(  # noqa: E731
-            arith.muli(arith.addi(arith.muli(j, i32_const(2)), i32_const(kind)), i32_const(H)), row), i32_const(4))
         with mgpu_utils.when(publishes):
             for j in range(splits):
                 remote = mgpu_utils.get_cluster_ptr(stats_ptr, i32_const(j), generic=False)
                 for half, row in enumerate(rows):
                     for kind, v in enumerate((m, l)):
-                        llvm.store(_row_value(v, half), mgpu_utils.getelementptr(remote, [stat_offset(s, kind, row)], i8),
+                        llvm.store(_row_value(v, half), mgpu_utils.getelementptr(remote, [_stat_offset(s, kind, row)], i8),
                                    alignment=4)
         mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)
         stamp(0)
@@ -825,17 +859,9 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
 
         mine = []
         for half, row in enumerate(rows):
-            ms, ls = ([llvm.load(f32, mgpu_utils.getelementptr(stats_ptr, [stat_offset(i32_const(j), kind, row)], i8),
+            ms, ls = ([llvm.load(f32, mgpu_utils.getelementptr(stats_ptr, [_stat_offset(i32_const(j), kind, row)], i8),
                                  alignment=4) for j in range(splits)] for kind in range(2))
-            sk = arith.mulf(memref.load(sink, [index_of(row)]), arith.constant(f32, LOG2E))
-            top = sk
-            for v in ms:
-                top = arith.maximumf(top, v)
-            den = _ex2(arith.subf(sk, top))
-            for mv, lv in zip(ms, ls):
-                den = arith.addf(den, arith.mulf(lv, _ex2(arith.subf(mv, top))))
-            own = _ex2(arith.subf(_row_value(m, half), top))
-            vals = _weighted(acc, half, arith.mulf(arith.divf(own, den), arith.constant(f32, 2.0 ** KEY_SHIFT)))
+            vals = _weighted(acc, half, _merge_factor(ms, ls, sink, row)(_row_value(m, half)))
             owner, local = arith.divui(row, i32_const(own_rows)), arith.remui(row, i32_const(own_rows))
             is_mine = arith.cmpi(arith.CmpIPredicate.eq, owner, s)
             if splits > 1 and exchange:
@@ -937,15 +963,11 @@ def _store_merged_async(rotated: bool, stamp_at: int | None = None):
     timed = stamp_at is not None
     own_rows = H // 2
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 3 + (plgpu.RefType(_TRANSFORMS),) * 2
-                       + (plgpu.RefType(),) * (5 if rotated else 3) + (_SPLAT,) * 2
-                       + ((plgpu.RefType(), _SPLAT) if timed else ()))
+    @plgpu.inline_mgpu(arg_types=_merge_arg_types(rotated, timed))
     def store(ctx, acc, m, l, k_smem, q_smem, stats, sink, *refs):
         del ctx
-        refs, (tl, tl_row) = (refs[:-2], refs[-2:]) if timed else (refs, (None, None))
-        cos, sin, o, b, s = refs if rotated else (None, None, *refs)
+        cos, sin, o, b, s, tl, tl_row = _merge_refs(refs, rotated, timed)
         i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
-        b, s = (a.registers.item() for a in (b, s))
         peer = arith.subi(i32_const(1), s)
         cmp = lambda pred, x, y: arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)  # noqa: E731
 
@@ -954,8 +976,6 @@ def _store_merged_async(rotated: bool, stamp_at: int | None = None):
                 gpu_timeline.emit_stamp(tl, tl_row.registers.item(), i32_const(stamp_at + k))
         rows, q, wg, publishes = _my_rows()
         stats_ptr = mgpu_utils.memref_ptr(stats)
-        stat_offset = lambda j, kind, row: arith.muli(arith.addi(  # noqa: E731
-            arith.muli(arith.addi(arith.muli(j, i32_const(2)), i32_const(kind)), i32_const(H)), row), i32_const(4))
         local = [arith.remui(row, i32_const(own_rows)) for row in rows]
         mine = cmp("eq", arith.divui(rows[0], i32_const(own_rows)), s)  # a thread's two rows have one owner
 
@@ -973,7 +993,7 @@ def _store_merged_async(rotated: bool, stamp_at: int | None = None):
             with mgpu_utils.when(publishes):
                 for half, row in enumerate(rows):
                     for kind, v in enumerate((m, l)):
-                        mgpu_utils.inline_ptx(_ST_ASYNC1, arith.addi(remote_stats, stat_offset(s, kind, row)),
+                        mgpu_utils.inline_ptx(_ST_ASYNC1, arith.addi(remote_stats, _stat_offset(s, kind, row)),
                                               _row_value(v, half), remote_bar, has_side_effects=True)
             mgpu_utils.inline_ptx(_WAIT_PHASE0, _async_barrier(stats, Q_FREE), has_side_effects=True)
             for half in range(2):
@@ -998,29 +1018,18 @@ def _store_merged_async(rotated: bool, stamp_at: int | None = None):
                 ms, ls = [], []
                 for kind, own_v, out in ((0, m, ms), (1, l, ls)):
                     for j in range(2):  # range j's value: this CTA's own from its registers
-                        there = llvm.load(f32, mgpu_utils.getelementptr(stats_ptr, [stat_offset(i32_const(j), kind, row)],
-                                                                        i8), alignment=4)
+                        there = llvm.load(f32, mgpu_utils.getelementptr(
+                            stats_ptr, [_stat_offset(i32_const(j), kind, row)], i8), alignment=4)
                         out.append(arith.select(cmp("eq", s, i32_const(j)), _row_value(own_v, half), there))
-                sk = arith.mulf(memref.load(sink, [index_of(row)]), arith.constant(f32, LOG2E))
-                top = sk
-                for v in ms:
-                    top = arith.maximumf(top, v)
-                den = _ex2(arith.subf(sk, top))
-                for mv, lv in zip(ms, ls):
-                    den = arith.addf(den, arith.mulf(lv, _ex2(arith.subf(mv, top))))
-                factor = lambda mv: arith.mulf(arith.divf(_ex2(arith.subf(mv, top)), den),  # noqa: E731
-                                               arith.constant(f32, 2.0 ** KEY_SHIFT))
-                own_m = _row_value(m, half)
-                vals = _weighted(acc, half, factor(own_m))
-                peer_m = arith.select(cmp("eq", s, i32_const(0)), ms[1], ms[0])
-                f = factor(peer_m)
-                fv = llvm.insertelement(llvm.insertelement(llvm.mlir_undef(ir.VectorType.get((2,), f32)), f,
-                                                           i32_const(0)), f, i32_const(1))
+                factor = _merge_factor(ms, ls, sink, row)
+                vals = _weighted(acc, half, factor(_row_value(m, half)))
                 got = [llvm.load(vec4, mgpu_utils.getelementptr(mgpu_utils.memref_ptr(q_smem),
                                                                 [recv_offset(local[half], k)], i8), alignment=16)
                        for k in range(HALF // 16)]
-                vals = [arith.addf(v, arith.mulf(vector.shuffle(got[c // 2], got[c // 2], [2 * (c % 2), 2 * (c % 2) + 1]),
-                                                 fv)) for c, v in enumerate(vals)]
+                peer_pairs = [vector.shuffle(got[c // 2], got[c // 2], [2 * (c % 2), 2 * (c % 2) + 1])
+                              for c in range(HALF // 8)]
+                peer_m = arith.select(cmp("eq", s, i32_const(0)), ms[1], ms[0])
+                vals = [arith.addf(v, p) for v, p in zip(vals, _scaled(peer_pairs, factor(peer_m)))]
                 _stage_row(stage, local[half], q, vals)
         moves = _staged_moves(stage, own_rows, arith.addi(arith.muli(b, i32_const(H)), arith.muli(s, i32_const(own_rows))))
         stamp(2)
