@@ -590,6 +590,15 @@ _CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.ac
 REGISTERS = (232, 192, 80)
 
 
+def check_registers(registers) -> None:
+    """ValueError unless `registers` are three setmaxnreg counts (multiples of 8 in [24, 256]) within what the
+    launch holds (64K over 384 threads, 168 a thread in steps of 8): more makes an increase wait forever."""
+    launch = 65536 // (128 * 3) // 8 * 8
+    if len(registers) != 3 or sum(registers) > 3 * launch or any(r % 8 or not 24 <= r <= 256 for r in registers):
+        raise ValueError(f"registers={registers}: three multiples of 8 in [24, 256] summing to at most {3 * launch} "
+                         "(more makes an increase wait forever: the call hangs)")
+
+
 @functools.cache
 def _cluster_syncs(count: int):
     """inline_mgpu: `count` cluster barriers (release / acquire), as `_store_merged` meets its cluster: a
@@ -1170,10 +1179,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                          f"splits={splits}, merged={merged}, skip={skip}")
     if decode_share is not None and not 1 <= decode_share <= 7:
         raise ValueError(f"decode_share={decode_share}: warpgroup 1 takes 1 to 7 of each thread pair's 8 chunks")
-    launch_regs = 65536 // (128 * 3) // 8 * 8  # 168 a thread at launch
-    if len(registers) != 3 or sum(registers) > 3 * launch_regs or any(r % 8 or not 24 <= r <= 256 for r in registers):
-        raise ValueError(f"registers={registers}: three multiples of 8 in [24, 256] summing to at most "
-                         f"{3 * launch_regs} (more makes an increase wait forever: the call hangs)")
+    check_registers(registers)
     c = scale * 2.0 ** KEY_SHIFT * LOG2E  # logits in log2 units from q . (keys x 2**-KEY_SHIFT)
 
     def body(q_gmem, wv, ws, wok, ev, es, idx_gmem, *refs):

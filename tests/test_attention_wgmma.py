@@ -137,10 +137,13 @@ def test_decode_share_covers_every_chunk_once():
 
 def test_warpgroup_registers_fit_what_the_launch_holds():
     """setmaxnreg counts (multiples of 8 in [24, 256]) whose sum is past the launch's 168 a thread over the three
-    warpgroups make an increase wait forever: the call hangs on the GPU (232 / 208 / 72 did)."""
-    regs = att.REGISTERS
-    launch = 65536 // (128 * len(regs)) // 8 * 8  # a thread's registers at launch: 168 for three warpgroups
-    assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs) and sum(regs) <= len(regs) * launch
+    warpgroups make an increase wait forever: the call hangs on the GPU (232 / 208 / 72 did). The default fits;
+    `check_registers`, which the kernel calls on its `registers`, refuses that hang and counts that are not setmaxnreg's."""
+    att.check_registers(att.REGISTERS)
+    att.check_registers((224, 208, 72))  # at the launch's 504, timed on the GPU (REGISTERS' comment)
+    for bad in ((232, 208, 72), (232, 188, 80), (16, 192, 80), (232, 192)):
+        with pytest.raises(ValueError, match="the call hangs"):
+            att.check_registers(bad)
 
 
 def test_default_splits_fill_the_gpu_with_no_empty_range():

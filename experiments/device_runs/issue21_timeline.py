@@ -51,8 +51,8 @@ Groups (default: tests scan attention):
   (the entry tiles' decode shared by channels, warpgroup 1 taking that many of each thread pair's 8 chunks) and 3
   with registers 232 / 184 / 88, each with its timeline, outputs bit-equal; merge: the same at batch 64 for
   `async_merge` (one cluster barrier, at the start), alone and with `decode_share` 3; candidates: share 3, share 2
-  and the merge forms at batch 64 against one default; quick: share 3, the merge forms, share 2 and the default
-  again at batch 64, no timelines.
+  and the merge forms at batch 64 against one default; quick: the same and the default again last, no
+  timelines.
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -265,6 +265,7 @@ SHARE_FORMS = {"share 4": {"decode_share": 4}, "share 3": {"decode_share": 3}, "
                "share 3, registers 232/184/88": {"decode_share": 3, "registers": (232, 184, 88)}}
 # `async_merge` (fifty-sixth session): the 2-range merge with one cluster barrier, at the start (batch 64 only)
 MERGE_FORMS = {"async merge": {"async_merge": True}, "async merge, share 3": {"async_merge": True, "decode_share": 3}}
+CANDIDATE_FORMS = {"share 3": SHARE_FORMS["share 3"], "share 2": SHARE_FORMS["share 2"], **MERGE_FORMS}
 
 
 def sweep_group(say, rows) -> None:
@@ -591,12 +592,9 @@ def main(groups: list[str]) -> int:
                                "share": lambda say, rows: attention_forms_group(say, rows, SHARE_FORMS),
                                "merge": lambda say, rows: attention_forms_group(say, rows, MERGE_FORMS, batches=(64,)),
                                "candidates": lambda say, rows: attention_forms_group(
-                                   say, rows, {k: v for k, v in {**SHARE_FORMS, **MERGE_FORMS}.items()
-                                               if k in ("share 3", "share 2", *MERGE_FORMS)}, batches=(64,)),
+                                   say, rows, CANDIDATE_FORMS, batches=(64,)),
                                "quick": lambda say, rows: attention_forms_group(
-                                   say, rows, {"share 3": {"decode_share": 3}, **MERGE_FORMS,
-                                               "share 2": {"decode_share": 2}, "default again": {}},
-                                   batches=(64,), timelines=False),
+                                   say, rows, {**CANDIDATE_FORMS, "default again": {}}, batches=(64,), timelines=False),
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
