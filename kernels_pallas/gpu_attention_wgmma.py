@@ -282,8 +282,8 @@ def _load_entries(n_rows: int, share: int | None = None, group: int = 1):
     [per, 256] (`_load_ids`), b, tile i) -> `_RAW` of the tile's rows r = entry ids[i, thread - 128] (row 0 for
     an id < 0: finite, and masked by the bias): the loads issued, not waited for, so that they land while the
     warpgroup does other work (its p . v and the wait for p) before `_decode_entries` uses them. n_rows: N.
-    share: `decode_share`'s form (`_shared_raw` of warpgroup `group`'s chunks)."""
-    raw = _RAW if share is None else _shared_raw(share, group)
+    share: `decode_share`'s form (`_entry_raw` of warpgroup `group`'s chunks)."""
+    raw = _entry_raw(share, group)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3 + (_SPLAT,) * 2, return_type=raw)
     def load(ctx, ev, es, ids, b, i):
@@ -313,7 +313,7 @@ def _decode_entries(share: int | None = None, group: int = 1):
     slot, wait) -> keys[slot] rows = the entries x 2**-KEY_SHIFT in PERM8 order, their validity (id >= 0) in
     masks[slot], as `_write_tile` (wait: whether warpgroup 0 still reads the slot). share: `decode_share`'s form,
     warpgroup `group`'s chunks of every row (warpgroup 2 publishes the validity)."""
-    raw = _RAW if share is None else _shared_raw(share, group)
+    raw = _entry_raw(share, group)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), *(r.layout for r in raw), _SPLAT,
                                   _SPLAT))
@@ -365,9 +365,11 @@ def share_split(share: int, group: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _shared_raw(share: int, group: int):
-    """`_RAW` for warpgroup `group` in `decode_share`'s form: its chunks' words, their scale pairs (8 slots), the
+def _entry_raw(share: int | None, group: int):
+    """`_RAW`, or in `decode_share`'s form warpgroup `group`'s: its chunks' words, their scale pairs (8 slots), the
     row's entry id."""
+    if share is None:
+        return _RAW
     count = share_split(share, group)[1]
     return (plgpu.ShapeDtypeStruct((128 * count * 4,), jnp.uint32, plgpu.Layout.WG_STRIDED((128 * count * 4,), vec_size=4)),
             plgpu.ShapeDtypeStruct((128 * 8,), jnp.int16, plgpu.Layout.WG_STRIDED((128 * 8,), vec_size=8)),
@@ -581,7 +583,8 @@ def _load_query():
     return load
 
 
-_CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
+_CLUSTER_ARRIVE, _CLUSTER_WAIT = "barrier.cluster.arrive.release.aligned;", "barrier.cluster.wait.acquire.aligned;"
+_CLUSTER_SYNC = f"{_CLUSTER_ARRIVE} {_CLUSTER_WAIT}"
 # setmaxnreg per warpgroup (scores, values, decoder). The launch holds 168 a thread (64K over 384 threads, in steps
 # of 8), 504 x 128 in all: an increase past what the others gave back waits forever (232 / 208 / 72 hung the call,
 # forty-fourth session). ptxas compiles each warpgroup's code at its count (232 / 192 / 80 spills 128 B in warpgroup
@@ -936,14 +939,14 @@ def _async_start(ctx, stats):
             mgpu_utils.inline_ptx("mbarrier.init.shared::cta.b64 [$0], 1;", _async_barrier(stats, which),
                                   has_side_effects=True)
         mgpu_utils.inline_ptx("fence.mbarrier_init.release.cluster;", has_side_effects=True)
-    mgpu_utils.inline_ptx("barrier.cluster.arrive.release.aligned;", has_side_effects=True, convergent=True)
+    mgpu_utils.inline_ptx(_CLUSTER_ARRIVE, has_side_effects=True, convergent=True)
 
 
 @plgpu.inline_mgpu()
 def _async_cluster_wait(ctx):
     """The wait of `_async_start`'s cluster barrier (acquire): the peer's mbarriers are initialized."""
     del ctx
-    mgpu_utils.inline_ptx("barrier.cluster.wait.acquire.aligned;", has_side_effects=True, convergent=True)
+    mgpu_utils.inline_ptx(_CLUSTER_WAIT, has_side_effects=True, convergent=True)
 
 
 @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT))
@@ -951,7 +954,7 @@ def _q_free(ctx, stats, s):
     """Warpgroup 0 after its last logits (`async_merge`): the cluster barrier's wait, then thread 0 arrives
     (release, cluster scope) at the peer's Q_FREE: the peer may write its rows into this CTA's q."""
     del ctx
-    mgpu_utils.inline_ptx("barrier.cluster.wait.acquire.aligned;", has_side_effects=True, convergent=True)
+    mgpu_utils.inline_ptx(_CLUSTER_WAIT, has_side_effects=True, convergent=True)
     i32 = ir.IntegerType.get_signless(32)
     peer = arith.subi(i32_const(1), s.registers.item())
     with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32_const(0))):
