@@ -1389,7 +1389,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         thread_name="wg",
         scratch_types=(plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
                        plgpu.SMEM((2, 2, T, HALF), jnp.bfloat16, transforms=_TRANSFORMS),
-                       plgpu.SMEM((2, 4), jnp.uint32),
+                       plgpu.SMEM((2, 8), jnp.uint32),  # the slots' validity words (`_publish_validity`)
                        plgpu.SMEM((H, T), jnp.bfloat16, transforms=_TRANSFORMS),  # p, warpgroup 0 -> 1
                        plgpu.SMEM((3, H), jnp.float32),  # rows' rescale (per tile), then m and l
                        # the merge's (m, l) of every range (async_merge: then its two mbarriers)
