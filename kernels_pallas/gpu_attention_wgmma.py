@@ -35,6 +35,11 @@ owned by 8-row bands going round the cluster, so that every thread sends one row
 cluster split by output channels instead of keys (each CTA 256 channels of every tile, the partial logits exchanged
 by st.async each tile, no merge; 824618b reverts it): 24.2 -> 31.0-32.6 us in every form, 21.3 us even without
 the exchange and the tensor work (10 half-width tiles a CTA cost more than 5 whole ones).
+Fifty-seventh (H100, bit-equal, at 893c1c5): the entry tiles' decode shared by channels so that warpgroup 1,
+which also does its p . v, decodes 6 or 4 of a row's 16 chunks (`decode_share` 3 / 2) 23.81-24.17 -> 24.27-24.56
+us (warpgroup 1's decode a tile unchanged at ~1.6 us with less work, its p . v waiting longer for warpgroup 2's
+share), and the 2-range merge with one cluster barrier split around the kernel (`async_merge`, the peer's raw
+rows sent into the owner's q by st.async) 24.45; neither kept.
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): range s takes the
 sequence's 64-key tiles s, s + S, ... (window tiles first: with 2 ranges each starts with one, decoded while q
@@ -213,14 +218,13 @@ def _prefetch_l2(ptr, off64, lines: int):
             ptr, [arith.addi(off64, _i64(i32_const(128 * j)))], ir.IntegerType.get_signless(8)), has_side_effects=True)
 
 
-def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk, publish=None):
+def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
     """The common part of the decodes (warpgroups 1 and 2, each its rows): per pass, passes[p]() loads chunks
     [(chunk index, words, scale)]; after the first pass's loads are issued, the slot's last reader of warpgroup 0
     is waited for (wait != 0: `SLOT_FREE` + slot); each chunk goes through decode_chunk(chunk index, words, scale)
     -> [(channel half, column, four bf16x2)] into the slot's swizzled tile; the rows' validity is published, and
     after a fence that makes the writes visible to the tensor cores (wgmma), the warpgroup arrives at
-    `KEYS_READY` + slot. publish(mask pointer, slot): the validity's publication where the rows are shared by
-    channels (`decode_share`), else `_publish_validity`'s."""
+    `KEYS_READY` + slot."""
     k_ptr = mgpu_utils.memref_ptr(k_smem)
     for p, load in enumerate(passes):
         loads = load()
@@ -230,10 +234,7 @@ def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk, 
         for i, words, scale in loads:
             for half, col, outs in decode_chunk(i, words, scale):
                 _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
-    if publish is None:
-        _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
-    else:
-        publish(mgpu_utils.memref_ptr(masks), slot)
+    _publish_validity(mgpu_utils.memref_ptr(masks), slot, valid, q)
     nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
     _named_barrier("arrive", arith.addi(slot, i32_const(KEYS_READY)), 384)
 
@@ -251,18 +252,18 @@ def _fragments(shape_dtype, registers):
 
 
 @functools.cache
-def _load_ids(n_wt: int, per: int, splits: int, shared: bool = False):
+def _load_ids(n_wt: int, per: int, splits: int):
     """inline_mgpu (warpgroups 1 and 2, at their start): (idx i32 [B, K], ids smem i32 [per, 256], b, key range s)
     -> ids[i, thread - 128] = the entry id of the row this thread decodes in its tile i (tile s + splits i; for a
-    window tile or one past the range, the first entry tile's: unused; shared: its row in `decode_share`'s form),
-    every index loaded before the first is stored. `_load_entries` reads its tile's ids from here: one round trip
-    to L2 a tile for the rows, where there were two (the index, then the rows)."""
+    window tile or one past the range, the first entry tile's: unused), every index loaded before the first is
+    stored. `_load_entries` reads its tile's ids from here: one round trip to L2 a tile for the rows, where there
+    were two (the index, then the rows)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), _SPLAT, _SPLAT))
     def load(ctx, idx, ids, b, part):
         del ctx
         b, part = (a.registers.item() for a in (b, part))
-        row = _shared_row()[0] if shared else _thread_row()[0]
+        row, _ = _thread_row()
         me = arith.subi(mgpu_utils.thread_idx(), i32_const(128))
         kp = ir.MemRefType(idx.type).shape[1]
         vals = []
@@ -277,123 +278,54 @@ def _load_ids(n_wt: int, per: int, splits: int, shared: bool = False):
 
 
 @functools.cache
-def _load_entries(n_rows: int, share: int | None = None, group: int = 1):
+def _load_entries(n_rows: int):
     """inline_mgpu (warpgroups 1 and 2): (entry values gmem u8 [B, N, 256], scales u8 [B, N, 32], ids smem i32
     [per, 256] (`_load_ids`), b, tile i) -> `_RAW` of the tile's rows r = entry ids[i, thread - 128] (row 0 for
     an id < 0: finite, and masked by the bias): the loads issued, not waited for, so that they land while the
-    warpgroup does other work (its p . v and the wait for p) before `_decode_entries` uses them. n_rows: N.
-    share: `decode_share`'s form (`_entry_raw` of warpgroup `group`'s chunks)."""
-    raw = _entry_raw(share, group)
+    warpgroup does other work (its p . v and the wait for p) before `_decode_entries` uses them. n_rows: N."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3 + (_SPLAT,) * 2, return_type=raw)
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3 + (_SPLAT,) * 2, return_type=_RAW)
     def load(ctx, ev, es, ids, b, i):
         del ctx
         i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
         b, i = (a.registers.item() for a in (b, i))
-        count, chunk = _entry_chunks(share, group, (_thread_row() if share is None else _shared_row())[1])
+        _, q = _thread_row()
         ev_ptr, es_ptr = mgpu_utils.memref_ptr(ev), mgpu_utils.memref_ptr(es)
         ix = memref.load(ids, [index_of(i), index_of(arith.subi(mgpu_utils.thread_idx(), i32_const(128)))])
         entry = arith.addi(arith.muli(_i64(b), _i64(i32_const(n_rows))), _i64(arith.maxsi(ix, i32_const(0))))
-        words, scales = [], llvm.mlir_undef(ir.VectorType.get((raw[1].shape[0] // 128,), i16))
-        for k in range(count):  # raw 16 B chunk i: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
-            i = chunk(k)
+        words, scales = [], llvm.mlir_undef(ir.VectorType.get((4,), i16))
+        for k in range(4):  # raw 16 B chunk i = q + 4k: channels 32i .. 32i + 31, scale bytes 2i, 2i + 1
+            i = arith.addi(q, i32_const(4 * k))
             v_off = arith.addi(arith.muli(entry, _i64(i32_const(D // 2))), _i64(arith.muli(i, i32_const(16))))
             s_off = arith.addi(arith.muli(entry, _i64(i32_const(D // ENTRY_GROUP))), _i64(arith.muli(i, i32_const(2))))
             words.append(_load(ev_ptr, v_off, ir.VectorType.get((4,), i32), 16))
             scales = llvm.insertelement(scales, _load(es_ptr, s_off, i16, 2), arith.constant(i32, k))
         ids = llvm.insertelement(llvm.mlir_undef(ir.VectorType.get((1,), i32)), ix, arith.constant(i32, 0))
-        return tuple(_fragments(t, r) for t, r in zip(raw, (words, [scales], [ids])))
+        return tuple(_fragments(t, r) for t, r in zip(_RAW, (words, [scales], [ids])))
 
     return load
 
 
 @functools.cache
-def _decode_entries(share: int | None = None, group: int = 1):
+def _decode_entries():
     """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, `_RAW` of an entry tile (`_load_entries`),
     slot, wait) -> keys[slot] rows = the entries x 2**-KEY_SHIFT in PERM8 order, their validity (id >= 0) in
-    masks[slot], as `_write_tile` (wait: whether warpgroup 0 still reads the slot). share: `decode_share`'s form,
-    warpgroup `group`'s chunks of every row (warpgroup 2 publishes the validity)."""
-    raw = _entry_raw(share, group)
+    masks[slot], as `_write_tile` (wait: whether warpgroup 0 still reads the slot)."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), *(r.layout for r in raw), _SPLAT,
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), *(r.layout for r in _RAW), _SPLAT,
                                   _SPLAT))
     def decode(ctx, k_smem, masks, words, scales, ids, slot, wait):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         slot, wait = (a.registers.item() for a in (slot, wait))
-        row, q = _thread_row() if share is None else _shared_row()
+        row, q = _thread_row()
         valid = arith.cmpi(arith.CmpIPredicate.sge, llvm.extractelement(ids.registers[0], arith.constant(i32, 0)),
                            i32_const(0))
-        count, chunk = _entry_chunks(share, group, q)
-        chunks = [(chunk(k), words.registers[k], llvm.extractelement(scales.registers[0], arith.constant(i32, k)))
-                  for k in range(count)]
-        publish = None
-        if share is not None:
-            publish = (lambda ptr, s: _publish_shared_validity(ptr, s, valid, row, q)) if group == 2 else (
-                lambda ptr, s: None)
-        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: chunks], _entry_chunk, publish)
+        chunks = [(arith.addi(q, i32_const(4 * k)), words.registers[k],
+                   llvm.extractelement(scales.registers[0], arith.constant(i32, k))) for k in range(4)]
+        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: chunks], _entry_chunk)
 
     return decode
-
-
-# The entry tiles' decode shared by channels (`decode_share`, a candidate; fifty-sixth session): both decoders
-# hold every row of a tile, two threads a row (thread t of its warpgroup: row t // 2, j = t % 2); warpgroup 1's
-# pair decodes the row's raw 16 B chunks [0, 2 share) (thread j: j, j + 2, ...), warpgroup 2's the other
-# 16 - 2 share. Warpgroup 1's p . v follows its decode in every tile (the timelines: ~1.7 + 0.8 us a tile at batch
-# 64, while warpgroup 2 waits for its slot), so that with share < 4 the two would finish together.
-def _shared_row():
-    """(row t // 2, j = t % 2) of this decoder thread in `decode_share`'s form, t its index in its warpgroup, i32."""
-    t = arith.andi(mgpu_utils.thread_idx(), i32_const(127))
-    return arith.shrui(t, i32_const(1)), arith.andi(t, i32_const(1))
-
-
-def _entry_chunks(share: int | None, group: int, q):
-    """(count, k -> chunk): the raw 16 B chunks (i32 values) of its row that this thread of warpgroup `group` loads
-    and decodes, given its q (`_thread_row`) or j (`_shared_row`): q + 4k (k < 4) in the default form, else
-    j + first + 2k (k < count) for `decode_share`'s (first, count): (0, share) for warpgroup 1, (2 share,
-    8 - share) for 2."""
-    if share is None:
-        return 4, lambda k: arith.addi(q, i32_const(4 * k))
-    first, count = share_split(share, group)
-    return count, lambda k: arith.addi(q, i32_const(first + 2 * k))
-
-
-def share_split(share: int, group: int) -> tuple[int, int]:
-    """(first, count): thread j of a row's pair in decoder warpgroup `group` (1 or 2) takes raw chunks first + j +
-    2k, k < count, in `decode_share`'s form."""
-    return (0, share) if group == 1 else (2 * share, 8 - share)
-
-
-@functools.cache
-def _entry_raw(share: int | None, group: int):
-    """`_RAW`, or in `decode_share`'s form warpgroup `group`'s: its chunks' words, their scale pairs (8 slots), the
-    row's entry id."""
-    if share is None:
-        return _RAW
-    count = share_split(share, group)[1]
-    return (plgpu.ShapeDtypeStruct((128 * count * 4,), jnp.uint32, plgpu.Layout.WG_STRIDED((128 * count * 4,), vec_size=4)),
-            plgpu.ShapeDtypeStruct((128 * 8,), jnp.int16, plgpu.Layout.WG_STRIDED((128 * 8,), vec_size=8)),
-            _RAW[2])
-
-
-def _publish_shared_validity(mask_ptr, slot, valid, row, j):
-    """Warpgroup 2's warp w (rows 16w .. 16w + 15, two threads a row in `decode_share`'s form): its rows' validity
-    into mask words 2w (rows 16w .. 16w + 7) and 2w + 1, bit 4 (row % 8) as `_publish_validity` writes them, ORed
-    over the warp (redux.sync)."""
-    i32 = ir.IntegerType.get_signless(32)
-    cmp = lambda pred, x, y: arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)  # noqa: E731
-    bit = arith.select(arith.andi(valid, cmp("eq", j, i32_const(0))),
-                       arith.shli(i32_const(1), arith.muli(arith.andi(row, i32_const(7)), i32_const(4))), i32_const(0))
-    upper = cmp("ne", arith.andi(row, i32_const(8)), i32_const(0))
-    words = [mgpu_utils.inline_ptx("redux.sync.or.b32 $0, $1, 0xffffffff;", arith.select(sel, i32_const(0), bit),
-                                   result_types=i32) for sel in (upper, arith.xori(upper, arith.constant(upper.type, 1)))]
-    tid = mgpu_utils.thread_idx()
-    warp = arith.shrui(arith.subi(tid, i32_const(256)), i32_const(5))
-    with mgpu_utils.when(cmp("eq", arith.andi(tid, i32_const(31)), i32_const(0))):
-        for h, w in enumerate(words):
-            off = arith.muli(arith.addi(arith.muli(slot, i32_const(8)), arith.addi(arith.muli(warp, i32_const(2)),
-                                                                                   i32_const(h))), i32_const(4))
-            llvm.store(w, mgpu_utils.getelementptr(mask_ptr, [off], ir.IntegerType.get_signless(8)), alignment=4)
 
 
 def _entry_chunk(i, words, sc):
@@ -583,23 +515,13 @@ def _load_query():
     return load
 
 
-_CLUSTER_ARRIVE, _CLUSTER_WAIT = "barrier.cluster.arrive.release.aligned;", "barrier.cluster.wait.acquire.aligned;"
-_CLUSTER_SYNC = f"{_CLUSTER_ARRIVE} {_CLUSTER_WAIT}"
+_CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
 # setmaxnreg per warpgroup (scores, values, decoder). The launch holds 168 a thread (64K over 384 threads, in steps
 # of 8), 504 x 128 in all: an increase past what the others gave back waits forever (232 / 208 / 72 hung the call,
 # forty-fourth session). ptxas compiles each warpgroup's code at its count (232 / 192 / 80 spills 128 B in warpgroup
 # 1, 224 / 208 / 72 none: no faster, docs/BENCHMARKS.md) but checks an instruction's registers against the launch's:
 # with a fourth warpgroup (128 at launch) a wgmma with a [64, 256] f32 accumulator (158 needed) does not compile.
 REGISTERS = (232, 192, 80)
-
-
-def check_registers(registers) -> None:
-    """ValueError unless `registers` are three setmaxnreg counts (multiples of 8 in [24, 256]) within what the
-    launch holds (64K over 384 threads, 168 a thread in steps of 8): more makes an increase wait forever."""
-    launch = 65536 // (128 * 3) // 8 * 8
-    if len(registers) != 3 or sum(registers) > 3 * launch or any(r % 8 or not 24 <= r <= 256 for r in registers):
-        raise ValueError(f"registers={registers}: three multiples of 8 in [24, 256] summing to at most {3 * launch} "
-                         "(more makes an increase wait forever: the call hangs)")
 
 
 @functools.cache
@@ -642,50 +564,10 @@ def _row_value(v, half):
 def _weighted(acc, half, factor):
     """This thread's 64 values of accumulator row `half` (of its two; 32 f32 x 2: columns 8c + 2q + {0, 1}) times
     factor."""
-    return _scaled([acc.registers[0, c, 0, 0, half, 0, 0, 0, 0] for c in range(HALF // 8)], factor)
-
-
-def _scaled(pairs, factor):
-    """Each f32 x 2 of `pairs` times factor (f32)."""
     f = llvm.mlir_undef(ir.VectorType.get((2,), ir.F32Type.get()))
     for j in range(2):
         f = llvm.insertelement(f, factor, arith.constant(ir.IntegerType.get_signless(32), j))
-    return [arith.mulf(v, f) for v in pairs]
-
-
-def _merge_factor(ms, ls, sink, row):
-    """mv -> the merge's weight of a range whose row `row` has running max mv, x 2**KEY_SHIFT (f32):
-    exp2(mv - M) / (sum_s l_s exp2(m_s - M) + exp2(sink - M)), M the largest of the ranges' maxima ms and the sink
-    (f32 [64], natural-log units; `gpu_attention.combine`'s weights), summed in the ranges' order."""
-    f32 = ir.F32Type.get()
-    sk = arith.mulf(memref.load(sink, [index_of(row)]), arith.constant(f32, LOG2E))
-    top = sk
-    for v in ms:
-        top = arith.maximumf(top, v)
-    den = _ex2(arith.subf(sk, top))
-    for mv, lv in zip(ms, ls):
-        den = arith.addf(den, arith.mulf(lv, _ex2(arith.subf(mv, top))))
-    return lambda mv: arith.mulf(arith.divf(_ex2(arith.subf(mv, top)), den), arith.constant(f32, 2.0 ** KEY_SHIFT))
-
-
-def _stat_offset(j, kind, row):
-    """Byte offset (i32) of stats[j, kind, row] in the merge's f32 [MAX_SPLITS, 2 (m, l), 64] statistics."""
-    return arith.muli(arith.addi(arith.muli(arith.addi(arith.muli(j, i32_const(2)), i32_const(kind)), i32_const(H)),
-                                 row), i32_const(4))
-
-
-def _merge_arg_types(rotated: bool, timed: bool) -> tuple:
-    """inline_mgpu argument types of `_store_merged` and `_store_merged_async`: (acc, m, l, k_smem, q_smem, stats,
-    sink, [cos, sin], o, b, s, [timeline, its row])."""
-    return ((plgpu.Layout.WGMMA,) * 3 + (plgpu.RefType(_TRANSFORMS),) * 2 + (plgpu.RefType(),) * (5 if rotated else 3)
-            + (_SPLAT,) * 2 + ((plgpu.RefType(), _SPLAT) if timed else ()))
-
-
-def _merge_refs(refs, rotated: bool, timed: bool):
-    """(cos, sin, o, b, s (i32), timeline, its row) from the merges' arguments after sink (None where absent)."""
-    refs, (tl, tl_row) = (refs[:-2], refs[-2:]) if timed else (refs, (None, None))
-    cos, sin, o, b, s = refs if rotated else (None, None, *refs)
-    return (cos, sin, o, *(a.registers.item() for a in (b, s)), tl, tl_row)
+    return [arith.mulf(acc.registers[0, c, 0, 0, half, 0, 0, 0, 0], f) for c in range(HALF // 8)]
 
 
 def _stage_row(stage, row, q, vals):
@@ -838,11 +720,15 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
     wrong output): the rows are neither sent nor added, the barriers kept."""
     timed = stamp_at is not None
 
-    @plgpu.inline_mgpu(arg_types=_merge_arg_types(rotated, timed))
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 3 + (plgpu.RefType(_TRANSFORMS),) * 2
+                       + (plgpu.RefType(),) * (5 if rotated else 3) + (_SPLAT,) * 2
+                       + ((plgpu.RefType(), _SPLAT) if timed else ()))
     def store(ctx, acc, m, l, k_smem, q_smem, stats, sink, *refs):
         del ctx
-        cos, sin, o, b, s, tl, tl_row = _merge_refs(refs, rotated, timed)
+        refs, (tl, tl_row) = (refs[:-2], refs[-2:]) if timed else (refs, (None, None))
+        cos, sin, o, b, s = refs if rotated else (None, None, *refs)
         i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
+        b, s = (a.registers.item() for a in (b, s))
 
         def stamp(k):  # point stamp_at + k, from thread 0 (warpgroup 0)
             if timed:
@@ -850,12 +736,14 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
         own_rows = H // splits
         rows, q, wg, publishes = _my_rows()
         stats_ptr = mgpu_utils.memref_ptr(stats)
+        stat_offset = lambda j, kind, row: arith.muli(arith.addi(  # noqa: E731
+            arith.muli(arith.addi(arith.muli(j, i32_const(2)), i32_const(kind)), i32_const(H)), row), i32_const(4))
         with mgpu_utils.when(publishes):
             for j in range(splits):
                 remote = mgpu_utils.get_cluster_ptr(stats_ptr, i32_const(j), generic=False)
                 for half, row in enumerate(rows):
                     for kind, v in enumerate((m, l)):
-                        llvm.store(_row_value(v, half), mgpu_utils.getelementptr(remote, [_stat_offset(s, kind, row)], i8),
+                        llvm.store(_row_value(v, half), mgpu_utils.getelementptr(remote, [stat_offset(s, kind, row)], i8),
                                    alignment=4)
         mgpu_utils.inline_ptx(_CLUSTER_SYNC, has_side_effects=True, convergent=True)
         stamp(0)
@@ -871,9 +759,17 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
 
         mine = []
         for half, row in enumerate(rows):
-            ms, ls = ([llvm.load(f32, mgpu_utils.getelementptr(stats_ptr, [_stat_offset(i32_const(j), kind, row)], i8),
+            ms, ls = ([llvm.load(f32, mgpu_utils.getelementptr(stats_ptr, [stat_offset(i32_const(j), kind, row)], i8),
                                  alignment=4) for j in range(splits)] for kind in range(2))
-            vals = _weighted(acc, half, _merge_factor(ms, ls, sink, row)(_row_value(m, half)))
+            sk = arith.mulf(memref.load(sink, [index_of(row)]), arith.constant(f32, LOG2E))
+            top = sk
+            for v in ms:
+                top = arith.maximumf(top, v)
+            den = _ex2(arith.subf(sk, top))
+            for mv, lv in zip(ms, ls):
+                den = arith.addf(den, arith.mulf(lv, _ex2(arith.subf(mv, top))))
+            own = _ex2(arith.subf(_row_value(m, half), top))
+            vals = _weighted(acc, half, arith.mulf(arith.divf(own, den), arith.constant(f32, 2.0 ** KEY_SHIFT)))
             owner, local = arith.divui(row, i32_const(own_rows)), arith.remui(row, i32_const(own_rows))
             is_mine = arith.cmpi(arith.CmpIPredicate.eq, owner, s)
             if splits > 1 and exchange:
@@ -897,152 +793,6 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
                     vals = [arith.addf(v, vector.shuffle(got[c // 2], got[c // 2], [2 * (c % 2), 2 * (c % 2) + 1]))
                             for c, v in enumerate(vals)]
                 _stage_row(stage, local, q, vals)
-        moves = _staged_moves(stage, own_rows, arith.addi(arith.muli(b, i32_const(H)), arith.muli(s, i32_const(own_rows))))
-        stamp(2)
-        if rotated:
-            _store_unrotated_rows(o, cos, sin, b, moves)
-        else:
-            _store_f32_rows(o, moves)
-
-    return store
-
-
-# `async_merge` (a candidate; fifty-sixth session), 2 ranges merged: one cluster barrier, split, at the kernel's
-# start (its arrive there, each warpgroup's wait at its end), instead of two in the merge. A CTA receives its peer's
-# rows into its q (free after its last logits: warpgroup 0 says so by a remote arrive on the peer's mbarrier
-# `Q_FREE`), raw (the weights are the owner's), with their (m, l), by st.async counted on its own mbarrier
-# (`ROWS_IN`); it weighs its rows and the peer's as `_store_merged` does (the same products and sums: bit-equal)
-# and stages them in its key slots. Addresses: shared::cta u32, the peer's copy by mapa.
-_MAPA = "mapa.shared::cluster.u32 $0, $1, $2;"
-_ST_ASYNC4 = "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [$0], {$1, $2, $3, $4}, [$5];"
-_ST_ASYNC1 = "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [$0], $1, [$2];"
-_WAIT_PHASE0 = ("{ .reg .pred p; LAB_WAIT: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], 0; "
-                "@p bra DONE; bra LAB_WAIT; DONE: }")
-ROWS_IN, Q_FREE = 0, 1  # the two mbarriers after the (m, l) of MAX_SPLITS ranges in the stats scratch
-
-
-def _async_barrier(stats_smem, which: int):
-    """u32 shared::cta address of mbarrier `which` (ROWS_IN, Q_FREE) in the stats scratch (`async_merge`)."""
-    ptr = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(stats_smem), [i32_const(MAX_SPLITS * 2 * H * 4 + 8 * which)],
-                                   ir.IntegerType.get_signless(8))
-    return llvm.ptrtoint(ir.IntegerType.get_signless(32), ptr)
-
-
-@plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-def _async_start(ctx, stats):
-    """Every thread, at the kernel's start (`async_merge`): thread 0 initializes ROWS_IN (one arrival, with the
-    rows' bytes) and Q_FREE (the peer's one arrival) and fences the inits for the cluster; all arrive at the
-    cluster barrier (release) whose wait (`_async_cluster_wait`) comes before their first remote operation."""
-    del ctx
-    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32_const(0))):
-        for which in (ROWS_IN, Q_FREE):
-            mgpu_utils.inline_ptx("mbarrier.init.shared::cta.b64 [$0], 1;", _async_barrier(stats, which),
-                                  has_side_effects=True)
-        mgpu_utils.inline_ptx("fence.mbarrier_init.release.cluster;", has_side_effects=True)
-    mgpu_utils.inline_ptx(_CLUSTER_ARRIVE, has_side_effects=True, convergent=True)
-
-
-@plgpu.inline_mgpu()
-def _async_cluster_wait(ctx):
-    """The wait of `_async_start`'s cluster barrier (acquire): the peer's mbarriers are initialized."""
-    del ctx
-    mgpu_utils.inline_ptx(_CLUSTER_WAIT, has_side_effects=True, convergent=True)
-
-
-@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT))
-def _q_free(ctx, stats, s):
-    """Warpgroup 0 after its last logits (`async_merge`): the cluster barrier's wait, then thread 0 arrives
-    (release, cluster scope) at the peer's Q_FREE: the peer may write its rows into this CTA's q."""
-    del ctx
-    mgpu_utils.inline_ptx(_CLUSTER_WAIT, has_side_effects=True, convergent=True)
-    i32 = ir.IntegerType.get_signless(32)
-    peer = arith.subi(i32_const(1), s.registers.item())
-    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, mgpu_utils.thread_idx(), i32_const(0))):
-        remote = mgpu_utils.inline_ptx(_MAPA, _async_barrier(stats, Q_FREE), peer, result_types=i32)
-        mgpu_utils.inline_ptx("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];", remote,
-                              has_side_effects=True)
-
-
-@functools.cache
-def _store_merged_async(rotated: bool, stamp_at: int | None = None):
-    """inline_mgpu, `async_merge`'s `_store_merged` for 2 ranges (its arguments and result): CTA s owns rows
-    [32 s, 32 s + 32); the threads holding the peer's rows send their (m, l) (warpgroup 0's q = 0 threads) into
-    the peer's stats[s] and, once the peer's q is free (Q_FREE), their accumulator rows as they are into the
-    peer's q, by st.async counted on the peer's ROWS_IN; thread 0 expects this CTA's 32 rows' bytes there; the
-    owner's threads wait for them, weigh their own rows and the peer's by `_store_merged`'s weights, add them in
-    its order and stage the sums in the key slots (free once warpgroups 0 and 1 meet at _CTA_BARRIER). Points
-    stamp_at, + 1, + 2: sent, received, staged."""
-    timed = stamp_at is not None
-    own_rows = H // 2
-
-    @plgpu.inline_mgpu(arg_types=_merge_arg_types(rotated, timed))
-    def store(ctx, acc, m, l, k_smem, q_smem, stats, sink, *refs):
-        del ctx
-        cos, sin, o, b, s, tl, tl_row = _merge_refs(refs, rotated, timed)
-        i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
-        peer = arith.subi(i32_const(1), s)
-        cmp = lambda pred, x, y: arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)  # noqa: E731
-
-        def stamp(k):
-            if timed:
-                gpu_timeline.emit_stamp(tl, tl_row.registers.item(), i32_const(stamp_at + k))
-        rows, q, wg, publishes = _my_rows()
-        stats_ptr = mgpu_utils.memref_ptr(stats)
-        local = [arith.remui(row, i32_const(own_rows)) for row in rows]
-        mine = cmp("eq", arith.divui(rows[0], i32_const(own_rows)), s)  # a thread's two rows have one owner
-
-        def recv_offset(row, k):  # f32 x 4 [2 warpgroups, 16 k, 32 rows, 4 q] in the owner's q (64 KB)
-            idx = wg
-            for stride, term in ((HALF // 16, i32_const(k)), (own_rows, row), (4, q)):
-                idx = arith.addi(arith.muli(idx, i32_const(stride)), term)
-            return arith.muli(idx, i32_const(16))
-
-        q_addr = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(q_smem))
-        with mgpu_utils.when(arith.xori(mine, arith.constant(mine.type, 1))):
-            mapa = lambda a: mgpu_utils.inline_ptx(_MAPA, a, peer, result_types=i32)  # noqa: E731
-            remote_bar, remote_q, remote_stats = (mapa(a) for a in (
-                _async_barrier(stats, ROWS_IN), q_addr, llvm.ptrtoint(i32, stats_ptr)))
-            with mgpu_utils.when(publishes):
-                for half, row in enumerate(rows):
-                    for kind, v in enumerate((m, l)):
-                        mgpu_utils.inline_ptx(_ST_ASYNC1, arith.addi(remote_stats, _stat_offset(s, kind, row)),
-                                              _row_value(v, half), remote_bar, has_side_effects=True)
-            mgpu_utils.inline_ptx(_WAIT_PHASE0, _async_barrier(stats, Q_FREE), has_side_effects=True)
-            for half in range(2):
-                for k in range(HALF // 16):  # column groups 2k, 2k + 1 of the row in one 16 B store
-                    x = [llvm.extractelement(acc.registers[0, 2 * k + k2, 0, 0, half, 0, 0, 0, 0], i32_const(j))
-                         for k2 in range(2) for j in range(2)]
-                    mgpu_utils.inline_ptx(_ST_ASYNC4, arith.addi(remote_q, recv_offset(local[half], k)), *x, remote_bar,
-                                          has_side_effects=True)
-        stamp(0)
-        with mgpu_utils.when(cmp("eq", mgpu_utils.thread_idx(), i32_const(0))):
-            mgpu_utils.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
-                                  _async_barrier(stats, ROWS_IN), i32_const(own_rows * (D + 2) * 4),
-                                  has_side_effects=True)
-        _named_barrier("sync", _CTA_BARRIER)  # warpgroups 0 and 1 done with the keys: their slots stage the rows
-        vec4 = ir.VectorType.get((4,), f32)
-        with mgpu_utils.when(mine):
-            mgpu_utils.inline_ptx(_WAIT_PHASE0, _async_barrier(stats, ROWS_IN), has_side_effects=True)
-        stamp(1)
-        stage = _stage_base(k_smem, own_rows)
-        with mgpu_utils.when(mine):
-            for half, row in enumerate(rows):
-                ms, ls = [], []
-                for kind, own_v, out in ((0, m, ms), (1, l, ls)):
-                    for j in range(2):  # range j's value: this CTA's own from its registers
-                        there = llvm.load(f32, mgpu_utils.getelementptr(
-                            stats_ptr, [_stat_offset(i32_const(j), kind, row)], i8), alignment=4)
-                        out.append(arith.select(cmp("eq", s, i32_const(j)), _row_value(own_v, half), there))
-                factor = _merge_factor(ms, ls, sink, row)
-                vals = _weighted(acc, half, factor(_row_value(m, half)))
-                got = [llvm.load(vec4, mgpu_utils.getelementptr(mgpu_utils.memref_ptr(q_smem),
-                                                                [recv_offset(local[half], k)], i8), alignment=16)
-                       for k in range(HALF // 16)]
-                peer_pairs = [vector.shuffle(got[c // 2], got[c // 2], [2 * (c % 2), 2 * (c % 2) + 1])
-                              for c in range(HALF // 8)]
-                peer_m = arith.select(cmp("eq", s, i32_const(0)), ms[1], ms[0])
-                vals = [arith.addf(v, p) for v, p in zip(vals, _scaled(peer_pairs, factor(peer_m)))]
-                _stage_row(stage, local[half], q, vals)
         moves = _staged_moves(stage, own_rows, arith.addi(arith.muli(b, i32_const(H)), arith.muli(s, i32_const(own_rows))))
         stamp(2)
         if rotated:
@@ -1126,13 +876,10 @@ def timeline_names(tiles: int) -> list[str]:
     return [name for names in timeline_groups(tiles).values() for name in names]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline",
-                                             "decode_share", "registers", "async_merge"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
-                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False,
-                           decode_share: int | None = None, registers: tuple[int, int, int] = REGISTERS,
-                           async_merge: bool = False):
+                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
@@ -1142,10 +889,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong, but for the prefetch).
     unrotate, out_dtype: as `gpu_attention.sparse_attention`'s (partials merged and turned by
     `gpu_attention.combine_unrotated`). timeline: also return each CTA's `timeline_names(tiles per range)` points
-    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range). decode_share (a candidate, 1..7): the
-    entry tiles' decode shared by channels, warpgroup 1 taking 2 decode_share of each row's 16 raw chunks
-    (`_shared_row`); registers: the warpgroups' `set_max_registers` counts (REGISTERS); async_merge (a candidate,
-    2 ranges merged): `_store_merged_async`'s merge, one cluster barrier at the start."""
+    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     b, h, d = q_bhd.shape
@@ -1177,12 +921,6 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         raise ValueError(f"{n_t} key tiles in {splits} range(s) make {per} a range, more than the "
                          f"{MAX_TILES_PER_RANGE} whose entry ids fit in shared memory (`_load_ids`); pass "
                          f"splits >= {-(-n_t // MAX_TILES_PER_RANGE)}")
-    if async_merge and (not merged or splits != 2 or {"store", "exchange"} & set(skip)):
-        raise ValueError(f"async_merge takes 2 ranges merged in the kernel with its store and exchange; got "
-                         f"splits={splits}, merged={merged}, skip={skip}")
-    if decode_share is not None and not 1 <= decode_share <= 7:
-        raise ValueError(f"decode_share={decode_share}: warpgroup 1 takes 1 to 7 of each thread pair's 8 chunks")
-    check_registers(registers)
     c = scale * 2.0 ** KEY_SHIFT * LOG2E  # logits in log2 units from q . (keys x 2**-KEY_SHIFT)
 
     def body(q_gmem, wv, ws, wok, ev, es, idx_gmem, *refs):
@@ -1209,8 +947,6 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         for group in range(3):
             stamp(0, group)
-        if async_merge:
-            _async_start(stats_smem)
         count = (n_t - part + splits - 1) // splits  # its tiles: part + splits i, i < count (tile_of)
         tile_of = lambda i: part + i * splits  # noqa: E731
 
@@ -1245,28 +981,25 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
             @pl.when(t >= n_wt)
             def _():
-                _decode_entries(*entry_form(group))(k_smem, masks, *raw, slot, after)
-
-        def entry_form(group):  # the entry decode's (share, group), () in the default form
-            return () if decode_share is None else (decode_share, group)
+                _decode_entries()(k_smem, masks, *raw, slot, after)
 
         # warpgroups 1 and 2: their rows of entry tile i; past the last tile that one's again (in L2, unused), and
         # for a window tile entry tile 0's (unused)
-        def load(i, group):
-            return _load_entries(n, *entry_form(group))(ev, es, ids_smem, seq, jnp.clip(i, 0, count - 1))
+        def load(i):
+            return _load_entries(n)(ev, es, ids_smem, seq, jnp.clip(i, 0, count - 1))
 
         def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> tile 1's rows
-            plgpu.set_max_registers(registers[group], action="increase" if group == 1 else "decrease")
-            _load_ids(n_wt, per, splits, decode_share is not None)(idx_gmem, ids_smem, seq, part)
-            raw = load(0, group)
+            plgpu.set_max_registers(REGISTERS[group], action="increase" if group == 1 else "decrease")
+            _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
+            raw = load(0)
             pl.when(count > 0)(lambda: decode(0, 0, 0, raw, group))
             stamp(point, group)
-            return raw if "rows" in skip else load(1, group)
+            return raw if "rows" in skip else load(1)
 
         def decode_next(i, slot, raw, group, point):  # in tile i's (slot's) iteration: tile i + 1 from raw; -> tile
             pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, raw, group))  # i + 2's rows
             stamp(point, group)
-            return raw if "rows" in skip else load(i + 2, group)  # lands during this iteration's other work
+            return raw if "rows" in skip else load(i + 2)  # lands during this iteration's other work
 
         def pv(acc, a, slot, half):
             def run(acc_ref):
@@ -1284,9 +1017,8 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 return
             if merged:
                 timed = (tl_gmem, seq * splits + part) if timeline else ()
-                store = (_store_merged_async(rotated, merge_points if timeline else None) if async_merge else
-                         _store_merged(rotated, splits, merge_points if timeline else None, "exchange" not in skip))
-                store(acc, wide(m), wide(l), k_smem, q_smem, stats_smem, sink_gmem, *turn, o_gmem, seq, part, *timed)
+                _store_merged(rotated, splits, merge_points if timeline else None, "exchange" not in skip)(
+                    acc, wide(m), wide(l), k_smem, q_smem, stats_smem, sink_gmem, *turn, o_gmem, seq, part, *timed)
             else:
                 _store_partials()(acc, wide(m), wide(l), k_smem, o_gmem, m_gmem, l_gmem, seq, part)
 
@@ -1294,7 +1026,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 0)
         def _scores():  # the logits, the softmax and p . keys[:, :256]; p and its rows' rescale to warpgroup 1
-            plgpu.set_max_registers(registers[0], action="increase")
+            plgpu.set_max_registers(REGISTERS[0], action="increase")
             plgpu.commit_smem()  # its part of q, for the wgmmas
             pl.when(count > 0)(lambda: wait3(KEYS_READY))
             stamp(2)
@@ -1329,8 +1061,6 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             m = plgpu.layout_cast(jnp.full((H,), gpu_attention.M_FLOOR, jnp.float32), row_layout)
             l = plgpu.layout_cast(jnp.zeros((H,), jnp.float32), row_layout)
             acc, m, l = lax.fori_loop(0, count, tile, (acc0, m, l))
-            if async_merge:  # its q is free: the peer may send its rows there
-                _q_free(stats_smem, part)
             rows_smem.at[1][...] = m
             rows_smem.at[2][...] = l
             arrive(STATS_READY)
@@ -1359,8 +1089,6 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
             missing(1, 3, 3 * per, 3 * count)
             wait(STATS_READY)
             stamp(3 + 3 * per, 1)
-            if async_merge:
-                _async_cluster_wait()
             finish(acc, *(plgpu.load(rows_smem.at[i], layout=row_layout) for i in (1, 2)))
             stamp(4 + 3 * per, 1)
 
@@ -1368,9 +1096,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         def _decoder():  # every tile's rows 32..63, a tile ahead; the merge's cluster barriers with the others
             lax.fori_loop(0, count, lambda i, raw: decode_next(i, i % 2, raw, 2, 2 + i), start_decoding(2, 1))
             missing(2, 2, per, count)
-            if async_merge:
-                _async_cluster_wait()
-            elif merged and "store" not in skip:
+            if merged and "store" not in skip:
                 _cluster_syncs(2 if splits > 1 else 1)()
             stamp(2 + per, 2)
 
@@ -1392,9 +1118,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                        plgpu.SMEM((2, 8), jnp.uint32),  # the slots' validity words (`_publish_validity`)
                        plgpu.SMEM((H, T), jnp.bfloat16, transforms=_TRANSFORMS),  # p, warpgroup 0 -> 1
                        plgpu.SMEM((3, H), jnp.float32),  # rows' rescale (per tile), then m and l
-                       # the merge's (m, l) of every range (async_merge: then its two mbarriers)
-                       plgpu.SMEM((MAX_SPLITS * 2 * H + 4,), jnp.float32) if async_merge else
-                       plgpu.SMEM((MAX_SPLITS, 2, H), jnp.float32),
+                       plgpu.SMEM((MAX_SPLITS, 2, H), jnp.float32),  # the merge's (m, l) of every range
                        plgpu.SMEM((per, 256), jnp.int32)),  # the decoders' entry ids, `_load_ids`
         kernel_name="sparse_attention_wgmma",
     )

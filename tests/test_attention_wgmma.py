@@ -105,45 +105,12 @@ def test_lowers_for_cuda():
             *args[:6], s((b, long_k), jnp.int32), args[7])
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
-def test_candidates_lower_for_cuda():
-    """The issue-21 candidates not yet timed (`decode_share`, `async_merge`, `registers`) lower for CUDA, alone and
-    together, with a timeline; their arguments are checked before anything is built."""
-    s = jax.ShapeDtypeStruct
-    b, w, n, k = 2, 128, 300, 512
-    args = (s((b, att.H, att.D), jnp.bfloat16), s((b, w, att.D), jnp.uint8), s((b, w, att.D // 32), jnp.uint8),
-            s((b, w), jnp.bool_), s((b, n, att.D // 2), jnp.uint8), s((b, n, att.D // 16), jnp.uint8),
-            s((b, k), jnp.int32), s((att.H,), jnp.float32))
-    lower = lambda **kw: jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=2, **kw)).trace(  # noqa: E731
-        *args).lower(lowering_platforms=("cuda",)).as_text()
-    for kw in ({"decode_share": 3}, {"async_merge": True, "decode_share": 2, "registers": (232, 184, 88)},
-               {"async_merge": True, "timeline": True}):
-        assert "sparse_attention_wgmma" in lower(**kw)
-    for kw, match in (({"decode_share": 8}, "decode_share=8"), ({"registers": (232, 200, 80)}, "hangs"),
-                      ({"async_merge": True, "merged": False}, "async_merge takes 2 ranges")):
-        with pytest.raises(ValueError, match=match):
-            lower(**kw)
-
-
-def test_decode_share_covers_every_chunk_once():
-    """In `decode_share`'s form the two decoders' thread pairs take each of a row's 16 raw chunks exactly once, and
-    warpgroup 1 takes 2 x share of them."""
-    for share in range(1, 8):
-        taken = [(group, first + j + 2 * k) for group in (1, 2) for first, count in [att.share_split(share, group)]
-                 for j in range(2) for k in range(count)]
-        assert sorted(c for _, c in taken) == list(range(16))
-        assert sum(group == 1 for group, _ in taken) == 2 * share
-
-
 def test_warpgroup_registers_fit_what_the_launch_holds():
     """setmaxnreg counts (multiples of 8 in [24, 256]) whose sum is past the launch's 168 a thread over the three
-    warpgroups make an increase wait forever: the call hangs on the GPU (232 / 208 / 72 did). The default fits;
-    `check_registers`, which the kernel calls on its `registers`, refuses that hang and counts that are not setmaxnreg's."""
-    att.check_registers(att.REGISTERS)
-    att.check_registers((224, 208, 72))  # at the launch's 504, timed on the GPU (REGISTERS' comment)
-    for bad in ((232, 208, 72), (232, 188, 80), (16, 192, 80), (232, 192)):
-        with pytest.raises(ValueError, match="the call hangs"):
-            att.check_registers(bad)
+    warpgroups make an increase wait forever: the call hangs on the GPU (232 / 208 / 72 did)."""
+    regs = att.REGISTERS
+    launch = 65536 // (128 * len(regs)) // 8 * 8  # a thread's registers at launch: 168 for three warpgroups
+    assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs) and sum(regs) <= len(regs) * launch
 
 
 def test_default_splits_fill_the_gpu_with_no_empty_range():
@@ -191,42 +158,6 @@ def test_the_prefetch_changes_no_output(b, w, n, k, splits, merged):
                                                   entries["scales"], idx, sink, att.D ** -0.5, splits=splits,
                                                   merged=merged, **kw)
     np.testing.assert_array_equal(run(skip=("prefetch",)), run())
-
-
-@pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
-@pytest.mark.parametrize("b,w,n,k,splits,merged", [(3, 128, 300, 512, 1, None), (5, 64, 2000, 300, 4, True),
-                                                    (3, 64, 2000, 300, 9, None), (3, 128, 3000, 512, 2, None)])
-def test_decode_share_changes_no_output(b, w, n, k, splits, merged):
-    """The entry tiles' decode shared by channels (`decode_share`: both decoders hold every row, warpgroup 1 taking
-    2, 3 or 4 of each thread pair's 8 chunks, warpgroup 2 the validity) writes the same keys and masks: the output
-    is equal bit for bit, with one range, 4 merged, more ranges than tiles and the batch-64 default's 2."""
-    q, window, valid, entries, idx, sink = _attention_case(splits + 11, b, att.H, att.D, w, n, k)
-    run = lambda **kw: att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],  # noqa: E731
-                                                  entries["scales"], idx, sink, att.D ** -0.5, splits=splits,
-                                                  merged=merged, **kw)
-    base = run()
-    for share in (2, 3, 4):
-        np.testing.assert_array_equal(run(decode_share=share), base)
-    np.testing.assert_array_equal(run(decode_share=3, registers=(232, 184, 88)), base)
-
-
-@pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
-@pytest.mark.parametrize("b", [3, 5])
-def test_async_merge_changes_no_output(b):
-    """The 2-range merge with one cluster barrier at the start (`async_merge`: the rows sent raw into the peer's q by
-    st.async, weighed by their owner) gives the same output bit for bit, plain and turned back to bf16, alone and
-    with `decode_share`."""
-    q, window, valid, entries, idx, sink = _attention_case(b + 13, b, att.H, att.D, 128, 3000, 512)
-    ang = jnp.linspace(0.0, 40.0, b * 32).reshape(b, 32)
-    turn = (jnp.concatenate([jnp.ones((b, att.D // 2 - 32)), jnp.cos(ang)], -1),
-            jnp.concatenate([jnp.zeros((b, att.D // 2 - 32)), jnp.sin(ang)], -1))
-    run = lambda **kw: att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],  # noqa: E731
-                                                  entries["scales"], idx, sink, att.D ** -0.5, splits=2, **kw)
-    np.testing.assert_array_equal(run(async_merge=True), run())
-    np.testing.assert_array_equal(run(async_merge=True, decode_share=3), run())
-    turned = dict(unrotate=turn, out_dtype=jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(run(async_merge=True, **turned), np.float32),
-                                  np.asarray(run(**turned), np.float32))
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")

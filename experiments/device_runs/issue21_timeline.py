@@ -47,12 +47,9 @@ Groups (default: tests scan attention):
   `plgpu.wgmma` into a fresh accumulator (ptxas zeroes a step's later tiles' accumulators by 17 moves on the
   H200) against `gpu_wgmma.fresh_product` (its first wgmma's scale-d false), after the read flush, each pair checked
   bit for bit;
-- share (fifty-sixth session): the attention at batch 64 and 8 (bf16 q), the default and `decode_share` 4, 3, 2
-  (the entry tiles' decode shared by channels, warpgroup 1 taking that many of each thread pair's 8 chunks) and 3
-  with registers 232 / 184 / 88, each with its timeline, outputs bit-equal; merge: the same at batch 64 for
-  `async_merge` (one cluster barrier, at the start), alone and with `decode_share` 3; candidates: share 3, share 2
-  and the merge forms at batch 64 against one default; quick: the same and the default again last, no
-  timelines.
+- share, merge, candidates, quick (fifty-sixth session; run in the fifty-seventh at 893c1c5, then removed with their
+  forms): the attention at batch 64 as the default and with `decode_share` (the entry tiles' decode shared by
+  channels) and `async_merge` (one cluster barrier), each with its timeline, outputs checked bit for bit;
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -205,10 +202,10 @@ def say_timeline(say, label: str, phases: dict) -> None:
 
 
 def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("float32", "bfloat16"), peak=None,
-                    label: str = "", options=None) -> list:
+                    label: str = "") -> None:
     """The wgmma attention at 128K entries for each batch and q dtype, timed from HBM with its error against the
     float32 twin, and (timelines) its CTAs' timeline with bf16 q. peak: the copy peak (default: timed here);
-    label: appended to each row's shape; options: keyword arguments of the kernel. Returns the outputs."""
+    label: appended to each row's shape."""
     import functools
 
     import jax
@@ -222,7 +219,6 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
         peak = bk.hbm_copy_bandwidth(1.0)
         say(f"copy peak {peak / 1e9:.0f} GB/s")
     scale = bk.D_ATT ** -0.5
-    outs = []
     for b in batches:
         q32, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17, jnp.float32)
         for q in (q32.astype(dt) for dt in q_dtypes):  # the model's q is bf16
@@ -231,41 +227,14 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
             ref = ops.sparse_attention_decode(q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx,
                                               quant.MAIN_KV, sink, scale)
             bf16 = q.dtype == jnp.bfloat16
-            fn = functools.partial(att.sparse_attention_wgmma, scale=scale, **(options or {}))
-            outs.append(fn(*args))
-            err = float(jnp.linalg.norm(outs[-1] - ref) / jnp.linalg.norm(ref))
+            fn = functools.partial(att.sparse_attention_wgmma, scale=scale)
+            err = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
             shape = f"128K x {b}, q {q.dtype}{label}"
             timed_row(say, rows, "attention", shape, fn, args, 7, moved, peak, f"{err:.1e}")
             if timelines and bf16:
                 say_timeline(say, f"timeline {shape}",
                              timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
         del q, q32, window, entries, args, ref
-    return outs
-
-
-def attention_forms_group(say, rows, forms: dict, batches=(64, 8), timelines: bool = True) -> None:
-    """The attention (bf16 q) at batch 64 and 8 as the default and in each of `forms` (label -> keyword arguments
-    of the kernel), each with its timeline (timelines); the outputs must be equal bit for bit."""
-    import numpy as np
-
-    from experiments import bench_kernels as bk
-
-    peak = bk.hbm_copy_bandwidth(1.0)
-    say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
-    common = dict(timelines=timelines, batches=batches, q_dtypes=("bfloat16",), peak=peak)
-    base = attention_group(say, rows, **common)
-    for label, options in forms.items():
-        outs = attention_group(say, rows, **common, label=f", {label}", options=options)
-        say(f"{label}: bit-equal to the default:", [bool(np.array_equal(a, b)) for a, b in zip(base, outs)])
-
-
-# `decode_share` (fifty-sixth session): the entry tiles' decode shared by channels, warpgroup 1 (which also does
-# its p . v each tile) taking 4, 3 or 2 of each thread pair's 8 chunks; with 3, registers moved to warpgroup 2
-SHARE_FORMS = {"share 4": {"decode_share": 4}, "share 3": {"decode_share": 3}, "share 2": {"decode_share": 2},
-               "share 3, registers 232/184/88": {"decode_share": 3, "registers": (232, 184, 88)}}
-# `async_merge` (fifty-sixth session): the 2-range merge with one cluster barrier, at the start (batch 64 only)
-MERGE_FORMS = {"async merge": {"async_merge": True}, "async merge, share 3": {"async_merge": True, "decode_share": 3}}
-CANDIDATE_FORMS = {"share 3": SHARE_FORMS["share 3"], "share 2": SHARE_FORMS["share 2"], **MERGE_FORMS}
 
 
 def sweep_group(say, rows) -> None:
@@ -589,12 +558,6 @@ def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
                                "sm90": sm90_group, "early": early_group, "blockmax": blockmax_group, "fresh": fresh_group,
                                "words_configs": words_configs_group,
-                               "share": lambda say, rows: attention_forms_group(say, rows, SHARE_FORMS),
-                               "merge": lambda say, rows: attention_forms_group(say, rows, MERGE_FORMS, batches=(64,)),
-                               "candidates": lambda say, rows: attention_forms_group(
-                                   say, rows, CANDIDATE_FORMS, batches=(64,)),
-                               "quick": lambda say, rows: attention_forms_group(
-                                   say, rows, {**CANDIDATE_FORMS, "default again": {}}, batches=(64,), timelines=False),
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
