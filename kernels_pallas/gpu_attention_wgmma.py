@@ -524,15 +524,6 @@ _CLUSTER_SYNC = "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.ac
 REGISTERS = (232, 192, 80)
 
 
-def check_registers(registers) -> None:
-    """ValueError unless `registers` are three setmaxnreg counts (multiples of 8 in [24, 256]) within what the
-    launch holds (64K over 384 threads, 168 a thread in steps of 8): more makes an increase wait forever."""
-    launch = 65536 // (128 * 3) // 8 * 8
-    if len(registers) != 3 or sum(registers) > 3 * launch or any(r % 8 or not 24 <= r <= 256 for r in registers):
-        raise ValueError(f"registers={registers}: three multiples of 8 in [24, 256] summing to at most {3 * launch} "
-                         "(more makes an increase wait forever: the call hangs)")
-
-
 @functools.cache
 def _cluster_syncs(count: int):
     """inline_mgpu: `count` cluster barriers (release / acquire), as `_store_merged` meets its cluster: a
@@ -885,12 +876,10 @@ def timeline_names(tiles: int) -> list[str]:
     return [name for names in timeline_groups(tiles).values() for name in names]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline",
-                                             "rows_ahead", "registers"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
-                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False,
-                           rows_ahead: tuple[int, int] = (1, 1), registers: tuple[int, int, int] = REGISTERS):
+                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
@@ -900,14 +889,9 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong, but for the prefetch).
     unrotate, out_dtype: as `gpu_attention.sparse_attention`'s (partials merged and turned by
     `gpu_attention.combine_unrotated`). timeline: also return each CTA's `timeline_names(tiles per range)` points
-    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range). rows_ahead: how many entry tiles
-    ahead of its decode warpgroups 1 and 2 each load their rows into registers (1 to 3; a candidate of issue 21,
-    the fifty-seventh session). registers: setmaxnreg counts of the three warpgroups (`check_registers`)."""
+    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
-    if len(rows_ahead) != 2 or any(a not in (1, 2, 3) for a in rows_ahead):
-        raise ValueError(f"rows_ahead={rows_ahead}: tiles ahead for warpgroups 1 and 2, each 1, 2 or 3")
-    check_registers(registers)
     b, h, d = q_bhd.shape
     w, k, n = window_values.shape[1], idx_bk.shape[1], entry_values.shape[1]
     if (h, d) != (H, D) or w % T or window_values.shape != (b, w, D) or window_scales.shape != (b, w, D // WINDOW_GROUP):
@@ -1004,18 +988,18 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         def load(i):
             return _load_entries(n)(ev, es, ids_smem, seq, jnp.clip(i, 0, count - 1))
 
-        def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> the rows of tiles
-            plgpu.set_max_registers(registers[group], action="increase" if group == 1 else "decrease")  # 1, 2, ..
+        def start_decoding(group, point):  # warpgroup 1 or 2: its registers, its ids, tile 0; -> tile 1's rows
+            plgpu.set_max_registers(REGISTERS[group], action="increase" if group == 1 else "decrease")
             _load_ids(n_wt, per, splits)(idx_gmem, ids_smem, seq, part)
             raw = load(0)
             pl.when(count > 0)(lambda: decode(0, 0, 0, raw, group))
             stamp(point, group)
-            return tuple(raw if "rows" in skip else load(1 + j) for j in range(rows_ahead[group - 1]))
+            return raw if "rows" in skip else load(1)
 
-        def decode_next(i, slot, raws, group, point):  # in tile i's (slot's) iteration: tile i + 1 from raws[0];
-            pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, raws[0], group))  # -> the rows of tiles
-            stamp(point, group)  # i + 2, ..., loaded as the others land during the iterations' other work
-            return (*raws[1:], raws[0] if "rows" in skip else load(i + 1 + len(raws)))
+        def decode_next(i, slot, raw, group, point):  # in tile i's (slot's) iteration: tile i + 1 from raw; -> tile
+            pl.when(i + 1 < count)(lambda: decode(i + 1, 1 - slot, i > 0, raw, group))  # i + 2's rows
+            stamp(point, group)
+            return raw if "rows" in skip else load(i + 2)  # lands during this iteration's other work
 
         def pv(acc, a, slot, half):
             def run(acc_ref):
@@ -1042,7 +1026,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 0)
         def _scores():  # the logits, the softmax and p . keys[:, :256]; p and its rows' rescale to warpgroup 1
-            plgpu.set_max_registers(registers[0], action="increase")
+            plgpu.set_max_registers(REGISTERS[0], action="increase")
             plgpu.commit_smem()  # its part of q, for the wgmmas
             pl.when(count > 0)(lambda: wait3(KEYS_READY))
             stamp(2)
@@ -1087,21 +1071,21 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 1)
         def _values():  # every tile's rows 0..31, a tile ahead; p . keys[:, 256:] with warpgroup 0's p
-            raws = start_decoding(1, 2)
+            raw = start_decoding(1, 2)
 
             def tile(i, carry):
-                acc, raws = carry
+                acc, raw = carry
                 slot = i % 2
-                raws = decode_next(i, slot, raws, 1, 3 + 3 * i)
+                raw = decode_next(i, slot, raw, 1, 3 + 3 * i)
                 wait(P_READY)
                 stamp(4 + 3 * i, 1)
                 acc = acc * lax.broadcast_in_dim(plgpu.load(rows_smem.at[0], layout=row_layout), acc.shape, [0])
                 acc = pv(acc, p_smem, slot, 1)
                 pl.when(i + 1 < count)(lambda: arrive(P_FREE))
                 stamp(5 + 3 * i, 1)
-                return acc, raws
+                return acc, raw
 
-            acc, _ = lax.fori_loop(0, count, tile, (acc0, raws))
+            acc, _ = lax.fori_loop(0, count, tile, (acc0, raw))
             missing(1, 3, 3 * per, 3 * count)
             wait(STATS_READY)
             stamp(3 + 3 * per, 1)
@@ -1110,7 +1094,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
 
         @pl.when(wg == 2)
         def _decoder():  # every tile's rows 32..63, a tile ahead; the merge's cluster barriers with the others
-            lax.fori_loop(0, count, lambda i, raws: decode_next(i, i % 2, raws, 2, 2 + i), start_decoding(2, 1))
+            lax.fori_loop(0, count, lambda i, raw: decode_next(i, i % 2, raw, 2, 2 + i), start_decoding(2, 1))
             missing(2, 2, per, count)
             if merged and "store" not in skip:
                 _cluster_syncs(2 if splits > 1 else 1)()

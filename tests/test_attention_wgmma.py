@@ -105,38 +105,12 @@ def test_lowers_for_cuda():
             *args[:6], s((b, long_k), jnp.int32), args[7])
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
-def test_rows_ahead_lowers_for_cuda():
-    """The issue-21 candidate `rows_ahead` (entry rows loaded 2 or 3 tiles ahead) lowers for CUDA, with other
-    `registers` and a timeline; its arguments are checked before anything is built."""
-    s = jax.ShapeDtypeStruct
-    b, w, n, k = 2, 128, 300, 512
-    args = (s((b, att.H, att.D), jnp.bfloat16), s((b, w, att.D), jnp.uint8), s((b, w, att.D // 32), jnp.uint8),
-            s((b, w), jnp.bool_), s((b, n, att.D // 2), jnp.uint8), s((b, n, att.D // 16), jnp.uint8),
-            s((b, k), jnp.int32), s((att.H,), jnp.float32))
-    lower = lambda **kw: jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=2, **kw)).trace(  # noqa: E731
-        *args).lower(lowering_platforms=("cuda",)).as_text()
-    plain = lower()
-    for kw in ({"rows_ahead": (1, 2)}, {"rows_ahead": (2, 3), "registers": (224, 192, 88)},
-               {"rows_ahead": (1, 3), "timeline": True}):
-        text = lower(**kw)
-        assert "sparse_attention_wgmma" in text and text != plain
-    for kw, match in (({"rows_ahead": (1, 4)}, "each 1, 2 or 3"), ({"rows_ahead": (2,)}, "warpgroups 1 and 2"),
-                      ({"registers": (232, 200, 80)}, "the call hangs")):
-        with pytest.raises(ValueError, match=match):
-            lower(**kw)
-
-
 def test_warpgroup_registers_fit_what_the_launch_holds():
     """setmaxnreg counts (multiples of 8 in [24, 256]) whose sum is past the launch's 168 a thread over the three
-    warpgroups make an increase wait forever: the call hangs on the GPU (232 / 208 / 72 did). The default fits;
-    `check_registers`, which the kernel calls on its `registers`, refuses that hang and counts that are not
-    setmaxnreg's."""
-    att.check_registers(att.REGISTERS)
-    att.check_registers((224, 208, 72))  # at the launch's 504, timed on the GPU (REGISTERS' comment)
-    for bad in ((232, 208, 72), (232, 188, 80), (16, 192, 80), (232, 192)):
-        with pytest.raises(ValueError, match="the call hangs"):
-            att.check_registers(bad)
+    warpgroups make an increase wait forever: the call hangs on the GPU (232 / 208 / 72 did)."""
+    regs = att.REGISTERS
+    launch = 65536 // (128 * len(regs)) // 8 * 8  # a thread's registers at launch: 168 for three warpgroups
+    assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs) and sum(regs) <= len(regs) * launch
 
 
 def test_default_splits_fill_the_gpu_with_no_empty_range():
@@ -184,21 +158,6 @@ def test_the_prefetch_changes_no_output(b, w, n, k, splits, merged):
                                                   entries["scales"], idx, sink, att.D ** -0.5, splits=splits,
                                                   merged=merged, **kw)
     np.testing.assert_array_equal(run(skip=("prefetch",)), run())
-
-
-@pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
-@pytest.mark.parametrize("b,w,n,k,splits,merged", [(3, 128, 300, 512, 1, None), (5, 64, 2000, 300, 4, True),
-                                                    (3, 64, 2000, 300, 9, None), (3, 128, 3000, 512, 2, None)])
-def test_rows_ahead_changes_no_output(b, w, n, k, splits, merged):
-    """Entry rows loaded 2 or 3 tiles ahead of their decode (`rows_ahead`, with other `registers`) decode the same
-    keys: the output is equal bit for bit, with one range, 4 merged, more ranges than tiles and batch 64's 2."""
-    q, window, valid, entries, idx, sink = _attention_case(splits + 17, b, att.H, att.D, w, n, k)
-    run = lambda **kw: att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],  # noqa: E731
-                                                  entries["scales"], idx, sink, att.D ** -0.5, splits=splits,
-                                                  merged=merged, **kw)
-    base = run()
-    for kw in ({"rows_ahead": (1, 2)}, {"rows_ahead": (2, 3), "registers": (224, 192, 88)}):
-        np.testing.assert_array_equal(run(**kw), base)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
