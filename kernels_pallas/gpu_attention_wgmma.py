@@ -39,7 +39,9 @@ Fifty-seventh (H100, bit-equal, at 893c1c5): the entry tiles' decode shared by c
 which also does its p . v, decodes 6 or 4 of a row's 16 chunks (`decode_share` 3 / 2) 23.81-24.17 -> 24.27-24.56
 us (warpgroup 1's decode a tile unchanged at ~1.6 us with less work, its p . v waiting longer for warpgroup 2's
 share), and the 2-range merge with one cluster barrier split around the kernel (`async_merge`, the peer's raw
-rows sent into the owner's q by st.async) 24.45; neither kept.
+rows sent into the owner's q by st.async) 24.45; neither kept; the decoders' entry rows loaded 2 or 3
+tiles ahead (`rows_ahead`, 6ff9d25) 24.19-24.29 -> 24.75-27.67 us, warpgroup 2's decode a tile unchanged (~2.4 us):
+the three warpgroups pace each other at every slot's hand-back, not at the rows' arrival.
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): range s takes the
 sequence's 64-key tiles s, s + S, ... (window tiles first: with 2 ranges each starts with one, decoded while q

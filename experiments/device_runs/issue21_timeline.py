@@ -50,6 +50,8 @@ Groups (default: tests scan attention):
 - share, merge, candidates, quick (fifty-sixth session; run in the fifty-seventh at 893c1c5, then removed with their
   forms): the attention at batch 64 as the default and with `decode_share` (the entry tiles' decode shared by
   channels) and `async_merge` (one cluster barrier), each with its timeline, outputs checked bit for bit;
+- ahead (fifty-seventh session; run at 6ff9d25, then removed with its form): the attention at batch 64 as the
+  default and with `rows_ahead` (the decoders' entry rows loaded 2 or 3 tiles ahead) and other `registers`;
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
