@@ -379,8 +379,13 @@ def bench_attention(rec_rows: Rows, key, args):
     moved = attention_bytes(q, window, wvalid, entries, idx)
     splits = args.splits or (gpu_attention_wgmma.default_splits(b, (WINDOW + TOPK) // gpu_attention_wgmma.T)
                              if args.att_variant == "wgmma" else gpu_attention.default_splits(b))
+    if args.att_variant == "dispatch":
+        splits = "the dispatch's"
 
     def attn(q, wv, ws, ok, ev, es, idx, sink):
+        if args.att_variant == "dispatch":
+            return kernels_pallas.sparse_attention_decode(q, {"values": wv, "scales": ws}, ok,
+                                                          {"values": ev, "scales": es}, idx, sink, scale)
         if args.att_variant == "wgmma":
             return gpu_attention_wgmma.sparse_attention_wgmma(q, wv, ws, ok, ev, es, idx, sink, scale, splits=splits)
         return gpu_attention.sparse_attention(q, wv, ws, ok, ev, es, idx, sink, scale, splits=splits,
@@ -533,9 +538,11 @@ def main(argv=None):
     p.add_argument("--scan-variant", default="dispatch", choices=("dispatch", "f16"),
                    help="dispatch: the scan kernels_pallas.indexer_scores_decode takes on this GPU (the wgmma "
                         "scan on an H100/H200); f16: the Triton scan, with --block-n / --warps")
-    p.add_argument("--att-variant", default="flash", choices=("flash", "wgmma"),
-                   help="flash: the Triton kernel (kernels_pallas.gpu_attention); wgmma: the Hopper kernel "
-                        "(kernels_pallas.gpu_attention_wgmma; --splits 0 = its default)")
+    p.add_argument("--att-variant", default="flash", choices=("flash", "wgmma", "dispatch"),
+                   help="flash: the Triton kernel (kernels_pallas.gpu_attention) with --block-k / --att-warps / "
+                        "--head-block; wgmma: the Hopper kernel (kernels_pallas.gpu_attention_wgmma; --splits 0 = its "
+                        "default); dispatch: what the model runs (kernels_pallas.sparse_attention_decode: on an "
+                        "H100/H200 the wgmma kernel from batch 2, the Triton kernel with its batch's tiles below)")
     p.add_argument("--head-block", type=int, default=None, help="flash attention: heads per program")
     p.add_argument("--ref-limit-gb", type=float, default=40.0, help="skip the jnp indexer above this temp size")
     p.add_argument("--dense-limit-gb", type=float, default=40.0)

@@ -63,3 +63,21 @@ def test_the_copy_peak_is_timed_as_the_kernels_are(monkeypatch):
     np.testing.assert_array_equal(seen["out"], x ^ s[0])  # every word read and written
     assert bool(jnp.any(seen["out"] != x))
     assert rate == 2 * 2**20 / 1e-3
+
+
+def test_the_dispatch_variant_times_what_the_model_runs(monkeypatch, tmp_path):
+    """`--att-variant dispatch` times `kernels_pallas.sparse_attention_decode` (the model's call, whose tiles
+    depend on the batch), checked against the jnp twin (smoke run: interpret mode on CPU)."""
+    import json
+
+    import kernels_pallas
+
+    monkeypatch.setattr(bk, "KW", {})  # --smoke sets these module globals: restored after the test
+    monkeypatch.setattr(bk, "FLUSH", bk.FLUSH)
+    real, calls = kernels_pallas.sparse_attention_decode, []
+    monkeypatch.setattr(kernels_pallas, "sparse_attention_decode", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    out = tmp_path / "rows.json"
+    bk.main(["--smoke", "--contexts", "8192", "--batches", "1", "--only", "attention", "--att-variant", "dispatch",
+             "--dense-limit-gb", "0", "--out", str(out)])
+    row = next(r for r in json.loads(out.read_text()) if r.get("piece") == "attention" and "dispatch" in r["impl"])
+    assert calls and calls[0][0] == 1 and row["rel_err"] < 5e-3, (calls, row)
