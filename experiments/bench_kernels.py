@@ -377,10 +377,11 @@ def bench_attention(rec_rows: Rows, key, args):
     q, window, wvalid, entries, idx, sink = attention_data(key, b, ctx)
     scale = D_ATT ** -0.5
     moved = attention_bytes(q, window, wvalid, entries, idx)
-    splits = args.splits or (gpu_attention_wgmma.default_splits(b, (WINDOW + TOPK) // gpu_attention_wgmma.T)
-                             if args.att_variant == "wgmma" else gpu_attention.default_splits(b))
-    if args.att_variant == "dispatch":
+    if args.att_variant == "dispatch":  # it picks the kernel and its ranges by the batch: --splits is not used
         splits = "the dispatch's"
+    else:
+        splits = args.splits or (gpu_attention_wgmma.default_splits(b, (WINDOW + TOPK) // gpu_attention_wgmma.T)
+                                 if args.att_variant == "wgmma" else gpu_attention.default_splits(b))
 
     def attn(q, wv, ws, ok, ev, es, idx, sink):
         if args.att_variant == "dispatch":
