@@ -52,6 +52,9 @@ Groups (default: tests scan attention):
   channels) and `async_merge` (one cluster barrier), each with its timeline, outputs checked bit for bit;
 - ahead (fifty-seventh session; run at 6ff9d25, then removed with its form): the attention at batch 64 as the
   default and with `rows_ahead` (the decoders' entry rows loaded 2 or 3 tiles ahead) and other `registers`;
+- free (fifty-seventh session): the attention at batch 64 and 8 as the default and with `free_split` (a key slot
+  handed back to warpgroup 1 by warpgroup 0 alone, to warpgroup 2 by both), each with its timeline, outputs checked
+  bit for bit, the default again last;
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -204,10 +207,10 @@ def say_timeline(say, label: str, phases: dict) -> None:
 
 
 def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("float32", "bfloat16"), peak=None,
-                    label: str = "") -> None:
+                    label: str = "", options=None) -> list:
     """The wgmma attention at 128K entries for each batch and q dtype, timed from HBM with its error against the
     float32 twin, and (timelines) its CTAs' timeline with bf16 q. peak: the copy peak (default: timed here);
-    label: appended to each row's shape."""
+    label: appended to each row's shape; options: keyword arguments of the kernel. Returns the outputs."""
     import functools
 
     import jax
@@ -221,6 +224,7 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
         peak = bk.hbm_copy_bandwidth(1.0)
         say(f"copy peak {peak / 1e9:.0f} GB/s")
     scale = bk.D_ATT ** -0.5
+    outs = []
     for b in batches:
         q32, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17, jnp.float32)
         for q in (q32.astype(dt) for dt in q_dtypes):  # the model's q is bf16
@@ -229,14 +233,32 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
             ref = ops.sparse_attention_decode(q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx,
                                               quant.MAIN_KV, sink, scale)
             bf16 = q.dtype == jnp.bfloat16
-            fn = functools.partial(att.sparse_attention_wgmma, scale=scale)
-            err = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
+            fn = functools.partial(att.sparse_attention_wgmma, scale=scale, **(options or {}))
+            outs.append(fn(*args))
+            err = float(jnp.linalg.norm(outs[-1] - ref) / jnp.linalg.norm(ref))
             shape = f"128K x {b}, q {q.dtype}{label}"
             timed_row(say, rows, "attention", shape, fn, args, 7, moved, peak, f"{err:.1e}")
             if timelines and bf16:
                 say_timeline(say, f"timeline {shape}",
                              timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
         del q, q32, window, entries, args, ref
+    return outs
+
+
+def attention_forms_group(say, rows, forms: dict, batches=(64, 8), timelines: bool = True) -> None:
+    """The attention (bf16 q) at `batches` as the default and in each of `forms` (label -> keyword arguments of the
+    kernel), each with its timeline (timelines); the outputs must be equal bit for bit."""
+    import numpy as np
+
+    from experiments import bench_kernels as bk
+
+    peak = bk.hbm_copy_bandwidth(1.0)
+    say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
+    common = dict(timelines=timelines, batches=batches, q_dtypes=("bfloat16",), peak=peak)
+    base = attention_group(say, rows, **common)
+    for label, options in forms.items():
+        outs = attention_group(say, rows, **common, label=f", {label}", options=options)
+        say(f"{label}: bit-equal to the default:", [bool(np.array_equal(a, b)) for a, b in zip(base, outs)])
 
 
 def sweep_group(say, rows) -> None:
@@ -560,6 +582,8 @@ def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
                                "sm90": sm90_group, "early": early_group, "blockmax": blockmax_group, "fresh": fresh_group,
                                "words_configs": words_configs_group,
+                               "free": lambda say, rows: attention_forms_group(
+                                   say, rows, {"free split": {"free_split": True}, "default again": {}}),
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
