@@ -225,10 +225,10 @@ def _prefetch_l2(ptr, off64, lines: int):
 def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk, free=(SLOT_FREE, 384)):
     """The common part of the decodes (warpgroups 1 and 2, each its rows): per pass, passes[p]() loads chunks
     [(chunk index, words, scale)]; after the first pass's loads are issued, the slot's last readers are waited for
-    (wait != 0: named barrier free[0] + slot of free[1] threads); each chunk goes through decode_chunk(chunk index, words, scale)
-    -> [(channel half, column, four bf16x2)] into the slot's swizzled tile; the rows' validity is published, and
-    after a fence that makes the writes visible to the tensor cores (wgmma), the warpgroup arrives at
-    `KEYS_READY` + slot."""
+    (wait != 0: named barrier free[0] + slot of free[1] threads); each chunk goes through decode_chunk(chunk
+    index, words, scale) -> [(channel half, column, four bf16x2)] into the slot's swizzled tile; the rows' validity
+    is published, and after a fence that makes the writes visible to the tensor cores (wgmma), the warpgroup
+    arrives at `KEYS_READY` + slot."""
     k_ptr = mgpu_utils.memref_ptr(k_smem)
     for p, load in enumerate(passes):
         loads = load()
@@ -978,7 +978,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         # warpgroups, warpgroup 0 arriving, the decoders waiting: warpgroup 1 waits after its own p . v); with
         # free_split warpgroup 1 waits at SLOT_FREE_1 for warpgroup 0 alone and arrives at SLOT_FREE, where warpgroup
         # 2 waits for both.
-        free = {1: (SLOT_FREE_1, 256), 2: (SLOT_FREE, 384)} if free_split else {1: (SLOT_FREE, 384), 2: (SLOT_FREE, 384)}
+        free = {1: (SLOT_FREE_1, 256) if free_split else (SLOT_FREE, 384), 2: (SLOT_FREE, 384)}
 
         # warpgroups 1 and 2: their rows of tile i into `slot` (an entry tile from raw, its rows as `load` gave
         # them), once the slot's readers are done with it if `after`
