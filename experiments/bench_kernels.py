@@ -377,11 +377,10 @@ def bench_attention(rec_rows: Rows, key, args):
     q, window, wvalid, entries, idx, sink = attention_data(key, b, ctx)
     scale = D_ATT ** -0.5
     moved = attention_bytes(q, window, wvalid, entries, idx)
-    if args.att_variant == "dispatch":  # it picks the kernel and its ranges by the batch: --splits is not used
-        splits = "the dispatch's"
-    else:
-        splits = args.splits or (gpu_attention_wgmma.default_splits(b, (WINDOW + TOPK) // gpu_attention_wgmma.T)
-                                 if args.att_variant == "wgmma" else gpu_attention.default_splits(b))
+    splits = args.splits or (gpu_attention_wgmma.default_splits(b, (WINDOW + TOPK) // gpu_attention_wgmma.T)
+                             if args.att_variant == "wgmma" else gpu_attention.default_splits(b))
+    # the dispatch picks its kernel and ranges by the batch: --splits is not used
+    impl = "pallas dispatch" if args.att_variant == "dispatch" else f"pallas {args.att_variant} (splits={splits})"
 
     def attn(q, wv, ws, ok, ev, es, idx, sink):
         if args.att_variant == "dispatch":
@@ -402,7 +401,7 @@ def bench_attention(rec_rows: Rows, key, args):
     err = float(jnp.linalg.norm(attn(*a_args) - ref) / jnp.linalg.norm(ref))
     del ref
     t_att, info = time_hbm(attn, a_args, perturb=7)
-    rec_rows.add("attention", f"pallas {args.att_variant} (splits={splits})", t_att, moved, rel_err=err, **info)
+    rec_rows.add("attention", impl, t_att, moved, rel_err=err, **info)
     t_ref = time_hbm(attn_ref, a_args, perturb=7)[0]
     rec_rows.add("attention", "xla-ref", t_ref, moved, speedup=t_ref / t_att)
     del a_args, q, window, entries

@@ -115,13 +115,13 @@ PERM8 = tuple(c for pair in WORD_PAIRS for c in pair)  # column 8u + p holds cha
 WINDOW_GROUP, ENTRY_GROUP = gpu_attention.WINDOW_SCALE_BLOCK, gpu_attention.ENTRY_SCALE_BLOCK
 _TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 [64, 256]
 _SPLAT = plgpu.Layout.WG_SPLAT(shape=())
-# Named barrier ids (ids 1, 2 are the warpgroups' own, Mosaic GPU's): warpgroups 0 and 1 meet at _CTA_BARRIER (the
-# partials' store); the others pass a tile between the roles, one side arriving, the other waiting (the kernel
-# body's hand-offs).
+# Named barrier ids (0 is the CTA's, 1-3 the three warpgroups' own, Mosaic GPU's): warpgroups 0 and 1 meet at
+# _CTA_BARRIER (the partials' store); the others pass a tile between the roles, one side arriving, the other
+# waiting (the kernel body's hand-offs). SLOT_FREE_1: `free_split`'s hand-back of a slot to warpgroup 1 alone.
 _CTA_BARRIER = 8
 KEYS_READY, P_READY, P_FREE, STATS_READY, SLOT_FREE = 9, 11, 12, 13, 14  # KEYS_READY, SLOT_FREE: + slot
-# `free_split`'s hand-back of a slot to warpgroup 1 alone (+ slot; ids 1-3 are Mosaic GPU's warpgroup barriers)
-SLOT_FREE_1 = 4
+SLOT_FREE_1 = 4  # + slot
+_FREE_ALL = (SLOT_FREE, 384)  # a slot's hand-back to both decoders (barrier, threads): the default's
 
 # E4M3 scale pair (one b16) -> two bf16x2, each both halves E4M3 x 2**116 (exact: 4 significant bits, and
 # 2**116 keeps E4M3's range inside bf16's); the f32 route handles E4M3 subnormals with no special case.
@@ -222,7 +222,7 @@ def _prefetch_l2(ptr, off64, lines: int):
             ptr, [arith.addi(off64, _i64(i32_const(128 * j)))], ir.IntegerType.get_signless(8)), has_side_effects=True)
 
 
-def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk, free=(SLOT_FREE, 384)):
+def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk, free=_FREE_ALL):
     """The common part of the decodes (warpgroups 1 and 2, each its rows): per pass, passes[p]() loads chunks
     [(chunk index, words, scale)]; after the first pass's loads are issued, the slot's last readers are waited for
     (wait != 0: named barrier free[0] + slot of free[1] threads); each chunk goes through decode_chunk(chunk
@@ -311,7 +311,7 @@ def _load_entries(n_rows: int):
 
 
 @functools.cache
-def _decode_entries(free=(SLOT_FREE, 384)):
+def _decode_entries(free=_FREE_ALL):
     """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, `_RAW` of an entry tile (`_load_entries`),
     slot, wait) -> keys[slot] rows = the entries x 2**-KEY_SHIFT in PERM8 order, their validity (id >= 0) in
     masks[slot], as `_write_tile` (wait: whether the slot's readers must be waited for, at `free`)."""
@@ -345,7 +345,7 @@ def _entry_chunk(i, words, sc):
 
 
 @functools.cache
-def _decode_window(free=(SLOT_FREE, 384)):
+def _decode_window(free=_FREE_ALL):
     """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0
     scales u8 [B, W, 16], validity bool [B, W] (its bytes read as they are: no conversion kernel before the call), b,
     slot, wait, first row w0) -> keys[slot] rows r = window row w0 + r x 2**-KEY_SHIFT in PERM8 order, their
@@ -978,7 +978,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         # warpgroups, warpgroup 0 arriving, the decoders waiting: warpgroup 1 waits after its own p . v); with
         # free_split warpgroup 1 waits at SLOT_FREE_1 for warpgroup 0 alone and arrives at SLOT_FREE, where warpgroup
         # 2 waits for both.
-        free = {1: (SLOT_FREE_1, 256) if free_split else (SLOT_FREE, 384), 2: (SLOT_FREE, 384)}
+        free = {1: (SLOT_FREE_1, 256) if free_split else _FREE_ALL, 2: _FREE_ALL}
 
         # warpgroups 1 and 2: their rows of tile i into `slot` (an entry tile from raw, its rows as `load` gave
         # them), once the slot's readers are done with it if `after`

@@ -71,12 +71,19 @@ def test_entry_values_are_exact_bf16_products():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
+def _abstract_args(q_dtype, b=2, w=128, n=300, k=512):
+    """The kernel's arguments as shapes (q [b, 64, 512] of q_dtype, a window of w, n entries, k selected), to lower
+    it for CUDA on a CPU."""
+    s = jax.ShapeDtypeStruct
+    return (s((b, att.H, att.D), q_dtype), s((b, w, att.D), jnp.uint8), s((b, w, att.D // 32), jnp.uint8),
+            s((b, w), jnp.bool_), s((b, n, att.D // 2), jnp.uint8), s((b, n, att.D // 16), jnp.uint8),
+            s((b, k), jnp.int32), s((att.H,), jnp.float32))
+
+
 def test_lowers_for_cuda():
     s = jax.ShapeDtypeStruct
     b, w, n, k = 2, 128, 300, 512
-    args = (s((b, att.H, att.D), jnp.float32), s((b, w, att.D), jnp.uint8), s((b, w, att.D // 32), jnp.uint8),
-            s((b, w), jnp.bool_), s((b, n, att.D // 2), jnp.uint8), s((b, n, att.D // 16), jnp.uint8),
-            s((b, k), jnp.int32), s((att.H,), jnp.float32))
+    args = _abstract_args(jnp.float32, b, w, n, k)
     f = jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, splits=3))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "sparse_attention_wgmma" in text
@@ -109,11 +116,7 @@ def test_lowers_for_cuda():
 def test_free_split_lowers_for_cuda():
     """The issue-21 candidate `free_split` (a key slot handed back to each decoder by its own readers) lowers for
     CUDA, merged and as partials, with a timeline, to other code than the default's."""
-    s = jax.ShapeDtypeStruct
-    b, w, n, k = 2, 128, 300, 512
-    args = (s((b, att.H, att.D), jnp.bfloat16), s((b, w, att.D), jnp.uint8), s((b, w, att.D // 32), jnp.uint8),
-            s((b, w), jnp.bool_), s((b, n, att.D // 2), jnp.uint8), s((b, n, att.D // 16), jnp.uint8),
-            s((b, k), jnp.int32), s((att.H,), jnp.float32))
+    args = _abstract_args(jnp.bfloat16)
     for kw in ({"splits": 2}, {"splits": 3}, {"splits": 2, "timeline": True}):
         lower = lambda **more: jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, **kw, **more)).trace(  # noqa: E731
             *args).lower(lowering_platforms=("cuda",)).as_text()

@@ -75,7 +75,8 @@ def test_the_dispatch_variant_times_what_the_model_runs(monkeypatch, tmp_path):
     monkeypatch.setattr(bk, "KW", {})  # --smoke sets these module globals: restored after the test
     monkeypatch.setattr(bk, "FLUSH", bk.FLUSH)
     real, calls = kernels_pallas.sparse_attention_decode, []
-    monkeypatch.setattr(kernels_pallas, "sparse_attention_decode", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(kernels_pallas, "sparse_attention_decode",
+                        lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     out = tmp_path / "rows.json"
     bk.main(["--smoke", "--contexts", "8192", "--batches", "1", "--only", "attention", "--att-variant", "dispatch",
              "--dense-limit-gb", "0", "--out", str(out)])
