@@ -261,3 +261,41 @@ def test_fresh_group_checks_the_fresh_product_against_plgpu_wgmma(monkeypatch):
                                     for form in ("plgpu.wgmma", "fresh_product")]
     assert seen == [False, False, True, True] * 2  # each form called twice: its error, then timed
     assert [r[5] for r in rows] == ["twin 0.0e+00, -inf same", "twin 0.0e+00, -inf same; bit-equal to plgpu.wgmma"] * 2
+
+
+def test_batch1_group_times_the_model_call_with_each_min_batch(monkeypatch):
+    """`issue21_timeline batch1` on a CPU with both attention kernels stubbed by the jnp twin (and the dispatch told
+    it runs compiled on a Hopper): each MIN_BATCH asked for takes its kernel in the timed program (2: Triton, 1:
+    wgmma), both the model's form (rope taken off, bf16 out) within bf16's rounding of the twin, and the module's
+    MIN_BATCH is given back after."""
+    import jax.numpy as jnp
+
+    import kernels_pallas
+    from dsv41_jax import ops, quant
+    from experiments import bench_kernels as bk
+    from experiments.device_runs import issue21_timeline as tl
+    from kernels_pallas import gpu_attention, gpu_attention_wgmma as att
+
+    seen, data = [], bk.attention_data
+
+    def twin(kind):
+        def kernel(q, wv, ws, ok, ev, es, idx, sink, scale, *, unrotate, out_dtype, **_):
+            seen.append(kind)
+            o = ops.sparse_attention_decode(q.astype(jnp.float32), {"values": wv, "scales": ws}, ok, quant.WINDOW_KV,
+                                            {"values": ev, "scales": es}, idx, quant.MAIN_KV, sink, scale)
+            return gpu_attention.finish(o, unrotate, out_dtype)
+        return kernel
+
+    monkeypatch.setattr(kernels_pallas, "platform", lambda family=None: ("gpu", False))
+    monkeypatch.setattr(att, "supported", lambda *a: True)
+    monkeypatch.setattr(att, "sparse_attention_wgmma", twin("wgmma"))
+    monkeypatch.setattr(gpu_attention, "sparse_attention", twin("triton"))
+    monkeypatch.setattr(bk, "attention_data", lambda key, b, n: data(key, b, 1024))
+    monkeypatch.setattr(bk, "hbm_copy_bandwidth", lambda gb: 1e12)
+    monkeypatch.setattr(bk, "time_hbm", lambda fn, args, perturb: (fn(*args), (1e-6, {"pallas_us": 1.0}))[1])
+    rows, before = [], att.MIN_BATCH
+    tl.batch1_group(lambda *a: None, rows)
+    assert seen == [k for k in ("triton", "wgmma", "triton", "wgmma") for _ in range(2)]  # its error, then timed
+    assert [r[1] for r in rows] == [f"128K x 1, the model's call, MIN_BATCH {m}" for m in (2, 1, 2, 1)]
+    assert all(0 < float(r[5]) < 1e-2 for r in rows), rows
+    assert att.MIN_BATCH == before

@@ -55,6 +55,8 @@ Groups (default: tests scan attention):
 - free (fifty-seventh session; batch 8 dropped in the fifty-eighth, to fit its device time): the attention at batch
   64 as the default and with `free_split` (a key slot handed back to warpgroup 1 by warpgroup 0 alone, to warpgroup
   2 by both), each with its timeline, outputs checked bit for bit, the default again last;
+- batch1 (fifty-eighth session): the model's attention call at batch 1 with the dispatch's MIN_BATCH 2 (Triton) and
+  1 (wgmma) in turn, twice, in one process (does the wgmma kernel take batch 1 too?);
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -259,6 +261,46 @@ def attention_forms_group(say, rows, forms: dict, batches=(64, 8), timelines: bo
     for label, options in forms.items():
         outs = attention_group(say, rows, **common, label=f", {label}", options=options)
         say(f"{label}: bit-equal to the default:", [bool(np.array_equal(a, b)) for a, b in zip(base, outs)])
+
+
+def batch1_group(say, rows, min_batches=(2, 1, 2, 1)) -> None:
+    """The model's attention call at batch 1, 128K entries (`kernels_pallas.sparse_attention_decode` as
+    `dsv41_jax.kernels` calls it: bf16 q, the rope taken off its output, bf16 out) with the dispatch's MIN_BATCH
+    set to each of `min_batches` in turn (2: the Triton kernel, 20 ranges of 16 heads; 1: the wgmma kernel, 10
+    ranges, the partials merged by `combine_unrotated`), timed from HBM in one process, each with its error against
+    the jnp twin (f32 q, `gpu_attention.unrotated`)."""
+    import jax
+    import jax.numpy as jnp
+
+    import kernels_pallas
+    from dsv41_jax import ops, quant
+    from experiments import bench_kernels as bk
+    from kernels_pallas import gpu_attention, gpu_attention_wgmma as att
+
+    peak = bk.hbm_copy_bandwidth(1.0)
+    say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
+    scale = bk.D_ATT ** -0.5
+    q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(1), 1, 1 << 17)
+    angle_bp = jax.random.uniform(jax.random.key(2), (1, bk.D_ATT // 2), maxval=6.3)
+    cos, sin = jnp.cos(angle_bp), jnp.sin(angle_bp)
+    args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink, cos, sin)
+    moved = bk.attention_bytes(q, window, wvalid, entries, idx, jnp.bfloat16) + bk.nbytes(cos, sin)
+    ref = gpu_attention.unrotated(ops.sparse_attention_decode(
+        q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, scale), cos, sin)
+
+    def call(q, wv, ws, ok, ev, es, idx, sink, cos, sin):
+        return kernels_pallas.sparse_attention_decode(q, {"values": wv, "scales": ws}, ok, {"values": ev, "scales": es},
+                                                      idx, sink, scale, unrotate=(cos, sin), out_dtype=jnp.bfloat16)
+
+    default = att.MIN_BATCH
+    try:
+        for min_batch in min_batches:
+            att.MIN_BATCH = min_batch  # read by the dispatch when it is traced: each timed program traces anew
+            err = float(jnp.linalg.norm(call(*args).astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+            timed_row(say, rows, "attention", f"128K x 1, the model's call, MIN_BATCH {min_batch}", call, args, 7,
+                      moved, peak, f"{err:.1e}")
+    finally:
+        att.MIN_BATCH = default
 
 
 def sweep_group(say, rows) -> None:
@@ -581,7 +623,7 @@ def early_group(say, rows) -> None:
 def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
                                "sm90": sm90_group, "early": early_group, "blockmax": blockmax_group, "fresh": fresh_group,
-                               "words_configs": words_configs_group,
+                               "words_configs": words_configs_group, "batch1": batch1_group,
                                "free": lambda say, rows: attention_forms_group(
                                    say, rows, {"free split": {"free_split": True}, "default again": {}}, batches=(64,)),
                                "decode_bound": lambda say, rows: scan_group(
