@@ -265,8 +265,8 @@ def test_fresh_group_checks_the_fresh_product_against_plgpu_wgmma(monkeypatch):
 
 def test_batch1_group_times_the_model_call_with_each_min_batch(monkeypatch):
     """`issue21_timeline batch1` on a CPU with both attention kernels stubbed by the jnp twin (and the dispatch told
-    it runs compiled on a Hopper): each MIN_BATCH asked for takes its kernel in the timed program (2: Triton, 1:
-    wgmma), both the model's form (rope taken off, bf16 out) within bf16's rounding of the twin, and the module's
+    it runs compiled on a Hopper): each MIN_BATCH asked for takes its kernel (2: Triton, 1: wgmma), each row's
+    error (the model's form: rope taken off, bf16 out) within bf16's rounding of the twin, and the module's
     MIN_BATCH is given back after."""
     import jax.numpy as jnp
 
