@@ -70,7 +70,6 @@ def test_entry_values_are_exact_bf16_products():
     assert np.abs(prod[prod != 0]).min() >= 2.0 ** -126  # normal: no subnormal rounding anywhere
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
 def _abstract_args(q_dtype, b=2, w=128, n=300, k=512):
     """The kernel's arguments as shapes (q [b, 64, 512] of q_dtype, a window of w, n entries, k selected), to lower
     it for CUDA on a CPU."""
@@ -80,6 +79,7 @@ def _abstract_args(q_dtype, b=2, w=128, n=300, k=512):
             s((b, k), jnp.int32), s((att.H,), jnp.float32))
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
 def test_lowers_for_cuda():
     s = jax.ShapeDtypeStruct
     b, w, n, k = 2, 128, 300, 512
