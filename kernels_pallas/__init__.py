@@ -111,10 +111,11 @@ def sparse_attention_decode(q_bhd, window_rec, window_valid_bw, entry_rec, idx_b
     if not interpret and q_bhd.shape[0] >= gpu_attention_wgmma.MIN_BATCH and gpu_attention_wgmma.supported(
             q_bhd, window_rec["values"], entry_rec["values"]):
         return gpu_attention_wgmma.sparse_attention_wgmma(*args, **out)
-    # Tiles measured on the H200 at 128K (docs/BENCHMARKS.md, issue 21): a few sequences are latency-bound,
-    # so heads go in blocks of 16 with 32-key tiles and 4 warps, and enough key ranges to give ~132 SMs
-    # one program each (batch 1: 20.8 us against 35.1 us for the batch-64 tiles); many sequences fill the
-    # GPU by themselves and keep all heads in one program (64-key tiles, 8 warps; 87.5 us at batch 64).
+    # Other GPUs and head shapes: the Triton kernel. Tiles measured on the H200 at 128K (docs/BENCHMARKS.md, issue
+    # 21): a few sequences are latency-bound, so heads go in blocks of 16 with 32-key tiles and 4 warps, and enough
+    # key ranges to give ~132 SMs one program each (batch 1: 20.8 us against 35.1 us for the batch-64 tiles); many
+    # sequences fill the GPU by themselves and keep all heads in one program (64-key tiles, 8 warps; 87.5 us at
+    # batch 64).
     # Only batches 1 and 64 were measured: the cut at 8 is a guess between them.
     b, w = q_bhd.shape[0], window_rec["values"].shape[1]
     few = b <= 8

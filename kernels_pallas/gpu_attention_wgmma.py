@@ -810,9 +810,11 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
 # The dispatch (`kernels_pallas.sparse_attention_decode`) takes this kernel from MIN_BATCH sequences on. H200,
 # 128K entries, from HBM, against the dispatch's Triton tiles (docs/BENCHMARKS.md, twenty-third session): batch 64
 # 47.3 / 85.1 us, 32: 31.3 / 62.0, 16: 25.7 / 39.1, 8: 20.4 / 34.4, 4: 18.5 / 25.8, 2: 17.5 / 22.7; at batch 1 a
-# tie (18.0 / 17.8), where the Triton kernel stays: its float16 operands are 40x more exact. Merged in clusters
-# (twenty-fourth session): batch 64 44.3 / 84.6, 16 (5 ranges) 26.3 / 38.9; batch 32 not re-timed.
-MIN_BATCH = 2
+# tie then (18.0 / 17.8). Merged in clusters (twenty-fourth session): batch 64 44.3 / 84.6, 16 (5 ranges) 26.3 / 38.9.
+# Batch 1 since (fifty-ninth session, H100, the model's call with bf16 q and out, MIN_BATCH 2 and 1 twice in one
+# run, `issue21_timeline batch1`): 21.1-21.2 us with the Triton kernel, 11.8 with this one and its combine, the
+# same error against the twin (1.7e-3: the bf16 output's rounding, not the Triton kernel's float16 operands).
+MIN_BATCH = 1
 
 
 def supported(q_bhd: jax.Array, window_values: jax.Array, entry_values: jax.Array) -> bool:

@@ -28,7 +28,7 @@ FEW = {"hyper_input", "hyper_coefficients", "route", "rms_norms"}  # decode rows
 MOSAIC = {"rows_matmuls_fp4_wgmma", "fp8_matmuls_wgmma", "indexer_scores_wgmma", "sparse_attention_wgmma"}  # the rest Triton
 HOPPER_SCAN = SCAN - {"indexer_scores"} | {"indexer_scores_wgmma"}  # an H100/H200: the full scans on wgmma
 WEIGHTS = MOSAIC - {"indexer_scores_wgmma", "sparse_attention_wgmma"}  # the weight kernels on wgmma
-MANY = HOPPER_SCAN - {"sparse_attention"} | {"sparse_attention_wgmma"}  # ... and from 2 sequences the attention
+HOPPER = HOPPER_SCAN - {"sparse_attention"} | {"sparse_attention_wgmma"}  # ... and the attention at every batch
 KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_matmuls_fp4", "rows_matmuls_float"}
 
 
@@ -36,11 +36,11 @@ KERNELS = SCAN | FEW | MOSAIC | {"fp8_matmuls", "rows_matmuls_fp4", "grouped_mat
 @pytest.mark.parametrize("preset,batch,hopper,want", [
     ("v41-slice", 1, False, SCAN | FEW | {"fp8_matmuls", "rows_matmuls_fp4"}),  # one token: its experts as rows
     ("v41-slice", 8, False, SCAN | FEW | {"fp8_matmuls", "grouped_matmuls_fp4"}),
-    ("v41-slice", 1, True, HOPPER_SCAN | FEW | WEIGHTS),  # an H100/H200: the wgmma experts and every FP8 projection
-    ("v41-slice", 8, True, MANY | FEW | WEIGHTS),  # ... for a few tokens' rows too, and the wgmma attention
+    ("v41-slice", 1, True, HOPPER | FEW | WEIGHTS),  # an H100/H200: the wgmma experts, every FP8 projection, attention
+    ("v41-slice", 8, True, HOPPER | FEW | WEIGHTS),  # ... for a few tokens' rows too
     ("v41-slice", 64, False, SCAN | {"fp8_matmuls", "grouped_matmuls_fp4"}),
     # past EXPERT_ROWS_TOKENS; the attention's 2 key ranges merged in its kernel (no combine after it)
-    ("v41-slice", 64, True, MANY - {"combine_unrotated"} | {"fp8_matmuls", "grouped_matmuls_fp4"}),
+    ("v41-slice", 64, True, HOPPER - {"combine_unrotated"} | {"fp8_matmuls", "grouped_matmuls_fp4"}),
     ("small", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float weights: only the row form has a kernel
     ("tiny", 1, False, SCAN | FEW | {"rows_matmuls_float"}),  # float32: its kernels traced under HIGHEST lower too
 ])
