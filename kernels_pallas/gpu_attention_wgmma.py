@@ -41,7 +41,9 @@ us (warpgroup 1's decode a tile unchanged at ~1.6 us with less work, its p . v w
 share), and the 2-range merge with one cluster barrier split around the kernel (`async_merge`, the peer's raw
 rows sent into the owner's q by st.async) 24.45; neither kept; the decoders' entry rows loaded 2 or 3
 tiles ahead (`rows_ahead`, 6ff9d25) 24.19-24.29 -> 24.75-27.67 us, warpgroup 2's decode a tile unchanged (~2.4 us):
-the three warpgroups pace each other at every slot's hand-back, not at the rows' arrival.
+the three warpgroups pace each other at every slot's hand-back, not at the rows' arrival. Fifty-ninth (H100, one
+run, bit-equal, at ffc2743): a slot handed back to warpgroup 1 by warpgroup 0 alone, to warpgroup 2 by both
+(`free_split`), 24.07 -> 24.08 us; not kept.
 
 Per CTA (grid: sequence x key range, `splits`; one cluster a sequence up to MAX_SPLITS): range s takes the
 sequence's 64-key tiles s, s + S, ... (window tiles first: with 2 ranges each starts with one, decoded while q
@@ -117,11 +119,9 @@ _TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # b
 _SPLAT = plgpu.Layout.WG_SPLAT(shape=())
 # Named barrier ids (0 is the CTA's, 1-3 the three warpgroups' own, Mosaic GPU's): warpgroups 0 and 1 meet at
 # _CTA_BARRIER (the partials' store); the others pass a tile between the roles, one side arriving, the other
-# waiting (the kernel body's hand-offs). SLOT_FREE_1: `free_split`'s hand-back of a slot to warpgroup 1 alone.
+# waiting (the kernel body's hand-offs).
 _CTA_BARRIER = 8
 KEYS_READY, P_READY, P_FREE, STATS_READY, SLOT_FREE = 9, 11, 12, 13, 14  # KEYS_READY, SLOT_FREE: + slot
-SLOT_FREE_1 = 4  # + slot
-_FREE_ALL = (SLOT_FREE, 384)  # a slot's hand-back to both decoders (barrier, threads): the default's
 
 # E4M3 scale pair (one b16) -> two bf16x2, each both halves E4M3 x 2**116 (exact: 4 significant bits, and
 # 2**116 keeps E4M3's range inside bf16's); the f32 route handles E4M3 subnormals with no special case.
@@ -222,19 +222,19 @@ def _prefetch_l2(ptr, off64, lines: int):
             ptr, [arith.addi(off64, _i64(i32_const(128 * j)))], ir.IntegerType.get_signless(8)), has_side_effects=True)
 
 
-def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk, free=_FREE_ALL):
+def _write_tile(k_smem, masks, slot, wait, row, q, valid, passes, decode_chunk):
     """The common part of the decodes (warpgroups 1 and 2, each its rows): per pass, passes[p]() loads chunks
-    [(chunk index, words, scale)]; after the first pass's loads are issued, the slot's last readers are waited for
-    (wait != 0: named barrier free[0] + slot of free[1] threads); each chunk goes through decode_chunk(chunk
-    index, words, scale) -> [(channel half, column, four bf16x2)] into the slot's swizzled tile; the rows' validity
-    is published, and after a fence that makes the writes visible to the tensor cores (wgmma), the warpgroup
-    arrives at `KEYS_READY` + slot."""
+    [(chunk index, words, scale)]; after the first pass's loads are issued, the slot's last reader of warpgroup 0
+    is waited for (wait != 0: `SLOT_FREE` + slot); each chunk goes through decode_chunk(chunk index, words, scale)
+    -> [(channel half, column, four bf16x2)] into the slot's swizzled tile; the rows' validity is published, and
+    after a fence that makes the writes visible to the tensor cores (wgmma), the warpgroup arrives at
+    `KEYS_READY` + slot."""
     k_ptr = mgpu_utils.memref_ptr(k_smem)
     for p, load in enumerate(passes):
         loads = load()
         if p == 0:
             with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ne, wait, i32_const(0))):
-                _named_barrier("sync", arith.addi(slot, i32_const(free[0])), free[1])
+                _named_barrier("sync", arith.addi(slot, i32_const(SLOT_FREE)), 384)
         for i, words, scale in loads:
             for half, col, outs in decode_chunk(i, words, scale):
                 _store16(k_ptr, _smem_offset(slot, half, row, col), outs)
@@ -311,10 +311,10 @@ def _load_entries(n_rows: int):
 
 
 @functools.cache
-def _decode_entries(free=_FREE_ALL):
+def _decode_entries():
     """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, `_RAW` of an entry tile (`_load_entries`),
     slot, wait) -> keys[slot] rows = the entries x 2**-KEY_SHIFT in PERM8 order, their validity (id >= 0) in
-    masks[slot], as `_write_tile` (wait: whether the slot's readers must be waited for, at `free`)."""
+    masks[slot], as `_write_tile` (wait: whether warpgroup 0 still reads the slot)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_TRANSFORMS), plgpu.RefType(), *(r.layout for r in _RAW), _SPLAT,
                                   _SPLAT))
@@ -327,7 +327,7 @@ def _decode_entries(free=_FREE_ALL):
                            i32_const(0))
         chunks = [(arith.addi(q, i32_const(4 * k)), words.registers[k],
                    llvm.extractelement(scales.registers[0], arith.constant(i32, k))) for k in range(4)]
-        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: chunks], _entry_chunk, free)
+        _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: chunks], _entry_chunk)
 
     return decode
 
@@ -345,7 +345,7 @@ def _entry_chunk(i, words, sc):
 
 
 @functools.cache
-def _decode_window(free=_FREE_ALL):
+def _decode_window():
     """inline_mgpu (warpgroups 1 and 2): (keys smem, validity masks smem, window values gmem u8 [B, W, 512], E8M0
     scales u8 [B, W, 16], validity bool [B, W] (its bytes read as they are: no conversion kernel before the call), b,
     slot, wait, first row w0) -> keys[slot] rows r = window row w0 + r x 2**-KEY_SHIFT in PERM8 order, their
@@ -383,7 +383,7 @@ def _decode_window(free=_FREE_ALL):
                 yield arith.divui(i, i32_const(16)), col, outs
 
         _write_tile(k_smem, masks, slot, wait, row, q, valid, [lambda: loads(range(4)), lambda: loads(range(4, 8))],
-                    chunk, free)
+                    chunk)
 
     return decode
 
@@ -882,12 +882,10 @@ def timeline_names(tiles: int) -> list[str]:
     return [name for names in timeline_groups(tiles).values() for name in names]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline",
-                                             "free_split"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "merged", "skip", "out_dtype", "timeline"))
 def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, entry_values, entry_scales, idx_bk,
                            sink_h, scale: float, *, splits: int | None = None, merged: bool | None = None,
-                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False,
-                           free_split: bool = False):
+                           skip: tuple[str, ...] = (), unrotate=None, out_dtype=jnp.float32, timeline: bool = False):
     """f32 [B, 64, 512] (`gpu_attention.sparse_attention`'s contract). Window records u8 [B, W, 512] + E8M0
     u8 [B, W, 16] with W % 64 == 0 and validity [B, W]; entries u8 [B, N, 256] + E4M3 u8 [B, N, 32] gathered
     by idx_bk int32 [B, K] (-1: none); sink_h [64]; scale: the logit scale. splits: key ranges per sequence
@@ -897,10 +895,7 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
     of ABLATIONS left out, for benchmarks that time the rest (the output is then wrong, but for the prefetch).
     unrotate, out_dtype: as `gpu_attention.sparse_attention`'s (partials merged and turned by
     `gpu_attention.combine_unrotated`). timeline: also return each CTA's `timeline_names(tiles per range)` points
-    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range). free_split (a candidate of issue 21,
-    the fifty-seventh session): a key slot handed back to warpgroup 1 by warpgroup 0 alone (`SLOT_FREE_1`), and to
-    warpgroup 2 by warpgroups 0 and 1 arriving (`SLOT_FREE`), so that warpgroup 1 no longer waits there for
-    warpgroup 2."""
+    (`gpu_timeline`: u32 [B * splits, points + 1], CTA b * splits + range)."""
     if set(skip) - set(ABLATIONS):
         raise ValueError(f"skip takes parts of {ABLATIONS}, got {skip}")
     b, h, d = q_bhd.shape
@@ -976,29 +971,23 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
         stamp(1)
         stamp(1, 1)
 
-        # A slot's last readers (its p . v) hand it back to its decoders: by default at SLOT_FREE (all three
-        # warpgroups, warpgroup 0 arriving, the decoders waiting: warpgroup 1 waits after its own p . v); with
-        # free_split warpgroup 1 waits at SLOT_FREE_1 for warpgroup 0 alone and arrives at SLOT_FREE, where warpgroup
-        # 2 waits for both.
-        free = {1: (SLOT_FREE_1, 256) if free_split else _FREE_ALL, 2: _FREE_ALL}
-
         # warpgroups 1 and 2: their rows of tile i into `slot` (an entry tile from raw, its rows as `load` gave
-        # them), once the slot's readers are done with it if `after`
+        # them), once warpgroup 0 is done with the slot if `after`
         def decode(i, slot, after, raw, group):
             t, after = tile_of(i), jnp.asarray(after, jnp.int32)
             if "decode" in skip or f"decode{group}" in skip:
-                pl.when(after != 0)(lambda: _barrier(True, free[group][1])(free[group][0] + slot))
+                pl.when(after != 0)(lambda: wait3(SLOT_FREE + slot))
                 plgpu.commit_smem()  # q
                 arrive3(KEYS_READY + slot)
                 return
 
             @pl.when(t < n_wt)
             def _():
-                _decode_window(free[group])(k_smem, masks, wv, ws, wok, seq, slot, after, t * T)
+                _decode_window()(k_smem, masks, wv, ws, wok, seq, slot, after, t * T)
 
             @pl.when(t >= n_wt)
             def _():
-                _decode_entries(free[group])(k_smem, masks, *raw, slot, after)
+                _decode_entries()(k_smem, masks, *raw, slot, after)
 
         # warpgroups 1 and 2: their rows of entry tile i; past the last tile that one's again (in L2, unused), and
         # for a window tile entry tile 0's (unused)
@@ -1071,8 +1060,6 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 stamp(3 + 2 * i)
                 acc = pv(acc, p, slot, 0)
                 pl.when(i + 2 < count)(lambda: arrive3(SLOT_FREE + slot))  # tile i + 2 may take the slot
-                if free_split:
-                    pl.when(i + 2 < count)(lambda: arrive(SLOT_FREE_1 + slot))
                 pl.when(i + 1 < count)(lambda: wait3(KEYS_READY + 1 - slot))
                 stamp(4 + 2 * i)
                 return acc, m_new, l
@@ -1101,8 +1088,6 @@ def sparse_attention_wgmma(q_bhd, window_values, window_scales, window_valid, en
                 acc = acc * lax.broadcast_in_dim(plgpu.load(rows_smem.at[0], layout=row_layout), acc.shape, [0])
                 acc = pv(acc, p_smem, slot, 1)
                 pl.when(i + 1 < count)(lambda: arrive(P_FREE))
-                if free_split:  # warpgroup 2 may write tile i + 2 over these keys
-                    pl.when(i + 2 < count)(lambda: arrive3(SLOT_FREE + slot))
                 stamp(5 + 3 * i, 1)
                 return acc, raw
 

@@ -112,18 +112,6 @@ def test_lowers_for_cuda():
             *args[:6], s((b, long_k), jnp.int32), args[7])
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU compiles it for real")
-def test_free_split_lowers_for_cuda():
-    """The issue-21 candidate `free_split` (a key slot handed back to each decoder by its own readers) lowers for
-    CUDA, merged and as partials, with a timeline, to other code than the default's."""
-    args = _abstract_args(jnp.bfloat16)
-    for kw in ({"splits": 2}, {"splits": 3}, {"splits": 2, "timeline": True}):
-        lower = lambda **more: jax.jit(lambda *a: att.sparse_attention_wgmma(*a, scale=0.05, **kw, **more)).trace(  # noqa: E731
-            *args).lower(lowering_platforms=("cuda",)).as_text()
-        split = lower(free_split=True)
-        assert "sparse_attention_wgmma" in split and split != lower()
-
-
 def test_warpgroup_registers_fit_what_the_launch_holds():
     """setmaxnreg counts (multiples of 8 in [24, 256]) whose sum is past the launch's 168 a thread over the three
     warpgroups make an increase wait forever: the call hangs on the GPU (232 / 208 / 72 did)."""
@@ -177,19 +165,6 @@ def test_the_prefetch_changes_no_output(b, w, n, k, splits, merged):
                                                   entries["scales"], idx, sink, att.D ** -0.5, splits=splits,
                                                   merged=merged, **kw)
     np.testing.assert_array_equal(run(skip=("prefetch",)), run())
-
-
-@pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")
-@pytest.mark.parametrize("b,w,n,k,splits,merged", [(3, 128, 300, 512, 1, None), (5, 64, 2000, 300, 4, True),
-                                                    (3, 64, 2000, 300, 9, None), (3, 128, 3000, 512, 2, None)])
-def test_free_split_changes_no_output(b, w, n, k, splits, merged):
-    """Key slots handed back to each decoder by its own readers (`free_split`) change no output, bit for bit: one
-    range, 4 merged, more ranges than tiles and batch 64's 2 (the decoders' and the roles' hand-offs all taken)."""
-    q, window, valid, entries, idx, sink = _attention_case(splits + 19, b, att.H, att.D, w, n, k)
-    run = lambda **kw: att.sparse_attention_wgmma(q, window["values"], window["scales"], valid, entries["values"],  # noqa: E731
-                                                  entries["scales"], idx, sink, att.D ** -0.5, splits=splits,
-                                                  merged=merged, **kw)
-    np.testing.assert_array_equal(run(free_split=True), run())
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the wgmma kernel runs on an H100/H200")

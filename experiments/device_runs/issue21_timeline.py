@@ -52,11 +52,11 @@ Groups (default: tests scan attention):
   channels) and `async_merge` (one cluster barrier), each with its timeline, outputs checked bit for bit;
 - ahead (fifty-seventh session; run at 6ff9d25, then removed with its form): the attention at batch 64 as the
   default and with `rows_ahead` (the decoders' entry rows loaded 2 or 3 tiles ahead) and other `registers`;
-- free (fifty-seventh session; batch 8 dropped in the fifty-eighth, to fit its device time): the attention at batch
-  64 as the default and with `free_split` (a key slot handed back to warpgroup 1 by warpgroup 0 alone, to warpgroup
-  2 by both), each with its timeline, outputs checked bit for bit, the default again last;
-- batch1 (fifty-eighth session): the model's attention call at batch 1 with the dispatch's MIN_BATCH 2 (Triton) and
-  1 (wgmma) in turn, twice, in one process (does the wgmma kernel take batch 1 too?);
+- free (fifty-seventh session; run in the fifty-ninth at 484cb3d, then removed with its form): the attention at
+  batch 64 as the default and with `free_split` (a key slot handed back to warpgroup 1 by warpgroup 0 alone, to
+  warpgroup 2 by both), each with its timeline, outputs checked bit for bit, the default again last;
+- batch1 (fifty-eighth session; run in the fifty-ninth: MIN_BATCH 1 taken): the model's attention call at batch 1
+  with the dispatch's MIN_BATCH 2 (Triton) and 1 (wgmma) in turn, twice, in one process;
 - workers (forty-ninth session, at cb0e16e; removed with its form): the default against `indexer_scores_workers`
   (one CTA an SM, each warpgroup a worker with its own ring, steps from a counter) at 128K x 8 and 1M x 8, with
   both timelines at 128K x 8.
@@ -245,22 +245,6 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
                              timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
         del q, q32, window, entries, args, ref
     return outs
-
-
-def attention_forms_group(say, rows, forms: dict, batches=(64, 8), timelines: bool = True) -> None:
-    """The attention (bf16 q) at `batches` as the default and in each of `forms` (label -> keyword arguments of the
-    kernel), each with its timeline (timelines); the outputs must be equal bit for bit."""
-    import numpy as np
-
-    from experiments import bench_kernels as bk
-
-    peak = bk.hbm_copy_bandwidth(1.0)
-    say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
-    common = dict(timelines=timelines, batches=batches, q_dtypes=("bfloat16",), peak=peak)
-    base = attention_group(say, rows, **common)
-    for label, options in forms.items():
-        outs = attention_group(say, rows, **common, label=f", {label}", options=options)
-        say(f"{label}: bit-equal to the default:", [bool(np.array_equal(a, b)) for a, b in zip(base, outs)])
 
 
 def batch1_group(say, rows, min_batches=(2, 1, 2, 1)) -> None:
@@ -624,8 +608,6 @@ def main(groups: list[str]) -> int:
     return run_groups(groups, {"sweep": sweep_group, "configs": configs_group, "heads": heads_group,
                                "sm90": sm90_group, "early": early_group, "blockmax": blockmax_group, "fresh": fresh_group,
                                "words_configs": words_configs_group, "batch1": batch1_group,
-                               "free": lambda say, rows: attention_forms_group(
-                                   say, rows, {"free split": {"free_split": True}, "default again": {}}, batches=(64,)),
                                "decode_bound": lambda say, rows: scan_group(
                                    say, rows, timelines=False, variants=decode_bound_variants(),
                                    points=((131072, 8), (1048576, 8))),
