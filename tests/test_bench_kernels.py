@@ -32,6 +32,17 @@ def test_every_call_runs_its_own_work_after_its_flush(monkeypatch, flush):
     np.testing.assert_array_equal(buf_out, reps % 2 if flush == "rewrite" else 0)
 
 
+def test_the_timed_output_is_the_calls_output(monkeypatch):
+    """`time_hbm_output` gives fn's output from the timed program itself (the rows' error checks compile nothing
+    more), the call's own values with the perturbed argument passed through the flush; `time_hbm` its time alone."""
+    monkeypatch.setattr(bk, "KW", {"interpret": True})  # the smoke run's wall time (CPU)
+    x, y = jnp.arange(8, dtype=jnp.float32), jax.random.normal(jax.random.key(1), (32, 32))
+    t, info, out = bk.time_hbm_output(_call, (x, y), perturb=0, reps=3)
+    assert t > 0 and info == {}
+    np.testing.assert_allclose(out, _call(x, y), rtol=1e-5)
+    assert len(bk.time_hbm(_call, (x, y), perturb=0, reps=3)) == 2
+
+
 def test_an_unknown_flush_is_refused(monkeypatch):
     monkeypatch.setattr(bk, "FLUSH", "zero")
     with pytest.raises(ValueError, match="rewrite' or 'read'"):

@@ -182,7 +182,7 @@ def _scan_groups_on_cpu(monkeypatch, stub):
     monkeypatch.setattr(tl, "SCAN_POINTS", ((128, 2),))
     monkeypatch.setattr(bk, "index_data", lambda key, b, n: index_case(3, b, 4, 128, n))
     monkeypatch.setattr(bk, "hbm_copy_bandwidth", lambda gb: 1e12)
-    monkeypatch.setattr(bk, "time_hbm", lambda fn, args, perturb: (fn(*args), (1e-6, {"pallas_us": 1.0}))[1])
+    monkeypatch.setattr(bk, "time_hbm_output", lambda fn, args, perturb: (1e-6, {"pallas_us": 1.0}, fn(*args)))
 
 
 @pytest.mark.parametrize("fused", ["equal", "differs", "fails"])
@@ -237,7 +237,7 @@ def test_words_configs_group_runs_each_config_on_the_words(monkeypatch):
     _scan_groups_on_cpu(monkeypatch, stub)
     rows = []
     tl.words_configs_group(lambda *a: None, rows)
-    assert seen[::2] == list(tl.WORDS_CONFIGS)  # each config called twice: timed, then its error
+    assert seen == list(tl.WORDS_CONFIGS)  # each config called once: its error is the timed call's output
     assert [r[5] for r in rows] == ["0.0e+00, -inf same"] * len(tl.WORDS_CONFIGS)
 
 
@@ -259,7 +259,7 @@ def test_fresh_group_checks_the_fresh_product_against_plgpu_wgmma(monkeypatch):
     tl.fresh_group(lambda *a: None, rows)
     assert [r[1] for r in rows] == [f"128 x 2, {lay}, {form}" for lay in ("nibbles", "sm90")
                                     for form in ("plgpu.wgmma", "fresh_product")]
-    assert seen == [False, False, True, True] * 2  # each form called twice: its error, then timed
+    assert seen == [False, True] * 2  # each form called once: its error is the timed call's output
     assert [r[5] for r in rows] == ["twin 0.0e+00, -inf same", "twin 0.0e+00, -inf same; bit-equal to plgpu.wgmma"] * 2
 
 
@@ -292,10 +292,10 @@ def test_batch1_group_times_the_model_call_with_each_min_batch(monkeypatch):
     monkeypatch.setattr(gpu_attention, "sparse_attention", twin("triton"))
     monkeypatch.setattr(bk, "attention_data", lambda key, b, n: data(key, b, 1024))
     monkeypatch.setattr(bk, "hbm_copy_bandwidth", lambda gb: 1e12)
-    monkeypatch.setattr(bk, "time_hbm", lambda fn, args, perturb: (fn(*args), (1e-6, {"pallas_us": 1.0}))[1])
+    monkeypatch.setattr(bk, "time_hbm_output", lambda fn, args, perturb: (1e-6, {"pallas_us": 1.0}, fn(*args)))
     rows, before = [], att.MIN_BATCH
     tl.batch1_group(lambda *a: None, rows)
-    assert seen == [k for k in ("triton", "wgmma", "triton", "wgmma") for _ in range(2)]  # its error, then timed
+    assert seen == ["triton", "wgmma", "triton", "wgmma"]  # once a row: its error is the timed call's output
     assert [r[1] for r in rows] == [f"128K x 1, the model's call, MIN_BATCH {m}" for m in (2, 1, 2, 1)]
     assert all(0 < float(r[5]) < 1e-2 for r in rows), rows
     assert att.MIN_BATCH == before

@@ -163,18 +163,22 @@ def scan_rows(say, rows, shape: str, args, moved: int, peak: float, variants: di
     for name, kw in variants.items():
         fns.append(functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw))
         timed_row(say, rows, "scan", shape + (f", {name}" if name else ""), fns[-1], args, 1, moved, peak,
-                  scan_error(fns[-1](*args), twin))
+                  lambda out: scan_error(out, twin))
     return fns
 
 
-def timed_row(say, rows, kind, shape, fn, args, perturb, moved, peak, err="-") -> None:
-    """fn(*args) timed from HBM (`bench_kernels.time_hbm`, args[perturb] passed through the flush): a table row
-    (GPU us, kernel us, % of the copy peak for `moved` bytes, err) appended to rows and said with its details."""
+def timed_row(say, rows, kind, shape, fn, args, perturb, moved, peak, err="-"):
+    """fn(*args) timed from HBM (`bench_kernels.time_hbm_output`, args[perturb] passed through the flush): a table
+    row (GPU us, kernel us, % of the copy peak for `moved` bytes, err) appended to rows and said with its details.
+    err: the column's text, or a function of fn's output (the timed program's: no second compile) that gives it.
+    Returns fn's output."""
     from experiments import bench_kernels as bk
 
-    t, info = bk.time_hbm(fn, args, perturb=perturb)
+    t, info, out = bk.time_hbm_output(fn, args, perturb=perturb)
+    err = err(out) if callable(err) else err
     rows.append((kind, shape, f"{t * 1e6:.1f}", str(info["pallas_us"]), f"{100 * moved / t / peak:.1f}%", err))
     say(" | ".join(rows[-1]), info)
+    return out
 
 
 def timeline(fn, args, names) -> dict:
@@ -236,10 +240,9 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
                                               quant.MAIN_KV, sink, scale)
             bf16 = q.dtype == jnp.bfloat16
             fn = functools.partial(att.sparse_attention_wgmma, scale=scale, **(options or {}))
-            outs.append(fn(*args))
-            err = float(jnp.linalg.norm(outs[-1] - ref) / jnp.linalg.norm(ref))
             shape = f"128K x {b}, q {q.dtype}{label}"
-            timed_row(say, rows, "attention", shape, fn, args, 7, moved, peak, f"{err:.1e}")
+            outs.append(timed_row(say, rows, "attention", shape, fn, args, 7, moved, peak,
+                                  lambda out, ref=ref: f"{float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)):.1e}"))
             if timelines and bf16:
                 say_timeline(say, f"timeline {shape}",
                              timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
@@ -280,9 +283,9 @@ def batch1_group(say, rows, min_batches=(2, 1, 2, 1)) -> None:
     try:
         for min_batch in min_batches:
             att.MIN_BATCH = min_batch  # read by the dispatch when it is traced: each timed program traces anew
-            err = float(jnp.linalg.norm(call(*args).astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
             timed_row(say, rows, "attention", f"128K x 1, the model's call, MIN_BATCH {min_batch}", call, args, 7,
-                      moved, peak, f"{err:.1e}")
+                      moved, peak,
+                      lambda out: f"{float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)):.1e}")
     finally:
         att.MIN_BATCH = default
 
@@ -435,7 +438,7 @@ def sm90_group(say, rows) -> None:
 
     def row(kind, shape, fn, a, moved, want, peak):
         guarded(say, rows, kind, shape,
-                lambda: timed_row(say, rows, kind, shape, fn, a, 1, moved, peak, scan_error(fn(*a), want)))
+                lambda: timed_row(say, rows, kind, shape, fn, a, 1, moved, peak, lambda out: scan_error(out, want)))
 
     @contextlib.contextmanager
     def flushing(mode):
@@ -505,7 +508,7 @@ def words_configs_group(say, rows) -> None:
                                    tiles_per_step=tiles, stages=stages)
             shape = f"{ctx} x {b}, sm90 words, {ctas} CTAs, {tiles} tiles/step, {stages} stages"
             guarded(say, rows, "scan", shape, lambda fn=fn, shape=shape, words=words, twin=twin: timed_row(
-                say, rows, "scan", shape, fn, words, 1, moved, peak, scan_error(fn(*words), twin)))
+                say, rows, "scan", shape, fn, words, 1, moved, peak, lambda out: scan_error(out, twin)))
         del args, words, twin
 
 
@@ -532,11 +535,14 @@ def paired_group(say, rows, kind: str, forms: dict, extra_bytes=lambda ctx, b: 0
             a, outs = in_words(args) if layout == "sm90" else args, {}
 
             def run(name, shape, f, a=a, outs=outs, twin=twin):
-                outs[name] = [np.asarray(x) for x in f(*a)]
-                err = f"twin {scan_error(jnp.asarray(outs[name][0]), twin)}"
-                if name != first and first in outs:
-                    differ = sum(int(np.sum(x != y)) for x, y in zip(outs[name], outs[first]))
-                    err += f"; bit-equal to {first}" if not differ else f"; DIFFERS from {first} at {differ} places"
+                def err(out):
+                    outs[name] = [np.asarray(x) for x in out]
+                    text = f"twin {scan_error(jnp.asarray(outs[name][0]), twin)}"
+                    if name != first and first in outs:
+                        differ = sum(int(np.sum(x != y)) for x, y in zip(outs[name], outs[first]))
+                        text += f"; bit-equal to {first}" if not differ else f"; DIFFERS from {first} at {differ} places"
+                    return text
+
                 timed_row(say, rows, kind, shape, f, a, 1, moved, peak, err)
 
             for name, form in forms.items():
