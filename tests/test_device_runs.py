@@ -299,3 +299,56 @@ def test_batch1_group_times_the_model_call_with_each_min_batch(monkeypatch):
     assert [r[1] for r in rows] == [f"128K x 1, the model's call, MIN_BATCH {m}" for m in (2, 1, 2, 1)]
     assert all(0 < float(r[5]) < 1e-2 for r in rows), rows
     assert att.MIN_BATCH == before
+
+
+def test_scan_rows_score_each_variant_with_its_timed_output(monkeypatch):
+    """`issue21_timeline`'s scan rows on a CPU (the wgmma scan stubbed by its Triton twin): a row a variant, its
+    keyword arguments passed, the kernel called once a row (the error is the timed call's output), a wrong variant
+    said wrong."""
+    from experiments.device_runs import issue21_timeline as tl
+    from kernels_pallas import gpu_indexer
+
+    triton, seen = gpu_indexer.indexer_scores, []
+
+    def stub(q, w, v, s, r, *, q_parts, off=0.0):
+        seen.append(off)
+        return triton(q, w, v, s, r, interpret=True) + off
+
+    _scan_groups_on_cpu(monkeypatch, stub)
+    args, moved = tl.scan_case(128, 2)
+    rows = []
+    fns = tl.scan_rows(lambda *a: None, rows, "128 x 2", args, moved, 1e12, {"as is": {}, "off": {"off": 0.5}})
+    assert len(fns) == 2 and seen == [0.0, 0.5]
+    assert [r[1] for r in rows] == ["128 x 2, as is", "128 x 2, off"]
+    assert rows[0][5] == "0.0e+00, -inf same" and not rows[1][5].startswith("0.0e+00"), rows
+
+
+def test_attention_group_scores_each_row_with_its_timed_output(monkeypatch):
+    """`issue21_timeline`'s attention rows on a CPU (the wgmma kernel stubbed by the jnp twin, 1024 entries, its
+    second call's output 1% off): a row a q dtype, the kernel called once a row, each row's error that of its own
+    timed call, the outputs returned those calls'."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dsv41_jax import ops, quant
+    from experiments import bench_kernels as bk
+    from experiments.device_runs import issue21_timeline as tl
+    from kernels_pallas import gpu_attention_wgmma as att
+
+    seen, data = [], bk.attention_data
+
+    def twin(q, wv, ws, ok, ev, es, idx, sink, scale):
+        seen.append(q.dtype)
+        return ops.sparse_attention_decode(q.astype(jnp.float32), {"values": wv, "scales": ws}, ok, quant.WINDOW_KV,
+                                           {"values": ev, "scales": es}, idx, quant.MAIN_KV, sink,
+                                           scale) * (1 + 0.01 * (len(seen) - 1))
+
+    monkeypatch.setattr(att, "sparse_attention_wgmma", twin)
+    monkeypatch.setattr(bk, "attention_data", lambda key, b, n, dtype: data(key, b, 1024, dtype))
+    monkeypatch.setattr(bk, "time_hbm_output", lambda fn, args, perturb: (1e-6, {"pallas_us": 1.0}, fn(*args)))
+    rows = []
+    outs = tl.attention_group(lambda *a: None, rows, timelines=False, batches=(2,), peak=1e12)
+    assert seen == [jnp.float32, jnp.bfloat16]
+    assert [r[1] for r in rows] == ["128K x 2, q float32", "128K x 2, q bfloat16"]
+    assert [r[5] for r in rows] == ["0.0e+00", "1.0e-02"], rows
+    assert len(outs) == 2 and not np.array_equal(outs[0], outs[1])
