@@ -259,6 +259,11 @@ def attention_bytes(q, window, wvalid, entries, idx, out_dtype=jnp.float32) -> i
     return nbytes(q, window, wvalid, rows_read, idx) + b * H_ATT * D_ATT * jnp.dtype(out_dtype).itemsize
 
 
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| (L2 over all elements) in float32, out in any float dtype: the attention rows' error."""
+    return float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+
+
 def nbytes(*trees) -> int:
     return sum(int(x.size) * x.dtype.itemsize for t in trees for x in jax.tree.leaves(t))
 
@@ -407,7 +412,7 @@ def bench_attention(rec_rows: Rows, key, args):
     a_args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
     t_att, info, out = time_hbm_output(attn, a_args, perturb=7)
     ref = attn_ref(*a_args)
-    err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    err = rel_err(out, ref)
     del ref, out
     rec_rows.add("attention", impl, t_att, moved, rel_err=err, **info)
     t_ref = time_hbm(attn_ref, a_args, perturb=7)[0]

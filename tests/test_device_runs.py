@@ -263,15 +263,22 @@ def test_fresh_group_checks_the_fresh_product_against_plgpu_wgmma(monkeypatch):
     assert [r[5] for r in rows] == ["twin 0.0e+00, -inf same", "twin 0.0e+00, -inf same; bit-equal to plgpu.wgmma"] * 2
 
 
+def _jnp_attention(q, wv, ws, ok, ev, es, idx, sink, scale):
+    """The attention kernels' positional contract on the jnp twin (f32 out): the stub of the device groups' tests."""
+    import jax.numpy as jnp
+
+    from dsv41_jax import ops, quant
+
+    return ops.sparse_attention_decode(q.astype(jnp.float32), {"values": wv, "scales": ws}, ok, quant.WINDOW_KV,
+                                       {"values": ev, "scales": es}, idx, quant.MAIN_KV, sink, scale)
+
+
 def test_batch1_group_times_the_model_call_with_each_min_batch(monkeypatch):
     """`issue21_timeline batch1` on a CPU with both attention kernels stubbed by the jnp twin (and the dispatch told
     it runs compiled on a Hopper): each MIN_BATCH asked for takes its kernel (2: Triton, 1: wgmma), each row's
     error (the model's form: rope taken off, bf16 out) within bf16's rounding of the twin, and the module's
     MIN_BATCH is given back after."""
-    import jax.numpy as jnp
-
     import kernels_pallas
-    from dsv41_jax import ops, quant
     from experiments import bench_kernels as bk
     from experiments.device_runs import issue21_timeline as tl
     from kernels_pallas import gpu_attention, gpu_attention_wgmma as att
@@ -279,11 +286,9 @@ def test_batch1_group_times_the_model_call_with_each_min_batch(monkeypatch):
     seen, data = [], bk.attention_data
 
     def twin(kind):
-        def kernel(q, wv, ws, ok, ev, es, idx, sink, scale, *, unrotate, out_dtype, **_):
+        def kernel(*a, unrotate, out_dtype, **_):
             seen.append(kind)
-            o = ops.sparse_attention_decode(q.astype(jnp.float32), {"values": wv, "scales": ws}, ok, quant.WINDOW_KV,
-                                            {"values": ev, "scales": es}, idx, quant.MAIN_KV, sink, scale)
-            return gpu_attention.finish(o, unrotate, out_dtype)
+            return gpu_attention.finish(_jnp_attention(*a), unrotate, out_dtype)
         return kernel
 
     monkeypatch.setattr(kernels_pallas, "platform", lambda family=None: ("gpu", False))
@@ -330,18 +335,15 @@ def test_attention_group_scores_each_row_with_its_timed_output(monkeypatch):
     import jax.numpy as jnp
     import numpy as np
 
-    from dsv41_jax import ops, quant
     from experiments import bench_kernels as bk
     from experiments.device_runs import issue21_timeline as tl
     from kernels_pallas import gpu_attention_wgmma as att
 
     seen, data = [], bk.attention_data
 
-    def twin(q, wv, ws, ok, ev, es, idx, sink, scale):
+    def twin(q, *a, scale):
         seen.append(q.dtype)
-        return ops.sparse_attention_decode(q.astype(jnp.float32), {"values": wv, "scales": ws}, ok, quant.WINDOW_KV,
-                                           {"values": ev, "scales": es}, idx, quant.MAIN_KV, sink,
-                                           scale) * (1 + 0.01 * (len(seen) - 1))
+        return _jnp_attention(q, *a, scale) * (1 + 0.01 * (len(seen) - 1))
 
     monkeypatch.setattr(att, "sparse_attention_wgmma", twin)
     monkeypatch.setattr(bk, "attention_data", lambda key, b, n, dtype: data(key, b, 1024, dtype))

@@ -75,7 +75,7 @@ for b in BATCHES:
         variants += [("wgmma, 2 splits, loads + stores only", wgmma(2, ("qk", "pv", "decode")))]
     for name, fn in variants:
         try:
-            err = float(jnp.linalg.norm(jnp.nan_to_num(fn(*args)) - ref) / jnp.linalg.norm(ref))
+            err = bk.rel_err(jnp.nan_to_num(fn(*args)), ref)
             t, info = bk.time_hbm(fn, args, perturb=7)
             ROWS.append((b, name, t * 1e6, info.get("pallas_us"), info.get("kernels"), moved / t / peak, err))
             say(f"  128K x{b} {name:32s} {t * 1e6:8.1f} us  {100 * moved / t / peak:5.1f}% of copy  {info}  "

@@ -153,7 +153,7 @@ def bench_attention(b, configs, case):
                                                   block_k=tk, head_block=hb, num_warps=warps, **KW)
         extra = {}
         try:
-            extra["rel_err"] = float(jnp.linalg.norm(fn(*args) - ref) / jnp.linalg.norm(ref))
+            extra["rel_err"] = bk.rel_err(fn(*args), ref)
         except Exception as e:
             extra["check_error"] = str(e)[:200]
         name = f"flash s{splits} tk{tk}" + (f" hb{hb}" if hb else "") + f" w{warps}"

@@ -42,35 +42,26 @@ import sys
 
 from experiments.device_runs._steps import OUT, step, tree_before
 from experiments.device_runs.issue21_prefetch import ablate_group, ptx_group
-from experiments.device_runs.issue21_timeline import SHARED_GROUPS, gpu_tests, run_groups, timed_row
+from experiments.device_runs.issue21_timeline import SHARED_GROUPS, gpu_tests, model_call_case, run_groups, timed_row
 
 BEFORE = "build/before"
 
 
 def model_group(say, rows) -> None:
-    import jax
     import jax.numpy as jnp
 
-    from dsv41_jax import ops, quant
     from experiments import bench_kernels as bk
-    from kernels_pallas import gpu_attention, gpu_attention_wgmma as att
+    from kernels_pallas import gpu_attention_wgmma as att
 
     peak = bk.hbm_copy_bandwidth(1.0)
     say(f"copy peak {peak / 1e9:.0f} GB/s")
     scale = bk.D_ATT ** -0.5
     for b in (64, 8):
-        q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17)
-        ang = jax.random.uniform(jax.random.key(b + 1), (b, bk.D_ATT // 2), maxval=6.3)
-        cos, sin = jnp.cos(ang), jnp.sin(ang)
-        moved = bk.attention_bytes(q, window, wvalid, entries, idx, jnp.bfloat16) + bk.nbytes(cos, sin)
-        ref = gpu_attention.unrotated(ops.sparse_attention_decode(
-            q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, scale), cos, sin)
-        args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink, cos, sin)
+        args, moved, ref = model_call_case(b)
         fn = lambda *a: att.sparse_attention_wgmma(*a[:8], scale, unrotate=a[8:], out_dtype=jnp.bfloat16)  # noqa: E731
-        err = float(jnp.linalg.norm(fn(*args).astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
         timed_row(say, rows, "attention", f"model's call, 128K x {b}, bf16 q and out, unrotated", fn, args, 7, moved,
-                  peak, f"{err:.1e}")
-        del q, window, entries, args, ref
+                  peak, lambda out, ref=ref: f"{bk.rel_err(out, ref):.1e}")
+        del args, ref
 
 
 def before_group(say, groups) -> None:

@@ -242,7 +242,7 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
             fn = functools.partial(att.sparse_attention_wgmma, scale=scale, **(options or {}))
             shape = f"128K x {b}, q {q.dtype}{label}"
             outs.append(timed_row(say, rows, "attention", shape, fn, args, 7, moved, peak,
-                                  lambda out, ref=ref: f"{float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)):.1e}"))
+                                  lambda out, ref=ref: f"{bk.rel_err(out, ref):.1e}"))
             if timelines and bf16:
                 say_timeline(say, f"timeline {shape}",
                              timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, attention_points))
@@ -250,42 +250,54 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
     return outs
 
 
-def batch1_group(say, rows, min_batches=(2, 1, 2, 1)) -> None:
-    """The model's attention call at batch 1, 128K entries (`kernels_pallas.sparse_attention_decode` as
-    `dsv41_jax.kernels` calls it: bf16 q, the rope taken off its output, bf16 out) with the dispatch's MIN_BATCH
-    set to each of `min_batches` in turn (2: the Triton kernel, 20 ranges of 16 heads; 1: the wgmma kernel, 10
-    ranges, the partials merged by `combine_unrotated`), timed from HBM in one process, each with its error against
-    the jnp twin (f32 q, `gpu_attention.unrotated`)."""
+def model_call_case(b: int):
+    """The attention as the model calls it at 128K entries x b sequences (bf16 q, the rope taken off its output by
+    angles cos / sin f32 [b, 256], bf16 out): (the kernels' positional arguments with cos and sin last, the bytes
+    the call must move, the float32 jnp twin's output)."""
     import jax
     import jax.numpy as jnp
 
-    import kernels_pallas
     from dsv41_jax import ops, quant
     from experiments import bench_kernels as bk
-    from kernels_pallas import gpu_attention, gpu_attention_wgmma as att
+    from kernels_pallas import gpu_attention
 
-    peak = bk.hbm_copy_bandwidth(1.0)
-    say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
-    scale = bk.D_ATT ** -0.5
-    q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(1), 1, 1 << 17)
-    angle_bp = jax.random.uniform(jax.random.key(2), (1, bk.D_ATT // 2), maxval=6.3)
+    q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17)
+    angle_bp = jax.random.uniform(jax.random.key(b + 1), (b, bk.D_ATT // 2), maxval=6.3)
     cos, sin = jnp.cos(angle_bp), jnp.sin(angle_bp)
     args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink, cos, sin)
     moved = bk.attention_bytes(q, window, wvalid, entries, idx, jnp.bfloat16) + bk.nbytes(cos, sin)
     ref = gpu_attention.unrotated(ops.sparse_attention_decode(
-        q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, scale), cos, sin)
+        q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, bk.D_ATT ** -0.5),
+        cos, sin)
+    return args, moved, ref
+
+
+def batch1_group(say, rows, min_batches=(2, 1, 2, 1)) -> None:
+    """The model's attention call at batch 1 (`model_call_case`; `kernels_pallas.sparse_attention_decode` as
+    `dsv41_jax.kernels` calls it) with the dispatch's MIN_BATCH set to each of `min_batches` in turn (2: the Triton
+    kernel, 20 ranges of 16 heads; 1: the wgmma kernel, 10 ranges, the partials merged by `combine_unrotated`),
+    timed from HBM in one process, each with its error against the jnp twin."""
+    import jax.numpy as jnp
+
+    import kernels_pallas
+    from experiments import bench_kernels as bk
+    from kernels_pallas import gpu_attention_wgmma as att
+
+    peak = bk.hbm_copy_bandwidth(1.0)
+    say(f"flush {bk.FLUSH}: copy peak {peak / 1e9:.0f} GB/s")
+    args, moved, ref = model_call_case(1)
 
     def call(q, wv, ws, ok, ev, es, idx, sink, cos, sin):
         return kernels_pallas.sparse_attention_decode(q, {"values": wv, "scales": ws}, ok, {"values": ev, "scales": es},
-                                                      idx, sink, scale, unrotate=(cos, sin), out_dtype=jnp.bfloat16)
+                                                      idx, sink, bk.D_ATT ** -0.5, unrotate=(cos, sin),
+                                                      out_dtype=jnp.bfloat16)
 
     default = att.MIN_BATCH
     try:
         for min_batch in min_batches:
             att.MIN_BATCH = min_batch  # read by the dispatch when it is traced: each timed program traces anew
             timed_row(say, rows, "attention", f"128K x 1, the model's call, MIN_BATCH {min_batch}", call, args, 7,
-                      moved, peak,
-                      lambda out: f"{float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)):.1e}")
+                      moved, peak, lambda out: f"{bk.rel_err(out, ref):.1e}")
     finally:
         att.MIN_BATCH = default
 
