@@ -814,6 +814,8 @@ def _store_merged(rotated: bool, splits: int, stamp_at: int | None = None, excha
 # Batch 1 since (fifty-ninth session, H100, the model's call with bf16 q and out, MIN_BATCH 2 and 1 twice in one
 # run, `issue21_timeline batch1`): 21.1-21.2 us with the Triton kernel, 11.8 with this one and its combine, the
 # same error against the twin (1.7e-3: the bf16 output's rounding, not the Triton kernel's float16 operands).
+# So every batch takes it; the threshold stays as the switch the device A/Bs set (`issue21_timeline batch1`,
+# `issue12_decode`'s ATTENTION_OFF).
 MIN_BATCH = 1
 
 
