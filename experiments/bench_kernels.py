@@ -250,6 +250,12 @@ def attention_data(key, b, n, q_dtype=jnp.bfloat16):
     return q, window, jnp.ones((b, WINDOW), bool), entries, idx.astype(jnp.int32), sink
 
 
+def attention_args(q, window, wvalid, entries, idx, sink) -> tuple:
+    """`attention_data`'s records as the attention kernels' positional arguments: (q, window values, window scales,
+    validity, entry values, entry scales, idx, sink)."""
+    return q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink
+
+
 def attention_bytes(q, window, wvalid, entries, idx, out_dtype=jnp.float32) -> int:
     """Bytes a sparse-attention call must move: q, the window and its validity, the TOPK gathered entry rows
     (values and scales), idx, and the output in out_dtype (f32: the kernels' contract; the model's call takes it
@@ -409,7 +415,7 @@ def bench_attention(rec_rows: Rows, key, args):
         return ops.sparse_attention_decode(q, {"values": wv, "scales": ws}, ok, quant.WINDOW_KV,
                                            {"values": ev, "scales": es}, idx, quant.MAIN_KV, sink, scale)
 
-    a_args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
+    a_args = attention_args(q, window, wvalid, entries, idx, sink)
     t_att, info, out = time_hbm_output(attn, a_args, perturb=7)
     ref = attn_ref(*a_args)
     err = rel_err(out, ref)

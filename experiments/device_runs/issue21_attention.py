@@ -61,7 +61,7 @@ def wgmma(splits, skip=(), merged=None):
 for b in BATCHES:
     q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17, jnp.float32)
     moved = bk.attention_bytes(q, window, wvalid, entries, idx)
-    args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
+    args = bk.attention_args(q, window, wvalid, entries, idx, sink)
     ref = ops.sparse_attention_decode(q, window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, SCALE)
     default = gpu_attention_wgmma.default_splits(b, (bk.WINDOW + bk.TOPK) // gpu_attention_wgmma.T)
     variants = [("Triton (the dispatch's tiles)", triton), (f"wgmma, default ({default} splits)", wgmma(None))]

@@ -138,7 +138,7 @@ ATT = {64: [(3, 64, None, 8), (1, 32, 16, 4), (2, 32, 32, 8), (1, 64, 16, 4)],  
 def attention_case(b, ctx=1 << (10 if DRY else 17)):
     q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, ctx, jnp.float32)
     moved = bk.attention_bytes(q, window, wvalid, entries, idx)
-    args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
+    args = bk.attention_args(q, window, wvalid, entries, idx, sink)
     ref = ops.sparse_attention_decode(q, window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink,
                                       bk.D_ATT ** -0.5)
     return args, moved, ref

@@ -52,20 +52,19 @@ def case_call(case: str):
 
     if case.startswith("scan"):
         from experiments.bench_wgmma import NO_DECODE
-        from experiments.device_runs.issue21_timeline import scan_case
+        from experiments.device_runs.issue21_timeline import in_words, scan_case
         from kernels_pallas import gpu_indexer_wgmma as scan
 
         ctx, b, kw = CASES[case]
         args, moved = scan_case(ctx, b)
         if kw and kw.get("layout") == "sm90":  # the keys as an H100/H200 caches them
-            from dsv41_jax import quant
-            args = (*args[:2], quant.to_sm90_words(args[2]), *args[3:])
+            args = in_words(args)
         kw = {"decode_ptx": NO_DECODE} if kw is None else kw
         return jax.jit(functools.partial(scan.indexer_scores_wgmma, q_parts=1, **kw)), args, moved
     from kernels_pallas import gpu_attention_wgmma as att
 
     q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(64), 64, 1 << 17, jnp.bfloat16)
-    args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
+    args = bk.attention_args(q, window, wvalid, entries, idx, sink)
     fn = jax.jit(functools.partial(att.sparse_attention_wgmma, scale=bk.D_ATT ** -0.5))
     return fn, args, bk.attention_bytes(q, window, wvalid, entries, idx)
 

@@ -71,7 +71,7 @@ from experiments import bench_kernels as bk
 from kernels_pallas import gpu_attention_wgmma as att
 q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(0), 64, 1 << 17)
 fn = functools.partial(att.sparse_attention_wgmma, scale=bk.D_ATT ** -0.5)
-print(float(fn(q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink).sum()))
+print(float(fn(*bk.attention_args(q, window, wvalid, entries, idx, sink)).sum()))
 """, "sparse_attention"),
     "scan": ("""
 import jax, jax.numpy as jnp
@@ -98,7 +98,7 @@ def ablate_group(say, rows) -> None:
 
     peak = bk.hbm_copy_bandwidth(1.0)
     q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(64), 64, 1 << 17)
-    args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
+    args = bk.attention_args(q, window, wvalid, entries, idx, sink)
     moved = bk.attention_bytes(q, window, wvalid, entries, idx)
     for skip in ABLATED:
         fn = functools.partial(att.sparse_attention_wgmma, scale=bk.D_ATT ** -0.5, skip=skip)

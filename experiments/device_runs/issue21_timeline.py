@@ -235,7 +235,7 @@ def attention_group(say, rows, timelines: bool, batches=(64, 8), q_dtypes=("floa
         q32, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17, jnp.float32)
         for q in (q32.astype(dt) for dt in q_dtypes):  # the model's q is bf16
             moved = bk.attention_bytes(q, window, wvalid, entries, idx)
-            args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
+            args = bk.attention_args(q, window, wvalid, entries, idx, sink)
             ref = ops.sparse_attention_decode(q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx,
                                               quant.MAIN_KV, sink, scale)
             bf16 = q.dtype == jnp.bfloat16
@@ -264,7 +264,7 @@ def model_call_case(b: int):
     q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(b), b, 1 << 17)
     angle_bp = jax.random.uniform(jax.random.key(b + 1), (b, bk.D_ATT // 2), maxval=6.3)
     cos, sin = jnp.cos(angle_bp), jnp.sin(angle_bp)
-    args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink, cos, sin)
+    args = (*bk.attention_args(q, window, wvalid, entries, idx, sink), cos, sin)
     moved = bk.attention_bytes(q, window, wvalid, entries, idx, jnp.bfloat16) + bk.nbytes(cos, sin)
     ref = gpu_attention.unrotated(ops.sparse_attention_decode(
         q.astype(jnp.float32), window, wvalid, quant.WINDOW_KV, entries, idx, quant.MAIN_KV, sink, bk.D_ATT ** -0.5),
@@ -323,7 +323,7 @@ def sweep_group(say, rows) -> None:
         say("timeline", timeline(lambda *a, fn=fn: fn(*a, timeline=True)[1], args, scan.TIMELINE))
     del args
     q, window, wvalid, entries, idx, sink = bk.attention_data(jax.random.key(64), 64, 1 << 17)
-    args = (q, window["values"], window["scales"], wvalid, entries["values"], entries["scales"], idx, sink)
+    args = bk.attention_args(q, window, wvalid, entries, idx, sink)
     moved = bk.attention_bytes(q, window, wvalid, entries, idx)
     for splits, merged in ((1, True), (2, False), (4, False)):
         fn = functools.partial(att.sparse_attention_wgmma, scale=bk.D_ATT ** -0.5, splits=splits, merged=merged)
