@@ -56,13 +56,20 @@ if DRY:
     bk.KW.update(KW)
 
 
-def record(piece, shape, name, fn, args, perturb, moved, peak, **extra):
+def record(piece, shape, name, fn, args, perturb, moved, peak, check=None, **extra):
+    """Times fn(*args) with TIMER and adds check(output of the timed program) (a dict) to the row's extras."""
     if left() < 15:
         say(f"  skip {piece} {shape} {name}: out of time")
         return None
     t0 = time.time()
     try:
-        t, info = TIMER(fn, args, perturb)
+        t, info, got = TIMER(fn, args, perturb)
+        if check is not None:
+            try:
+                extra.update(check(got))
+            except Exception as e:
+                extra["check_error"] = str(e)[:200]
+        del got
         row = dict(piece=piece, shape=shape, variant=name, us=t * 1e6, frac_peak=moved / t / peak, MB=moved / 1e6,
                    **info, **extra)
         say(f"  {piece:9s} {shape:12s} {name:34s} {t * 1e6:9.1f} us  {100 * row['frac_peak']:5.1f}% of copy  "
@@ -78,12 +85,13 @@ def record(piece, shape, name, fn, args, perturb, moved, peak, **extra):
 
 
 try:  # the HBM timer (Pallas L2 flush + profiler); if it cannot run here, wall time of a loop (L2-hot)
-    bk.time_hbm(lambda x, w: x + w[0, 0], (jnp.ones((8,)), jnp.ones((8, 32))), 1)
-    TIMER = bk.time_hbm
+    bk.time_hbm_output(lambda x, w: x + w[0, 0], (jnp.ones((8,)), jnp.ones((8, 32))), 1)
+    TIMER = bk.time_hbm_output  # (seconds, details, the timed program's output)
 except Exception as e:
     say(f"time_hbm FAILED ({type(e).__name__}: {str(e)[:300]}); timing with time_op (inputs may stay in L2)")
-    TIMER = lambda fn, args, perturb: (bk.time_op(fn, args, perturb=perturb), {"timer": "time_op"})  # noqa: E731
-peak = (bk.hbm_copy_bandwidth if TIMER is bk.time_hbm else bk.copy_bandwidth)(0.05 if DRY else 1.0)  # timed as the rows
+    TIMER = lambda fn, args, perturb: (bk.time_op(fn, args, perturb=perturb), {"timer": "time_op"},  # noqa: E731
+                                       fn(*args))  # time_op keeps no output: one more call for the check
+peak = (bk.hbm_copy_bandwidth if TIMER is bk.time_hbm_output else bk.copy_bandwidth)(0.05 if DRY else 1.0)  # as the rows
 say(f"device {jax.devices()[0].device_kind}; copy {peak / 1e9:.0f} GB/s (read + write) = peak")
 
 # ---------------------------------------------------------------- 2. indexer scan
@@ -111,17 +119,13 @@ def bench_scan(ctx, b, configs, ref_check):
                                                                           num_warps=warps, **KW)
             out.append(record("scan", f"{ctx // 1024}K x{b}", f"loads only, tile {bn} / {warps} warps", fn, args, 1,
                               bk.nbytes(rec) + b * ctx * 4, peak))
+    def check(got):
+        return {"max_rel_err": float(jnp.max(jnp.abs(got[0] - ref)) / jnp.max(jnp.abs(ref))),
+                "vs": "jnp" if ref_check else "f16 kernel"}
+
     for bn, warps in configs:
-        extra = {}
-        try:
-            got = scan_fn(bn, warps)(*args)[0]
-            extra["max_rel_err"] = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
-            extra["vs"] = "jnp" if ref_check else "f16 kernel"
-            del got
-        except Exception as e:
-            extra["check_error"] = str(e)[:200]
         out.append(record("scan", f"{ctx // 1024}K x{b}", f"f16 tile {bn} / {warps} warps",
-                          scan_fn(bn, warps), args, 1, moved, peak, **extra))
+                          scan_fn(bn, warps), args, 1, moved, peak, check=check))
     return [r for r in out if r and "us" in r]
 
 
@@ -151,13 +155,9 @@ def bench_attention(b, configs, case):
         def fn(q, wv, ws, ok, ev, es, idx, sink, splits=splits, tk=tk, hb=hb, warps=warps):
             return gpu_attention.sparse_attention(q, wv, ws, ok, ev, es, idx, sink, scale, splits=splits,
                                                   block_k=tk, head_block=hb, num_warps=warps, **KW)
-        extra = {}
-        try:
-            extra["rel_err"] = bk.rel_err(fn(*args), ref)
-        except Exception as e:
-            extra["check_error"] = str(e)[:200]
         name = f"flash s{splits} tk{tk}" + (f" hb{hb}" if hb else "") + f" w{warps}"
-        record("attention", f"128K x{b}", name, fn, args, 7, moved, peak, **extra)
+        record("attention", f"128K x{b}", name, fn, args, 7, moved, peak,
+               check=lambda got: {"rel_err": bk.rel_err(got, ref)})
 
 
 cases = {}
