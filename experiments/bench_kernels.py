@@ -270,6 +270,11 @@ def rel_err(out, ref) -> float:
     return float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
 
 
+def max_rel_err(out, ref) -> float:
+    """max |out - ref| / max |ref| over all elements: the scans' and the weight matmuls' error."""
+    return float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+
+
 def nbytes(*trees) -> int:
     return sum(int(x.size) * x.dtype.itemsize for t in trees for x in jax.tree.leaves(t))
 
@@ -311,7 +316,7 @@ def bench_scan_and_select(rec_rows: Rows, key, args):
         ref_fn = lambda q, w, v, s, r: ops.indexer_scores_decode(q, w, {"values": v, "scales": s}, r,
                                                                  quant.INDEX_KEY)
         t_ref, _, ref = time_hbm_output(ref_fn, scan_args, perturb=1)
-        err = float(jnp.max(jnp.abs(ref - scores)) / jnp.max(jnp.abs(ref)))
+        err = max_rel_err(scores, ref)
         del ref
         rec_rows.add("indexer", "xla-ref", t_ref, moved, speedup=t_ref / t_scan, max_rel_err=err)
     else:
@@ -495,8 +500,7 @@ def bench_scan_stages(rec_rows: Rows, key, args):
         fn = functools.partial(scan_stage, stage=stage, block_n=args.block_n, num_warps=args.warps, **KW)
         extra = {}
         if stage == "split-dot":
-            extra["max_rel_err_vs_scan"] = float(jnp.max(jnp.abs(fn(q, w, rec["values"], rec["scales"]) - full))
-                                                 / jnp.max(jnp.abs(full)))
+            extra["max_rel_err_vs_scan"] = max_rel_err(fn(q, w, rec["values"], rec["scales"]), full)
         rec_rows.add("scan-stage", stage, time_op(fn, (q, w, rec["values"], rec["scales"])), moved, **extra)
 
 
@@ -544,8 +548,9 @@ def pieces(text: str) -> str:
 def main(argv=None):
     global FLUSH
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contexts", default=[8192, 131072, 1048576], type=positive_ints)
-    p.add_argument("--batches", default=[1, 8, 64], type=positive_ints)
+    p.add_argument("--contexts", default=None, type=positive_ints,
+                   help="comma-separated (default 8192,131072,1048576; with --smoke 8192)")
+    p.add_argument("--batches", default=None, type=positive_ints, help="comma-separated (default 1,8,64; with --smoke 1)")
     p.add_argument("--out", default=None, help="save every row as JSON")
     p.add_argument("--block-n", type=int, default=256)
     p.add_argument("--warps", type=int, default=4)
@@ -577,6 +582,8 @@ def main(argv=None):
     elif jax.default_backend() != "gpu":
         raise _cli.UserError(f"bench_kernels times the Triton kernels and this backend is {jax.default_backend()}: "
                              "run it on a GPU machine (or add --smoke for a CPU check of the script)")
+    args.contexts = args.contexts or ([8192] if args.smoke else [8192, 131072, 1048576])
+    args.batches = args.batches or ([1] if args.smoke else [1, 8, 64])
     dev = jax.devices()[0]
     peak = hbm_copy_bandwidth(0.05 if args.smoke else 1.0)
     print(f"device {dev.device_kind}; copy bandwidth {peak / 1e9:.0f} GB/s (read + write, timed as the kernels), "

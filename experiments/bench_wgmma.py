@@ -29,7 +29,7 @@ from jax import lax
 
 from dsv41_jax import grouped
 from experiments.bench_decode import kernel_profile
-from experiments.bench_kernels import hbm_copy_bandwidth
+from experiments.bench_kernels import hbm_copy_bandwidth, max_rel_err
 from experiments.bench_weights import expert_data
 from kernels_pallas import gpu_grouped, gpu_wgmma
 
@@ -58,7 +58,7 @@ def check(name, label, kw, values, scales, key) -> bool:
         try:
             (got,) = gpu_wgmma.rows_matmuls_fp4_wgmma(x, [(values, scales)], ids, **kw)
             want = grouped.rows_matmul(x, {"values": values, "scales": scales}, ids)
-            err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+            err = max_rel_err(got, want)
             good = err <= 1e-5
             print(f"{name} {label} x[{rows}] {m} rows: max|diff| / max|ref| = {err:.2e} {'ok' if good else 'FAILED'}",
                   flush=True)
@@ -124,7 +124,7 @@ def fp8_section(key, peak: float, reps: int, variants=None, rows=(1, 8)) -> tupl
             got = gpu_wgmma.fp8_matmuls_wgmma(x, copies[0])
             for y, (q, e) in zip(got, copies[0]):
                 want = grouped.fp8_matmul(x, jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn), e)
-                err = float(jnp.max(jnp.abs(y - want)) / jnp.max(jnp.abs(want)))
+                err = max_rel_err(y, want)
                 ok = err <= 1e-5
                 failed += not ok
                 print(f"FP8 {op} x[{m}]: max|diff| / max|ref| = {err:.2e} {'ok' if ok else 'FAILED'}", flush=True)

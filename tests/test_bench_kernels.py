@@ -93,3 +93,12 @@ def test_the_dispatch_variant_times_what_the_model_runs(monkeypatch, tmp_path):
              "--dense-limit-gb", "0", "--out", str(out)])
     row = next(r for r in json.loads(out.read_text()) if r.get("piece") == "attention" and "dispatch" in r["impl"])
     assert calls and calls[0][0] == 1 and row["rel_err"] < 5e-3, (calls, row)
+
+
+def test_the_two_errors_are_the_norms_they_name():
+    """`rel_err` is the L2 ratio over all elements, `max_rel_err` the ratio of the largest magnitudes: one element
+    off by 0.5 of a ref whose largest magnitude is 2 gives 0.25 for the latter and 0.5 / ||ref|| for the former."""
+    ref = jnp.array([[2.0, -1.0], [0.5, 1.0]], jnp.float32)
+    out = ref.at[1, 0].add(0.5).astype(jnp.bfloat16)
+    assert bk.max_rel_err(out, ref) == pytest.approx(0.25)
+    assert bk.rel_err(out, ref) == pytest.approx(0.5 / np.sqrt(4 + 1 + 0.25 + 1))
